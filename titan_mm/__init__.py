@@ -1,0 +1,1 @@
+"""titan_mm: a functional trainer for multimodal LLMs on PyTorch."""

@@ -1,0 +1,42 @@
+"""A parallelize plan: how one model family is sharded, checkpointed and compiled, as data.
+
+Each model family ships a ``plan.py`` that returns a :class:`ParallelizePlan`. Nothing in a model
+knows about parallelism; :func:`titan_mm.parallel.apply.parallelize` reads the plan and applies it
+generically, in a fixed order: TP/EP -> CP -> AC -> compile -> FSDP.
+
+Patterns are ``fnmatch`` patterns over module FQNs as given by ``model.named_modules()``
+(for example ``"layers.*"`` or ``"layers.*.attn.wq"``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class ParallelizePlan:
+    fsdp_units: tuple[str, ...] = ()
+    """Modules wrapped with ``fully_shard`` one by one (the root is always wrapped last)."""
+    ac_units: tuple[str, ...] = ()
+    """Modules wrapped with activation checkpointing when AC is on."""
+    compile_units: tuple[str, ...] = ()
+    """Modules compiled with ``torch.compile`` one by one when compile is on."""
+    tp: dict[str, str] = field(default_factory=dict)
+    """Module pattern -> tensor-parallel style over the ``tp`` mesh axis
+    ("colwise", "rowwise", "sequence_parallel", "embedding_rowwise", "replicate", ...)."""
+    ep: dict[str, str] = field(default_factory=dict)
+    """Module pattern -> expert-parallel style over the ``ep`` mesh axis ("experts", ...)."""
+    cp: dict[str, str] = field(default_factory=dict)
+    """Module pattern -> context-parallel role ("attention", ...)."""
+
+
+def match_modules(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> list[tuple[str, nn.Module]]:
+    """(fqn, module) for every submodule whose FQN matches one of ``patterns``, in model order."""
+    return [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if name and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    ]
