@@ -1,0 +1,519 @@
+"""The job configuration: nested dataclasses, TOML files, command-line overrides.
+
+A run is described by one :class:`JobConfig`. Its sections are plain dataclasses whose fields carry
+a docstring each (tyro turns them into ``--help``). A TOML file in ``train_configs/`` maps onto the
+sections (``[training] steps = 100``); command-line flags override it (``--training.steps 10``).
+
+    cfg = load_config(["--config", "debug_qwen3.toml", "--training.steps", "10"])
+
+Rules:
+- An unknown key (in TOML or on the command line) is an error that names the key and the closest
+  valid ones; a value of the wrong type is an error that names the key, the value and the type.
+- Booleans take a value on the command line (``--compile.enable True``), like in TOML.
+- ``resolved_toml(cfg)`` renders the resolved config; the trainer saves it in the run folder, and the
+  saved file can be fed back with ``--config``.
+
+Section ownership (several people edit this file): ``DataConfig`` belongs to the data pipeline,
+``ParallelConfig`` to titan_mm/parallel; everything else to the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import sys
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "train_configs"
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix (unknown key, wrong type, missing file, ...)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    dump_folder: str = "outputs"
+    """Root folder for runs; a run writes into <dump_folder>/<name>/."""
+    name: str = ""
+    """Run name (the run folder's name). Empty: the config file's stem (for example debug_qwen3)."""
+    description: str = ""
+    """Free text describing the job; saved with the config."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: cuda when available under auto, else cpu."""
+    print_config: bool = False
+    """Print the resolved config at start-up."""
+
+
+@dataclass
+class Model:
+    name: str = "qwen3"
+    """Model family in titan_mm.registry (qwen3, qwen3_moe, qwen3_vl, ...)."""
+    flavor: str = "debug"
+    """Named size in the family's flavors (for example debug, 0.6B, 1.7B). Ignored when hf_path is set."""
+    hf_path: str | None = None
+    """Local HF model directory (config.json + *.safetensors). Set: the architecture comes from its
+    config.json and the weights are loaded from it (unless init_from_hf is False)."""
+    init_from_hf: bool = True
+    """With hf_path: load the HF weights (True) or only take the architecture and init randomly (False)."""
+    attn_backend: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
+    """Attention backend handed to build_attn_meta: auto picks the fastest that works on the device."""
+    overrides: str = ""
+    """JSON object of model-config fields to override on the chosen flavor, e.g. '{"num_layers": 2}'."""
+
+
+@dataclass
+class Data:
+    dataset: str = "builtin"
+    """Dataset name or path understood by titan_mm.data (builtin = the small corpus inside the package)."""
+    seq_len: int = 512
+    """Tokens per packed row."""
+    micro_batch_size: int = 2
+    """Packed rows per micro-batch on each data-parallel rank."""
+    num_workers: int = 0
+    """DataLoader worker processes (0 = load in the main process)."""
+    tokenizer_path: str | None = None
+    """Folder with tokenizer.json; None: the model's HF dir if given, else the built-in Qwen3 tokenizer."""
+
+
+@dataclass
+class Training:
+    steps: int = 100
+    """Optimizer steps to train for (counted from step 0, resumes included)."""
+    global_batch_size: int = 0
+    """Rows per optimizer step over all data-parallel ranks. 0: micro_batch_size x dp degree (no
+    gradient accumulation). Must be a multiple of micro_batch_size x dp degree."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm (over every mesh axis) to this value; 0 disables clipping."""
+    seed: int = 0
+    """Seed for model init, data order and dropout-like randomness."""
+    deterministic: bool = False
+    """Use deterministic algorithms (bitwise-reproducible on CPU; slower on GPU)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype parameters are computed in (FSDP mixed precision); master weights stay fp32."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of gradient reductions across data-parallel ranks."""
+    nan_policy: Literal["skip", "stop"] = "stop"
+    """A non-finite loss or grad norm: skip (drop the update, count it, go on) or stop with an error."""
+    max_skipped_steps: int = 10
+    """With nan_policy=skip: stop after this many skipped steps in a row."""
+    gc_freq: int = 50
+    """Run Python's garbage collector every N steps (0: leave it to Python)."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["adamw"] = "adamw"
+    """Optimizer."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay for matrices."""
+    decay_norms_and_biases: bool = False
+    """Also apply weight decay to norm weights and biases."""
+    decay_embeddings: bool = False
+    """Also apply weight decay to the token embedding (and a tied output head)."""
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    """AdamW kernel: auto = fused on CUDA, foreach on CPU."""
+
+
+@dataclass
+class LRScheduler:
+    name: Literal["cosine", "wsd", "constant", "linear"] = "cosine"
+    """Shape after warmup: cosine decay, warmup-stable-decay, constant, or linear decay."""
+    warmup_steps: int = 0
+    """Linear warmup from lr x warmup_start_factor to lr over this many steps."""
+    warmup_start_factor: float = 0.0
+    """Learning-rate multiplier at step 0 of the warmup."""
+    min_lr_factor: float = 0.1
+    """Final learning rate as a fraction of lr (cosine, linear, wsd)."""
+    decay_ratio: float = 0.2
+    """WSD: fraction of the steps spent decaying at the end."""
+    decay_type: Literal["linear", "cosine", "sqrt"] = "linear"
+    """WSD: shape of the final decay."""
+
+
+@dataclass
+class Parallel:
+    dp_replicate: int = 1
+    """Data-parallel replicate degree (HSDP outer axis)."""
+    dp_shard: int = -1
+    """Data-parallel shard (FSDP) degree; -1 = whatever the world size leaves after the other degrees."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree (MoE)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend: auto = nccl on CUDA, gloo on CPU."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Activation checkpointing of the plan's AC units: none, full, or selective."""
+    selective_option: str = "op"
+    """Selective AC: 'op' (save matmul outputs, recompute the rest) or an integer N (every N-th block)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each compile unit of the plan (per transformer block)."""
+    fullgraph: bool = False
+    """Require one graph per compiled unit."""
+    loss: bool = True
+    """Also compile the loss (chunked cross-entropy) when enable is True."""
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """float8 (torchao) training for the linears (CUDA SM>=89 only)."""
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """torchao float8 scaling recipe."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output", "router", "gate"])
+    """Linears whose FQN contains any of these stay in high precision."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = True
+    """Write checkpoints and auto-resume from the newest complete one in the run folder."""
+    folder: str = "checkpoints"
+    """Sub-folder of the run folder holding step-NNNNNNNN checkpoints."""
+    interval: int = 50
+    """Save every N steps (the last step is always saved)."""
+    keep_last: int = 2
+    """Keep the newest K complete checkpoints; older ones are deleted (0 = keep all)."""
+    async_mode: Literal["disabled", "async"] = "async"
+    """async: dcp.async_save, training continues while it writes; disabled: blocking save."""
+    load_step: int = -1
+    """Resume from this step's checkpoint; -1 = newest complete one."""
+    resume: bool = True
+    """Auto-resume when the run folder holds a checkpoint."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    """Print a console line every N steps (metrics.jsonl gets every step)."""
+    enable_tensorboard: bool = True
+    """Write TensorBoard events to <run>/tb."""
+    enable_jsonl: bool = True
+    """Write one JSON line per step to <run>/metrics.jsonl."""
+    peak_tflops: float = 0.0
+    """Peak dense bf16 TFLOP/s of one device for MFU; 0 = look it up by device name (989 for H100/H200)."""
+
+
+@dataclass
+class Kernels:
+    mode: Literal["auto", "triton", "reference"] = "auto"
+    """auto: Triton kernels on CUDA SM>=80, PyTorch reference elsewhere; triton forces them; reference disables them."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    data: Data = field(default_factory=Data)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallel: Parallel = field(default_factory=Parallel)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    kernels: Kernels = field(default_factory=Kernels)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def _closest(key: str, valid: list[str]) -> str:
+    near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    if near:
+        return "did you mean " + " or ".join(repr(n) for n in near) + "?"
+    return "valid keys: " + ", ".join(sorted(valid))
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_section(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _check_type(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_check_type(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return all(_check_type(v, args[0]) for v in value) if args else True
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    return isinstance(value, tp) if isinstance(tp, type) else True
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    # TOML has no tuples; ints are fine where floats are expected.
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typing.get_origin(tp) is tuple and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def from_dict(d: dict[str, Any], cls=JobConfig, where: str = "") -> Any:
+    """Build a config dataclass from a nested dict; unknown keys and wrong types raise ConfigError."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"[{where or 'root'}] must be a table of keys, got {d!r}")
+    hints = _hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in d.items():
+        path = f"{where}.{key}" if where else key
+        if key not in hints:
+            valid_paths = [f"{where}.{v}" if where else v for v in valid]
+            raise ConfigError(f"unknown config key {path!r}: {_closest(path, valid_paths)}")
+        tp = hints[key]
+        if _is_section(tp):
+            kwargs[key] = from_dict(value, tp, path)
+            continue
+        if not _check_type(value, tp):
+            raise ConfigError(
+                f"config key {path!r} has the wrong type: got {value!r} ({type(value).__name__}), "
+                f"expected {_type_name(tp)}"
+            )
+        kwargs[key] = _coerce(value, tp)
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def all_keys(cls=JobConfig, prefix: str = "") -> list[str]:
+    """Every leaf key as a dotted path (``training.steps``, ...)."""
+    out = []
+    for name, tp in _hints(cls).items():
+        path = f"{prefix}{name}"
+        if _is_section(tp):
+            out += all_keys(tp, path + ".")
+        else:
+            out.append(path)
+    return out
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A name in train_configs/ (with or without .toml) or a path to a TOML file."""
+    p = Path(name_or_path)
+    candidates = [p, CONFIG_DIR / p, CONFIG_DIR / (p.name if p.suffix else p.name + ".toml")]
+    if not p.suffix:
+        candidates.insert(1, p.with_suffix(".toml"))
+    for c in candidates:
+        if c.is_file():
+            return c
+    known = sorted(x.name for x in CONFIG_DIR.glob("*.toml")) if CONFIG_DIR.is_dir() else []
+    hint = _closest(p.name, known) if known else f"no TOML files in {CONFIG_DIR}"
+    raise ConfigError(
+        f"config file {name_or_path!r} not found (looked in the current directory and {CONFIG_DIR}); "
+        f"{hint.replace('valid keys', 'available configs')}"
+    )
+
+
+def load_toml(path: str | os.PathLike) -> JobConfig:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    try:
+        return from_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
+    config, rest, i = None, [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config" or a == "--job.config_file":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a value: a name in train_configs/ or a path to a TOML file")
+            config = argv[i + 1]
+            i += 2
+            continue
+        if a.startswith("--config="):
+            config = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return config, rest
+
+
+def _check_cli_keys(argv: list[str]) -> None:
+    """Unknown ``--section.key`` flags fail here with a difflib hint (before tyro sees them)."""
+    valid = all_keys()
+    normalized = {k.replace("-", "_"): k for k in valid}
+    for a in argv:
+        if not a.startswith("--") or a in ("--help", "-h"):
+            continue
+        key = a[2:].split("=", 1)[0].replace("-", "_")
+        if key == "help":
+            continue
+        if key not in normalized:
+            raise ConfigError(f"unknown command-line option --{a[2:].split('=', 1)[0]}: {_closest(key, valid)}")
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """TOML (``--config NAME_OR_PATH``, optional) then command-line overrides through tyro.
+
+    The run name defaults to the config file's stem.
+    """
+    import tyro
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_name, rest = _split_config_arg(argv)
+    if config_name is not None:
+        path = resolve_config_path(config_name)
+        cfg = load_toml(path)
+        if not cfg.job.name:
+            cfg.job.name = path.stem
+    else:
+        cfg = JobConfig()
+    _check_cli_keys(rest)
+    cfg = tyro.cli(
+        JobConfig,
+        default=cfg,
+        args=rest,
+        prog="run_train.sh --config NAME_OR_PATH",
+        description="titan_mm trainer. TOML values (--config) are overridden by these flags.",
+        config=(tyro.conf.FlagConversionOff,),
+    )
+    if not cfg.job.name:
+        cfg.job.name = "run"
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Cross-field checks that a type cannot express."""
+    t, d = cfg.training, cfg.data
+    if t.steps < 0:
+        raise ConfigError(f"training.steps must be >= 0, got {t.steps}")
+    if d.micro_batch_size < 1:
+        raise ConfigError(f"data.micro_batch_size must be >= 1, got {d.micro_batch_size}")
+    if d.seq_len < 1:
+        raise ConfigError(f"data.seq_len must be >= 1, got {d.seq_len}")
+    if t.global_batch_size < 0:
+        raise ConfigError(f"training.global_batch_size must be >= 0, got {t.global_batch_size}")
+    if cfg.checkpoint.interval < 1:
+        raise ConfigError(f"checkpoint.interval must be >= 1, got {cfg.checkpoint.interval}")
+    if cfg.metrics.log_freq < 1:
+        raise ConfigError(f"metrics.log_freq must be >= 1, got {cfg.metrics.log_freq}")
+    if cfg.model.overrides:
+        try:
+            o = json.loads(cfg.model.overrides)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"model.overrides must be a JSON object, got {cfg.model.overrides!r}: {e}") from None
+        if not isinstance(o, dict):
+            raise ConfigError(f"model.overrides must be a JSON object, got {cfg.model.overrides!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------------
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} to TOML")
+
+
+def resolved_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML (None values are left out: they are the defaults)."""
+    lines = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for k, v in values.items():
+            if v is not None:
+                lines.append(f"{k} = {_toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def save_config(cfg: JobConfig, path: str | os.PathLike) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(resolved_toml(cfg))
+    os.replace(tmp, path)
+
+
+def run_dir(cfg: JobConfig) -> Path:
+    return Path(cfg.job.dump_folder) / cfg.job.name
+
+
+if __name__ == "__main__":
+    try:
+        c = load_config()
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}")
+    print(resolved_toml(c))
