@@ -1,0 +1,107 @@
+"""Shared pieces of the parallel multi-process tests: a tiny stand-in model, packed batches, and a
+train loop that returns per-step global losses and full (unsharded) gradients for comparison.
+
+Contract followed (docs/architecture.md): the loss of a micro-batch is ``loss_sum / global_label_tokens``
+and data-parallel gradients are summed (parallelize() sets FSDP2 to SUM).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+
+class _Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+        self.up = nn.Linear(d, 2 * d, bias=False)
+        self.down = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.up(self.norm(x))))
+
+
+class StandIn(nn.Module):
+    """Embedding -> 2 residual MLP blocks -> norm -> head; forward returns the CE loss sum."""
+
+    def __init__(self, vocab=64, d=32, n_layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleDict({str(i): _Block(d) for i in range(n_layers)})
+        self.norm = nn.RMSNorm(d)
+        self.output = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        for layer in self.layers.values():
+            h = layer(h)
+        logits = self.output(self.norm(h)).float()
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def make_batches(n_steps, batch, seq, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_steps):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        labels = torch.roll(ids, -1, dims=1)
+        labels[:, -1] = -100
+        labels[torch.rand(batch, seq, generator=g) < 0.2] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def full_grads(model):
+    out = {}
+    for name, p in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        g = p.grad
+        if g is None:
+            continue
+        out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    return out
+
+
+def train_steps(model, batches, step_fn, dp_rank=0, dp_size=1, max_norm=1.0, lr=1e-2):
+    """Run len(batches) AdamW steps; each rank takes rows dp_rank::dp_size of the global batch.
+
+    ``step_fn(model, local_batch) -> loss_sum``. Returns (losses, grads_per_step, norms).
+    """
+    from titan_mm.parallel.clip import clip_grad_norm_
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+    losses, grads, norms = [], [], []
+    for gb in batches:
+        local = {k: v[dp_rank::dp_size] for k, v in gb.items()}
+        ntok = (gb["labels"] != -100).sum()
+        loss_sum = step_fn(model, local)
+        (loss_sum / ntok).backward()
+        norm = clip_grad_norm_(model, max_norm)
+        ls = loss_sum.detach().clone()
+        if isinstance(ls, DTensor):
+            ls = ls.full_tensor()
+        if dist.is_initialized() and dp_size > 1:
+            dist.all_reduce(ls)  # callers pass dp_size>1 only when the batch is split over all ranks of the world
+        losses.append((ls / ntok).item())
+        norms.append(float(norm))
+        grads.append(full_grads(model))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads, norms
+
+
+def assert_close_runs(ref, got, atol=1e-5, rtol=1e-5):
+    rl, rg, rn = ref
+    gl, gg, gn = got
+    for i, (a, b) in enumerate(zip(rl, gl)):
+        assert abs(a - b) <= atol + rtol * abs(a), f"step {i}: loss {b} != reference {a}"
+    for i, (a, b) in enumerate(zip(rn, gn)):
+        assert abs(a - b) <= atol + rtol * abs(a), f"step {i}: grad norm {b} != reference {a}"
+    for i, (ra, ga) in enumerate(zip(rg, gg)):
+        assert set(ra) == set(ga), f"step {i}: grad names differ: {sorted(set(ra) ^ set(ga))}"
+        for k in ra:
+            torch.testing.assert_close(ga[k], ra[k], atol=atol, rtol=rtol, msg=lambda m: f"step {i} grad {k}: {m}")

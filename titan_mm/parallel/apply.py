@@ -1,0 +1,236 @@
+"""Apply a :class:`~titan_mm.parallel.plan.ParallelizePlan` to a model, in one fixed order.
+
+    float8 (module swap; CUDA only) -> TP / EP -> CP -> AC -> torch.compile -> FSDP2 (units, then root)
+
+Every step reads only the plan (module-FQN patterns) and the job config; nothing here knows a model family.
+
+Gradient reduction contract (read this if you write a train step): the step divides ``loss_sum`` by the
+number of label tokens of the *global* batch, so each rank's loss is already its share of the global mean.
+Data-parallel gradients must therefore be **summed**, not averaged: FSDP2 is set to a divide factor of 1
+with SUM-only collectives (``set_gradient_divide_factor(1.0)`` + ``set_force_sum_reduction_for_comms``).
+That is also what makes FSDP2 work on gloo, which has neither ``PREMUL_SUM`` nor ``AVG``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from titan_mm.parallel.mesh import ParallelDims
+from titan_mm.parallel.plan import ParallelizePlan, match_modules
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["parallelize", "apply_ac", "apply_compile", "apply_fsdp", "apply_float8"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _opt(cfg: Any, path: str, default: Any) -> Any:
+    """``cfg.a.b`` or ``default`` when cfg is None or the section/field is absent (tests pass partial configs)."""
+    obj = cfg
+    for part in path.split("."):
+        if obj is None or not hasattr(obj, part):
+            return default
+        obj = getattr(obj, part)
+    return obj
+
+
+def parallelize(model: nn.Module, plan: ParallelizePlan, parallel_dims: ParallelDims, cfg: Any = None) -> nn.Module:
+    """Shard, checkpoint, compile and wrap ``model`` as ``plan`` and ``cfg`` say; returns the same module.
+
+    ``model`` may live on the meta device (the trainer builds it there and materialises after this call).
+    ``cfg`` is the :class:`titan_mm.config.JobConfig` (sections ``training``, ``parallel``,
+    ``activation_checkpoint``, ``compile``, ``float8``); ``None`` means all defaults (fp32, no AC/compile).
+    """
+    pd = parallel_dims
+    on_cuda = torch.cuda.is_available() and _opt(cfg, "parallel.backend", "auto") != "gloo"
+
+    if _opt(cfg, "float8.enable", False):
+        apply_float8(model, cfg, on_cuda=on_cuda)
+
+    if pd.tp_enabled:
+        from titan_mm.parallel.tp import apply_tp
+
+        apply_tp(model, plan, pd, cfg)
+    if pd.ep_enabled:
+        from titan_mm.parallel.ep import apply_ep
+
+        apply_ep(model, plan, pd, cfg)
+    if pd.cp_enabled:
+        from titan_mm.parallel.cp import apply_cp
+
+        apply_cp(model, plan, pd, cfg)
+
+    mode = _opt(cfg, "activation_checkpoint.mode", "none")
+    if mode != "none":
+        apply_ac(model, plan.ac_units, mode, str(_opt(cfg, "activation_checkpoint.selective_option", "op")))
+
+    if _opt(cfg, "compile.enable", False):
+        apply_compile(model, plan.compile_units, fullgraph=bool(_opt(cfg, "compile.fullgraph", False)))
+
+    if pd.build_meshes():  # a process group exists (always for world > 1)
+        param_dtype = _DTYPES[_opt(cfg, "training.param_dtype", "float32")]
+        reduce_dtype = _DTYPES[_opt(cfg, "training.reduce_dtype", "float32")]
+        if not on_cuda and param_dtype != torch.float32:
+            logger.warning("training.param_dtype=%s on CPU: computing in float32 instead (bf16 matmuls on CPU are "
+                           "slow and the CPU tests compare against fp32).", param_dtype)
+            param_dtype = torch.float32
+        if pd.fsdp_enabled or param_dtype != torch.float32 or pd.ep_enabled:
+            apply_fsdp(model, plan, pd, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- float8
+def apply_float8(model: nn.Module, cfg: Any, on_cuda: bool) -> None:
+    """Swap eligible ``nn.Linear`` for torchao Float8Linear (tensorwise or rowwise scaling)."""
+    if not on_cuda:
+        raise RuntimeError(
+            "float8.enable=true needs a CUDA GPU with SM>=89 (H100/H200); this run is on CPU. "
+            "Set --float8.enable false for CPU runs."
+        )
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        raise RuntimeError(f"float8 training needs SM>=89; this GPU is SM{major}{minor}. Set --float8.enable false.")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    skip = set(_opt(cfg, "float8.filter_fqns", ["output", "router", "gate"]))
+    recipe = _opt(cfg, "float8.recipe", "tensorwise")
+    if recipe == "rowwise":
+        f8cfg = Float8LinearConfig.from_recipe_name("rowwise")
+    else:
+        f8cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        if not isinstance(mod, nn.Linear):
+            return False
+        if any(part in skip for part in fqn.split(".")):
+            return False
+        return mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+
+    convert_to_float8_training(model, config=f8cfg, module_filter_fn=keep)
+
+
+# ----------------------------------------------------------------------------------------------- AC
+# Ops whose outputs selective ("op") AC keeps; everything else in a unit is recomputed in backward.
+def _sac_save_ops() -> set:
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.linear.default}
+    for name in ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_mm", "_grouped_mm"):
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    if c10d is not None:  # never recompute communication
+        for name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single", "all_reduce"):
+            if hasattr(c10d, name):
+                ops.add(getattr(c10d, name).default)
+    return ops
+
+
+def apply_ac(model: nn.Module, units: tuple[str, ...], mode: str, selective_option: str = "op") -> None:
+    """Wrap each AC unit: ``full`` recomputes the whole unit; ``selective`` = ``op`` (keep matmul/attention/
+    collective outputs, recompute the rest) or an integer N (full AC on every N-th unit)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpoint.mode must be none, full or selective, got {mode!r}.")
+    targets = _top_level(match_modules(model, units))
+    if not targets:
+        raise ValueError(f"activation checkpointing is on but no module matches the plan's ac_units {units}.")
+    every = None
+    context_fn = None
+    if mode == "selective":
+        if selective_option == "op":
+            from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+            save = _sac_save_ops()
+
+            def policy(ctx, op, *args, **kwargs):
+                return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+            def context_fn():  # noqa: F811
+                return create_selective_checkpoint_contexts(policy)
+        elif selective_option.isdigit() and int(selective_option) >= 1:
+            every = int(selective_option)
+        else:
+            raise ValueError(
+                f"activation_checkpoint.selective_option must be 'op' or a positive integer N, got {selective_option!r}."
+            )
+    for i, (fqn, mod) in enumerate(targets):
+        if every is not None and i % every:
+            continue
+        kw = {"preserve_rng_state": False}  # checkpoint_wrapper defaults to the non-reentrant implementation
+        if context_fn is not None:
+            kw["context_fn"] = context_fn
+        _replace(model, fqn, checkpoint_wrapper(mod, **kw))
+
+
+# ----------------------------------------------------------------------------------------------- compile
+def apply_compile(model: nn.Module, units: tuple[str, ...], fullgraph: bool = False) -> None:
+    """``Module.compile()`` each compile unit in place (FQNs, state-dict keys and FSDP hooks stay as they are)."""
+    targets = _top_level(match_modules(model, units))
+    if not targets:
+        raise ValueError(f"compile.enable is on but no module matches the plan's compile_units {units}.")
+    for _, mod in targets:
+        mod.compile(fullgraph=fullgraph)
+
+
+# ----------------------------------------------------------------------------------------------- FSDP2
+def _sum_reduction(mod) -> None:
+    """Sum DP gradients (divide factor 1, SUM-only collectives); see the module docstring."""
+    mod.set_gradient_divide_factor(1.0)
+    if hasattr(mod, "set_force_sum_reduction_for_comms"):
+        mod.set_force_sum_reduction_for_comms(True)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    plan: ParallelizePlan,
+    pd: ParallelDims,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+) -> None:
+    """fully_shard the plan's expert modules (on the ep_fsdp mesh), then its FSDP units, then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mesh = pd.fsdp_mesh()
+    wrapped = []
+    if pd.ep_enabled:
+        ep_mesh = pd.ep_fsdp_mesh()
+        experts = _top_level(match_modules(model, tuple(k for k, v in plan.ep.items() if v == "experts")))
+        for _, mod in experts:
+            wrapped.append(fully_shard(mod, mesh=ep_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward))
+    units = _top_level(match_modules(model, plan.fsdp_units))
+    for _, mod in units:
+        wrapped.append(fully_shard(mod, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward))
+    root = fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    for mod in {id(m): m for m in wrapped + [root]}.values():
+        _sum_reduction(mod)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _top_level(pairs: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Drop matches nested inside an earlier match (a unit is wrapped once, at its outermost match)."""
+    out: list[tuple[str, nn.Module]] = []
+    for fqn, mod in pairs:
+        if any(fqn.startswith(p + ".") for p, _ in out):
+            continue
+        out.append((fqn, mod))
+    return out
+
+
+def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, child = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def matches(fqn: str, patterns) -> bool:
+    return any(fnmatch.fnmatchcase(fqn, p) for p in patterns)

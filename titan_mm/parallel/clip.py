@@ -1,0 +1,70 @@
+"""Global gradient-norm clipping that is correct over every mesh axis.
+
+Gradients can be plain tensors (world 1, or params no plan touched: identical on every rank) or DTensors
+on *different* meshes (dense params on the fsdp x tp mesh, experts on the ep_fsdp x ep mesh).
+``torch.nn.utils.clip_grad_norm_`` cannot stack norms from different meshes, so we group gradients by
+(mesh, placements), let DTensor compute each group's norm (it reduces over the Shard / Partial axes and
+not over Replicate ones), materialise each group's norm with one all-reduce, and combine the groups on
+the host side of the graph (still tensors: no host sync).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["clip_grad_norm_", "total_grad_norm"]
+
+
+@torch.no_grad()
+def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0, foreach: bool | None = None) -> torch.Tensor:
+    """The norm of all ``grads`` taken together, as a plain (replicated) fp32 tensor."""
+    norm_type = float(norm_type)
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else ("local", g.device)
+        groups[key].append(g)
+    if not groups:
+        return torch.zeros((), dtype=torch.float32)
+    parts = []
+    for gs in groups.values():
+        n = torch.nn.utils.get_total_norm(gs, norm_type=norm_type, error_if_nonfinite=False, foreach=foreach)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        parts.append(n.float())
+    device = parts[0].device
+    parts = [p.to(device) for p in parts]
+    if math.isinf(norm_type):
+        return torch.stack(parts).max()
+    return torch.stack(parts).pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    params: Iterable[torch.nn.Parameter] | torch.nn.Module,
+    max_norm: float,
+    norm_type: float = 2.0,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before clipping.
+
+    ``max_norm <= 0`` only measures. Non-finite norms are returned as they are (the caller's NaN policy
+    decides); the gradients are then scaled by NaN too, which a skipped step discards.
+    """
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    grads = [p.grad for p in params if p.grad is not None]
+    total = total_grad_norm(grads, norm_type, foreach)
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            local = g._local_tensor if isinstance(g, DTensor) else g
+            by_device[local.device].append(local)
+        for dev, ts in by_device.items():
+            torch._foreach_mul_(ts, coef.to(dev))
+    return total

@@ -1,0 +1,266 @@
+"""Device meshes: one description of how the world is split, and the DTensor meshes that follow from it.
+
+Axes (outer to inner): ``dp_replicate`` (HSDP replicas), ``dp_shard`` (FSDP), ``cp`` (context parallel,
+sequence split), ``tp`` (tensor parallel). ``ep`` (expert parallel) is not an extra factor of the world:
+it *borrows* ranks from ``dp_shard x cp``; the remaining ``ep_fsdp = dp_shard * cp / ep`` ranks shard the
+experts FSDP-style, so experts live on ``[ep_fsdp, ep]`` and EP x FSDP need not equal the expert count.
+
+    world = dp_replicate * dp_shard * cp * tp
+    dense  root mesh  [dp_replicate, dp_shard, cp, tp]     (+ flattened "dp_shard_cp", "batch", "loss")
+    sparse root mesh  [dp_replicate, ep_fsdp, ep, tp]      (only when ep > 1)
+
+Named meshes, by what uses them:
+
+    "fsdp"     dp_shard x cp                 FSDP2 of dense params (CP ranks also shard params)
+    "hsdp"     [dp_replicate, fsdp]          FSDP2 of dense params with HSDP
+    "tp"       tp                            TP, sequence parallel, loss parallel
+    "cp"       cp                            ring / Ulysses attention
+    "ep"       ep                            expert sharding, token all-to-all
+    "ep_fsdp"  ep_fsdp                       FSDP2 of expert params (+ dp_replicate as "ep_hsdp")
+    "batch"    dp_replicate x dp_shard       data loading: ranks that read different rows
+    "loss"     dp_replicate x dp_shard x cp  ranks whose losses / token counts are summed
+
+World size 1: no process group is needed. ``ParallelDims(world_size=1).build_meshes()`` returns no
+meshes (``mesh(name)`` gives ``None``) and :func:`titan_mm.parallel.apply.parallelize` then applies only
+AC / compile / float8 (no FSDP). Call :func:`init_distributed` first when you want FSDP2's mixed
+precision on a single GPU; it then builds real 1-rank meshes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ParallelDims", "init_distributed", "device_type"]
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment; returns ``(rank, world_size)``.
+
+    ``backend=None`` picks ``nccl`` when CUDA is available and ``gloo`` otherwise. Without torchrun's
+    variables (a plain ``python`` run) a 1-rank group is created on a free localhost port, so the same
+    code path (meshes, FSDP2, DCP) runs in one process. Idempotent: returns the current rank and size if
+    a group already exists. On CUDA it also selects ``cuda:LOCAL_RANK``.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("init_distributed(backend='nccl') needs CUDA; use backend='gloo' (or None) on CPU.")
+    if "RANK" not in os.environ:
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of each parallel axis. ``dp_shard=-1`` takes whatever the other axes leave of the world."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    world_size: int = 1
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    _built: bool = field(default=False, repr=False)
+
+    def __post_init__(self):
+        self.validate()
+
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> None:
+        for name in ("dp_replicate", "cp", "tp", "ep", "world_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"parallel.{name} must be an integer >= 1, got {v!r}.")
+        if self.dp_shard == -1:
+            rest = self.dp_replicate * self.cp * self.tp
+            if self.world_size % rest:
+                raise ValueError(
+                    f"dp_replicate({self.dp_replicate}) * cp({self.cp}) * tp({self.tp}) = {rest} does not divide "
+                    f"world_size({self.world_size}); choose degrees whose product divides the number of processes."
+                )
+            self.dp_shard = self.world_size // rest
+        if not isinstance(self.dp_shard, int) or self.dp_shard < 1:
+            raise ValueError(f"parallel.dp_shard must be -1 (infer) or an integer >= 1, got {self.dp_shard!r}.")
+        prod = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        if prod != self.world_size:
+            raise ValueError(
+                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) * tp({self.tp}) = "
+                f"{prod} != world_size({self.world_size}); set dp_shard=-1 to infer it or fix the degrees."
+            )
+        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(
+                f"ep({self.ep}) does not divide dp_shard({self.dp_shard}) * cp({self.cp}) = {self.dp_shard * self.cp}: "
+                "expert parallelism borrows its ranks from the dp_shard x cp ranks; pick ep among the divisors "
+                f"of {self.dp_shard * self.cp}."
+            )
+
+    def check_model(self, *, num_heads: int, num_kv_heads: int, num_experts: int = 0, seq_len: int | None = None,
+                    vocab_size: int | None = None, cp_ulysses: bool = False) -> None:
+        """Reject degrees that a model's shapes cannot take, naming the product that does not divide."""
+        if num_heads % self.tp:
+            raise ValueError(f"tp({self.tp}) does not divide num_attention_heads({num_heads}).")
+        if num_kv_heads % self.tp:
+            raise ValueError(f"tp({self.tp}) does not divide num_key_value_heads({num_kv_heads}).")
+        if self.ep > 1:
+            if num_experts == 0:
+                raise ValueError(f"ep({self.ep}) > 1 but the model has no experts; set parallel.ep = 1.")
+            if num_experts % self.ep:
+                raise ValueError(f"ep({self.ep}) does not divide num_experts({num_experts}).")
+        if seq_len is not None:
+            div = self.seq_len_divisor
+            if seq_len % div:
+                raise ValueError(
+                    f"seq_len({seq_len}) is not a multiple of tp({self.tp}) * 2 * cp({self.cp}) = {div} "
+                    "(sequence parallel splits by tp, load-balanced CP splits into 2*cp chunks)."
+                )
+        if cp_ulysses and self.cp > 1:
+            if num_heads % (self.cp * self.tp) or num_kv_heads % (self.cp * self.tp):
+                raise ValueError(
+                    f"Ulysses CP needs cp({self.cp}) * tp({self.tp}) to divide num_attention_heads({num_heads}) and "
+                    f"num_key_value_heads({num_kv_heads}); use cp_mode='ring' or smaller degrees."
+                )
+        if vocab_size is not None and vocab_size % self.tp:
+            raise ValueError(f"tp({self.tp}) does not divide vocab_size({vocab_size}) (loss parallel shards the vocabulary).")
+
+    # ---------------------------------------------------------------- derived sizes
+    @property
+    def fsdp(self) -> int:
+        return self.dp_shard * self.cp
+
+    @property
+    def ep_fsdp(self) -> int:
+        return self.fsdp // self.ep
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.fsdp > 1 or self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def seq_len_divisor(self) -> int:
+        return self.tp * 2 * self.cp if self.cp > 1 else self.tp
+
+    # ---------------------------------------------------------------- meshes
+    def build_meshes(self) -> dict[str, DeviceMesh]:
+        """Create the named meshes (collective: every rank must call it). Needs a process group unless world is 1."""
+        if self._built:
+            return self._meshes
+        self._built = True
+        if not dist.is_initialized():
+            if self.world_size == 1:
+                return self._meshes
+            raise RuntimeError(
+                f"ParallelDims(world_size={self.world_size}) needs torch.distributed; call "
+                "titan_mm.parallel.mesh.init_distributed() (or run under torchrun) before build_meshes()."
+            )
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"ParallelDims.world_size({self.world_size}) != torch.distributed world size ({dist.get_world_size()})."
+            )
+        dev = device_type()
+        ranks = torch.arange(self.world_size)
+        dense = DeviceMesh(
+            dev,
+            ranks.view(self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
+        )
+        m = self._meshes
+        m["dense"] = dense
+        m["dp_replicate"] = dense["dp_replicate"]
+        m["dp_shard"] = dense["dp_shard"]
+        m["cp"] = dense["cp"]
+        m["tp"] = dense["tp"]
+        m["fsdp"] = dense["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if self.dp_replicate > 1:
+            import warnings
+
+            with warnings.catch_warnings():  # torch>=2.11 warns about slicing a flattened dim; it still works
+                warnings.simplefilter("ignore", UserWarning)
+                m["hsdp"] = dense["dp_replicate", "dp_shard_cp"]
+        m["batch"] = dense["dp_replicate", "dp_shard"]._flatten("batch")
+        m["loss"] = dense["dp_replicate", "dp_shard", "cp"]._flatten("loss")
+        if self.ep > 1:
+            # the same ranks, regrouped: dp_shard x cp (flattened, row-major) = ep_fsdp x ep
+            sparse = DeviceMesh(
+                dev,
+                ranks.view(self.dp_replicate, self.ep_fsdp, self.ep, self.tp),
+                mesh_dim_names=("dp_replicate", "ep_fsdp", "ep", "tp"),
+            )
+            m["sparse"] = sparse
+            m["ep"] = sparse["ep"]
+            m["ep_fsdp"] = sparse["ep_fsdp"]
+            if self.dp_replicate > 1:
+                m["ep_hsdp"] = sparse["dp_replicate", "ep_fsdp"]
+            m["ep_tp"] = sparse["tp"]
+        return m
+
+    def mesh(self, name: str) -> DeviceMesh | None:
+        """A named mesh (see the module docstring), or ``None`` at world size 1 without a process group."""
+        meshes = self.build_meshes()
+        if not meshes:
+            return None
+        if name not in meshes:
+            raise KeyError(f"No mesh named {name!r}; available: {sorted(meshes)} (\"ep*\" meshes exist only when ep > 1).")
+        return meshes[name]
+
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh dense params are fully_shard-ed on: HSDP when dp_replicate > 1, else the flat fsdp axis."""
+        if not self.build_meshes():
+            return None
+        return self.mesh("hsdp") if self.dp_replicate > 1 else self.mesh("fsdp")
+
+    def ep_fsdp_mesh(self) -> DeviceMesh | None:
+        if not self.build_meshes() or self.ep == 1:
+            return None
+        return self.mesh("ep_hsdp") if self.dp_replicate > 1 else self.mesh("ep_fsdp")
+
+    @classmethod
+    def from_config(cls, parallel_cfg, world_size: int | None = None) -> "ParallelDims":
+        """From the ``parallel`` config section (fields dp_replicate, dp_shard, cp, tp, ep; missing ones = 1)."""
+        if world_size is None:
+            world_size = dist.get_world_size() if dist.is_initialized() else 1
+        g = lambda k, d=1: int(getattr(parallel_cfg, k, d))  # noqa: E731
+        return cls(
+            dp_replicate=g("dp_replicate"),
+            dp_shard=g("dp_shard", -1),
+            cp=g("cp"),
+            tp=g("tp"),
+            ep=g("ep"),
+            world_size=world_size,
+        )
