@@ -1,0 +1,118 @@
+"""titan_mm.kernels: Triton kernels on the hot path, as torch.library custom ops, with PyTorch references.
+
+Public functional API (each dispatches to Triton on CUDA SM >= 80 for bf16/fp16/fp32 inputs and to the
+PyTorch reference in titan_mm.kernels.reference elsewhere; see docs/kernels.md):
+
+    rms_norm(x, w, eps) -> y
+    add_rms_norm(x, residual, w, eps) -> (normed, new_residual)
+    swiglu(gate, up) -> silu(gate) * up
+    apply_rope(q, k, cos, sin) -> (q, k)                       q/k [B, S, H, Dh]; cos/sin [S|B,S, Dh|Dh/2]
+    apply_mrope(q, k, cos, sin, mrope_section) -> (q, k)       cos/sin [3, B, S, Dh|Dh/2] per-axis tables
+    linear_cross_entropy(h, weight, labels, ignore_index=-100, z_loss=0.0) -> loss_sum (fp32)
+    bias_gelu(x, b) -> gelu_tanh(x + b)
+
+The ops live in the `titan_mm` torch.library namespace (torch.ops.titan_mm.*), each with a fake
+implementation and registered autograd, so torch.compile(fullgraph=True) traces them without breaks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from ._dispatch import HAS_TRITON, use_triton
+
+__all__ = [
+    "rms_norm",
+    "add_rms_norm",
+    "swiglu",
+    "apply_rope",
+    "apply_mrope",
+    "linear_cross_entropy",
+    "bias_gelu",
+    "reference",
+    "HAS_TRITON",
+    "use_triton",
+]
+
+if HAS_TRITON:
+    from .bias_gelu import bias_gelu_op
+    from .cross_entropy import linear_cross_entropy_op
+    from .rms_norm import add_rms_norm_op, rms_norm_op
+    from .rope import rope_op
+    from .swiglu import swiglu_op
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Qwen3 RMSNorm over the last dim: w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)."""
+    if use_triton(x, w):
+        return rms_norm_op(x, w, eps)[0]
+    return reference.rms_norm(x, w, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """new_residual = x + residual; returns (rms_norm(new_residual, w, eps), new_residual)."""
+    if use_triton(x, residual, w) and x.shape == residual.shape and x.dtype == residual.dtype:
+        y, nr, _ = add_rms_norm_op(x, residual, w, eps)
+        return y, nr
+    return reference.add_rms_norm(x, residual, w, eps)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    if use_triton(gate, up) and gate.shape == up.shape and gate.dtype == up.dtype:
+        return swiglu_op(gate, up)
+    return reference.swiglu(gate, up)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-rotation RoPE on q [B, S, Hq, Dh] and k [B, S, Hk, Dh] (or [S, H, Dh]); cos/sin [S, X] or
+    [B, S, X] with X = Dh (HF layout, halves duplicated) or Dh/2. A [B, H, S, Dh] tensor may be passed as
+    .transpose(1, 2) without a copy; Triton outputs are contiguous [B, S, H, Dh]."""
+    if use_triton(q, k, cos, sin) and q.dim() in (3, 4):
+        return rope_op(q, k, cos, sin, [], False)
+    return reference.apply_rope(q, k, cos, sin)
+
+
+def apply_mrope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mrope_section: list[int] | tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-VL interleaved M-RoPE: cos/sin are per-axis [3, B, S, X] tables (T, H, W positions times
+    inv_freq); the interleaving by mrope_section (e.g. [24, 20, 20]) happens inside the kernel."""
+    if use_triton(q, k, cos, sin) and q.dim() == 4:
+        return rope_op(q, k, cos, sin, [int(s) for s in mrope_section], False)
+    return reference.apply_mrope(q, k, cos, sin, mrope_section)
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    z_loss: float = 0.0,
+    chunk_size: int = 0,
+) -> torch.Tensor:
+    """Sum (fp32 scalar) over labels != ignore_index of CE(h @ weight.T, labels) + z_loss * lse^2, without
+    materializing the [N, V] logits. h [..., D], weight [V, D], labels [...] (already shifted).
+    The trainer divides the result by the global label-token count. chunk_size 0 = automatic."""
+    if use_triton(h, weight):
+        compute_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+        return linear_cross_entropy_op(h, weight, labels, ignore_index, float(z_loss), compute_grad, chunk_size)[0]
+    return reference.linear_cross_entropy(
+        h, weight, labels, ignore_index, z_loss, chunk_size=chunk_size if chunk_size > 0 else 4096
+    )
+
+
+def bias_gelu(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """gelu(x + b, approximate='tanh')."""
+    if use_triton(x, b):
+        return bias_gelu_op(x, b)
+    return reference.bias_gelu(x, b)

@@ -1,0 +1,45 @@
+"""Capability guards: when may an op run its Triton kernel?
+
+Triton runs on CUDA devices with compute capability >= 8.0 (Ampere, Hopper, ...) for bf16/fp16/fp32
+inputs. Everything else (CPU, older GPUs, float64, a missing triton) takes the PyTorch reference.
+With TRITON_INTERPRET=1 in the environment (set before triton is imported) CPU tensors also take the
+Triton path, through the interpreter; the CPU kernel tests use this.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton is optional on CPU machines
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@torch.compiler.assume_constant_result
+def _cuda_capability_ok(index: int) -> bool:
+    # Evaluated once at trace time under torch.compile (a constant), a cheap cached call in eager.
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def device_ok(device: torch.device) -> bool:
+    if not HAS_TRITON:
+        return False
+    if device.type == "cuda":
+        return _cuda_capability_ok(device.index if device.index is not None else torch.cuda.current_device())
+    return INTERPRET and device.type == "cpu"
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True when every tensor may go through the Triton kernels (same device, supported dtype)."""
+    t0 = tensors[0]
+    if not device_ok(t0.device):
+        return False
+    return all(t.dtype in TRITON_DTYPES and t.device == t0.device for t in tensors)

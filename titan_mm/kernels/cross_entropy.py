@@ -1,0 +1,138 @@
+"""Fused linear + cross-entropy that never materializes the full [N, V] logits.
+
+Tokens are processed in chunks of C rows: logits_C = h_C @ W^T (cuBLAS, in h.dtype), then one Triton
+program per row makes two passes over its logits (online max / sum-exp, then softmax) and overwrites the
+logits in place with d(loss)/d(logits); the gradients for h and W are finished right away in the forward
+(grad_h_C = dlogits_C @ W, grad_W += dlogits_C^T @ h_C), so the backward only scales them by the
+incoming gradient (in place in eager). Peak extra memory: one C x V logits chunk plus grad_W and grad_h.
+
+Loss (fp32, sum reduction): sum over labels != ignore_index of (lse - logit[label]) + z_loss * lse^2.
+Rows with an ignored label contribute 0 to the loss and get zero gradients.
+Legend: N tokens, D hidden, V vocabulary, C chunk rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import as_rows, new_empty, next_pow2
+
+
+@triton.jit
+def _ce_row_kernel(
+    L, stride_l, LAB, LOSS, ignore_index, z_loss,
+    V: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = L + row * stride_l
+    lab = tl.load(LAB + row)
+    valid = lab != ignore_index
+    lab = tl.where(valid, lab, 0)
+    offs = tl.arange(0, BLOCK)
+    m_vec = tl.full([BLOCK], -1e30, tl.float32)
+    d_vec = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        msk = cols < V
+        x = tl.load(base + cols, mask=msk, other=-1e30).to(tl.float32)
+        m_new = tl.maximum(m_vec, x)
+        d_vec = d_vec * tl.exp(m_vec - m_new) + tl.where(msk, tl.exp(x - m_new), 0.0)
+        m_vec = m_new
+    m = tl.max(m_vec, axis=0)
+    lse = m + tl.log(tl.sum(d_vec * tl.exp(m_vec - m), axis=0))
+    x_t = tl.load(base + lab).to(tl.float32)
+    loss = lse - x_t
+    if HAS_Z:
+        loss += z_loss * lse * lse
+    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+    if WRITE_GRAD:
+        scale = tl.where(valid, 1.0, 0.0)
+        if HAS_Z:
+            scale = scale * (1.0 + 2.0 * z_loss * lse)
+        for start in range(0, V, BLOCK):
+            cols = start + offs
+            msk = cols < V
+            x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32)
+            p = tl.exp(x - lse) * scale
+            p = tl.where((cols == lab) & valid, p - 1.0, p)
+            tl.store(base + cols, p.to(L.dtype.element_ty), mask=msk)
+
+
+def default_chunk_size(n: int, d: int, v: int) -> int:
+    """Rows per chunk: the logits chunk holds about as many elements as h (Liger's rule, same peak)."""
+    return max(1, next_pow2(triton.cdiv(n, triton.cdiv(v, d))))
+
+
+def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size):
+    h2 = as_rows(h).contiguous()
+    w = w.contiguous()
+    lab = labels.reshape(-1).contiguous()
+    n, d = h2.shape
+    v = w.shape[0]
+    c = chunk_size if chunk_size > 0 else default_chunk_size(n, d, v)
+    block = min(4096, next_pow2(v))
+    loss_rows = new_empty((n,), torch.float32, h.device)
+    if compute_grad:
+        grad_h = new_empty((n, d), h.dtype, h.device)
+        grad_w = torch.zeros_like(w)
+    else:
+        grad_h, grad_w = h.new_empty(0), w.new_empty(0)
+    for s in range(0, n, c):
+        e = min(n, s + c)
+        hc = h2[s:e]
+        logits = hc @ w.t()
+        _ce_row_kernel[(e - s,)](
+            logits, logits.stride(0), lab[s:e], loss_rows[s:e], ignore_index, float(z_loss),
+            V=v, WRITE_GRAD=compute_grad, HAS_Z=z_loss != 0.0, BLOCK=block, num_warps=8,
+        )
+        if compute_grad:
+            torch.mm(logits, w, out=grad_h[s:e])
+            grad_w.addmm_(logits.t(), hc)
+    loss = loss_rows.sum()
+    if compute_grad:
+        grad_h = grad_h.view(h.shape)
+    return loss, grad_h, grad_w
+
+
+@torch.library.custom_op("titan_mm::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    z_loss: float,
+    compute_grad: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size)
+
+
+@linear_cross_entropy_op.register_fake
+def _(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size):
+    loss = h.new_empty((), dtype=torch.float32)
+    if compute_grad:
+        return loss, torch.empty_like(h, memory_format=torch.contiguous_format), torch.empty_like(w)
+    return loss, h.new_empty(0), w.new_empty(0)
+
+
+def _setup(ctx, inputs, output):
+    ctx.compute_grad = inputs[5]
+    ctx.save_for_backward(output[1], output[2])
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _backward(ctx, dloss, _dgh, _dgw):
+    if not ctx.compute_grad:
+        raise RuntimeError("linear_cross_entropy ran with compute_grad=False; it has no backward")
+    grad_h, grad_w = ctx.saved_tensors
+    g = dloss.to(torch.float32)
+    if torch.compiler.is_compiling():
+        gh, gw = grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype)
+    else:  # eager: scale the buffers computed in forward in place (no second grad_W-sized tensor)
+        gh, gw = grad_h.mul_(g), grad_w.mul_(g)
+    return gh, gw, None, None, None, None, None
+
+
+linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)

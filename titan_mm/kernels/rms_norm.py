@@ -1,0 +1,187 @@
+"""RMSNorm and residual-add + RMSNorm (Qwen3RMSNorm numerics), forward and backward, as custom ops.
+
+Forward: one program per row (the whole hidden dim in registers), fp32 statistics, saves rstd [N] fp32.
+Backward: persistent programs (2 per SM) walk a contiguous range of rows, accumulate dW in fp32 registers,
+write one partial per program; the partials are summed in PyTorch (tiny: programs x D).
+Legend: N rows (tokens), D hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import as_rows, new_empty, next_pow2, sm_count
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 1024 else (8 if block <= 4096 else 16)
+
+
+@triton.jit
+def _rms_fwd_kernel(
+    X, stride_x, R, stride_r, NR, Y, W, RSTD, D, eps,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < D
+    x = tl.load(X + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(R + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+        nr = (x + r).to(NR.dtype.element_ty)  # rounded like the eager add
+        tl.store(NR + row * D + cols, nr, mask=m)
+        x = nr.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    tl.store(RSTD + row, rstd)
+    w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+    xn = (x * rstd).to(Y.dtype.element_ty).to(tl.float32)  # HF casts before the weight multiply
+    tl.store(Y + row * D + cols, (w * xn).to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rms_bwd_kernel(
+    DY, stride_dy, X, stride_x, W, RSTD, DNR, stride_dnr, DX, DW_PART,
+    N, D,
+    ROWS: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < D
+    w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    start = pid * ROWS
+    for i in range(0, ROWS):  # constexpr trip count (the CPU interpreter needs one)
+        r64 = (start + i).to(tl.int64)
+        mr = m & (r64 < N)
+        x = tl.load(X + r64 * stride_x + cols, mask=mr, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r64 * stride_dy + cols, mask=mr, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + r64, mask=r64 < N, other=0.0)
+        xhat = x * rstd
+        g = dy * w
+        c = tl.sum(g * xhat, axis=0) / D
+        dx = rstd * (g - xhat * c)
+        if HAS_DRES:
+            dx += tl.load(DNR + r64 * stride_dnr + cols, mask=mr, other=0.0).to(tl.float32)
+        tl.store(DX + r64 * D + cols, dx.to(DX.dtype.element_ty), mask=mr)
+        dw += dy * xhat
+    tl.store(DW_PART + pid.to(tl.int64) * D + cols, dw, mask=m)
+
+
+def _fwd(x, residual, w, eps):
+    w = w.contiguous()
+    x2 = as_rows(x)
+    n, d = x2.shape
+    block = next_pow2(d)
+    y = new_empty(x.shape, x.dtype, x.device)
+    rstd = new_empty(x.shape[:-1], torch.float32, x.device)
+    if residual is not None:
+        r2 = as_rows(residual)
+        nr = new_empty(x.shape, x.dtype, x.device)
+    else:
+        r2, nr = x2, y  # unused
+    if n > 0:
+        _rms_fwd_kernel[(n,)](
+            x2, x2.stride(0), r2, r2.stride(0), nr, y, w, rstd, d, eps,
+            HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block),
+        )
+    return y, (nr if residual is not None else None), rstd
+
+
+def _bwd(dy, x, w, rstd, dnr):
+    w = w.contiguous()
+    rstd = rstd.contiguous()
+    x2 = as_rows(x)
+    dy2 = as_rows(dy)
+    n, d = x2.shape
+    block = next_pow2(d)
+    progs = max(1, min(n, 2 * sm_count(x.device)))
+    # rows per program: a power of two (a constexpr, so only a handful of variants ever compile)
+    rows_per_prog = next_pow2(triton.cdiv(n, progs)) if n > 0 else 1
+    progs = triton.cdiv(n, rows_per_prog) if n > 0 else 1
+    dx = new_empty(x.shape, x.dtype, x.device)
+    dw_part = new_empty((progs, d), torch.float32, x.device)
+    dnr2 = as_rows(dnr) if dnr is not None else dy2
+    if n > 0:
+        _rms_bwd_kernel[(progs,)](
+            dy2, dy2.stride(0), x2, x2.stride(0), w, rstd, dnr2, dnr2.stride(0), dx, dw_part,
+            n, d,
+            ROWS=rows_per_prog, HAS_DRES=dnr is not None, BLOCK=block, num_warps=_warps(block),
+        )
+    else:
+        dw_part.zero_()
+    return dx, dw_part.sum(0).to(w.dtype)
+
+
+# ---- rms_norm -------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("titan_mm::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, rstd = _fwd(x, None, w, eps)
+    return y, rstd
+
+
+@rms_norm_op.register_fake
+def _(x, w, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("titan_mm::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dnr: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _bwd(dy, x, w, rstd, dnr)
+
+
+@rms_norm_bwd_op.register_fake
+def _(dy, x, w, rstd, dnr):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(w)
+
+
+def _rms_setup(ctx, inputs, output):
+    x, w, eps = inputs
+    ctx.save_for_backward(x, w, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _rms_backward(ctx, dy, drstd):
+    x, w, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_bwd_op(dy, x, w, rstd, None)
+    return dx, dw, None
+
+
+rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
+
+
+# ---- add_rms_norm ---------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("titan_mm::add_rms_norm", mutates_args=())
+def add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fwd(x, residual, w, eps)
+
+
+@add_rms_norm_op.register_fake
+def _(x, residual, w, eps):
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return y, torch.empty_like(y), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+def _add_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1], inputs[2], output[2])
+    ctx.mark_non_differentiable(output[2])
+
+
+def _add_backward(ctx, dy, dnr, drstd):
+    nr, w, rstd = ctx.saved_tensors
+    if dy is None:  # only new_residual was used downstream
+        return dnr, dnr, None, None
+    dx, dw = rms_norm_bwd_op(dy, nr, w, rstd, dnr)
+    return dx, dx, dw, None
+
+
+add_rms_norm_op.register_autograd(_add_backward, setup_context=_add_setup)
