@@ -87,6 +87,43 @@ class Data:
     """DataLoader worker processes (0 = load in the main process)."""
     tokenizer_path: str | None = None
     """Folder with tokenizer.json; None: the model's HF dir if given, else the built-in Qwen3 tokenizer."""
+    mixture: dict[str, float] = field(default_factory=dict)
+    """Weighted mixture of sources, {path-or-URL-or-builtin:name: weight}; replaces `dataset` when given.
+    TOML: [data.mixture] "data/a.jsonl" = 0.7  "s3://b/*.parquet" = 0.3"""
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead (num_workers > 0)."""
+    pin_memory: bool = True
+    """Pin batch memory (only when CUDA is available)."""
+    open_rows: int = 32
+    """Rows the best-fit packer keeps open per worker (more: denser packing, more memory in the state)."""
+    max_patches_per_row: int = 0
+    """Cap on vision patches per packed row (0: no cap)."""
+    split_long_text: bool = False
+    """Split plain-text documents longer than seq_len into chunks instead of skipping them."""
+    chat_template: str = "qwen3_vl"
+    """'qwen3_vl' (Qwen3-VL Instruct, no think block) or 'qwen3' (empty <think></think> on the last turn)."""
+    mrope: bool = False
+    """Emit 3-D M-RoPE position_ids [3, B, S] (Qwen3-VL); the trainer sets it for VL models."""
+    image_min_pixels: int = 65536
+    """Smallest image area after smart resize (pixels)."""
+    image_max_pixels: int = 16777216
+    """Largest image area after smart resize (pixels)."""
+    video_min_pixels: int = 4096
+    """Smallest frame area after smart resize (pixels)."""
+    video_max_pixels: int = 25165824
+    """Largest total video volume (frames x pixels) after resize."""
+    video_fps: float = 2.0
+    """Frames sampled per second of video."""
+    video_min_frames: int = 4
+    """Fewest frames sampled from a video."""
+    video_max_frames: int = 768
+    """Most frames sampled from a video."""
+    media_root: str = ""
+    """Base folder/URL for relative media paths (empty: the folder of the shard that names them)."""
+    max_error_rate: float = 0.05
+    """Stop with an error when more than this fraction of samples is skipped (after error_min_samples)."""
+    error_min_samples: int = 200
+    """Samples seen before max_error_rate is enforced."""
 
 
 @dataclass

@@ -1,0 +1,40 @@
+"""Built-in datasets that need no download.
+
+- ``text``: the templated text corpus (:mod:`titan_mm.data.builtin.text`), about 2000 short documents.
+- ``digits`` / ``digits_test``: scikit-learn's 8x8 handwritten digits upscaled to RGB PNGs, as chats
+  "What digit is this?" -> "7". A deterministic split: every 5th image (index % 5 == 0) is held out in
+  ``digits_test``; the rest is ``digits``. Records carry ``answer`` (the digit as a string) for scoring.
+- ``photos``: a few real photos from scikit-image's data module with short captions.
+
+Records are plain dicts in the same schema as files on disk (see :mod:`titan_mm.data.schema`).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+NUM_PARTS = {"text": 16, "digits": 16, "digits_test": 4, "photos": 1}
+
+
+def builtin_num_parts(name: str) -> int:
+    if name not in NUM_PARTS:
+        raise ValueError(f"unknown built-in dataset {name!r}; choose one of {sorted(NUM_PARTS)} (as builtin:<name>)")
+    return NUM_PARTS[name]
+
+
+@lru_cache(maxsize=8)
+def builtin_records(name: str) -> list[dict]:
+    if name == "text":
+        from titan_mm.data.builtin.text import text_corpus
+
+        return [{"text": t} for t in text_corpus()]
+    if name in ("digits", "digits_test"):
+        from titan_mm.data.builtin.images import digits_records
+
+        return digits_records(test=name == "digits_test")
+    if name == "photos":
+        from titan_mm.data.builtin.images import photo_records
+
+        return photo_records()
+    builtin_num_parts(name)  # raises with the list of names
+    return []

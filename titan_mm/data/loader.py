@@ -1,0 +1,314 @@
+"""The data loader: sources -> processor -> best-fit packer -> batches, behind one entry point.
+
+    loader = build_dataloader(cfg.data, dp_rank=r, dp_world=w, seed=cfg.training.seed)
+    for batch in loader:            # dict[str, Tensor] exactly as docs/architecture.md "Batch"
+        ...; m = loader.metrics()   # data_wait_s, samples_per_s, packing_efficiency, skipped/<reason>, ...
+    state = loader.state_dict()     # every source's position + the packer's open rows, per worker
+    loader.load_state_dict(state)   # on a fresh loader: continues with exactly the same batches
+
+Each (dp rank, worker) slot runs its own stream: a weighted mixture over its share of every source,
+each sample parsed (schema.py), processed (processors.py), packed (packing.py) into rows of
+``seq_len`` tokens; a batch is ``batch_size`` rows. Worker processes take turns (StatefulDataLoader's
+round-robin), so the order of batches is fixed by (seed, dp_world, dp_rank, num_workers).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from titan_mm.data.packing import Doc, BestFitPacker, collate_rows, round_up
+from titan_mm.data.processors import Processor, ProcessorConfig
+from titan_mm.data.schema import parse_record
+from titan_mm.data.sources import SkipSample, SourceStream, hash_ints, list_units
+from titan_mm.data.tokenizer import load_tokenizer
+
+log = logging.getLogger("titan_mm.data")
+
+_DEFAULTS: dict[str, Any] = dict(
+    dataset="builtin", mixture={}, seq_len=512, micro_batch_size=2, num_workers=0, tokenizer_path=None,
+    prefetch_factor=2, pin_memory=True, open_rows=32, max_patches_per_row=0, split_long_text=False,
+    chat_template="qwen3_vl", mrope=False, image_min_pixels=65536, image_max_pixels=16777216,
+    video_min_pixels=4096, video_max_pixels=25165824, video_fps=2.0, video_min_frames=4, video_max_frames=768,
+    media_root="", max_error_rate=0.05, error_min_samples=200,
+)
+
+
+def _get(cfg: Any, key: str) -> Any:
+    return getattr(cfg, key, _DEFAULTS[key]) if cfg is not None else _DEFAULTS[key]
+
+
+def resolve_sources(dataset: str, mixture: dict[str, float] | None) -> list[tuple[str, float]]:
+    """[(source spec, weight)] from ``data.mixture`` (if given) or ``data.dataset``."""
+    if mixture:
+        out = []
+        for spec, w in mixture.items():
+            if not (isinstance(w, (int, float)) and w > 0):
+                raise ValueError(f"data.mixture[{spec!r}] = {w!r}: weights must be positive numbers")
+            out.append((_canon(spec), float(w)))
+        return out
+    return [(_canon(s.strip()), 1.0) for s in dataset.split(",") if s.strip()]
+
+
+def _canon(spec: str) -> str:
+    return "builtin:text" if spec == "builtin" else spec
+
+
+@dataclass
+class StreamConfig:
+    """Everything a worker needs (picklable)."""
+    sources: list[tuple[str, float]]
+    seq_len: int
+    batch_size: int
+    dp_rank: int
+    dp_world: int
+    seed: int
+    tokenizer_path: str | None
+    proc: ProcessorConfig
+    open_rows: int = 32
+    max_patches_per_row: int = 0
+    split_long_text: bool = False
+    max_error_rate: float = 0.05
+    error_min_samples: int = 200
+    epochs: int = 0  # 0: cycle forever; N: stop after N epochs of every source (last batch padded)
+    return_sample_ids: bool = False
+    units: list = field(default_factory=list)  # per source, filled by PackedDataset
+
+
+class PackedDataset(IterableDataset):
+    def __init__(self, cfg: StreamConfig):
+        super().__init__()
+        self.cfg = cfg
+        if not cfg.units:
+            cfg.units = [list_units(spec) for spec, _ in cfg.sources]
+
+    def __iter__(self) -> "PackedStream":
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        return PackedStream(self.cfg, wid, nw)
+
+
+class PackedStream:
+    """The iterator of one (rank, worker) slot. Stateful: state_dict() after a batch resumes right after it."""
+
+    def __init__(self, cfg: StreamConfig, worker_id: int, num_workers: int):
+        self.cfg, self.worker_id = cfg, worker_id
+        self.slot = cfg.dp_rank * num_workers + worker_id
+        self.n_slots = cfg.dp_world * num_workers
+        self.tok = load_tokenizer(cfg.tokenizer_path)
+        self.proc = Processor(self.tok, cfg.proc)
+        self.streams = [SourceStream(u, cfg.seed, self.slot, self.n_slots, i, cfg.epochs)
+                        for i, u in enumerate(cfg.units)]
+        self.weights = [w for _, w in cfg.sources]
+        self.packer = BestFitPacker(cfg.seq_len, cfg.open_rows, cfg.max_patches_per_row)
+        self.mix_n = 0
+        self.done = False
+        self.counters: dict[str, int] = {"seen": 0, "samples": 0, "skipped": 0, "batches": 0}
+        self._logged: set = set()
+
+    def __iter__(self):
+        return self
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return {"streams": [s.state_dict() for s in self.streams], "packer": self.packer.state_dict(),
+                "mix_n": self.mix_n, "done": self.done, "counters": dict(self.counters),
+                "slot": self.slot, "n_slots": self.n_slots}
+
+    def load_state_dict(self, s: dict) -> None:
+        if (s["slot"], s["n_slots"]) != (self.slot, self.n_slots):
+            raise ValueError(
+                f"data loader state is for slot {s['slot']} of {s['n_slots']} but this loader is slot {self.slot} "
+                f"of {self.n_slots}; resume with the same dp world size and data.num_workers"
+            )
+        if len(s["streams"]) != len(self.streams):
+            raise ValueError(f"data loader state has {len(s['streams'])} sources, config has {len(self.streams)}; "
+                             "resume with the same data.dataset / data.mixture")
+        for st, ss in zip(self.streams, s["streams"]):
+            st.load_state_dict(ss)
+        self.packer.load_state_dict(s["packer"])
+        self.mix_n, self.done, self.counters = s["mix_n"], s["done"], dict(s["counters"])
+
+    # ---------------------------------------------------------------- iteration
+    def __next__(self) -> dict:
+        B = self.cfg.batch_size
+        while True:
+            rows = self.packer.pop_rows(B)
+            if rows is not None:
+                return self._emit(rows)
+            if self.done:
+                if self.packer.ready:
+                    rows = list(self.packer.ready) + [[] for _ in range(B - len(self.packer.ready))]
+                    self.packer.ready.clear()
+                    return self._emit(rows)
+                raise StopIteration
+            self._pull()
+
+    def _pick(self) -> int | None:
+        live = [i for i, s in enumerate(self.streams) if not s.exhausted]
+        if not live:
+            return None
+        if len(live) == 1:
+            return live[0]
+        u = hash_ints(self.cfg.seed, self.slot, self.mix_n, 77) / 2.0**64
+        self.mix_n += 1
+        tot = sum(self.weights[i] for i in live)
+        acc = 0.0
+        for i in live:
+            acc += self.weights[i] / tot
+            if u < acc:
+                return i
+        return live[-1]
+
+    def _pull(self) -> None:
+        i = self._pick()
+        if i is None:
+            self.packer.flush()
+            self.done = True
+            return
+        got = self.streams[i].next()
+        if got is None:
+            return
+        sid, unit, rec = got
+        self.counters["seen"] += 1
+        try:
+            sample = parse_record(rec)
+            doc = self.proc(sample, rec, unit, sid)
+            if not self.packer.fits(doc):
+                if self.cfg.split_long_text and sample.text is not None and not doc.media:
+                    for d in self._split(doc):
+                        self._add(d)
+                    return
+                raise SkipSample("too_long", f"{len(doc)} tokens / {doc.n_patches} patches > budget "
+                                 f"{self.cfg.seq_len} tokens / {self.cfg.max_patches_per_row or '-'} patches")
+            self._add(doc)
+        except SkipSample as e:
+            self._skip(e.reason, sid, e.detail)
+        except Exception as e:  # a bug or an unforeseen bad input: count it, log it with where it came from
+            self._skip("processing_error", sid, f"{type(e).__name__}: {e}")
+
+    def _add(self, d: Doc) -> None:
+        self.packer.add(d)
+        self.counters["samples"] += 1
+
+    def _split(self, doc: Doc) -> list[Doc]:
+        n = self.cfg.seq_len
+        out = []
+        for a in range(0, len(doc), n):
+            ids = doc.input_ids[a : a + n]
+            lab = doc.labels[a : a + n].copy()
+            lab[-1] = -100
+            out.append(Doc(ids, lab, f"{doc.sample_id}@{a}"))
+        return out
+
+    def _skip(self, reason: str, sid: str, detail: str) -> None:
+        c = self.counters
+        c["skipped"] += 1
+        c["skipped/" + reason] = c.get("skipped/" + reason, 0) + 1
+        key = (reason, sid.split("/", 1)[0])
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("data: skipped sample %s (%s): %s [further skips of this kind from this source are "
+                        "only counted]", sid, reason, detail[:500])
+        if c["seen"] >= self.cfg.error_min_samples and c["skipped"] > self.cfg.max_error_rate * c["seen"]:
+            reasons = {k[8:]: v for k, v in c.items() if k.startswith("skipped/")}
+            raise RuntimeError(
+                f"data: {c['skipped']} of {c['seen']} samples were skipped ({c['skipped'] / c['seen']:.1%} > "
+                f"data.max_error_rate = {self.cfg.max_error_rate:.1%}); by reason: {reasons}; last: {sid}: "
+                f"{detail[:300]}. Fix the data (see the warnings above) or raise data.max_error_rate."
+            )
+
+    def _emit(self, rows: list[list[Doc]]) -> dict:
+        batch = collate_rows(rows, self.cfg.seq_len, self.tok.pad_id, self.cfg.proc.mrope)
+        n_docs = sum(len(r) for r in rows)
+        self.counters["batches"] += 1
+        meta = {"worker": self.worker_id, "counters": dict(self.counters), "n_samples": n_docs,
+                "n_tokens": int(sum(len(d) for r in rows for d in r)), "n_slots": len(rows) * round_up(self.cfg.seq_len)}
+        if self.cfg.return_sample_ids:
+            meta["sample_ids"] = [d.sample_id for r in rows for d in r]
+        batch["_meta"] = meta
+        return batch
+
+
+class TitanDataLoader(StatefulDataLoader):
+    """A StatefulDataLoader that strips the per-batch metadata off each batch and keeps it as metrics."""
+
+    def __init__(self, dataset: PackedDataset, **kw):
+        super().__init__(dataset, batch_size=None, **kw)
+        self._worker_counters: dict[int, dict] = {}
+        self._last: dict[str, Any] = {}
+        self._t_prev: float | None = None
+        self.last_sample_ids: list[str] = []
+
+    def __iter__(self):
+        it = super().__iter__()
+        self._t_prev = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            t1 = time.perf_counter()
+            meta = batch.pop("_meta")
+            self._worker_counters[meta["worker"]] = meta["counters"]
+            dt = max(t1 - (self._t_prev or t0), 1e-9)
+            self._t_prev = t1
+            self.last_sample_ids = meta.get("sample_ids", [])
+            self._last = {"data_wait_s": t1 - t0, "samples_per_s": meta["n_samples"] / dt,
+                          "samples": meta["n_samples"], "tokens": meta["n_tokens"],
+                          "packing_efficiency": meta["n_tokens"] / max(1, meta["n_slots"])}
+            yield batch
+
+    def metrics(self) -> dict[str, float]:
+        """Metrics of the last batch plus running totals over this rank's workers: data_wait_s,
+        samples_per_s, samples, tokens, packing_efficiency (non-pad fraction), samples_seen,
+        samples_packed, skipped (total) and skipped/<reason> (malformed_json, missing_media, corrupt_image,
+        bad_video, bad_audio, unreadable_shard, too_long, unknown_modality, bad_schema, empty, ...)."""
+        out = dict(self._last)
+        tot: dict[str, int] = {}
+        for c in self._worker_counters.values():
+            for k, v in c.items():
+                tot[k] = tot.get(k, 0) + v
+        out["samples_seen"] = tot.get("seen", 0)
+        out["samples_packed"] = tot.get("samples", 0)
+        out["skipped"] = tot.get("skipped", 0)
+        out.update({k: v for k, v in tot.items() if k.startswith("skipped/")})
+        return out
+
+
+def build_dataloader(cfg: Any = None, *, dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
+                     batch_size: int | None = None, seq_len: int | None = None, num_workers: int | None = None,
+                     mrope: bool | None = None, tokenizer_path: str | None = None, epochs: int = 0,
+                     return_sample_ids: bool = False) -> TitanDataLoader:
+    """Build the rank's loader from the ``[data]`` config section (titan_mm.config.Data, or any object with
+    those attributes; missing ones take the defaults). Keyword arguments override the config."""
+    if not 0 <= dp_rank < dp_world:
+        raise ValueError(f"dp_rank must be in [0, dp_world), got rank {dp_rank} of {dp_world}")
+    seq_len = seq_len or _get(cfg, "seq_len")
+    B = batch_size or _get(cfg, "micro_batch_size")
+    nw = _get(cfg, "num_workers") if num_workers is None else num_workers
+    proc = ProcessorConfig(
+        chat_template=_get(cfg, "chat_template"), mrope=_get(cfg, "mrope") if mrope is None else mrope,
+        **{k: _get(cfg, k) for k in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels",
+                                      "video_fps", "video_min_frames", "video_max_frames", "media_root")},
+    )
+    scfg = StreamConfig(
+        sources=resolve_sources(_get(cfg, "dataset"), _get(cfg, "mixture")), seq_len=seq_len, batch_size=B,
+        dp_rank=dp_rank, dp_world=dp_world, seed=seed, tokenizer_path=tokenizer_path or _get(cfg, "tokenizer_path"),
+        proc=proc, open_rows=_get(cfg, "open_rows"), max_patches_per_row=_get(cfg, "max_patches_per_row"),
+        split_long_text=_get(cfg, "split_long_text"), max_error_rate=_get(cfg, "max_error_rate"),
+        error_min_samples=_get(cfg, "error_min_samples"), epochs=epochs, return_sample_ids=return_sample_ids,
+    )
+    ds = PackedDataset(scfg)
+    kw: dict[str, Any] = dict(num_workers=nw, pin_memory=bool(_get(cfg, "pin_memory")) and torch.cuda.is_available())
+    if nw > 0:
+        kw.update(prefetch_factor=_get(cfg, "prefetch_factor"), persistent_workers=False,
+                  multiprocessing_context="spawn" if torch.cuda.is_initialized() else None)
+    return TitanDataLoader(ds, **kw)

@@ -1,0 +1,174 @@
+"""Online best-fit packing of processed documents into fixed-length rows, and batch collation.
+
+Legend: B rows per batch, S tokens per row (the budget rounded up to a multiple of 16), L doc length.
+
+A :class:`Doc` is one processed sample: token ids, labels already shifted inside the document
+(``labels[t]`` is the target for token ``t``; -100 on prompt tokens and on the doc's last token),
+optional 3-D M-RoPE positions (VL) and its media tensors. The :class:`BestFitPacker` keeps up to
+``open_rows`` partially filled rows; each new doc goes to the open row it fills best (least room left
+after it); among rows that fit almost equally well (within 1% of the budget) it picks the one with the
+smallest sum of squared doc lengths, which balances attention cost (sum of L^2) across rows. A row whose
+vision-patch count would exceed ``max_patches_per_row`` is not considered. When no open row fits and
+all are in use, the fullest one is closed. Closed rows wait in ``ready`` until a batch of B is full.
+The packer's open rows and ready rows are part of the loader state (pickled), so resume loses nothing.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+PAD_MULTIPLE = 16
+
+
+def round_up(x: int, m: int = PAD_MULTIPLE) -> int:
+    return (x + m - 1) // m * m
+
+
+@dataclass
+class Doc:
+    input_ids: np.ndarray  # [L] int64
+    labels: np.ndarray  # [L] int64, shifted within the doc
+    sample_id: str = ""
+    positions: np.ndarray | None = None  # [3, L] int64 M-RoPE positions (start at 0); None: arange(L)
+    media: dict = field(default_factory=dict)  # key -> list[np.ndarray] (pixel_values, image_grid_thw, ...)
+    n_patches: int = 0  # vision patches (before merge) this doc feeds to the vision tower
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class _Row:
+    __slots__ = ("docs", "used", "patches", "sumsq")
+
+    def __init__(self):
+        self.docs: list[Doc] = []
+        self.used = 0
+        self.patches = 0
+        self.sumsq = 0
+
+    def add(self, d: Doc) -> None:
+        self.docs.append(d)
+        self.used += len(d)
+        self.patches += d.n_patches
+        self.sumsq += len(d) ** 2
+
+
+class BestFitPacker:
+    def __init__(self, budget: int, open_rows: int = 32, max_patches_per_row: int = 0):
+        if budget < 1:
+            raise ValueError(f"packing budget must be >= 1 token, got {budget}")
+        self.budget = budget
+        self.open_rows = max(1, open_rows)
+        self.max_patches_per_row = max_patches_per_row
+        self.open: list[_Row] = []
+        self.ready: deque[list[Doc]] = deque()
+
+    def fits(self, d: Doc) -> bool:
+        """Whether a doc can ever be packed (tokens and vision patches within one row's limits)."""
+        if len(d) > self.budget:
+            return False
+        return not (self.max_patches_per_row and d.n_patches > self.max_patches_per_row)
+
+    def add(self, d: Doc) -> None:
+        n = len(d)
+        best, best_key = None, None
+        slack = max(1, self.budget // 100)
+        for i, r in enumerate(self.open):
+            room = self.budget - r.used - n
+            if room < 0:
+                continue
+            if self.max_patches_per_row and r.patches + d.n_patches > self.max_patches_per_row:
+                continue
+            key = (room // slack, r.sumsq, i)
+            if best_key is None or key < best_key:
+                best, best_key = i, key
+        if best is None:
+            if len(self.open) >= self.open_rows:
+                j = min(range(len(self.open)), key=lambda k: (self.budget - self.open[k].used, k))
+                self.ready.append(self.open.pop(j).docs)
+            r = _Row()
+            r.add(d)
+            self.open.append(r)
+            best = len(self.open) - 1
+        else:
+            self.open[best].add(d)
+        if self.open[best].used == self.budget:
+            self.ready.append(self.open.pop(best).docs)
+
+    def flush(self) -> None:
+        """Close every open row (end of a finite stream)."""
+        for r in self.open:
+            self.ready.append(r.docs)
+        self.open = []
+
+    def pop_rows(self, n: int) -> list[list[Doc]] | None:
+        if len(self.ready) < n:
+            return None
+        return [self.ready.popleft() for _ in range(n)]
+
+    def state_dict(self) -> bytes:
+        return pickle.dumps(([r.docs for r in self.open], list(self.ready)), protocol=4)
+
+    def load_state_dict(self, blob: bytes) -> None:
+        open_docs, ready = pickle.loads(blob)
+        self.open = []
+        for docs in open_docs:
+            r = _Row()
+            for d in docs:
+                r.add(d)
+            self.open.append(r)
+        self.ready = deque(ready)
+
+
+def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool) -> dict[str, torch.Tensor]:
+    """Build the contract batch (docs/architecture.md, "Batch") from packed rows.
+
+    Rows are padded to ``S = round_up(seq_len, 16)``. ``cu_seqlens`` runs over the flattened B*S tokens:
+    every doc is a segment, and each row's padding is one more trailing segment. ``max_seqlen`` is the
+    longest segment (docs and padding alike), so varlen kernels given it never under-size a tile.
+    """
+    B, S = len(rows), round_up(seq_len)
+    ids = np.full((B, S), pad_id, dtype=np.int64)
+    labels = np.full((B, S), IGNORE_INDEX, dtype=np.int64)
+    doc_ids = np.full((B, S), -1, dtype=np.int32)
+    pos = np.zeros((3, B, S) if mrope else (B, S), dtype=np.int64)
+    seg = [0]
+    media: dict[str, list[np.ndarray]] = {}
+    for b, docs in enumerate(rows):
+        t = 0
+        for k, d in enumerate(docs):
+            n = len(d)
+            ids[b, t : t + n] = d.input_ids
+            labels[b, t : t + n] = d.labels
+            doc_ids[b, t : t + n] = k
+            if mrope:
+                pos[:, b, t : t + n] = d.positions if d.positions is not None else np.arange(n)
+            else:
+                pos[b, t : t + n] = d.positions[0] if d.positions is not None else np.arange(n)
+            seg.append(n)
+            t += n
+            for key, arrs in d.media.items():
+                media.setdefault(key, []).extend(arrs)
+        if t > S:
+            raise AssertionError(f"packed row holds {t} tokens > row length {S} (packer bug)")
+        if t < S:
+            seg.append(S - t)
+    cu = np.cumsum(np.asarray(seg, dtype=np.int64)).astype(np.int32)
+    batch = {
+        "input_ids": torch.from_numpy(ids),
+        "labels": torch.from_numpy(labels),
+        "position_ids": torch.from_numpy(pos),
+        "doc_ids": torch.from_numpy(doc_ids),
+        "cu_seqlens": torch.from_numpy(cu),
+        "max_seqlen": torch.tensor(max(seg[1:]) if len(seg) > 1 else 0, dtype=torch.int64),
+        "num_label_tokens": torch.tensor(int((labels != IGNORE_INDEX).sum()), dtype=torch.int64),
+    }
+    for key, arrs in media.items():
+        batch[key] = torch.from_numpy(np.concatenate(arrs, axis=0))
+    return batch

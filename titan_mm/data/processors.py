@@ -1,0 +1,199 @@
+"""Processors: a parsed :class:`~titan_mm.data.schema.Sample` -> a packed-ready :class:`~titan_mm.data.packing.Doc`.
+
+Text: ``tokens + <|endoftext|>``, every token a target. Chat: the Qwen3 chat template, labels only on
+assistant turns (their content and the closing ``<|im_end|>``). Media: see :mod:`titan_mm.data.vision`
+(images and video the Qwen3-VL way) and :mod:`titan_mm.data.audio` (16 kHz log-mel).
+
+Two chat templates:
+- ``qwen3_vl`` (default): Qwen3-VL Instruct's template; media parts render as
+  ``<|vision_start|><|image_pad|><|vision_end|>`` (one pad per merged patch after expansion).
+- ``qwen3``: Qwen3's hybrid-thinking template; the last assistant turn after the last user query gets
+  an (empty unless given) ``<think>...</think>`` block, exactly as HF's ``apply_chat_template`` renders it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from titan_mm.data.packing import IGNORE_INDEX, Doc
+from titan_mm.data.schema import Sample
+from titan_mm.data.sources import SkipSample, Unit, media_bytes
+from titan_mm.data.tokenizer import Tokenizer
+
+
+@dataclass
+class ProcessorConfig:
+    chat_template: str = "qwen3_vl"
+    mrope: bool = False  # emit 3-D M-RoPE positions per doc
+    image_min_pixels: int = 65536
+    image_max_pixels: int = 16777216
+    video_min_pixels: int = 4096
+    video_max_pixels: int = 25165824
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    audio_sample_rate: int = 16000
+    audio_n_mels: int = 128
+    media_root: str = ""
+
+
+def shift_labels(ids: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """labels[t] = ids[t+1] where token t+1 is a target, else -100; the last token gets -100."""
+    labels = np.full(ids.shape[0], IGNORE_INDEX, dtype=np.int64)
+    nxt = target[1:]
+    labels[:-1][nxt] = ids[1:][nxt]
+    return labels
+
+
+class Processor:
+    def __init__(self, tokenizer: Tokenizer, cfg: ProcessorConfig | None = None):
+        self.tok = tokenizer
+        self.cfg = cfg or ProcessorConfig()
+        if self.cfg.chat_template not in ("qwen3", "qwen3_vl"):
+            raise ValueError(f"data.chat_template must be 'qwen3' or 'qwen3_vl', got {self.cfg.chat_template!r}")
+
+    # ------------------------------------------------------------------ text
+    def text_doc(self, text: str, sample_id: str = "") -> Doc:
+        ids = np.asarray(self.tok.encode(text) + [self.tok.endoftext_id], dtype=np.int64)
+        target = np.ones(ids.shape[0], dtype=bool)
+        return self._finish(ids, target, sample_id, [], [])
+
+    # ------------------------------------------------------------------ chat
+    def render(self, sample: Sample, add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]], list]:
+        """Render a chat to (text with one pad per media item, assistant char spans, media parts in order)."""
+        msgs = sample.messages or []
+        out: list[str] = []
+        spans: list[tuple[int, int]] = []
+        media: list = []
+        pos = 0
+
+        def emit(s: str) -> None:
+            nonlocal pos
+            out.append(s)
+            pos += len(s)
+
+        def content_str(parts) -> str:
+            s = []
+            for p in parts:
+                if p.type == "text":
+                    s.append(p.text)
+                elif p.type == "image":
+                    s.append("<|vision_start|><|image_pad|><|vision_end|>")
+                    media.append(p)
+                elif p.type == "video":
+                    s.append("<|vision_start|><|video_pad|><|vision_end|>")
+                    media.append(p)
+                elif p.type == "audio":
+                    if self.tok.audio_pad_id is None:
+                        raise SkipSample("unknown_modality", "audio part, but the tokenizer has no <|audio_pad|> "
+                                         "token (audio needs an Omni tokenizer)")
+                    s.append("<|audio_start|><|audio_pad|><|audio_end|>")
+                    media.append(p)
+                else:
+                    raise SkipSample("unknown_modality", f"part type {p.type!r}")
+            return "".join(s)
+
+        qwen3 = self.cfg.chat_template == "qwen3"
+        last_query = len(msgs) - 1
+        for i in range(len(msgs) - 1, -1, -1):
+            if msgs[i].role == "user":
+                last_query = i
+                break
+        for i, m in enumerate(msgs):
+            c = content_str(m.parts)
+            if m.role in ("user", "system", "tool"):
+                role = "user" if m.role == "tool" else m.role
+                if m.role == "tool":
+                    c = f"<tool_response>\n{c}\n</tool_response>"
+                emit(f"<|im_start|>{role}\n{c}<|im_end|>\n")
+            elif m.role == "assistant":
+                emit("<|im_start|>assistant\n")
+                start = pos
+                if qwen3:
+                    reasoning = ""
+                    if "</think>" in c:
+                        reasoning = c.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                        c = c.split("</think>")[-1].lstrip("\n")
+                    if i > last_query and (i == len(msgs) - 1 or reasoning):
+                        c = "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + c.lstrip("\n")
+                emit(c + "<|im_end|>")
+                spans.append((start, pos))
+                emit("\n")
+        if add_generation_prompt:
+            emit("<|im_start|>assistant\n")
+        return "".join(out), spans, media
+
+    def chat_doc(self, sample: Sample, rec: dict | None = None, unit: Unit | None = None,
+                 sample_id: str = "") -> Doc:
+        text, spans, media = self.render(sample)
+        if not spans:
+            raise SkipSample("empty", "chat without an assistant turn (nothing to learn)")
+        enc = self.tok._tok.encode(text, add_special_tokens=False)
+        ids = np.asarray(enc.ids, dtype=np.int64)
+        starts = np.asarray([o[0] for o in enc.offsets], dtype=np.int64)
+        target = np.zeros(ids.shape[0], dtype=bool)
+        for a, b in spans:
+            target |= (starts >= a) & (starts < b)
+        return self._expand_media(ids, target, media, rec or {}, unit, sample_id)
+
+    def _expand_media(self, ids, target, media, rec, unit, sample_id) -> Doc:
+        if not media:
+            return self._finish(ids, target, sample_id, [], [])
+        from titan_mm.data import vision
+
+        pad_ids = {self.tok.image_pad_id, self.tok.video_pad_id, self.tok.audio_pad_id} - {None}
+        where = [i for i, t in enumerate(ids.tolist()) if t in pad_ids]
+        if len(where) != len(media):
+            raise SkipSample("bad_schema", "the text itself contains <|image_pad|>/<|video_pad|> tokens")
+        pieces_ids, pieces_tgt, items = [], [], []
+        prev = 0
+        for w, part in zip(where, media):
+            pieces_ids.append(ids[prev:w])
+            pieces_tgt.append(target[prev:w])
+            payload = media_bytes(part.ref, rec, unit, self.cfg.media_root) if unit is not None else part.ref
+            if part.type == "image":
+                item = vision.process_image(payload, self.cfg)
+                tok = np.full(item.n_tokens, self.tok.image_pad_id, dtype=np.int64)
+            elif part.type == "video":
+                item = vision.process_video(payload, self.cfg)
+                tok = vision.video_placeholder_ids(item, self.tok)
+                # the template's <|vision_start|> ... <|vision_end|> around the pad are replaced per frame group
+                pieces_ids[-1] = pieces_ids[-1][:-1]
+                pieces_tgt[-1] = pieces_tgt[-1][:-1]
+                w += 1
+            else:
+                from titan_mm.data import audio
+
+                item = audio.process_audio(payload, self.cfg)
+                tok = np.full(item.n_tokens, self.tok.audio_pad_id, dtype=np.int64)
+            items.append(item)
+            pieces_ids.append(tok)
+            pieces_tgt.append(np.zeros(tok.shape[0], dtype=bool))
+            prev = w + 1
+        pieces_ids.append(ids[prev:])
+        pieces_tgt.append(target[prev:])
+        ids = np.concatenate(pieces_ids)
+        target = np.concatenate(pieces_tgt)
+        return self._finish(ids, target, sample_id, items, media)
+
+    def _finish(self, ids, target, sample_id, items, media) -> Doc:
+        doc = Doc(ids, shift_labels(ids, target), sample_id)
+        for it in items:
+            for k, v in it.tensors.items():
+                doc.media.setdefault(k, []).append(v)
+            doc.n_patches += it.n_patches
+        if self.cfg.mrope:
+            from titan_mm.data.vision import mrope_positions
+
+            doc.positions = mrope_positions(ids, items, self.tok, self.cfg)
+        return doc
+
+    def __call__(self, sample: Sample, rec: dict | None = None, unit: Unit | None = None, sample_id: str = "") -> Doc:
+        if sample.text is not None:
+            return self.text_doc(sample.text, sample_id)
+        return self.chat_doc(sample, rec, unit, sample_id)

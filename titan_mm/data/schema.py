@@ -1,0 +1,156 @@
+"""Sample schema: plain text, or OpenAI-style chat messages mixing text / image / video / audio parts.
+
+Accepted record layouts (one JSON object per JSONL line, Parquet row, or tar ``.json`` member):
+
+    {"text": "a pretraining document"}
+    {"messages": [
+        {"role": "system", "content": "You are ..."},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "imgs/0001.jpg"}},   # OpenAI / lmms-engine
+            {"type": "image", "image": "https://.../a.png"},                 # HF processor style
+            {"type": "video_url", "video_url": {"url": "clips/a.mp4"}},
+            {"type": "audio_url", "audio_url": {"url": "a.wav"}},
+            {"type": "text", "text": "What is shown?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
+    {"conversations": [{"from": "human", "value": "<image>\\nWhat is it?"}, {"from": "gpt", "value": "A cat."}],
+     "image": "imgs/0001.jpg"}                                            # LLaVA style
+
+A media reference is a relative path (to ``media_root`` or the shard's folder), an absolute path or URL,
+a ``data:`` URI, raw bytes (Parquet binary column), ``{"bytes": ...}``, or the name of a member of the
+same tar shard. An unknown part type is skipped with reason ``unknown_modality``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from titan_mm.data.sources import SkipSample
+
+MEDIA_TYPES = {
+    "image": "image", "image_url": "image", "input_image": "image",
+    "video": "video", "video_url": "video",
+    "audio": "audio", "audio_url": "audio", "input_audio": "audio",
+}
+ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "model": "assistant",
+         "system": "system", "tool": "tool"}
+
+
+@dataclass
+class Part:
+    type: str  # "text" | "image" | "video" | "audio"
+    text: str = ""
+    ref: Any = None  # media reference (path / URL / bytes / dict)
+
+
+@dataclass
+class Message:
+    role: str
+    parts: list[Part] = field(default_factory=list)
+
+
+@dataclass
+class Sample:
+    text: str | None = None  # plain pretraining text
+    messages: list[Message] | None = None
+
+    @property
+    def modalities(self) -> set[str]:
+        return {p.type for m in self.messages or [] for p in m.parts}
+
+
+def _media_ref(part: dict, kind: str) -> Any:
+    for key in (part["type"], kind, f"{kind}_url", "url", "path", "data", "bytes"):
+        v = part.get(key)
+        if v is not None:
+            if isinstance(v, dict) and key == "input_audio":
+                return v.get("data")
+            return v
+    raise SkipSample("bad_schema", f"{kind} part without a reference: {part!r}"[:300])
+
+
+def _parse_content(content: Any, where: str) -> list[Part]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [Part("text", content)]
+    if isinstance(content, dict):
+        content = [content]
+    if not isinstance(content, list):
+        raise SkipSample("bad_schema", f"{where}: content must be a string or a list of parts")
+    parts = []
+    for p in content:
+        if isinstance(p, str):
+            parts.append(Part("text", p))
+            continue
+        t = p.get("type") if isinstance(p, dict) else None
+        if t == "text":
+            parts.append(Part("text", str(p.get("text", ""))))
+        elif t in MEDIA_TYPES:
+            kind = MEDIA_TYPES[t]
+            parts.append(Part(kind, ref=_media_ref(p, kind)))
+        else:
+            raise SkipSample("unknown_modality", f"{where}: part type {t!r} (known: text, {', '.join(MEDIA_TYPES)})")
+    return parts
+
+
+def _from_llava(rec: dict) -> list[Message]:
+    media = {"image": [], "video": []}
+    for kind in ("image", "video"):
+        v = rec.get(kind, rec.get(kind + "s"))
+        if v is not None:
+            media[kind] = v if isinstance(v, list) else [v]
+    msgs = []
+    used = {"image": 0, "video": 0}
+    for i, turn in enumerate(rec["conversations"]):
+        role = ROLES.get(str(turn.get("from", turn.get("role", ""))).lower())
+        if role is None:
+            raise SkipSample("bad_schema", f"conversations[{i}]: unknown speaker {turn.get('from')!r}")
+        text = str(turn.get("value", turn.get("content", "")))
+        parts: list[Part] = []
+        while True:
+            cut = [(text.find(f"<{k}>"), k) for k in ("image", "video") if f"<{k}>" in text]
+            if not cut:
+                break
+            pos, k = min(cut)
+            if pos:
+                parts.append(Part("text", text[:pos]))
+            if used[k] >= len(media[k]):
+                raise SkipSample("bad_schema", f"conversations[{i}]: more <{k}> tags than {k}s given")
+            parts.append(Part(k, ref=media[k][used[k]]))
+            used[k] += 1
+            text = text[pos + len(k) + 2 :].lstrip("\n")
+        if text:
+            parts.append(Part("text", text))
+        msgs.append(Message(role, parts))
+    return msgs
+
+
+def parse_record(rec: Any) -> Sample:
+    """Normalize one record into a :class:`Sample`; raises SkipSample for unusable records."""
+    if isinstance(rec, SkipSample):
+        raise rec
+    if not isinstance(rec, dict):
+        raise SkipSample("bad_schema", f"a record must be an object, got {type(rec).__name__}")
+    if "messages" in rec:
+        msgs = []
+        if not isinstance(rec["messages"], list):
+            raise SkipSample("bad_schema", "'messages' must be a list")
+        for i, m in enumerate(rec["messages"]):
+            if not isinstance(m, dict):
+                raise SkipSample("bad_schema", f"messages[{i}] must be an object")
+            role = ROLES.get(str(m.get("role", "")).lower())
+            if role is None:
+                raise SkipSample("bad_schema", f"messages[{i}]: unknown role {m.get('role')!r}")
+            msgs.append(Message(role, _parse_content(m.get("content"), f"messages[{i}]")))
+        if not msgs:
+            raise SkipSample("empty", "no messages")
+        return Sample(messages=msgs)
+    if "conversations" in rec:
+        return Sample(messages=_from_llava(rec))
+    if "text" in rec:
+        if not isinstance(rec["text"], str) or not rec["text"]:
+            raise SkipSample("empty", "'text' is empty or not a string")
+        return Sample(text=rec["text"])
+    keys = sorted(k for k in rec if not k.startswith("__"))
+    raise SkipSample("bad_schema", f"record has none of 'text', 'messages', 'conversations' (keys: {keys[:8]})")
