@@ -1,0 +1,181 @@
+"""Generic HF safetensors IO: read a local HF directory, check names/shapes, write (sharded) safetensors.
+
+Model families provide pure name maps (``hf_to_titan(sd, cfg)`` / ``titan_to_hf(sd, cfg)``); this module
+does the files and the checks, so every family reports problems the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+
+import torch
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class HFCheckpointError(ValueError):
+    """A local HF directory does not match the model (names, shapes, model_type, files)."""
+
+
+def read_hf_config(hf_dir: str | os.PathLike) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise HFCheckpointError(f"{path} not found: an HF model directory needs config.json next to its safetensors")
+    with open(path) as f:
+        return json.load(f)
+
+
+def safetensors_files(hf_dir: str | os.PathLike) -> dict[str, str]:
+    """tensor name -> file path, from model.safetensors.index.json, model.safetensors, or all *.safetensors."""
+    hf_dir = os.fspath(hf_dir)
+    idx = os.path.join(hf_dir, INDEX_NAME)
+    if os.path.isfile(idx):
+        with open(idx) as f:
+            wm = json.load(f)["weight_map"]
+        out = {k: os.path.join(hf_dir, v) for k, v in wm.items()}
+        for p in sorted(set(out.values())):
+            if not os.path.isfile(p):
+                raise HFCheckpointError(f"{INDEX_NAME} in {hf_dir} names {os.path.basename(p)}, which is missing; "
+                                        "re-download the checkpoint")
+        return out
+    files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise HFCheckpointError(f"no *.safetensors in {hf_dir} (.bin checkpoints are not read: convert them "
+                                "with transformers' save_pretrained(safe_serialization=True))")
+    from safetensors import safe_open
+
+    out: dict[str, str] = {}
+    for fn in files:
+        with safe_open(os.path.join(hf_dir, fn), framework="pt") as f:
+            for k in f.keys():
+                out[k] = os.path.join(hf_dir, fn)
+    return out
+
+
+def read_safetensors(hf_dir: str | os.PathLike, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Read tensors (all, or ``names``) from a local HF directory onto CPU."""
+    from safetensors import safe_open
+
+    where = safetensors_files(hf_dir)
+    wanted = list(where) if names is None else list(names)
+    by_file: dict[str, list[str]] = {}
+    for n in wanted:
+        if n not in where:
+            raise HFCheckpointError(f"tensor {n!r} not found in {hf_dir}")
+        by_file.setdefault(where[n], []).append(n)
+    out: dict[str, torch.Tensor] = {}
+    for path, ns in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for n in ns:
+                out[n] = f.get_tensor(n)
+    return out
+
+
+def safetensors_shapes(hf_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """tensor name -> shape without reading the data."""
+    from safetensors import safe_open
+
+    where = safetensors_files(hf_dir)
+    out: dict[str, tuple[int, ...]] = {}
+    for path in sorted(set(where.values())):
+        with safe_open(path, framework="pt") as f:
+            for n in f.keys():
+                out[n] = tuple(f.get_slice(n).get_shape())
+    return out
+
+
+def check_tensors(
+    got: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, tuple[int, ...]],
+    where: str,
+    hint: str = "",
+    allow_extra: Iterable[str] = (),
+    describe=lambda name: name,
+) -> None:
+    """Raise HFCheckpointError naming every missing, unexpected and mis-shaped tensor
+    (``describe(name)`` turns a name into what the user should look for, e.g. its HF name)."""
+    allow = set(allow_extra)
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected) - allow)
+    bad = sorted(k for k in set(got) & set(expected) if tuple(got[k]) != tuple(expected[k]))
+    if not (missing or extra or bad):
+        return
+    lines = [f"checkpoint {where} does not match the model:"]
+    if missing:
+        lines.append(f"  missing {len(missing)} tensor(s): {', '.join(map(describe, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
+    if extra:
+        lines.append(f"  unexpected {len(extra)} tensor(s): {', '.join(map(describe, extra[:20]))}{' ...' if len(extra) > 20 else ''}")
+    for k in bad[:20]:
+        lines.append(f"  wrong shape for {describe(k)}: checkpoint {tuple(got[k])}, model expects {tuple(expected[k])}")
+    lines.append(hint or "check that config.json matches the weights (same model size / flavor) and that the "
+                 "download is complete")
+    raise HFCheckpointError("\n".join(lines))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def write_safetensors(
+    state_dict: Mapping[str, torch.Tensor], out_dir: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3
+) -> list[str]:
+    """Write HF-named tensors as model.safetensors, or model-0000i-of-0000n.safetensors + index.json when
+    larger than ``max_shard_bytes``. Returns the file names written."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k in sorted(state_dict):
+        t = state_dict[k].detach().to("cpu").contiguous()
+        if shards[-1] and size + _nbytes(t) > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += _nbytes(t)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, SINGLE_NAME), metadata={"format": "pt"})
+        stale = os.path.join(out_dir, INDEX_NAME)
+        if os.path.exists(stale):
+            os.remove(stale)
+        return [SINGLE_NAME]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fn, shard in zip(names, shards):
+        save_file(shard, os.path.join(out_dir, fn), metadata={"format": "pt"})
+        weight_map.update({k: fn for k in shard})
+    total = sum(_nbytes(t) for t in state_dict.values())
+    with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names
+
+
+def write_config(cfg_dict: dict, out_dir: str | os.PathLike) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg_dict, f, indent=2, sort_keys=True)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU state dict; collective when the model holds DTensors (call on every rank)."""
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def load_full_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Load full tensors (titan names) into a plain, meta or FSDP-sharded model (strict)."""
+    params = list(model.parameters())
+    if any(type(p).__name__ == "DTensor" for p in params):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
+    elif any(p.is_meta for p in params):
+        model.load_state_dict(sd, strict=True, assign=True)
+    else:
+        model.load_state_dict(sd, strict=True)

@@ -1,0 +1,30 @@
+"""SwiGLU feed-forward.
+
+Legend: N tokens (any leading dims), D model dim, F hidden dim. w1 = gate, w3 = up, w2 = down
+(nn.Linear layout: weight [out, in]).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def swiglu(x_ND: torch.Tensor, w1_FD: torch.Tensor, w3_FD: torch.Tensor, w2_DF: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x_ND, w1_FD)) * F.linear(x_ND, w3_FD), w2_DF)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def reset_parameters(self, std: float) -> None:
+        for lin in (self.w1, self.w3, self.w2):
+            nn.init.normal_(lin.weight, mean=0.0, std=std)

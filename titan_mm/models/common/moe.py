@@ -1,0 +1,119 @@
+"""Mixture of experts: softmax top-k router, grouped SwiGLU experts, HF load-balancing loss.
+
+Legend: N tokens (flattened B*S), D model dim, F expert hidden dim, E experts, K top-k,
+A = N*K token->expert assignments (sorted by expert).
+
+Expert weights are stacked (torchtitan layout, nn.Linear [out, in] per expert):
+  w1 [E, F, D] (gate), w3 [E, F, D] (up), w2 [E, D, F] (down).
+On CUDA with bf16 the experts run as two/three ``torch._grouped_mm`` calls with group offsets computed on
+device (no host sync). Elsewhere (CPU, fp32) a loop over experts is used, exact in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def route(x_ND: torch.Tensor, router_w_ED: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """-> probs_NE (fp32 softmax), top_w_NK (in x dtype), top_i_NK (int64). Same math as HF Qwen3MoeTopKRouter."""
+    logits_NE = F.linear(x_ND, router_w_ED)
+    probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
+    top_w_NK, top_i_NK = torch.topk(probs_NE, top_k, dim=-1)
+    if norm_topk_prob:
+        top_w_NK = top_w_NK / top_w_NK.sum(dim=-1, keepdim=True)
+    return probs_NE, top_w_NK.to(logits_NE.dtype), top_i_NK
+
+
+def _use_grouped_mm(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+def grouped_swiglu(
+    x_AD: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU of each expert over its contiguous group of rows (rows sorted by expert, ``counts_E`` per group)."""
+    if _use_grouped_mm(x_AD):
+        offs = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        w1, w3, w2 = (w.to(torch.bfloat16) for w in (w1_EFD, w3_EFD, w2_EDF))
+        h1 = torch._grouped_mm(x_AD, w1.transpose(-2, -1), offs=offs)
+        h3 = torch._grouped_mm(x_AD, w3.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(F.silu(h1) * h3, w2.transpose(-2, -1), offs=offs).to(x_AD.dtype)
+    # Fallback (CPU / fp32): a loop over experts; reads the group sizes on the host.
+    outs = []
+    for e, x_e in enumerate(torch.split(x_AD, counts_E.tolist(), dim=0)):
+        outs.append(F.linear(F.silu(F.linear(x_e, w1_EFD[e])) * F.linear(x_e, w3_EFD[e]), w2_EDF[e]))
+    return torch.cat(outs, dim=0)
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x_ND: torch.Tensor, top_w_NK: torch.Tensor, top_i_NK: torch.Tensor) -> torch.Tensor:
+        N, K = top_i_NK.shape
+        E = self.num_experts
+        flat_e_A = top_i_NK.reshape(-1)
+        order_A = torch.argsort(flat_e_A, stable=True)
+        tok_A = order_A // K
+        counts_E = torch.zeros(E, dtype=torch.int64, device=x_ND.device).scatter_add_(
+            0, flat_e_A, torch.ones_like(flat_e_A)
+        )
+        y_AD = grouped_swiglu(x_ND[tok_A], counts_E, self.w1, self.w3, self.w2)
+        y_AD = y_AD * top_w_NK.reshape(-1)[order_A, None]
+        # index_add in expert order: per token, contributions are summed in increasing expert id (as HF).
+        return torch.zeros_like(x_ND).index_add_(0, tok_A, y_AD.to(x_ND.dtype))
+
+    def reset_parameters(self, std: float) -> None:
+        for w in (self.w1, self.w3, self.w2):
+            nn.init.normal_(w, mean=0.0, std=std)
+
+
+def aux_stats(probs_NE: torch.Tensor, top_i_NK: torch.Tensor, valid_N: torch.Tensor | None) -> torch.Tensor:
+    """Per-layer load-balancing statistics [2, E] fp32: (top-k assignment counts, router prob sums), padding excluded."""
+    E = probs_NE.shape[-1]
+    K = top_i_NK.shape[-1]
+    w_N = (
+        torch.ones(probs_NE.shape[0], dtype=torch.float32, device=probs_NE.device)
+        if valid_N is None
+        else valid_N.to(torch.float32)
+    )
+    counts = torch.zeros(E, dtype=torch.float32, device=probs_NE.device).scatter_add_(
+        0, top_i_NK.reshape(-1), w_N.repeat_interleave(K)
+    )
+    psum = (probs_NE.float() * w_N[:, None]).sum(0)
+    return torch.stack([counts, psum])
+
+
+def load_balancing_loss(stats_2E: torch.Tensor, rows: torch.Tensor | float, num_experts: int) -> torch.Tensor:
+    """HF load_balancing_loss_func from statistics summed over MoE layers; ``rows`` = layers * valid tokens."""
+    tokens_per_expert = stats_2E[0] / rows
+    prob_per_expert = stats_2E[1] / rows
+    return (tokens_per_expert * prob_per_expert).sum() * num_experts
+
+
+class MoE(nn.Module):
+    """Router + grouped experts. forward -> (y_BSD, aux stats [2, E])."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.num_experts = top_k, norm_topk_prob, num_experts
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+
+    def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None):
+        B, S, D = x_BSD.shape
+        x_ND = x_BSD.reshape(-1, D)
+        probs_NE, top_w_NK, top_i_NK = route(x_ND, self.router.weight, self.top_k, self.norm_topk_prob)
+        y_ND = self.experts(x_ND, top_w_NK, top_i_NK)
+        stats = aux_stats(probs_NE, top_i_NK, None if valid_BS is None else valid_BS.reshape(-1))
+        return y_ND.view(B, S, D), stats
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.router.weight, mean=0.0, std=std)
+        self.experts.reset_parameters(std)

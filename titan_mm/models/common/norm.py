@@ -1,0 +1,36 @@
+"""RMSNorm as a pure function plus a parameter container.
+
+Legend: x_*D = any leading dims, last dim D (normalized); w_D = scale weight.
+Numerics follow HF Qwen3RMSNorm exactly: normalize in fp32, cast back to the input dtype, then scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def rms_norm(x_ND: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = w * (x / sqrt(mean(x^2) + eps)); the normalization runs in fp32 and is cast back before scaling."""
+    in_dtype = x_ND.dtype
+    x32 = x_ND.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return w_D * x32.to(in_dtype)
+
+
+class RMSNorm(nn.Module):
+    """Holds the scale weight; ``forward`` is :func:`rms_norm`."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -1,0 +1,206 @@
+"""HF <-> titan_mm tensor names for Qwen3 / Qwen3-MoE, and load/save of local HF directories.
+
+HF names (transformers Qwen3ForCausalLM / Qwen3MoeForCausalLM):
+  model.embed_tokens.weight, model.norm.weight, lm_head.weight
+  model.layers.{i}.input_layernorm.weight, post_attention_layernorm.weight
+  model.layers.{i}.self_attn.{q,k,v,o}_proj.weight(/.bias), self_attn.{q,k}_norm.weight
+  dense:  model.layers.{i}.mlp.{gate,up,down}_proj.weight
+  MoE:    model.layers.{i}.mlp.gate.weight [E, D]
+          per-expert (hub layout, what we write):  mlp.experts.{e}.{gate,up,down}_proj.weight
+          fused (transformers 5 in-memory layout, also read): mlp.experts.gate_up_proj [E, 2F, D],
+                                                              mlp.experts.down_proj [E, D, F]
+Titan MoE experts are stacked: w1 = gate [E, F, D], w3 = up [E, F, D], w2 = down [E, D, F].
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from titan_mm.models.common import hf_io
+from titan_mm.models.qwen3.config import Qwen3Config
+
+_LAYER_MAP = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn.wq.weight",
+    "self_attn.k_proj.weight": "attn.wk.weight",
+    "self_attn.v_proj.weight": "attn.wv.weight",
+    "self_attn.o_proj.weight": "attn.wo.weight",
+    "self_attn.q_proj.bias": "attn.wq.bias",
+    "self_attn.k_proj.bias": "attn.wk.bias",
+    "self_attn.v_proj.bias": "attn.wv.bias",
+    "self_attn.o_proj.bias": "attn.wo.bias",
+    "self_attn.q_norm.weight": "attn.q_norm.weight",
+    "self_attn.k_norm.weight": "attn.k_norm.weight",
+    "mlp.gate_proj.weight": "mlp.w1.weight",
+    "mlp.up_proj.weight": "mlp.w3.weight",
+    "mlp.down_proj.weight": "mlp.w2.weight",
+    "mlp.gate.weight": "moe.router.weight",
+}
+_LAYER_MAP_INV = {v: k for k, v in _LAYER_MAP.items()}
+_TOP_MAP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+            "lm_head.weight": "output.weight"}
+_TOP_MAP_INV = {v: k for k, v in _TOP_MAP.items()}
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_PROJ_TO_W = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def hf_to_titan(sd: dict[str, torch.Tensor], cfg: Qwen3Config) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to titan names and stack per-expert weights. Unknown names raise (naming them)."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    unknown = []
+    for k, v in sd.items():
+        if k in _TOP_MAP:
+            if k == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # tied: the embedding is the head (some tied checkpoints still store it)
+            out[_TOP_MAP[k]] = v
+            continue
+        m = _EXPERT_RE.match(k)
+        if m:
+            experts.setdefault((int(m[1]), _PROJ_TO_W[m[3]]), {})[int(m[2])] = v
+            continue
+        m = _FUSED_RE.match(k)
+        if m:
+            i = int(m[1])
+            if m[2] == "gate_up_proj":  # [E, 2F, D]: first half gate, second half up
+                F_ = v.shape[1] // 2
+                out[f"layers.{i}.moe.experts.w1"] = v[:, :F_]
+                out[f"layers.{i}.moe.experts.w3"] = v[:, F_:]
+            else:
+                out[f"layers.{i}.moe.experts.w2"] = v
+            continue
+        m = _LAYER_RE.match(k)
+        if m and m[2] in _LAYER_MAP:
+            out[f"layers.{m[1]}.{_LAYER_MAP[m[2]]}"] = v
+            continue
+        unknown.append(k)
+    for (i, w), per in experts.items():
+        E = cfg.num_experts
+        miss = [e for e in range(E) if e not in per]
+        if miss or len(per) != E:
+            proj = {v: k for k, v in _PROJ_TO_W.items()}[w]
+            raise hf_io.HFCheckpointError(
+                f"layer {i}: expert tensors mlp.experts.{{e}}.{proj}_proj.weight missing for experts {miss[:10]} "
+                f"(config num_experts={E}, found {len(per)}); check config.json matches the weights"
+            )
+        shapes = {tuple(t.shape) for t in per.values()}
+        if len(shapes) != 1:
+            raise hf_io.HFCheckpointError(f"layer {i}: experts' {w} tensors have different shapes {sorted(shapes)}")
+        out[f"layers.{i}.moe.experts.{w}"] = torch.stack([per[e] for e in range(E)])
+    if unknown:
+        raise hf_io.HFCheckpointError(
+            f"unexpected tensor(s) for a {cfg.model_type} model: {', '.join(sorted(unknown)[:20])}; "
+            "is this the right model type / config.json?"
+        )
+    return out
+
+
+def titan_to_hf(sd: dict[str, torch.Tensor], cfg: Qwen3Config, fused_experts: bool = False) -> dict[str, torch.Tensor]:
+    """Titan names -> HF names. Experts are written per expert (the hub layout every transformers version
+    reads) unless ``fused_experts``."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if k in _TOP_MAP_INV:
+            out[_TOP_MAP_INV[k]] = v
+            continue
+        m = re.match(r"^layers\.(\d+)\.moe\.experts\.(w[123])$", k)
+        if m:
+            i, w = int(m[1]), m[2]
+            if fused_experts:
+                if w == "w1":
+                    out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat(
+                        [v, sd[f"layers.{i}.moe.experts.w3"]], dim=1)
+                elif w == "w2":
+                    out[f"model.layers.{i}.mlp.experts.down_proj"] = v
+                continue
+            proj = {"w1": "gate", "w3": "up", "w2": "down"}[w]
+            for e in range(v.shape[0]):
+                out[f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight"] = v[e]
+            continue
+        m = re.match(r"^layers\.(\d+)\.(.+)$", k)
+        if m and m[2] in _LAYER_MAP_INV:
+            out[f"model.layers.{m[1]}.{_LAYER_MAP_INV[m[2]]}"] = v
+            continue
+        raise KeyError(f"titan tensor {k!r} has no HF name in titan_mm/models/qwen3/hf.py")
+    return out
+
+
+def expected_titan_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Titan name -> shape for a config, without building the model."""
+    from titan_mm.models.qwen3.model import Qwen3Model
+
+    with torch.device("meta"):
+        m = Qwen3Model(cfg)
+    return {k: tuple(v.shape) for k, v in m.state_dict().items()}
+
+
+def describe(titan_name: str) -> str:
+    """'HF name (titan name)' for error messages."""
+    m = re.match(r"^layers\.(\d+)\.moe\.experts\.(w[123])$", titan_name)
+    if m:
+        proj = {"w1": "gate", "w3": "up", "w2": "down"}[m[2]]
+        return f"model.layers.{m[1]}.mlp.experts.{{e}}.{proj}_proj.weight (titan {titan_name})"
+    m = re.match(r"^layers\.(\d+)\.(.+)$", titan_name)
+    if m and m[2] in _LAYER_MAP_INV:
+        return f"model.layers.{m[1]}.{_LAYER_MAP_INV[m[2]]} (titan {titan_name})"
+    if titan_name in _TOP_MAP_INV:
+        return f"{_TOP_MAP_INV[titan_name]} (titan {titan_name})"
+    return titan_name
+
+
+def _check_model_type(hf_cfg: dict, cfg: Qwen3Config, hf_dir) -> None:
+    mt = hf_cfg.get("model_type")
+    if mt != cfg.model_type:
+        raise hf_io.HFCheckpointError(
+            f"{hf_dir}/config.json has model_type={mt!r} but the model is {cfg.model_type!r}; "
+            f"load it with the matching registry entry / flavor (titan_mm.registry.get_model_spec)"
+        )
+
+
+def read_hf_state_dict(hf_dir: str | os.PathLike, cfg: Qwen3Config) -> dict[str, torch.Tensor]:
+    """Read a local HF dir into full CPU tensors with titan names, checking model_type, every name and shape."""
+    hf_cfg = hf_io.read_hf_config(hf_dir)
+    _check_model_type(hf_cfg, cfg, hf_dir)
+    sd = hf_to_titan(hf_io.read_safetensors(hf_dir), cfg)
+    hf_io.check_tensors({k: tuple(v.shape) for k, v in sd.items()}, expected_titan_shapes(cfg), str(hf_dir),
+                        describe=describe,
+                        hint="check that config.json matches the weights (same flavor, tie_word_embeddings, "
+                        "num_experts) and that the download is complete")
+    return sd
+
+
+def load_hf(model, hf_dir: str | os.PathLike) -> None:
+    """Load a local HF directory into ``model`` (plain, meta-built, or FSDP-sharded)."""
+    cfg: Qwen3Config = model.cfg
+    sd = read_hf_state_dict(hf_dir, cfg)
+    hf_io.load_full_state_dict(model, sd)
+    if hasattr(model, "init_buffers") and model.rope_inv_freq.is_meta:
+        model.init_buffers(model.tok_embeddings.weight.device)
+
+
+def save_hf(model_or_sd, cfg: Qwen3Config, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
+            max_shard_bytes: int = 5 * 1024**3, fused_experts: bool = False) -> None:
+    """Write HF safetensors + config.json that transformers' AutoModelForCausalLM loads.
+
+    ``model_or_sd``: a Qwen3Model (FSDP-sharded is fine: collective, call on every rank, rank 0 writes)
+    or a full state dict with titan names. ``dtype``: cast on export (default: keep)."""
+    if isinstance(model_or_sd, torch.nn.Module):
+        sd = hf_io.full_state_dict(model_or_sd)
+    else:
+        sd = dict(model_or_sd)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    hf_sd = titan_to_hf(sd, cfg, fused_experts=fused_experts)
+    dt = next(iter(hf_sd.values())).dtype
+    hf_io.write_safetensors(hf_sd, out_dir, max_shard_bytes=max_shard_bytes)
+    hf_io.write_config(cfg.to_hf_dict(dtype=str(dt).removeprefix("torch.")), out_dir)

@@ -1,0 +1,151 @@
+"""Qwen3 and Qwen3-MoE decoder: parameters in plain modules, forward is a pure function of its inputs.
+
+Legend:
+  B batch, S sequence, D hidden_size, V vocab, H query heads, G kv heads, K head_dim,
+  F dense MLP hidden, E experts, N = B*S tokens.
+
+Parameter names (titan_mm; HF names in hf.py):
+  tok_embeddings.weight [V, D]
+  layers.{i}.attn_norm.weight [D]           layers.{i}.ffn_norm.weight [D]
+  layers.{i}.attn.wq/wk/wv/wo.weight (+ .bias when attention_bias), attn.q_norm/k_norm.weight [K]
+  dense layer:  layers.{i}.mlp.w1/w3.weight [F, D], mlp.w2.weight [D, F]
+  MoE layer:    layers.{i}.moe.router.weight [E, D], moe.experts.w1/w3 [E, F, D], moe.experts.w2 [E, D, F]
+  norm.weight [D]                           output.weight [V, D] (absent when tie_word_embeddings)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from titan_mm.models.common.attention import Attention, AttnMeta
+from titan_mm.models.common.loss import chunked_cross_entropy
+from titan_mm.models.common.mlp import SwiGLU
+from titan_mm.models.common.moe import MoE, load_balancing_loss
+from titan_mm.models.common.norm import RMSNorm, rms_norm
+from titan_mm.models.common.output import ModelOutput
+from titan_mm.models.common.rope import rope_cos_sin, rope_inv_freq
+from titan_mm.models.qwen3.config import Qwen3Config
+
+
+class Qwen3Block(nn.Module):
+    """Pre-norm decoder block. forward(h, cos, sin, attn) -> (h, moe stats [2, E] or None)."""
+
+    def __init__(self, cfg: Qwen3Config, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.window = cfg.layer_window(layer_id)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                              cfg.attention_bias, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_moe_layer(layer_id):
+            self.moe = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                           cfg.norm_topk_prob)
+            self.mlp = None
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+            self.moe = None
+
+    def forward(self, h_BSD: torch.Tensor, cos_BSK: torch.Tensor, sin_BSK: torch.Tensor, attn: AttnMeta | None):
+        h_BSD = h_BSD + self.attn(rms_norm(h_BSD, self.attn_norm.weight, self.attn_norm.eps), cos_BSK, sin_BSK,
+                                  attn, self.window)
+        x_BSD = rms_norm(h_BSD, self.ffn_norm.weight, self.ffn_norm.eps)
+        if self.moe is not None:
+            y_BSD, stats = self.moe(x_BSD, None if attn is None else attn.valid_BS)
+            return h_BSD + y_BSD, stats
+        return h_BSD + self.mlp(x_BSD), None
+
+    def reset_parameters(self, std: float) -> None:
+        self.attn_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attn.reset_parameters(std)
+        (self.moe if self.moe is not None else self.mlp).reset_parameters(std)
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        if cfg.kernels:
+            raise NotImplementedError(
+                "Qwen3Config.kernels=True is not wired to titan_mm.kernels yet; set kernels=false"
+            )
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): Qwen3Block(cfg, i) for i in range(cfg.num_hidden_layers)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv_freq, self.rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                                  cfg.max_position_embeddings)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+        self.n_moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+
+    # ---- weights ----
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)initialize every parameter in place (HF init: normal(0, initializer_range), norms = 1) and
+        recompute the RoPE buffer on ``buffer_device`` (default: where the parameters live). Call after
+        ``to_empty(device=...)`` for meta-built models; works on FSDP-sharded (DTensor) parameters."""
+        std = self.cfg.initializer_range
+        with torch.no_grad():
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+            for block in self.layers.values():
+                block.reset_parameters(std)
+            self.norm.reset_parameters()
+            if self.output is not None:
+                nn.init.normal_(self.output.weight, mean=0.0, std=std)
+        self.init_buffers(buffer_device)
+
+    def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
+        if buffer_device is None:
+            buffer_device = self.tok_embeddings.weight.device
+            if buffer_device.type == "meta":
+                buffer_device = "cpu"
+        inv, self.rope_scale = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling,
+                                             self.cfg.max_position_embeddings, device=buffer_device)
+        self.rope_inv_freq = inv
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    # ---- forward ----
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attn: AttnMeta | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        """input_ids [B, S]; position_ids [B, S] (restart per document; default arange); attn from
+        build_attn_meta (None = plain causal rows); labels [B, S] already shifted, -100 = ignore."""
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
+        h_BSD = self.tok_embeddings(input_ids)
+        cos_BSK, sin_BSK = rope_cos_sin(position_ids, self.rope_inv_freq, self.rope_scale, h_BSD.dtype)
+        stats_2E = None
+        for block in self.layers.values():
+            h_BSD, st = block(h_BSD, cos_BSK, sin_BSK, attn)
+            if st is not None:
+                stats_2E = st if stats_2E is None else stats_2E + st
+        h_BSD = rms_norm(h_BSD, self.norm.weight, self.norm.eps)
+
+        aux = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
+        if stats_2E is not None and self.cfg.moe_aux_loss:
+            valid = None if attn is None else attn.valid_BS
+            # rows as in HF: MoE layers x tokens (padding excluded); a python float needs no device copy
+            rows = float(B * S * self.n_moe_layers) if valid is None else valid.sum().float() * self.n_moe_layers
+            aux = self.cfg.router_aux_loss_coef * load_balancing_loss(stats_2E, rows, self.cfg.num_experts)
+        if labels is None:
+            logits = h_BSD @ self.lm_head_weight.t()
+            return ModelOutput(logits=logits, loss_sum=None, aux_loss=aux)
+        loss_sum = chunked_cross_entropy(
+            h_BSD.reshape(B * S, -1), self.lm_head_weight, labels.reshape(-1),
+            chunk_size=self.cfg.loss_chunk_size, z_loss_weight=self.cfg.z_loss_weight,
+        )
+        return ModelOutput(logits=None, loss_sum=loss_sum, aux_loss=aux)
+
+
+def build(cfg: Qwen3Config) -> Qwen3Model:
+    """Build under the caller's device context (``with torch.device("meta"):`` in the trainer)."""
+    return Qwen3Model(cfg)
