@@ -108,9 +108,9 @@ class Data:
     """Smallest image area after smart resize (pixels)."""
     image_max_pixels: int = 16777216
     """Largest image area after smart resize (pixels)."""
-    video_min_pixels: int = 4096
-    """Smallest frame area after smart resize (pixels)."""
-    video_max_pixels: int = 25165824
+    video_min_pixels: int = 131072
+    """Smallest total video volume (frames x pixels) after smart resize."""
+    video_max_pixels: int = 786432
     """Largest total video volume (frames x pixels) after resize."""
     video_fps: float = 2.0
     """Frames sampled per second of video."""
@@ -521,6 +521,8 @@ def _toml_value(v: Any) -> str:
         return json.dumps(v)  # a JSON string is a valid TOML basic string
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} to TOML")
 
 

@@ -35,7 +35,7 @@ _DEFAULTS: dict[str, Any] = dict(
     dataset="builtin", mixture={}, seq_len=512, micro_batch_size=2, num_workers=0, tokenizer_path=None,
     prefetch_factor=2, pin_memory=True, open_rows=32, max_patches_per_row=0, split_long_text=False,
     chat_template="qwen3_vl", mrope=False, image_min_pixels=65536, image_max_pixels=16777216,
-    video_min_pixels=4096, video_max_pixels=25165824, video_fps=2.0, video_min_frames=4, video_max_frames=768,
+    video_min_pixels=131072, video_max_pixels=786432, video_fps=2.0, video_min_frames=4, video_max_frames=768,
     media_root="", max_error_rate=0.05, error_min_samples=200,
 )
 

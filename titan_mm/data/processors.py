@@ -29,8 +29,8 @@ class ProcessorConfig:
     mrope: bool = False  # emit 3-D M-RoPE positions per doc
     image_min_pixels: int = 65536
     image_max_pixels: int = 16777216
-    video_min_pixels: int = 4096
-    video_max_pixels: int = 25165824
+    video_min_pixels: int = 131072
+    video_max_pixels: int = 786432
     video_fps: float = 2.0
     video_min_frames: int = 4
     video_max_frames: int = 768
@@ -161,11 +161,9 @@ class Processor:
                 tok = np.full(item.n_tokens, self.tok.image_pad_id, dtype=np.int64)
             elif part.type == "video":
                 item = vision.process_video(payload, self.cfg)
+                # like HF's Qwen3VLProcessor, only the <|video_pad|> is replaced (the template's
+                # <|vision_start|> / <|vision_end|> around it stay)
                 tok = vision.video_placeholder_ids(item, self.tok)
-                # the template's <|vision_start|> ... <|vision_end|> around the pad are replaced per frame group
-                pieces_ids[-1] = pieces_ids[-1][:-1]
-                pieces_tgt[-1] = pieces_tgt[-1][:-1]
-                w += 1
             else:
                 from titan_mm.data import audio
 

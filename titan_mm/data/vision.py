@@ -1,0 +1,240 @@
+"""Images and video the Qwen3-VL way, plus 3-D M-RoPE positions, on CPU with numpy / PIL / PyAV.
+
+Images (equal to transformers' Qwen2VLImageProcessor with Qwen3-VL's settings, see tests/parity):
+  RGB -> smart resize (both sides multiples of patch*merge = 32, area within [min_pixels, max_pixels],
+  aspect ratio kept) with PIL bicubic -> x/255 -> (x - 0.5)/0.5 -> patches of 16x16 repeated over a
+  temporal patch of 2 -> rows ordered by 2x2 merge blocks: ``pixel_values [t*h*w, 3*2*16*16]``,
+  ``image_grid_thw [[1, h, w]]`` (h, w in patches), and h*w/4 ``<|image_pad|>`` tokens.
+Video: frames decoded with PyAV, sampled uniformly at ``video_fps`` (clamped to [min_frames, max_frames]),
+  resized (one size for the whole clip, total volume within [video_min_pixels, video_max_pixels]) with
+  torch bicubic antialias (as torchvision does), patched with temporal patch 2 (last frame repeated to
+  an even count). Each temporal group becomes ``<{t:.1f} seconds><|vision_start|><|video_pad|>*n<|vision_end|>``
+  at the place of the template's ``<|video_pad|>``, with t the mean timestamp of the group's frames.
+M-RoPE (Qwen3-VL get_rope_index): text advances all three axes by one; a run of vision tokens starting
+  at position p gets (p + t, p + row, p + col) over its merged grid (each video frame group is its own run
+  with t = 0), and the next token starts at p + max(rows, cols).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from titan_mm.data.sources import SkipSample
+
+MEAN = np.asarray([0.5, 0.5, 0.5], dtype=np.float32)
+STD = np.asarray([0.5, 0.5, 0.5], dtype=np.float32)
+
+
+@dataclass
+class MediaItem:
+    kind: str  # "image" | "video" | "audio"
+    tensors: dict = field(default_factory=dict)  # batch key -> array (concatenated over a batch)
+    grid: tuple = (1, 1, 1)  # (t, h, w) in patches
+    n_patches: int = 0
+    n_tokens: int = 0
+    timestamps: list = field(default_factory=list)  # video: seconds per temporal group
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(h, w) multiples of ``factor``, area in [min_pixels, max_pixels], aspect ratio kept (Qwen-VL rule)."""
+    if max(height, width) / min(height, width) > 200:
+        raise SkipSample("bad_image", f"aspect ratio {max(height, width) / min(height, width):.0f} > 200")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def video_smart_resize(n_frames: int, height: int, width: int, factor: int, temporal: int,
+                       min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The video variant: the budget is over frames x pixels; tiny frames are first scaled up to ``factor``."""
+    if height < factor or width < factor:
+        s = max(factor / height, factor / width)
+        height, width = int(height * s), int(width * s)
+    if max(height, width) / min(height, width) > 200:
+        raise SkipSample("bad_video", f"aspect ratio {max(height, width) / min(height, width):.0f} > 200")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    t = round(n_frames / temporal) * temporal
+    if t * h * w > max_pixels:
+        beta = math.sqrt(n_frames * height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif t * h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (n_frames * height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def patchify(frames_TCHW: np.ndarray, patch: int, temporal: int, merge: int) -> tuple[np.ndarray, tuple]:
+    """[T, C, H, W] float32 -> [T/tp * H/p * W/p, C*tp*p*p] rows in merge-block order, and (t, h, w)."""
+    T, C, H, W = frames_TCHW.shape
+    if T % temporal:
+        frames_TCHW = np.concatenate([frames_TCHW, np.repeat(frames_TCHW[-1:], temporal - T % temporal, 0)], 0)
+        T = frames_TCHW.shape[0]
+    gt, gh, gw = T // temporal, H // patch, W // patch
+    x = frames_TCHW.reshape(gt, temporal, C, gh // merge, merge, patch, gw // merge, merge, patch)
+    # -> (gt, gh/m, gw/m, m_h, m_w, C, tp, p_h, p_w)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return np.ascontiguousarray(x.reshape(gt * gh * gw, C * temporal * patch * patch)), (gt, gh, gw)
+
+
+def _load_pil(payload):
+    from PIL import Image
+
+    if isinstance(payload, Image.Image):
+        return payload
+    if isinstance(payload, np.ndarray):
+        return Image.fromarray(payload)
+    try:
+        img = Image.open(io.BytesIO(payload))
+        img.load()
+        return img
+    except Exception as e:
+        raise SkipSample("corrupt_image", f"cannot decode image ({type(e).__name__}: {e})") from None
+
+
+def process_image(payload, cfg) -> MediaItem:
+    img = _load_pil(payload).convert("RGB")
+    factor = cfg.patch_size * cfg.merge_size
+    h, w = smart_resize(img.height, img.width, factor, cfg.image_min_pixels, cfg.image_max_pixels)
+    from PIL import Image
+
+    img = img.resize((w, h), resample=Image.Resampling.BICUBIC)
+    x = np.asarray(img).astype(np.float64) * (1 / 255)
+    x = ((x.astype(np.float32) - MEAN) / STD).transpose(2, 0, 1)[None]  # [1, C, H, W]
+    x = np.repeat(x, cfg.temporal_patch_size, axis=0)
+    pv, grid = patchify(x, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size)
+    n = grid[0] * grid[1] * grid[2]
+    return MediaItem("image", {"pixel_values": pv, "image_grid_thw": np.asarray([grid], dtype=np.int64)},
+                     grid, n, n // cfg.merge_size**2)
+
+
+# ------------------------------------------------------------------------------------------ video
+def decode_video(payload) -> tuple[list[np.ndarray], float]:
+    """All frames as RGB uint8 [H, W, 3] and the stream's fps (PyAV)."""
+    import av
+
+    try:
+        src = io.BytesIO(payload) if isinstance(payload, (bytes, bytearray)) else payload
+        with av.open(src) as c:
+            vs = c.streams.video[0]
+            fps = float(vs.average_rate) if vs.average_rate else 24.0
+            frames = [f.to_ndarray(format="rgb24") for f in c.decode(vs)]
+    except Exception as e:
+        raise SkipSample("bad_video", f"cannot decode video ({type(e).__name__}: {e})") from None
+    if not frames:
+        raise SkipSample("bad_video", "video has no frames")
+    return frames, fps
+
+
+def sample_frame_indices(total: int, video_fps: float, fps: float, min_frames: int, max_frames: int) -> np.ndarray:
+    n = int(total / video_fps * fps)
+    n = min(max(n, min_frames), max_frames, total)
+    return np.linspace(0, total - 1, n).round().astype(int)
+
+
+def frame_timestamps(indices, video_fps: float, temporal: int) -> list[float]:
+    idx = list(indices)
+    if len(idx) % temporal:
+        idx += [idx[-1]] * (temporal - len(idx) % temporal)
+    ts = [i / video_fps for i in idx]
+    return [(ts[i] + ts[i + temporal - 1]) / 2 for i in range(0, len(ts), temporal)]
+
+
+def resize_frames(frames_THWC: np.ndarray, h: int, w: int) -> np.ndarray:
+    """Bicubic antialiased resize of uint8 frames as torchvision does on tensors: float, round, clamp."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.from_numpy(np.ascontiguousarray(frames_THWC)).permute(0, 3, 1, 2).float()
+    if x.shape[-2:] != (h, w):
+        x = F.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)
+        x = x.round_().clamp_(0, 255)
+    return x.numpy()  # [T, C, H, W] float32 in [0, 255]
+
+
+def process_video(payload, cfg, frames: list[np.ndarray] | None = None, video_fps: float | None = None) -> MediaItem:
+    if frames is None:
+        frames, video_fps = decode_video(payload)
+    idx = sample_frame_indices(len(frames), video_fps, cfg.video_fps, cfg.video_min_frames, cfg.video_max_frames)
+    if len(idx) < 1:
+        raise SkipSample("bad_video", "no frames sampled")
+    clip = np.stack([frames[i] for i in idx])  # [T, H, W, 3]
+    factor = cfg.patch_size * cfg.merge_size
+    n_frames = len(idx)
+    if n_frames < cfg.temporal_patch_size:
+        clip = np.concatenate([clip, np.repeat(clip[-1:], cfg.temporal_patch_size - n_frames, 0)])
+    h, w = video_smart_resize(clip.shape[0], clip.shape[1], clip.shape[2], factor, cfg.temporal_patch_size,
+                              cfg.video_min_pixels, cfg.video_max_pixels)
+    x = resize_frames(clip, h, w)
+    x = (x * np.float32(1 / 255) - MEAN[:, None, None]) / STD[:, None, None]
+    pv, grid = patchify(x.astype(np.float32), cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size)
+    n = grid[0] * grid[1] * grid[2]
+    item = MediaItem("video", {"pixel_values_videos": pv, "video_grid_thw": np.asarray([grid], dtype=np.int64)},
+                     grid, n, n // cfg.merge_size**2)
+    item.timestamps = frame_timestamps(idx, video_fps, cfg.temporal_patch_size)
+    return item
+
+
+def video_placeholder_ids(item: MediaItem, tok) -> np.ndarray:
+    """Token ids replacing the template's single <|video_pad|>: per temporal group a timestamp and a
+    <|vision_start|> <|video_pad|>*n <|vision_end|> block (Qwen3-VL)."""
+    t, h, w = item.grid
+    per = h * w // 4
+    out: list[int] = []
+    for k in range(t):
+        out += tok.encode(f"<{item.timestamps[k]:.1f} seconds>")
+        out += [tok.vision_start_id] + [tok.video_pad_id] * per + [tok.vision_end_id]
+    return np.asarray(out, dtype=np.int64)
+
+
+# ------------------------------------------------------------------------------------------ M-RoPE
+def mrope_positions(ids: np.ndarray, items: list[MediaItem], tok, cfg) -> np.ndarray:
+    """[3, L] positions of one document (starting at 0), following Qwen3-VL's get_rope_index."""
+    L = ids.shape[0]
+    pos = np.zeros((3, L), dtype=np.int64)
+    img_grids = [it.grid for it in items if it.kind == "image"]
+    vid_grids = [(1, it.grid[1], it.grid[2]) for it in items if it.kind == "video" for _ in range(it.grid[0])]
+    gi = {tok.image_pad_id: iter(img_grids), tok.video_pad_id: iter(vid_grids)}
+    m = cfg.merge_size
+    cur, i = 0, 0
+    while i < L:
+        t = int(ids[i])
+        if t in gi and t is not None:
+            j = i
+            while j < L and ids[j] == t:
+                j += 1
+            try:
+                gt, gh, gw = next(gi[t])
+            except StopIteration:
+                raise SkipSample("bad_schema", "more vision pad tokens than images/videos") from None
+            lt, lh, lw = gt, gh // m, gw // m
+            if lt * lh * lw != j - i:
+                raise SkipSample("bad_schema", f"vision run of {j - i} tokens does not match grid {(gt, gh, gw)}")
+            tt, hh, ww = np.meshgrid(np.arange(lt), np.arange(lh), np.arange(lw), indexing="ij")
+            pos[0, i:j] = tt.reshape(-1) + cur
+            pos[1, i:j] = hh.reshape(-1) + cur
+            pos[2, i:j] = ww.reshape(-1) + cur
+            cur += max(gh, gw) // m
+            i = j
+        else:
+            j = i
+            while j < L and int(ids[j]) not in gi:
+                j += 1
+            pos[:, i:j] = np.arange(j - i) + cur
+            cur += j - i
+            i = j
+    return pos
