@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Launch a titan_mm training job.
+#   ./run_train.sh --config debug_qwen3.toml [--section.key value ...]
+#   NPROC=2 ./run_train.sh --config debug_qwen3.toml        # torchrun: gloo on CPU, nccl on GPU
+# --config takes a name in train_configs/ or a path; every other argument goes to the config CLI (tyro):
+#   ./run_train.sh --config debug_qwen3.toml --help        # lists every field
+# Environment: NPROC (processes on this machine, default 1), PYTHON (default python3),
+#   TORCHRUN_ARGS (extra torchrun arguments, e.g. "--master_port 29511").
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+PYTHON="${PYTHON:-python3}"
+NPROC="${NPROC:-1}"
+if [[ "${NPROC}" -gt 1 ]]; then
+  if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+    export OMP_NUM_THREADS=1
+  fi
+  # shellcheck disable=SC2086
+  exec "${PYTHON}" -m torch.distributed.run --standalone --nproc_per_node "${NPROC}" ${TORCHRUN_ARGS:-} \
+    -m titan_mm.train.trainer "$@"
+else
+  exec "${PYTHON}" -m titan_mm.train.trainer "$@"
+fi

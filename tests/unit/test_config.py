@@ -1,0 +1,118 @@
+"""Config: TOML -> dataclasses, CLI overrides, clear errors for unknown keys / wrong types / missing files."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_mm.config import (
+    CONFIG_DIR,
+    ConfigError,
+    JobConfig,
+    all_keys,
+    from_dict,
+    load_config,
+    load_toml,
+    resolved_toml,
+    save_config,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path, text, name="c.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_toml_then_cli_override(tmp_path):
+    p = _write(tmp_path, "[training]\nsteps = 7\nmax_norm = 2\n[optimizer]\nlr = 1e-3\n")
+    cfg = load_config(["--config", str(p), "--training.steps", "3", "--compile.enable", "True"])
+    assert cfg.training.steps == 3 and cfg.optimizer.lr == 1e-3
+    assert cfg.training.max_norm == 2.0 and isinstance(cfg.training.max_norm, float)
+    assert cfg.compile.enable is True
+    assert cfg.job.name == "c"  # run name defaults to the config stem
+
+
+def test_unknown_toml_key_names_closest(tmp_path):
+    p = _write(tmp_path, "[training]\nstpes = 7\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'training.stpes'.*training.steps"):
+        load_config(["--config", str(p)])
+    p = _write(tmp_path, "[trainig]\nsteps = 7\n")
+    with pytest.raises(ConfigError, match=r"'trainig'.*'training'"):
+        load_toml(p)
+
+
+def test_unknown_cli_key_names_closest():
+    with pytest.raises(ConfigError, match=r"--optimizer.lrr.*optimizer.lr"):
+        load_config(["--optimizer.lrr", "1"])
+
+
+def test_wrong_type_toml(tmp_path):
+    p = _write(tmp_path, '[training]\nsteps = "ten"\n')
+    with pytest.raises(ConfigError, match=r"'training.steps' has the wrong type: got 'ten'.*expected int"):
+        load_toml(p)
+    with pytest.raises(ConfigError, match=r"activation_checkpoint.mode.*one of 'none', 'full', 'selective'"):
+        from_dict({"activation_checkpoint": {"mode": "fulll"}})
+    with pytest.raises(ConfigError, match=r"expected bool"):
+        from_dict({"compile": {"enable": 1}})
+
+
+def test_wrong_type_cli_is_reported(tmp_path):
+    # tyro reports bad CLI values itself (naming the flag) and exits with status 2
+    r = subprocess.run([sys.executable, "-m", "titan_mm.config", "--training.steps", "ten"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert "training.steps" in (r.stderr + r.stdout)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match=r"config file 'nope_qwen3.toml' not found"):
+        load_config(["--config", "nope_qwen3.toml"])
+
+
+def test_config_name_resolution_and_roundtrip(tmp_path):
+    for name in ("debug_qwen3", "debug_qwen3.toml", str(CONFIG_DIR / "debug_qwen3.toml")):
+        cfg = load_config(["--config", name])
+        assert cfg.job.name == "debug_qwen3"
+    cfg.data.mixture = {"builtin:text": 1.0}
+    save_config(cfg, tmp_path / "resolved.toml")
+    again = load_toml(tmp_path / "resolved.toml")
+    assert again == cfg
+
+
+def test_every_shipped_config_loads():
+    names = sorted(CONFIG_DIR.glob("*.toml"))
+    assert {"debug_qwen3.toml", "debug_qwen3_moe.toml", "qwen3_1.7b.toml"} <= {p.name for p in names}
+    for p in names:
+        load_toml(p)
+
+
+def test_help_lists_every_field():
+    r = subprocess.run([sys.executable, "-m", "titan_mm.config", "--help"], capture_output=True, text=True,
+                       cwd=ROOT, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    out = r.stdout
+    assert r.returncode == 0
+    missing = [k for k in all_keys() if "--" + k.replace("_", "-") not in out and "--" + k not in out]
+    assert not missing, missing
+    assert "Peak learning rate." in out
+
+
+def test_every_field_has_a_docstring():
+    import dataclasses
+    import inspect
+
+    for f in dataclasses.fields(JobConfig):
+        src = inspect.getsource(f.type if isinstance(f.type, type) else getattr(__import__("titan_mm.config").config, f.type))
+        for sub in dataclasses.fields(getattr(__import__("titan_mm.config").config, f.type) if isinstance(f.type, str) else f.type):
+            assert f'    {sub.name}:' in src
+            after = src.split(f"    {sub.name}:", 1)[1].split("\n", 2)[1]
+            assert after.strip().startswith('"""'), f"{f.name}.{sub.name} has no docstring"
+
+
+def test_resolved_toml_is_valid_toml():
+    import tomllib
+
+    tomllib.loads(resolved_toml(JobConfig()))

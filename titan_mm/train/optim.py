@@ -1,0 +1,133 @@
+"""Optimizers and learning-rate schedules (plain torch.optim + LambdaLR).
+
+Parameter groups come from :func:`build_param_groups` (model, config) -> list of group dicts, so that
+per-module learning rates (for example vision tower vs LLM) can be added in one place.
+
+Weight decay: matrices decay; norm weights, biases and embeddings do not, unless
+``optimizer.decay_norms_and_biases`` / ``optimizer.decay_embeddings`` say so.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from titan_mm.config import JobConfig, LRScheduler
+
+_EMBED_HINTS = ("embed", "tok_embeddings", "wte")
+
+
+def _is_embedding_param(model: nn.Module, name: str) -> bool:
+    mod_name = name.rsplit(".", 1)[0] if "." in name else ""
+    try:
+        mod = model.get_submodule(mod_name) if mod_name else model
+    except AttributeError:
+        mod = None
+    if isinstance(mod, nn.Embedding):
+        return True
+    return any(h in name for h in _EMBED_HINTS)
+
+
+def _is_norm_or_bias(name: str, p: torch.Tensor) -> bool:
+    return p.ndim < 2 or name.endswith(".bias") or "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1].lower()
+
+
+def build_param_groups(model: nn.Module, cfg: JobConfig) -> list[dict[str, Any]]:
+    """Split trainable parameters into a decay group and a no-decay group (empty groups are dropped).
+
+    Tied parameters (one tensor under two names, e.g. a tied embedding / output head) appear once; a
+    tensor is treated as an embedding if any of its names is one.
+    """
+    o = cfg.optimizer
+    decay, no_decay = [], []
+    seen: dict[int, bool] = {}
+    names: dict[int, list[str]] = {}
+    params: dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:
+            continue
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    for pid, p in params.items():
+        ns = names[pid]
+        is_embed = any(_is_embedding_param(model, n) for n in ns)
+        is_nb = any(_is_norm_or_bias(n, p) for n in ns)
+        wd = True
+        if is_embed and not o.decay_embeddings:
+            wd = False
+        elif is_nb and not is_embed and not o.decay_norms_and_biases:
+            wd = False
+        seen[pid] = wd
+        (decay if wd else no_decay).append(p)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": o.weight_decay, "name": "decay"})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
+    if not groups:
+        raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
+    return groups
+
+
+def build_optimizer(model: nn.Module, cfg: JobConfig, param_groups: list[dict] | None = None) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    groups = param_groups if param_groups is not None else build_param_groups(model, cfg)
+    on_cuda = any(p.is_cuda for g in groups for p in g["params"])
+    impl = o.implementation
+    if impl == "auto":
+        impl = "fused" if on_cuda else "foreach"
+    if impl == "fused" and not on_cuda:
+        raise ValueError("optimizer.implementation='fused' needs CUDA parameters; use 'auto' or 'foreach' on CPU")
+    kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    if impl == "fused":
+        kwargs["fused"] = True
+    else:
+        kwargs["foreach"] = impl == "foreach"
+    if o.name != "adamw":
+        raise ValueError(f"unknown optimizer.name {o.name!r}; available: adamw")
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def lr_factor(step: int, total_steps: int, s: LRScheduler) -> float:
+    """Multiplier on the peak lr for the update made at ``step`` (0-based)."""
+    warm = s.warmup_steps
+    if warm > 0 and step < warm:
+        return s.warmup_start_factor + (1.0 - s.warmup_start_factor) * (step + 1) / warm
+    if s.name == "constant":
+        return 1.0
+    lo = s.min_lr_factor
+    if s.name in ("cosine", "linear"):
+        span = max(total_steps - warm, 1)
+        prog = min(max((step - warm) / span, 0.0), 1.0)
+        if s.name == "cosine":
+            return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * prog))
+        return lo + (1.0 - lo) * (1.0 - prog)
+    if s.name == "wsd":
+        decay_steps = int(round(s.decay_ratio * total_steps))
+        decay_start = total_steps - decay_steps
+        if step < decay_start or decay_steps <= 0:
+            return 1.0
+        prog = min((step - decay_start + 1) / decay_steps, 1.0)
+        if s.decay_type == "linear":
+            f = 1.0 - prog
+        elif s.decay_type == "cosine":
+            f = 0.5 * (1.0 + math.cos(math.pi * prog))
+        else:  # sqrt
+            f = 1.0 - math.sqrt(prog)
+        return lo + (1.0 - lo) * f
+    raise ValueError(f"unknown lr_scheduler.name {s.name!r}; available: cosine, wsd, constant, linear")
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: JobConfig) -> LambdaLR:
+    """LambdaLR over :func:`lr_factor`. The lambda is a plain function, so LambdaLR's state_dict keeps only
+    the step count: a resumed run takes its schedule (steps, warmup, ...) from its own config."""
+    total, sched = cfg.training.steps, cfg.lr_scheduler
+
+    def factor(step: int) -> float:
+        return lr_factor(step, total, sched)
+
+    return LambdaLR(optimizer, lr_lambda=factor)

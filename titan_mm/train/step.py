@@ -1,0 +1,154 @@
+"""The train step: one optimizer update over the micro-batches of one global batch.
+
+    result = train_step(state, micro_batches, ctx)
+
+Loss. Each micro-batch's forward returns ``loss_sum`` (sum of token cross-entropy over labels != -100).
+The step divides it by the number of label tokens of the WHOLE global batch (every micro-batch on every
+data-parallel rank: one all-reduce of a CPU-known count per step, before any backward), so the update
+is the gradient of the true token mean, not a mean of micro-batch means. titan_mm.parallel sums (not
+averages) data-parallel gradients, so no extra scaling is needed. MoE aux losses are averaged over the
+micro-batches (and thereby over ranks too, as gradients are summed and each rank adds 1/(n_micro x dp)).
+
+Then: global grad-norm clip over every mesh axis (titan_mm.parallel.clip), a non-finite check (the same
+decision on every rank: the loss and norm are global), optimizer step, scheduler step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from titan_mm.models.common.attention import build_attn_meta
+from titan_mm.observe.health import NanGuard
+from titan_mm.parallel.clip import clip_grad_norm_
+from titan_mm.train.state import TrainState
+
+# Batch keys consumed by the step / attention metadata, not passed to the model as keyword arguments.
+_NOT_MODEL_KWARGS = {"input_ids", "labels", "position_ids", "doc_ids", "cu_seqlens", "max_seqlen", "num_label_tokens"}
+
+
+@dataclass
+class StepContext:
+    device: torch.device
+    attn_backend: str = "sdpa"
+    sliding_window: int | None = None
+    max_norm: float = 1.0
+    loss_group: Any = None
+    """Process group whose ranks' losses / label counts add up to the global batch (None: one process)."""
+    dp_world: int = 1
+    """Data-parallel ranks that read different rows (aux-loss averaging)."""
+    nan_guard: NanGuard | None = None
+    clip_fn: Callable | None = None
+    inject_nan: bool = False
+    """Fault injection (tests): multiply this step's loss by NaN."""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Global token-mean cross-entropy (plus nothing else)."""
+    aux_loss: float
+    grad_norm: float
+    lr: float
+    label_tokens: int
+    """Label tokens in the global batch."""
+    tokens: int
+    """Input positions in the global batch (rows x seq_len over all micro-batches and dp ranks)."""
+    skipped: bool
+    compute_s: float
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and k not in ("cu_seqlens", "max_seqlen", "num_label_tokens"):
+            v = v.to(device, non_blocking=True)
+        out[k] = v
+    return out
+
+
+def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def global_label_count(micro_batches: list[dict], ctx: StepContext) -> int:
+    """Label tokens of the whole global batch (one all-reduce of a host-known count)."""
+    local = sum(int(mb["num_label_tokens"]) for mb in micro_batches)
+    if ctx.loss_group is None:
+        return local
+    comm_dev = ctx.device if dist.get_backend(ctx.loss_group) == "nccl" else torch.device("cpu")
+    t = torch.tensor([local], dtype=torch.int64, device=comm_dev)
+    _all_reduce_sum(t, ctx.loss_group)
+    return int(t.item())
+
+
+def forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_global_labels: int):
+    """Accumulate gradients of (sum CE / n_global_labels + mean aux) over the micro-batches.
+
+    Returns (local loss_sum, local aux sum) as device tensors (detached, fp32)."""
+    denom = float(max(n_global_labels, 1))
+    n_micro = len(micro_batches)
+    aux_scale = 1.0 / (n_micro * ctx.dp_world)
+    loss_acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    aux_acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    for mb in micro_batches:
+        attn = build_attn_meta(mb, ctx.attn_backend, ctx.device, sliding_window=ctx.sliding_window)
+        b = _to_device(mb, ctx.device)
+        extra = {k: v for k, v in b.items() if k not in _NOT_MODEL_KWARGS}
+        out = model(b["input_ids"], position_ids=b.get("position_ids"), attn=attn, labels=b["labels"], **extra)
+        if out.loss_sum is None:
+            raise RuntimeError("the model returned loss_sum=None although labels were given (see ModelOutput contract)")
+        loss = out.loss_sum.float() / denom
+        if out.aux_loss is not None:
+            loss = loss + out.aux_loss.float() * aux_scale
+            aux_acc += out.aux_loss.detach().float()
+        if ctx.inject_nan:
+            loss = loss * float("nan")
+        loss.backward()
+        loss_acc += out.loss_sum.detach().float() * (float("nan") if ctx.inject_nan else 1.0)
+    return loss_acc, aux_acc
+
+
+def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -> StepResult:
+    """Forward/backward over ``micro_batches``, clip, optimizer and scheduler step; advances ``state.step``."""
+    t0 = time.perf_counter()
+    model, opt = state.model, state.optimizer
+    model.train()
+    n_labels = global_label_count(micro_batches, ctx)
+    loss_sum, aux_sum = forward_backward(model, micro_batches, ctx, n_labels)
+
+    clip = ctx.clip_fn or clip_grad_norm_
+    grad_norm = clip(model.parameters(), ctx.max_norm)
+
+    # one reduction for what we log and decide on; global values, so every rank decides the same
+    stats = torch.stack([loss_sum, aux_sum]).to(torch.float32)
+    if ctx.loss_group is not None:
+        comm_dev = ctx.device if dist.get_backend(ctx.loss_group) == "nccl" else torch.device("cpu")
+        stats = _all_reduce_sum(stats.to(comm_dev), ctx.loss_group)
+    host = torch.cat([stats.cpu(), grad_norm.detach().float().reshape(1).cpu()]).tolist()
+    loss = host[0] / max(n_labels, 1)
+    aux = host[1] / (len(micro_batches) * ctx.dp_world)
+    gnorm = host[2]
+    lr = opt.param_groups[0]["lr"]
+
+    ok = True
+    if ctx.nan_guard is not None:
+        ok = ctx.nan_guard.check(state.step + 1, loss, gnorm)
+    if ok:
+        opt.step()
+    else:
+        state.nan_count += 1
+    opt.zero_grad(set_to_none=True)
+    state.scheduler.step()
+    state.step += 1
+    tokens = sum(int(mb["input_ids"].numel()) for mb in micro_batches) * ctx.dp_world
+    return StepResult(
+        loss=loss, aux_loss=aux, grad_norm=gnorm, lr=lr, label_tokens=n_labels, tokens=tokens,
+        skipped=not ok, compute_s=time.perf_counter() - t0,
+    )
