@@ -9,9 +9,8 @@ are titan_mm-only and never exported to config.json.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
+import os  # noqa: F401  (type hints)
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,11 +176,9 @@ class Qwen3Config:
 
     @classmethod
     def from_hf(cls, hf_dir: str | os.PathLike, **runtime) -> Qwen3Config:
-        path = os.path.join(hf_dir, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} not found: an HF model directory needs a config.json")
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f), **runtime)
+        from titan_mm.models.common.hf_io import read_hf_config
+
+        return cls.from_hf_dict(read_hf_config(hf_dir), **runtime)
 
     def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {
