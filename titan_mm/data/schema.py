@@ -132,6 +132,7 @@ def parse_record(rec: Any) -> Sample:
         raise rec
     if not isinstance(rec, dict):
         raise SkipSample("bad_schema", f"a record must be an object, got {type(rec).__name__}")
+    rec = {k: v for k, v in rec.items() if v is not None}  # Parquet rows: null columns are absent
     if "messages" in rec:
         msgs = []
         if not isinstance(rec["messages"], list):

@@ -386,6 +386,8 @@ def media_bytes(spec: Any, rec: dict, unit: Unit, media_root: str = "") -> bytes
             return base64.b64decode(spec.split(",", 1)[1])
         except Exception as e:
             raise SkipSample("corrupt_media", f"bad data: URI ({e})") from None
+    if isinstance(rec.get(spec), (bytes, bytearray)):  # Parquet: the name of a binary column of this row
+        return bytes(rec[spec])
     files = rec.get("__files__")
     if files:
         name = spec.rsplit("/", 1)[-1]
