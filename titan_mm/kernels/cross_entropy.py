@@ -36,7 +36,7 @@ def _ce_row_kernel(
     for start in range(0, V, BLOCK):
         cols = start + offs
         msk = cols < V
-        x = tl.load(base + cols, mask=msk, other=-1e30).to(tl.float32)
+        x = tl.where(msk, tl.load(base + cols, mask=msk, other=0.0).to(tl.float32), -1e30)
         m_new = tl.maximum(m_vec, x)
         d_vec = d_vec * tl.exp(m_vec - m_new) + tl.where(msk, tl.exp(x - m_new), 0.0)
         m_vec = m_new
@@ -128,10 +128,11 @@ def _backward(ctx, dloss, _dgh, _dgw):
         raise RuntimeError("linear_cross_entropy ran with compute_grad=False; it has no backward")
     grad_h, grad_w = ctx.saved_tensors
     g = dloss.to(torch.float32)
-    if torch.compiler.is_compiling():
-        gh, gw = grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype)
-    else:  # eager: scale the buffers computed in forward in place (no second grad_W-sized tensor)
+    eager = type(grad_h) is torch.Tensor and type(grad_w) is torch.Tensor and not torch.compiler.is_compiling()
+    if eager:  # scale the buffers computed in forward in place (no second grad_W-sized tensor)
         gh, gw = grad_h.mul_(g), grad_w.mul_(g)
+    else:  # traced (compile / export / AOT): functional; the compiler reuses the dead buffers
+        gh, gw = grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype)
     return gh, gw, None, None, None, None, None
 
 

@@ -1,0 +1,388 @@
+"""Numerical checks of the Triton ops against the float64 PyTorch reference, shared by the CPU
+interpreter tests (tests/unit/test_kernels_*.py, small shapes) and the H200 tests
+(tests/gpu/test_kernels_gpu.py, full shapes).
+
+Each check draws fresh random inputs (the seed is returned so a failure can be replayed), runs the op
+forward and backward through the public API (which must pick the Triton path), and compares every output
+and gradient with the reference run in float64 by relative L2 error. Tolerances: fp32 1e-5, bf16/fp16 1e-2.
+A NaN anywhere fails (NaN never compares below a tolerance, and outputs are also checked for finiteness).
+Run with titan_mm.kernels._utils.POISON = True so every output buffer starts NaN-filled.
+
+    python -m titan_mm.kernels.testing [op ...]   # prints JSON records; set TRITON_INTERPRET=1 on CPU
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import torch
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "linear_cross_entropy", "bias_gelu", "compile", "opcheck")
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double(), ref.detach().double()
+    if out.shape != ref.shape:
+        return float("inf")
+    if not torch.isfinite(out).all():
+        return float("nan")
+    num, den = (out - ref).norm().item(), ref.norm().item()
+    return num / den if den > 0 else num
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True)
+
+
+def _ref_leaves(ts):
+    return [t.detach().double().requires_grad_(True) for t in ts]
+
+
+def _strided(shape, dtype, device, mode: str, gen=None) -> torch.Tensor:
+    """Random tensor of `shape`: 'contig', 'sliced' (a narrowed view of a wider last dim), or
+    'transposed' (first two dims swapped in memory)."""
+    if mode == "sliced":
+        big = torch.randn(*shape[:-1], shape[-1] + 5, dtype=dtype, device=device)
+        return big[..., : shape[-1]]
+    if mode == "transposed" and len(shape) >= 3:
+        return torch.randn(shape[1], shape[0], *shape[2:], dtype=dtype, device=device).transpose(0, 1)
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+def _record(recs, op, dtype, case, name, out, ref):
+    err = rel_l2(out, ref)
+    tol = TOL[dtype]
+    recs.append(
+        {"op": op, "dtype": str(dtype).replace("torch.", ""), "case": case, "what": name, "err": err, "tol": tol,
+         "ok": bool(math.isfinite(err) and err < tol)}
+    )
+
+
+def _compare(recs, op, dtype, case, outs, refs, ins, ref_ins, grads):
+    """Backprop `grads` through outs and refs; record forward outputs and input gradients."""
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        _record(recs, op, dtype, case, f"out{i}", o, r)
+    torch.autograd.backward(outs, grads)
+    torch.autograd.backward(refs, [g.double() for g in grads])
+    for i, (x, xr) in enumerate(zip(ins, ref_ins)):
+        if xr.grad is not None:
+            _record(recs, op, dtype, case, f"grad{i}", x.grad, xr.grad)
+
+
+def check_rms_norm(device, dtype, big):
+    import titan_mm.kernels as K
+    from titan_mm.kernels import reference as R
+
+    recs = []
+    shapes = [(16384, 4096), (3, 1000, 4099)] if big else [(3, 7, 37), (5, 64)]
+    for shape in shapes:
+        for mode in ("contig", "sliced", "transposed"):
+            if big and mode != "contig" and shape[-1] == 4096:
+                continue
+            x = _leaf(_strided(shape, dtype, device, mode))
+            w = _leaf(1 + 0.1 * torch.randn(shape[-1], dtype=dtype, device=device))
+            eps = 1e-6
+            y = K.rms_norm(x, w, eps)
+            xr, wr = _ref_leaves([x, w])
+            yr = R.rms_norm(xr, wr, eps)
+            _compare(recs, "rms_norm", dtype, f"{shape}/{mode}", [y], [yr], [x, w], [xr, wr], [torch.randn_like(y)])
+    return recs
+
+
+def check_add_rms_norm(device, dtype, big):
+    import titan_mm.kernels as K
+    from titan_mm.kernels import reference as R
+
+    recs = []
+    shapes = [(16384, 4096), (3, 1000, 4099)] if big else [(3, 7, 37), (5, 64)]
+    for shape in shapes:
+        for mode in ("contig", "sliced"):
+            x = _leaf(_strided(shape, dtype, device, mode))
+            r = _leaf(_strided(shape, dtype, device, "transposed" if mode == "sliced" else mode))
+            w = _leaf(1 + 0.1 * torch.randn(shape[-1], dtype=dtype, device=device))
+            y, nr = K.add_rms_norm(x, r, w, 1e-6)
+            ins = [x, r, w]
+            refs_in = _ref_leaves(ins)
+            yr, nrr = R.add_rms_norm(*refs_in, 1e-6)
+            _compare(recs, "add_rms_norm", dtype, f"{shape}/{mode}", [y, nr], [yr, nrr], ins, refs_in,
+                     [torch.randn_like(y), torch.randn_like(nr)])
+    return recs
+
+
+def check_swiglu(device, dtype, big):
+    import titan_mm.kernels as K
+    from titan_mm.kernels import reference as R
+
+    recs = []
+    shapes = [(16384, 12288), (2, 999, 4097)] if big else [(3, 5, 45), (7, 130)]
+    for shape in shapes:
+        for mode in ("contig", "fused_halves"):
+            if mode == "fused_halves":  # gate/up as the two halves of one [.., 2F] projection
+                gu = torch.randn(*shape[:-1], 2 * shape[-1], dtype=dtype, device=device)
+                g, u = (_leaf(t) for t in gu.chunk(2, dim=-1))
+            else:
+                g, u = _leaf(torch.randn(shape, dtype=dtype, device=device)), _leaf(torch.randn(shape, dtype=dtype, device=device))
+            y = K.swiglu(g, u)
+            gr, ur = _ref_leaves([g, u])
+            yr = R.swiglu(gr, ur)
+            _compare(recs, "swiglu", dtype, f"{shape}/{mode}", [y], [yr], [g, u], [gr, ur], [torch.randn_like(y)])
+    return recs
+
+
+def _rope_tables(lead, half, dtype, device, full: bool):
+    ang = torch.rand(*lead, half, device=device, dtype=torch.float64) * 40.0
+    cos, sin = ang.cos(), ang.sin()
+    if full:
+        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    return cos.to(dtype), sin.to(dtype)
+
+
+def check_rope(device, dtype, big):
+    import titan_mm.kernels as K
+    from titan_mm.kernels import reference as R
+
+    recs = []
+    # (B, S, Hq, Hk, Dh)
+    cfgs = [(4, 4096, 32, 8, 128), (1, 999, 5, 3, 64)] if big else [(2, 5, 3, 1, 8), (1, 7, 4, 2, 6)]
+    for B, S, HQ, HK, DH in cfgs:
+        for mode in ("bshd", "bhsd_view", "table_SK_half"):
+            if mode == "bhsd_view":  # q/k stored [B, H, S, Dh], passed as a transposed view
+                q = _leaf(torch.randn(B, HQ, S, DH, dtype=dtype, device=device).transpose(1, 2))
+                k = _leaf(torch.randn(B, HK, S, DH, dtype=dtype, device=device).transpose(1, 2))
+            else:
+                q = _leaf(torch.randn(B, S, HQ, DH, dtype=dtype, device=device))
+                k = _leaf(torch.randn(B, S, HK, DH, dtype=dtype, device=device))
+            if mode == "table_SK_half":
+                cos, sin = _rope_tables((S,), DH // 2, dtype, device, full=False)
+            else:
+                cos, sin = _rope_tables((B, S), DH // 2, dtype, device, full=True)
+            qo, ko = K.apply_rope(q, k, cos, sin)
+            qr, kr = _ref_leaves([q, k])
+            qor, kor = R.apply_rope(qr, kr, cos.double(), sin.double())
+            _compare(recs, "rope", dtype, f"{(B, S, HQ, HK, DH)}/{mode}", [qo, ko], [qor, kor], [q, k], [qr, kr],
+                     [torch.randn_like(qo), torch.randn_like(ko)])
+    return recs
+
+
+def check_mrope(device, dtype, big):
+    import titan_mm.kernels as K
+    from titan_mm.kernels import reference as R
+
+    recs = []
+    cfgs = [(4, 4096, 32, 8, 128, [24, 20, 20]), (1, 999, 5, 3, 128, [16, 24, 24])] if big else [
+        (2, 5, 3, 1, 16, [4, 2, 2]), (1, 7, 2, 2, 12, [2, 2, 2])]
+    for B, S, HQ, HK, DH, sec in cfgs:
+        for full in (False, True):
+            q = _leaf(torch.randn(B, S, HQ, DH, dtype=dtype, device=device))
+            k = _leaf(torch.randn(B, HK, S, DH, dtype=dtype, device=device).transpose(1, 2))
+            cos, sin = _rope_tables((3, B, S), DH // 2, dtype, device, full=full)
+            qo, ko = K.apply_mrope(q, k, cos, sin, sec)
+            qr, kr = _ref_leaves([q, k])
+            qor, kor = R.apply_mrope(qr, kr, cos.double(), sin.double(), sec)
+            _compare(recs, "mrope", dtype, f"{(B, S, HQ, HK, DH)}/{sec}/full={full}", [qo, ko], [qor, kor], [q, k],
+                     [qr, kr], [torch.randn_like(qo), torch.randn_like(ko)])
+    return recs
+
+
+def check_linear_cross_entropy(device, dtype, big):
+    import titan_mm.kernels as K
+    from titan_mm.kernels import reference as R
+
+    recs = []
+    # (N, D, V, chunk)
+    cfgs = [(16384, 4096, 151936, 0), (1023, 257, 15001, 100)] if big else [(13, 16, 100, 4), (9, 24, 77, 0)]
+    for N, D, V, chunk in cfgs:
+        for z in (0.0, 1e-3):
+            for mode in ("contig", "sliced"):
+                if big and (mode == "sliced" or z) and V > 100000:
+                    continue
+                h = _leaf(_strided((N, D), dtype, device, mode))
+                w = _leaf(torch.randn(V, D, dtype=dtype, device=device) / math.sqrt(D))
+                labels = torch.randint(0, V, (N,), device=device)
+                labels[torch.rand(N, device=device) < 0.25] = -100  # ignore-index rows
+                labels[0] = -100
+                loss = K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z, chunk_size=chunk)
+                hr, wr = _ref_leaves([h, w])
+                lr = R.linear_cross_entropy(hr, wr, labels, -100, z, chunk_size=1024)
+                scale = torch.tensor(0.37, device=device)  # like 1 / num_label_tokens
+                _compare(recs, "linear_cross_entropy", dtype, f"{(N, D, V, chunk)}/z={z}/{mode}", [loss], [lr],
+                         [h, w], [hr, wr], [scale.to(loss.dtype)])
+    # all rows ignored: loss 0, zero grads, no NaN
+    N, D, V = (64, 32, 300)
+    h = _leaf(torch.randn(N, D, dtype=dtype, device=device))
+    w = _leaf(torch.randn(V, D, dtype=dtype, device=device))
+    loss = K.linear_cross_entropy(h, w, torch.full((N,), -100, device=device))
+    loss.backward()
+    ok = bool(loss.item() == 0.0 and h.grad.abs().sum().item() == 0.0 and w.grad.abs().sum().item() == 0.0)
+    recs.append({"op": "linear_cross_entropy", "dtype": str(dtype).replace("torch.", ""), "case": "all_ignored",
+                 "what": "zero loss and grads", "err": 0.0 if ok else float("nan"), "tol": TOL[dtype], "ok": ok})
+    return recs
+
+
+def check_bias_gelu(device, dtype, big):
+    import titan_mm.kernels as K
+    from titan_mm.kernels import reference as R
+
+    recs = []
+    shapes = [(16384, 4304), (999, 1153)] if big else [(33, 19), (2, 9, 40)]
+    for shape in shapes:
+        for mode in ("contig", "sliced"):
+            x = _leaf(3 * _strided(shape, dtype, device, mode))
+            b = _leaf(torch.randn(shape[-1], dtype=dtype, device=device))
+            y = K.bias_gelu(x, b)
+            xr, br = _ref_leaves([x, b])
+            yr = R.bias_gelu(xr, br)
+            _compare(recs, "bias_gelu", dtype, f"{shape}/{mode}", [y], [yr], [x, b], [xr, br], [torch.randn_like(y)])
+    return recs
+
+
+def check_compile(device, dtype, big, backend: str | None = None):
+    """torch.compile(fullgraph=True) over every public op, forward + backward, equals eager."""
+    import titan_mm.kernels as K
+
+    backend = backend or ("inductor" if device.type == "cuda" else "aot_eager")
+    torch._dynamo.reset()
+    recs = []
+
+    def f(x, r, w, g, u, q, k, cos, sin, cos3, sin3, h, wv, labels, xb, b):
+        y, nr = K.add_rms_norm(x, r, w, 1e-6)
+        y = K.rms_norm(y, w, 1e-6)
+        s = K.swiglu(g, u)
+        qo, ko = K.apply_rope(q, k, cos, sin)
+        qm, km = K.apply_mrope(q, k, cos3, sin3, [2, 1, 1])
+        loss = K.linear_cross_entropy(h, wv, labels, z_loss=1e-4)
+        gb = K.bias_gelu(xb, b)
+        return (y.float().sum() + nr.float().sum() + s.float().sum() + qo.float().sum() + ko.float().sum()
+                + qm.float().sum() + km.float().sum() + loss + gb.float().sum())
+
+    def inputs():
+        B, S, HQ, HK, DH = 2, 5, 3, 1, 8
+        t = lambda *s: _leaf(torch.randn(*s, dtype=dtype, device=device))  # noqa: E731
+        cos, sin = _rope_tables((B, S), DH // 2, dtype, device, full=True)
+        cos3, sin3 = _rope_tables((3, B, S), DH // 2, dtype, device, full=False)
+        labels = torch.randint(0, 50, (11,), device=device)
+        labels[::3] = -100
+        return [t(4, 6, 33), t(4, 6, 33), t(33), t(5, 20), t(5, 20), t(B, S, HQ, DH), t(B, S, HK, DH), cos, sin,
+                cos3, sin3, t(11, 16), t(50, 16), labels, t(7, 24), t(24)]
+
+    args = inputs()
+    args2 = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    out = f(*args)
+    out.backward()
+    cf = torch.compile(f, fullgraph=True, backend=backend)
+    out2 = cf(*args2)
+    out2.backward()
+    _record(recs, "compile", dtype, backend, "out", out2, out)
+    for i, (a, a2) in enumerate(zip(args, args2)):
+        if a.grad is not None:
+            _record(recs, "compile", dtype, backend, f"grad{i}", a2.grad, a.grad)
+    return recs
+
+
+def check_opcheck(device, dtype, big):
+    """torch.library.opcheck: schema, fake (meta) impl, autograd registration, AOT dispatch."""
+    from torch.library import opcheck
+
+    from titan_mm.kernels.bias_gelu import bias_gelu_op
+    from titan_mm.kernels.cross_entropy import linear_cross_entropy_op
+    from titan_mm.kernels.rms_norm import add_rms_norm_op, rms_norm_op
+    from titan_mm.kernels.rope import rope_op
+    from titan_mm.kernels.swiglu import swiglu_op
+
+    t = lambda *s: torch.randn(*s, dtype=dtype, device=device, requires_grad=True)  # noqa: E731
+    cos, sin = _rope_tables((2, 5), 4, dtype, device, full=True)
+    cos3, sin3 = _rope_tables((3, 2, 5), 4, dtype, device, full=False)
+    labels = torch.tensor([1, -100, 3, 4, -100, 0, 2], device=device)
+    cases = [
+        (rms_norm_op, (t(3, 17), t(17), 1e-6)),
+        (add_rms_norm_op, (t(3, 17), t(3, 17), t(17), 1e-6)),
+        (swiglu_op, (t(3, 17), t(3, 17))),
+        (rope_op, (t(2, 5, 3, 8), t(2, 5, 1, 8), cos, sin, [], False)),
+        (rope_op, (t(2, 5, 3, 8), t(2, 5, 1, 8), cos3, sin3, [2, 1, 1], False)),
+        (linear_cross_entropy_op, (t(7, 16), t(30, 16), labels, -100, 1e-3, True, 3)),
+        (bias_gelu_op, (t(5, 9), t(9))),
+    ]
+    recs = []
+    for op, args in cases:
+        try:
+            opcheck(op, args)
+            ok, msg = True, "opcheck"
+        except Exception as e:  # recorded, the test reports it
+            ok, msg = False, f"opcheck: {type(e).__name__}: {e}"[:500]
+        recs.append({"op": "opcheck", "dtype": str(dtype).replace("torch.", ""), "case": str(op), "what": msg,
+                     "err": 0.0 if ok else float("nan"), "tol": TOL[dtype], "ok": ok})
+    return recs
+
+
+CHECKS = {
+    "opcheck": check_opcheck,
+    "rms_norm": check_rms_norm,
+    "add_rms_norm": check_add_rms_norm,
+    "swiglu": check_swiglu,
+    "rope": check_rope,
+    "mrope": check_mrope,
+    "linear_cross_entropy": check_linear_cross_entropy,
+    "bias_gelu": check_bias_gelu,
+    "compile": check_compile,
+}
+
+
+def run(ops, device, dtypes, big: bool) -> dict:
+    from titan_mm.kernels import _utils, use_triton
+
+    _utils.POISON = True
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    probe = torch.empty(1, device=device)
+    assert use_triton(probe), f"the Triton path is not active on {device} (CPU needs TRITON_INTERPRET=1)"
+    recs = []
+    for op in ops:
+        for dt in dtypes:
+            recs += CHECKS[op](device, dt, big)
+    return {"seed": seed, "records": recs}
+
+
+def main(argv: list[str]) -> None:
+    ops = argv or list(OPS)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cpu" else [])
+    print(json.dumps(run(ops, device, dtypes, big=False)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+
+
+def run_in_interpreter(ops: list[str], timeout: float = 600) -> dict:
+    """Run the checks for `ops` in a fresh CPU process with TRITON_INTERPRET=1 (set before triton is
+    imported there) and NaN-poisoned outputs; returns {"seed", "records"}. The calling process and the
+    rest of the test suite never see the interpreter setting."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env.update(TRITON_INTERPRET="1", TITAN_KERNELS_POISON="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "titan_mm.kernels.testing", *ops],
+        env=env, cwd=root, capture_output=True, text=True, timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"kernel checks {ops} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def failures(result: dict, op: str | None = None, dtype: str | None = None) -> list[str]:
+    """Human-readable lines for the failed records (empty when all passed)."""
+    recs = [r for r in result["records"] if (op is None or r["op"] == op) and (dtype is None or r["dtype"] == dtype)]
+    if not recs:
+        return [f"no records for op={op} dtype={dtype}"]
+    return [
+        f"seed {result['seed']}: {r['op']} {r['dtype']} {r['case']} {r['what']}: err {r['err']:.3e} (tol {r['tol']:.0e})"
+        for r in recs
+        if not r["ok"]
+    ]
