@@ -43,6 +43,8 @@ class VisionMeta(NamedTuple):
     """[n_segments + 1] int32: attention segment boundaries (one per image, one per video frame)."""
     max_seqlen: int
     """Longest segment (a host int; varlen kernels need it)."""
+    n_image_tokens: int = 0
+    """Merged tokens that belong to images (the rest are videos'); images' patches come first."""
 
 
 def _merge_order_rows_cols(t: int, h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,10 +177,10 @@ def apply_vision_rope(x_NHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 def vision_attention_core(q_NHD, k_NHD, v_NHD, meta: VisionMeta) -> torch.Tensor:
     """Bidirectional attention inside each image / frame. Returns [N, H, Dh]."""
     if meta.backend == "varlen":
-        from torch.nn.attention.varlen import varlen_attn
+        from titan_mm.models.common.attention import _varlen_fn
 
-        return varlen_attn(q_NHD, k_NHD, v_NHD, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen,
-                           meta.max_seqlen, is_causal=False)
+        # Non-causal is the default of every torch varlen_attn signature (is_causal=False / window (-1, -1)).
+        return _varlen_fn()(q_NHD, k_NHD, v_NHD, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen)
     q, k, v = (t.transpose(0, 1)[None] for t in (q_NHD, k_NHD, v_NHD))  # [1, H, N, Dh]
     if meta.backend == "flex":
         o = _flex_attention()(q, k, v, block_mask=meta.mask)

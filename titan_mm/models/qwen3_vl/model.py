@@ -1,0 +1,254 @@
+"""Qwen3-VL / Qwen3-VL-MoE: vision tower + DeepStack + the Qwen3 text backbone with interleaved M-RoPE.
+
+The text blocks are titan_mm's Qwen3 blocks (dense or MoE, from titan_mm/models/qwen3); this file adds
+only what is VL-specific: the vision tower, the scatter of visual tokens into the embeddings, the
+DeepStack additions after the first LLM blocks, and M-RoPE cos/sin from [3, B, S] positions.
+
+Legend: B batch, S sequence, D LLM hidden, N = B*S tokens, K head_dim, F = K/2 rotary frequencies,
+Mi / Mv merged image / video tokens, O = D.
+
+Parameter names (titan):
+  visual.*                       the vision tower (see vision.py; HF names in hf.py)
+  language_model.tok_embeddings / layers.{i}.* / norm / output   the Qwen3 text model (qwen3/model.py)
+
+Forward (no host syncs; metadata from :meth:`Qwen3VLModel.prepare_inputs`, called on the host first):
+    extra = model.prepare_inputs(batch, device)      # {"vision_meta": VisionMeta} when the batch has pixels
+    out = model(input_ids, position_ids=pos_3BS, attn=attn_meta, labels=labels,
+                pixel_values=..., pixel_values_videos=..., **extra)
+
+Visual tokens: ``input_ids`` hold one <|image_pad|> / <|video_pad|> per merged token, in the same order as
+the patches of ``pixel_values`` / ``pixel_values_videos`` (row-major over the batch). The k-th pad of a
+kind takes the k-th merged embedding of that kind: the index is a running count (cumsum) of the pad mask,
+computed on device, and the embedding is gathered with it (no nonzero, no masked_scatter size check).
+The number of pads must equal the number of merged tokens (the data pipeline guarantees it; it is not
+checked in forward because checking needs a sync).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from titan_mm.models.common.attention import AttnMeta
+from titan_mm.models.common.loss import chunked_cross_entropy
+from titan_mm.models.common.moe import load_balancing_loss
+from titan_mm.models.common.norm import rms_norm
+from titan_mm.models.common.output import ModelOutput
+from titan_mm.models.qwen3.model import Qwen3Model
+from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
+from titan_mm.models.qwen3_vl.vision import VisionMeta, VisionTower, build_vision_meta
+
+
+def mrope_cos_sin(position_ids_3BS: torch.Tensor, inv_freq_F: torch.Tensor, section: tuple[int, int, int],
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved M-RoPE cos/sin [B, S, K]: frequency j uses the h position if j % 3 == 1 and
+    j < 3 * section[1], the w position if j % 3 == 2 and j < 3 * section[2], else the t position
+    (HF Qwen3-VL). Computed in fp32, returned in ``dtype``."""
+    if position_ids_3BS.dim() == 2:  # text-only batch with 1-D positions: t = h = w
+        position_ids_3BS = position_ids_3BS[None].expand(3, -1, -1)
+    F_ = inv_freq_F.shape[0]
+    j = torch.arange(F_, device=inv_freq_F.device)
+    use_h = (j % 3 == 1) & (j < 3 * section[1])
+    use_w = (j % 3 == 2) & (j < 3 * section[2])
+    f_3BSF = position_ids_3BS[..., None].float() * inv_freq_F.float()
+    f_BSF = torch.where(use_h, f_3BSF[1], torch.where(use_w, f_3BSF[2], f_3BSF[0]))
+    emb = torch.cat([f_BSF, f_BSF], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _gather_by_pad(mask_N: torch.Tensor, feats_MD: torch.Tensor) -> torch.Tensor:
+    """[N, D]: row t = feats[k] where t is the k-th True of mask (rows where mask is False are garbage
+    to be masked by the caller). Sync-free: the index is a cumsum on device."""
+    idx_N = (torch.cumsum(mask_N.to(torch.int64), 0) - 1).clamp_(min=0)
+    return feats_MD.index_select(0, idx_N)
+
+
+class Qwen3VLModel(nn.Module):
+    def __init__(self, cfg: Qwen3VLConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.visual = VisionTower(cfg.vision)
+        self.language_model = Qwen3Model(cfg.text)
+        apply_freeze(self, cfg)
+
+    # ---- weights ----
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        self.language_model.init_weights(buffer_device)
+        self.visual.init_weights(self.cfg.vision.initializer_range)
+
+    def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
+        self.language_model.init_buffers(buffer_device)
+
+    @property
+    def rope_inv_freq(self) -> torch.Tensor:
+        return self.language_model.rope_inv_freq
+
+    # ---- host-side metadata ----
+    def prepare_inputs(self, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+        """Host-side metadata for :meth:`forward` (call before moving the batch to the device):
+        ``{"vision_meta": VisionMeta}`` built from the CPU ``image_grid_thw`` / ``video_grid_thw``."""
+        return prepare_inputs(self.cfg, batch, device)
+
+    # ---- forward ----
+    def embed(self, input_ids: torch.Tensor, pixel_values=None, pixel_values_videos=None,
+              vision_meta: VisionMeta | None = None):
+        """Token embeddings with visual tokens scattered in -> (h_BSD, deepstack adds list of [B, S, D] or [])."""
+        lm = self.language_model
+        B, S = input_ids.shape
+        h_BSD = lm.tok_embeddings(input_ids)
+        pix = [p for p in (pixel_values, pixel_values_videos) if p is not None and p.numel()]
+        if not pix:
+            return h_BSD, []
+        if vision_meta is None:
+            raise ValueError(
+                "pixel inputs were given without vision_meta; call model.prepare_inputs(batch, device) on the host "
+                "and pass its result to the forward (the train step does this)."
+            )
+        pixels = pix[0] if len(pix) == 1 else torch.cat(pix, 0)
+        merged, deepstack = self.visual(pixels, vision_meta)
+        merged = merged.to(h_BSD.dtype)
+        ids_N = input_ids.reshape(-1)
+        h_ND = h_BSD.reshape(B * S, -1)
+        n_img = vision_meta.n_image_tokens
+        kinds = []
+        if pixel_values is not None and pixel_values.numel():
+            kinds.append((ids_N == self.cfg.image_token_id, slice(0, n_img)))
+        if pixel_values_videos is not None and pixel_values_videos.numel():
+            kinds.append((ids_N == self.cfg.video_token_id, slice(n_img, None)))
+        adds = [torch.zeros_like(h_ND) for _ in deepstack]
+        for mask_N, sl in kinds:
+            m = mask_N[:, None]
+            h_ND = torch.where(m, _gather_by_pad(mask_N, merged[sl]), h_ND)
+            for i, ds in enumerate(deepstack):
+                adds[i] = torch.where(m, _gather_by_pad(mask_N, ds[sl].to(h_ND.dtype)), adds[i])
+        return h_ND.view(B, S, -1), [a.view(B, S, -1) for a in adds]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attn: AttnMeta | None = None,
+        labels: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        vision_meta: VisionMeta | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        **unused: Any,
+    ) -> ModelOutput:
+        """input_ids [B, S]; position_ids [3, B, S] M-RoPE positions (or [B, S] for text only; default
+        arange); attn from build_attn_meta; labels [B, S] already shifted. ``image_grid_thw`` /
+        ``video_grid_thw`` are accepted for interface compatibility but only ``vision_meta`` is read
+        (it was built from them on the host). Unknown keyword inputs raise."""
+        if unused:
+            raise TypeError(f"Qwen3VLModel.forward got unexpected inputs {sorted(unused)}; expected pixel_values, "
+                            "pixel_values_videos, image_grid_thw, video_grid_thw, vision_meta")
+        lm = self.language_model
+        tcfg = lm.cfg
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
+        h_BSD, ds_adds = self.embed(input_ids, pixel_values, pixel_values_videos, vision_meta)
+        cos, sin = mrope_cos_sin(position_ids, lm.rope_inv_freq, self.cfg.mrope_section, h_BSD.dtype)
+        stats_2E = None
+        for i, block in enumerate(lm.layers.values()):
+            h_BSD, st = block(h_BSD, cos, sin, attn)
+            if st is not None:
+                stats_2E = st if stats_2E is None else stats_2E + st
+            if i < len(ds_adds):
+                h_BSD = h_BSD + ds_adds[i]
+        h_BSD = rms_norm(h_BSD, lm.norm.weight, lm.norm.eps)
+
+        aux = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
+        if stats_2E is not None and tcfg.moe_aux_loss:
+            valid = None if attn is None else attn.valid_BS
+            rows = float(B * S * lm.n_moe_layers) if valid is None else valid.sum().float() * lm.n_moe_layers
+            aux = tcfg.router_aux_loss_coef * load_balancing_loss(stats_2E, rows, tcfg.num_experts)
+        if labels is None:
+            return ModelOutput(logits=h_BSD @ lm.lm_head_weight.t(), loss_sum=None, aux_loss=aux)
+        loss_sum = chunked_cross_entropy(h_BSD.reshape(B * S, -1), lm.lm_head_weight, labels.reshape(-1),
+                                         chunk_size=tcfg.loss_chunk_size, z_loss_weight=tcfg.z_loss_weight)
+        return ModelOutput(logits=None, loss_sum=loss_sum, aux_loss=aux)
+
+
+def _vision_backend(cfg: Qwen3VLConfig, device: torch.device) -> str:
+    b = cfg.vision_attn_backend
+    if b != "auto":
+        return b
+    if device.type != "cuda":
+        return "sdpa"
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+
+        return "varlen"
+    except ImportError:
+        return "flex"
+
+
+def prepare_inputs(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """Host-side: VisionMeta over the images then the videos of ``batch`` (CPU grids), on ``device``."""
+    device = torch.device(device)
+    grids = []
+    n_img = 0
+    m2 = cfg.vision.spatial_merge_size**2
+    for pk, gk in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        if batch.get(pk) is not None and batch[pk].numel():
+            g = batch.get(gk)
+            if g is None:
+                raise ValueError(f"batch has {pk} but no {gk}; the data pipeline must provide the (t, h, w) grids.")
+            g = g.cpu() if g.device.type != "cpu" else g
+            grids.append(g)
+            if pk == "pixel_values":
+                n_img = int((g.prod(-1) // m2).sum())
+    if not grids:
+        return {}
+    meta = build_vision_meta(torch.cat(grids), cfg.vision, _vision_backend(cfg, device), device)
+    return {"vision_meta": meta._replace(n_image_tokens=n_img)}
+
+
+# ---- training modes ----
+def param_kind(name: str) -> str:
+    """'vision' (ViT), 'merger' (patch + DeepStack mergers) or 'llm' for a parameter FQN (wrappers' prefixes ok)."""
+    if "visual." in name or name.startswith("visual"):
+        return "merger" if (".merger." in name or "deepstack_merger_list" in name) else "vision"
+    return "llm"
+
+
+def apply_freeze(model: nn.Module, cfg: Qwen3VLConfig) -> None:
+    """requires_grad=False on the parts the config freezes."""
+    frozen = {"vision": cfg.freeze_vision, "merger": cfg.freeze_merger, "llm": cfg.freeze_llm}
+    if all(frozen.values()):
+        raise ValueError("freeze_vision, freeze_merger and freeze_llm are all true: nothing would train.")
+    for name, p in model.named_parameters():
+        if frozen[param_kind(name)]:
+            p.requires_grad_(False)
+
+
+def param_groups(model: nn.Module, cfg: Qwen3VLConfig, groups: list[dict[str, Any]], base_lr: float) -> list[dict]:
+    """Split optimizer groups (as built by titan_mm.train.optim.build_param_groups) by part, each with its
+    learning rate: ViT ``vision_lr``, mergers ``merger_lr`` (default vision_lr), LLM ``llm_lr`` (None:
+    ``base_lr``). Frozen parameters are already absent (requires_grad=False). Groups keep their other keys."""
+    lrs = {
+        "vision": cfg.vision_lr if cfg.vision_lr is not None else base_lr,
+        "merger": cfg.merger_lr if cfg.merger_lr is not None else (cfg.vision_lr if cfg.vision_lr is not None else base_lr),
+        "llm": cfg.llm_lr if cfg.llm_lr is not None else base_lr,
+    }
+    kind_of = {id(p): param_kind(n) for n, p in model.named_parameters(remove_duplicate=False)}
+    out = []
+    for g in groups:
+        by: dict[str, list] = {}
+        for p in g["params"]:
+            by.setdefault(kind_of.get(id(p), "llm"), []).append(p)
+        for kind, ps in by.items():
+            ng = {**g, "params": ps, "lr": lrs[kind], "name": f"{g.get('name', 'group')}/{kind}"}
+            # LambdaLR schedules scale each group's initial_lr, so per-group peaks survive warmup/decay.
+            ng["initial_lr"] = lrs[kind]
+            out.append(ng)
+    return out
+
+
+def build(cfg: Qwen3VLConfig) -> Qwen3VLModel:
+    """Build under the caller's device context (``with torch.device("meta"):`` in the trainer)."""
+    return Qwen3VLModel(cfg)

@@ -1,0 +1,194 @@
+"""Synthetic Qwen3-VL samples and packed batches (tests, benchmarks).
+
+A sample is a list of segments: ``("text", n)`` (n random text tokens), ``("image", (h, w))`` (an image of
+h x w patches: <|vision_start|> + h*w/merge**2 <|image_pad|> + <|vision_end|>), ``("video", (t, h, w))``
+(t temporal patches; each frame is preceded by a timestamp text token and wrapped in start/end tokens, as
+the Qwen3-VL processor lays videos out).
+
+:func:`mrope_positions` computes the [3, S] M-RoPE positions of one sample on the host the same way
+HF's ``Qwen3VLModel.get_rope_index`` does (the parity tests check it against HF).
+:func:`pack` turns samples into a batch dict that follows the Batch contract in docs/architecture.md.
+:func:`synthetic_vl_batch` builds a packed image+text batch of N tokens for a config (bench/mfu.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
+
+
+@dataclass
+class Sample:
+    input_ids: torch.Tensor  # [S] int64
+    mm_type: torch.Tensor  # [S] int64: 0 text, 1 image, 2 video
+    image_grid_thw: torch.Tensor  # [n_img, 3]
+    video_grid_thw: torch.Tensor  # [n_vid, 3]
+    pixel_values: torch.Tensor  # [n_img_patches, P]
+    pixel_values_videos: torch.Tensor  # [n_vid_patches, P]
+
+
+def make_sample(cfg: Qwen3VLConfig, segments, generator: torch.Generator | None = None,
+                text_vocab: int | None = None) -> Sample:
+    """Random tokens and pixels for the given segments (see the module docstring)."""
+    v = cfg.vision
+    m = v.spatial_merge_size
+    vocab = text_vocab or min(cfg.vision_start_token_id, cfg.text.vocab_size)
+    ids, types, igrid, vgrid, ipix, vpix = [], [], [], [], [], []
+
+    def text(n):
+        ids.append(torch.randint(0, vocab, (n,), generator=generator))
+        types.append(torch.zeros(n, dtype=torch.long))
+
+    def visual(tok, typ, n):
+        ids.append(torch.tensor([cfg.vision_start_token_id]))
+        types.append(torch.zeros(1, dtype=torch.long))
+        ids.append(torch.full((n,), tok))
+        types.append(torch.full((n,), typ))
+        ids.append(torch.tensor([cfg.vision_end_token_id]))
+        types.append(torch.zeros(1, dtype=torch.long))
+
+    for kind, arg in segments:
+        if kind == "text":
+            text(arg)
+        elif kind == "image":
+            h, w = arg
+            igrid.append((1, h, w))
+            ipix.append(torch.randn(h * w, v.patch_dim, generator=generator))
+            visual(cfg.image_token_id, 1, h * w // m**2)
+        elif kind == "video":
+            t, h, w = arg
+            vgrid.append((t, h, w))
+            vpix.append(torch.randn(t * h * w, v.patch_dim, generator=generator))
+            for _ in range(t):
+                text(1)  # timestamp token(s) before each frame
+                visual(cfg.video_token_id, 2, h * w // m**2)
+        else:
+            raise ValueError(f"unknown segment kind {kind!r}; use 'text', 'image' or 'video'")
+    P = v.patch_dim
+    return Sample(
+        input_ids=torch.cat(ids),
+        mm_type=torch.cat(types),
+        image_grid_thw=torch.tensor(igrid, dtype=torch.long).view(-1, 3),
+        video_grid_thw=torch.tensor(vgrid, dtype=torch.long).view(-1, 3),
+        pixel_values=torch.cat(ipix) if ipix else torch.zeros(0, P),
+        pixel_values_videos=torch.cat(vpix) if vpix else torch.zeros(0, P),
+    )
+
+
+def mrope_positions(mm_type: torch.Tensor, image_grid_thw: torch.Tensor, video_grid_thw: torch.Tensor,
+                    spatial_merge_size: int) -> torch.Tensor:
+    """[3, S] (t, h, w) positions of one sample (host-side). Text advances all three by one; a visual run
+    (one image, or one video frame) lays its merged grid out at (start, start + row, start + col) and the
+    text after it continues at start + max(h, w) / merge. Video frames each take one (1, h, w) grid."""
+    m = spatial_merge_size
+    frames = []
+    for t, h, w in video_grid_thw.tolist():
+        frames += [(h, w)] * t
+    grids = {1: iter([(h, w) for _, h, w in image_grid_thw.tolist()]), 2: iter(frames)}
+    types = mm_type.tolist()
+    out, pos, i = [], 0, 0
+    while i < len(types):
+        j = i
+        while j < len(types) and types[j] == types[i]:
+            j += 1
+        if types[i] == 0:
+            out.append(torch.arange(pos, pos + j - i).expand(3, -1))
+            pos += j - i
+        else:
+            h, w = next(grids[types[i]])
+            gh, gw = h // m, w // m
+            if gh * gw != j - i:
+                raise ValueError(f"a visual run of {j - i} tokens does not match its grid ({h}x{w} patches, merge {m})")
+            rows = torch.arange(gh).repeat_interleave(gw)
+            cols = torch.arange(gw).repeat(gh)
+            out.append(torch.stack([torch.zeros_like(rows), rows, cols]) + pos)
+            pos += max(gh, gw)
+        i = j
+    return torch.cat(out, 1)
+
+
+def pack(samples: list[Sample], cfg: Qwen3VLConfig, seq_len: int | None = None, rows: int = 1,
+         labels: bool = True) -> dict[str, torch.Tensor]:
+    """Pack samples greedily into ``rows`` rows of ``seq_len`` tokens (default: all in one row, padded to
+    a multiple of 16). Labels are next-token targets within each sample, -100 on visual pads and padding."""
+    lens = [len(s.input_ids) for s in samples]
+    if seq_len is None:
+        seq_len = -(-sum(lens) // 16) * 16
+    ids = torch.zeros(rows, seq_len, dtype=torch.long)
+    lab = torch.full((rows, seq_len), -100, dtype=torch.long)
+    pos = torch.zeros(3, rows, seq_len, dtype=torch.long)
+    doc = torch.full((rows, seq_len), -1, dtype=torch.int32)
+    r, off, nd = 0, 0, [0] * rows
+    seglens = []
+    order: list[tuple[int, int]] = []
+    for s in samples:
+        n = len(s.input_ids)
+        if off + n > seq_len:
+            if off < seq_len:
+                seglens.append((r, seq_len - off))
+            r, off = r + 1, 0
+            if r >= rows or n > seq_len:
+                raise ValueError(f"samples ({lens}) do not fit in {rows} rows of {seq_len} tokens")
+        ids[r, off:off + n] = s.input_ids
+        pos[:, r, off:off + n] = mrope_positions(s.mm_type, s.image_grid_thw, s.video_grid_thw,
+                                                 cfg.vision.spatial_merge_size)
+        doc[r, off:off + n] = nd[r]
+        if labels:
+            tgt = s.input_ids[1:].clone()
+            tgt[(tgt == cfg.image_token_id) | (tgt == cfg.video_token_id)] = -100
+            tgt[(s.mm_type[1:] != 0)] = -100
+            lab[r, off:off + n - 1] = tgt
+        nd[r] += 1
+        seglens.append((r, n))
+        off += n
+    if off < seq_len:
+        seglens.append((r, seq_len - off))
+    for rr in range(r + 1, rows):
+        seglens.append((rr, seq_len))
+    # cu_seqlens over the flattened rows; padding is its own trailing segment per row.
+    cu = torch.tensor([0] + [n for _, n in seglens], dtype=torch.int64).cumsum(0).to(torch.int32)
+    batch = {
+        "input_ids": ids,
+        "labels": lab,
+        "position_ids": pos,
+        "doc_ids": doc,
+        "cu_seqlens": cu,
+        "max_seqlen": torch.tensor(max(n for _, n in seglens)),
+        "num_label_tokens": (lab != -100).sum(),
+    }
+    imgs = [s for s in samples if len(s.image_grid_thw)]
+    vids = [s for s in samples if len(s.video_grid_thw)]
+    if imgs:
+        batch["pixel_values"] = torch.cat([s.pixel_values for s in imgs])
+        batch["image_grid_thw"] = torch.cat([s.image_grid_thw for s in imgs])
+    if vids:
+        batch["pixel_values_videos"] = torch.cat([s.pixel_values_videos for s in vids])
+        batch["video_grid_thw"] = torch.cat([s.video_grid_thw for s in vids])
+    return batch
+
+
+def synthetic_vl_batch(cfg: Qwen3VLConfig, num_tokens: int = 8192, rows: int = 1, image_hw: tuple[int, int] = (32, 32),
+                       text_per_sample: int = 512, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A packed image+text batch of ``rows`` rows x ``num_tokens`` tokens: samples of one image of
+    ``image_hw`` patches (default 32x32 patches = 512x512 px for patch 16 -> 256 LLM tokens) followed by
+    ``text_per_sample`` text tokens, packed until the rows are full (the tail is text-only)."""
+    g = torch.Generator().manual_seed(seed)
+    m = cfg.vision.spatial_merge_size
+    per = image_hw[0] * image_hw[1] // m**2 + 2 + text_per_sample
+    samples, budget = [], num_tokens * rows
+    while True:
+        row_left = num_tokens - (sum(len(s.input_ids) for s in samples) % num_tokens if samples else 0)
+        if budget < per:
+            break
+        if row_left < per:
+            samples.append(make_sample(cfg, [("text", row_left)], g))
+            budget -= row_left
+            continue
+        samples.append(make_sample(cfg, [("image", image_hw), ("text", text_per_sample)], g))
+        budget -= per
+    if budget > 0:
+        samples.append(make_sample(cfg, [("text", budget)], g))
+    return pack(samples, cfg, seq_len=num_tokens, rows=rows)
