@@ -137,19 +137,23 @@ def build_attn_meta(
     return meta
 
 
-_FLEX_COMPILED = None
+def _flex_fns():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # torch.compile is lazy: wrapping costs nothing until the first CUDA call outside a compiled region.
+    return flex_attention, torch.compile(flex_attention, dynamic=False)
+
+
+_FLEX_EAGER, _FLEX_COMPILED = _flex_fns()
 
 
 def _flex(q, k, v, block_mask):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    global _FLEX_COMPILED
-    if q.is_cuda:
-        if _FLEX_COMPILED is None:
-            _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
-        fn = _FLEX_COMPILED
+    # Inside a compiled block dynamo fuses flex_attention itself; eager CUDA calls go through the compiled
+    # wrapper (the eager flex materializes all scores); CPU runs eager.
+    if torch.compiler.is_compiling() or not q.is_cuda:
+        fn = _FLEX_EAGER
     else:
-        fn = flex_attention
+        fn = _FLEX_COMPILED
     return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -218,15 +222,16 @@ class Attention(nn.Module):
     """GQA with per-head RMSNorm on q and k (Qwen3), RoPE, and an output projection."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, bias: bool, eps: float,
-                 qk_norm: bool = True):
+                 qk_norm: bool = True, norm_impl=rms_norm, rope_impl=apply_rope):
         super().__init__()
+        self.rope_impl = rope_impl
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
-        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, eps, norm_impl) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, norm_impl) if qk_norm else None
 
     def forward(self, x_BSD, cos_BSK, sin_BSK, meta: AttnMeta | None, window: int | None = None):
         B, S, _ = x_BSD.shape
@@ -234,9 +239,9 @@ class Attention(nn.Module):
         k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = apply_rope(q, k, cos_BSK, sin_BSK)
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rope_impl(q, k, cos_BSK, sin_BSK)
         o = attention(q, k, v, meta, window)
         return self.wo(o.reshape(B, S, -1))
 

@@ -15,15 +15,22 @@ def swiglu(x_ND: torch.Tensor, w1_FD: torch.Tensor, w3_FD: torch.Tensor, w2_DF: 
     return F.linear(F.silu(F.linear(x_ND, w1_FD)) * F.linear(x_ND, w3_FD), w2_DF)
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
+    """``act_mul(gate, up)`` defaults to silu(gate) * up (titan_mm.kernels.swiglu when kernels are on)."""
+
+    def __init__(self, dim: int, hidden_dim: int, act_mul=silu_mul):
         super().__init__()
+        self.act_mul = act_mul
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act_mul(self.w1(x), self.w3(x)))
 
     def reset_parameters(self, std: float) -> None:
         for lin in (self.w1, self.w3, self.w2):

@@ -84,7 +84,7 @@ def aux_stats(probs_NE: torch.Tensor, top_i_NK: torch.Tensor, valid_N: torch.Ten
         else valid_N.to(torch.float32)
     )
     counts = torch.zeros(E, dtype=torch.float32, device=probs_NE.device).scatter_add_(
-        0, top_i_NK.reshape(-1), w_N.repeat_interleave(K)
+        0, top_i_NK.reshape(-1), w_N[:, None].expand(-1, K).reshape(-1)
     )
     psum = (probs_NE.float() * w_N[:, None]).sum(0)
     return torch.stack([counts, psum])

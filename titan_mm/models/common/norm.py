@@ -19,15 +19,17 @@ def rms_norm(x_ND: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """Holds the scale weight; ``forward`` is :func:`rms_norm`."""
+    """Holds the scale weight; ``forward`` is ``impl(x, weight, eps)`` (default :func:`rms_norm`; the
+    Triton op from titan_mm.kernels when a model's config turns kernels on)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, impl=rms_norm):
         super().__init__()
         self.eps = eps
+        self.impl = impl
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.impl(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

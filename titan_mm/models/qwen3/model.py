@@ -18,39 +18,73 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.nn.functional as F
+
 from titan_mm.models.common.attention import Attention, AttnMeta
 from titan_mm.models.common.loss import chunked_cross_entropy
-from titan_mm.models.common.mlp import SwiGLU
+from titan_mm.models.common.mlp import SwiGLU, silu_mul
 from titan_mm.models.common.moe import MoE, load_balancing_loss
 from titan_mm.models.common.norm import RMSNorm, rms_norm
 from titan_mm.models.common.output import ModelOutput
-from titan_mm.models.common.rope import rope_cos_sin, rope_inv_freq
+from titan_mm.models.common.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from titan_mm.models.qwen3.config import Qwen3Config
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The elementwise/fused ops a model uses: PyTorch references, or titan_mm.kernels (cfg.kernels)."""
+
+    rms_norm: Callable = rms_norm
+    act_mul: Callable = silu_mul
+    apply_rope: Callable = apply_rope
+    cross_entropy: Callable = None  # (h_ND, w_VD, labels_N, chunk_size, z_loss_weight) -> loss_sum
+
+
+def _torch_ce(h, w, labels, chunk_size, z_loss_weight):
+    return chunked_cross_entropy(h, w, labels, chunk_size=chunk_size, z_loss_weight=z_loss_weight)
+
+
+def select_ops(use_kernels: bool) -> Ops:
+    if not use_kernels:
+        return Ops(cross_entropy=_torch_ce)
+    try:
+        from titan_mm import kernels as K
+    except ImportError as e:
+        raise ImportError(f"kernels=True needs titan_mm.kernels, which failed to import ({e}); set kernels=false") from e
+
+    def kernel_ce(h, w, labels, chunk_size, z_loss_weight):
+        return K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z_loss_weight)
+
+    return Ops(rms_norm=K.rms_norm, act_mul=K.swiglu, apply_rope=K.apply_rope, cross_entropy=kernel_ce)
 
 
 class Qwen3Block(nn.Module):
     """Pre-norm decoder block. forward(h, cos, sin, attn) -> (h, moe stats [2, E] or None)."""
 
-    def __init__(self, cfg: Qwen3Config, layer_id: int):
+    def __init__(self, cfg: Qwen3Config, layer_id: int, ops: Ops | None = None):
         super().__init__()
+        ops = ops or select_ops(cfg.kernels)
         self.layer_id = layer_id
         self.window = cfg.layer_window(layer_id)
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
         self.attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                              cfg.attention_bias, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+                              cfg.attention_bias, cfg.rms_norm_eps, norm_impl=ops.rms_norm,
+                              rope_impl=ops.apply_rope)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
         if cfg.is_moe_layer(layer_id):
             self.moe = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                            cfg.norm_topk_prob)
             self.mlp = None
         else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, ops.act_mul)
             self.moe = None
 
     def forward(self, h_BSD: torch.Tensor, cos_BSK: torch.Tensor, sin_BSK: torch.Tensor, attn: AttnMeta | None):
-        h_BSD = h_BSD + self.attn(rms_norm(h_BSD, self.attn_norm.weight, self.attn_norm.eps), cos_BSK, sin_BSK,
-                                  attn, self.window)
-        x_BSD = rms_norm(h_BSD, self.ffn_norm.weight, self.ffn_norm.eps)
+        h_BSD = h_BSD + self.attn(self.attn_norm(h_BSD), cos_BSK, sin_BSK, attn, self.window)
+        x_BSD = self.ffn_norm(h_BSD)
         if self.moe is not None:
             y_BSD, stats = self.moe(x_BSD, None if attn is None else attn.valid_BS)
             return h_BSD + y_BSD, stats
@@ -66,14 +100,11 @@ class Qwen3Block(nn.Module):
 class Qwen3Model(nn.Module):
     def __init__(self, cfg: Qwen3Config):
         super().__init__()
-        if cfg.kernels:
-            raise NotImplementedError(
-                "Qwen3Config.kernels=True is not wired to titan_mm.kernels yet; set kernels=false"
-            )
         self.cfg = cfg
+        self.ops = select_ops(cfg.kernels)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): Qwen3Block(cfg, i) for i in range(cfg.num_hidden_layers)})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleDict({str(i): Qwen3Block(cfg, i, self.ops) for i in range(cfg.num_hidden_layers)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops.rms_norm)
         self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         inv_freq, self.rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                                   cfg.max_position_embeddings)
@@ -128,7 +159,7 @@ class Qwen3Model(nn.Module):
             h_BSD, st = block(h_BSD, cos_BSK, sin_BSK, attn)
             if st is not None:
                 stats_2E = st if stats_2E is None else stats_2E + st
-        h_BSD = rms_norm(h_BSD, self.norm.weight, self.norm.eps)
+        h_BSD = self.norm(h_BSD)
 
         aux = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
         if stats_2E is not None and self.cfg.moe_aux_loss:
@@ -137,11 +168,11 @@ class Qwen3Model(nn.Module):
             rows = float(B * S * self.n_moe_layers) if valid is None else valid.sum().float() * self.n_moe_layers
             aux = self.cfg.router_aux_loss_coef * load_balancing_loss(stats_2E, rows, self.cfg.num_experts)
         if labels is None:
-            logits = h_BSD @ self.lm_head_weight.t()
+            logits = self.output(h_BSD) if self.output is not None else F.linear(h_BSD, self.lm_head_weight)
             return ModelOutput(logits=logits, loss_sum=None, aux_loss=aux)
-        loss_sum = chunked_cross_entropy(
+        loss_sum = self.ops.cross_entropy(
             h_BSD.reshape(B * S, -1), self.lm_head_weight, labels.reshape(-1),
-            chunk_size=self.cfg.loss_chunk_size, z_loss_weight=self.cfg.z_loss_weight,
+            self.cfg.loss_chunk_size, self.cfg.z_loss_weight,
         )
         return ModelOutput(logits=None, loss_sum=loss_sum, aux_loss=aux)
 

@@ -19,11 +19,14 @@ def plan(cfg: Qwen3Config) -> ParallelizePlan:
         "layers.*.attn.wk": "colwise",
         "layers.*.attn.wv": "colwise",
         "layers.*.attn.wo": "rowwise",
-        "layers.*.mlp.w1": "colwise",
-        "layers.*.mlp.w3": "colwise",
-        "layers.*.mlp.w2": "rowwise",
-        "output": "colwise",
+        # qk-norm weights act on the local heads: replicated, gradients summed over tp (titan_mm/parallel/tp.py)
+        "layers.*.attn.q_norm": "grad_sum",
+        "layers.*.attn.k_norm": "grad_sum",
     }
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):  # dense SwiGLU layers
+        tp.update({"layers.*.mlp.w1": "colwise", "layers.*.mlp.w3": "colwise", "layers.*.mlp.w2": "rowwise"})
+    if cfg.tie_word_embeddings:  # the output head reads the embedding weight: keep it whole
+        del tp["tok_embeddings"]
     ep = {"layers.*.moe.experts": "experts"} if cfg.is_moe else {}
     return ParallelizePlan(
         fsdp_units=BLOCKS,
