@@ -66,17 +66,19 @@ def full_grads(model):
     return out
 
 
-def train_steps(model, batches, step_fn, dp_rank=0, dp_size=1, max_norm=1.0, lr=1e-2):
+def train_steps(model, batches, step_fn, dp_rank=0, dp_size=1, max_norm=1.0, lr=1e-2, loss_group=None):
     """Run len(batches) AdamW steps; each rank takes rows dp_rank::dp_size of the global batch.
 
-    ``step_fn(model, local_batch) -> loss_sum``. Returns (losses, grads_per_step, norms).
+    ``step_fn(model, local_batch) -> loss_sum``. ``loss_group``: process group over which per-rank loss sums
+    are summed (the data-parallel ranks; default: the whole world when dp_size > 1).
+    Returns (losses, grads_per_step, norms).
     """
     from titan_mm.parallel.clip import clip_grad_norm_
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
     losses, grads, norms = [], [], []
     for gb in batches:
-        local = {k: v[dp_rank::dp_size] for k, v in gb.items()}
+        local = {k: (v[dp_rank::dp_size] if v.dim() >= 2 else v) for k, v in gb.items()}
         ntok = (gb["labels"] != -100).sum()
         loss_sum = step_fn(model, local)
         (loss_sum / ntok).backward()
@@ -85,7 +87,7 @@ def train_steps(model, batches, step_fn, dp_rank=0, dp_size=1, max_norm=1.0, lr=
         if isinstance(ls, DTensor):
             ls = ls.full_tensor()
         if dist.is_initialized() and dp_size > 1:
-            dist.all_reduce(ls)  # callers pass dp_size>1 only when the batch is split over all ranks of the world
+            dist.all_reduce(ls, group=loss_group)
         losses.append((ls / ntok).item())
         norms.append(float(norm))
         grads.append(full_grads(model))
@@ -105,3 +107,56 @@ def assert_close_runs(ref, got, atol=1e-5, rtol=1e-5):
         assert set(ra) == set(ga), f"step {i}: grad names differ: {sorted(set(ra) ^ set(ga))}"
         for k in ra:
             torch.testing.assert_close(ga[k], ra[k], atol=atol, rtol=rtol, msg=lambda m: f"step {i} grad {k}: {m}")
+
+
+def make_packed_batches(n_steps, batch, seq, vocab, seed=0, max_docs=3):
+    """Packed rows: documents of random length, positions restart per document, labels shifted with -100 on
+    each document's last token and on padding (doc_id -1 at the end of some rows)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_steps):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        doc = torch.full((batch, seq), -1, dtype=torch.int32)
+        pos = torch.zeros((batch, seq), dtype=torch.int64)
+        labels = torch.full((batch, seq), -100, dtype=torch.int64)
+        for b in range(batch):
+            t, d = 0, 0
+            fill = seq - int(torch.randint(0, seq // 4, (1,), generator=g))
+            while t < fill:
+                n = min(int(torch.randint(3, seq // 2 + 1, (1,), generator=g)), fill - t)
+                if d == max_docs - 1:
+                    n = fill - t
+                doc[b, t : t + n] = d
+                pos[b, t : t + n] = torch.arange(n)
+                labels[b, t : t + n - 1] = ids[b, t + 1 : t + n]
+                t, d = t + n, d + 1
+        out.append({"input_ids": ids, "labels": labels, "position_ids": pos, "doc_ids": doc})
+    return out
+
+
+def tiny_qwen3_config(moe: bool = False, **kw):
+    from titan_mm.models.qwen3.config import Qwen3Config
+
+    base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
+                attn_backend="sdpa", loss_chunk_size=64, moe_aux_loss=False)
+    if moe:
+        base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    base.update(kw)
+    return Qwen3Config(**base)
+
+
+def build_tiny_qwen3(cfg, seed=0):
+    from titan_mm.models.qwen3.model import Qwen3Model
+
+    torch.manual_seed(seed)
+    model = Qwen3Model(cfg)
+    model.init_weights()
+    return model
+
+
+def qwen3_step(model, b):
+    from titan_mm.models.common.attention import build_attn_meta
+
+    meta = build_attn_meta(b, "sdpa", "cpu")
+    return model(b["input_ids"], position_ids=b["position_ids"], attn=meta, labels=b["labels"]).loss_sum
