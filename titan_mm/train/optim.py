@@ -70,6 +70,9 @@ def build_param_groups(model: nn.Module, cfg: JobConfig) -> list[dict[str, Any]]
         groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
     if not groups:
         raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
+    split = getattr(model, "split_param_groups", None)  # per-part learning rates (Qwen3-VL: vision / merger / LLM)
+    if split is not None:
+        groups = split(groups, o.lr)
     return groups
 
 

@@ -101,6 +101,9 @@ def forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_globa
         attn = build_attn_meta(mb, ctx.attn_backend, ctx.device, sliding_window=ctx.sliding_window)
         b = _to_device(mb, ctx.device)
         extra = {k: v for k, v in b.items() if k not in _NOT_MODEL_KWARGS}
+        prepare = getattr(model, "prepare_inputs", None)  # host-side model metadata (Qwen3-VL: vision grids)
+        if prepare is not None:
+            extra.update(prepare(mb, ctx.device))
         out = model(b["input_ids"], position_ids=b.get("position_ids"), attn=attn, labels=b["labels"], **extra)
         if out.loss_sum is None:
             raise RuntimeError("the model returned loss_sum=None although labels were given (see ModelOutput contract)")
