@@ -25,7 +25,7 @@ _WORDS = ("the a cat dog runs jumps over under big small red blue house tree riv
 
 def _text(r: random.Random) -> str:
     n = int(min(600, r.lognormvariate(3.6, 0.7)))  # ~45 words median, long tail
-    return " ".join(r.choice(_WORDS) for _ in range(max(3, n))) + "."
+    return " ".join(r.choices(_WORDS, k=max(3, n))) + "."
 
 
 def _png(r: random.Random, size: int = 64) -> bytes:
