@@ -91,6 +91,10 @@ class Qwen3VLModel(nn.Module):
         ``{"vision_meta": VisionMeta}`` built from the CPU ``image_grid_thw`` / ``video_grid_thw``."""
         return prepare_inputs(self.cfg, batch, device)
 
+    def split_param_groups(self, groups: list[dict[str, Any]], base_lr: float) -> list[dict[str, Any]]:
+        """Called by titan_mm.train.optim.build_param_groups: per-part learning rates (see :func:`param_groups`)."""
+        return param_groups(self, self.cfg, groups, base_lr)
+
     # ---- forward ----
     def embed(self, input_ids: torch.Tensor, pixel_values=None, pixel_values_videos=None,
               vision_meta: VisionMeta | None = None):
