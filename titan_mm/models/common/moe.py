@@ -26,7 +26,14 @@ def route(x_ND: torch.Tensor, router_w_ED: torch.Tensor, top_k: int, norm_topk_p
     return probs_NE, top_w_NK.to(logits_NE.dtype), top_i_NK
 
 
+GROUPED_MM: bool | None = None
+"""None: torch._grouped_mm on CUDA bf16, loop elsewhere. True/False force it (tests run the grouped path
+on CPU, where torch >= 2.9 also implements _grouped_mm)."""
+
+
 def _use_grouped_mm(x: torch.Tensor) -> bool:
+    if GROUPED_MM is not None:
+        return GROUPED_MM
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
@@ -36,7 +43,7 @@ def grouped_swiglu(
     """SwiGLU of each expert over its contiguous group of rows (rows sorted by expert, ``counts_E`` per group)."""
     if _use_grouped_mm(x_AD):
         offs = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
-        w1, w3, w2 = (w.to(torch.bfloat16) for w in (w1_EFD, w3_EFD, w2_EDF))
+        w1, w3, w2 = (w.to(x_AD.dtype) for w in (w1_EFD, w3_EFD, w2_EDF))
         h1 = torch._grouped_mm(x_AD, w1.transpose(-2, -1), offs=offs)
         h3 = torch._grouped_mm(x_AD, w3.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(F.silu(h1) * h3, w2.transpose(-2, -1), offs=offs).to(x_AD.dtype)
