@@ -86,7 +86,7 @@ def train_steps(model, batches, step_fn, dp_rank=0, dp_size=1, max_norm=1.0, lr=
         ls = loss_sum.detach().clone()
         if isinstance(ls, DTensor):
             ls = ls.full_tensor()
-        if dist.is_initialized() and dp_size > 1:
+        if dist.is_initialized() and (dp_size > 1 or loss_group is not None):
             dist.all_reduce(ls, group=loss_group)
         losses.append((ls / ntok).item())
         norms.append(float(norm))

@@ -53,6 +53,9 @@ class AttnMeta:
     max_seqlen: int = 0
     valid_BS: torch.Tensor | None = None
     """[B, S] bool, False on padding (doc_id -1); MoE aux loss ignores padding like HF's attention_mask."""
+    cp: Any = None
+    """Context-parallel attention set by titan_mm.parallel.cp.prepare_cp_batch (q/k/v are then local sequence
+    shards); when set, attention() delegates to ``cp(q, k, v, window)``."""
 
 
 def _mask_dense(doc_BS: torch.Tensor | None, B: int, S: int, window: int | None, device) -> torch.Tensor:
@@ -172,6 +175,8 @@ def attention(
     q_BSHK: torch.Tensor, k_BSGK: torch.Tensor, v_BSGK: torch.Tensor, meta: AttnMeta | None, window: int | None
 ) -> torch.Tensor:
     """Scaled dot-product attention (scale 1/sqrt(K)) -> o_BSHK. ``meta=None``: plain causal via SDPA."""
+    if meta is not None and meta.cp is not None:
+        return meta.cp(q_BSHK, k_BSGK, v_BSGK, window)
     B, S, H, K = q_BSHK.shape
     G = k_BSGK.shape[2]
     if meta is not None and window is not None and meta.sliding_window != window:

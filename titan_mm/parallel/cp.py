@@ -1,0 +1,187 @@
+"""Context parallelism: the sequence of every activation is split over the ``cp`` mesh axis.
+
+CP acts through the *batch* and the attention metadata, not by changing modules: the train step calls
+:func:`prepare_cp_batch` instead of ``build_attn_meta``. It
+
+  1. builds the attention metadata for the *full* (local-rows) sequence, so packed-document masks
+     (``doc_ids``), causality and sliding windows are exactly those of the unsplit batch;
+  2. keeps this rank's tokens of every ``[B, S]`` tensor (``input_ids``, ``labels``, ``position_ids``,
+     ``doc_ids``) with **load-balanced** sharding: S is cut into 2*cp chunks and rank r keeps chunks
+     r and 2*cp-1-r, so every rank gets the same amount of causal-attention work;
+  3. puts a :class:`CPAttention` in ``AttnMeta.cp``; ``titan_mm.models.common.attention.attention``
+     delegates to it, everything else in the model (embeddings, norms, MLP/MoE, RoPE with the local
+     ``position_ids``, the loss over the local labels) simply runs on the local tokens.
+
+Modes (``parallel.cp_mode``):
+
+  * ``"ulysses"``: all-to-all q/k/v from (sequence shard, all heads) to (full sequence, H/cp heads), attend
+    with the full-sequence masks, all-to-all back. Needs cp (x tp) to divide the query and kv heads.
+  * ``"allgather"``: all-gather k/v over cp (backward: reduce-scatter), attend the local queries against the
+    full keys with the rows of the full mask that belong to the local queries. Works for any head count;
+    k/v memory is that of the full sequence.
+
+Not done yet: a true ring (p2p, online-softmax merge) variant; ``varlen`` attention under CP.
+
+Loss and gradients: each cp rank's ``loss_sum`` covers its own tokens; the train step divides by the
+global label count as usual, FSDP's mesh includes cp (``fsdp = dp_shard x cp``) so gradients are summed
+over cp, and the reported loss is summed over the ``loss`` mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
+
+from titan_mm.parallel.mesh import ParallelDims
+from titan_mm.parallel.plan import ParallelizePlan, match_modules
+
+MODES = ("ulysses", "allgather")
+SEQ_KEYS = ("input_ids", "labels", "position_ids", "doc_ids")
+
+
+def load_balanced_index(S: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Positions (in the full sequence) that rank ``rank`` of ``cp`` keeps: chunks r and 2cp-1-r of 2cp."""
+    if S % (2 * cp):
+        raise ValueError(f"seq_len({S}) is not a multiple of 2 * cp({cp}) = {2 * cp}; pad rows to a multiple.")
+    c = S // (2 * cp)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]).to(device)
+
+
+class CPAttention:
+    """Callable stored in ``AttnMeta.cp``: attention over the full sequence from local sequence shards."""
+
+    def __init__(self, mode: str, mesh, full_meta, S: int, device):
+        from titan_mm.models.common.attention import attention  # noqa: F401  (fail early if absent)
+
+        self.mode, self.mesh, self.cp = mode, mesh, mesh.size()
+        self.group = mesh.get_group()
+        self.rank = mesh.get_local_rank()
+        self.S = S
+        self.inner = full_meta  # metadata of the full sequence, cp=None
+        gathered = torch.cat([load_balanced_index(S, self.cp, r) for r in range(self.cp)])
+        self.gathered = gathered.to(device)  # gathered order -> original position
+        self.to_orig = torch.argsort(gathered).to(device)  # original position -> index in gathered order
+        self.local = load_balanced_index(S, self.cp, self.rank, device)
+        if mode == "allgather":
+            self.local_meta = self._local_rows_meta(full_meta)
+
+    def _local_rows_meta(self, m):
+        """Metadata whose masks keep only the rows of this rank's queries (kv stays the full sequence)."""
+        B = None
+        lm = dataclasses.replace(m, cp=None)
+        rows = self.local
+        if m.backend in ("sdpa", "flex"):
+            dense = m.sdpa_mask
+            if dense is None:  # unpacked, no window: plain causal over original positions
+                q = torch.arange(self.S, device=rows.device)
+                dense = (q[:, None] >= q[None, :])[None, None]
+            lm.sdpa_mask = dense[:, :, rows, :]
+            if m.sliding_window is not None:
+                lm.sdpa_mask_swa = m.sdpa_mask_swa[:, :, rows, :]
+            if m.backend == "flex" and rows.device.type != "cpu":
+                lm.block_mask, lm.block_mask_swa = _local_block_masks(lm, B)
+        else:
+            raise ValueError(f"context parallelism supports the sdpa and flex backends, not {m.backend!r}.")
+        return lm
+
+    def __call__(self, q_BSHK, k_BSGK, v_BSGK, window):
+        from titan_mm.models.common.attention import attention
+
+        if self.mode == "ulysses":
+            q, k, v = (self._seq_to_heads(t) for t in (q_BSHK, k_BSGK, v_BSGK))
+            o = attention(q, k, v, self.inner, window)
+            return self._heads_to_seq(o)
+        # allgather: full k/v (original order), local queries with their mask rows
+        k, v = (all_gather_tensor_autograd(t.contiguous(), 1, self.group)[:, self.to_orig] for t in (k_BSGK, v_BSGK))
+        return attention(q_BSHK, k, v, self.local_meta, window)
+
+    def _seq_to_heads(self, x):  # [B, S/cp, H, K] -> [B, S, H/cp, K] (original order)
+        B, Sl, H, K = x.shape
+        if H % self.cp:
+            raise ValueError(f"Ulysses CP: cp({self.cp}) does not divide the local head count ({H}); "
+                             "use parallel.cp_mode='allgather'.")
+        x = x.reshape(B, Sl, self.cp, H // self.cp, K).permute(2, 0, 1, 3, 4).contiguous()
+        x = all_to_all_single_autograd(x, None, None, self.group)  # [cp(src seq shard), B, Sl, Hc, K]
+        x = x.permute(1, 0, 2, 3, 4).reshape(B, self.cp * Sl, H // self.cp, K)
+        return x[:, self.to_orig]
+
+    def _heads_to_seq(self, o):  # [B, S, Hc, K] (original order) -> [B, S/cp, H, K]
+        B, S, Hc, K = o.shape
+        o = o[:, self.gathered].reshape(B, self.cp, S // self.cp, Hc, K).permute(1, 0, 2, 3, 4).contiguous()
+        o = all_to_all_single_autograd(o, None, None, self.group)  # [cp(head group), B, Sl, Hc, K]
+        return o.permute(1, 2, 0, 3, 4).reshape(B, S // self.cp, self.cp * Hc, K)
+
+
+def _local_block_masks(lm, B):  # pragma: no cover - CUDA path (flex kernels)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    out = []
+    for dense in (lm.sdpa_mask, lm.sdpa_mask_swa):
+        if dense is None:
+            out.append(None)
+            continue
+        d = dense[:, 0]
+
+        def mask_mod(b, h, q_idx, kv_idx, d=d):
+            return d[b, q_idx, kv_idx]
+
+        out.append(create_block_mask(mask_mod, d.shape[0], None, d.shape[1], d.shape[2], device=d.device))
+    return out[0], out[1]
+
+
+def prepare_cp_batch(
+    batch: dict[str, torch.Tensor],
+    parallel_dims: ParallelDims,
+    backend: str,
+    device,
+    sliding_window: int | None = None,
+    mode: str = "ulysses",
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """-> (this rank's sequence shard of ``batch``, AttnMeta with ``cp`` set). Without CP: (batch, build_attn_meta)."""
+    from titan_mm.models.common.attention import build_attn_meta
+
+    if mode not in MODES:
+        raise ValueError(f"parallel.cp_mode must be one of {MODES}, got {mode!r}.")
+    if not parallel_dims.cp_enabled:
+        return batch, build_attn_meta(batch, backend, device, sliding_window)
+    if backend == "varlen":
+        raise ValueError("context parallelism does not support attn_backend='varlen' yet; use 'flex' or 'sdpa'.")
+    mesh = parallel_dims.mesh("cp")
+    S = batch["input_ids"].shape[-1]
+    idx = load_balanced_index(S, parallel_dims.cp, mesh.get_local_rank())
+    meta = build_attn_meta(batch, backend, device, sliding_window)
+    full = dataclasses.replace(meta, cp=None)
+    local = {}
+    for k, v in batch.items():
+        local[k] = v.index_select(v.dim() - 1, idx.to(v.device)) if k in SEQ_KEYS else v
+    if "num_label_tokens" in batch:
+        local["num_label_tokens"] = (local["labels"] != -100).sum()
+    local.pop("cu_seqlens", None)
+    local.pop("max_seqlen", None)
+    meta.cp = CPAttention(mode, mesh, full, S, torch.device(device))
+    if meta.valid_BS is not None:
+        meta.valid_BS = meta.valid_BS[:, idx.to(meta.valid_BS.device)]
+    return local, meta
+
+
+def apply_cp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any = None) -> None:
+    """CP changes no module; check that the family's plan declares its attention modules CP-capable."""
+    if not plan.cp:
+        raise ValueError(
+            f"parallel.cp={pd.cp} but this model's plan has no cp entries: its attention does not take "
+            "titan_mm.parallel.cp metadata. Set parallel.cp = 1."
+        )
+    for pattern, role in plan.cp.items():
+        if role != "attention":
+            raise ValueError(f"unknown CP role {role!r} for {pattern!r}; the only role is 'attention'.")
+        if not match_modules(model, (pattern,)):
+            raise ValueError(f"CP plan entry {pattern!r} matches no module of {type(model).__name__}.")
+    mode = "ulysses"
+    if cfg is not None and hasattr(cfg, "parallel"):
+        mode = getattr(cfg.parallel, "cp_mode", "ulysses")
+    if mode not in MODES:
+        raise ValueError(f"parallel.cp_mode must be one of {MODES}, got {mode!r}.")
