@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_mm.train.state import TrainState, from_bytes, to_bytes
@@ -164,6 +165,17 @@ class Topology:
     dp_rank: int = 0
     dp_world: int = 1
     parallel: dict | None = None
+
+
+def _short_error(e: BaseException) -> str:
+    """One line for a load failure; DCP wraps the real error (per rank) in a CheckpointException."""
+    if isinstance(e, CheckpointException):
+        for fail in getattr(e, "failures", {}).values():
+            inner = fail[0] if isinstance(fail, tuple) else fail
+            if isinstance(inner, BaseException):
+                return _short_error(inner)
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"[:300]
 
 
 def _log(msg: str) -> None:
@@ -333,8 +345,8 @@ class CheckpointManager:
         for ck in self._candidates(load_step):
             try:
                 self.load_into(state, ck)
-            except Exception as e:  # noqa: BLE001 - reported, then the next older checkpoint is tried
-                msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported, then an older one is tried
+                msg = _short_error(e)
                 failures.append((ck, msg))
                 _log(f"WARNING: checkpoint {ck} is corrupt or unreadable ({msg}); falling back to the previous one")
                 continue

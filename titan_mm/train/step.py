@@ -16,6 +16,7 @@ decision on every rank: the loss and norm are global), optimizer step, scheduler
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -148,7 +149,9 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
     else:
         state.nan_count += 1
     opt.zero_grad(set_to_none=True)
-    state.scheduler.step()
+    with warnings.catch_warnings():  # a skipped update makes LambdaLR warn about the call order
+        warnings.simplefilter("ignore", UserWarning)
+        state.scheduler.step()
     state.step += 1
     tokens = sum(int(mb["input_ids"].numel()) for mb in micro_batches) * ctx.dp_world
     return StepResult(
