@@ -201,6 +201,9 @@ class Parallel:
     """Context-parallel degree."""
     ep: int = 1
     """Expert-parallel degree (MoE)."""
+    cp_mode: Literal["ulysses", "allgather"] = "ulysses"
+    """Context-parallel attention: ulysses (all-to-all sequence<->heads; cp x tp must divide the heads) or
+    allgather (all-gather k/v; any head count). Batches are sharded load-balanced (titan_mm/parallel/cp.py)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: auto = nccl on CUDA, gloo on CPU."""
 
@@ -230,7 +233,8 @@ class Float8:
     recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """torchao float8 scaling recipe."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output", "router", "gate"])
-    """Linears whose FQN contains any of these stay in high precision."""
+    """Linears with a dot-separated FQN component equal to one of these stay in high precision
+    ("output" = lm head, "router"/"gate" = MoE routers; "gate_proj"-style names are not matched)."""
 
 
 @dataclass
