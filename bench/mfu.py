@@ -1,0 +1,289 @@
+"""Training throughput, MFU and peak memory: titan_mm next to its peers, measured in one run on one GPU.
+
+Every (case, stack) pair runs in a fresh subprocess (its own CUDA context, compile caches and memory peak),
+with the same synthetic data (random tokens, one document per row, every position a label), the same
+optimizer (fused AdamW, fp32 master weights), FSDP2 with bf16 params / fp32 reduce on a 1-GPU mesh, and
+the same timing: ``--warmup`` steps (compilation) then ``--steps`` timed steps, synchronizing after each.
+MFU is computed for every stack from titan_mm's FLOP counter (docs/flops.md) against 989 TFLOP/s.
+
+Stacks:
+  titan            titan_mm's trainer path (registry model -> parallelize -> train_step), compile per block,
+                   Triton kernels (fused linear CE, RMSNorm, SwiGLU, RoPE) on
+  titan_f8         the same + torchao float8 linears
+  titan_eager      no compile, kernels on
+  titan_nokernels  compile, pure-PyTorch ops (the reference path)
+  torchtitan       torchtitan 0.2.2's Qwen3 with per-block compile, full-logit CE
+  hf_liger         HF transformers (sdpa) + Liger 0.8.5 kernels
+  hf               HF transformers (sdpa)
+Cases set the model shape, batch and sequence; ``--ac`` switches activation checkpointing for titan.
+
+  python bench/mfu.py --cases qwen3_1.7b --stacks titan,titan_f8,torchtitan,hf_liger --out bench/results/mfu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PEAK_TFLOPS = 989.0
+
+# name -> (registry model, flavor, overrides of the flavor's config, batch, seq)
+CASES: dict[str, dict] = {
+    "debug": dict(model="qwen3", flavor="debug", over={}, batch=2, seq=64),  # CPU smoke test (--cpu)
+    "qwen3_1.7b": dict(model="qwen3", flavor="1.7B", over={}, batch=4, seq=4096),
+    "qwen3_4b": dict(model="qwen3", flavor="4B", over={}, batch=2, seq=4096),
+    "qwen3_30b_a3b_4l": dict(model="qwen3_moe", flavor="30B-A3B", over={"num_hidden_layers": 4}, batch=4, seq=4096),
+    "qwen3_vl_2b": dict(model="qwen3_vl", flavor="2B", over={}, batch=1, seq=8192, vl=True),
+    "qwen3_vl_30b_a3b_4l": dict(model="qwen3_vl_moe", flavor="30B-A3B", over={"num_hidden_layers": 4},
+                                batch=1, seq=8192, vl=True),
+}
+
+
+def text_cfg(mc):
+    """The text-model part of a (possibly VL) config."""
+    return getattr(mc, "text", None) or getattr(mc, "text_config", None) or mc
+
+
+def model_config(case: dict):
+    import dataclasses
+
+    from titan_mm.registry import get_model_spec
+
+    spec = get_model_spec(case["model"])
+    mc = spec.flavor(case["flavor"])
+    if case["over"]:
+        t = text_cfg(mc)
+        if t is mc:
+            mc = dataclasses.replace(mc, **case["over"])
+        else:
+            for name in ("text", "text_config"):
+                if getattr(mc, name, None) is t:
+                    mc = dataclasses.replace(mc, **{name: dataclasses.replace(t, **case["over"])})
+    return spec, mc
+
+
+def shape_of(mc, seq: int) -> dict:
+    """Peer-facing shape dict from a titan Qwen3 config."""
+    t = text_cfg(mc)
+    return dict(
+        vocab_size=t.vocab_size, dim=t.hidden_size, n_layers=t.num_hidden_layers, n_heads=t.num_attention_heads,
+        n_kv_heads=t.num_key_value_heads, head_dim=t.head_dim, ffn_dim=t.intermediate_size, rope_theta=t.rope_theta,
+        tied=t.tie_word_embeddings, seq_len=seq, num_experts=t.num_experts, top_k=t.num_experts_per_tok,
+        moe_ffn_dim=t.moe_intermediate_size,
+    )
+
+
+def text_batch(vocab: int, batch: int, seq: int, device, seed: int = 0) -> dict:
+    """Full rows, one document each: every stack sees the same causal attention work."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    labels = ids[:, 1:].clone()
+    ids = ids[:, :-1].contiguous()
+    pos = torch.arange(seq).expand(batch, seq).contiguous()
+    return {
+        "input_ids": ids, "labels": labels, "position_ids": pos,
+        "doc_ids": torch.zeros(batch, seq, dtype=torch.int32),
+        "cu_seqlens": torch.arange(0, batch * seq + 1, seq, dtype=torch.int32),
+        "max_seqlen": torch.tensor(seq), "num_label_tokens": torch.tensor(batch * seq),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ worker
+def _titan_builder(case, stack, args, device):
+    import dataclasses
+
+    from titan_mm.config import load_config
+    from titan_mm.parallel.mesh import ParallelDims
+    from titan_mm.train.optim import build_lr_scheduler, build_optimizer
+    from titan_mm.train.state import TrainState
+    from titan_mm.train.step import StepContext, train_step
+    from titan_mm.train.trainer import build_model
+
+    spec, mc = model_config(case)
+    argv = [
+        "--model.name", case["model"], "--model.flavor", case["flavor"],
+        "--compile.enable", str(stack != "titan_eager"),
+        "--float8.enable", str(stack == "titan_f8"),
+        "--kernels.mode", "reference" if stack == "titan_nokernels" else "auto",
+        "--activation_checkpoint.mode", args.ac,
+        "--training.param_dtype", "bfloat16", "--training.reduce_dtype", "float32",
+        "--checkpoint.enable", "False",
+    ]
+    cfg = load_config(argv)
+    attn = args.attn if args.attn != "auto" else "flex"
+    # runtime fields sit on the top-level config (Qwen3-VL pushes them into its text config)
+    kw = {k: v for k, v in (("attn_backend", attn), ("kernels", stack != "titan_nokernels")) if hasattr(mc, k)}
+    mc = dataclasses.replace(mc, **kw)
+    pd = ParallelDims.from_config(cfg.parallel, 1)
+    pd.build_meshes()
+    model = build_model(cfg, spec, mc, pd, device, 1, 0)
+    opt = build_optimizer(model, cfg)
+    state = TrainState(model=model, optimizer=opt, scheduler=build_lr_scheduler(opt, cfg))
+    ctx = StepContext(device=device, attn_backend=attn, max_norm=1.0)
+    if case.get("vl"):
+        from titan_mm.models.qwen3_vl.synthetic import synthetic_vl_batch
+
+        batch = synthetic_vl_batch(mc, num_tokens=case["seq"], rows=case["batch"], seed=0)
+    else:
+        batch = text_batch(text_cfg(mc).vocab_size, case["batch"], case["seq"], device)
+
+    def step():
+        return train_step(state, [batch], ctx).loss
+
+    return spec, mc, batch, step
+
+
+def _peer_builder(case, stack, device):
+    import torch
+
+    from bench import peers
+
+    spec, mc = model_config(case)
+    shape = shape_of(mc, case["seq"])
+    if stack == "torchtitan":
+        model, fb = peers.build_torchtitan(shape, device)
+    else:
+        model, fb = peers.build_hf(shape, device, liger=stack == "hf_liger")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    batch = text_batch(shape["vocab_size"], case["batch"], case["seq"], device)
+    ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+
+    def step():
+        loss = fb(ids, labels)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return spec, mc, batch, step
+
+
+def worker(args) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    case = CASES[args.case]
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    if cuda:
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if args.stack.startswith("titan"):
+        spec, mc, batch, step = _titan_builder(case, args.stack, args, device)
+    else:
+        spec, mc, batch, step = _peer_builder(case, args.stack, device)
+    from titan_mm.observe.mfu import doc_lens_from_batch
+
+    if case.get("vl"):
+        from titan_mm.models.qwen3_vl.flops import flops_of_batch
+
+        fb = flops_of_batch(mc, batch)
+        flops, flops_llm = fb["total"], fb["llm"]
+    else:
+        flops = flops_llm = spec.flops(mc, doc_lens_from_batch(batch))
+    n_tok = int(batch["input_ids"].numel())
+    t_compile = time.perf_counter()
+    losses = [step() for _ in range(args.warmup)]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t_compile = time.perf_counter() - t_compile
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    med = times[len(times) // 2]
+    res = dict(
+        case=args.case, stack=args.stack, ac=args.ac, batch=case["batch"], seq=case["seq"], tokens_per_step=n_tok,
+        step_time_s=med, tokens_per_s=n_tok / med, tflops=flops / med / 1e12, mfu=flops / med / 1e12 / PEAK_TFLOPS,
+        peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, warmup_s=t_compile, first_loss=losses[0],
+        last_loss=losses[-1], gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+    )
+    res["mfu_llm_only"] = flops_llm / med / 1e12 / PEAK_TFLOPS
+    dist.destroy_process_group()
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def render(rows: list[dict]) -> str:
+    out = ["| case | stack | AC | tokens/s | TFLOP/s | MFU | peak GB | vs best peer |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['case']} | {r['stack']} | {r.get('ac', '')} | failed: {r['error'][:60]} | | | | |")
+            continue
+        peers = [p["tokens_per_s"] for p in rows if p["case"] == r["case"] and "error" not in p
+                 and not p["stack"].startswith("titan")]
+        ratio = f"{r['tokens_per_s'] / max(peers):.2f}x" if peers else ""
+        out.append(f"| {r['case']} | {r['stack']} | {r['ac']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
+                   f"{100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} | {ratio} |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="qwen3_1.7b")
+    ap.add_argument("--stacks", default="titan,titan_f8,torchtitan,hf_liger")
+    ap.add_argument("--ac", default="none", help="titan activation checkpointing: none | selective | full")
+    ap.add_argument("--attn", default="auto", help="titan attention backend: auto (flex) | sdpa | flex | varlen")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--timeout", type=int, default=400, help="seconds per (case, stack) subprocess")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/mfu.json"))
+    ap.add_argument("--cpu", action="store_true", help="smoke-test on CPU (gloo; use --cases debug)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--stack", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return 0
+    rows = []
+    for case in args.cases.split(","):
+        for stack in args.stacks.split(","):
+            cmd = [sys.executable, __file__, "--worker", "--case", case, "--stack", stack, "--ac", args.ac,
+                   "--attn", args.attn, *(["--cpu"] if args.cpu else []), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+            t0 = time.time()
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+                if lines:
+                    rows.append(json.loads(lines[-1][7:]))
+                else:
+                    rows.append(dict(case=case, stack=stack, ac=args.ac, error=(p.stderr or p.stdout)[-2000:]))
+            except subprocess.TimeoutExpired:
+                rows.append(dict(case=case, stack=stack, ac=args.ac, error=f"timeout after {args.timeout}s"))
+            r = rows[-1]
+            print(f"[{time.time() - t0:5.0f}s] {case} {stack}: "
+                  + (f"{r['tokens_per_s']:,.0f} tok/s, {100 * r['mfu']:.1f}% MFU, {r['peak_mem_gb']:.1f} GB"
+                     if "error" not in r else "FAILED\n" + r["error"][-1500:]), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prev = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    keep = [r for r in prev.get("rows", []) if not any(
+        r["case"] == n["case"] and r["stack"] == n["stack"] and r.get("ac") == n.get("ac") for n in rows)]
+    out.write_text(json.dumps({"peak_tflops": PEAK_TFLOPS, "rows": keep + rows}, indent=1))
+    print(render(keep + rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
