@@ -76,20 +76,27 @@ def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size):
     loss_rows = new_empty((n,), torch.float32, h.device)
     if compute_grad:
         grad_h = new_empty((n, d), h.dtype, h.device)
-        grad_w = torch.zeros_like(w)
+        grad_w = new_empty(w.shape, w.dtype, w.device)  # the first chunk writes it (mm out=), then addmm_
     else:
         grad_h, grad_w = h.new_empty(0), w.new_empty(0)
+    if n == 0 and compute_grad:
+        grad_w.zero_()
+    logits_buf = new_empty((min(c, n), v), h.dtype, h.device) if n > 0 else None  # one buffer for all chunks
     for s in range(0, n, c):
         e = min(n, s + c)
         hc = h2[s:e]
-        logits = hc @ w.t()
+        logits = logits_buf[: e - s]
+        torch.mm(hc, w.t(), out=logits)
         _ce_row_kernel[(e - s,)](
             logits, logits.stride(0), lab[s:e], loss_rows[s:e], ignore_index, float(z_loss),
             V=v, WRITE_GRAD=compute_grad, HAS_Z=z_loss != 0.0, BLOCK=block, num_warps=8,
         )
         if compute_grad:
             torch.mm(logits, w, out=grad_h[s:e])
-            grad_w.addmm_(logits.t(), hc)
+            if s == 0:
+                torch.mm(logits.t(), hc, out=grad_w)
+            else:
+                grad_w.addmm_(logits.t(), hc)
     loss = loss_rows.sum()
     if compute_grad:
         grad_h = grad_h.view(h.shape)

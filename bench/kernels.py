@@ -1,0 +1,421 @@
+"""Per-kernel benchmark on one GPU: eager PyTorch, torch.compile of the reference, Liger 0.8.5, titan_mm.
+
+Shapes: Qwen3-8B / Qwen3-VL, 16,384 tokens x hidden 4096, bf16 (SwiGLU at the 8B MLP width 12,288;
+RoPE with 32 q / 8 kv heads of 128; bias-GELU at the Qwen3-VL ViT MLP width 4,304; fused linear CE with
+vocabulary 151,936). For each kernel, implementation and mode (fwd, fwd+bwd): median time over many
+iterations (CUDA events), peak memory above the inputs, and achieved bandwidth (minimum bytes moved / time)
+against the H200 copy ceiling of 4.23 TB/s; for the CE, TFLOP/s of its three GEMMs.
+
+    PYTHONPATH=$PWD:/tmp/site python3 bench/kernels.py [--out bench/results/kernels.json] [--only rms_norm,...]
+    python3 bench/kernels.py --render bench/results/kernels.json [--doc docs/kernels.md]   # markdown table
+
+Runs in < 5 minutes on the H200 (compile of the references is most of it; --no-compile skips that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+COPY_CEILING_TBS = 4.23  # H200 device-to-device copy, bytes read + written (shared/GPU.md)
+MATMUL_CEILING_TFLOPS = 796.0  # H200 bf16 matmul 8192^3, measured
+N_TOKENS, HIDDEN, FFN, VOCAB, VIT_FFN = 16384, 4096, 12288, 151936, 4304
+HQ, HK, DH, MROPE_SECTION = 32, 8, 128, [24, 20, 20]
+DOC_BEGIN, DOC_END = "<!-- kernels-bench:begin -->", "<!-- kernels-bench:end -->"
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def time_ms(fn, min_iters=20, max_iters=200, budget_s=0.5):
+    import torch
+
+    if not torch.cuda.is_available():  # smoke mode: wall clock, a few iterations
+        ts = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts), len(ts)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = max(time.perf_counter() - t0, 1e-6)
+    iters = int(min(max_iters, max(min_iters, budget_s / one)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), iters
+
+
+def peak_mb(fn):
+    import torch
+
+    if not torch.cuda.is_available():
+        fn()
+        return 0.0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+# ---------------------------------------------------------------------------------------------- cases
+
+
+def _liger(name):
+    """Import a Liger autograd Function; None (with the reason printed) when Liger does not load."""
+    try:
+        if name == "rms_norm":
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction as F
+        elif name == "add_rms_norm":
+            from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction as F
+        elif name == "swiglu":
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction as F
+        elif name == "rope":
+            from liger_kernel.ops.rope import LigerRopeFunction as F
+        elif name == "mrope":
+            from liger_kernel.ops.qwen2vl_mrope import LigerQwen2VLMRopeFunction as F
+        elif name == "linear_cross_entropy":
+            from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction as F
+        else:
+            return None
+        return F
+    except Exception as e:  # reported in the results, never silently
+        print(f"[liger] {name}: import failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+def set_smoke_shapes():
+    """Tiny shapes for a CPU run through TRITON_INTERPRET=1 (tests the script, not the speed)."""
+    global N_TOKENS, HIDDEN, FFN, VOCAB, VIT_FFN, HQ, HK, DH, MROPE_SECTION
+    N_TOKENS, HIDDEN, FFN, VOCAB, VIT_FFN, HQ, HK, DH, MROPE_SECTION = 64, 64, 96, 500, 80, 4, 2, 16, [4, 2, 2]
+
+
+def build_cases(only):
+    """Per kernel: inputs factory, byte counts, and {impl: (fwd_fn(inputs) -> outputs)}."""
+    import torch
+    import torch.nn.functional as F
+
+    import titan_mm.kernels as K
+    from titan_mm.kernels import reference as R
+
+    dev, dt = torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16
+    N, D = N_TOKENS, HIDDEN
+    e = 2  # bytes per bf16 element
+
+    def rnd(*s, scale=1.0, dtype=dt):
+        return (torch.randn(*s, device=dev, dtype=dtype) * scale).requires_grad_(True)
+
+    cases = {}
+
+    # RMSNorm: fwd reads x, writes y; bwd reads x, dy, writes dx (w, rstd negligible)
+    L = _liger("rms_norm")
+    cases["rms_norm"] = dict(
+        shape=f"x [{N}, {D}] bf16",
+        inputs=lambda: dict(x=rnd(N, D), w=rnd(D, scale=0.1)),
+        fwd_bytes=2 * N * D * e, bwd_bytes=3 * N * D * e,
+        impls={
+            "eager": lambda x, w: R.rms_norm(x, w, 1e-6),
+            "compile": ("compile", lambda x, w: R.rms_norm(x, w, 1e-6)),
+            "liger": (lambda x, w, L=L: L.apply(x, w, 1e-6)) if L else None,
+            "titan_mm": lambda x, w: K.rms_norm(x, w, 1e-6),
+        },
+    )
+    L = _liger("add_rms_norm")
+    cases["add_rms_norm"] = dict(
+        shape=f"x, residual [{N}, {D}] bf16",
+        inputs=lambda: dict(x=rnd(N, D), r=rnd(N, D), w=rnd(D, scale=0.1)),
+        fwd_bytes=4 * N * D * e, bwd_bytes=4 * N * D * e,
+        impls={
+            "eager": lambda x, r, w: R.add_rms_norm(x, r, w, 1e-6),
+            "compile": ("compile", lambda x, r, w: R.add_rms_norm(x, r, w, 1e-6)),
+            "liger": (lambda x, r, w, L=L: L.apply(x, r, w, 1e-6)) if L else None,
+            "titan_mm": lambda x, r, w: K.add_rms_norm(x, r, w, 1e-6),
+        },
+    )
+    L = _liger("swiglu")
+    cases["swiglu"] = dict(
+        shape=f"gate, up [{N}, {FFN}] bf16",
+        inputs=lambda: dict(g=rnd(N, FFN), u=rnd(N, FFN)),
+        fwd_bytes=3 * N * FFN * e, bwd_bytes=5 * N * FFN * e,
+        impls={
+            "eager": lambda g, u: R.swiglu(g, u),
+            "compile": ("compile", lambda g, u: R.swiglu(g, u)),
+            "liger": (lambda g, u, L=L: L.apply(g, u)) if L else None,
+            "titan_mm": lambda g, u: K.swiglu(g, u),
+        },
+    )
+    B, S = 4, N // 4
+    qk_bytes = N * (HQ + HK) * DH * e
+    half = DH // 2
+
+    def rope_inputs():
+        ang = torch.rand(B, S, half, device=dev) * 100
+        cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dt), torch.cat((ang.sin(), ang.sin()), -1).to(dt)
+        return dict(q=rnd(B, S, HQ, DH), k=rnd(B, S, HK, DH), cos=cos, sin=sin)
+
+    L = _liger("rope")
+    cases["rope"] = dict(
+        shape=f"q [{B}, {S}, {HQ}, {DH}], k [{B}, {S}, {HK}, {DH}] bf16",
+        inputs=rope_inputs,
+        fwd_bytes=2 * qk_bytes + N * DH * 2 * e, bwd_bytes=2 * qk_bytes + N * DH * 2 * e,
+        impls={
+            "eager": lambda q, k, cos, sin: R.apply_rope(q, k, cos, sin),
+            "compile": ("compile", lambda q, k, cos, sin: R.apply_rope(q, k, cos, sin)),
+            # Liger wants [B, H, S, Dh]; HF models hold q/k that way before attention
+            "liger": (lambda q, k, cos, sin, L=L: L.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)) if L else None,
+            "titan_mm": lambda q, k, cos, sin: K.apply_rope(q, k, cos, sin),
+        },
+    )
+
+    def mrope_inputs():
+        ang = torch.rand(3, B, S, half, device=dev) * 100
+        ang = torch.cat((ang, ang), -1)  # HF / Liger width Dh (titan_mm reads the first half only)
+        return dict(q=rnd(B, S, HQ, DH), k=rnd(B, S, HK, DH), cos=ang.cos().to(dt), sin=ang.sin().to(dt))
+
+    L = _liger("mrope")
+    cases["mrope"] = dict(
+        shape=f"q [{B}, {S}, {HQ}, {DH}], k [.., {HK}, ..], cos/sin [3, {B}, {S}, {DH}] bf16, section {MROPE_SECTION}",
+        inputs=mrope_inputs,
+        fwd_bytes=2 * qk_bytes + 3 * N * half * 2 * e, bwd_bytes=2 * qk_bytes + 3 * N * half * 2 * e,
+        impls={
+            "eager": lambda q, k, cos, sin: R.apply_mrope(q, k, cos, sin, MROPE_SECTION),
+            "compile": ("compile", lambda q, k, cos, sin: R.apply_mrope(q, k, cos, sin, MROPE_SECTION)),
+            # Liger 0.8.5 has Qwen2-VL's *sectioned* (not interleaved) M-RoPE only: a peer for speed, not numerics
+            "liger": (
+                lambda q, k, cos, sin, L=L: L.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin, MROPE_SECTION)
+            ) if L else None,
+            "titan_mm": lambda q, k, cos, sin: K.apply_mrope(q, k, cos, sin, MROPE_SECTION),
+        },
+    )
+    cases["bias_gelu"] = dict(
+        shape=f"x [{N}, {VIT_FFN}] bf16 (Qwen3-VL ViT MLP)",
+        inputs=lambda: dict(x=rnd(N, VIT_FFN), b=rnd(VIT_FFN)),
+        fwd_bytes=2 * N * VIT_FFN * e, bwd_bytes=3 * N * VIT_FFN * e,
+        impls={
+            "eager": lambda x, b: R.bias_gelu(x, b),
+            "compile": ("compile", lambda x, b: R.bias_gelu(x, b)),
+            "liger": None,  # Liger has no bias-GELU
+            "titan_mm": lambda x, b: K.bias_gelu(x, b),
+        },
+    )
+
+    def ce_inputs():
+        labels = torch.randint(0, VOCAB, (N,), device=dev)
+        labels[torch.rand(N, device=dev) < 0.1] = -100
+        return dict(h=rnd(N, D), w=rnd(VOCAB, D, scale=D**-0.5), labels=labels)
+
+    def ce_eager(h, w, labels):
+        return F.cross_entropy((h @ w.t()).float(), labels, ignore_index=-100, reduction="sum")
+
+    L = _liger("linear_cross_entropy")
+    cases["linear_cross_entropy"] = dict(
+        shape=f"h [{N}, {D}], W [{VOCAB}, {D}] bf16",
+        inputs=ce_inputs,
+        fwd_flops=2 * N * VOCAB * D, bwd_flops=4 * N * VOCAB * D,
+        # titan_mm computes the grads in the forward whenever grad is enabled: its fwd-only row runs under no_grad
+        impls={
+            "eager": ce_eager,
+            "compile": ("compile", ce_eager),
+            "liger": (lambda h, w, labels, L=L: L.apply(h, w, labels, None, None, -100, 0.0, 0.0, "sum")[0]) if L else None,
+            "titan_mm": lambda h, w, labels: K.linear_cross_entropy(h, w, labels),
+        },
+    )
+    return {k: v for k, v in cases.items() if not only or k in only}
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def _outputs(o):
+    return [t for t in (o if isinstance(o, (tuple, list)) else (o,)) if hasattr(t, "requires_grad") and t.requires_grad]
+
+
+def run_case(name, case, impl, fn, do_compile):
+    import torch
+
+    rows = []
+    if isinstance(fn, tuple):
+        if not do_compile:
+            return rows
+        fn = torch.compile(fn[1], fullgraph=True)
+    inp = case["inputs"]()
+    diff = [v for v in inp.values() if v.requires_grad]
+
+    def fwd():
+        with torch.no_grad():
+            return fn(**inp)
+
+    fixed = {}
+
+    def fwd_bwd():
+        outs = _outputs(fn(**inp))
+        if "g" not in fixed:
+            fixed["g"] = [torch.randn_like(o) for o in outs]
+        torch.autograd.grad(outs, diff, fixed["g"], allow_unused=True)
+
+    for mode, f in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        t_c = time.perf_counter()
+        ms, iters = time_ms(f)
+        mem = peak_mb(f)
+        row = dict(kernel=name, shape=case["shape"], impl=impl, mode=mode, ms=round(ms, 4), iters=iters,
+                   peak_mb=round(mem, 1), wall_s=round(time.perf_counter() - t_c, 2))
+        if "fwd_bytes" in case:
+            nbytes = case["fwd_bytes"] + (case["bwd_bytes"] if mode == "fwd+bwd" else 0)
+            tbs = nbytes / (ms * 1e-3) / 1e12
+            row.update(bytes=nbytes, tb_s=round(tbs, 3), frac_copy=round(tbs / COPY_CEILING_TBS, 3))
+        else:
+            fl = case["fwd_flops"] + (case["bwd_flops"] if mode == "fwd+bwd" else 0)
+            tf = fl / (ms * 1e-3) / 1e12
+            row.update(flops=fl, tflops=round(tf, 1), frac_matmul=round(tf / MATMUL_CEILING_TFLOPS, 3))
+        rows.append(row)
+    del inp, diff
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results/kernels.json")
+    p.add_argument("--only", default="", help="comma-separated kernel names")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile(reference) rows")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU allowed (TRITON_INTERPRET=1): tests the script")
+    p.add_argument("--render", default="", help="render the markdown table from this JSON and exit")
+    p.add_argument("--doc", default="", help="with --render: replace the table between the markers in this file")
+    a = p.parse_args(argv)
+    if a.render:
+        with open(a.render) as f:
+            md = render_markdown(json.load(f))
+        if a.doc:
+            update_doc(a.doc, md)
+        print(md)
+        return
+
+    import torch
+    import triton
+
+    if a.smoke:
+        set_smoke_shapes()
+    else:
+        assert torch.cuda.is_available(), "bench/kernels.py needs a CUDA GPU (or --smoke)"
+    t0 = time.perf_counter()
+    only = [s for s in a.only.split(",") if s]
+    try:
+        import importlib.metadata as md_
+
+        liger_v = md_.version("liger-kernel")
+    except Exception:
+        liger_v = None
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)", torch=torch.__version__, triton=triton.__version__, liger=liger_v,
+        copy_ceiling_tb_s=COPY_CEILING_TBS, matmul_ceiling_tflops=MATMUL_CEILING_TFLOPS,
+    )
+    rows, errors = [], []
+    for name, case in build_cases(only).items():
+        for impl, fn in case["impls"].items():
+            if fn is None:
+                continue
+            try:
+                new = run_case(name, case, impl, fn, not a.no_compile)
+            except Exception as e:
+                msg = f"{name}/{impl}: {type(e).__name__}: {e}"
+                print("[error]", msg, file=sys.stderr)
+                traceback.print_exc()
+                errors.append(msg[:1000])
+                torch.cuda.empty_cache()
+                continue
+            for r in new:
+                print(_fmt_row(r), flush=True)
+            rows += new
+    meta["wall_s"] = round(time.perf_counter() - t0, 1)
+    data = dict(meta=meta, results=rows, errors=errors)
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(data, f, indent=1)
+    print()
+    print(render_markdown(data))
+    print(f"\nwrote {a.out} in {meta['wall_s']} s")
+
+
+def _fmt_row(r):
+    perf = f"{r['tb_s']:.2f} TB/s ({100 * r['frac_copy']:.0f}%)" if "tb_s" in r else f"{r['tflops']:.0f} TFLOP/s"
+    return f"{r['kernel']:<22}{r['impl']:<10}{r['mode']:<9}{r['ms']:>9.3f} ms {r['peak_mb']:>10.1f} MB  {perf}"
+
+
+# ---------------------------------------------------------------------------------------------- rendering
+
+
+def render_markdown(data: dict) -> str:
+    """One row per kernel and mode: time, bandwidth (or TFLOP/s) and peak memory of each implementation,
+    plus titan_mm's speedup over Liger (and over eager where Liger has no kernel)."""
+    impls = ["eager", "compile", "liger", "titan_mm"]
+    res = data["results"]
+    by = {(r["kernel"], r["mode"], r["impl"]): r for r in res}
+    kernels = list(dict.fromkeys(r["kernel"] for r in res))
+    m = data.get("meta", {})
+    out = [
+        f"Measured {m.get('date', '?')} on {m.get('device', '?')} (torch {m.get('torch', '?')}, triton "
+        f"{m.get('triton', '?')}, liger {m.get('liger', '?')}). Time: median ms (CUDA events); memory-bound "
+        f"kernels show achieved TB/s and % of the {m.get('copy_ceiling_tb_s', COPY_CEILING_TBS)} TB/s copy "
+        "ceiling; the CE shows TFLOP/s of its GEMMs. Peak: MB allocated above the inputs.",
+        "",
+        "| kernel | mode | " + " | ".join(impls) + " | titan_mm vs liger | peak MB (" + " / ".join(impls) + ") |",
+        "|---|---|" + "---|" * len(impls) + "---|---|",
+    ]
+    for k in kernels:
+        for mode in ("fwd", "fwd+bwd"):
+            cells, peaks = [], []
+            for i in impls:
+                r = by.get((k, mode, i))
+                if r is None:
+                    cells.append("–")
+                    peaks.append("–")
+                    continue
+                perf = f"{r['tb_s']:.2f} TB/s, {100 * r['frac_copy']:.0f}%" if "tb_s" in r else f"{r['tflops']:.0f} TFLOP/s"
+                cells.append(f"{r['ms']:.3f} ({perf})")
+                peaks.append(f"{r['peak_mb']:.0f}")
+            ours, lig, eag = by.get((k, mode, "titan_mm")), by.get((k, mode, "liger")), by.get((k, mode, "eager"))
+            if ours and lig:
+                vs = f"{lig['ms'] / ours['ms']:.2f}x"
+            elif ours and eag:
+                vs = f"n/a ({eag['ms'] / ours['ms']:.2f}x vs eager)"
+            else:
+                vs = "–"
+            shape = next((r["shape"] for r in res if r["kernel"] == k), "")
+            out.append(f"| {k} <br>{shape} | {mode} | " + " | ".join(cells) + f" | {vs} | " + " / ".join(peaks) + " |")
+    if data.get("errors"):
+        out += ["", "Errors: " + "; ".join(data["errors"])]
+    return "\n".join(out)
+
+
+def update_doc(path: str, md: str) -> None:
+    with open(path) as f:
+        text = f.read()
+    if DOC_BEGIN not in text or DOC_END not in text:
+        raise SystemExit(f"{path} has no {DOC_BEGIN} ... {DOC_END} markers")
+    head, rest = text.split(DOC_BEGIN, 1)
+    _, tail = rest.split(DOC_END, 1)
+    with open(path, "w") as f:
+        f.write(head + DOC_BEGIN + "\n" + md + "\n" + DOC_END + tail)
+
+
+if __name__ == "__main__":
+    main()
