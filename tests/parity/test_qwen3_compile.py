@@ -69,3 +69,10 @@ def test_blocks_compile_fullgraph(monkeypatch, backend, moe):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
     else:
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in comp.parameters())
+    # a new batch (other document lengths -> new mask) reuses the compiled graphs: no recompiles per step
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    batch2 = packed_batch([2, 9, 8], S=20, seed=4)
+    comp(batch2["input_ids"], batch2["position_ids"], build_attn_meta(batch2, backend, "cpu"), labels=labels)
+    assert counters["stats"]["unique_graphs"] == graphs

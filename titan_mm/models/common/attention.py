@@ -194,7 +194,12 @@ def attention(
             mask = meta.sdpa_mask_swa if window is not None else meta.sdpa_mask
         elif window is not None:
             raise ValueError("a sliding-window layer needs attention metadata; call build_attn_meta(...) first")
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=G != H)
+        gqa = G != H
+        if gqa and mask is not None:
+            # fused SDPA kernels that take a mask (mem-efficient) lack GQA: share kv heads explicitly
+            k, v = (t.repeat_interleave(H // G, dim=1) for t in (k, v))
+            gqa = False
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return o.transpose(1, 2)
     if meta.backend == "flex":
         bm = meta.block_mask_swa if window is not None else meta.block_mask
