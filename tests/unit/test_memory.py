@@ -1,0 +1,46 @@
+"""Memory estimator: parameter classification by plan, monotonic in the topology and AC, CLI table."""
+
+import torch
+
+from titan_mm.parallel.memory import GiB, Topology, count_params, estimate, main, suggest
+from titan_mm.registry import get_model_spec
+
+
+def _moe():
+    spec = get_model_spec("qwen3_moe")
+    cfg = spec.flavors["30B-A3B"]
+    return spec, cfg, spec.plan(cfg)
+
+
+def test_counts_match_the_model():
+    spec = get_model_spec("qwen3")
+    cfg = spec.flavors["debug"]
+    c = count_params(cfg, spec.plan(cfg))
+    with torch.device("meta"):
+        n = sum(p.numel() for p in spec.build(cfg).parameters())
+    assert c.total == n and c.experts == 0 and c.tp_sharded > 0
+
+
+def test_monotonic_in_topology_and_ac():
+    spec, cfg, plan = _moe()
+    c = count_params(cfg, plan)
+    assert 28e9 < c.experts < 30e9
+    base = estimate(cfg, plan, Topology(dp_shard=8, ep=8), 4096, 1, counts=c)
+    assert estimate(cfg, plan, Topology(dp_shard=4, tp=2, ep=4), 4096, 1, counts=c)["params"] > base["params"] / 2
+    acts = [estimate(cfg, plan, Topology(dp_shard=8, ep=8, ac=a), 4096, 1, counts=c)["activations"]
+            for a in ("none", "selective", "full")]
+    assert acts[0] > acts[1] > acts[2]
+    assert estimate(cfg, plan, Topology(dp_shard=4, cp=2, ep=8), 4096, 1, counts=c)["activations"] < acts[0]
+
+
+def test_suggest_fits():
+    spec, cfg, plan = _moe()
+    fits = suggest(cfg, plan, 8, 141, 4096, 1)
+    assert fits and all(e["total"] <= 0.9 * 141 * GiB for _, e in fits)
+    assert not suggest(cfg, plan, 1, 24, 4096, 1)
+
+
+def test_cli_prints_table(capsys):
+    main(["--config", "debug_qwen3.toml", "--gpus", "2", "--gpu-mem-gb", "24"])
+    out = capsys.readouterr().out
+    assert "activations" in out and "total" in out and "suggested for 2 GPUs" in out
