@@ -125,3 +125,35 @@ def test_errors_name_the_problem(tmp_path):
     os.makedirs(tmp_path / "empty")
     with pytest.raises(HFCheckpointError, match=r"config\.json"):
         _load_titan(tmp_path / "empty")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+        {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+        {"attention_bias": True},
+    ],
+    ids=["yarn", "sliding_window", "attention_bias"],
+)
+def test_export_keeps_rope_window_and_bias(tmp_path, kw, caplog):
+    from transformers import AutoModelForCausalLM
+
+    from titan_mm.models.common.attention import build_attn_meta
+    from titan_mm.models.qwen3.config import Qwen3Config
+
+    hf = hf_model(seed=5, **kw)
+    hf.save_pretrained(tmp_path / "src")
+    with caplog.at_level("WARNING"):
+        spec, cfg, model = _load_titan(tmp_path / "src")
+    assert not [r for r in caplog.records if r.name.startswith("titan_mm")], caplog.text  # no unknown keys
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
+    meta = build_attn_meta({"input_ids": ids}, "sdpa", "cpu", sliding_window=cfg.attn_sliding_window)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        assert (model(ids, attn=meta).logits - ref).abs().max().item() <= 1e-5
+    spec.save_hf(model, cfg, tmp_path / "dst")
+    assert Qwen3Config.from_hf(tmp_path / "dst") == cfg
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, ref)
