@@ -138,6 +138,18 @@ def build_cases(only):
             "titan_mm": lambda x, w: K.rms_norm(x, w, 1e-6),
         },
     )
+    # Qwen3 q-norm: RMSNorm over head_dim for every (token, q head): many short rows
+    cases["rms_norm_qk"] = dict(
+        shape=f"q [{N * HQ}, {DH}] bf16 (q-norm over head_dim)",
+        inputs=lambda: dict(x=rnd(N * HQ, DH), w=rnd(DH, scale=0.1)),
+        fwd_bytes=2 * N * HQ * DH * e, bwd_bytes=3 * N * HQ * DH * e,
+        impls={
+            "eager": lambda x, w: R.rms_norm(x, w, 1e-6),
+            "compile": ("compile", lambda x, w: R.rms_norm(x, w, 1e-6)),
+            "liger": (lambda x, w, L=L: L.apply(x, w, 1e-6)) if L else None,
+            "titan_mm": lambda x, w: K.rms_norm(x, w, 1e-6),
+        },
+    )
     L = _liger("add_rms_norm")
     cases["add_rms_norm"] = dict(
         shape=f"x, residual [{N}, {D}] bf16",

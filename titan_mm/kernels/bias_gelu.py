@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ._utils import as_rows, new_empty, next_pow2
 
-_BR, _BD = 16, 256  # backward tile: rows x columns
+_BR, _BD = 64, 128  # backward tile: rows x columns (the db partial is N/64 x D fp32)
 
 
 @triton.jit
@@ -57,8 +57,8 @@ def bias_gelu_op(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     n, d = x2.shape
     y = new_empty(x.shape, x.dtype, x.device)
     if n * d > 0:
-        block = min(2048, next_pow2(d))
-        _bias_gelu_fwd_kernel[(n, triton.cdiv(d, block))](x2, x2.stride(0), b, y, d, BLOCK=block, num_warps=8)
+        block = min(1024, next_pow2(d))
+        _bias_gelu_fwd_kernel[(n, triton.cdiv(d, block))](x2, x2.stride(0), b, y, d, BLOCK=block, num_warps=4)
     return y
 
 
@@ -77,7 +77,7 @@ def bias_gelu_bwd_op(dy: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> tupl
     db_part = new_empty((max(nrb, 1), d), torch.float32, x.device)
     if n * d > 0:
         _bias_gelu_bwd_kernel[(nrb, triton.cdiv(d, _BD))](
-            d2, d2.stride(0), x2, x2.stride(0), b, dx, db_part, n, d, BR=_BR, BD=_BD, num_warps=4
+            d2, d2.stride(0), x2, x2.stride(0), b, dx, db_part, n, d, BR=_BR, BD=_BD, num_warps=8
         )
     else:
         db_part.zero_()

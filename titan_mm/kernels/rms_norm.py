@@ -1,8 +1,9 @@
 """RMSNorm and residual-add + RMSNorm (Qwen3RMSNorm numerics), forward and backward, as custom ops.
 
-Forward: one program per row (the whole hidden dim in registers), fp32 statistics, saves rstd [N] fp32.
-Backward: persistent programs (2 per SM) walk a contiguous range of rows, accumulate dW in fp32 registers,
-write one partial per program; the partials are summed in PyTorch (tiny: programs x D).
+Tiles of ~4096 elements hold whole rows in registers (1 row at hidden 4096; 32 rows for a q/k-norm over
+head_dim 128). Forward: fp32 statistics, saves rstd [N] fp32. Backward: persistent programs (4 per SM) walk a
+contiguous range of rows tile by tile, accumulate dW in fp32 registers and write one partial per program;
+the partials are summed in PyTorch (small: programs x D).
 Legend: N rows (tokens), D hidden.
 """
 
@@ -15,65 +16,72 @@ import triton.language as tl
 from ._utils import as_rows, new_empty, next_pow2, sm_count
 
 
-def _warps(block: int) -> int:
-    return 4 if block <= 1024 else (8 if block <= 4096 else 16)
+def _tile(d: int) -> tuple[int, int, int]:
+    """(rows per tile, column block, warps): about 4096 elements per tile, whole rows in registers.
+    Hidden 4096 -> 1 row x 4096; a Qwen3 q/k-norm over head_dim 128 -> 32 rows x 128."""
+    bd = next_pow2(d)
+    br = max(1, min(64, 4096 // bd))
+    elems = br * bd
+    return br, bd, (4 if elems <= 2048 else (8 if elems <= 8192 else 16))
 
 
 @triton.jit
 def _rms_fwd_kernel(
-    X, stride_x, R, stride_r, NR, Y, W, RSTD, D, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    X, stride_x, R, stride_r, NR, Y, W, RSTD, N, D, eps,
+    HAS_RES: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    m = cols < D
-    x = tl.load(X + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    cols = tl.arange(0, BD)
+    mr = rows < N
+    m = mr[:, None] & (cols[None, :] < D)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_RES:
-        r = tl.load(R + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
         nr = (x + r).to(NR.dtype.element_ty)  # rounded like the eager add
-        tl.store(NR + row * D + cols, nr, mask=m)
+        tl.store(NR + rows[:, None] * D + cols[None, :], nr, mask=m)
         x = nr.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    tl.store(RSTD + row, rstd)
-    w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
-    xn = (x * rstd).to(Y.dtype.element_ty).to(tl.float32)  # HF casts before the weight multiply
-    tl.store(Y + row * D + cols, (w * xn).to(Y.dtype.element_ty), mask=m)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    tl.store(RSTD + rows, rstd, mask=mr)
+    w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
+    xn = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)  # HF casts before the weight multiply
+    tl.store(Y + rows[:, None] * D + cols[None, :], (w[None, :] * xn).to(Y.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _rms_bwd_kernel(
     DY, stride_dy, X, stride_x, W, RSTD, DNR, stride_dnr, DX, DW_PART,
     N, D,
-    ROWS: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, HAS_DRES: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    m = cols < D
-    w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    cols = tl.arange(0, BD)
+    mc = cols < D
+    w = tl.load(W + cols, mask=mc, other=0.0).to(tl.float32)
+    dw = tl.zeros([BR, BD], dtype=tl.float32)
     start = pid * ROWS
-    for i in range(0, ROWS):  # constexpr trip count (the CPU interpreter needs one)
-        r64 = (start + i).to(tl.int64)
-        mr = m & (r64 < N)
-        x = tl.load(X + r64 * stride_x + cols, mask=mr, other=0.0).to(tl.float32)
-        dy = tl.load(DY + r64 * stride_dy + cols, mask=mr, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + r64, mask=r64 < N, other=0.0)
-        xhat = x * rstd
-        g = dy * w
-        c = tl.sum(g * xhat, axis=0) / D
-        dx = rstd * (g - xhat * c)
+    for i in range(0, ROWS, BR):  # constexpr trip count (the CPU interpreter needs one)
+        rows = (start + i + tl.arange(0, BR)).to(tl.int64)
+        mr = rows < N
+        m = mr[:, None] & mc[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=mr, other=0.0)
+        xhat = x * rstd[:, None]
+        g = dy * w[None, :]
+        c = tl.sum(g * xhat, axis=1) / D
+        dx = rstd[:, None] * (g - xhat * c[:, None])
         if HAS_DRES:
-            dx += tl.load(DNR + r64 * stride_dnr + cols, mask=mr, other=0.0).to(tl.float32)
-        tl.store(DX + r64 * D + cols, dx.to(DX.dtype.element_ty), mask=mr)
+            dx += tl.load(DNR + rows[:, None] * stride_dnr + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=m)
         dw += dy * xhat
-    tl.store(DW_PART + pid.to(tl.int64) * D + cols, dw, mask=m)
+    tl.store(DW_PART + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=mc)
 
 
 def _fwd(x, residual, w, eps):
     w = w.contiguous()
     x2 = as_rows(x)
     n, d = x2.shape
-    block = next_pow2(d)
+    br, bd, warps = _tile(d)
     y = new_empty(x.shape, x.dtype, x.device)
     rstd = new_empty(x.shape[:-1], torch.float32, x.device)
     if residual is not None:
@@ -82,9 +90,9 @@ def _fwd(x, residual, w, eps):
     else:
         r2, nr = x2, y  # unused
     if n > 0:
-        _rms_fwd_kernel[(n,)](
-            x2, x2.stride(0), r2, r2.stride(0), nr, y, w, rstd, d, eps,
-            HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block),
+        _rms_fwd_kernel[(triton.cdiv(n, br),)](
+            x2, x2.stride(0), r2, r2.stride(0), nr, y, w, rstd, n, d, eps,
+            HAS_RES=residual is not None, BR=br, BD=bd, num_warps=warps,
         )
     return y, (nr if residual is not None else None), rstd
 
@@ -95,10 +103,11 @@ def _bwd(dy, x, w, rstd, dnr):
     x2 = as_rows(x)
     dy2 = as_rows(dy)
     n, d = x2.shape
-    block = next_pow2(d)
-    progs = max(1, min(n, 2 * sm_count(x.device)))
-    # rows per program: a power of two (a constexpr, so only a handful of variants ever compile)
-    rows_per_prog = next_pow2(triton.cdiv(n, progs)) if n > 0 else 1
+    br, bd, warps = _tile(d)
+    # persistent programs (4 per SM) each own a contiguous range of rows and one fp32 dW partial;
+    # rows per program is a power of two >= the tile (a constexpr: only a handful of variants compile)
+    progs = max(1, min(triton.cdiv(n, br), 4 * sm_count(x.device)))
+    rows_per_prog = max(br, next_pow2(triton.cdiv(n, progs))) if n > 0 else br
     progs = triton.cdiv(n, rows_per_prog) if n > 0 else 1
     dx = new_empty(x.shape, x.dtype, x.device)
     dw_part = new_empty((progs, d), torch.float32, x.device)
@@ -107,7 +116,7 @@ def _bwd(dy, x, w, rstd, dnr):
         _rms_bwd_kernel[(progs,)](
             dy2, dy2.stride(0), x2, x2.stride(0), w, rstd, dnr2, dnr2.stride(0), dx, dw_part,
             n, d,
-            ROWS=rows_per_prog, HAS_DRES=dnr is not None, BLOCK=block, num_warps=_warps(block),
+            ROWS=rows_per_prog, HAS_DRES=dnr is not None, BR=br, BD=bd, num_warps=warps,
         )
     else:
         dw_part.zero_()

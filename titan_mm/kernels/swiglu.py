@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ._utils import as_rows, new_empty, next_pow2
 
-_BLOCK = 2048
+_BLOCK = 1024
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = new_empty(gate.shape, gate.dtype, gate.device)
     if n * f > 0:
         grid, block = _grid(n, f)
-        _swiglu_fwd_kernel[grid](g2, g2.stride(0), u2, u2.stride(0), y, f, BLOCK=block, num_warps=8)
+        _swiglu_fwd_kernel[grid](g2, g2.stride(0), u2, u2.stride(0), y, f, BLOCK=block, num_warps=4)
     return y
 
 
@@ -72,7 +72,7 @@ def swiglu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tup
     if n * f > 0:
         grid, block = _grid(n, f)
         _swiglu_bwd_kernel[grid](
-            d2, d2.stride(0), g2, g2.stride(0), u2, u2.stride(0), dg, du, f, BLOCK=block, num_warps=8
+            d2, d2.stride(0), g2, g2.stride(0), u2, u2.stride(0), dg, du, f, BLOCK=block, num_warps=4
         )
     return dg, du
 

@@ -78,7 +78,7 @@ def check_rms_norm(device, dtype, big):
     from titan_mm.kernels import reference as R
 
     recs = []
-    shapes = [(16384, 4096), (3, 1000, 4099)] if big else [(3, 7, 37), (5, 64)]
+    shapes = [(16384, 4096), (3, 1000, 4099), (16384 * 8, 128)] if big else [(3, 7, 37), (5, 64), (3, 1000, 9)]
     for shape in shapes:
         for mode in ("contig", "sliced", "transposed"):
             if big and mode != "contig" and shape[-1] == 4096:
@@ -98,7 +98,7 @@ def check_add_rms_norm(device, dtype, big):
     from titan_mm.kernels import reference as R
 
     recs = []
-    shapes = [(16384, 4096), (3, 1000, 4099)] if big else [(3, 7, 37), (5, 64)]
+    shapes = [(16384, 4096), (3, 1000, 4099), (16384 * 8, 128)] if big else [(3, 7, 37), (5, 64), (3, 1000, 9)]
     for shape in shapes:
         for mode in ("contig", "sliced"):
             x = _leaf(_strided(shape, dtype, device, mode))
