@@ -66,7 +66,8 @@ def full_grads(model):
     return out
 
 
-def train_steps(model, batches, step_fn, dp_rank=0, dp_size=1, max_norm=1.0, lr=1e-2, loss_group=None):
+def train_steps(model, batches, step_fn, dp_rank=0, dp_size=1, max_norm=1.0, lr=1e-2, loss_group=None,
+                select=None, skip_grads=()):
     """Run len(batches) AdamW steps; each rank takes rows dp_rank::dp_size of the global batch.
 
     ``step_fn(model, local_batch) -> loss_sum``. ``loss_group``: process group over which per-rank loss sums
@@ -78,8 +79,11 @@ def train_steps(model, batches, step_fn, dp_rank=0, dp_size=1, max_norm=1.0, lr=
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
     losses, grads, norms = [], [], []
     for gb in batches:
-        local = {k: (v[dp_rank::dp_size] if v.dim() >= 2 else v) for k, v in gb.items()}
-        ntok = (gb["labels"] != -100).sum()
+        if select is not None:  # (global batch, dp_rank, dp_size) -> (local batch, global label count)
+            local, ntok = select(gb, dp_rank, dp_size)
+        else:
+            local = {k: (v[dp_rank::dp_size] if v.dim() >= 2 else v) for k, v in gb.items()}
+            ntok = (gb["labels"] != -100).sum()
         loss_sum = step_fn(model, local)
         (loss_sum / ntok).backward()
         norm = clip_grad_norm_(model, max_norm)
@@ -90,7 +94,7 @@ def train_steps(model, batches, step_fn, dp_rank=0, dp_size=1, max_norm=1.0, lr=
             dist.all_reduce(ls, group=loss_group)
         losses.append((ls / ntok).item())
         norms.append(float(norm))
-        grads.append(full_grads(model))
+        grads.append({k: v for k, v in full_grads(model).items() if not any(x in k for x in skip_grads)})
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses, grads, norms
