@@ -103,7 +103,7 @@ def linear_cross_entropy(
     """Sum (fp32 scalar) over labels != ignore_index of CE(h @ weight.T, labels) + z_loss * lse^2, without
     materializing the [N, V] logits. h [..., D], weight [V, D], labels [...] (already shifted).
     The trainer divides the result by the global label-token count. chunk_size 0 = automatic."""
-    if use_triton(h, weight):
+    if use_triton(h, weight) and h.dtype == weight.dtype:
         compute_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
         return linear_cross_entropy_op(h, weight, labels, ignore_index, float(z_loss), compute_grad, chunk_size)[0]
     return reference.linear_cross_entropy(
