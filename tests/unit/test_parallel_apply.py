@@ -1,0 +1,67 @@
+"""parallelize() at world 1: AC modes keep the math, compile wraps in place, float8 on CPU is a clear error."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiproc"))
+from _parallel_common import StandIn, assert_close_runs, make_batches, train_steps  # noqa: E402
+
+from titan_mm.parallel.apply import parallelize  # noqa: E402
+from titan_mm.parallel.mesh import ParallelDims  # noqa: E402
+from titan_mm.parallel.plan import ParallelizePlan  # noqa: E402
+
+PLAN = ParallelizePlan(fsdp_units=("layers.?",), ac_units=("layers.?",), compile_units=("layers.?",))
+BATCHES = make_batches(2, batch=2, seq=16, vocab=64)
+
+
+def _cfg(**sections):
+    base = dict(activation_checkpoint=NS(mode="none", selective_option="op"), compile=NS(enable=False, fullgraph=False),
+                float8=NS(enable=False, recipe="tensorwise", filter_fqns=["output"]), training=NS(param_dtype="float32",
+                reduce_dtype="float32"), parallel=NS(backend="auto"))
+    base.update(sections)
+    return NS(**base)
+
+
+def _run(cfg):
+    torch.manual_seed(0)
+    m = parallelize(StandIn(), PLAN, ParallelDims(world_size=1), cfg)
+    return m, train_steps(m, BATCHES, lambda mod, b: mod(b["input_ids"], b["labels"]))
+
+
+@pytest.mark.parametrize("mode,opt", [("full", "op"), ("selective", "op"), ("selective", "2")])
+def test_ac_keeps_the_math(mode, opt):
+    _, ref = _run(_cfg())
+    m, got = _run(_cfg(activation_checkpoint=NS(mode=mode, selective_option=opt)))
+    wrapped = [n for n, _ in m.named_modules() if n.endswith("_checkpoint_wrapped_module")]
+    assert len(wrapped) == (1 if opt == "2" else 2)
+    assert_close_runs(ref, got, atol=1e-6, rtol=1e-6)
+
+
+def test_bad_selective_option():
+    with pytest.raises(ValueError, match="selective_option must be 'op' or a positive integer"):
+        _run(_cfg(activation_checkpoint=NS(mode="selective", selective_option="half")))
+
+
+def test_compile_in_place_keeps_names():
+    torch.manual_seed(0)
+    m = parallelize(StandIn(), PLAN, ParallelDims(world_size=1), _cfg(compile=NS(enable=True, fullgraph=False)))
+    assert m.layers["0"]._compiled_call_impl is not None
+    assert "layers.0.up.weight" in dict(m.named_parameters())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+def test_float8_on_cpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="float8.enable=true needs a CUDA GPU"):
+        parallelize(StandIn(), PLAN, ParallelDims(world_size=1), _cfg(float8=NS(enable=True, recipe="tensorwise",
+                                                                                   filter_fqns=["output"])))
+
+
+def test_plan_pattern_matching_nothing_is_an_error():
+    bad = ParallelizePlan(ac_units=("blocks.?",))
+    with pytest.raises(ValueError, match="no module matches the plan's ac_units"):
+        parallelize(StandIn(), bad, ParallelDims(world_size=1), _cfg(activation_checkpoint=NS(mode="full",
+                                                                                              selective_option="op")))
