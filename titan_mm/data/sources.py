@@ -7,7 +7,8 @@ a JSONL/JSON file, one row group of a Parquet file, one tar shard (WebDataset la
 key, ``000123.json`` + ``000123.jpg``), or a slice of a built-in dataset.
 
 Order, the same on every machine:
-  (seed, epoch) -> permutation of the units -> (rank, worker) slot -> in-unit order (file order).
+  (seed, epoch) -> permutation of the units -> (rank, worker) slot -> in-unit order (file order for
+  JSONL and tar; a (seed, epoch, unit)-keyed permutation for Parquet row groups, JSON files, built-ins).
 With at least as many units as slots (dp_world x num_workers), slot s reads units s, s+n, s+2n, ... of
 the permutation. With fewer units, every slot walks all units and keeps the samples whose
 (unit position + in-unit index) is congruent to s modulo n, so no sample is read by two slots and none
@@ -143,11 +144,13 @@ def permutation(n: int, *key: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------- readers
-# A reader yields (index, resume_token, record) from `start` (index) / `token` (format-specific resume
-# token, e.g. a byte offset). `record` is a dict, or a SkipSample for a bad record.
+# A reader yields (position, record id, resume_token, record) from position `start` / `token` (a
+# format-specific resume token, e.g. a byte offset). `record` is a dict, or a SkipSample for a bad record.
+# Random-access units (a JSON file, a Parquet row group, a built-in slice) are read in an order permuted by
+# `order` = (seed, source, epoch, unit) when given; streamed units (JSONL, tar) in file order.
 
 
-def _read_jsonl(unit: Unit, start: int, token: Any) -> Iterator[tuple[int, Any, Any]]:
+def _read_jsonl(unit: Unit, start: int, token: Any, order: tuple | None = None) -> Iterator:
     opener = fsspec.open(unit.url, "rb", compression="infer")
     with opener as fh:
         idx = 0
@@ -172,11 +175,15 @@ def _read_jsonl(unit: Unit, start: int, token: Any) -> Iterator[tuple[int, Any, 
                     raise ValueError(f"a line must hold a JSON object, got {type(rec).__name__}")
             except ValueError as e:
                 rec = SkipSample("malformed_json", f"{unit.url} line {idx + 1}: {e}")
-            yield idx, off, rec
+            yield idx, idx, off, rec
             idx += 1
 
 
-def _read_json(unit: Unit, start: int, token: Any) -> Iterator[tuple[int, Any, Any]]:
+def _shuffled(n: int, order: tuple | None) -> list[int]:
+    return permutation(n, *order) if order is not None else list(range(n))
+
+
+def _read_json(unit: Unit, start: int, token: Any, order: tuple | None = None) -> Iterator:
     # A .json file is one JSON array of records (or {"data": [...]}); it is read whole, so keep such files small.
     with fsspec.open(unit.url, "rb") as fh:
         try:
@@ -187,12 +194,14 @@ def _read_json(unit: Unit, start: int, token: Any) -> Iterator[tuple[int, Any, A
         data = data.get("data", data.get("samples"))
     if not isinstance(data, list):
         raise SkipSample("unreadable_shard", f"{unit.url}: expected a JSON array of records")
-    for i in range(start, len(data)):
+    perm = _shuffled(len(data), order)
+    for pos in range(start, len(data)):
+        i = perm[pos]
         rec = data[i] if isinstance(data[i], dict) else SkipSample("malformed_json", f"{unit.url}[{i}]: not an object")
-        yield i, None, rec
+        yield pos, i, None, rec
 
 
-def _read_parquet(unit: Unit, start: int, token: Any) -> Iterator[tuple[int, Any, Any]]:
+def _read_parquet(unit: Unit, start: int, token: Any, order: tuple | None = None) -> Iterator:
     import pyarrow.parquet as pq
 
     if unit.part < 0:
@@ -201,7 +210,9 @@ def _read_parquet(unit: Unit, start: int, token: Any) -> Iterator[tuple[int, Any
         table = pq.ParquetFile(fh).read_row_group(unit.part)
     cols = table.column_names
     data = {c: table.column(c).to_pylist() for c in cols}
-    for i in range(start, table.num_rows):
+    perm = _shuffled(table.num_rows, order)
+    for pos in range(start, table.num_rows):
+        i = perm[pos]
         rec = {c: data[c][i] for c in cols}
         for c in ("messages", "conversations"):  # nested chats may be stored as JSON strings
             if isinstance(rec.get(c), str):
@@ -210,10 +221,10 @@ def _read_parquet(unit: Unit, start: int, token: Any) -> Iterator[tuple[int, Any
                 except ValueError as e:
                     rec = SkipSample("malformed_json", f"{unit.url} row group {unit.part} row {i}: {c}: {e}")
                     break
-        yield i, None, rec
+        yield pos, i, None, rec
 
 
-def _read_tar(unit: Unit, start: int, token: Any) -> Iterator[tuple[int, Any, Any]]:
+def _read_tar(unit: Unit, start: int, token: Any, order: tuple | None = None) -> Iterator:
     with fsspec.open(unit.url, "rb") as fh:
         try:
             tf = tarfile.open(fileobj=fh, mode="r|*")
@@ -245,7 +256,7 @@ def _read_tar(unit: Unit, start: int, token: Any) -> Iterator[tuple[int, Any, An
                 key, _, ext = base.partition(".")
                 if key != cur_key and cur_key is not None:
                     if idx >= start:
-                        yield idx, None, emit(cur_key, group, idx)
+                        yield idx, idx, None, emit(cur_key, group, idx)
                     idx += 1
                     group = {}
                 cur_key = key
@@ -254,18 +265,18 @@ def _read_tar(unit: Unit, start: int, token: Any) -> Iterator[tuple[int, Any, An
                     group[ext] = data
                     group[base] = data
             if cur_key is not None and idx >= start:
-                yield idx, None, emit(cur_key, group, idx)
+                yield idx, idx, None, emit(cur_key, group, idx)
         except (tarfile.TarError, OSError, EOFError) as e:
             raise SkipSample("unreadable_shard", f"{unit.url}: {e}") from None
 
 
-def _read_builtin(unit: Unit, start: int, token: Any) -> Iterator[tuple[int, Any, Any]]:
+def _read_builtin(unit: Unit, start: int, token: Any, order: tuple | None = None) -> Iterator:
     from titan_mm.data.builtin import builtin_records
 
-    recs = builtin_records(unit.url[len("builtin:"):])
-    # slice `part` of `nparts`: records part, part + nparts, ...
-    for i, rec in enumerate(recs[unit.part + start * unit.nparts :: unit.nparts], start=start):
-        yield i, None, rec
+    recs = builtin_records(unit.url[len("builtin:"):])[unit.part :: unit.nparts]  # slice `part` of `nparts`
+    perm = _shuffled(len(recs), order)
+    for pos in range(start, len(recs)):
+        yield pos, perm[pos], None, recs[perm[pos]]
 
 
 READERS = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet, "tar": _read_tar,
@@ -279,11 +290,11 @@ class SourceStream:
     """
 
     def __init__(self, units: list[Unit], seed: int, slot: int, n_slots: int, source_idx: int,
-                 max_epochs: int = 0):
+                 max_epochs: int = 0, shuffle: bool = True):
         if not units:
             raise ValueError("a data source with no units")
         self.units, self.seed, self.slot, self.n_slots = units, seed, slot, n_slots
-        self.source_idx, self.max_epochs = source_idx, max_epochs
+        self.source_idx, self.max_epochs, self.shuffle = source_idx, max_epochs, shuffle
         self.epoch, self.upos, self.index, self.token = 0, 0, 0, None
         self._it: Iterator | None = None
         self._plan: list[tuple[int, int]] | None = None  # (unit id, stride offset) for this epoch
@@ -331,7 +342,8 @@ class SourceStream:
             u, stride_off = plan[self.upos]
             unit = self.units[u]
             if self._it is None:
-                self._it = READERS[unit.fmt](unit, self.index, self.token)
+                order = (self.seed, self.source_idx, self.epoch, u) if self.shuffle else None
+                self._it = READERS[unit.fmt](unit, self.index, self.token, order)
             try:
                 item = next(self._it)
             except StopIteration:
@@ -342,12 +354,12 @@ class SourceStream:
                 self._it = None
                 self.upos, self.index, self.token = self.upos + 1, 0, None
                 return f"{unit.source}/{unit.uid}", unit, e
-            idx, token, rec = item
-            self.index, self.token = idx + 1, token
-            if stride_off >= 0 and (stride_off + idx) % self.n_slots != self.slot:
+            pos, rid, token, rec = item
+            self.index, self.token = pos + 1, token
+            if stride_off >= 0 and (stride_off + pos) % self.n_slots != self.slot:
                 continue
             self._got_any = True
-            return f"{unit.source}/{unit.uid}:{idx}", unit, rec
+            return f"{unit.source}/{unit.uid}:{rid}", unit, rec
         return None
 
     _got_any = False
