@@ -319,20 +319,29 @@ class CheckpointManager:
             return [want]
         return cks[::-1]
 
-    def load_into(self, state: TrainState, ckpt_dir: Path) -> None:
-        """Load one checkpoint folder into ``state`` (raises on any failure)."""
+    def load_into(self, state: TrainState, ckpt_dir: Path) -> bool:
+        """Load one checkpoint folder into ``state`` (raises on any failure); False when the data-loader
+        state could not be restored (saved for another data-parallel world)."""
         metadata = dcp.FileSystemReader(str(ckpt_dir)).read_metadata()
         keys = set(metadata.state_dict_metadata)
         items = self._items(state)
+        data_ok = True
         for name in [k for k in items if k.startswith("data.")]:
             if not any(k == name or k.startswith(name + ".") for k in keys):
                 del items[name]
+                data_ok = False
                 saved = sorted({k.split(".")[1] for k in keys if k.startswith("data.")})
+                seek = hasattr(state.dataloader, "seek_step")
                 _log(
                     f"the data-loader state in {ckpt_dir.name} was saved for data-parallel ranks {saved}, not for "
-                    f"{name.split('.')[1]}: the data order restarts from the seed (the model and optimizer resume exactly)"
+                    f"{name.split('.')[1]}: "
+                    + ("the loader is positioned by step (its order does not depend on the world size)" if seek else
+                       "the data order restarts from the seed (the model and optimizer resume exactly)")
                 )
         dcp.load(items, checkpoint_id=str(ckpt_dir), process_group=self._pg)
+        if not data_ok and hasattr(state.dataloader, "seek_step"):
+            state.dataloader.seek_step(state.step)
+        return data_ok
 
     def resume(self, state: TrainState, load_step: int = -1) -> int | None:
         """Load the newest loadable committed checkpoint; returns its step, or None when there is none.

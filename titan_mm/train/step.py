@@ -7,7 +7,7 @@ The step divides it by the number of label tokens of the WHOLE global batch (eve
 data-parallel rank: one all-reduce of a CPU-known count per step, before any backward), so the update
 is the gradient of the true token mean, not a mean of micro-batch means. titan_mm.parallel sums (not
 averages) data-parallel gradients, so no extra scaling is needed. MoE aux losses are averaged over the
-micro-batches (and thereby over ranks too, as gradients are summed and each rank adds 1/(n_micro x dp)).
+micro-batches and the dp x cp ranks (gradients are summed; each rank adds aux / (n_micro x dp x cp)).
 
 Then: global grad-norm clip over every mesh axis (titan_mm.parallel.clip), a non-finite check (the same
 decision on every rank: the loss and norm are global), optimizer step, scheduler step.
@@ -39,11 +39,18 @@ class StepContext:
     sliding_window: int | None = None
     max_norm: float = 1.0
     loss_group: Any = None
-    """Process group whose ranks' losses / label counts add up to the global batch (None: one process)."""
+    """Process group whose ranks' loss sums add up to the global batch: dp x cp (None: one process)."""
+    count_group: Any = None
+    """Process group of the ranks that read different rows (dp); label counts are summed over it."""
     dp_world: int = 1
-    """Data-parallel ranks that read different rows (aux-loss averaging)."""
+    """Data-parallel ranks that read different rows."""
+    loss_world: int = 1
+    """Ranks of loss_group (dp x cp): the MoE aux loss is averaged over them and over the micro-batches."""
     nan_guard: NanGuard | None = None
     clip_fn: Callable | None = None
+    parallel_dims: Any = None
+    """titan_mm.parallel.mesh.ParallelDims; with cp > 1 each micro-batch is split over the cp axis."""
+    cp_mode: str = "ulysses"
     inject_nan: bool = False
     """Fault injection (tests): multiply this step's loss by NaN."""
 
@@ -79,14 +86,25 @@ def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def global_label_count(micro_batches: list[dict], ctx: StepContext) -> int:
-    """Label tokens of the whole global batch (one all-reduce of a host-known count)."""
+    """Label tokens of the whole global batch (one all-reduce of a host-known count over the dp ranks;
+    the micro-batches are the full, not yet CP-split rows)."""
     local = sum(int(mb["num_label_tokens"]) for mb in micro_batches)
-    if ctx.loss_group is None:
+    if ctx.count_group is None:
         return local
-    comm_dev = ctx.device if dist.get_backend(ctx.loss_group) == "nccl" else torch.device("cpu")
+    comm_dev = ctx.device if dist.get_backend(ctx.count_group) == "nccl" else torch.device("cpu")
     t = torch.tensor([local], dtype=torch.int64, device=comm_dev)
-    _all_reduce_sum(t, ctx.loss_group)
+    _all_reduce_sum(t, ctx.count_group)
     return int(t.item())
+
+
+def _prepare(mb: dict, ctx: StepContext):
+    """(micro-batch for this rank, attention metadata): build_attn_meta, or the CP split of the sequence."""
+    pd = ctx.parallel_dims
+    if pd is not None and pd.cp_enabled:
+        from titan_mm.parallel.cp import prepare_cp_batch
+
+        return prepare_cp_batch(mb, pd, ctx.attn_backend, ctx.device, ctx.sliding_window, mode=ctx.cp_mode)
+    return mb, build_attn_meta(mb, ctx.attn_backend, ctx.device, sliding_window=ctx.sliding_window)
 
 
 def forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_global_labels: int):
@@ -95,11 +113,11 @@ def forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_globa
     Returns (local loss_sum, local aux sum) as device tensors (detached, fp32)."""
     denom = float(max(n_global_labels, 1))
     n_micro = len(micro_batches)
-    aux_scale = 1.0 / (n_micro * ctx.dp_world)
+    aux_scale = 1.0 / (n_micro * ctx.loss_world)
     loss_acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
     aux_acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
     for mb in micro_batches:
-        attn = build_attn_meta(mb, ctx.attn_backend, ctx.device, sliding_window=ctx.sliding_window)
+        mb, attn = _prepare(mb, ctx)
         b = _to_device(mb, ctx.device)
         extra = {k: v for k, v in b.items() if k not in _NOT_MODEL_KWARGS}
         prepare = getattr(model, "prepare_inputs", None)  # host-side model metadata (Qwen3-VL: vision grids)
@@ -137,7 +155,7 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
         stats = _all_reduce_sum(stats.to(comm_dev), ctx.loss_group)
     host = torch.cat([stats.cpu(), grad_norm.detach().float().reshape(1).cpu()]).tolist()
     loss = host[0] / max(n_labels, 1)
-    aux = host[1] / (len(micro_batches) * ctx.dp_world)
+    aux = host[1] / (len(micro_batches) * ctx.loss_world)
     gnorm = host[2]
     lr = opt.param_groups[0]["lr"]
 

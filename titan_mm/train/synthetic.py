@@ -92,5 +92,10 @@ class SyntheticLoader:
     def load_state_dict(self, sd: dict) -> None:
         self.served = int(sd["served"])
 
+    def seek_step(self, step: int) -> None:
+        """Position at optimizer step ``step`` (used when a checkpoint's data state was written for another
+        data-parallel world: this loader's order does not depend on the world, so the resume is still exact)."""
+        self.served = step * self.n_micro
+
     def metrics(self) -> dict:
         return {}

@@ -217,9 +217,9 @@ def train(cfg: JobConfig) -> dict[str, Any]:
     if meshes:
         batch_mesh, loss_mesh = pd.mesh("batch"), pd.mesh("loss")
         dp_rank, dp_world = batch_mesh.get_local_rank(), batch_mesh.size()
-        loss_group = loss_mesh.get_group()
+        loss_group, count_group, loss_world = loss_mesh.get_group(), batch_mesh.get_group(), loss_mesh.size()
     else:
-        dp_rank, dp_world, loss_group = 0, 1, None
+        dp_rank, dp_world, loss_group, count_group, loss_world = 0, 1, None, None, 1
 
     spec, model_cfg = resolve_model(cfg, device)
     out_dir = run_dir(cfg)
@@ -256,7 +256,9 @@ def train(cfg: JobConfig) -> dict[str, Any]:
     guard.nan_count = state.nan_count
     ctx = StepContext(device=device, attn_backend=getattr(model_cfg, "attn_backend", "sdpa"),
                       sliding_window=getattr(model_cfg, "attn_sliding_window", None),
-                      max_norm=cfg.training.max_norm, loss_group=loss_group, dp_world=dp_world, nan_guard=guard)
+                      max_norm=cfg.training.max_norm, loss_group=loss_group, count_group=count_group,
+                      dp_world=dp_world, loss_world=loss_world, nan_guard=guard, parallel_dims=pd,
+                      cp_mode=getattr(cfg.parallel, "cp_mode", "ulysses"))
     peak = peak_tflops(device, cfg.metrics.peak_tflops)
     times = StepTimes()
     batches = _Batches(loader)
