@@ -210,6 +210,16 @@ def worker(args) -> dict:
         losses.append(step())
         sync()
         times.append(time.perf_counter() - t0)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+            sync()
+        table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=35,
+                                          max_name_column_width=70)
+        Path(args.profile).write_text(table)
     times.sort()
     med = times[len(times) // 2]
     res = dict(
@@ -248,6 +258,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=400, help="seconds per (case, stack) subprocess")
     ap.add_argument("--out", default=str(ROOT / "bench/results/mfu.json"))
+    ap.add_argument("--profile", default="", help="folder: write a torch.profiler kernel table per (case, stack)")
     ap.add_argument("--cpu", action="store_true", help="smoke-test on CPU (gloo; use --cases debug)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
@@ -259,7 +270,9 @@ def main() -> int:
     rows = []
     for case in args.cases.split(","):
         for stack in args.stacks.split(","):
+            prof = str(Path(args.profile) / f"profile_{case}_{stack}.txt") if args.profile else ""
             cmd = [sys.executable, __file__, "--worker", "--case", case, "--stack", stack, "--ac", args.ac,
+                   "--profile", prof,
                    "--attn", args.attn, *(["--cpu"] if args.cpu else []), "--warmup", str(args.warmup), "--steps", str(args.steps)]
             t0 = time.time()
             try:
