@@ -101,3 +101,21 @@ def test_meta_build_then_init_weights():
         assert torch.isfinite(out.loss_sum) and out.logits is None
         assert (m.rope_inv_freq[0] == 1.0).item()
     assert spec.flavor("debug").vocab_size == 151936 and spec.flavor("debug_moe").is_moe
+
+
+def test_backend_errors_and_registry_lookups(tmp_path):
+    from titan_mm.registry import get_model_spec, list_models, spec_for_hf_dir
+
+    batch = packed_batch([3, 4], S=8)
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        build_attn_meta(batch, "nope", "cpu")
+    with pytest.raises(RuntimeError, match="varlen.*(CUDA|lacks)"):
+        build_attn_meta(batch, "varlen", "cpu")
+    with pytest.raises(KeyError, match="unknown model 'llama9'"):
+        get_model_spec("llama9")
+    with pytest.raises(KeyError, match="no flavor '3B'"):
+        get_model_spec("qwen3").flavor("3B")
+    assert {"qwen3", "qwen3_moe"} <= set(list_models())
+    assert get_model_spec("qwen3_moe").name == "qwen3_moe" and get_model_spec("qwen3_moe").build is get_model_spec("qwen3").build
+    hf_model(moe=True).save_pretrained(tmp_path)
+    assert "qwen3_moe" in spec_for_hf_dir(str(tmp_path)).hf_model_types
