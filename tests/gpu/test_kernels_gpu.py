@@ -44,6 +44,14 @@ def test_full_shape_matches_reference(op, dtype):
     torch.cuda.empty_cache()
 
 
+def test_qwen3_kernels_on_equals_off():
+    """A 2-layer Qwen3 (hidden 1024, 16 heads of 128, vocab 151,936) with kernels on vs off, fp32."""
+    res = testing.run(["model"], torch.device("cuda"), [torch.float32], big=True)
+    _ALL.append(res)
+    bad = testing.failures(res)
+    assert not bad, "\n".join(bad)
+
+
 def test_capability_guard():
     import titan_mm.kernels as K
 

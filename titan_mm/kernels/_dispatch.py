@@ -37,9 +37,20 @@ def device_ok(device: torch.device) -> bool:
     return INTERPRET and device.type == "cpu"
 
 
+try:
+    from torch.distributed.tensor import DTensor
+except Exception:  # pragma: no cover - builds without distributed
+    DTensor = ()
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
-    """True when every tensor may go through the Triton kernels (same device, supported dtype)."""
+    """True when every tensor may go through the Triton kernels (same device, supported dtype).
+
+    DTensors take the reference path (DTensor runs its aten ops); to run the kernels on DTensor shards use
+    the local_map wrappers in titan_mm.kernels.dtensor."""
     t0 = tensors[0]
+    if any(isinstance(t, DTensor) for t in tensors):
+        return False
     if not device_ok(t0.device):
         return False
     return all(t.dtype in TRITON_DTYPES and t.device == t0.device for t in tensors)

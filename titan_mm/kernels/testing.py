@@ -318,7 +318,53 @@ def check_opcheck(device, dtype, big):
     return recs
 
 
+def check_model(device, dtype, big):
+    """Integration: a Qwen3 model with kernels=True equals kernels=False (loss_sum and every gradient).
+    The models pick titan_mm.kernels through their config (Ops in titan_mm/models/qwen3/model.py)."""
+    import dataclasses
+
+    from titan_mm.models.qwen3.config import Qwen3Config
+    from titan_mm.models.qwen3.model import Qwen3Model
+
+    if dtype != torch.float32:  # two low-precision models drift apart by more than one op's tolerance
+        return []
+    if big:
+        cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
+                          num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+        B, S = 2, 1024
+    else:
+        cfg = Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                          max_position_embeddings=256)
+        B, S = 2, 16
+    recs = []
+    with torch.device(device):
+        ref = Qwen3Model(dataclasses.replace(cfg, kernels=False))
+        ref.init_weights()
+        ker = Qwen3Model(dataclasses.replace(cfg, kernels=True))
+    ker.load_state_dict(ref.state_dict())
+    ker.init_buffers()
+    ref.to(dtype)
+    ker.to(dtype)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), device=device)
+    labels = torch.randint(0, cfg.vocab_size, (B, S), device=device)
+    labels[:, :3] = -100
+    pos = torch.arange(S, device=device).repeat(B, 1)
+    outs = []
+    for m in (ref, ker):
+        out = m(ids, position_ids=pos, labels=labels)
+        (out.loss_sum / (labels != -100).sum()).backward()
+        outs.append(out.loss_sum)
+    _record(recs, "model", dtype, f"qwen3 {cfg.hidden_size}x{cfg.num_hidden_layers}", "loss_sum", outs[1], outs[0])
+    gr = dict(ref.named_parameters())
+    for name, p in ker.named_parameters():
+        _record(recs, "model", dtype, f"qwen3 {cfg.hidden_size}x{cfg.num_hidden_layers}", f"grad {name}", p.grad,
+                gr[name].grad)
+    return recs
+
+
 CHECKS = {
+    "model": check_model,
     "opcheck": check_opcheck,
     "rms_norm": check_rms_norm,
     "add_rms_norm": check_add_rms_norm,
