@@ -61,3 +61,30 @@ def test_collate_mrope_and_padding_rows():
     assert b["position_ids"].shape == (3, 2, 16)
     assert b["cu_seqlens"].tolist() == [0, 5, 16, 32]
     assert (b["doc_ids"][1] == -1).all()
+
+
+def test_patch_cap_and_oversized_docs():
+    p = BestFitPacker(1000, open_rows=4, max_patches_per_row=100)
+    big = _doc(50)
+    big.n_patches = 150
+    assert not p.fits(big) and not p.fits(_doc(1001)) and p.fits(_doc(1000))
+    for _ in range(6):
+        d = _doc(50)
+        d.n_patches = 40
+        p.add(d)
+    p.flush()
+    assert all(sum(d.n_patches for d in r) <= 100 for r in p.ready)
+
+
+def test_near_ties_go_to_the_row_with_smaller_sum_of_squares():
+    from titan_mm.data.packing import _Row
+
+    p = BestFitPacker(1000, open_rows=2)
+
+    a, b = _Row(), _Row()
+    a.add(_doc(400))  # used 400, sumsq 160000
+    for _ in range(4):
+        b.add(_doc(100))  # used 400, sumsq 40000
+    p.open = [a, b]
+    p.add(_doc(50))
+    assert len(b.docs) == 5 and len(a.docs) == 1
