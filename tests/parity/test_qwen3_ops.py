@@ -119,3 +119,52 @@ def test_backend_errors_and_registry_lookups(tmp_path):
     assert get_model_spec("qwen3_moe").name == "qwen3_moe" and get_model_spec("qwen3_moe").build is get_model_spec("qwen3").build
     hf_model(moe=True).save_pretrained(tmp_path)
     assert "qwen3_moe" in spec_for_hf_dir(str(tmp_path)).hf_model_types
+
+
+def _fake_varlen(query, key, value, cu_q, cu_k, max_q, max_k, causal, left, gqa):
+    """Reference for flash varlen semantics on CPU: per-segment causal (optionally windowed) attention."""
+    out = torch.empty_like(query)
+    cu = cu_q.tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        q, k, v = (t[a:b].transpose(0, 1) for t in (query, key, value))
+        if gqa:
+            k, v = (t.repeat_interleave(q.shape[0] // k.shape[0], dim=0) for t in (k, v))
+        assert k.shape[0] == q.shape[0], "GQA heads reached varlen without enable_gqa"
+        i = torch.arange(b - a)
+        m = i[:, None] >= i[None, :] if causal else torch.ones(b - a, b - a, dtype=torch.bool)
+        if left >= 0:
+            m = m & (i[:, None] - i[None, :] <= left)
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m).transpose(0, 1)
+    return out
+
+
+def _fake_varlen_old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    return _fake_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, -1, False)
+
+
+def _fake_varlen_new(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1), enable_gqa=False):
+    return _fake_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size[1] == 0,
+                        window_size[0], enable_gqa)
+
+
+@pytest.mark.parametrize("fake", [_fake_varlen_old, _fake_varlen_new], ids=["torch2.11-style", "torch2.13-style"])
+def test_varlen_wiring_with_a_cpu_stand_in(monkeypatch, fake):
+    """The varlen path (flatten B*S, cu_seqlens, GQA, causal / window kwargs) against SDPA, using a CPU
+    stand-in with each torch version's varlen_attn signature (the real kernel is CUDA-only)."""
+    import inspect
+
+    from titan_mm.models.common import attention as A
+
+    monkeypatch.setattr(A, "_VARLEN", (fake, frozenset(inspect.signature(fake).parameters)))
+    window = 4 if fake is _fake_varlen_new else None
+    kw = dict(use_sliding_window=True, sliding_window=4, max_window_layers=1) if window else {}
+    hf = hf_model(seed=6, **kw)
+    ref_model, tt = titan_twin(hf, attn_backend="sdpa"), titan_twin(hf, attn_backend="varlen")
+    batch = packed_batch([5, 7, 4], S=20)
+    ref = ref_model(batch["input_ids"], batch["position_ids"],
+                    build_attn_meta(batch, "sdpa", "cpu", sliding_window=window)).logits
+    meta = A.AttnMeta(backend="varlen", packed=True, sliding_window=window, cu_seqlens=batch["cu_seqlens"],
+                      max_seqlen=int(batch["max_seqlen"]), valid_BS=batch["doc_ids"] >= 0)
+    out = tt(batch["input_ids"], batch["position_ids"], meta).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -160,15 +160,23 @@ def _flex(q, k, v, block_mask):
     return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+_VARLEN: tuple | None = None  # (varlen_attn, its parameter names), resolved outside the forward
+
+
 def _varlen_fn():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError as e:  # pragma: no cover - depends on the torch build
-        raise RuntimeError(
-            f"attention backend 'varlen' needs torch.nn.attention.varlen.varlen_attn, which this torch "
-            f"({torch.__version__}) lacks; use attn_backend='flex' or 'sdpa'"
-        ) from e
-    return varlen_attn
+    """torch's varlen_attn and its parameter names (they differ across torch versions: ``is_causal`` in
+    older builds, ``window_size=(-1, 0)`` for causal in newer ones; ``enable_gqa`` only in newer ones)."""
+    global _VARLEN
+    if _VARLEN is None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError as e:  # pragma: no cover - depends on the torch build
+            raise RuntimeError(
+                f"attention backend 'varlen' needs torch.nn.attention.varlen.varlen_attn, which this torch "
+                f"({torch.__version__}) lacks; use attn_backend='flex' or 'sdpa'"
+            ) from e
+        _VARLEN = (varlen_attn, frozenset(inspect.signature(varlen_attn).parameters))
+    return _VARLEN
 
 
 def attention(
@@ -206,8 +214,9 @@ def attention(
         q, k, v = (t.transpose(1, 2) for t in (q_BSHK, k_BSGK, v_BSGK))
         return _flex(q, k, v, bm).transpose(1, 2)
     # varlen over flattened tokens
-    fn = _varlen_fn()
-    params = inspect.signature(fn).parameters
+    if _VARLEN is None:
+        raise RuntimeError("attention backend 'varlen' needs build_attn_meta(batch, 'varlen', device) first")
+    fn, params = _VARLEN
     q, k, v = (t.reshape(B * S, t.shape[2], K) for t in (q_BSHK, k_BSGK, v_BSGK))
     kwargs: dict[str, Any] = {}
     if G != H:
