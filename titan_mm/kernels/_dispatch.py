@@ -23,17 +23,25 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+_CAP_OK: dict = {}
+
+
 @torch.compiler.assume_constant_result
-def _cuda_capability_ok(index: int) -> bool:
-    # Evaluated once at trace time under torch.compile (a constant), a cheap cached call in eager.
-    return torch.cuda.get_device_capability(index) >= (8, 0)
+def _cuda_capability_ok(index) -> bool:
+    # A constant under torch.compile (evaluated at trace time); a dict lookup in eager.
+    if index is None:
+        index = torch.cuda.current_device()
+    ok = _CAP_OK.get(index)
+    if ok is None:
+        ok = _CAP_OK[index] = torch.cuda.get_device_capability(index) >= (8, 0)
+    return ok
 
 
 def device_ok(device: torch.device) -> bool:
     if not HAS_TRITON:
         return False
     if device.type == "cuda":
-        return _cuda_capability_ok(device.index if device.index is not None else torch.cuda.current_device())
+        return _cuda_capability_ok(device.index)
     return INTERPRET and device.type == "cpu"
 
 

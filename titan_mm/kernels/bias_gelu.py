@@ -5,7 +5,6 @@ Backward writes dx and one fp32 partial of db per row tile; the partials are sum
 Legend: N rows (patch tokens), D width.
 """
 
-from __future__ import annotations
 
 import torch
 import triton

@@ -11,7 +11,6 @@ Rows with an ignored label contribute 0 to the loss and get zero gradients.
 Legend: N tokens, D hidden, V vocabulary, C chunk rows.
 """
 
-from __future__ import annotations
 
 import torch
 import triton

@@ -7,7 +7,6 @@ the partials are summed in PyTorch (small: programs x D).
 Legend: N rows (tokens), D hidden.
 """
 
-from __future__ import annotations
 
 import torch
 import triton

@@ -13,7 +13,6 @@ duplicated) and a half table (Dh/2) work.
 Legend: B batch, S sequence, Hq/Hk heads, Dh head dim, X table width.
 """
 
-from __future__ import annotations
 
 import torch
 import triton
@@ -84,7 +83,9 @@ def rope_impl(q, k, cos, sin, mrope_section, inverse):
     half = DH // 2
     c4 = _table(cos, mrope, B, S)
     s4 = _table(sin, mrope, B, S)
-    assert c4.shape[-1] >= half and s4.stride() == c4.stride(), "cos and sin must share a layout"
+    if s4.stride() != c4.stride():  # the kernel reads both through one set of strides
+        c4, s4 = c4.contiguous(), s4.contiguous()
+    assert c4.shape[-1] >= half, f"cos/sin last dim {c4.shape[-1]} < head_dim / 2 = {half}"
     qo = new_empty(q4.shape, q.dtype, q.device)
     ko = new_empty(k4.shape, k.dtype, k.device)
     end_h = 3 * mrope_section[1] if mrope else 0

@@ -5,7 +5,6 @@ projection). The backward recomputes sigmoid from gate (nothing but the inputs i
 Legend: N rows (tokens), F MLP width.
 """
 
-from __future__ import annotations
 
 import torch
 import triton
