@@ -139,6 +139,9 @@ def test_video_parity(hf_tok):
     idx = vision.sample_frame_indices(len(frames), fps, 2.0, 4, 768)
     np.testing.assert_array_equal(idx, [0, 6, 13, 19])  # int(20 / 10 * 2) = 4 frames, linspace + round
     item = vision.process_video(None, cfg, frames, fps)
+    streamed = vision.process_video(_mp4(), cfg)  # decodes keeping only the sampled frames
+    np.testing.assert_array_equal(streamed.tensors["pixel_values_videos"], item.tensors["pixel_values_videos"])
+    assert streamed.timestamps == item.timestamps
     assert item.grid == (2, 6, 8)  # 90x120 over 4 frames -> 96x128 (nearest multiples of 32, volume in range)
 
     hf = hf_processor(hf_tok)

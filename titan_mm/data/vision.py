@@ -123,16 +123,43 @@ def process_image(payload, cfg) -> MediaItem:
 
 
 # ------------------------------------------------------------------------------------------ video
-def decode_video(payload) -> tuple[list[np.ndarray], float]:
-    """All frames as RGB uint8 [H, W, 3] and the stream's fps (PyAV)."""
+def decode_video(payload, pick=None) -> tuple[list[np.ndarray], float]:
+    """RGB uint8 [H, W, 3] frames and the stream's fps (PyAV).
+
+    With ``pick(total_frames, fps) -> indices`` only the picked frames are kept while decoding, so a long
+    video never sits in memory whole (the frame count comes from the container; when the container does
+    not say, a first pass counts frames without converting them)."""
     import av
 
+    def _open():
+        return av.open(io.BytesIO(payload) if isinstance(payload, (bytes, bytearray)) else payload)
+
     try:
-        src = io.BytesIO(payload) if isinstance(payload, (bytes, bytearray)) else payload
-        with av.open(src) as c:
+        with _open() as c:
             vs = c.streams.video[0]
             fps = float(vs.average_rate) if vs.average_rate else 24.0
-            frames = [f.to_ndarray(format="rgb24") for f in c.decode(vs)]
+            total = int(vs.frames or 0)
+            if pick is None:
+                frames = [f.to_ndarray(format="rgb24") for f in c.decode(vs)]
+        if pick is not None:
+            if total <= 0:
+                with _open() as c:
+                    total = sum(1 for _ in c.decode(c.streams.video[0]))
+            want = [int(i) for i in pick(total, fps)]
+            need = set(want)
+            got: dict[int, np.ndarray] = {}
+            with _open() as c:
+                for i, f in enumerate(c.decode(c.streams.video[0])):
+                    if i in need:
+                        got[i] = f.to_ndarray(format="rgb24")
+                    if i >= want[-1]:
+                        break
+            if not got:
+                raise ValueError("no frames decoded")
+            last = max(got)  # the container may overstate the count: reuse the last decoded frame
+            frames = [got.get(i, got[last]) for i in want]
+    except SkipSample:
+        raise
     except Exception as e:
         raise SkipSample("bad_video", f"cannot decode video ({type(e).__name__}: {e})") from None
     if not frames:
@@ -167,9 +194,19 @@ def resize_frames(frames_THWC: np.ndarray, h: int, w: int) -> np.ndarray:
 
 
 def process_video(payload, cfg, frames: list[np.ndarray] | None = None, video_fps: float | None = None) -> MediaItem:
+    """``payload`` (bytes / file) is decoded keeping only the sampled frames; or pass all ``frames`` + fps."""
     if frames is None:
-        frames, video_fps = decode_video(payload)
-    idx = sample_frame_indices(len(frames), video_fps, cfg.video_fps, cfg.video_min_frames, cfg.video_max_frames)
+        box = {}
+
+        def pick(total, fps):
+            box["idx"] = sample_frame_indices(total, fps, cfg.video_fps, cfg.video_min_frames, cfg.video_max_frames)
+            return box["idx"]
+
+        clip_frames, video_fps = decode_video(payload, pick)
+        idx = box["idx"]
+        frames = dict(zip(idx.tolist(), clip_frames))
+    else:
+        idx = sample_frame_indices(len(frames), video_fps, cfg.video_fps, cfg.video_min_frames, cfg.video_max_frames)
     if len(idx) < 1:
         raise SkipSample("bad_video", "no frames sampled")
     clip = np.stack([frames[i] for i in idx])  # [T, H, W, 3]
