@@ -302,7 +302,7 @@ FLAVORS: dict[str, Qwen3VLConfig] = {
 }
 
 MOE_FLAVORS: dict[str, Qwen3VLConfig] = {
-    "debug": _vl(_debug_text(True), _VIS_DEBUG, tie=False, mrope_section=(6, 5, 5)),
+    "debug": _vl(_debug_text(True), _VIS_DEBUG, tie=True, mrope_section=(6, 5, 5)),
     "30B-A3B": _vl(Qwen3Config(**_TXT, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                                num_attention_heads=32, num_key_value_heads=4, num_experts=128,
                                num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),

@@ -140,12 +140,14 @@ class Qwen3VLModel(nn.Module):
         vision_meta: VisionMeta | None = None,
         image_grid_thw: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
         **unused: Any,
     ) -> ModelOutput:
         """input_ids [B, S]; position_ids [3, B, S] M-RoPE positions (or [B, S] for text only; default
         arange); attn from build_attn_meta; labels [B, S] already shifted. ``image_grid_thw`` /
         ``video_grid_thw`` are accepted for interface compatibility but only ``vision_meta`` is read
-        (it was built from them on the host). Unknown keyword inputs raise."""
+        (it was built from them on the host). ``logits_at`` [B] (decoding): without labels, return logits
+        only at these positions, [B, V]. Unknown keyword inputs raise."""
         if unused:
             raise TypeError(f"Qwen3VLModel.forward got unexpected inputs {sorted(unused)}; expected pixel_values, "
                             "pixel_values_videos, image_grid_thw, video_grid_thw, vision_meta")
@@ -171,8 +173,16 @@ class Qwen3VLModel(nn.Module):
             rows = float(B * S * lm.n_moe_layers) if valid is None else valid.sum().float() * lm.n_moe_layers
             aux = tcfg.router_aux_loss_coef * load_balancing_loss(stats_2E, rows, tcfg.num_experts)
         if labels is None:
+            if logits_at is not None:
+                h_BSD = h_BSD[torch.arange(B, device=h_BSD.device), logits_at]
             return ModelOutput(logits=h_BSD @ lm.lm_head_weight.t(), loss_sum=None, aux_loss=aux)
-        loss_sum = chunked_cross_entropy(h_BSD.reshape(B * S, -1), lm.lm_head_weight, labels.reshape(-1),
+        h_ND, labels_N = h_BSD.reshape(B * S, -1), labels.reshape(-1)
+        if h_ND.device.type == "cpu":
+            # CPU only: drop unlabeled positions before the vocab projection (VL SFT labels few tokens; the
+            # boolean index needs the count on the host, free on CPU but a sync on accelerators).
+            keep_N = labels_N != -100
+            h_ND, labels_N = h_ND[keep_N], labels_N[keep_N]
+        loss_sum = chunked_cross_entropy(h_ND, lm.lm_head_weight, labels_N,
                                          chunk_size=tcfg.loss_chunk_size, z_loss_weight=tcfg.z_loss_weight)
         return ModelOutput(logits=None, loss_sum=loss_sum, aux_loss=aux)
 
