@@ -117,7 +117,7 @@ class PackedStream:
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
-        return {"streams": [s.state_dict() for s in self.streams], "packer": self.packer.state_dict(),
+        return {"streams": [s.state_dict() for s in self.streams], "packer": self.packer.state_dict(self._encode),
                 "mix_n": self.mix_n, "done": self.done, "counters": dict(self.counters),
                 "slot": self.slot, "n_slots": self.n_slots}
 
@@ -132,7 +132,7 @@ class PackedStream:
                              "resume with the same data.dataset / data.mixture")
         for st, ss in zip(self.streams, s["streams"]):
             st.load_state_dict(ss)
-        self.packer.load_state_dict(s["packer"])
+        self.packer.load_state_dict(s["packer"], self._decode)
         self.mix_n, self.done, self.counters = s["mix_n"], s["done"], dict(s["counters"])
 
     # ---------------------------------------------------------------- iteration
@@ -175,11 +175,12 @@ class PackedStream:
         got = self.streams[i].next()
         if got is None:
             return
-        sid, unit, rec = got
+        sid, unit, rec, loc = got
         self.counters["seen"] += 1
         try:
             sample = parse_record(rec)
             doc = self.proc(sample, rec, unit, sid)
+            doc.ref = (i, loc, -1)
             if not self.packer.fits(doc):
                 if self.cfg.split_long_text and sample.text is not None and not doc.media:
                     for d in self._split(doc):
@@ -198,13 +199,43 @@ class PackedStream:
         self.counters["samples"] += 1
 
     def _split(self, doc: Doc) -> list[Doc]:
+        return [self._chunk(doc, a) for a in range(0, len(doc), self.cfg.seq_len)]
+
+    def _chunk(self, doc: Doc, a: int) -> Doc:
         n = self.cfg.seq_len
+        lab = doc.labels[a : a + n].copy()
+        lab[-1] = -100
+        ref = (doc.ref[0], doc.ref[1], a) if doc.ref is not None else None
+        return Doc(doc.input_ids[a : a + n].copy(), lab, f"{doc.sample_id}@{a}", ref=ref)
+
+    # The packer's buffered docs are saved as references (source, location, chunk) and rebuilt on resume
+    # by re-reading and re-processing those records (deterministic), so a snapshot is a few integers per
+    # buffered sample instead of its token and pixel arrays.
+    @staticmethod
+    def _encode(d: Doc):
+        return ("ref", d.ref) if d.ref is not None and d.ref[1] is not None else ("doc", d)
+
+    def _decode(self, items: list) -> list[Doc]:
+        locs: dict[int, list] = {}
+        for kind, x in items:
+            if kind == "ref":
+                locs.setdefault(x[0], []).append(x[1])
+        fetched = {i: self.streams[i].fetch(ls) for i, ls in locs.items()}
+        memo: dict = {}
         out = []
-        for a in range(0, len(doc), n):
-            ids = doc.input_ids[a : a + n]
-            lab = doc.labels[a : a + n].copy()
-            lab[-1] = -100
-            out.append(Doc(ids, lab, f"{doc.sample_id}@{a}"))
+        for kind, x in items:
+            if kind == "doc":
+                out.append(x)
+                continue
+            i, loc, chunk = x
+            key = (i, loc)
+            if key not in memo:
+                sid, unit, rec = fetched[i][loc]
+                d = self.proc(parse_record(rec), rec, unit, sid)
+                d.ref = (i, loc, -1)
+                memo[key] = d
+            d = memo[key]
+            out.append(d if chunk < 0 else self._chunk(d, chunk))
         return out
 
     def _skip(self, reason: str, sid: str, detail: str) -> None:

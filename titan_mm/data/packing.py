@@ -10,7 +10,8 @@ after it); among rows that fit almost equally well (within 1% of the budget) it 
 smallest sum of squared doc lengths, which balances attention cost (sum of L^2) across rows. A row whose
 vision-patch count would exceed ``max_patches_per_row`` is not considered. When no open row fits and
 all are in use, the fullest one is closed. Closed rows wait in ``ready`` until a batch of B is full.
-The packer's open rows and ready rows are part of the loader state (pickled), so resume loses nothing.
+The packer's open rows and ready rows are part of the loader state (the loader saves each doc as a small
+reference and rebuilds it on resume, see loader.PackedStream._encode), so resume loses nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Doc:
     positions: np.ndarray | None = None  # [3, L] int64 M-RoPE positions (start at 0); None: arange(L)
     media: dict = field(default_factory=dict)  # key -> list[np.ndarray] (pixel_values, image_grid_thw, ...)
     n_patches: int = 0  # vision patches (before merge) this doc feeds to the vision tower
+    ref: tuple | None = None  # where it came from (source, location, chunk), to rebuild it on resume
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -112,15 +114,24 @@ class BestFitPacker:
             return None
         return [self.ready.popleft() for _ in range(n)]
 
-    def state_dict(self) -> bytes:
-        return pickle.dumps(([r.docs for r in self.open], list(self.ready)), protocol=4)
+    def state_dict(self, encode=None) -> bytes:
+        """Open and waiting rows, pickled; ``encode(doc)`` may replace each doc by a small reference."""
+        enc = encode or (lambda d: d)
+        return pickle.dumps(([[enc(d) for d in r.docs] for r in self.open],
+                             [[enc(d) for d in row] for row in self.ready]), protocol=4)
 
-    def load_state_dict(self, blob: bytes) -> None:
-        open_docs, ready = pickle.loads(blob)
+    def load_state_dict(self, blob: bytes, decode=None) -> None:
+        """Inverse of state_dict; ``decode(list of encoded docs) -> list of docs`` rebuilds them."""
+        open_rows, ready = pickle.loads(blob)
+        if decode is not None:
+            flat = [x for row in open_rows + ready for x in row]
+            docs = iter(decode(flat))
+            open_rows = [[next(docs) for _ in row] for row in open_rows]
+            ready = [[next(docs) for _ in row] for row in ready]
         self.open = []
-        for docs in open_docs:
+        for docs_ in open_rows:
             r = _Row()
-            for d in docs:
+            for d in docs_:
                 r.add(d)
             self.open.append(r)
         self.ready = deque(ready)

@@ -353,14 +353,43 @@ class SourceStream:
             except SkipSample as e:  # the whole unit is unreadable
                 self._it = None
                 self.upos, self.index, self.token = self.upos + 1, 0, None
-                return f"{unit.source}/{unit.uid}", unit, e
+                return f"{unit.source}/{unit.uid}", unit, e, None
             pos, rid, token, rec = item
+            prev_token = self.token
             self.index, self.token = pos + 1, token
             if stride_off >= 0 and (stride_off + pos) % self.n_slots != self.slot:
                 continue
             self._got_any = True
-            return f"{unit.source}/{unit.uid}:{rid}", unit, rec
+            return f"{unit.source}/{unit.uid}:{rid}", unit, rec, (self.epoch, u, pos, prev_token)
         return None
+
+    def fetch(self, locs: list[tuple]) -> dict[tuple, tuple[str, Unit, Any]]:
+        """Re-read records by location ``(epoch, unit, position, resume token)`` (as returned by next()):
+        one pass per unit from the smallest position asked for. Used to rebuild the packer's open rows
+        on resume, so the loader state holds a few integers per buffered sample, not its tensors."""
+        by_unit: dict[tuple[int, int], list[tuple]] = {}
+        for loc in locs:
+            by_unit.setdefault((loc[0], loc[1]), []).append(loc)
+        out = {}
+        for (epoch, u), ls in by_unit.items():
+            unit = self.units[u]
+            first = min(ls, key=lambda x: x[2])
+            want = {x[2]: x for x in ls}
+            last = max(want)
+            order = (self.seed, self.source_idx, epoch, u) if self.shuffle else None
+            for pos, rid, _, rec in READERS[unit.fmt](unit, first[2], first[3], order):
+                if pos in want:
+                    out[want[pos]] = (f"{unit.source}/{unit.uid}:{rid}", unit, rec)
+                if pos >= last:
+                    break
+        missing = [x for x in locs if x not in out]
+        if missing:
+            raise RuntimeError(
+                f"data: {len(missing)} buffered samples of the saved loader state could not be re-read from "
+                f"{self.units[missing[0][1]].url} (did the data change since the checkpoint?); restore the "
+                "original files, or start the data stream fresh by not loading the data state"
+            )
+        return out
 
     _got_any = False
 
