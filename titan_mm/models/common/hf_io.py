@@ -159,23 +159,33 @@ def write_config(cfg_dict: dict, out_dir: str | os.PathLike) -> None:
         json.dump(cfg_dict, f, indent=2, sort_keys=True)
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when the model holds DTensor parameters (FSDP2 / TP / EP)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) CPU state dict; collective when the model holds DTensors (call on every rank)."""
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+    """Full (unsharded) CPU state dict; collective when the model holds DTensors (call on every rank;
+    with cpu_offload only rank 0 keeps the tensors)."""
+    if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def load_full_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
-    """Load full tensors (titan names) into a plain, meta or FSDP-sharded model (strict)."""
-    params = list(model.parameters())
-    if any(type(p).__name__ == "DTensor" for p in params):
+def load_full_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Load full tensors (titan names) into a plain, meta or sharded model. ``strict=False`` loads a part
+    (used layer by layer for sharded models, after the names were checked)."""
+    if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
-    elif any(p.is_meta for p in params):
+        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=strict))
+    elif any(p.is_meta for p in model.parameters()):
+        if not strict:
+            raise ValueError("a meta-device model must be loaded in one strict call (assign=True)")
         model.load_state_dict(sd, strict=True, assign=True)
     else:
-        model.load_state_dict(sd, strict=True)
+        model.load_state_dict(sd, strict=strict)

@@ -163,23 +163,54 @@ def _check_model_type(hf_cfg: dict, cfg: Qwen3Config, hf_dir) -> None:
         )
 
 
-def read_hf_state_dict(hf_dir: str | os.PathLike, cfg: Qwen3Config) -> dict[str, torch.Tensor]:
-    """Read a local HF dir into full CPU tensors with titan names, checking model_type, every name and shape."""
-    hf_cfg = hf_io.read_hf_config(hf_dir)
-    _check_model_type(hf_cfg, cfg, hf_dir)
-    sd = hf_to_titan(hf_io.read_safetensors(hf_dir), cfg)
-    hf_io.check_tensors({k: tuple(v.shape) for k, v in sd.items()}, expected_titan_shapes(cfg), str(hf_dir),
-                        describe=describe,
+def check_hf_dir(hf_dir: str | os.PathLike, cfg: Qwen3Config) -> None:
+    """Check model_type and every tensor's name and shape without reading tensor data (header only)."""
+    _check_model_type(hf_io.read_hf_config(hf_dir), cfg, hf_dir)
+    # the same conversion as the real load, on meta tensors: names, expert stacking and shapes
+    meta = {k: torch.empty(shape, device="meta") for k, shape in hf_io.safetensors_shapes(hf_dir).items()}
+    got = {k: tuple(v.shape) for k, v in hf_to_titan(meta, cfg).items()}
+    hf_io.check_tensors(got, expected_titan_shapes(cfg), str(hf_dir), describe=describe,
                         hint="check that config.json matches the weights (same flavor, tie_word_embeddings, "
                         "num_experts) and that the download is complete")
+
+
+def _layer_of(hf_name: str) -> int:
+    m = re.match(r"^model\.layers\.(\d+)\.", hf_name)
+    return int(m[1]) if m else -1
+
+
+def iter_hf_state_dict(hf_dir: str | os.PathLike, cfg: Qwen3Config):
+    """Yield titan-named full CPU tensors one decoder layer at a time (then the embedding / norm / head),
+    so loading a large checkpoint never holds more than one layer beyond the model itself."""
+    groups: dict[int, list[str]] = {}
+    for name in hf_io.safetensors_files(hf_dir):
+        groups.setdefault(_layer_of(name), []).append(name)
+    for layer in sorted(groups):
+        yield hf_to_titan(hf_io.read_safetensors(hf_dir, groups[layer]), cfg)
+
+
+def read_hf_state_dict(hf_dir: str | os.PathLike, cfg: Qwen3Config) -> dict[str, torch.Tensor]:
+    """Read a local HF dir into full CPU tensors with titan names, checking model_type, every name and shape."""
+    check_hf_dir(hf_dir, cfg)
+    sd: dict[str, torch.Tensor] = {}
+    for part in iter_hf_state_dict(hf_dir, cfg):
+        sd.update(part)
     return sd
 
 
 def load_hf(model, hf_dir: str | os.PathLike) -> None:
-    """Load a local HF directory into ``model`` (plain, meta-built, or FSDP-sharded)."""
+    """Load a local HF directory into ``model`` (plain, meta-built, or FSDP-sharded).
+
+    Names and shapes are checked first from the safetensors headers. An FSDP-sharded model is filled one
+    layer at a time through DCP's ``set_model_state_dict(full_state_dict=True)`` (every rank reads the
+    files; peak extra memory is one layer); other models load the full state dict strictly."""
     cfg: Qwen3Config = model.cfg
-    sd = read_hf_state_dict(hf_dir, cfg)
-    hf_io.load_full_state_dict(model, sd)
+    if hf_io.is_sharded(model):
+        check_hf_dir(hf_dir, cfg)
+        for part in iter_hf_state_dict(hf_dir, cfg):
+            hf_io.load_full_state_dict(model, part, strict=False)
+    else:
+        hf_io.load_full_state_dict(model, read_hf_state_dict(hf_dir, cfg))
     if hasattr(model, "init_buffers") and model.rope_inv_freq.is_meta:
         model.init_buffers(model.tok_embeddings.weight.device)
 
