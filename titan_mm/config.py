@@ -201,6 +201,9 @@ class Parallel:
     """Context-parallel degree."""
     ep: int = 1
     """Expert-parallel degree (MoE)."""
+    sequence_parallel: bool = True
+    """With tp > 1: keep the residual stream split over tp along the sequence (norms on sequence shards,
+    all-gather before attention / MLP, reduce-scatter after), when the model's plan supports it."""
     cp_mode: Literal["ulysses", "allgather"] = "ulysses"
     """Context-parallel attention: ulysses (all-to-all sequence<->heads; cp x tp must divide the heads) or
     allgather (all-gather k/v; any head count). Batches are sharded load-balanced (titan_mm/parallel/cp.py)."""

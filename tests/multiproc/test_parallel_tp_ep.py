@@ -2,6 +2,7 @@
 batches give the same losses, grad norms and gradients as the world-1 run (fp32, 1e-5)."""
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -40,16 +41,19 @@ def _worker(rank, world, moe, dims):
 
     cfg = tiny_qwen3_config(moe)
     model = build_tiny_qwen3(cfg)
+    dims = dict(dims)
+    job = SimpleNamespace(parallel=SimpleNamespace(sequence_parallel=dims.pop("sp", True), backend="auto"))
     pd = ParallelDims(world_size=world, **dims)
-    parallelize(model, _plan(cfg), pd, None)
+    parallelize(model, _plan(cfg), pd, job)
     batch_mesh = pd.mesh("batch")
     dp_rank, dp = batch_mesh.get_local_rank(), batch_mesh.size()
     return train_steps(model, BATCHES, qwen3_step, dp_rank=dp_rank, dp_size=dp, loss_group=batch_mesh.get_group())
 
 
 CASES = [
-    ("tp2-dense", 2, False, dict(dp_shard=1, tp=2)),
-    ("tp2-moe", 2, True, dict(dp_shard=1, tp=2)),
+    ("tp2-dense-sp", 2, False, dict(dp_shard=1, tp=2)),
+    ("tp2-dense-nosp", 2, False, dict(dp_shard=1, tp=2, sp=False)),
+    ("tp2-moe-sp", 2, True, dict(dp_shard=1, tp=2)),
     ("ep2", 2, True, dict(dp_shard=2, ep=2)),
     ("fsdp2xtp2-dense", 4, False, dict(dp_shard=2, tp=2)),
     ("fsdp2xep2", 4, True, dict(dp_shard=4, ep=2)),

@@ -27,6 +27,10 @@ class ParallelizePlan:
     tp: dict[str, str] = field(default_factory=dict)
     """Module pattern -> tensor-parallel style over the ``tp`` mesh axis
     ("colwise", "rowwise", "sequence_parallel", "embedding_rowwise", "replicate", ...)."""
+    sequence_parallel: dict[str, str] = field(default_factory=dict)
+    """TP entries that replace / extend ``tp`` when ``parallel.sequence_parallel`` is on: the residual stream
+    between blocks is then split over tp along the sequence ("rowwise_seq", "embedding_rowwise_seq",
+    "seq_gather", "seq_gather_local", "seq_gather_output", "grad_sum"; see titan_mm/parallel/tp.py)."""
     ep: dict[str, str] = field(default_factory=dict)
     """Module pattern -> expert-parallel style over the ``ep`` mesh axis ("experts", ...)."""
     cp: dict[str, str] = field(default_factory=dict)

@@ -17,8 +17,24 @@ Styles (values of ``ParallelizePlan.tp``):
     "replicate"          documentation only: the module stays replicated and computes identical values and
                          gradients on every tp rank (norms, router, output head in this mode).
 
-The residual stream between blocks is replicated over tp (no sequence parallel yet), and the loss is
-computed redundantly on every tp rank with the full vocabulary (no loss parallel yet); see docs/parallel.md.
+Sequence parallel (``parallel.sequence_parallel``; the plan's ``sequence_parallel`` entries replace / extend
+``tp``): the residual stream between blocks is a local ``[B, S/tp, D]`` shard (sequence dim 1).
+
+    "embedding_rowwise_seq"  embedding_rowwise whose output is reduce-scattered to the local sequence shard.
+    "rowwise_seq"            rowwise whose output is reduce-scattered to the local sequence shard (o, down).
+    "seq_gather"             module whose first input is the local shard and whose linears are colwise
+                             (attention, dense MLP): the input becomes a Replicate DTensor (all-gather; its
+                             backward reduce-scatters the partial input gradients).
+    "seq_gather_local"       module computed redundantly on every tp rank (MoE): the first input is
+                             all-gathered to a plain full tensor; the first output is cut back to the local
+                             shard (backward: all-gather of the identical gradients, no sum).
+    "seq_gather_output"      the final norm: grad_sum on its own weight, and its output is all-gathered to
+                             the full sequence for the replicated loss (backward: the local slice).
+    "seq_scatter_output"     a replicated module whose full output is cut to the local sequence shard (the
+                             tied embedding; backward: all-gather of the identical gradients).
+    "grad_sum"               (as above) for the block norms, which now see only the local tokens.
+
+The loss is computed redundantly on every tp rank with the full vocabulary (no loss parallel yet).
 """
 
 from __future__ import annotations
@@ -28,13 +44,61 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
-STYLES = ("colwise", "rowwise", "embedding_rowwise", "grad_sum", "replicate")
+STYLES = ("colwise", "rowwise", "embedding_rowwise", "grad_sum", "replicate", "embedding_rowwise_seq", "rowwise_seq",
+          "seq_gather", "seq_gather_local", "seq_gather_output", "seq_scatter_output")
+SEQ_DIM = 1
+
+
+def _gather_replicate_dtensor(x, mesh):
+    """Local sequence shard -> Replicate DTensor (all-gather; backward: reduce-scatter of partial grads)."""
+    return DTensor.from_local(x, mesh, (Shard(SEQ_DIM),), run_check=False).redistribute(mesh, (Replicate(),))
+
+
+def _gather_local(x, mesh):
+    """Local sequence shard -> full plain tensor; the backward expects identical grads on every rank."""
+    return _gather_replicate_dtensor(x, mesh).to_local()
+
+
+def _scatter_local(y, mesh):
+    """Full plain tensor, identical on every rank -> this rank's sequence shard (backward: all-gather)."""
+    return DTensor.from_local(y, mesh, (Replicate(),), run_check=False).redistribute(mesh, (Shard(SEQ_DIM),)).to_local()
+
+
+def _install_seq_hooks(mod: nn.Module, style: str, mesh) -> None:
+    if style == "seq_gather":
+        def pre(m, args, kwargs):
+            return (_gather_replicate_dtensor(args[0], mesh), *args[1:]), kwargs
+
+        mod.register_forward_pre_hook(pre, with_kwargs=True)
+    elif style == "seq_gather_local":
+        def pre(m, args, kwargs):
+            return (_gather_local(args[0], mesh), *args[1:]), kwargs
+
+        def post(m, args, out):
+            if isinstance(out, tuple):
+                return (_scatter_local(out[0], mesh), *out[1:])
+            return _scatter_local(out, mesh)
+
+        mod.register_forward_pre_hook(pre, with_kwargs=True)
+        mod.register_forward_hook(post)
+    elif style == "seq_gather_output":
+        _install_grad_sum_self(mod, mesh.get_group())
+
+        def post(m, args, out):
+            return _gather_local(out, mesh)
+
+        mod.register_forward_hook(post)
+    elif style == "seq_scatter_output":
+        def post(m, args, out):
+            return _scatter_local(out, mesh)
+
+        mod.register_forward_hook(post)
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -74,6 +138,26 @@ def _install_grad_sum(parent: nn.Module, child_name: str, group) -> None:
     parent.register_forward_hook(post)
 
 
+def _install_grad_sum_self(mod: nn.Module, group) -> None:
+    """grad_sum for a module that is called as a module (its own hooks swap its own parameters)."""
+    stash: dict[str, Any] = {}
+
+    def pre(m, args):
+        for pname, p in list(m._parameters.items()):
+            if p is not None:
+                stash[pname] = p
+                m._parameters[pname] = _SumGradOverGroup.apply(p, group)
+
+    def post(m, args, out):
+        for pname, p in stash.items():
+            m._parameters[pname] = p
+        stash.clear()
+        return out
+
+    mod.register_forward_pre_hook(pre)
+    mod.register_forward_hook(post)
+
+
 def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any = None) -> None:
     tp_mesh = pd.mesh("tp")
     if tp_mesh is None:
@@ -83,10 +167,14 @@ def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any
             f"parallel.tp={pd.tp} but this model's plan has no tp entries; add them to the family's plan.py "
             "(see docs/parallel.md) or set parallel.tp = 1."
         )
-    bad = {k: v for k, v in plan.tp.items() if v not in STYLES}
+    styles = dict(plan.tp)
+    sp = bool(getattr(getattr(cfg, "parallel", None), "sequence_parallel", True))
+    if sp:
+        styles.update(plan.sequence_parallel)
+    bad = {k: v for k, v in styles.items() if v not in STYLES}
     if bad:
         raise ValueError(f"unknown TP styles {bad}; known styles: {STYLES}.")
-    for pattern, style in plan.tp.items():
+    for pattern, style in styles.items():
         matched = match_modules(model, (pattern,))
         if not matched:
             raise ValueError(f"TP plan entry {pattern!r} ({style}) matches no module of {type(model).__name__}.")
@@ -100,6 +188,15 @@ def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any
             elif style == "embedding_rowwise":
                 _check(mod, nn.Embedding, fqn, style)
                 parallelize_module(mod, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+            elif style == "rowwise_seq":
+                _check(mod, nn.Linear, fqn, style)
+                parallelize_module(mod, tp_mesh, RowwiseParallel(output_layouts=Shard(SEQ_DIM)))
+            elif style == "embedding_rowwise_seq":
+                _check(mod, nn.Embedding, fqn, style)
+                parallelize_module(mod, tp_mesh, RowwiseParallel(input_layouts=Replicate(),
+                                                                 output_layouts=Shard(SEQ_DIM)))
+            elif style in ("seq_gather", "seq_gather_local", "seq_gather_output", "seq_scatter_output"):
+                _install_seq_hooks(mod, style, tp_mesh)
             elif style == "grad_sum":
                 parent_name, _, child = fqn.rpartition(".")
                 parent = model.get_submodule(parent_name) if parent_name else model

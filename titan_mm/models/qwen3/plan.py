@@ -27,12 +27,26 @@ def plan(cfg: Qwen3Config) -> ParallelizePlan:
         tp.update({"layers.*.mlp.w1": "colwise", "layers.*.mlp.w3": "colwise", "layers.*.mlp.w2": "rowwise"})
     if cfg.tie_word_embeddings:  # the output head reads the embedding weight: keep it whole
         del tp["tok_embeddings"]
+    # sequence parallel (parallel.sequence_parallel): residual stream split over tp along the sequence
+    sp = {
+        "tok_embeddings": "seq_scatter_output" if cfg.tie_word_embeddings else "embedding_rowwise_seq",
+        "layers.*.attn_norm": "grad_sum",
+        "layers.*.ffn_norm": "grad_sum",
+        "layers.*.attn": "seq_gather",
+        "layers.*.attn.wo": "rowwise_seq",
+        "norm": "seq_gather_output",
+    }
+    if "layers.*.mlp.w2" in tp:
+        sp.update({"layers.*.mlp": "seq_gather", "layers.*.mlp.w2": "rowwise_seq"})
+    if cfg.is_moe:
+        sp["layers.*.moe"] = "seq_gather_local"
     ep = {"layers.*.moe.experts": "experts"} if cfg.is_moe else {}
     return ParallelizePlan(
         fsdp_units=BLOCKS,
         ac_units=BLOCKS,
         compile_units=BLOCKS,
         tp=tp,
+        sequence_parallel=sp,
         ep=ep,
         cp={"layers.*.attn": "attention"},
     )
