@@ -138,3 +138,26 @@ def test_bad_input_messages(tmp_path, capsys):
     assert "did you mean 'debug'" in capsys.readouterr().err
     assert main(["--model.overrides", '{"hiden_size": 8}', "--job.dump_folder", str(tmp_path)]) == 1
     assert "hidden_size" in capsys.readouterr().err
+
+
+def test_init_from_hf_dir(tmp_path):
+    """--model.hf_path: the architecture comes from config.json and the weights from the safetensors."""
+    from titan_mm.config import load_config
+    from titan_mm.parallel.mesh import ParallelDims
+    from titan_mm.registry import get_model_spec
+    from titan_mm.train.trainer import build_model, resolve_model
+
+    spec = get_model_spec("qwen3")
+    src_cfg = spec.flavors["debug"].replace(vocab_size=300, num_hidden_layers=1, hidden_size=48,
+                                            intermediate_size=96, head_dim=16)
+    torch.manual_seed(123)
+    src = spec.build(src_cfg)
+    src.init_weights()
+    spec.save_hf(src, src_cfg, str(tmp_path / "hf"))
+    cfg = load_config(["--model.hf_path", str(tmp_path / "hf"), "--model.flavor", "ignored-with-hf-path"])
+    s2, mcfg = resolve_model(cfg, torch.device("cpu"))
+    assert (mcfg.vocab_size, mcfg.hidden_size, mcfg.num_hidden_layers) == (300, 48, 1)
+    model = build_model(cfg, s2, mcfg, ParallelDims(world_size=1), torch.device("cpu"), 1, 0)
+    ref = src.state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref[k]), k

@@ -201,7 +201,7 @@ class CheckpointManager:
         self.enable = enable
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pg = None
-        if enable and dist.is_initialized() and dist.get_world_size() > 1:
+        if enable and dist.is_initialized():
             # a separate group: the background writer's collectives must not interleave with training's
             self._pg = dist.new_group(backend="gloo")
         self._pending: tuple[Future, int, Path] | None = None

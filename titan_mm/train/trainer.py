@@ -118,21 +118,22 @@ def resolve_model(cfg: JobConfig, device: torch.device):
     return spec, model_cfg
 
 
-def _full_state_dict(spec, model_cfg, cfg: JobConfig) -> dict[str, torch.Tensor]:
-    """An unsharded CPU model's state dict: random init from training.seed, or the HF weights."""
+def _full_state_dict(spec, model_cfg, seed: int) -> dict[str, torch.Tensor]:
+    """An unsharded CPU model's randomly initialized state dict (seeded)."""
     with torch.device("cpu"):
         full = spec.build(model_cfg)
-    torch.manual_seed(cfg.training.seed)
+    torch.manual_seed(seed)
     with torch.no_grad():
         full.init_weights()
-    if cfg.model.hf_path and cfg.model.init_from_hf:
-        spec.load_hf(full, cfg.model.hf_path)
     return full.state_dict()
 
 
 def build_model(cfg: JobConfig, spec, model_cfg, parallel_dims, device: torch.device, world: int, rank: int):
-    """Meta build -> parallelize -> materialize. Random init is identical for every world size: with more
-    than one process (or HF weights) rank 0 builds the full model on CPU and broadcasts it into the shards."""
+    """Meta build -> parallelize -> materialize (to_empty + init_weights), then HF weights if asked.
+
+    Random init gives the same weights for every world size: on CUDA DTensor's offset-based RNG makes
+    sharded init match; on CPU (no such RNG) rank 0 initializes the full model and broadcasts it into the
+    shards. HF weights are loaded by the registry's load_hf, which fills plain or FSDP-sharded models."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from titan_mm.parallel.apply import parallelize
@@ -144,10 +145,12 @@ def build_model(cfg: JobConfig, spec, model_cfg, parallel_dims, device: torch.de
     torch.manual_seed(cfg.training.seed)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
-    if world > 1 or (cfg.model.hf_path and cfg.model.init_from_hf):
-        sd = _full_state_dict(spec, model_cfg, cfg) if rank == 0 else {}
+    if cfg.model.hf_path and cfg.model.init_from_hf:
+        spec.load_hf(model, cfg.model.hf_path)
+    elif world > 1 and device.type == "cpu":
+        sd = _full_state_dict(spec, model_cfg, cfg.training.seed) if rank == 0 else {}
         set_model_state_dict(
-            model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=world > 1, strict=True)
+            model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
         )
     torch.manual_seed(cfg.training.seed + 1)
     return model
