@@ -124,6 +124,9 @@ class Data:
     """Stop with an error when more than this fraction of samples is skipped (after error_min_samples)."""
     error_min_samples: int = 200
     """Samples seen before max_error_rate is enforced."""
+    shuffle_buffer: int = 256
+    """Per source and worker: samples read ahead and drawn from at random (saved as references in the
+    loader state); 0 or 1: stream order."""
 
 
 @dataclass

@@ -36,7 +36,7 @@ _DEFAULTS: dict[str, Any] = dict(
     prefetch_factor=2, pin_memory=True, open_rows=32, max_patches_per_row=0, split_long_text=False,
     chat_template="qwen3_vl", mrope=False, image_min_pixels=65536, image_max_pixels=16777216,
     video_min_pixels=131072, video_max_pixels=786432, video_fps=2.0, video_min_frames=4, video_max_frames=768,
-    media_root="", max_error_rate=0.05, error_min_samples=200,
+    media_root="", max_error_rate=0.05, error_min_samples=200, shuffle_buffer=256,
 )
 
 
@@ -76,6 +76,7 @@ class StreamConfig:
     split_long_text: bool = False
     max_error_rate: float = 0.05
     error_min_samples: int = 200
+    shuffle_buffer: int = 256
     epochs: int = 0  # 0: cycle forever; N: stop after N epochs of every source (last batch padded)
     return_sample_ids: bool = False
     units: list = field(default_factory=list)  # per source, filled by PackedDataset
@@ -103,8 +104,8 @@ class PackedStream:
         self.n_slots = cfg.dp_world * num_workers
         self.tok = load_tokenizer(cfg.tokenizer_path)
         self.proc = Processor(self.tok, cfg.proc)
-        self.streams = [SourceStream(u, cfg.seed, self.slot, self.n_slots, i, cfg.epochs)
-                        for i, u in enumerate(cfg.units)]
+        self.streams = [SourceStream(u, cfg.seed, self.slot, self.n_slots, i, cfg.epochs,
+                                     buffer_size=cfg.shuffle_buffer) for i, u in enumerate(cfg.units)]
         self.weights = [w for _, w in cfg.sources]
         self.packer = BestFitPacker(cfg.seq_len, cfg.open_rows, cfg.max_patches_per_row)
         self.mix_n = 0
@@ -336,6 +337,7 @@ def build_dataloader(cfg: Any = None, *, dp_rank: int = 0, dp_world: int = 1, se
         proc=proc, open_rows=_get(cfg, "open_rows"), max_patches_per_row=_get(cfg, "max_patches_per_row"),
         split_long_text=_get(cfg, "split_long_text"), max_error_rate=_get(cfg, "max_error_rate"),
         error_min_samples=_get(cfg, "error_min_samples"), epochs=epochs, return_sample_ids=return_sample_ids,
+        shuffle_buffer=_get(cfg, "shuffle_buffer"),
     )
     ds = PackedDataset(scfg)
     kw: dict[str, Any] = dict(num_workers=nw, pin_memory=bool(_get(cfg, "pin_memory")) and torch.cuda.is_available())

@@ -290,7 +290,7 @@ class SourceStream:
     """
 
     def __init__(self, units: list[Unit], seed: int, slot: int, n_slots: int, source_idx: int,
-                 max_epochs: int = 0, shuffle: bool = True):
+                 max_epochs: int = 0, shuffle: bool = True, buffer_size: int = 0):
         if not units:
             raise ValueError("a data source with no units")
         self.units, self.seed, self.slot, self.n_slots = units, seed, slot, n_slots
@@ -299,7 +299,15 @@ class SourceStream:
         self._it: Iterator | None = None
         self._plan: list[tuple[int, int]] | None = None  # (unit id, stride offset) for this epoch
         self._plan_epoch = -1
-        self.exhausted = False
+        self._raw_exhausted = False
+        # shuffle buffer: up to buffer_size read-ahead samples; one is drawn per next() by a counter hash
+        self.buffer_size = buffer_size
+        self._buf: list[tuple] = []
+        self._draws = 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self._raw_exhausted and not self._buf
 
     def _epoch_plan(self) -> list[tuple[int, int]]:
         if self._plan_epoch != self.epoch:
@@ -313,25 +321,48 @@ class SourceStream:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "upos": self.upos, "index": self.index,
-                "token": -1 if self.token is None else self.token, "exhausted": self.exhausted,
-                "got_any": self._got_any}
+                "token": -1 if self.token is None else self.token, "exhausted": self._raw_exhausted,
+                "got_any": self._got_any, "draws": self._draws, "buffer": [b[3] for b in self._buf]}
 
     def load_state_dict(self, s: dict) -> None:
         self.epoch, self.upos, self.index = s["epoch"], s["upos"], s["index"]
         self.token = None if s["token"] == -1 else s["token"]
-        self.exhausted, self._got_any = s["exhausted"], s["got_any"]
+        self._raw_exhausted, self._got_any = s["exhausted"], s["got_any"]
         self._it = None
+        self._draws = s["draws"]
+        locs = [tuple(x) for x in s["buffer"]]
+        got = self.fetch(locs) if locs else {}
+        self._buf = [(*got[loc], loc) for loc in locs]
 
-    def next(self) -> tuple[str, Unit, Any] | None:
-        """(global id, unit, record or SkipSample); None when a finite stream is exhausted."""
-        while not self.exhausted:
+    def next(self) -> tuple[str, Unit, Any, tuple | None] | None:
+        """(global id, unit, record or SkipSample, location); None when a finite stream is exhausted."""
+        if self.buffer_size <= 1:
+            return self._next_raw()
+        while len(self._buf) < self.buffer_size and not self._raw_exhausted:
+            got = self._next_raw()
+            if got is None:
+                break
+            if got[3] is None:  # an unreadable unit: report at once
+                return got
+            self._buf.append(got)
+        if not self._buf:
+            return None
+        j = hash_ints(self.seed, self.slot, self.source_idx, self._draws, 99) % len(self._buf)
+        self._draws += 1
+        item = self._buf[j]
+        self._buf[j] = self._buf[-1]
+        self._buf.pop()
+        return item
+
+    def _next_raw(self) -> tuple[str, Unit, Any, tuple | None] | None:
+        while not self._raw_exhausted:
             plan = self._epoch_plan()
             if self.upos >= len(plan):
                 got_any = self._got_any
                 self.epoch += 1
                 self.upos, self.index, self.token, self._it, self._got_any = 0, 0, None, None, False
                 if self.max_epochs and self.epoch >= self.max_epochs:
-                    self.exhausted = True
+                    self._raw_exhausted = True
                     return None
                 if not got_any:
                     raise RuntimeError(
