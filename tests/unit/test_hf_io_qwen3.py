@@ -157,3 +157,18 @@ def test_export_keeps_rope_window_and_bias(tmp_path, kw, caplog):
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         assert torch.equal(back(input_ids=ids).logits, ref)
+
+
+def test_every_flavor_round_trips_through_transformers_config():
+    from transformers import AutoConfig
+
+    from titan_mm.models.qwen3 import FLAVORS
+    from titan_mm.models.qwen3.config import Qwen3Config
+
+    for name, cfg in FLAVORS.items():
+        d = cfg.to_hf_dict(dtype="bfloat16")
+        assert not set(Qwen3Config.RUNTIME_FIELDS) & set(d), name
+        hf_cfg = AutoConfig.for_model(**d)
+        assert hf_cfg.model_type == cfg.model_type
+        assert Qwen3Config.from_hf_dict(hf_cfg.to_dict()) == cfg, name
+        assert Qwen3Config.from_hf_dict(d) == cfg, name

@@ -157,8 +157,16 @@ class Qwen3Config:
         kw["head_dim"] = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
         if kw.get("num_key_value_heads") is None:
             kw["num_key_value_heads"] = d["num_attention_heads"]
-        if d.get("layer_types") is not None:
-            kw["layer_types"] = tuple(d["layer_types"])
+        if d.get("layer_types") is not None and mt == "qwen3":
+            lt = tuple(d["layer_types"])
+            window = d.get("sliding_window") if d.get("use_sliding_window") else None
+            derived = tuple(
+                "sliding_attention" if window is not None and i >= d.get("max_window_layers", 28) else "full_attention"
+                for i in range(d["num_hidden_layers"])
+            )
+            kw["layer_types"] = None if lt == derived else lt  # keep only what HF would not derive itself
+        else:
+            kw.pop("layer_types", None)
         kw["mlp_only_layers"] = tuple(d.get("mlp_only_layers") or ())
         for k in ("eos_token_id",):
             if isinstance(kw.get(k), list):
