@@ -78,7 +78,10 @@ def resolve_model(cfg: JobConfig, device: torch.device):
     """(ModelSpec, model config) from the registry, with model.overrides / attn backend / kernels applied."""
     from titan_mm.registry import get_model_spec
 
-    spec = get_model_spec(cfg.model.name)
+    try:
+        spec = get_model_spec(cfg.model.name)
+    except KeyError as e:
+        raise ConfigError(f"model.name: {e.args[0]}") from None
     m = cfg.model
     if m.hf_path:
         p = Path(m.hf_path)
@@ -171,7 +174,8 @@ def build_data(cfg: JobConfig, model_cfg, dp_rank: int, dp_world: int, n_micro: 
     if cfg.data.dataset == "synthetic":
         from titan_mm.train.synthetic import SyntheticLoader
 
-        return SyntheticLoader(vocab_size=model_cfg.vocab_size, seq_len=cfg.data.seq_len,
+        vocab = getattr(model_cfg, "vocab_size", None) or model_cfg.text.vocab_size
+        return SyntheticLoader(vocab_size=vocab, seq_len=cfg.data.seq_len,
                                micro_batch_size=cfg.data.micro_batch_size, n_micro=n_micro,
                                dp_rank=dp_rank, dp_world=dp_world, seed=cfg.training.seed)
     from titan_mm.data.loader import build_dataloader
@@ -179,8 +183,9 @@ def build_data(cfg: JobConfig, model_cfg, dp_rank: int, dp_world: int, n_micro: 
     tok = cfg.data.tokenizer_path
     if tok is None and cfg.model.hf_path and (Path(cfg.model.hf_path) / "tokenizer.json").is_file():
         tok = cfg.model.hf_path
+    mrope = bool(getattr(cfg.data, "mrope", False)) or hasattr(model_cfg, "mrope_section")  # VL: 3-D positions
     return build_dataloader(cfg.data, dp_rank=dp_rank, dp_world=dp_world, seed=cfg.training.seed,
-                            tokenizer_path=tok)
+                            tokenizer_path=tok, mrope=mrope)
 
 
 class _Batches:
