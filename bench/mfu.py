@@ -278,6 +278,8 @@ def main() -> int:
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                 lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+                if args.profile:
+                    (Path(args.profile) / f"log_{case}_{stack}.txt").write_text(p.stdout[-20000:] + p.stderr[-30000:])
                 if lines:
                     rows.append(json.loads(lines[-1][7:]))
                 else:
