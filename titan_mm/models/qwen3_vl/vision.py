@@ -38,7 +38,8 @@ class VisionMeta(NamedTuple):
     backend: str
     """"sdpa" (dense block-diagonal mask), "flex" (BlockMask) or "varlen" (cu_seqlens kernel)."""
     mask: object
-    """sdpa: [1, 1, N, N] bool (True = attend); flex: BlockMask; varlen: None."""
+    """sdpa: [1, 1, N, N] bool (True = attend), or None when all segments have the same length (then
+    attention runs batched per segment, no mask); flex: BlockMask; varlen: None."""
     cu_seqlens: torch.Tensor
     """[n_segments + 1] int32: attention segment boundaries (one per image, one per video frame)."""
     max_seqlen: int
@@ -109,8 +110,11 @@ def build_vision_meta(
     max_seqlen = int(seg_t.max())
     mask = None
     if backend == "sdpa":
-        doc = torch.repeat_interleave(torch.arange(len(seg)), seg_t.long())
-        mask = (doc[:, None] == doc[None, :])[None, None]
+        if len(set(seg)) == 1:
+            mask = None  # every segment has the same length: batched attention over [n_seg, H, L, Dh], no mask
+        else:
+            doc = torch.repeat_interleave(torch.arange(len(seg)), seg_t.long())
+            mask = (doc[:, None] == doc[None, :])[None, None]
     elif backend == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -119,7 +123,8 @@ def build_vision_meta(
         def same_doc(b, h_, q, k):
             return doc[q] == doc[k]
 
-        mask = create_block_mask(same_doc, None, None, n, n, device=str(device or "cpu"))
+        dev = torch.device(device or "cpu")
+        mask = create_block_mask(same_doc, None, None, n, n, device=str(dev), _compile=dev.type == "cuda")
     elif backend != "varlen":
         raise ValueError(f"unknown vision attention backend {backend!r}; use 'sdpa', 'flex' or 'varlen'.")
     meta = VisionMeta(
@@ -181,6 +186,11 @@ def vision_attention_core(q_NHD, k_NHD, v_NHD, meta: VisionMeta) -> torch.Tensor
 
         # Non-causal is the default of every torch varlen_attn signature (is_causal=False / window (-1, -1)).
         return _varlen_fn()(q_NHD, k_NHD, v_NHD, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen)
+    if meta.backend == "sdpa" and meta.mask is None:  # equal-length segments (e.g. same-size images)
+        n, H, Dh = q_NHD.shape
+        L = meta.max_seqlen
+        q, k, v = (t.view(n // L, L, H, Dh).transpose(1, 2) for t in (q_NHD, k_NHD, v_NHD))
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, H, Dh)
     q, k, v = (t.transpose(0, 1)[None] for t in (q_NHD, k_NHD, v_NHD))  # [1, H, N, Dh]
     if meta.backend == "flex":
         o = _flex_attention()(q, k, v, block_mask=meta.mask)
