@@ -242,7 +242,7 @@ def build_cases(only):
         shape=f"h [{N}, {D}], W [{VOCAB}, {D}] bf16",
         inputs=ce_inputs,
         fwd_flops=2 * N * VOCAB * D, bwd_flops=4 * N * VOCAB * D,
-        # titan_mm computes the grads in the forward whenever grad is enabled: its fwd-only row runs under no_grad
+        # fwd rows run under no_grad with detached inputs: no implementation computes gradients there
         impls={
             "eager": ce_eager,
             "compile": ("compile", ce_eager),
@@ -271,9 +271,12 @@ def run_case(name, case, impl, fn, do_compile):
     inp = case["inputs"]()
     diff = [v for v in inp.values() if v.requires_grad]
 
+    inp_nograd = {k: v.detach() for k, v in inp.items()}  # fwd rows: no input requires grad (Liger's CE
+    # otherwise computes its gradients in the forward even under no_grad)
+
     def fwd():
         with torch.no_grad():
-            return fn(**inp)
+            return fn(**inp_nograd)
 
     fixed = {}
 
@@ -298,7 +301,7 @@ def run_case(name, case, impl, fn, do_compile):
             tf = fl / (ms * 1e-3) / 1e12
             row.update(flops=fl, tflops=round(tf, 1), frac_matmul=round(tf / MATMUL_CEILING_TFLOPS, 3))
         rows.append(row)
-    del inp, diff
+    del inp, inp_nograd, diff
     torch.cuda.empty_cache()
     return rows
 

@@ -77,3 +77,18 @@ def test_mrope_interleave_matches_transformers():
     qo, ko = K.apply_mrope(q, k, freqs.cos(), freqs.sin(), sec)
     torch.testing.assert_close(qo, qh.transpose(1, 2))
     torch.testing.assert_close(ko, kh.transpose(1, 2))
+
+
+def test_resolve_ops():
+    assert K.resolve_ops(True) == frozenset(K.KERNEL_OPS)
+    assert K.resolve_ops(False) == K.resolve_ops("none") == K.resolve_ops("") == frozenset()
+    assert K.resolve_ops("all,-linear_cross_entropy") == frozenset(K.KERNEL_OPS) - {"linear_cross_entropy"}
+    assert K.resolve_ops("rms_norm, swiglu") == {"rms_norm", "swiglu"}
+    with pytest.raises(ValueError):
+        K.resolve_ops("rmsnorm")
+
+
+def test_dtensor_inputs_take_reference():
+    from torch.distributed.tensor import DTensor
+
+    assert K._dispatch.DTensor is DTensor

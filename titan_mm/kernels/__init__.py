@@ -33,7 +33,32 @@ __all__ = [
     "reference",
     "HAS_TRITON",
     "use_triton",
+    "KERNEL_OPS",
+    "resolve_ops",
 ]
+
+KERNEL_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "linear_cross_entropy", "bias_gelu")
+
+
+def resolve_ops(spec) -> frozenset:
+    """Which ops a model should take from titan_mm.kernels, from a config value:
+    True / "all" -> every op; False / None / "" / "none" -> none; "rms_norm,swiglu" -> those;
+    "all,-linear_cross_entropy" -> every op but the CE. Unknown names raise (no silently dropped keys)."""
+    if spec is True:
+        return frozenset(KERNEL_OPS)
+    if spec is False or spec is None:
+        return frozenset()
+    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    out: set = set()
+    for it in items:
+        neg = it.startswith("-")
+        name = it[1:] if neg else it
+        names = set(KERNEL_OPS) if name == "all" else (set() if name == "none" else {name})
+        unknown = names - set(KERNEL_OPS)
+        if unknown:
+            raise ValueError(f"unknown kernel op(s) {sorted(unknown)}; choose from {KERNEL_OPS}, 'all', 'none'")
+        out = out - names if neg else out | names
+    return frozenset(out)
 
 if HAS_TRITON:
     from .bias_gelu import bias_gelu_op

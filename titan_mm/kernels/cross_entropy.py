@@ -71,7 +71,7 @@ def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size):
     n, d = h2.shape
     v = w.shape[0]
     c = chunk_size if chunk_size > 0 else default_chunk_size(n, d, v)
-    block = min(4096, next_pow2(v))
+    block = min(8192, next_pow2(v))
     loss_rows = new_empty((n,), torch.float32, h.device)
     if compute_grad:
         grad_h = new_empty((n, d), h.dtype, h.device)
@@ -88,7 +88,7 @@ def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size):
         torch.mm(hc, w.t(), out=logits)
         _ce_row_kernel[(e - s,)](
             logits, logits.stride(0), lab[s:e], loss_rows[s:e], ignore_index, float(z_loss),
-            V=v, WRITE_GRAD=compute_grad, HAS_Z=z_loss != 0.0, BLOCK=block, num_warps=8,
+            V=v, WRITE_GRAD=compute_grad, HAS_Z=z_loss != 0.0, BLOCK=block, num_warps=16 if block >= 8192 else 8,
         )
         if compute_grad:
             torch.mm(logits, w, out=grad_h[s:e])
