@@ -53,9 +53,9 @@ def _strided(shape, dtype, device, mode: str, gen=None) -> torch.Tensor:
     return torch.randn(*shape, dtype=dtype, device=device)
 
 
-def _record(recs, op, dtype, case, name, out, ref):
+def _record(recs, op, dtype, case, name, out, ref, tol=None):
     err = rel_l2(out, ref)
-    tol = TOL[dtype]
+    tol = TOL[dtype] if tol is None else tol
     recs.append(
         {"op": op, "dtype": str(dtype).replace("torch.", ""), "case": case, "what": name, "err": err, "tol": tol,
          "ok": bool(math.isfinite(err) and err < tol)}
@@ -355,11 +355,12 @@ def check_model(device, dtype, big):
         out = m(ids, position_ids=pos, labels=labels)
         (out.loss_sum / (labels != -100).sum()).backward()
         outs.append(out.loss_sum)
-    _record(recs, "model", dtype, f"qwen3 {cfg.hidden_size}x{cfg.num_hidden_layers}", "loss_sum", outs[1], outs[0])
+    # fp32 model vs fp32 model (not float64): rounding differences compound over layers; 1e-4 relative L2
+    case = f"qwen3 {cfg.hidden_size}x{cfg.num_hidden_layers}"
+    _record(recs, "model", dtype, case, "loss_sum", outs[1], outs[0], tol=1e-4)
     gr = dict(ref.named_parameters())
     for name, p in ker.named_parameters():
-        _record(recs, "model", dtype, f"qwen3 {cfg.hidden_size}x{cfg.num_hidden_layers}", f"grad {name}", p.grad,
-                gr[name].grad)
+        _record(recs, "model", dtype, case, f"grad {name}", p.grad, gr[name].grad, tol=1e-4)
     return recs
 
 
