@@ -21,10 +21,8 @@ Parquet one row group at a time, tar shards member by member.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
-import os
 import tarfile
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -467,12 +465,3 @@ def media_bytes(spec: Any, rec: dict, unit: Unit, media_root: str = "") -> bytes
             if k in files:
                 return files[k]
     return open_media(spec, unit, media_root)
-
-
-def read_all_bytes(url: str) -> bytes:
-    with fsspec.open(url, "rb") as fh:
-        return fh.read()
-
-
-_ = io  # (io kept for readers that wrap bytes)
-_ = os
