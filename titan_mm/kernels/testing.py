@@ -381,7 +381,16 @@ CHECKS = {
 def run(ops, device, dtypes, big: bool) -> dict:
     from titan_mm.kernels import _utils, use_triton
 
-    _utils.POISON = True
+    poison_before, _utils.POISON = _utils.POISON, True
+    try:
+        return _run(ops, device, dtypes, big)
+    finally:
+        _utils.POISON = poison_before
+
+
+def _run(ops, device, dtypes, big: bool) -> dict:
+    from titan_mm.kernels import use_triton
+
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     probe = torch.empty(1, device=device)
