@@ -172,3 +172,18 @@ def test_every_flavor_round_trips_through_transformers_config():
         assert hf_cfg.model_type == cfg.model_type
         assert Qwen3Config.from_hf_dict(hf_cfg.to_dict()) == cfg, name
         assert Qwen3Config.from_hf_dict(d) == cfg, name
+
+
+def test_save_from_a_shuffled_state_dict_fused(tmp_path):
+    import random
+
+    hf = hf_model(moe=True, seed=8)
+    hf.save_pretrained(tmp_path / "src")
+    spec, cfg, model = _load_titan(tmp_path / "src")
+    items = list(model.state_dict().items())
+    random.Random(0).shuffle(items)
+    spec.save_hf(dict(items), cfg, tmp_path / "dst", fused_experts=True, dtype=torch.bfloat16)
+    assert json.load(open(tmp_path / "dst" / "config.json"))["torch_dtype"] == "bfloat16"
+    _, _, back = _load_titan(tmp_path / "dst")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.to(torch.bfloat16), back.state_dict()[k]), k

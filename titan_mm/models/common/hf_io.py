@@ -153,6 +153,63 @@ def write_safetensors(
     return names
 
 
+class ShardedWriter:
+    """Write HF-named tensors as they come, closing a shard file whenever it would exceed
+    ``max_shard_bytes`` (host memory stays at about one shard). ``close()`` names the files like
+    transformers (model.safetensors, or model-0000i-of-0000n.safetensors + index.json)."""
+
+    def __init__(self, out_dir: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3):
+        self.out_dir = os.fspath(out_dir)
+        self.max = max_shard_bytes
+        self.cur: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[tuple[str, list[str]]] = []
+        self.total = 0
+        os.makedirs(self.out_dir, exist_ok=True)
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        t = t.detach().to("cpu").contiguous()
+        if self.cur and self.size + _nbytes(t) > self.max:
+            self._flush()
+        self.cur[name] = t
+        self.size += _nbytes(t)
+        self.total += _nbytes(t)
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tmp = f".tmp-shard-{len(self.files):05d}.safetensors"
+        save_file(self.cur, os.path.join(self.out_dir, tmp), metadata={"format": "pt"})
+        self.files.append((tmp, sorted(self.cur)))
+        self.cur, self.size = {}, 0
+
+    def close(self) -> list[str]:
+        if self.cur or not self.files:
+            self._flush()
+        n = len(self.files)
+        names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map = {}
+        for (tmp, keys), fn in zip(self.files, names):
+            os.replace(os.path.join(self.out_dir, tmp), os.path.join(self.out_dir, fn))
+            weight_map.update({k: fn for k in keys})
+        idx = os.path.join(self.out_dir, INDEX_NAME)
+        if n > 1:
+            with open(idx, "w") as f:
+                json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, f, indent=2)
+        elif os.path.exists(idx):
+            os.remove(idx)
+        return names
+
+
+def iter_full_tensors(model: torch.nn.Module):
+    """(name, full tensor) over ``model.state_dict()`` in order, all-gathering DTensors one at a time
+    (collective: every rank must iterate to the end)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, t in model.state_dict().items():
+        yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+
+
 def write_config(cfg_dict: dict, out_dir: str | os.PathLike) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:

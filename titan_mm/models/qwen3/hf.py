@@ -215,23 +215,46 @@ def load_hf(model, hf_dir: str | os.PathLike) -> None:
         model.init_buffers(model.tok_embeddings.weight.device)
 
 
+def _titan_layer_of(name: str) -> int:
+    m = re.match(r"^layers\.(\d+)\.", name)
+    return int(m[1]) if m else -1
+
+
 def save_hf(model_or_sd, cfg: Qwen3Config, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
             max_shard_bytes: int = 5 * 1024**3, fused_experts: bool = False) -> None:
     """Write HF safetensors + config.json that transformers' AutoModelForCausalLM loads.
 
-    ``model_or_sd``: a Qwen3Model (FSDP-sharded is fine: collective, call on every rank, rank 0 writes)
-    or a full state dict with titan names. ``dtype``: cast on export (default: keep)."""
-    if isinstance(model_or_sd, torch.nn.Module):
-        sd = hf_io.full_state_dict(model_or_sd)
-    else:
-        sd = dict(model_or_sd)
+    ``model_or_sd``: a Qwen3Model or a full state dict with titan names. A sharded model (DTensor
+    parameters: FSDP / TP / EP) is gathered one decoder layer at a time; the call is collective (every
+    rank calls it), rank 0 writes, and host memory stays at about one shard file. ``dtype``: cast on
+    export (default: keep)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        return
-    if dtype is not None:
-        sd = {k: v.to(dtype) for k, v in sd.items()}
-    hf_sd = titan_to_hf(sd, cfg, fused_experts=fused_experts)
-    dt = next(iter(hf_sd.values())).dtype
-    hf_io.write_safetensors(hf_sd, out_dir, max_shard_bytes=max_shard_bytes)
-    hf_io.write_config(cfg.to_hf_dict(dtype=str(dt).removeprefix("torch.")), out_dir)
+    rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if isinstance(model_or_sd, torch.nn.Module):
+        items = hf_io.iter_full_tensors(model_or_sd)
+    else:  # group a plain dict's tensors by layer (stable), whatever order it came in
+        items = iter(sorted(dict(model_or_sd).items(), key=lambda kv: _titan_layer_of(kv[0])))
+    writer = hf_io.ShardedWriter(out_dir, max_shard_bytes) if rank0 else None
+    dt = None
+
+    def flush(group: dict[str, torch.Tensor]) -> None:
+        nonlocal dt
+        if rank0 and group:
+            for k, v in titan_to_hf(group, cfg, fused_experts=fused_experts).items():
+                writer.add(k, v)
+                dt = v.dtype
+
+    group: dict[str, torch.Tensor] = {}
+    group_layer = None
+    for name, t in items:  # state dicts list a layer's tensors together: convert one layer at a time
+        layer = _titan_layer_of(name)
+        if layer != group_layer:
+            flush(group)
+            group, group_layer = {}, layer
+        if rank0:
+            group[name] = (t.to(dtype) if dtype is not None else t).detach().to("cpu")
+    flush(group)
+    if rank0:
+        writer.close()
+        hf_io.write_config(cfg.to_hf_dict(dtype=str(dt).removeprefix("torch.")), out_dir)
