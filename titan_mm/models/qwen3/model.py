@@ -15,12 +15,11 @@ Parameter names (titan_mm; HF names in hf.py):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
-
-from dataclasses import dataclass
-from typing import Callable
-
 import torch.nn.functional as F
 
 from titan_mm.models.common.attention import Attention, AttnMeta
