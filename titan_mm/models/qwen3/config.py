@@ -181,7 +181,8 @@ class Qwen3Config:
         if d.get("attention_dropout"):
             logger.warning("attention_dropout=%s in config.json is ignored (titan_mm trains without dropout)",
                            d["attention_dropout"])
-        return cls(**kw, **runtime)
+        kw.update(runtime)  # runtime options (attn_backend, ...) and explicit overrides win
+        return cls(**kw)
 
     @classmethod
     def from_hf(cls, hf_dir: str | os.PathLike, **runtime) -> Qwen3Config:
