@@ -187,7 +187,7 @@ def build_cases(only):
     cases["rope"] = dict(
         shape=f"q [{B}, {S}, {HQ}, {DH}], k [{B}, {S}, {HK}, {DH}] bf16",
         inputs=rope_inputs,
-        fwd_bytes=2 * qk_bytes + N * DH * 2 * e, bwd_bytes=2 * qk_bytes + N * DH * 2 * e,
+        fwd_bytes=2 * qk_bytes + N * DH * e, bwd_bytes=2 * qk_bytes + N * DH * e,  # + cos/sin halves
         impls={
             "eager": lambda q, k, cos, sin: R.apply_rope(q, k, cos, sin),
             "compile": ("compile", lambda q, k, cos, sin: R.apply_rope(q, k, cos, sin)),
@@ -206,7 +206,7 @@ def build_cases(only):
     cases["mrope"] = dict(
         shape=f"q [{B}, {S}, {HQ}, {DH}], k [.., {HK}, ..], cos/sin [3, {B}, {S}, {DH}] bf16, section {MROPE_SECTION}",
         inputs=mrope_inputs,
-        fwd_bytes=2 * qk_bytes + 3 * N * half * 2 * e, bwd_bytes=2 * qk_bytes + 3 * N * half * 2 * e,
+        fwd_bytes=2 * qk_bytes + N * DH * e, bwd_bytes=2 * qk_bytes + N * DH * e,  # one axis per frequency
         impls={
             "eager": lambda q, k, cos, sin: R.apply_mrope(q, k, cos, sin, MROPE_SECTION),
             "compile": ("compile", lambda q, k, cos, sin: R.apply_mrope(q, k, cos, sin, MROPE_SECTION)),
