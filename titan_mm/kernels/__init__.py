@@ -13,6 +13,7 @@ PyTorch reference in titan_mm.kernels.reference elsewhere; see docs/kernels.md):
 
 The ops live in the `titan_mm` torch.library namespace (torch.ops.titan_mm.*), each with a fake
 implementation and registered autograd, so torch.compile(fullgraph=True) traces them without breaks.
+In eager mode the same kernels run through plain autograd.Functions (no dispatcher overhead).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
+from . import _dispatch
 from ._dispatch import HAS_TRITON, use_triton
 
 __all__ = [
@@ -61,17 +63,17 @@ def resolve_ops(spec) -> frozenset:
     return frozenset(out)
 
 if HAS_TRITON:
-    from .bias_gelu import bias_gelu_op
-    from .cross_entropy import linear_cross_entropy_op
-    from .rms_norm import add_rms_norm_op, rms_norm_op
-    from .rope import rope_op
-    from .swiglu import swiglu_op
+    from .bias_gelu import BiasGeluFunction, bias_gelu_op
+    from .cross_entropy import LinearCrossEntropyFunction, linear_cross_entropy_op
+    from .rms_norm import AddRMSNormFunction, RMSNormFunction, add_rms_norm_op, rms_norm_op
+    from .rope import RopeFunction, rope_op
+    from .swiglu import SwiGLUFunction, swiglu_op
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Qwen3 RMSNorm over the last dim: w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)."""
     if use_triton(x, w):
-        return rms_norm_op(x, w, eps)[0]
+        return rms_norm_op(x, w, eps)[0] if _dispatch.use_ops() else RMSNormFunction.apply(x, w, eps)
     return reference.rms_norm(x, w, eps)
 
 
@@ -80,6 +82,8 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """new_residual = x + residual; returns (rms_norm(new_residual, w, eps), new_residual)."""
     if use_triton(x, residual, w) and x.shape == residual.shape and x.dtype == residual.dtype:
+        if not _dispatch.use_ops():
+            return AddRMSNormFunction.apply(x, residual, w, eps)
         y, nr, _ = add_rms_norm_op(x, residual, w, eps)
         return y, nr
     return reference.add_rms_norm(x, residual, w, eps)
@@ -88,7 +92,7 @@ def add_rms_norm(
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
     if use_triton(gate, up) and gate.shape == up.shape and gate.dtype == up.dtype:
-        return swiglu_op(gate, up)
+        return swiglu_op(gate, up) if _dispatch.use_ops() else SwiGLUFunction.apply(gate, up)
     return reference.swiglu(gate, up)
 
 
@@ -99,6 +103,8 @@ def apply_rope(
     [B, S, X] with X = Dh (HF layout, halves duplicated) or Dh/2. A [B, H, S, Dh] tensor may be passed as
     .transpose(1, 2) without a copy; Triton outputs are contiguous [B, S, H, Dh]."""
     if use_triton(q, k, cos, sin) and q.dim() in (3, 4):
+        if not _dispatch.use_ops():
+            return RopeFunction.apply(q, k, cos, sin, [], False)
         return rope_op(q, k, cos, sin, [], False)
     return reference.apply_rope(q, k, cos, sin)
 
@@ -113,7 +119,10 @@ def apply_mrope(
     """Qwen3-VL interleaved M-RoPE: cos/sin are per-axis [3, B, S, X] tables (T, H, W positions times
     inv_freq); the interleaving by mrope_section (e.g. [24, 20, 20]) happens inside the kernel."""
     if use_triton(q, k, cos, sin) and q.dim() == 4:
-        return rope_op(q, k, cos, sin, [int(s) for s in mrope_section], False)
+        section = [int(s) for s in mrope_section]
+        if not _dispatch.use_ops():
+            return RopeFunction.apply(q, k, cos, sin, section, False)
+        return rope_op(q, k, cos, sin, section, False)
     return reference.apply_mrope(q, k, cos, sin, mrope_section)
 
 
@@ -130,7 +139,10 @@ def linear_cross_entropy(
     The trainer divides the result by the global label-token count. chunk_size 0 = automatic."""
     if use_triton(h, weight) and h.dtype == weight.dtype:
         compute_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-        return linear_cross_entropy_op(h, weight, labels, ignore_index, float(z_loss), compute_grad, chunk_size)[0]
+        args = (h, weight, labels, ignore_index, float(z_loss), compute_grad, chunk_size)
+        if not _dispatch.use_ops():
+            return LinearCrossEntropyFunction.apply(*args)
+        return linear_cross_entropy_op(*args)[0]
     return reference.linear_cross_entropy(
         h, weight, labels, ignore_index, z_loss, chunk_size=chunk_size if chunk_size > 0 else 4096
     )
@@ -139,5 +151,5 @@ def linear_cross_entropy(
 def bias_gelu(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """gelu(x + b, approximate='tanh')."""
     if use_triton(x, b):
-        return bias_gelu_op(x, b)
+        return bias_gelu_op(x, b) if _dispatch.use_ops() else BiasGeluFunction.apply(x, b)
     return reference.bias_gelu(x, b)

@@ -20,6 +20,17 @@ except Exception:  # pragma: no cover - depends on the install
     HAS_TRITON = False
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Eager calls go through plain autograd.Functions around the same kernels (the torch.library dispatcher
+# costs tens of microseconds per op in eager, comparable to a memory-bound kernel at training shapes);
+# under torch.compile the custom ops are used, so graphs hold them as single nodes. Tests set PREFER_OPS
+# to run the custom ops eagerly too.
+PREFER_OPS = os.environ.get("TITAN_KERNELS_PREFER_OPS", "0") == "1"
+
+
+def use_ops() -> bool:
+    """True: call the torch.library custom ops; False: the eager autograd.Function fast path."""
+    return PREFER_OPS or torch.compiler.is_compiling()
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

@@ -143,3 +143,18 @@ def _backward(ctx, dloss, _dgh, _dgw):
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """The eager fast path (same kernels, without the custom-op dispatcher's overhead)."""
+
+    @staticmethod
+    def forward(ctx, h, w, labels, ignore_index, z_loss, compute_grad, chunk_size):
+        loss, grad_h, grad_w = lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size)
+        ctx.compute_grad = compute_grad
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        return _backward(ctx, dloss, None, None)

@@ -193,3 +193,33 @@ def _add_backward(ctx, dy, dnr, drstd):
 
 
 add_rms_norm_op.register_autograd(_add_backward, setup_context=_add_setup)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """The eager fast path (same kernels, without the custom-op dispatcher's overhead)."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        y, _, rstd = _fwd(x, None, w, eps)
+        ctx.save_for_backward(x, w, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, rstd = ctx.saved_tensors
+        dx, dw = _bwd(dy, x, w, rstd, None)
+        return dx, dw, None
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, w, eps):
+        y, nr, rstd = _fwd(x, residual, w, eps)
+        ctx.save_for_backward(nr, w, rstd)
+        return y, nr
+
+    @staticmethod
+    def backward(ctx, dy, dnr):
+        nr, w, rstd = ctx.saved_tensors
+        dx, dw = _bwd(dy, nr, w, rstd, dnr)
+        return dx, dx, dw, None

@@ -131,3 +131,19 @@ def _backward(ctx, dq, dk):
 
 
 rope_op.register_autograd(_backward, setup_context=_setup)
+
+
+class RopeFunction(torch.autograd.Function):
+    """The eager fast path (same kernel, without the custom-op dispatcher's overhead)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, mrope_section, inverse):
+        ctx.save_for_backward(cos, sin)
+        ctx.mrope_section, ctx.inverse = mrope_section, inverse
+        return rope_impl(q, k, cos, sin, mrope_section, inverse)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        dq_in, dk_in = rope_impl(dq, dk, cos, sin, ctx.mrope_section, not ctx.inverse)
+        return dq_in, dk_in, None, None, None, None

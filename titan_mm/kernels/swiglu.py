@@ -46,8 +46,7 @@ def _grid(n, f):
     return (n, triton.cdiv(f, block)), block
 
 
-@torch.library.custom_op("titan_mm::swiglu", mutates_args=())
-def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu_fwd(gate, up):
     g2, u2 = as_rows(gate), as_rows(up)
     n, f = g2.shape
     y = new_empty(gate.shape, gate.dtype, gate.device)
@@ -57,13 +56,7 @@ def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@swiglu_op.register_fake
-def _(gate, up):
-    return torch.empty_like(gate, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("titan_mm::swiglu_bwd", mutates_args=())
-def swiglu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_bwd(dy, gate, up):
     d2, g2, u2 = as_rows(dy), as_rows(gate), as_rows(up)
     n, f = g2.shape
     dg = new_empty(gate.shape, gate.dtype, gate.device)
@@ -74,6 +67,21 @@ def swiglu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tup
             d2, d2.stride(0), g2, g2.stride(0), u2, u2.stride(0), dg, du, f, BLOCK=block, num_warps=4
         )
     return dg, du
+
+
+@torch.library.custom_op("titan_mm::swiglu", mutates_args=())
+def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return swiglu_fwd(gate, up)
+
+
+@swiglu_op.register_fake
+def _(gate, up):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("titan_mm::swiglu_bwd", mutates_args=())
+def swiglu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_bwd(dy, gate, up)
 
 
 @swiglu_bwd_op.register_fake
@@ -94,3 +102,17 @@ def _backward(ctx, dy):
 
 
 swiglu_op.register_autograd(_backward, setup_context=_setup)
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """The eager fast path (same kernels, without the custom-op dispatcher's overhead)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return swiglu_fwd(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        return swiglu_bwd(dy, gate, up)

@@ -389,23 +389,39 @@ def run(ops, device, dtypes, big: bool) -> dict:
 
 
 def _run(ops, device, dtypes, big: bool) -> dict:
-    from titan_mm.kernels import use_triton
+    from titan_mm.kernels import _dispatch, use_triton
 
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     probe = torch.empty(1, device=device)
     assert use_triton(probe), f"the Triton path is not active on {device} (CPU needs TRITON_INTERPRET=1)"
     recs = []
-    for op in ops:
-        for dt in dtypes:
-            try:
-                recs += CHECKS[op](device, dt, big)
-            except Exception as e:  # one broken check must not hide the others; it fails its own test
-                import traceback
+    # eager runs twice: through the autograd.Function fast path (what eager users get) and through the
+    # torch.library custom ops (what torch.compile graphs call); "[ops]" marks the second
+    paths = [("", False), ("[ops] ", True)]
+    prefer_before = _dispatch.PREFER_OPS
+    try:
+        for tag, prefer_ops in paths:
+            _dispatch.PREFER_OPS = prefer_ops
+            for op in ops:
+                if prefer_ops and op in ("compile", "opcheck", "model"):
+                    continue
+                for dt in dtypes:
+                    if prefer_ops and dt == torch.float16:
+                        continue
+                    try:
+                        new = CHECKS[op](device, dt, big)
+                    except Exception as e:  # one broken check must not hide the others; it fails its own test
+                        import traceback
 
-                recs.append({"op": op, "dtype": str(dt).replace("torch.", ""), "case": "exception",
-                             "what": "".join(traceback.format_exception(e))[-3000:], "err": float("nan"),
-                             "tol": TOL[dt], "ok": False})
+                        new = [{"op": op, "dtype": str(dt).replace("torch.", ""), "case": "exception",
+                                "what": "".join(traceback.format_exception(e))[-3000:], "err": float("nan"),
+                                "tol": TOL[dt], "ok": False}]
+                    for r in new:
+                        r["case"] = tag + r["case"]
+                    recs += new
+    finally:
+        _dispatch.PREFER_OPS = prefer_before
     return {"seed": seed, "records": recs}
 
 
