@@ -1,7 +1,8 @@
 """Audio for Omni-style models: decode (PyAV), resample to 16 kHz mono, Whisper-style log-mel features.
 
 Features: STFT (n_fft 400, hop 160, Hann window) power -> Slaney mel filterbank (``audio_n_mels`` bins,
-0-8 kHz) -> log10(max(x, 1e-10)) -> clamp to (max - 8) -> (x + 4) / 4. ``input_features [n_mels, frames]``
+0-8 kHz) -> log10(max(x, 1e-10)) -> clamp to (max - 8) -> (x + 4) / 4, equal to transformers'
+WhisperFeatureExtractor (tests/parity/test_processor_audio.py). ``input_features [n_mels, frames]``
 per clip; the placeholder count follows Qwen2-Audio's encoder (conv stride 2, then pool 2).
 Audio needs a tokenizer with <|audio_pad|> (Omni); with the plain Qwen3 tokenizer audio parts are
 skipped as ``unknown_modality``.
