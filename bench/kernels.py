@@ -250,6 +250,12 @@ def build_cases(only):
             "titan_mm": lambda h, w, labels: K.linear_cross_entropy(h, w, labels),
         },
     )
+    cases["linear_cross_entropy_acc32"] = dict(
+        shape=f"as above, grad_accum_fp32=True (fp32 dW accumulator)",
+        inputs=ce_inputs,
+        fwd_flops=2 * N * VOCAB * D, bwd_flops=4 * N * VOCAB * D,
+        impls={"titan_mm": lambda h, w, labels: K.linear_cross_entropy(h, w, labels, grad_accum_fp32=True)},
+    )
     return {k: v for k, v in cases.items() if not only or k in only}
 
 

@@ -133,13 +133,16 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     z_loss: float = 0.0,
     chunk_size: int = 0,
+    grad_accum_fp32: bool = False,
 ) -> torch.Tensor:
     """Sum (fp32 scalar) over labels != ignore_index of CE(h @ weight.T, labels) + z_loss * lse^2, without
     materializing the [N, V] logits. h [..., D], weight [V, D], labels [...] (already shifted).
-    The trainer divides the result by the global label-token count. chunk_size 0 = automatic."""
+    The trainer divides the result by the global label-token count. chunk_size 0 = automatic.
+    grad_accum_fp32: accumulate the weight gradient over chunks in fp32 (one rounding at the end instead of
+    one per chunk; costs V x D x 4 bytes more peak memory for a bf16 weight). Default off: Liger's memory."""
     if use_triton(h, weight) and h.dtype == weight.dtype:
         compute_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-        args = (h, weight, labels, ignore_index, float(z_loss), compute_grad, chunk_size)
+        args = (h, weight, labels, ignore_index, float(z_loss), compute_grad, chunk_size, bool(grad_accum_fp32))
         if not _dispatch.use_ops():
             return LinearCrossEntropyFunction.apply(*args)
         return linear_cross_entropy_op(*args)[0]

@@ -64,7 +64,7 @@ def default_chunk_size(n: int, d: int, v: int) -> int:
     return max(1, next_pow2(triton.cdiv(n, triton.cdiv(v, d))))
 
 
-def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size):
+def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32=False):
     h2 = as_rows(h).contiguous()
     w = w.contiguous()
     lab = labels.reshape(-1).contiguous()
@@ -73,9 +73,11 @@ def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size):
     c = chunk_size if chunk_size > 0 else default_chunk_size(n, d, v)
     block = min(8192, next_pow2(v))
     loss_rows = new_empty((n,), torch.float32, h.device)
+    acc32 = compute_grad and accum_fp32 and w.dtype != torch.float32
     if compute_grad:
         grad_h = new_empty((n, d), h.dtype, h.device)
-        grad_w = new_empty(w.shape, w.dtype, w.device)  # the first chunk writes it (mm out=), then addmm_
+        # the first chunk writes it (mm out=), later chunks addmm_ into it
+        grad_w = new_empty(w.shape, torch.float32 if acc32 else w.dtype, w.device)
     else:
         grad_h, grad_w = h.new_empty(0), w.new_empty(0)
     if n == 0 and compute_grad:
@@ -92,14 +94,30 @@ def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size):
         )
         if compute_grad:
             torch.mm(logits, w, out=grad_h[s:e])
-            if s == 0:
+            if acc32:
+                _addmm_fp32(grad_w, logits.t(), hc, first=s == 0)
+            elif s == 0:
                 torch.mm(logits.t(), hc, out=grad_w)
             else:
                 grad_w.addmm_(logits.t(), hc)
     loss = loss_rows.sum()
     if compute_grad:
         grad_h = grad_h.view(h.shape)
+        if acc32:
+            grad_w = grad_w.to(w.dtype)  # one rounding at the end instead of one per chunk
     return loss, grad_h, grad_w
+
+
+def _addmm_fp32(acc, a, b, first: bool):
+    """acc (fp32) (+)= a @ b for bf16/fp16 a, b without materializing fp32 copies of them."""
+    if acc.is_cuda:
+        if first:
+            acc.zero_()
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)  # torch >= 2.8
+    elif first:
+        torch.mm(a.float(), b.float(), out=acc)
+    else:
+        acc.add_(a.float() @ b.float())
 
 
 @torch.library.custom_op("titan_mm::linear_cross_entropy", mutates_args=())
@@ -111,12 +129,13 @@ def linear_cross_entropy_op(
     z_loss: float,
     compute_grad: bool,
     chunk_size: int,
+    accum_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size)
+    return lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32)
 
 
 @linear_cross_entropy_op.register_fake
-def _(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size):
+def _(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32=False):
     loss = h.new_empty((), dtype=torch.float32)
     if compute_grad:
         return loss, torch.empty_like(h, memory_format=torch.contiguous_format), torch.empty_like(w)
@@ -139,7 +158,7 @@ def _backward(ctx, dloss, _dgh, _dgw):
         gh, gw = grad_h.mul_(g), grad_w.mul_(g)
     else:  # traced (compile / export / AOT): functional; the compiler reuses the dead buffers
         gh, gw = grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype)
-    return gh, gw, None, None, None, None, None
+    return gh, gw, None, None, None, None, None, None
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
@@ -149,8 +168,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """The eager fast path (same kernels, without the custom-op dispatcher's overhead)."""
 
     @staticmethod
-    def forward(ctx, h, w, labels, ignore_index, z_loss, compute_grad, chunk_size):
-        loss, grad_h, grad_w = lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size)
+    def forward(ctx, h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32):
+        loss, grad_h, grad_w = lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32)
         ctx.compute_grad = compute_grad
         ctx.save_for_backward(grad_h, grad_w)
         return loss

@@ -198,18 +198,20 @@ def check_linear_cross_entropy(device, dtype, big):
     for N, D, V, chunk in cfgs:
         for z in (0.0, 1e-3):
             for mode in ("contig", "sliced"):
-                if big and (mode == "sliced" or z) and V > 100000:
+                if big and z and V > 100000:  # full vocabulary: contig (bf16 accumulation) + sliced (fp32)
                     continue
                 h = _leaf(_strided((N, D), dtype, device, mode))
                 w = _leaf(torch.randn(V, D, dtype=dtype, device=device) / math.sqrt(D))
                 labels = torch.randint(0, V, (N,), device=device)
                 labels[torch.rand(N, device=device) < 0.25] = -100  # ignore-index rows
                 labels[0] = -100
-                loss = K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z, chunk_size=chunk)
+                acc32 = mode == "sliced"  # also covers the fp32 weight-gradient accumulator
+                loss = K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z, chunk_size=chunk,
+                                              grad_accum_fp32=acc32)
                 hr, wr = _ref_leaves([h, w])
                 lr = R.linear_cross_entropy(hr, wr, labels, -100, z, chunk_size=1024)
                 scale = torch.tensor(0.37, device=device)  # like 1 / num_label_tokens
-                _compare(recs, "linear_cross_entropy", dtype, f"{(N, D, V, chunk)}/z={z}/{mode}", [loss], [lr],
+                _compare(recs, "linear_cross_entropy", dtype, f"{(N, D, V, chunk)}/z={z}/{mode}/acc32={acc32}", [loss], [lr],
                          [h, w], [hr, wr], [scale.to(loss.dtype)])
     # all rows ignored: loss 0, zero grads, no NaN
     N, D, V = (64, 32, 300)
@@ -304,6 +306,7 @@ def check_opcheck(device, dtype, big):
         (rope_op, (t(2, 5, 3, 8), t(2, 5, 1, 8), cos, sin, [], False)),
         (rope_op, (t(2, 5, 3, 8), t(2, 5, 1, 8), cos3, sin3, [2, 1, 1], False)),
         (linear_cross_entropy_op, (t(7, 16), t(30, 16), labels, -100, 1e-3, True, 3)),
+        (linear_cross_entropy_op, (t(7, 16), t(30, 16), labels, -100, 0.0, True, 2, True)),
         (bias_gelu_op, (t(5, 9), t(9))),
     ]
     recs = []
