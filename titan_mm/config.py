@@ -207,9 +207,10 @@ class Parallel:
     sequence_parallel: bool = True
     """With tp > 1: keep the residual stream split over tp along the sequence (norms on sequence shards,
     all-gather before attention / MLP, reduce-scatter after), when the model's plan supports it."""
-    cp_mode: Literal["ulysses", "allgather"] = "ulysses"
-    """Context-parallel attention: ulysses (all-to-all sequence<->heads; cp x tp must divide the heads) or
-    allgather (all-gather k/v; any head count). Batches are sharded load-balanced (titan_mm/parallel/cp.py)."""
+    cp_mode: Literal["ulysses", "ring", "allgather"] = "ulysses"
+    """Context-parallel attention: ulysses (all-to-all sequence<->heads; cp x tp must divide the heads), ring
+    (k/v blocks passed around the cp ranks, online softmax; one remote block in memory) or allgather
+    (all-gather k/v). Batches are sharded load-balanced (titan_mm/parallel/cp.py)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: auto = nccl on CUDA, gloo on CPU."""
 

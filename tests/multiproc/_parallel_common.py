@@ -66,9 +66,16 @@ def full_grads(model):
     return out
 
 
+def make_optimizer(model, lr=1e-2):
+    """SGD with momentum (stateful, so checkpoints carry optimizer state). Not AdamW: its g / (sqrt(v) + eps)
+    turns last-bit differences of near-zero gradients (reduction order) into lr-sized updates, which makes
+    a 1e-5 comparison of later steps meaningless."""
+    return torch.optim.SGD(model.parameters(), lr=lr * 10, momentum=0.9, foreach=False)
+
+
 def train_steps(model, batches, step_fn, dp_rank=0, dp_size=1, max_norm=1.0, lr=1e-2, loss_group=None,
-                select=None, skip_grads=()):
-    """Run len(batches) AdamW steps; each rank takes rows dp_rank::dp_size of the global batch.
+                select=None, skip_grads=(), opt=None):
+    """Run len(batches) optimizer steps (make_optimizer); each rank takes rows dp_rank::dp_size of the global batch.
 
     ``step_fn(model, local_batch) -> loss_sum``. ``loss_group``: process group over which per-rank loss sums
     are summed (the data-parallel ranks; default: the whole world when dp_size > 1).
@@ -76,7 +83,8 @@ def train_steps(model, batches, step_fn, dp_rank=0, dp_size=1, max_norm=1.0, lr=
     """
     from titan_mm.parallel.clip import clip_grad_norm_
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+    if opt is None:
+        opt = make_optimizer(model, lr)
     losses, grads, norms = [], [], []
     for gb in batches:
         if select is not None:  # (global batch, dp_rank, dp_size) -> (local batch, global label count)

@@ -1,5 +1,5 @@
-"""Context parallelism (Ulysses and all-gather KV, load-balanced, packed-document masks) over gloo: three
-AdamW steps on tiny Qwen3 / Qwen3-MoE equal the world-1 run (fp32, 1e-5)."""
+"""Context parallelism (Ulysses, ring and all-gather KV, load-balanced, packed-document masks) over gloo: three
+SGD-momentum steps on tiny Qwen3 / Qwen3-MoE equal the world-1 run (fp32, 1e-5)."""
 
 import functools
 
@@ -42,6 +42,7 @@ def _worker(rank, world, moe, dims, mode):
 
 CASES = [
     ("cp2-ulysses", 2, False, dict(dp_shard=1, cp=2), "ulysses"),
+    ("cp2-ring", 2, False, dict(dp_shard=1, cp=2), "ring"),
     ("cp2-allgather-moe", 2, True, dict(dp_shard=1, cp=2), "allgather"),
     ("fsdp2xcp2-ulysses-moe-ep2", 4, True, dict(dp_shard=2, cp=2, ep=2), "ulysses"),
 ]

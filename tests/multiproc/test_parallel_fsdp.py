@@ -1,4 +1,4 @@
-"""FSDP2 (and HSDP) over gloo: three AdamW steps equal the world-1 run (stand-in model)."""
+"""FSDP2 (and HSDP) over gloo: three SGD-momentum steps equal the world-1 run (stand-in model)."""
 
 import pytest
 import torch

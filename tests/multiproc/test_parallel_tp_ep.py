@@ -1,4 +1,4 @@
-"""TP, EP and their compositions with FSDP2 over gloo: three AdamW steps on tiny Qwen3 / Qwen3-MoE with packed
+"""TP, EP and their compositions with FSDP2 over gloo: three SGD-momentum steps on tiny Qwen3 / Qwen3-MoE with packed
 batches give the same losses, grad norms and gradients as the world-1 run (fp32, 1e-5)."""
 
 import functools

@@ -20,7 +20,15 @@ Modes (``parallel.cp_mode``):
     full keys with the rows of the full mask that belong to the local queries. Works for any head count;
     k/v memory is that of the full sequence.
 
-Not done yet: a true ring (p2p, online-softmax merge) variant; ``varlen`` attention under CP.
+  * ``"ring"``: k/v blocks travel around the cp ranks (p2p send/recv), each rank attends its local
+    queries to one block at a time with the matching rows/columns of the full mask and merges the partial
+    results by log-sum-exp (online softmax); the backward sends the k/v blocks around again together with
+    their gradient accumulators, which arrive complete at their owner after cp hops. Holds one remote k/v
+    block at a time. The block math is plain PyTorch (fp32 scores of one [S/cp, S/cp] block per head),
+    not a fused flash kernel: correct everywhere, meant for long sequences where memory matters more.
+
+Not done yet: a ring variant on fused flash kernels, overlap of the ring p2p with compute, ``varlen``
+attention under CP.
 
 Loss and gradients: each cp rank's ``loss_sum`` covers its own tokens; the train step divides by the
 global label count as usual, FSDP's mesh includes cp (``fsdp = dp_shard x cp``) so gradients are summed
@@ -39,7 +47,7 @@ from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
-MODES = ("ulysses", "allgather")
+MODES = ("ulysses", "allgather", "ring")
 SEQ_KEYS = ("input_ids", "labels", "position_ids", "doc_ids")
 
 
@@ -68,6 +76,8 @@ class CPAttention:
         self.local = load_balanced_index(S, self.cp, self.rank, device)
         if mode == "allgather":
             self.local_meta = self._local_rows_meta(full_meta)
+        if mode == "ring":
+            self.ring_masks = self._ring_masks(full_meta)
 
     def _local_rows_meta(self, m):
         """Metadata whose masks keep only the rows of this rank's queries (kv stays the full sequence)."""
@@ -88,6 +98,20 @@ class CPAttention:
             raise ValueError(f"context parallelism supports the sdpa and flex backends, not {m.backend!r}.")
         return lm
 
+    def _ring_masks(self, m):
+        """{window or None: [mask block of my queries x rank j's keys for j in range(cp)]}."""
+        if m.backend not in ("sdpa", "flex"):
+            raise ValueError(f"context parallelism supports the sdpa and flex backends, not {m.backend!r}.")
+        dense = m.sdpa_mask
+        if dense is None:
+            q = torch.arange(self.S, device=self.local.device)
+            dense = (q[:, None] >= q[None, :])[None, None]
+        out = {None: dense}
+        if m.sliding_window is not None:
+            out[m.sliding_window] = m.sdpa_mask_swa
+        cols = [load_balanced_index(self.S, self.cp, j, self.local.device) for j in range(self.cp)]
+        return {w: [d[:, :, self.local][:, :, :, c].contiguous() for c in cols] for w, d in out.items()}
+
     def __call__(self, q_BSHK, k_BSGK, v_BSGK, window):
         from titan_mm.models.common.attention import attention
 
@@ -95,6 +119,12 @@ class CPAttention:
             q, k, v = (self._seq_to_heads(t) for t in (q_BSHK, k_BSGK, v_BSGK))
             o = attention(q, k, v, self.inner, window)
             return self._heads_to_seq(o)
+        if self.mode == "ring":
+            if window not in self.ring_masks:
+                raise ValueError(f"ring CP: no mask for sliding window {window}; build the metadata with it.")
+            q, k, v = (t.transpose(1, 2) for t in (q_BSHK, k_BSGK, v_BSGK))
+            o = _RingAttention.apply(q, k, v, self.ring_masks[window], self.group, self.cp, self.rank)
+            return o.transpose(1, 2)
         # allgather: full k/v (original order), local queries with their mask rows
         k, v = (all_gather_tensor_autograd(t.contiguous(), 1, self.group)[:, self.to_orig] for t in (k_BSGK, v_BSGK))
         return attention(q_BSHK, k, v, self.local_meta, window)
@@ -114,6 +144,93 @@ class CPAttention:
         o = o[:, self.gathered].reshape(B, self.cp, S // self.cp, Hc, K).permute(1, 0, 2, 3, 4).contiguous()
         o = all_to_all_single_autograd(o, None, None, self.group)  # [cp(head group), B, Sl, Hc, K]
         return o.permute(1, 2, 0, 3, 4).reshape(B, S // self.cp, self.cp * Hc, K)
+
+
+def _ring_shift(t: torch.Tensor, group, rank: int, cp: int) -> torch.Tensor:
+    """Send ``t`` to the next cp rank and return what the previous one sent (p2p, waits for both)."""
+    import torch.distributed as dist
+
+    nxt = dist.get_global_rank(group, (rank + 1) % cp)
+    prv = dist.get_global_rank(group, (rank - 1) % cp)
+    recv = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return recv
+
+
+def _expand_kv(x, rep):  # [B, G, S, K] -> [B, G*rep, S, K] (query head h uses kv head h // rep, as SDPA's GQA)
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
+
+
+def _reduce_kv(x, rep):  # [B, G*rep, S, K] -> [B, G, S, K]
+    if rep == 1:
+        return x
+    B, H, S, K = x.shape
+    return x.view(B, H // rep, rep, S, K).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention over cp ranks with explicit forward/backward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, masks, group, cp, rank):
+        B, H, Sl, K = q.shape
+        rep = H // k.shape[1]
+        scale = 1.0 / (K**0.5)
+        qf = q.float()
+        out = torch.zeros(B, H, Sl, K, dtype=torch.float32, device=q.device)
+        lse = torch.full((B, H, Sl), float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        for t in range(cp):
+            src = (rank - t) % cp
+            nxt_kv = _ring_shift(kv, group, rank, cp) if t < cp - 1 else None
+            kk, vv = (_expand_kv(x, rep).float() for x in (kv[0], kv[1]))
+            s = (qf @ kk.transpose(-1, -2)) * scale
+            s = s.masked_fill(~masks[src], float("-inf"))
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+            p = torch.exp(s - m)
+            l = p.sum(-1)
+            blk_lse = torch.log(l) + m.squeeze(-1)
+            blk_out = (p @ vv) / l.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+            new_lse = torch.logaddexp(lse, blk_lse)
+            safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+            out = out * torch.exp(lse - safe)[..., None] + blk_out * torch.exp(blk_lse - safe)[..., None]
+            lse = new_lse
+            if nxt_kv is not None:
+                kv = nxt_kv
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.masks, ctx.group, ctx.cp, ctx.rank = masks, group, cp, rank
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        masks, group, cp, rank = ctx.masks, ctx.group, ctx.cp, ctx.rank
+        B, H, Sl, K = q.shape
+        rep = H // k.shape[1]
+        scale = 1.0 / (K**0.5)
+        qf, do = q.float(), dout.float()
+        D = (do * out).sum(-1, keepdim=True)
+        safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None]
+        dq = torch.zeros_like(qf)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=k.device)
+        for t in range(cp):
+            src = (rank - t) % cp
+            kk, vv = (_expand_kv(x, rep).float() for x in (kv[0], kv[1]))
+            s = (qf @ kk.transpose(-1, -2)) * scale
+            p = torch.exp(s - safe_lse).masked_fill(~masks[src], 0.0)
+            dv = p.transpose(-1, -2) @ do
+            ds = p * (do @ vv.transpose(-1, -2) - D)
+            dq += (ds @ kk) * scale
+            dk = (ds.transpose(-1, -2) @ qf) * scale
+            dkv = dkv + torch.stack([_reduce_kv(dk, rep), _reduce_kv(dv, rep)])
+            if t < cp - 1:
+                kv = _ring_shift(kv, group, rank, cp)
+            dkv = _ring_shift(dkv, group, rank, cp)  # after the last hop: my own complete gradients
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def _local_block_masks(lm, B):  # pragma: no cover - CUDA path (flex kernels)
