@@ -30,7 +30,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_streaming(path: str, batches: int) -> dict:
+def run_streaming(path: str, batches: int, vl: bool = False) -> dict:
     from titan_mm.data.loader import build_dataloader
 
     class Cfg:
@@ -38,6 +38,8 @@ def run_streaming(path: str, batches: int) -> dict:
         seq_len = BUDGET
         micro_batch_size = 1
         num_workers = 0
+        mrope = vl
+        image_min_pixels = 65536  # 64x64 generated images -> 256x256 -> 64 tokens (Qwen3-VL default minimum)
 
     t0 = time.perf_counter()
     dl = build_dataloader(Cfg(), seed=0)
@@ -106,14 +108,37 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=100)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "data.json"))
     ap.add_argument("--timeout", type=float, default=240, help="seconds before a case is recorded as not finished")
+    ap.add_argument("--vl", type=int, default=0, metavar="N",
+                    help="only add a streaming VL case (N samples, 30%% image chats) to the existing --out file")
     ap.add_argument("--child", nargs=3, metavar=("MODE", "PATH", "BATCHES"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         mode, path, n = a.child
-        r = (run_streaming if mode == "streaming" else run_naive)(path, int(n))
+        if mode == "streaming_vl":
+            r = run_streaming(path, int(n), vl=True)
+        else:
+            r = (run_streaming if mode == "streaming" else run_naive)(path, int(n))
         print("RESULT " + json.dumps(r))
         return
     from titan_mm.data.builtin.generate import generate
+
+    if a.vl:
+        with tempfile.TemporaryDirectory() as tmp:
+            generate(tmp, a.vl, "jsonl", shards=8, images=0.3, seed=0)
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+            p = subprocess.run([sys.executable, __file__, "--child", "streaming_vl", tmp, str(a.batches)],
+                               capture_output=True, text=True, env=env)
+            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+            if p.returncode or not line:
+                raise RuntimeError(f"bench child streaming_vl failed:\n{p.stderr[-3000:]}")
+            r = json.loads(line[-1][7:])
+        r.update(mode="streaming_vl", samples=a.vl, images=0.3)
+        print(json.dumps(r))
+        results = json.load(open(a.out)) if os.path.exists(a.out) else {"cases": []}
+        results["vl_cases"] = [r]
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+        return
 
     results = {"budget": BUDGET, "batch_rows": 1, "num_workers": 0, "cases": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,7 +36,8 @@ PEAK_TFLOPS = 989.0
 
 # name -> (registry model, flavor, overrides of the flavor's config, batch, seq)
 CASES: dict[str, dict] = {
-    "debug": dict(model="qwen3", flavor="debug", over={}, batch=2, seq=64),  # CPU smoke test (--cpu)
+    "debug": dict(model="qwen3", flavor="debug", over={}, batch=2, seq=64),  # CPU smoke tests (--cpu)
+    "debug_vl": dict(model="qwen3_vl", flavor="debug", over={}, batch=1, seq=1024, vl=True),
     "qwen3_1.7b": dict(model="qwen3", flavor="1.7B", over={}, batch=4, seq=4096),
     "qwen3_4b": dict(model="qwen3", flavor="4B", over={}, batch=2, seq=4096),
     "qwen3_30b_a3b_4l": dict(model="qwen3_moe", flavor="30B-A3B", over={"num_hidden_layers": 4}, batch=4, seq=4096),
@@ -130,9 +131,7 @@ def _titan_builder(case, stack, args, device):
     state = TrainState(model=model, optimizer=opt, scheduler=build_lr_scheduler(opt, cfg))
     ctx = StepContext(device=device, attn_backend=attn, max_norm=1.0)
     if case.get("vl"):
-        from titan_mm.models.qwen3_vl.synthetic import synthetic_vl_batch
-
-        batch = synthetic_vl_batch(mc, num_tokens=case["seq"], rows=case["batch"], seed=0)
+        batch = vl_batch(mc, case["batch"], case["seq"])
     else:
         batch = text_batch(text_cfg(mc).vocab_size, case["batch"], case["seq"], device)
 
@@ -142,23 +141,40 @@ def _titan_builder(case, stack, args, device):
     return spec, mc, batch, step
 
 
+def vl_batch(mc, batch: int, seq: int, seed: int = 0) -> dict:
+    """One document per row: images of 32x32 patches (512x512 px) each followed by 512 text tokens, until
+    the row is full. One document per row gives HF (no packed-document masking) the same attention work."""
+    import torch
+
+    from titan_mm.models.qwen3_vl.synthetic import make_sample, pack
+
+    g = torch.Generator().manual_seed(seed)
+    per = 32 * 32 // mc.vision.spatial_merge_size**2 + 2 + 512
+    samples = []
+    for _ in range(batch):
+        segs = [("image", (32, 32)), ("text", 512)] * (seq // per)
+        segs.append(("text", seq - (seq // per) * per))
+        samples.append(make_sample(mc, segs, g))
+    return pack(samples, mc, seq_len=seq, rows=batch)
+
+
 def _peer_builder(case, stack, device):
     import torch
 
     from bench import peers
 
     spec, mc = model_config(case)
-    shape = shape_of(mc, case["seq"])
+    batch = vl_batch(mc, case["batch"], case["seq"]) if case.get("vl") else \
+        text_batch(text_cfg(mc).vocab_size, case["batch"], case["seq"], device)
     if stack == "torchtitan":
-        model, fb = peers.build_torchtitan(shape, device)
+        model, fb = peers.build_torchtitan(shape_of(mc, case["seq"]), device)
     else:
-        model, fb = peers.build_hf(shape, device, liger=stack == "hf_liger")
+        model, fb = peers.build_hf(mc.to_hf_dict(), device, liger=stack == "hf_liger")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    batch = text_batch(shape["vocab_size"], case["batch"], case["seq"], device)
-    ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+    dev_batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
     def step():
-        loss = fb(ids, labels)
+        loss = fb(dev_batch)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -6,7 +6,7 @@
   (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) applied through its monkey-patch API, FSDP2 per
   decoder layer with the same mixed-precision policy.
 
-Every builder returns ``(model, step_fn)`` where ``step_fn(input_ids, labels) -> loss`` runs forward and
+Every builder returns ``(model, step_fn)`` where ``step_fn(batch) -> loss`` (batch on the device) runs forward and
 backward; the caller owns the optimizer step and timing so all stacks are measured the same way.
 """
 
@@ -19,57 +19,54 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _hf_qwen3_config(shape: dict):
-    from transformers import Qwen3Config, Qwen3MoeConfig
-
-    common = dict(
-        vocab_size=shape["vocab_size"],
-        hidden_size=shape["dim"],
-        num_hidden_layers=shape["n_layers"],
-        num_attention_heads=shape["n_heads"],
-        num_key_value_heads=shape["n_kv_heads"],
-        head_dim=shape["head_dim"],
-        intermediate_size=shape["ffn_dim"],
-        rope_theta=shape.get("rope_theta", 1_000_000.0),
-        max_position_embeddings=max(shape["seq_len"], 4096),
-        tie_word_embeddings=shape["tied"],
-        rms_norm_eps=1e-6,
-    )
-    if shape.get("num_experts"):
-        return Qwen3MoeConfig(
-            **common,
-            num_experts=shape["num_experts"],
-            num_experts_per_tok=shape["top_k"],
-            moe_intermediate_size=shape["moe_ffn_dim"],
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            output_router_logits=False,
-        )
-    return Qwen3Config(**common)
+def _hf_modules(model):
+    """Decoder layers (and vision blocks) of an HF Qwen3 / Qwen3-VL model, the FSDP units."""
+    inner = model.model
+    units = list(getattr(inner, "language_model", inner).layers)
+    if hasattr(inner, "visual"):
+        units += list(inner.visual.blocks)
+    return units
 
 
-def build_hf(shape: dict, device: torch.device, liger: bool, compile_blocks: bool = False):
-    from transformers import AutoModelForCausalLM
+def build_hf(hf_config: dict, device: torch.device, liger: bool, compile_blocks: bool = False):
+    """HF model from a config.json dict (titan_mm's ``cfg.to_hf_dict()``, so every stack has the same shape)."""
+    import transformers
+    from transformers import AutoConfig
 
-    cfg = _hf_qwen3_config(shape)
+    mt = hf_config["model_type"]
+    cfg = AutoConfig.for_model(**hf_config)
     cfg._attn_implementation = "sdpa"
     if liger:
-        if shape.get("num_experts"):
-            from liger_kernel.transformers import apply_liger_kernel_to_qwen3_moe as patch
-        else:
-            from liger_kernel.transformers import apply_liger_kernel_to_qwen3 as patch
-        patch(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
+        import liger_kernel.transformers as lk
+
+        patch = getattr(lk, f"apply_liger_kernel_to_{mt}")
+        kw = dict(rope=True, rms_norm=True, fused_linear_cross_entropy=True)
+        if mt != "qwen3_vl":  # Liger's Qwen3-VL SwiGLU patch is off by default
+            kw["swiglu"] = True
+        patch(**kw)
+    cls = {
+        "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+        "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
+    }[mt]
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
-    for layer in model.model.layers:
+        model = cls(cfg).float()
+    for unit in _hf_modules(model):
         if compile_blocks:
-            layer.compile()
-        fully_shard(layer, mp_policy=MP)
+            unit.compile()
+        fully_shard(unit, mp_policy=MP)
     fully_shard(model, mp_policy=MP)
 
-    def step(input_ids, labels):
-        out = model(input_ids=input_ids, labels=labels, use_cache=False)
+    import inspect
+
+    wants_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+
+    def step(batch):
+        kw = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
+        if wants_types and "image_grid_thw" in batch:  # transformers >= 5.2x: 0 text, 1 image, 2 video
+            ids = batch["input_ids"]
+            kw["mm_token_type_ids"] = (ids == cfg.image_token_id).long() + 2 * (ids == cfg.video_token_id).long()
+        out = model(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False, **kw)
         out.loss.backward()
         return out.loss.detach()
 
@@ -119,9 +116,9 @@ def build_torchtitan(shape: dict, device: torch.device, compile_blocks: bool = T
     with torch.no_grad():
         model.init_weights(buffer_device=device)
 
-    def step(input_ids, labels):
-        logits = model(input_ids)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    def step(batch):
+        logits = model(batch["input_ids"])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
         loss.backward()
         return loss.detach()
 
