@@ -72,7 +72,7 @@ class Model:
     attn_backend: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """Attention backend handed to build_attn_meta: auto picks the fastest that works on the device."""
     overrides: str = ""
-    """JSON object of model-config fields to override on the chosen flavor, e.g. '{"num_layers": 2}'."""
+    """JSON object of model-config fields to override on the chosen flavor, e.g. '{"num_hidden_layers": 2}'."""
 
 
 @dataclass
@@ -561,7 +561,43 @@ def run_dir(cfg: JobConfig) -> Path:
     return Path(cfg.job.dump_folder) / cfg.job.name
 
 
+def field_docs(cls) -> dict[str, str]:
+    """{field: docstring} of a section class, read from its source (the string after each field)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    out = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr) \
+                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
+            out[a.target.id] = " ".join(b.value.value.split())
+    return out
+
+
+def markdown_reference() -> str:
+    """docs/configs.md's field tables, generated from the dataclasses (``python -m titan_mm.config --markdown``)."""
+    lines = []
+    for sec in dataclasses.fields(JobConfig):
+        cls = _hints(JobConfig)[sec.name]
+        docs = field_docs(cls)
+        lines += [f"### [{sec.name}]", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        default = cls()
+        for f in dataclasses.fields(cls):
+            tp = _type_name(_hints(cls)[f.name]).replace("|", "\\|")
+            val = getattr(default, f.name)
+            lines.append(f"| `{f.name}` | {tp} | `{_toml_value(val) if val is not None else 'None'}` | "
+                         f"{docs.get(f.name, '').replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--markdown"]:
+        print(markdown_reference())
+        raise SystemExit(0)
     try:
         c = load_config()
     except ConfigError as e:

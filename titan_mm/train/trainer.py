@@ -295,6 +295,7 @@ def train(cfg: JobConfig) -> dict[str, Any]:
             flops = sum(spec.flops(model_cfg, doc_lens_from_batch(mb),  # VL: grids let the vision tower count
                                    **{k: mb[k] for k in ("image_grid_thw", "video_grid_thw") if k in mb})
                         for mb in micro) if hasattr(spec, "flops") else 0.0
+            flops /= pd.tp * pd.cp  # this rank's rows are shared by its tp x cp group: per-GPU FLOPs
             m = {
                 "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "tokens": res.tokens,
                 "label_tokens": res.label_tokens, "tokens_per_s": res.tokens / step_time,
