@@ -88,3 +88,22 @@ def test_near_ties_go_to_the_row_with_smaller_sum_of_squares():
     p.open = [a, b]
     p.add(_doc(50))
     assert len(b.docs) == 5 and len(a.docs) == 1
+
+
+def test_lazy_image_equals_eager():
+    import io
+
+    from PIL import Image
+
+    from titan_mm.data import vision
+    from titan_mm.data.processors import ProcessorConfig
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (70, 130, 3), dtype=np.uint8)).save(buf, format="PNG")
+    cfg = ProcessorConfig(image_min_pixels=4096, image_max_pixels=20000)
+    eager = vision.process_image(buf.getvalue(), cfg)
+    lazy = vision.process_image(buf.getvalue(), cfg, lazy=True)
+    assert lazy.grid == eager.grid and lazy.n_tokens == eager.n_tokens
+    out = lazy.tensors["_lazy_image"].materialize()
+    np.testing.assert_array_equal(out["pixel_values"], eager.tensors["pixel_values"])
+    np.testing.assert_array_equal(out["image_grid_thw"], eager.tensors["image_grid_thw"])

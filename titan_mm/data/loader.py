@@ -328,6 +328,7 @@ def build_dataloader(cfg: Any = None, *, dp_rank: int = 0, dp_world: int = 1, se
     nw = _get(cfg, "num_workers") if num_workers is None else num_workers
     proc = ProcessorConfig(
         chat_template=_get(cfg, "chat_template"), mrope=_get(cfg, "mrope") if mrope is None else mrope,
+        lazy_images=True,
         **{k: _get(cfg, k) for k in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels",
                                       "video_fps", "video_min_frames", "video_max_frames", "media_root")},
     )

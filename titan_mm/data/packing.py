@@ -165,7 +165,12 @@ def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool) 
             seg.append(n)
             t += n
             for key, arrs in d.media.items():
-                media.setdefault(key, []).extend(arrs)
+                if key == "_lazy_image":  # vision.LazyImage: patches computed now, in token order
+                    for lazy in arrs:
+                        for k, v in lazy.materialize().items():
+                            media.setdefault(k, []).append(v)
+                else:
+                    media.setdefault(key, []).extend(arrs)
         if t > S:
             raise AssertionError(f"packed row holds {t} tokens > row length {S} (packer bug)")
         if t < S:

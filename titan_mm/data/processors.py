@@ -40,6 +40,7 @@ class ProcessorConfig:
     audio_sample_rate: int = 16000
     audio_n_mels: int = 128
     media_root: str = ""
+    lazy_images: bool = False  # image patches computed at collate time (the loader turns this on)
 
 
 def shift_labels(ids: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -157,7 +158,7 @@ class Processor:
             pieces_tgt.append(target[prev:w])
             payload = media_bytes(part.ref, rec, unit, self.cfg.media_root) if unit is not None else part.ref
             if part.type == "image":
-                item = vision.process_image(payload, self.cfg)
+                item = vision.process_image(payload, self.cfg, lazy=self.cfg.lazy_images)
                 tok = np.full(item.n_tokens, self.tok.image_pad_id, dtype=np.int64)
             elif part.type == "video":
                 item = vision.process_video(payload, self.cfg)

@@ -106,18 +106,46 @@ def _load_pil(payload):
         raise SkipSample("corrupt_image", f"cannot decode image ({type(e).__name__}: {e})") from None
 
 
-def process_image(payload, cfg) -> MediaItem:
-    img = _load_pil(payload).convert("RGB")
-    factor = cfg.patch_size * cfg.merge_size
-    h, w = smart_resize(img.height, img.width, factor, cfg.image_min_pixels, cfg.image_max_pixels)
+def _image_patches(img, h: int, w: int, patch: int, temporal: int, merge: int) -> np.ndarray:
     from PIL import Image
 
-    img = img.resize((w, h), resample=Image.Resampling.BICUBIC)
+    img = img.convert("RGB").resize((w, h), resample=Image.Resampling.BICUBIC)
     x = np.asarray(img).astype(np.float64) * (1 / 255)
     x = ((x.astype(np.float32) - MEAN) / STD).transpose(2, 0, 1)[None]  # [1, C, H, W]
-    x = np.repeat(x, cfg.temporal_patch_size, axis=0)
-    pv, grid = patchify(x, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size)
-    n = grid[0] * grid[1] * grid[2]
+    x = np.repeat(x, temporal, axis=0)
+    return patchify(x, patch, temporal, merge)[0]
+
+
+@dataclass
+class LazyImage:
+    """An image whose pixel patches are computed only when its batch is collated: the packer's open rows
+    then hold the (compressed) bytes, not float32 patches. The grid is known up front from the size."""
+    payload: object  # encoded bytes, or a PIL image / array
+    h: int
+    w: int
+    patch: int
+    temporal: int
+    merge: int
+
+    def materialize(self) -> dict[str, np.ndarray]:
+        pv = _image_patches(_load_pil(self.payload), self.h, self.w, self.patch, self.temporal, self.merge)
+        g = (1, self.h // self.patch, self.w // self.patch)
+        return {"pixel_values": pv, "image_grid_thw": np.asarray([g], dtype=np.int64)}
+
+
+def process_image(payload, cfg, lazy: bool = False) -> MediaItem:
+    """Decode (validating the image), smart-resize rule -> grid; patches now, or at collate time (lazy)."""
+    img = _load_pil(payload)
+    factor = cfg.patch_size * cfg.merge_size
+    h, w = smart_resize(img.height, img.width, factor, cfg.image_min_pixels, cfg.image_max_pixels)
+    grid = (1, h // cfg.patch_size, w // cfg.patch_size)
+    n = grid[1] * grid[2]
+    if lazy:
+        keep = payload if isinstance(payload, (bytes, bytearray)) else img
+        item = MediaItem("image", {"_lazy_image": LazyImage(keep, h, w, cfg.patch_size, cfg.temporal_patch_size,
+                                                              cfg.merge_size)}, grid, n, n // cfg.merge_size**2)
+        return item
+    pv = _image_patches(img, h, w, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size)
     return MediaItem("image", {"pixel_values": pv, "image_grid_thw": np.asarray([grid], dtype=np.int64)},
                      grid, n, n // cfg.merge_size**2)
 
