@@ -301,7 +301,7 @@ class TitanDataLoader(StatefulDataLoader):
     def metrics(self) -> dict[str, float]:
         """Metrics of the last batch plus running totals over this rank's workers: data_wait_s,
         samples_per_s, samples, tokens, packing_efficiency (non-pad fraction), samples_seen,
-        samples_packed, skipped (total) and skipped/<reason> (malformed_json, missing_media, corrupt_image,
+        samples_packed, skipped (total) and skipped/<reason> (malformed_json, missing_media, corrupt_image, bad_image,
         bad_video, bad_audio, unreadable_shard, too_long, unknown_modality, bad_schema, empty, ...)."""
         out = dict(self._last)
         tot: dict[str, int] = {}
