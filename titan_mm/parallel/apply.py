@@ -183,7 +183,10 @@ def apply_compile(model: nn.Module, units: tuple[str, ...], fullgraph: bool = Fa
 # ----------------------------------------------------------------------------------------------- FSDP2
 def _sum_reduction(mod) -> None:
     """Sum DP gradients (divide factor 1, SUM-only collectives); see the module docstring."""
-    mod.set_gradient_divide_factor(1.0)
+    if hasattr(mod, "set_gradient_divide_factor"):
+        mod.set_gradient_divide_factor(1.0)
+    else:  # older torch
+        mod.set_reduce_scatter_divide_factor(1.0)
     if hasattr(mod, "set_force_sum_reduction_for_comms"):
         mod.set_force_sum_reduction_for_comms(True)
 
