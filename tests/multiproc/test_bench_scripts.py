@@ -1,0 +1,83 @@
+"""The multi-GPU bench scripts (bench/scaling.py, bench/multigpu_plans.py) in their --cpu mode: gloo processes,
+tiny flavors, 3-4 steps. They launch the real trainer (torchrun for world 2), so these are end-to-end checks of
+the scripts' launch / metrics / comparison / JSON logic, ready for the GPU machines.
+
+Default suite: scaling.py on worlds 1 and 2 (throughput rows, loss equality 2 vs 1, checkpoint written on 2
+and resumed on 1) and multigpu_plans.py's tp2 case (~1.5 min on 2 busy cores). Marked slow: every other
+plans case at world 2 and the MFU runs (EP MoE, VL-MoE with the image+text worker, CP long context).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--cpu", *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{script} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    return p
+
+
+def test_scaling_cpu(tmp_path):
+    out = tmp_path / "scaling.json"
+    p = _run("scaling.py", ["--nprocs", "1,2", "--steps", "4", "--warmup", "1", "--dump", str(tmp_path / "runs"),
+                            "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["mode"] == "cpu" and doc["meta"]["bounds"]["loss"] == 1e-4
+    runs = {r["world"]: r for r in doc["runs"]}
+    assert set(runs) == {1, 2}
+    for w, r in runs.items():
+        assert "error" not in r, r
+        assert r["steps_done"] == 4 and r["global_batch_rows"] == 4 and r["grad_accum"] == 2 // w
+        assert r["tokens_per_s_per_gpu"] > 0 and r["tflops_per_gpu"] > 0 and r["mfu"] is None
+        assert 0 < r["weak_scaling_eff"] < 10
+    assert runs[1]["weak_scaling_eff"] == 1.0 and runs[2]["loss_equal"] is True
+    checks = {c["kind"]: c for c in doc["checks"]}
+    eq, rs = checks["loss_equality"], checks["resharding"]
+    assert eq["ok"] and eq["world"] == 2 and eq["ref_world"] == 1 and eq["steps"] == [1, 4]
+    assert eq["loss_rel_max"] <= 1e-4 and eq["gnorm_rel_max"] <= 1e-4
+    assert rs["ok"] and rs["written_world"] == 2 and rs["resumed_world"] == 1 and rs["steps"] == [3, 4]
+    assert rs["resumed_log_line"] and rs["loss_rel_max"] <= 1e-4
+    # the writer's checkpoints are deleted after the resharding check (disk on the GPU machines)
+    assert not (tmp_path / "runs" / "debug_w2" / "checkpoints").exists()
+    assert "| debug | False | 2 |" in p.stdout
+
+
+def test_plans_cpu_tp2(tmp_path):
+    out = tmp_path / "plans.json"
+    _run("multigpu_plans.py", ["--cases", "tp2", "--mfu-cases", "none", "--steps", "3",
+                               "--dump", str(tmp_path / "runs"), "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["world"] == 2 and doc["mfu"] == []
+    (c,) = doc["checks"]
+    assert c["case"] == "tp2" and c["world"] == 2 and c["parallel"] == {"tp": 2} and c["dp"] == 1
+    assert c["ok"], c
+    assert c["steps"] == [1, 3] and len(c["loss"]) == 3 and c["loss_rel_max"] <= 1e-4
+
+
+@pytest.mark.slow
+def test_plans_cpu_all(tmp_path):
+    out = tmp_path / "plans.json"
+    _run("multigpu_plans.py", ["--steps", "3", "--mfu-steps", "3", "--warmup", "1",
+                               "--dump", str(tmp_path / "runs"), "--out", str(out)], timeout=1500)
+    doc = json.loads(out.read_text())
+    checks = {c["case"]: c for c in doc["checks"]}
+    assert set(checks) == {"tp2", "cp2_ulysses", "cp2_ring", "cp2_allgather", "ep2"}  # the W cases need 4
+    for c in checks.values():
+        assert c["ok"], c
+    mfu = {r["case"]: r for r in doc["mfu"]}
+    assert set(mfu) == {"moe_ep", "vl_moe_ep", "cp_long"}
+    for r in mfu.values():
+        assert "error" not in r, r
+        assert r["steps_done"] == 3 and r["tokens_per_s_per_gpu"] > 0 and r["tflops_per_gpu"] > 0
