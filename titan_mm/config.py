@@ -207,6 +207,9 @@ class Parallel:
     sequence_parallel: bool = True
     """With tp > 1: keep the residual stream split over tp along the sequence (norms on sequence shards,
     all-gather before attention / MLP, reduce-scatter after), when the model's plan supports it."""
+    loss_parallel: bool = True
+    """With tp > 1: split the output head over the vocabulary and compute the cross-entropy vocab-parallel,
+    when the model's plan names its head (plan.loss_parallel)."""
     cp_mode: Literal["ulysses", "ring", "allgather"] = "ulysses"
     """Context-parallel attention: ulysses (all-to-all sequence<->heads; cp x tp must divide the heads), ring
     (k/v blocks passed around the cp ranks, online softmax; one remote block in memory) or allgather

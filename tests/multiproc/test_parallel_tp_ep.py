@@ -42,7 +42,8 @@ def _worker(rank, world, moe, dims):
     cfg = tiny_qwen3_config(moe)
     model = build_tiny_qwen3(cfg)
     dims = dict(dims)
-    job = SimpleNamespace(parallel=SimpleNamespace(sequence_parallel=dims.pop("sp", True), backend="auto"))
+    sp = dims.pop("sp", True)
+    job = SimpleNamespace(parallel=SimpleNamespace(sequence_parallel=sp, loss_parallel=sp, backend="auto"))
     pd = ParallelDims(world_size=world, **dims)
     parallelize(model, _plan(cfg), pd, job)
     batch_mesh = pd.mesh("batch")
@@ -51,8 +52,8 @@ def _worker(rank, world, moe, dims):
 
 
 CASES = [
-    ("tp2-dense-sp", 2, False, dict(dp_shard=1, tp=2)),
-    ("tp2-dense-nosp", 2, False, dict(dp_shard=1, tp=2, sp=False)),
+    ("tp2-dense-sp-lossparallel", 2, False, dict(dp_shard=1, tp=2)),
+    ("tp2-dense-nosp-nolossparallel", 2, False, dict(dp_shard=1, tp=2, sp=False)),
     ("tp2-moe-sp", 2, True, dict(dp_shard=1, tp=2)),
     ("ep2", 2, True, dict(dp_shard=2, ep=2)),
     ("fsdp2xtp2-dense", 4, False, dict(dp_shard=2, tp=2)),

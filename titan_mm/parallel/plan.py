@@ -31,6 +31,11 @@ class ParallelizePlan:
     """TP entries that replace / extend ``tp`` when ``parallel.sequence_parallel`` is on: the residual stream
     between blocks is then split over tp along the sequence ("rowwise_seq", "embedding_rowwise_seq",
     "seq_gather", "seq_gather_local", "seq_gather_output", "grad_sum"; see titan_mm/parallel/tp.py)."""
+    loss_parallel: str | None = None
+    """FQN of the output-head nn.Linear for vocabulary-parallel loss under tp (``parallel.loss_parallel``):
+    its weight is split over the vocabulary and the root module's ``ops.cross_entropy`` (signature
+    ``(h_ND, w_VD, labels_N, chunk_size, z_loss_weight) -> loss_sum``) is swapped for the vocab-parallel
+    chunked cross-entropy of titan_mm/parallel/tp.py. None: the head and the loss stay replicated."""
     ep: dict[str, str] = field(default_factory=dict)
     """Module pattern -> expert-parallel style over the ``ep`` mesh axis ("experts", ...)."""
     cp: dict[str, str] = field(default_factory=dict)

@@ -34,11 +34,17 @@ Sequence parallel (``parallel.sequence_parallel``; the plan's ``sequence_paralle
                              tied embedding; backward: all-gather of the identical gradients).
     "grad_sum"               (as above) for the block norms, which now see only the local tokens.
 
-The loss is computed redundantly on every tp rank with the full vocabulary (no loss parallel yet).
+Loss parallel (``plan.loss_parallel`` = the output head's FQN, ``parallel.loss_parallel``): the head's weight
+is ``Shard(0)`` over the vocabulary; logits (no labels) are all-gathered; with labels, the root module's
+``ops.cross_entropy`` becomes :func:`vocab_parallel_cross_entropy`: chunked, per chunk a local
+[chunk, V/tp] fp32 logits block, the max / sum-exp / target logit all-reduced over tp, gradients computed in
+the forward (as the replicated chunked CE); the input gradient is all-reduced once at the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -158,6 +164,79 @@ def _install_grad_sum_self(mod: nn.Module, group) -> None:
     mod.register_forward_hook(post)
 
 
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, labels_N, chunk_size, z_loss_weight, group, v0):
+        N = h_ND.shape[0]
+        Vl = w_VD.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        grad_h = torch.zeros_like(h_ND) if need_h else None
+        grad_w = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_w else None
+        for s in range(0, N, chunk_size):
+            h_c, y_c = h_ND[s : s + chunk_size], labels_N[s : s + chunk_size]
+            logits = (h_c @ w_VD.t()).float()
+            m = logits.amax(-1)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            sumexp = torch.exp(logits - m[:, None]).sum(-1)
+            dist.all_reduce(sumexp, group=group)
+            lse = torch.log(sumexp) + m
+            valid = y_c != -100
+            loc = y_c - v0
+            mine = valid & (loc >= 0) & (loc < Vl)
+            loc = loc.clamp(0, max(Vl - 1, 0))
+            tgt = torch.where(mine, logits.gather(1, loc[:, None]).squeeze(1), torch.zeros_like(lse))
+            dist.all_reduce(tgt, group=group)
+            vf = valid.float()
+            total = total + ((lse - tgt) * vf).sum()
+            if z_loss_weight:
+                total = total + z_loss_weight * (lse.square() * vf).sum()
+            if need_h or need_w:
+                coef = vf if not z_loss_weight else vf * (1 + 2 * z_loss_weight * lse)
+                g = torch.exp(logits - lse[:, None]) * coef[:, None]
+                g.scatter_add_(1, loc[:, None], -mine.float()[:, None])
+                g = g.to(h_ND.dtype)
+                if need_h:
+                    grad_h[s : s + chunk_size] = g @ w_VD
+                if need_w:
+                    grad_w += (g.t() @ h_c).float()
+        if need_h:
+            dist.all_reduce(grad_h, group=group)  # every vocab shard contributes to each token's gradient
+        ctx.save_for_backward(grad_h if need_h else None, grad_w.to(w_VD.dtype) if need_w else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, g_out):
+        grad_h, grad_w = ctx.saved_tensors
+        return (grad_h * g_out.to(grad_h.dtype) if grad_h is not None else None,
+                grad_w * g_out.to(grad_w.dtype) if grad_w is not None else None, None, None, None, None, None)
+
+
+def vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z_loss_weight: float = 0.0):
+    """Sum of token CE over labels != -100 with ``w_VD`` a DTensor ``Shard(0)`` over the tp mesh; ``h_ND`` the
+    full (replicated over tp) hidden states. Same value on every tp rank; fp32 scalar."""
+    if not isinstance(w_VD, DTensor):
+        raise TypeError("vocab_parallel_cross_entropy needs the head weight as a DTensor sharded over the vocabulary.")
+    mesh = w_VD.device_mesh
+    V = w_VD.shape[0]
+    v0 = mesh.get_local_rank() * math.ceil(V / mesh.size())  # torch.chunk layout of Shard(0)
+    return _VocabParallelCE.apply(h_ND, w_VD.to_local(), labels_N, int(chunk_size), float(z_loss_weight),
+                                  mesh.get_group(), v0)
+
+
+def _apply_loss_parallel(model: nn.Module, fqn: str, tp_mesh) -> None:
+    head = model.get_submodule(fqn)
+    _check(head, nn.Linear, fqn, "loss_parallel")
+    ops = getattr(model, "ops", None)
+    if ops is None or not hasattr(ops, "cross_entropy") or not dataclasses.is_dataclass(ops):
+        raise TypeError(
+            f"loss parallel needs the root module to expose a dataclass ``ops`` with a ``cross_entropy`` field "
+            f"({type(model).__name__} has none); drop loss_parallel from its plan or set parallel.loss_parallel=false."
+        )
+    parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    model.ops = dataclasses.replace(ops, cross_entropy=vocab_parallel_cross_entropy)
+
+
 def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any = None) -> None:
     tp_mesh = pd.mesh("tp")
     if tp_mesh is None:
@@ -174,6 +253,8 @@ def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any
     bad = {k: v for k, v in styles.items() if v not in STYLES}
     if bad:
         raise ValueError(f"unknown TP styles {bad}; known styles: {STYLES}.")
+    if plan.loss_parallel and bool(getattr(getattr(cfg, "parallel", None), "loss_parallel", True)):
+        _apply_loss_parallel(model, plan.loss_parallel, tp_mesh)
     for pattern, style in styles.items():
         matched = match_modules(model, (pattern,))
         if not matched:

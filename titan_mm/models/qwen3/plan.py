@@ -47,6 +47,7 @@ def plan(cfg: Qwen3Config) -> ParallelizePlan:
         compile_units=BLOCKS,
         tp=tp,
         sequence_parallel=sp,
+        loss_parallel=None if cfg.tie_word_embeddings else "output",
         ep=ep,
         cp={"layers.*.attn": "attention"},
     )
