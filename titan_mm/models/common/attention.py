@@ -13,6 +13,9 @@ forward, so the forward never syncs with the host):
   * "varlen" torch.nn.attention.varlen.varlen_attn over the flattened tokens with ``cu_seqlens``
              (CUDA only, torch builds that ship it); otherwise a clear error.
 
+Rows that are each one whole document (``cu_seqlens`` says so on the host) need no mask: every backend
+then runs fused causal SDPA (cuDNN / flash; the train step sets the backend priority).
+
 Sliding window (HF semantics): query q sees key k iff q - window < k <= q.
 Padding tokens (doc_id -1) attend causally among themselves, so no row is fully masked (no NaN).
 """
@@ -84,6 +87,13 @@ def _block_mask(doc_BS: torch.Tensor | None, B: int, S: int, window: int | None,
     return create_block_mask(mask_mod, Bm, None, S, S, device=device, _compile=torch.device(device).type == "cuda")
 
 
+def _whole_rows(cu: torch.Tensor | None, B: int, S: int) -> bool:
+    """True when ``cu_seqlens`` (host tensor) says each of the B rows is a single document of S tokens."""
+    if cu is None or cu.device.type != "cpu" or cu.numel() != B + 1:
+        return False
+    return bool(torch.equal(cu.to(torch.int64), torch.arange(0, (B + 1) * S, S, dtype=torch.int64)))
+
+
 def build_attn_meta(
     batch: dict[str, torch.Tensor], backend: str, device: torch.device | str, sliding_window: int | None = None
 ) -> AttnMeta:
@@ -99,10 +109,14 @@ def build_attn_meta(
     ids = batch["input_ids"]
     B, S = ids.shape[-2], ids.shape[-1]
     doc = batch.get("doc_ids")
+    if doc is not None and sliding_window is None and _whole_rows(batch.get("cu_seqlens"), B, S):
+        doc = None  # every row is one whole document: plain causal rows (fused SDPA kernels, no mask)
     doc = doc.to(device=device, non_blocking=True) if doc is not None else None
     meta = AttnMeta(backend=backend, packed=doc is not None, sliding_window=sliding_window)
     if doc is not None:
         meta.valid_BS = doc >= 0
+    elif sliding_window is None:
+        return meta  # plain causal rows: attention() runs fused causal SDPA for every backend
     if backend == "sdpa":
         if doc is not None or sliding_window is not None:
             meta.sdpa_mask = _mask_dense(doc, B, S, None, device)
@@ -195,7 +209,8 @@ def attention(
     cpu_grad = q_BSHK.device.type == "cpu" and torch.is_grad_enabled() and (
         q_BSHK.requires_grad or k_BSGK.requires_grad or v_BSGK.requires_grad
     )
-    if meta is None or meta.backend == "sdpa" or (meta.backend == "flex" and cpu_grad):
+    plain = meta is None or (not meta.packed and window is None)  # causal rows: fused SDPA, no mask
+    if plain or meta.backend == "sdpa" or (meta.backend == "flex" and cpu_grad):
         q, k, v = (t.transpose(1, 2) for t in (q_BSHK, k_BSGK, v_BSGK))
         mask = None
         if meta is not None:
