@@ -16,10 +16,10 @@ What is counted (bytes per GPU; fp32 master weights, AdamW, FSDP2 as titan_mm.pa
   activations per token per block, counted from the saved tensors of this repo's Qwen3 block (norms keep
               fp32 copies; attention stores q, k, v, out, not S x S: flash / efficient / flex kernels),
               tokens per GPU = micro_batch * seq_len / cp; TP divides the head and FFN terms (the residual
-              stream stays replicated: no sequence parallel yet). AC: none / selective ("op": matmul and
+              stream is divided too with sequence parallel). AC: none / selective ("op": matmul and
               attention outputs kept) / full (block inputs kept + one block recomputed at a time).
   loss        the chunked cross-entropy: its fp32 [V, D] weight-gradient buffer and a few [chunk, V] fp32
-              buffers.
+              buffers (divided by tp with loss parallel).
 
 Not modelled: the CUDA context and NCCL buffers (outside torch.cuda.max_memory_allocated), allocator
 fragmentation (typically 5-10%), float8 scales, torch.compile's different saved-tensor choices.
@@ -41,6 +41,7 @@ class Topology:
     tp: int = 1
     ep: int = 1
     ac: str = "none"  # none | selective | full
+    sp: bool = True  # sequence parallel (with tp > 1, when the plan has sequence_parallel entries)
 
     @property
     def world(self) -> int:
@@ -136,7 +137,8 @@ def activation_bytes_per_token(model_cfg, topo: Topology, act_bytes: int) -> tup
     k = _g(model_cfg, "num_experts_per_tok", 1)
     Fm = _g(model_cfg, "moe_intermediate_size")
     t = topo.tp
-    norm = 4 * D + 2 * a * D  # fp32 upcast + input + output
+    st = t if topo.sp else 1  # sequence parallel divides the residual-stream (D) terms
+    norm = (4 * D + 2 * a * D) / st  # fp32 upcast + input + output
     attn = a * (H + 2 * G) * K / t + (4 + a) * (H + G) * K / t + a * (H + G) * K / t + a * H * K / t
     if E:
         ffn = 8 * E + k * a * (4 * D + 4 * Fm)
@@ -145,9 +147,9 @@ def activation_bytes_per_token(model_cfg, topo: Topology, act_bytes: int) -> tup
         ffn = 4 * a * F / t
         ffn_sel = 2 * a * F / t + a * D
     full = 2 * norm + attn + ffn
-    selective = a * D + a * (H + 2 * G) * K / t + a * H * K / t + a * D + ffn_sel
-    kept = {"none": full, "selective": selective, "full": a * D}[topo.ac]
-    head = norm + a * D  # final norm + its output / grad
+    selective = a * D / st + a * (H + 2 * G) * K / t + a * H * K / t + a * D / st + ffn_sel
+    kept = {"none": full, "selective": selective, "full": a * D / st}[topo.ac]
+    head = norm + a * D  # final norm + its (gathered) output / grad
     return kept, full, head
 
 
@@ -171,7 +173,8 @@ def estimate(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: int, pa
     V = _g(model_cfg, "vocab_size")
     D = _g(model_cfg, "hidden_size")
     chunk = min(int(_g(model_cfg, "loss_chunk_size", 4096)), int(tokens))
-    loss = 4 * V * D + 3 * 4 * chunk * V
+    vt = t if (t > 1 and plan.loss_parallel) else 1  # loss parallel splits the vocabulary
+    loss = (4 * V * D + 3 * 4 * chunk * V) / vt
     out = {"params": params, "grads": grads, "optimizer": optim, "fsdp_buffers": fsdp_buf, "activations": acts,
            "loss": loss}
     out["total"] = sum(out.values())
@@ -202,7 +205,7 @@ def suggest(model_cfg, plan, n_gpus: int, gpu_mem_gb: float, seq_len: int, micro
                 if E and E % ep:
                     continue
                 for ac in ("none", "selective", "full"):
-                    topo = Topology(1, ds, cp, tp, ep, ac)
+                    topo = Topology(1, ds, cp, tp, ep, ac, bool(plan.sequence_parallel))
                     est = estimate(model_cfg, plan, topo, seq_len, micro_batch, param_dtype_bytes, c)
                     if est["total"] <= headroom * gpu_mem_gb * GiB:
                         fits.append((topo, est))
@@ -227,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("dp-replicate", "dp-shard", "cp", "tp", "ep"):
         ap.add_argument(f"--{name}", type=int, default=None, help=f"override parallel.{name.replace('-', '_')}")
     ap.add_argument("--ac", choices=("none", "selective", "full"), default=None, help="override activation_checkpoint.mode")
+    ap.add_argument("--no-sp", action="store_true", help="estimate without sequence parallel")
     ap.add_argument("--seq-len", type=int, default=None, help="override data.seq_len")
     ap.add_argument("--micro-batch", type=int, default=None, help="override data.micro_batch_size")
     ap.add_argument("--gpus", type=int, default=None, help="GPU count (default: the topology's world size)")
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     gpus = args.gpus
     if ds == -1:
         ds = max(1, (gpus or dp_r * cp * tp) // (dp_r * cp * tp))
-    topo = Topology(dp_r, ds, cp, tp, ep, pick(args.ac, cfg.activation_checkpoint.mode))
+    sp = cfg.parallel.sequence_parallel and not args.no_sp and bool(plan.sequence_parallel)
+    topo = Topology(dp_r, ds, cp, tp, ep, pick(args.ac, cfg.activation_checkpoint.mode), sp)
     seq = pick(args.seq_len, cfg.data.seq_len)
     mb = pick(args.micro_batch, cfg.data.micro_batch_size)
     pbytes = 2 if cfg.training.param_dtype == "bfloat16" else 4
