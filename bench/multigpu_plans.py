@@ -6,9 +6,11 @@ compares steps 1..``--steps`` (20) of loss and grad norm with the 1-process run 
 same global batch (8 rows; 1 row per data-parallel rank per micro-batch, the rest is accumulation):
 
   case           model   world   parallel flags
-  tp2            dense   2       --parallel.tp 2
+  tp2            dense   2       --parallel.tp 2           (sequence parallel and loss parallel on: the defaults)
+  tp2_plain      dense   2       --parallel.tp 2 --parallel.sequence_parallel False --parallel.loss_parallel False
   cp2_ulysses    dense   2       --parallel.cp 2 --parallel.cp_mode ulysses   (likewise cp2_ring, cp2_allgather)
   ep2            moe     2       --parallel.ep 2           (ep borrows the 2 FSDP ranks: ep_fsdp 1)
+  hsdp           dense   W       --parallel.dp_replicate 2 (dp_shard W/2)
   tp2_fsdp       dense   W       --parallel.tp 2           (dp_shard W/2)
   cp2_fsdp       dense   W       --parallel.cp 2 (ulysses) (FSDP over dp_shard W/2 x cp 2; also cp2_ring_fsdp)
   ep2_fsdp       moe     W       --parallel.ep 2           (experts FSDP-sharded over ep_fsdp W/2)
@@ -76,10 +78,12 @@ CPU_MODELS = {
 # name -> (model, parallel flags (W = all processes), world: an int or "W")
 CASES = {
     "tp2": ("dense", {"tp": 2}, 2),
+    "tp2_plain": ("dense", {"tp": 2, "sequence_parallel": False, "loss_parallel": False}, 2),
     "cp2_ulysses": ("dense", {"cp": 2, "cp_mode": "ulysses"}, 2),
     "cp2_ring": ("dense", {"cp": 2, "cp_mode": "ring"}, 2),
     "cp2_allgather": ("dense", {"cp": 2, "cp_mode": "allgather"}, 2),
     "ep2": ("moe", {"ep": 2}, 2),
+    "hsdp": ("dense", {"dp_replicate": 2}, "W"),
     "tp2_fsdp": ("dense", {"tp": 2}, "W"),
     "cp2_fsdp": ("dense", {"cp": 2, "cp_mode": "ulysses"}, "W"),
     "cp2_ring_fsdp": ("dense", {"cp": 2, "cp_mode": "ring"}, "W"),
@@ -122,7 +126,7 @@ def _resolve(flags: dict, W: int) -> dict:
 
 def dp_degree(parallel: dict, world: int) -> int:
     """Ranks that read different rows: world / (tp x cp) (ep borrows its ranks from dp x cp)."""
-    return world // (int(parallel.get("tp", 1)) * int(parallel.get("cp", 1)))
+    return world // (int(parallel.get("tp", 1)) * int(parallel.get("cp", 1)))  # dp_replicate x dp_shard
 
 
 # ------------------------------------------------------------------------------------------------ VL worker
@@ -170,8 +174,8 @@ def vl_worker(args) -> int:
     batches = [synthetic_vl_batch(mc, num_tokens=cfg.data.seq_len, rows=cfg.data.micro_batch_size, image_hw=hw,
                                   text_per_sample=args.text_per_sample, seed=1000 * i + dp_rank) for i in range(2)]
     flops = [flops_of_batch(mc, b)["total"] for b in batches]
-    ctx = StepContext(device=device, attn_backend=getattr(mc.text, "attn_backend", "sdpa"),
-                      sliding_window=getattr(mc.text, "attn_sliding_window", None), max_norm=cfg.training.max_norm,
+    ctx = StepContext(device=device, attn_backend=getattr(mc, "attn_backend", "sdpa"),  # as the trainer does
+                      sliding_window=getattr(mc, "attn_sliding_window", None), max_norm=cfg.training.max_norm,
                       loss_group=loss_group, count_group=count_group, dp_world=dp_world, loss_world=loss_world,
                       parallel_dims=pd, cp_mode=cfg.parallel.cp_mode)
     out = run_dir(cfg)

@@ -241,21 +241,55 @@ def fmt(x, spec: str = ".3g") -> str:
 
 
 # ------------------------------------------------------------------------------------------------ driver
+def analyze(runs: list[dict], bounds: dict) -> list[dict]:
+    """Weak-scaling efficiency and loss equality over all rows with the same settings (rows of earlier
+    commands included: their metrics are read back from their run folders). Annotates ``runs`` in place and
+    returns the loss-equality checks."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        groups.setdefault(json.dumps([r["model"], r["float8"], r.get("settings")], sort_keys=True), []).append(r)
+    checks = []
+    for rows in groups.values():
+        ok = [r for r in rows if "tokens_per_s_per_gpu" in r and "error" not in r]
+        if not ok:
+            continue
+        base = min(ok, key=lambda r: r["world"])
+        base_m = read_metrics(Path(base.get("run_dir", "")))
+        for r in ok:
+            r["weak_scaling_base_world"] = base["world"]
+            r["weak_scaling_eff"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+            if r is base:
+                r.pop("loss_equal", None)
+                continue
+            steps = list(range(1, r["settings"]["steps"] + 1))
+            c = compare(read_metrics(Path(r.get("run_dir", ""))), base_m, steps, bounds)
+            checks.append(dict(kind="loss_equality", model=r["model"], float8=r["float8"], world=r["world"],
+                               ref_world=base["world"], **c))
+            r["loss_equal"] = c["ok"]
+    return checks
+
+
 def run_model(key: str, model: dict, nprocs: list[int], args, bounds: dict, dump: Path) -> tuple[list, list]:
     suffix = "_f8" if args.float8 else ""
     mb = args.micro_batch or model["mb"]
     ac = args.ac or model["ac"]
     seq = args.seq or model["seq"]
-    G = mb * max(nprocs)
+    # the same global batch for every world size, also across separate commands (--nprocs 1,2 then 4,8)
+    G = args.global_rows or mb * max(max(nprocs), 1 if args.cpu else 8)
     half = args.steps // 2
     reshard = key in args.reshard_models.split(",") and max(nprocs) > 1
     flops = step_flops(model, seq, G, list(range(1, args.steps + 1))) if not args.no_flops else None
     peak = None if args.cpu else args.peak_tflops
-    runs, metrics = [], {}
+    settings = dict(seq=seq, micro_batch=mb, global_batch_rows=G, ac=ac, compile=args.compile, steps=args.steps)
+    runs, metrics, equal = [], {}, []
     for n in nprocs:
         name = f"{key}{suffix}_w{n}"
         shutil.rmtree(dump / name, ignore_errors=True)
         src_ckpt = reshard and n == max(nprocs)
+        if G % (mb * n):
+            runs.append(dict(model=key, flavor=model["flavor"], world=n, float8=args.float8, settings=settings,
+                             error=f"global batch {G} rows is not a multiple of {mb} rows x {n} GPUs"))
+            continue
         argv = trainer_argv(model, seq=seq, mb=mb, global_batch=G, steps=args.steps, name=name, dump=dump,
                             cpu=args.cpu, compile_=args.compile, float8=args.float8, ac=ac,
                             ckpt_interval=half if src_ckpt else 0)
@@ -266,33 +300,15 @@ def run_model(key: str, model: dict, nprocs: list[int], args, bounds: dict, dump
         metrics[n] = m
         row = dict(model=key, flavor=model["flavor"], world=n, float8=args.float8, compile=args.compile, ac=ac, seq=seq,
                    micro_batch=mb, global_batch_rows=G, grad_accum=G // (mb * n), steps_done=len(m),
-                   wall_s=res["seconds"])
+                   wall_s=res["seconds"], run_dir=str(dump / name), settings=settings)
         if "error" in res:
             row["error"] = res["error"]
         row.update(perf(m, n, args.warmup, flops, peak))
         runs.append(row)
+        args.save(runs, [])  # partial results survive a killed command
         print(f"[scaling] {name}: " + (f"FAILED {res['error'][-600:]}" if "error" in res else
               f"{row.get('tokens_per_s_per_gpu', 0):,.0f} tok/s/GPU, MFU {fmt(row.get('mfu'), '.1%') or 'n/a'}, "
               f"{res['seconds']:.0f}s"), flush=True)
-    ok_worlds = [r["world"] for r in runs if "tokens_per_s_per_gpu" in r and "error" not in r]
-    if ok_worlds:
-        base = min(ok_worlds)
-        b = next(r for r in runs if r["world"] == base)["tokens_per_s_per_gpu"]
-        for r in runs:
-            if r["world"] in ok_worlds:
-                r["weak_scaling_base_world"] = base
-                r["weak_scaling_eff"] = r["tokens_per_s_per_gpu"] / b
-    # loss equality against the smallest world that ran (1 unless it failed)
-    steps = list(range(1, args.steps + 1))
-    equal = []
-    if ok_worlds:
-        ref_n = min(ok_worlds)
-        for r in runs:
-            if r["world"] == ref_n or "error" in r:
-                continue
-            c = compare(metrics[r["world"]], metrics[ref_n], steps, bounds)
-            equal.append(dict(kind="loss_equality", model=key, float8=args.float8, world=r["world"], ref_world=ref_n, **c))
-            r["loss_equal"] = c["ok"]
     # resharding: written on max N at step `half`, resumed on N/2 and 1
     if reshard:
         n = max(nprocs)
@@ -316,21 +332,23 @@ def run_model(key: str, model: dict, nprocs: list[int], args, bounds: dict, dump
             later = list(range(half + 1, args.steps + 1))
             logtxt = (dump / f"{name}.log").read_text(errors="replace")
             row["resumed_log_line"] = "resumed from" in logtxt
-            c = compare(m, metrics[n], later, bounds)
+            c = compare(m, metrics.get(n, {}), later, bounds)
             row.update(c)
             if "error" in res:
                 row.update(ok=False, error=res["error"])
             elif not row["resumed_log_line"]:
                 row.update(ok=False, error="the trainer did not report a resume")
-            if mres != min(ok_worlds or [n]) and ok_worlds:  # also against the 1-GPU reference
-                row["vs_ref_world"] = compare(m, metrics[min(ok_worlds)], later, bounds)
+            if mres != 1 and 1 in metrics and metrics[1]:  # also against the 1-GPU reference
+                row["vs_ref_world"] = compare(m, metrics[1], later, bounds)
             equal.append(row)
+            args.save(runs, equal)
             print(f"[scaling] {name}: {'ok' if row.get('ok') else 'FAILED'} (loss rel max "
                   f"{fmt(row.get('loss_rel_max'))})", flush=True)
             if not args.keep_checkpoints:
                 shutil.rmtree(dump / name / "checkpoints", ignore_errors=True)
         if not args.keep_checkpoints:
             shutil.rmtree(src_run / "checkpoints", ignore_errors=True)
+    args.save(runs, equal)
     return runs, equal
 
 
@@ -371,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ac", default="", help="activation checkpointing override: none | selective | full")
     ap.add_argument("--micro-batch", type=int, default=0, help="rows per GPU per micro-batch override")
     ap.add_argument("--seq", type=int, default=0, help="sequence length override")
+    ap.add_argument("--global-rows", type=int, default=0,
+                    help="rows per step for every world (default: micro-batch x 8 on GPU, x max(--nprocs) with --cpu)")
     ap.add_argument("--reshard-models", default="qwen3_1.7b,debug",
                     help="models whose largest-N run writes a checkpoint that is resumed on N/2 and 1 "
                          "(an 8B checkpoint with AdamW state is ~100 GB: add qwen3_8b only with the disk for it)")
@@ -402,26 +422,34 @@ def main(argv: list[str] | None = None) -> int:
     bounds = BOUNDS_CPU if args.cpu else BOUNDS_GPU
     dump = Path(args.dump)
     dump.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out or ROOT / f"bench/results/scaling{'_cpu' if args.cpu else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(env_info(args.cpu), mode="cpu" if args.cpu else "gpu", peak_tflops=None if args.cpu else args.peak_tflops,
+                bounds=bounds, bounds_note="relative |a-b|/|b| of loss and grad norm; see bench/scaling.py",
+                command="python bench/scaling.py " + " ".join(sys.argv[1:] if argv is None else argv))
+
+    def save(runs: list[dict], checks: list[dict]) -> dict:
+        """Merge rows into --out (rows of other models / worlds / float8 settings are kept), then recompute
+        efficiencies and loss equality over the merged rows."""
+        prev = json.loads(out.read_text()) if out.exists() else {}
+        merged = merge_rows(prev.get("runs", []), runs, lambda r: (r["model"], r["float8"], r["world"]))
+        eq = analyze(merged, bounds)
+        key = lambda c: (c["kind"], c["model"], c["float8"], c.get("world"), c.get("written_world"),  # noqa: E731
+                         c.get("resumed_world"))
+        old = [c for c in prev.get("checks", []) if c["kind"] != "loss_equality"]
+        doc = dict(meta=meta, runs=merged, checks=merge_rows(merge_rows(old, eq, key), checks, key))
+        out.write_text(json.dumps(doc, indent=1))
+        return doc
+
+    args.save = save
     all_runs, all_checks = [], []
     for k in keys:
         r, c = run_model(k, catalog[k], nprocs, args, bounds, dump)
         all_runs += r
         all_checks += c
-    out = Path(args.out or ROOT / f"bench/results/scaling{'_cpu' if args.cpu else ''}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    prev = json.loads(out.read_text()) if out.exists() else {}
-    doc = dict(
-        meta=dict(env_info(args.cpu), mode="cpu" if args.cpu else "gpu", peak_tflops=None if args.cpu else args.peak_tflops,
-                  bounds=bounds, bounds_note="relative |a-b|/|b| of loss and grad norm; see bench/scaling.py",
-                  command="python bench/scaling.py " + " ".join(sys.argv[1:] if argv is None else argv)),
-        runs=merge_rows(prev.get("runs", []), all_runs, lambda r: (r["model"], r["float8"], r["world"])),
-        checks=merge_rows(prev.get("checks", []), all_checks,
-                          lambda c: (c["kind"], c["model"], c["float8"], c.get("world"), c.get("written_world"),
-                                     c.get("resumed_world"))),
-    )
-    out.write_text(json.dumps(doc, indent=1))
+    doc = save([], [])
     print(render(doc["runs"], doc["checks"]))
-    failed = [r for r in all_runs if "error" in r] + [c for c in all_checks if not c.get("ok")]
+    failed = [r for r in all_runs if "error" in r] + [c for c in doc["checks"] if not c.get("ok") and c["model"] in keys]
     print(f"[scaling] wrote {out}; {len(failed)} failed run(s)/check(s)", flush=True)
     return 1 if failed else 0
 
