@@ -407,9 +407,9 @@ def all_keys(cls=JobConfig, prefix: str = "") -> list[str]:
 def resolve_config_path(name_or_path: str) -> Path:
     """A name in train_configs/ (with or without .toml) or a path to a TOML file."""
     p = Path(name_or_path)
-    candidates = [p, CONFIG_DIR / p, CONFIG_DIR / (p.name if p.suffix else p.name + ".toml")]
-    if not p.suffix:
-        candidates.insert(1, p.with_suffix(".toml"))
+    candidates = [p, CONFIG_DIR / p]
+    if p.suffix != ".toml":  # "debug_qwen3" or "qwen3_1.7b" (whose ".7b" is not a suffix to replace)
+        candidates += [Path(str(p) + ".toml"), CONFIG_DIR / (p.name + ".toml")]
     for c in candidates:
         if c.is_file():
             return c

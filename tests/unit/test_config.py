@@ -77,6 +77,7 @@ def test_config_name_resolution_and_roundtrip(tmp_path):
     for name in ("debug_qwen3", "debug_qwen3.toml", str(CONFIG_DIR / "debug_qwen3.toml")):
         cfg = load_config(["--config", name])
         assert cfg.job.name == "debug_qwen3"
+    assert load_config(["--config", "qwen3_1.7b"]).model.flavor == "1.7B"  # ".7b" is not a file suffix
     cfg.data.mixture = {"builtin:text": 1.0}
     save_config(cfg, tmp_path / "resolved.toml")
     again = load_toml(tmp_path / "resolved.toml")

@@ -161,3 +161,20 @@ def test_init_from_hf_dir(tmp_path):
     ref = src.state_dict()
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref[k]), k
+
+
+def test_real_recipe_resolves():
+    """qwen3_1.7b.toml: config, model spec, meta build, plan and FLOPs (the GPU run itself is on the H200)."""
+    from titan_mm.config import load_config
+    from titan_mm.train.trainer import grad_accum_steps, resolve_model
+
+    cfg = load_config(["--config", "qwen3_1.7b"])
+    spec, mcfg = resolve_model(cfg, torch.device("cuda"))  # no CUDA needed: only picks cuda defaults
+    assert mcfg.attn_backend == "flex" and mcfg.hidden_size == 2048 and mcfg.num_hidden_layers == 28
+    with torch.device("meta"):
+        model = spec.build(mcfg)
+    n = sum(p.numel() for p in model.parameters())
+    assert 1.6e9 < n < 2.1e9, n
+    assert spec.plan(mcfg).fsdp_units
+    assert spec.flops(mcfg, [4096] * 4) > 6 * 1.4e9 * 4 * 4096
+    assert grad_accum_steps(cfg, 1) == 4 and grad_accum_steps(cfg, 4) == 1
