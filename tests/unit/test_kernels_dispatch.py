@@ -92,3 +92,13 @@ def test_dtensor_inputs_take_reference():
     from torch.distributed.tensor import DTensor
 
     assert K._dispatch.DTensor is DTensor
+
+
+def test_qwen3_per_op_kernel_switch():
+    mod = pytest.importorskip("titan_mm.models.qwen3.model")
+    ops = mod.select_ops("all,-linear_cross_entropy")
+    assert ops.rms_norm is K.rms_norm and ops.act_mul is K.swiglu and ops.apply_rope is K.apply_rope
+    assert ops.cross_entropy is not mod.select_ops(True).cross_entropy
+    ops = mod.select_ops("rope")
+    assert ops.apply_rope is K.apply_rope and ops.rms_norm is not K.rms_norm
+    assert mod.select_ops(False).rms_norm is not K.rms_norm

@@ -46,18 +46,26 @@ def _torch_ce(h, w, labels, chunk_size, z_loss_weight):
     return chunked_cross_entropy(h, w, labels, chunk_size=chunk_size, z_loss_weight=z_loss_weight)
 
 
-def select_ops(use_kernels: bool) -> Ops:
+def select_ops(use_kernels: bool | str) -> Ops:
+    """``use_kernels``: True / "all" = every op from titan_mm.kernels; False / "none" = references;
+    per op: e.g. "rms_norm,swiglu" or "all,-linear_cross_entropy" (see titan_mm.kernels.resolve_ops)."""
     if not use_kernels:
         return Ops(cross_entropy=_torch_ce)
     try:
         from titan_mm import kernels as K
     except ImportError as e:
         raise ImportError(f"kernels=True needs titan_mm.kernels, which failed to import ({e}); set kernels=false") from e
+    on = K.resolve_ops(use_kernels)
 
     def kernel_ce(h, w, labels, chunk_size, z_loss_weight):
         return K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z_loss_weight)
 
-    return Ops(rms_norm=K.rms_norm, act_mul=K.swiglu, apply_rope=K.apply_rope, cross_entropy=kernel_ce)
+    return Ops(
+        rms_norm=K.rms_norm if "rms_norm" in on else rms_norm,
+        act_mul=K.swiglu if "swiglu" in on else silu_mul,
+        apply_rope=K.apply_rope if "rope" in on else apply_rope,
+        cross_entropy=kernel_ce if "linear_cross_entropy" in on else _torch_ce,
+    )
 
 
 class Qwen3Block(nn.Module):
