@@ -219,8 +219,14 @@ def env_info(cpu: bool) -> dict:
     import torch
 
     info = dict(torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
-    if not cpu and torch.cuda.is_available():
-        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count())
+    if not cpu and torch.cuda.device_count():
+        # nvidia-smi, not torch.cuda.get_device_name: the driver process must not hold a CUDA context on GPU 0
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=30).stdout.split("\n")
+        except (OSError, subprocess.SubprocessError):
+            names = []
+        info.update(gpu=names[0].strip() if names and names[0].strip() else "cuda", gpus=torch.cuda.device_count())
     else:
         info.update(gpu="cpu (gloo)", gpus=0)
     info["nccl_env"] = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
