@@ -51,10 +51,10 @@ def _worker(rank, world, moe, dims):
     return train_steps(model, BATCHES, qwen3_step, dp_rank=dp_rank, dp_size=dp, loss_group=batch_mesh.get_group())
 
 
+# tp2 on Qwen3-MoE alone is covered by tp2xep2 (MoE + SP + TP); kept out for the CPU budget
 CASES = [
     ("tp2-dense-sp-lossparallel", 2, False, dict(dp_shard=1, tp=2)),
     ("tp2-dense-nosp-nolossparallel", 2, False, dict(dp_shard=1, tp=2, sp=False)),
-    ("tp2-moe-sp", 2, True, dict(dp_shard=1, tp=2)),
     ("ep2", 2, True, dict(dp_shard=2, ep=2)),
     ("fsdp2xtp2-dense", 4, False, dict(dp_shard=2, tp=2)),
     ("fsdp2xep2", 4, True, dict(dp_shard=4, ep=2)),
