@@ -2,9 +2,10 @@
 tiny flavors, 3-4 steps. They launch the real trainer (torchrun for world 2), so these are end-to-end checks of
 the scripts' launch / metrics / comparison / JSON logic, ready for the GPU machines.
 
-Default suite: scaling.py on worlds 1 and 2 (throughput rows, loss equality 2 vs 1, checkpoint written on 2
-and resumed on 1) and multigpu_plans.py's tp2 case (~1.5 min on 2 busy cores). Marked slow: every other
-plans case at world 2 and the MFU runs (EP MoE, VL-MoE with the image+text worker, CP long context).
+Default suite (~1.5 min on 2 busy cores): the equality verdict against its bounds (no processes), scaling.py on
+worlds 1 and 2 (throughput rows, loss equality 2 vs 1, checkpoint written on 2 and resumed on 1) and
+multigpu_plans.py's tp2 case. Marked slow and skipped unless ``-m slow`` or ``TITAN_MM_SLOW=1`` (~5 min):
+every world-2 plans case and the MFU runs (EP MoE, VL-MoE with the image+text worker, CP long context).
 """
 
 from __future__ import annotations
