@@ -385,10 +385,14 @@ def run(ops, device, dtypes, big: bool) -> dict:
     from titan_mm.kernels import _utils, use_triton
 
     poison_before, _utils.POISON = _utils.POISON, True
+    # fp32 tolerances assume true fp32 GEMMs: another test in the session may have enabled TF32
+    prec_before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
     try:
         return _run(ops, device, dtypes, big)
     finally:
         _utils.POISON = poison_before
+        torch.set_float32_matmul_precision(prec_before)
 
 
 def _run(ops, device, dtypes, big: bool) -> dict:
