@@ -95,12 +95,8 @@ def main() -> int:
     run("flex_compiled", lambda: fa(q, k, v, block_mask=bm, enable_gqa=True))
 
     try:
-        from titan_mm.models.common.attention import _varlen_fn
+        from titan_mm.models.common.attention import varlen_attention
 
-        vf, params = _varlen_fn()
-        kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-        if "enable_gqa" in params:
-            kw["enable_gqa"] = True
         cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=dev)
         qf = q.detach().transpose(1, 2).reshape(B * S, H, K).contiguous().requires_grad_()
         kf = k.detach().transpose(1, 2).reshape(B * S, G, K).contiguous().requires_grad_()
@@ -108,7 +104,7 @@ def main() -> int:
         do_f = do.transpose(1, 2).reshape(B * S, H, K).contiguous()
 
         def var():
-            return vf(qf, kf, vf_, cu, cu, S, S, **kw)
+            return varlen_attention(qf, kf, vf_, cu, S, causal=True)
 
         def varfb():
             var().backward(do_f)

@@ -116,6 +116,8 @@ def build_attn_meta(
     if doc is not None:
         meta.valid_BS = doc >= 0
     elif sliding_window is None:
+        if backend == "varlen" and device.type == "cuda":
+            _varlen_fn()  # resolve torch's varlen_attn here, not inside a (compiled) forward
         return meta  # plain causal rows: attention() runs fused causal SDPA for every backend
     if backend == "sdpa":
         if doc is not None or sliding_window is not None:
@@ -229,27 +231,36 @@ def attention(
         q, k, v = (t.transpose(1, 2) for t in (q_BSHK, k_BSGK, v_BSGK))
         return _flex(q, k, v, bm).transpose(1, 2)
     # varlen over flattened tokens
-    if _VARLEN is None:
-        raise RuntimeError("attention backend 'varlen' needs build_attn_meta(batch, 'varlen', device) first")
-    fn, params = _VARLEN
     q, k, v = (t.reshape(B * S, t.shape[2], K) for t in (q_BSHK, k_BSGK, v_BSGK))
+    o = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=True, window=window)
+    return o.reshape(B, S, H, K)
+
+
+def varlen_attention(q_THK: torch.Tensor, k_TGK: torch.Tensor, v_TGK: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_seqlen: int, causal: bool, window: int | None = None) -> torch.Tensor:
+    """torch's varlen_attn over flattened tokens (documents given by ``cu_seqlens``), whatever the installed
+    torch calls its arguments. GQA: kv heads are shared natively when torch can, else repeated."""
+    fn, params = _varlen_fn()
+    H, G = q_THK.shape[1], k_TGK.shape[1]
     kwargs: dict[str, Any] = {}
     if G != H:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
         else:
-            k, v = (t.repeat_interleave(H // G, dim=1) for t in (k, v))
-    if "is_causal" in params:
-        kwargs["is_causal"] = True
-        if window is not None:
-            if "window_size" not in params:
-                raise RuntimeError("this torch's varlen_attn has no window_size; use attn_backend='flex'")
-            kwargs["window_size"] = [window - 1, 0]
-    else:
-        kwargs["window_size"] = (window - 1 if window is not None else -1, 0)
-    cu = meta.cu_seqlens
-    o = fn(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, **kwargs)
-    return o.reshape(B, S, H, K)
+            k_TGK, v_TGK = (t.repeat_interleave(H // G, dim=1) for t in (k_TGK, v_TGK))
+    if causal:
+        if "is_causal" in params:
+            kwargs["is_causal"] = True
+            if window is not None:
+                if "window_size" not in params:
+                    raise RuntimeError("this torch's varlen_attn has no window_size; use attn_backend='flex'")
+                kwargs["window_size"] = [window - 1, 0]
+        else:
+            kwargs["window_size"] = (window - 1 if window is not None else -1, 0)
+    elif window is not None:
+        raise ValueError("varlen_attention: a sliding window needs causal=True")
+    # non-causal is the default of every signature (is_causal=False / window (-1, -1))
+    return fn(q_THK, k_TGK, v_TGK, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
 
 
 class Attention(nn.Module):

@@ -125,7 +125,11 @@ def build_vision_meta(
 
         dev = torch.device(device or "cpu")
         mask = create_block_mask(same_doc, None, None, n, n, device=str(dev), _compile=dev.type == "cuda")
-    elif backend != "varlen":
+    elif backend == "varlen":
+        from titan_mm.models.common.attention import _varlen_fn
+
+        _varlen_fn()  # resolve torch's varlen_attn here (clear error if missing), not inside the forward
+    else:
         raise ValueError(f"unknown vision attention backend {backend!r}; use 'sdpa', 'flex' or 'varlen'.")
     meta = VisionMeta(
         pos_idx=torch.cat(idx),
@@ -182,10 +186,9 @@ def apply_vision_rope(x_NHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 def vision_attention_core(q_NHD, k_NHD, v_NHD, meta: VisionMeta) -> torch.Tensor:
     """Bidirectional attention inside each image / frame. Returns [N, H, Dh]."""
     if meta.backend == "varlen":
-        from titan_mm.models.common.attention import _varlen_fn
+        from titan_mm.models.common.attention import varlen_attention
 
-        # Non-causal is the default of every torch varlen_attn signature (is_causal=False / window (-1, -1)).
-        return _varlen_fn()(q_NHD, k_NHD, v_NHD, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen)
+        return varlen_attention(q_NHD, k_NHD, v_NHD, meta.cu_seqlens, meta.max_seqlen, causal=False)
     if meta.backend == "sdpa" and meta.mask is None:  # equal-length segments (e.g. same-size images)
         n, H, Dh = q_NHD.shape
         L = meta.max_seqlen
