@@ -251,16 +251,17 @@ def worker(args) -> dict:
 
 # ------------------------------------------------------------------------------------------------ driver
 def render(rows: list[dict]) -> str:
-    out = ["| case | stack | AC | tokens/s | TFLOP/s | MFU | peak GB | vs best peer |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| case | stack | AC | tokens/s | TFLOP/s | MFU | MFU (LLM only) | peak GiB | vs best peer |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['case']} | {r['stack']} | {r.get('ac', '')} | failed: {r['error'][:60]} | | | | |")
+            out.append(f"| {r['case']} | {r['stack']} | {r.get('ac', '')} | failed: {r['error'][:60]} | | | | | |")
             continue
         peers = [p["tokens_per_s"] for p in rows if p["case"] == r["case"] and "error" not in p
                  and not p["stack"].startswith("titan")]
         ratio = f"{r['tokens_per_s'] / max(peers):.2f}x" if peers else ""
         out.append(f"| {r['case']} | {r['stack']} | {r['ac']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
-                   f"{100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} | {ratio} |")
+                   f"{100 * r['mfu']:.1f}% | {100 * r.get('mfu_llm_only', r['mfu']):.1f}% | {r['peak_mem_gb']:.1f} | {ratio} |")
     return "\n".join(out)
 
 
@@ -276,10 +277,21 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench/results/mfu.json"))
     ap.add_argument("--profile", default="", help="folder: write a torch.profiler kernel table per (case, stack)")
     ap.add_argument("--cpu", action="store_true", help="smoke-test on CPU (gloo; use --cases debug)")
+    ap.add_argument("--render", default="", help="print the markdown table of this results JSON and exit")
+    ap.add_argument("--doc", default="", help="with --render: replace the table between the mfu-bench markers here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--stack", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.render:
+        table = render(json.loads(Path(args.render).read_text())["rows"])
+        if args.doc:
+            doc = Path(args.doc).read_text()
+            a, b = "<!-- mfu-bench:begin -->", "<!-- mfu-bench:end -->"
+            doc = doc[: doc.index(a) + len(a)] + "\n" + table + "\n" + doc[doc.index(b):]
+            Path(args.doc).write_text(doc)
+        print(table)
+        return 0
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
