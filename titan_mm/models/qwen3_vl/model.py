@@ -32,7 +32,6 @@ import torch
 import torch.nn as nn
 
 from titan_mm.models.common.attention import AttnMeta
-from titan_mm.models.common.loss import chunked_cross_entropy
 from titan_mm.models.common.moe import load_balancing_loss
 from titan_mm.models.common.norm import rms_norm
 from titan_mm.models.common.output import ModelOutput
@@ -182,8 +181,8 @@ class Qwen3VLModel(nn.Module):
             # boolean index needs the count on the host, free on CPU but a sync on accelerators).
             keep_N = labels_N != -100
             h_ND, labels_N = h_ND[keep_N], labels_N[keep_N]
-        loss_sum = chunked_cross_entropy(h_ND, lm.lm_head_weight, labels_N,
-                                         chunk_size=tcfg.loss_chunk_size, z_loss_weight=tcfg.z_loss_weight)
+        # the text model's loss op: chunked CE, or the fused Triton linear-CE when kernels are on
+        loss_sum = lm.ops.cross_entropy(h_ND, lm.lm_head_weight, labels_N, tcfg.loss_chunk_size, tcfg.z_loss_weight)
         return ModelOutput(logits=None, loss_sum=loss_sum, aux_loss=aux)
 
 
