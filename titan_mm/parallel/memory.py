@@ -17,7 +17,7 @@ live on [ep_fsdp, ep] = dp_shard x cp ranks); fsdp = dp_shard * cp (HSDP's dp_re
                        + the saved activations of every block (+ the vision tower) at the loss
                        + the loss's working set: fused Triton CE (kernels on, text models) = a [C, V]
                          logits chunk, grad_h [N, D] and grad_W [V, D] in the weight dtype; the PyTorch
-                         chunked CE (kernels off, and always for Qwen3-VL) = fp32 grad_W plus up to
+                         chunked CE (kernels off, or loss parallel) = fp32 grad_W plus up to
                          (16 + a) * C * V bytes of chunk buffers (fp32 logits, exp temp, softmax, grad;
                          the previous chunk's softmax and bf16 grad are still bound when the next
                          chunk's are made).
@@ -274,7 +274,7 @@ def loss_bytes(model_cfg, plan, topo: Topology, tokens: float, act_bytes: int = 
         kernels = bool(getattr(c, "kernels", False))
     vt = topo.tp if (topo.tp > 1 and plan is not None and plan.loss_parallel) else 1
     keep = (a * V * D) / vt + a * N * D  # grad_W (weight dtype) and grad_h (kept until the backward)
-    if kernels and _vision(model_cfg) is None and vt == 1 and N > 0:
+    if kernels and vt == 1 and N > 0:
         # titan_mm.kernels.linear_cross_entropy: one [C, V] logits buffer in h.dtype, C from default_chunk_size
         chunk = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(N / math.ceil(V / D))))))
         work = keep + a * min(chunk, N) * V + 4 * N
