@@ -11,6 +11,11 @@ CP acts through the *batch* and the attention metadata, not by changing modules:
   3. puts a :class:`CPAttention` in ``AttnMeta.cp``; ``titan_mm.models.common.attention.attention``
      delegates to it, everything else in the model (embeddings, norms, MLP/MoE, RoPE with the local
      ``position_ids``, the loss over the local labels) simply runs on the local tokens.
+  4. for batches with pixels (Qwen3-VL) also passes the full ``input_ids`` rows (``cp_full_input_ids``) and
+     this rank's positions (``cp_seq_index``, built here on the host): every cp rank runs the vision tower
+     on all of the micro-batch's images (redundant ViT work; the ViT is small next to the LLM) and keeps
+     the embeddings / DeepStack additions of its own positions, so the LLM blocks see what a text model's
+     blocks see under CP. M-RoPE ``position_ids`` [3, B, S] are sliced on their last axis like [B, S] ones.
 
 Modes (``parallel.cp_mode``):
 
@@ -49,6 +54,7 @@ from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
 MODES = ("ulysses", "allgather", "ring")
 SEQ_KEYS = ("input_ids", "labels", "position_ids", "doc_ids")
+VISUAL_KEYS = ("pixel_values", "pixel_values_videos")  # whole on every cp rank (the ViT is not split)
 
 
 def load_balanced_index(S: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -277,6 +283,10 @@ def prepare_cp_batch(
         local[k] = v.index_select(v.dim() - 1, idx.to(v.device)) if k in SEQ_KEYS else v
     if "num_label_tokens" in batch:
         local["num_label_tokens"] = (local["labels"] != -100).sum()
+    if any(batch.get(k) is not None and batch[k].numel() for k in VISUAL_KEYS):
+        # visual features are placed by counts over the full rows (see titan_mm/models/qwen3_vl/model.py)
+        local["cp_full_input_ids"] = batch["input_ids"]
+        local["cp_seq_index"] = idx
     local.pop("cu_seqlens", None)
     local.pop("max_seqlen", None)
     meta.cp = CPAttention(mode, mesh, full, S, torch.device(device))

@@ -22,6 +22,15 @@ kind takes the k-th merged embedding of that kind: the index is a running count 
 computed on device, and the embedding is gathered with it (no nonzero, no masked_scatter size check).
 The number of pads must equal the number of merged tokens (the data pipeline guarantees it; it is not
 checked in forward because checking needs a sync).
+
+Context parallelism (titan_mm.parallel.cp.prepare_cp_batch): ``input_ids`` / ``labels`` / ``position_ids``
+([3, B, S] sliced on the last axis) are this cp rank's load-balanced shard, and the batch also carries
+``cp_full_input_ids`` (the full rows) and ``cp_seq_index`` (the shard's positions, built on the host). Every
+cp rank runs the vision tower on *all* images of the micro-batch (redundant ViT work, cp times; the ViT is
+small next to the LLM), computes the pad running counts over the full rows, and gathers the embeddings and
+DeepStack additions of its own positions only, so the LLM blocks see exactly the rows they would see in
+the unsplit forward. ViT gradients are partial per cp rank (only its tokens' contributions) and summed by
+FSDP over ``dp_shard x cp`` like every other gradient.
 """
 
 from __future__ import annotations
@@ -57,11 +66,15 @@ def mrope_cos_sin(position_ids_3BS: torch.Tensor, inv_freq_F: torch.Tensor, sect
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _gather_by_pad(mask_N: torch.Tensor, feats_MD: torch.Tensor) -> torch.Tensor:
-    """[N, D]: row t = feats[k] where t is the k-th True of mask (rows where mask is False are garbage
-    to be masked by the caller). Sync-free: the index is a cumsum on device."""
-    idx_N = (torch.cumsum(mask_N.to(torch.int64), 0) - 1).clamp_(min=0)
-    return feats_MD.index_select(0, idx_N)
+def _pad_index(mask_BS: torch.Tensor, seq_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask_N, idx_N): position t (row-major over [B, S]) is the idx_N[t]-th True of ``mask_BS`` (garbage,
+    clamped to 0, where mask_N is False). With ``seq_index`` [S'] the count runs over the full rows and only
+    the positions ``seq_index`` of each row are returned (N = B * S'). Sync-free: a cumsum on device."""
+    B, S = mask_BS.shape
+    idx_BS = (torch.cumsum(mask_BS.reshape(-1).to(torch.int64), 0) - 1).clamp_(min=0).view(B, S)
+    if seq_index is not None:
+        mask_BS, idx_BS = mask_BS.index_select(1, seq_index), idx_BS.index_select(1, seq_index)
+    return mask_BS.reshape(-1), idx_BS.reshape(-1)
 
 
 class Qwen3VLModel(nn.Module):
@@ -96,9 +109,14 @@ class Qwen3VLModel(nn.Module):
 
     # ---- forward ----
     def embed(self, input_ids: torch.Tensor, pixel_values=None, pixel_values_videos=None,
-              vision_meta: VisionMeta | None = None):
-        """Token embeddings with visual tokens scattered in -> (h_BSD, deepstack adds list of [B, S, D] or [])."""
+              vision_meta: VisionMeta | None = None, seq_index: torch.Tensor | None = None):
+        """Token embeddings with visual tokens scattered in -> (h_BSD, deepstack adds list of [B, S, D] or []).
+        ``seq_index`` [S'] (context parallelism): ``input_ids`` are the full rows; the visual features are
+        placed by counts over the full rows, and only the positions ``seq_index`` are returned ([B, S', D])."""
         lm = self.language_model
+        full_ids = input_ids
+        if seq_index is not None:
+            input_ids = input_ids.index_select(1, seq_index)
         B, S = input_ids.shape
         h_BSD = lm.tok_embeddings(input_ids)
         pix = [p for p in (pixel_values, pixel_values_videos) if p is not None and p.numel()]
@@ -112,20 +130,20 @@ class Qwen3VLModel(nn.Module):
         pixels = pix[0] if len(pix) == 1 else torch.cat(pix, 0)
         merged, deepstack = self.visual(pixels, vision_meta)
         merged = merged.to(h_BSD.dtype)
-        ids_N = input_ids.reshape(-1)
         h_ND = h_BSD.reshape(B * S, -1)
         n_img = vision_meta.n_image_tokens
         kinds = []
         if pixel_values is not None and pixel_values.numel():
-            kinds.append((ids_N == self.cfg.image_token_id, slice(0, n_img)))
+            kinds.append((self.cfg.image_token_id, slice(0, n_img)))
         if pixel_values_videos is not None and pixel_values_videos.numel():
-            kinds.append((ids_N == self.cfg.video_token_id, slice(n_img, None)))
+            kinds.append((self.cfg.video_token_id, slice(n_img, None)))
         adds = [torch.zeros_like(h_ND) for _ in deepstack]
-        for mask_N, sl in kinds:
+        for tok, sl in kinds:
+            mask_N, idx_N = _pad_index(full_ids == tok, seq_index)
             m = mask_N[:, None]
-            h_ND = torch.where(m, _gather_by_pad(mask_N, merged[sl]), h_ND)
+            h_ND = torch.where(m, merged[sl].index_select(0, idx_N), h_ND)
             for i, ds in enumerate(deepstack):
-                adds[i] = torch.where(m, _gather_by_pad(mask_N, ds[sl].to(h_ND.dtype)), adds[i])
+                adds[i] = torch.where(m, ds[sl].to(h_ND.dtype).index_select(0, idx_N), adds[i])
         return h_ND.view(B, S, -1), [a.view(B, S, -1) for a in adds]
 
     def forward(
@@ -140,22 +158,30 @@ class Qwen3VLModel(nn.Module):
         image_grid_thw: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
+        cp_full_input_ids: torch.Tensor | None = None,
+        cp_seq_index: torch.Tensor | None = None,
         **unused: Any,
     ) -> ModelOutput:
         """input_ids [B, S]; position_ids [3, B, S] M-RoPE positions (or [B, S] for text only; default
         arange); attn from build_attn_meta; labels [B, S] already shifted. ``image_grid_thw`` /
         ``video_grid_thw`` are accepted for interface compatibility but only ``vision_meta`` is read
         (it was built from them on the host). ``logits_at`` [B] (decoding): without labels, return logits
-        only at these positions, [B, V]. Unknown keyword inputs raise."""
+        only at these positions, [B, V]. ``cp_full_input_ids`` [B, S_full] / ``cp_seq_index`` [S] (set by
+        titan_mm.parallel.cp.prepare_cp_batch for batches with pixels): the full rows and the positions of
+        this cp rank's shard ``input_ids`` (see the module docstring). Unknown keyword inputs raise."""
         if unused:
             raise TypeError(f"Qwen3VLModel.forward got unexpected inputs {sorted(unused)}; expected pixel_values, "
-                            "pixel_values_videos, image_grid_thw, video_grid_thw, vision_meta")
+                            "pixel_values_videos, image_grid_thw, video_grid_thw, vision_meta, cp_full_input_ids, "
+                            "cp_seq_index")
         lm = self.language_model
         tcfg = lm.cfg
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
-        h_BSD, ds_adds = self.embed(input_ids, pixel_values, pixel_values_videos, vision_meta)
+        if cp_seq_index is not None:  # CP shard: visual features follow the full rows, keep our positions
+            h_BSD, ds_adds = self.embed(cp_full_input_ids, pixel_values, pixel_values_videos, vision_meta, cp_seq_index)
+        else:
+            h_BSD, ds_adds = self.embed(input_ids, pixel_values, pixel_values_videos, vision_meta)
         cos, sin = mrope_cos_sin(position_ids, lm.rope_inv_freq, self.cfg.mrope_section, h_BSD.dtype)
         stats_2E = None
         for i, block in enumerate(lm.layers.values()):

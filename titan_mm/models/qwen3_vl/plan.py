@@ -2,7 +2,9 @@
 
 The LLM part is the Qwen3 plan with every pattern under ``language_model.``; the vision tower adds its
 ViT blocks as FSDP / AC / compile units and is replicated over TP (it is small next to the LLM: 0.4-0.6B)
-and never split over experts or context. The mergers and embeddings stay in the root FSDP unit.
+and never split over experts or context: under CP every cp rank runs it on all of the micro-batch's images
+and keeps the visual embeddings of its own sequence shard (titan_mm.parallel.cp.prepare_cp_batch,
+Qwen3VLModel.embed). The mergers and embeddings stay in the root FSDP unit.
 """
 
 from __future__ import annotations
