@@ -156,22 +156,21 @@ def build_attn_meta(
     return meta
 
 
-def _flex_fns():
-    from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import flex_attention as _FLEX_EAGER  # noqa: E402
 
-    # torch.compile is lazy: wrapping costs nothing until the first CUDA call outside a compiled region.
-    return flex_attention, torch.compile(flex_attention, dynamic=False)
-
-
-_FLEX_EAGER, _FLEX_COMPILED = _flex_fns()
+_FLEX_COMPILED = None  # torch.compile(flex_attention), made on the first eager CUDA call (importing dynamo
+                       # at module import would cost every process ~3 s of start-up)
 
 
 def _flex(q, k, v, block_mask):
     # Inside a compiled block dynamo fuses flex_attention itself; eager CUDA calls go through the compiled
     # wrapper (the eager flex materializes all scores); CPU runs eager.
+    global _FLEX_COMPILED
     if torch.compiler.is_compiling() or not q.is_cuda:
         fn = _FLEX_EAGER
     else:
+        if _FLEX_COMPILED is None:
+            _FLEX_COMPILED = torch.compile(_FLEX_EAGER, dynamic=False)
         fn = _FLEX_COMPILED
     return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
