@@ -48,8 +48,8 @@ CASES: dict[str, dict] = {
 
 
 def text_cfg(mc):
-    """The text-model part of a (possibly VL) config."""
-    return getattr(mc, "text", None) or getattr(mc, "text_config", None) or mc
+    """The text-model part of a (possibly VL) config (Qwen3-VL keeps it in ``.text``)."""
+    return getattr(mc, "text", mc)
 
 
 def model_config(case: dict):
@@ -59,14 +59,11 @@ def model_config(case: dict):
 
     spec = get_model_spec(case["model"])
     mc = spec.flavor(case["flavor"])
-    if case["over"]:
-        t = text_cfg(mc)
-        if t is mc:
-            mc = dataclasses.replace(mc, **case["over"])
+    if case["over"]:  # layer cuts etc. apply to the text model
+        if hasattr(mc, "text"):
+            mc = dataclasses.replace(mc, text=dataclasses.replace(mc.text, **case["over"]))
         else:
-            for name in ("text", "text_config"):
-                if getattr(mc, name, None) is t:
-                    mc = dataclasses.replace(mc, **{name: dataclasses.replace(t, **case["over"])})
+            mc = dataclasses.replace(mc, **case["over"])
     return spec, mc
 
 
