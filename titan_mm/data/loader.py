@@ -14,6 +14,8 @@ round-robin), so the order of batches is fixed by (seed, dp_world, dp_rank, num_
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,13 +33,15 @@ from titan_mm.data.tokenizer import load_tokenizer
 
 log = logging.getLogger("titan_mm.data")
 
-_DEFAULTS: dict[str, Any] = dict(
-    dataset="builtin", mixture={}, seq_len=512, micro_batch_size=2, num_workers=0, tokenizer_path=None,
-    prefetch_factor=2, pin_memory=True, open_rows=32, max_patches_per_row=0, split_long_text=False,
-    chat_template="qwen3_vl", mrope=False, image_min_pixels=65536, image_max_pixels=16777216,
-    video_min_pixels=131072, video_max_pixels=786432, video_fps=2.0, video_min_frames=4, video_max_frames=768,
-    media_root="", max_error_rate=0.05, error_min_samples=200, shuffle_buffer=256,
-)
+def _data_defaults() -> dict[str, Any]:
+    """Field defaults of the ``[data]`` config section (titan_mm.config.Data), for partial configs in tests."""
+    from titan_mm.config import Data
+
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(Data)}
+
+
+_DEFAULTS: dict[str, Any] = _data_defaults()
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -326,12 +330,9 @@ def build_dataloader(cfg: Any = None, *, dp_rank: int = 0, dp_world: int = 1, se
     seq_len = seq_len or _get(cfg, "seq_len")
     B = batch_size or _get(cfg, "micro_batch_size")
     nw = _get(cfg, "num_workers") if num_workers is None else num_workers
-    proc = ProcessorConfig(
-        chat_template=_get(cfg, "chat_template"), mrope=_get(cfg, "mrope") if mrope is None else mrope,
-        lazy_images=True,
-        **{k: _get(cfg, k) for k in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels",
-                                      "video_fps", "video_min_frames", "video_max_frames", "media_root")},
-    )
+    # every processor setting that the [data] section has, by name (patch/merge sizes stay the processor's)
+    shared = {f.name: _get(cfg, f.name) for f in dataclasses.fields(ProcessorConfig) if f.name in _DEFAULTS}
+    proc = ProcessorConfig(**{**shared, "mrope": shared["mrope"] if mrope is None else mrope, "lazy_images": True})
     scfg = StreamConfig(
         sources=resolve_sources(_get(cfg, "dataset"), _get(cfg, "mixture")), seq_len=seq_len, batch_size=B,
         dp_rank=dp_rank, dp_world=dp_world, seed=seed, tokenizer_path=tokenizer_path or _get(cfg, "tokenizer_path"),
