@@ -13,6 +13,7 @@ the middle of step k+1 (after its data is fetched, before its update) - a crash,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -121,40 +122,27 @@ def resolve_model(cfg: JobConfig, device: torch.device):
     return spec, model_cfg
 
 
-def _full_state_dict(spec, model_cfg, seed: int) -> dict[str, torch.Tensor]:
-    """An unsharded CPU model's randomly initialized state dict (seeded)."""
-    with torch.device("cpu"):
-        full = spec.build(model_cfg)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        full.init_weights()
-    return full.state_dict()
-
-
 def build_model(cfg: JobConfig, spec, model_cfg, parallel_dims, device: torch.device, world: int, rank: int):
     """Meta build -> parallelize -> materialize (to_empty + init_weights), then HF weights if asked.
 
-    Random init gives the same weights for every world size: on CUDA DTensor's offset-based RNG makes
-    sharded init match; on CPU (no such RNG) rank 0 initializes the full model and broadcasts it into the
-    shards. HF weights are loaded by the registry's load_hf, which fills plain or FSDP-sharded models."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
+    Random init gives the same weights for every world size and layout (CPU or CUDA): under
+    ``seeded_init`` each draw fills the full tensor from its own seeded generator and keeps the local shard
+    (titan_mm/models/common/init.py). HF weights are loaded by the registry's load_hf, which fills plain or
+    FSDP-sharded models."""
+    from titan_mm.models.common.init import seeded_init
     from titan_mm.parallel.apply import parallelize
 
     with torch.device("meta"):
         model = spec.build(model_cfg)
     model = parallelize(model, spec.plan(model_cfg), parallel_dims, cfg)
     model.to_empty(device=device)
+    from_hf = bool(cfg.model.hf_path and cfg.model.init_from_hf)
     torch.manual_seed(cfg.training.seed)
-    with torch.no_grad():
+    # with HF weights the random values are overwritten: a plain (local, sharding-dependent) draw is enough
+    with torch.no_grad(), (contextlib.nullcontext() if from_hf else seeded_init(cfg.training.seed)):
         model.init_weights(buffer_device=device)
-    if cfg.model.hf_path and cfg.model.init_from_hf:
+    if from_hf:
         spec.load_hf(model, cfg.model.hf_path)
-    elif world > 1 and device.type == "cpu":
-        sd = _full_state_dict(spec, model_cfg, cfg.training.seed) if rank == 0 else {}
-        set_model_state_dict(
-            model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
-        )
     torch.manual_seed(cfg.training.seed + 1)
     return model
 

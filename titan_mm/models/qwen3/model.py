@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_mm.models.common import init
 from titan_mm.models.common.attention import Attention, AttnMeta
 from titan_mm.models.common.loss import chunked_cross_entropy
 from titan_mm.models.common.mlp import SwiGLU, silu_mul
@@ -125,12 +126,12 @@ class Qwen3Model(nn.Module):
         ``to_empty(device=...)`` for meta-built models; works on FSDP-sharded (DTensor) parameters."""
         std = self.cfg.initializer_range
         with torch.no_grad():
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+            init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
             for block in self.layers.values():
                 block.reset_parameters(std)
             self.norm.reset_parameters()
             if self.output is not None:
-                nn.init.normal_(self.output.weight, mean=0.0, std=std)
+                init.normal_(self.output.weight, mean=0.0, std=std)
         self.init_buffers(buffer_device)
 
     def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_mm.models.common import init
 from titan_mm.models.qwen3_vl.config import VisionConfig
 
 
@@ -318,10 +319,10 @@ class VisionTower(nn.Module):
     def init_weights(self, std: float = 0.02):
         for m in self.modules():
             if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=std)
+                init.trunc_normal_(m.weight, std=std)
                 nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=std)
+                init.normal_(m.weight, std=std)
