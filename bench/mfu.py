@@ -12,6 +12,8 @@ Stacks:
   titan_f8         the same + torchao float8 linears
   titan_eager      no compile, kernels on
   titan_nokernels  compile, pure-PyTorch ops (the reference path)
+  titan_plain      titan_mm's model and train_step, but compile + fully_shard applied by hand to the blocks
+                   and the root (no plan registry, no parallelize): the plan path must cost nothing against it
   torchtitan       torchtitan 0.2.2's Qwen3 with per-block compile, full-logit CE
   hf_liger         HF transformers (sdpa) + Liger 0.8.5 kernels
   hf               HF transformers (sdpa)
@@ -123,7 +125,10 @@ def _titan_builder(case, stack, args, device):
     mc = dataclasses.replace(mc, **kw)
     pd = ParallelDims.from_config(cfg.parallel, 1)
     pd.build_meshes()
-    model = build_model(cfg, spec, mc, pd, device, 1, 0)
+    if stack == "titan_plain":
+        model = _plain_model(spec, mc, device)
+    else:
+        model = build_model(cfg, spec, mc, pd, device, 1, 0)
     opt = build_optimizer(model, cfg)
     state = TrainState(model=model, optimizer=opt, scheduler=build_lr_scheduler(opt, cfg))
     ctx = StepContext(device=device, attn_backend=attn, max_norm=1.0)
@@ -136,6 +141,28 @@ def _titan_builder(case, stack, args, device):
         return train_step(state, [batch], ctx).loss
 
     return spec, mc, batch, step
+
+
+def _plain_model(spec, mc, device):
+    """The model prepared by hand, as a user without the plan registry would: per-block torch.compile, then
+    fully_shard (bf16 params, fp32 reduce) per block and on the root of a 1-GPU mesh. Text models only."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    with torch.device("meta"):
+        model = spec.build(mc)
+    mesh = init_device_mesh(device.type, (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        block.compile()
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    return model
 
 
 def vl_batch(mc, batch: int, seq: int, seed: int = 0) -> dict:

@@ -268,7 +268,10 @@ def analyze(runs: list[dict], bounds: dict) -> list[dict]:
                 r.pop("loss_equal", None)
                 continue
             steps = list(range(1, r["settings"]["steps"] + 1))
-            c = compare(read_metrics(Path(r.get("run_dir", ""))), base_m, steps, bounds)
+            run_m = read_metrics(Path(r.get("run_dir", "")))
+            if not run_m or not base_m:  # run folders of an earlier machine: keep the check computed there
+                continue
+            c = compare(run_m, base_m, steps, bounds)
             checks.append(dict(kind="loss_equality", model=r["model"], float8=r["float8"], world=r["world"],
                                ref_world=base["world"], **c))
             r["loss_equal"] = c["ok"]
@@ -442,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         eq = analyze(merged, bounds)
         key = lambda c: (c["kind"], c["model"], c["float8"], c.get("world"), c.get("written_world"),  # noqa: E731
                          c.get("resumed_world"))
-        old = [c for c in prev.get("checks", []) if c["kind"] != "loss_equality"]
-        doc = dict(meta=meta, runs=merged, checks=merge_rows(merge_rows(old, eq, key), checks, key))
+        # loss-equality checks are recomputed where both run folders exist; the others are kept as written
+        doc = dict(meta=meta, runs=merged, checks=merge_rows(merge_rows(prev.get("checks", []), eq, key), checks, key))
         out.write_text(json.dumps(doc, indent=1))
         return doc
 
