@@ -216,21 +216,30 @@ def run_equality(args, models: dict, bounds: dict, dump: Path, W: int) -> list[d
     for c in names:
         model_key, flags, world = CASES[c]
         world = W if world == "W" else world
+        if args.refs_only:  # only the 1-process references of these cases' models (one GPU is enough)
+            todo.append((c, model_key, {}, world))
+            continue
         if world > W or (CASES[c][2] == "W" and W < 4):
             print(f"[plans] skip {c}: needs {'>= 4' if CASES[c][2] == 'W' else world} processes, have {W}", flush=True)
             continue
         todo.append((c, model_key, _resolve(flags, W), world))
-    G, mb = (4, 1) if args.cpu else (8, 1)
+    G, mb = (args.global_rows or (4 if args.cpu else 8)), 1
     common = dict(global_batch=G, mb=mb, steps=args.steps, dump=dump, cpu=args.cpu, compile_=args.compile,
                   float8=False, ac="none")
     refs = {}
     for mk in sorted({t[1] for t in todo}):
         name = f"ref_{mk}_w1"
+        if args.reuse_refs and len(read_metrics(dump / name)) >= args.steps:
+            print(f"[plans] {name}: reusing the reference run in {dump / name}", flush=True)
+            refs[mk] = (dict(rc=0), read_metrics(dump / name))
+            continue
         shutil.rmtree(dump / name, ignore_errors=True)
         argv = trainer_argv(models[mk], seq=models[mk]["seq"], name=name, **common)
         print(f"[plans] {name}: 1 process, {G} rows x {models[mk]['seq']}", flush=True)
         res = launch(1, ["-m", "titan_mm.train.trainer"], argv, dump / f"{name}.log", args.timeout, args.cpu)
         refs[mk] = (res, read_metrics(dump / name))
+    if args.refs_only:
+        return []
     rows = []
     steps = list(range(1, args.steps + 1))
     for c, mk, flags, world in todo:
@@ -346,6 +355,13 @@ def main(argv: list[str] | None = None) -> int:
                     "(GPU: moe_ep, vl_moe_ep, cp_32k, cp_128k; --cpu: moe_ep, vl_moe_ep, cp_long)")
     ap.add_argument("--world", type=int, default=0, help="processes for W cases and MFU runs (default: all GPUs; --cpu: 2)")
     ap.add_argument("--steps", type=int, default=20, help="steps of each loss-equality run")
+    ap.add_argument("--global-rows", type=int, default=0,
+                    help="rows per step of the loss-equality runs (default 8; --cpu: 4); 1 row per data-parallel rank "
+                         "per micro-batch, the rest accumulation")
+    ap.add_argument("--refs-only", action="store_true",
+                    help="run only the 1-process references of --cases (e.g. on one GPU while another is busy)")
+    ap.add_argument("--reuse-refs", action="store_true",
+                    help="reuse reference runs already complete in --dump (written by --refs-only)")
     ap.add_argument("--mfu-steps", type=int, default=12, help="steps of each MFU run")
     ap.add_argument("--warmup", type=int, default=4, help="MFU steps left out of the median")
     ap.add_argument("--compile", type=lambda s: s.lower() in ("1", "true", "yes"), default=None,
@@ -367,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         W = args.world or torch.cuda.device_count()
-        if W < 1 or W > torch.cuda.device_count():
+        if (W < 1 and not args.refs_only) or W > torch.cuda.device_count():
             ap.error(f"--world {W}: {torch.cuda.device_count()} GPU(s) visible (use --cpu without GPUs)")
     bounds = BOUNDS_CPU if args.cpu else BOUNDS_GPU
     dump = Path(args.dump)
