@@ -130,7 +130,8 @@ def compare(run: dict[int, dict], ref: dict[int, dict], steps: list[int], bounds
           and dg[0] <= bounds["gnorm_step1"] and max(dg) <= bounds["gnorm"])
     return dict(ok=bool(ok), steps=[steps[0], steps[-1]], loss_rel_first=dl[0], loss_rel_max=max(dl),
                 gnorm_rel_first=dg[0], gnorm_rel_max=max(dg),
-                loss=[run[s]["loss"] for s in steps], ref_loss=[ref[s]["loss"] for s in steps])
+                loss=[run[s]["loss"] for s in steps], ref_loss=[ref[s]["loss"] for s in steps],
+                grad_norm=[run[s]["grad_norm"] for s in steps], ref_grad_norm=[ref[s]["grad_norm"] for s in steps])
 
 
 def step_flops(model: dict, seq: int, rows: int, steps: list[int], seed: int = 0) -> dict[int, float]:
@@ -386,6 +387,15 @@ def render(runs: list[dict], checks: list[dict]) -> str:
     return "\n".join(out)
 
 
+def render_into(table: str, doc: str, marker: str) -> str:
+    """Replace the text between ``<!-- {marker}:begin -->`` and ``<!-- {marker}:end -->`` in ``doc`` (if given)."""
+    if doc:
+        text = Path(doc).read_text()
+        a, b = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+        Path(doc).write_text(text[: text.index(a) + len(a)] + "\n" + table + "\n" + text[text.index(b):])
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="", help=f"comma list of {list(MODELS)} (default: all; --cpu: debug)")
@@ -410,7 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump", default=str(ROOT / "outputs/bench_scaling"), help="run folders and logs")
     ap.add_argument("--out", default="", help="results JSON (default bench/results/scaling.json; --cpu: scaling_cpu.json)")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU processes, tiny model, fp32 (tests)")
+    ap.add_argument("--render", default="", help="print the markdown tables of this results JSON and exit")
+    ap.add_argument("--doc", default="", help="with --render: replace the tables between the scaling markers here")
     args = ap.parse_args(argv)
+    if args.render:
+        doc = json.loads(Path(args.render).read_text())
+        print(render_into(render(doc["runs"], doc["checks"]), args.doc, "scaling"))
+        return 0
     if args.compile is None:
         args.compile = not args.cpu
     catalog = CPU_MODELS if args.cpu else MODELS
