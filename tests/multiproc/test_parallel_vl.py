@@ -80,10 +80,10 @@ def _step(model, b, pd=None, mode=None):
     return model(b["input_ids"], position_ids=b["position_ids"], attn=meta, labels=b["labels"], **extra).loss_sum
 
 
-def _build(moe):
+def _build(moe, seed=0):
     from titan_mm.models.qwen3_vl.model import build
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     m = build(_cfg(moe))
     m.init_weights()
     return m
