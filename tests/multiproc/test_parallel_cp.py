@@ -59,6 +59,7 @@ LAUNCHES = [
         ("fsdp2xcp2-ulysses", False, dict(dp_shard=2, cp=2), "ulysses"),
         ("fsdp2xcp2-ring", False, dict(dp_shard=2, cp=2), "ring"),
         ("fsdp2xcp2-ulysses-moe-ep2", True, dict(dp_shard=2, cp=2, ep=2), "ulysses"),
+        ("fsdp2xcp2-ring-moe", True, dict(dp_shard=2, cp=2), "ring"),
         ("cp2xtp2-ring", False, dict(dp_shard=1, cp=2, tp=2), "ring"),
         ("cp2xtp2-allgather-moe-ep2", True, dict(dp_shard=1, cp=2, tp=2, ep=2), "allgather"),
     )),

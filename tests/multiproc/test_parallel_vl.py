@@ -135,6 +135,7 @@ LAUNCHES = [
         ("cp2xtp2-ring", True, dict(dp_shard=1, cp=2, tp=2), "ring"),
         ("cp2xtp2xep2-allgather", True, dict(dp_shard=1, cp=2, tp=2, ep=2), "allgather"),
         ("dense-fsdp2xtp2", False, dict(dp_shard=2, tp=2), None),
+        ("dense-fsdp2xcp2-ring", False, dict(dp_shard=2, cp=2), "ring"),
     )),
 ]
 
