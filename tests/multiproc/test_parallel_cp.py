@@ -1,5 +1,6 @@
-"""Context parallelism (Ulysses, ring and all-gather KV, load-balanced, packed-document masks) over gloo: three
-SGD-momentum steps on tiny Qwen3 / Qwen3-MoE equal the world-1 run (fp32, 1e-5)."""
+"""Context parallelism (Ulysses, ring and all-gather KV, load-balanced, packed-document masks) over gloo, alone and
+with fsdp, tp (SP + loss parallel) and ep: three SGD-momentum steps on tiny Qwen3 / Qwen3-MoE equal the world-1 run
+(fp32, 1e-5)."""
 
 import functools
 

@@ -5,7 +5,6 @@ import functools
 from types import SimpleNamespace
 
 import pytest
-import torch
 from _harness import run_multiproc
 from _parallel_common import (build_tiny_qwen3, check_cells, make_packed_batches, qwen3_step, run_cells,
                               tiny_qwen3_config, train_steps)
