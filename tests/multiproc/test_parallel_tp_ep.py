@@ -5,10 +5,9 @@ import functools
 from types import SimpleNamespace
 
 import pytest
-import torch
 from _harness import run_multiproc
-from _parallel_common import (assert_close_runs, build_tiny_qwen3, make_packed_batches, qwen3_step, tiny_qwen3_config,
-                              train_steps)
+from _parallel_common import (build_tiny_qwen3, check_cells, make_packed_batches, qwen3_step, run_cells,
+                              tiny_qwen3_config, train_steps)
 
 BATCHES = make_packed_batches(3, batch=4, seq=32, vocab=128)
 
@@ -35,7 +34,7 @@ def _reference(moe):
     return train_steps(build_tiny_qwen3(cfg), BATCHES, qwen3_step)
 
 
-def _worker(rank, world, moe, dims):
+def _run_cell(world, moe, dims):
     from titan_mm.parallel.apply import parallelize
     from titan_mm.parallel.mesh import ParallelDims
 
@@ -51,20 +50,30 @@ def _worker(rank, world, moe, dims):
     return train_steps(model, BATCHES, qwen3_step, dp_rank=dp_rank, dp_size=dp, loss_group=batch_mesh.get_group())
 
 
-# tp2 on Qwen3-MoE alone is covered by tp2xep2 (MoE + SP + TP); kept out for the CPU budget
-CASES = [
-    ("tp2-dense-sp-lossparallel", 2, False, dict(dp_shard=1, tp=2)),
-    ("tp2-dense-nosp-nolossparallel", 2, False, dict(dp_shard=1, tp=2, sp=False)),
-    ("ep2", 2, True, dict(dp_shard=2, ep=2)),
-    ("fsdp2xtp2-dense", 4, False, dict(dp_shard=2, tp=2)),
-    ("fsdp2xep2", 4, True, dict(dp_shard=4, ep=2)),
-    ("tp2xep2", 4, True, dict(dp_shard=2, tp=2, ep=2)),
+def _worker(rank, world, cells):
+    return run_cells(cells, functools.partial(_run_cell, world))
+
+
+# (launch id, world, cells); a cell is (name, moe, dims) and the cells of a launch run one after another in the same
+# processes. SP + loss parallel are on unless dims say sp=False. Qwen3-MoE under tp: the MoE input is all-gathered
+# over tp (seq_gather_local) and every tp rank runs all experts; without ep the experts are plain replicated weights.
+LAUNCHES = [
+    ("world2", 2, (
+        ("tp2-dense-sp-lossparallel", False, dict(dp_shard=1, tp=2)),
+        ("tp2-dense-nosp-nolossparallel", False, dict(dp_shard=1, tp=2, sp=False)),
+        ("tp2-moe", True, dict(dp_shard=1, tp=2)),
+        ("ep2", True, dict(dp_shard=2, ep=2)),
+    )),
+    ("world4", 4, (
+        ("fsdp2xtp2-dense", False, dict(dp_shard=2, tp=2)),
+        ("fsdp2xtp2-moe", True, dict(dp_shard=2, tp=2)),
+        ("fsdp2xep2", True, dict(dp_shard=4, ep=2)),  # experts: ep 2 x ep_fsdp 2
+        ("tp2xep2", True, dict(dp_shard=2, tp=2, ep=2)),
+    )),
 ]
 
 
-@pytest.mark.parametrize("name,world,moe,dims", CASES, ids=[c[0] for c in CASES])
-def test_matches_world1(name, world, moe, dims):
-    got = run_multiproc(_worker, world, args=(moe, dims))
-    ref = _reference(moe)
-    for r in got:
-        assert_close_runs(ref, r)
+@pytest.mark.parametrize("world,cells", [c[1:] for c in LAUNCHES], ids=[c[0] for c in LAUNCHES])
+def test_matches_world1(world, cells):
+    got = run_multiproc(_worker, world, args=(cells,))
+    check_cells(cells, got, lambda cell: _reference(cell[1]))

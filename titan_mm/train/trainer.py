@@ -147,6 +147,18 @@ def build_model(cfg: JobConfig, spec, model_cfg, parallel_dims, device: torch.de
     return model
 
 
+def check_parallel(cfg: JobConfig, pd, model_cfg) -> None:
+    """Reject degrees the model's shapes cannot take (ParallelDims.check_model) before anything is built: tp vs
+    heads, ep on a dense model or not dividing the experts, seq_len vs tp * 2 * cp, Ulysses heads vs cp * tp."""
+    text = getattr(model_cfg, "text", model_cfg)  # Qwen3-VL: the LLM's shapes
+    try:
+        pd.check_model(num_heads=text.num_attention_heads, num_kv_heads=text.num_key_value_heads,
+                       num_experts=text.num_experts, seq_len=cfg.data.seq_len,
+                       cp_ulysses=getattr(cfg.parallel, "cp_mode", "ulysses") == "ulysses")
+    except ValueError as e:
+        raise ConfigError(f"[parallel] {e}") from None
+
+
 def grad_accum_steps(cfg: JobConfig, dp_world: int) -> int:
     per_pass = cfg.data.micro_batch_size * dp_world
     g = cfg.training.global_batch_size or per_pass
@@ -218,6 +230,7 @@ def train(cfg: JobConfig) -> dict[str, Any]:
         dp_rank, dp_world, loss_group, count_group, loss_world = 0, 1, None, None, 1
 
     spec, model_cfg = resolve_model(cfg, device)
+    check_parallel(cfg, pd, model_cfg)
     out_dir = run_dir(cfg)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
