@@ -39,9 +39,13 @@ def _worker(rank, world, moe, dims):
     from titan_mm.parallel.apply import parallelize
     from titan_mm.parallel.mesh import ParallelDims
 
-    cfg = tiny_qwen3_config(moe)
-    model = build_tiny_qwen3(cfg)
     dims = dict(dims)
+    cfg = tiny_qwen3_config(moe, kernels=dims.pop("kernels", False))
+    model = build_tiny_qwen3(cfg)
+    if cfg.kernels:  # the Triton kernels run (through the interpreter), not the reference fallback
+        from titan_mm.kernels import use_triton
+
+        assert use_triton(torch.empty(1)), "TRITON_INTERPRET=1 did not reach the worker"
     sp = dims.pop("sp", True)
     job = SimpleNamespace(parallel=SimpleNamespace(sequence_parallel=sp, loss_parallel=sp, backend="auto"))
     pd = ParallelDims(world_size=world, **dims)
@@ -59,12 +63,17 @@ CASES = [
     ("fsdp2xtp2-dense", 4, False, dict(dp_shard=2, tp=2)),
     ("fsdp2xep2", 4, True, dict(dp_shard=4, ep=2)),
     ("tp2xep2", 4, True, dict(dp_shard=2, tp=2, ep=2)),
+    # the Triton kernels (through the interpreter: TRITON_INTERPRET=1 in the workers) on the sequence shards:
+    # RMSNorm on the embedding's reduce-scattered output, the fused residual add + ffn_norm on wo's, SwiGLU, RoPE;
+    # the reference is the kernels-off world-1 run
+    ("tp2-dense-sp-kernels", 2, False, dict(dp_shard=1, tp=2, kernels=True)),
 ]
 
 
 @pytest.mark.parametrize("name,world,moe,dims", CASES, ids=[c[0] for c in CASES])
 def test_matches_world1(name, world, moe, dims):
-    got = run_multiproc(_worker, world, args=(moe, dims))
+    env = {"TRITON_INTERPRET": "1"} if dims.get("kernels") else None
+    got = run_multiproc(_worker, world, args=(moe, dims), env=env)
     ref = _reference(moe)
     for r in got:
         assert_close_runs(ref, r)
