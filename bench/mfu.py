@@ -8,7 +8,7 @@ MFU is computed for every stack from titan_mm's FLOP counter (docs/flops.md) aga
 
 Stacks:
   titan            titan_mm's trainer path (registry model -> parallelize -> train_step), compile per block,
-                   Triton kernels (fused linear CE, RMSNorm, SwiGLU, RoPE) on
+                   Triton kernels (fused linear CE, RMSNorm, residual add + RMSNorm, SwiGLU, RoPE, ViT bias + GELU) on
   titan_f8         the same + torchao float8 linears
   titan_eager      no compile, kernels on
   titan_nokernels  compile, pure-PyTorch ops (the reference path)

@@ -5,6 +5,7 @@ import functools
 from types import SimpleNamespace
 
 import pytest
+import torch
 from _harness import run_multiproc
 from _parallel_common import (build_tiny_qwen3, check_cells, make_packed_batches, qwen3_step, run_cells,
                               tiny_qwen3_config, train_steps)
@@ -38,9 +39,13 @@ def _run_cell(world, moe, dims):
     from titan_mm.parallel.apply import parallelize
     from titan_mm.parallel.mesh import ParallelDims
 
-    cfg = tiny_qwen3_config(moe)
-    model = build_tiny_qwen3(cfg)
     dims = dict(dims)
+    cfg = tiny_qwen3_config(moe, kernels=dims.pop("kernels", False))
+    model = build_tiny_qwen3(cfg)
+    if cfg.kernels:  # the Triton kernels run (through the interpreter), not the reference fallback
+        from titan_mm.kernels import use_triton
+
+        assert use_triton(torch.empty(1)), "TRITON_INTERPRET=1 did not reach the worker"
     sp = dims.pop("sp", True)
     job = SimpleNamespace(parallel=SimpleNamespace(sequence_parallel=sp, loss_parallel=sp, backend="auto"))
     pd = ParallelDims(world_size=world, **dims)
@@ -70,10 +75,17 @@ LAUNCHES = [
         ("fsdp2xep2", True, dict(dp_shard=4, ep=2)),  # experts: ep 2 x ep_fsdp 2
         ("tp2xep2", True, dict(dp_shard=2, tp=2, ep=2)),
     )),
+    # the Triton kernels (through the interpreter: TRITON_INTERPRET=1 in the workers) on the sequence shards:
+    # RMSNorm on the embedding's reduce-scattered output, the fused residual add + ffn_norm on wo's, SwiGLU, RoPE;
+    # the reference is the kernels-off world-1 run
+    ("world2-kernels", 2, (
+        ("tp2-dense-sp-kernels", False, dict(dp_shard=1, tp=2, kernels=True)),
+    )),
 ]
 
 
 @pytest.mark.parametrize("world,cells", [c[1:] for c in LAUNCHES], ids=[c[0] for c in LAUNCHES])
 def test_matches_world1(world, cells):
-    got = run_multiproc(_worker, world, args=(cells,))
+    env = {"TRITON_INTERPRET": "1"} if any(c[2].get("kernels") for c in cells) else None
+    got = run_multiproc(_worker, world, args=(cells,), env=env)
     check_cells(cells, got, lambda cell: _reference(cell[1]))

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -66,9 +67,34 @@ def _gather_replicate_dtensor(x, mesh):
     return DTensor.from_local(x, mesh, (Shard(SEQ_DIM),), run_check=False).redistribute(mesh, (Replicate(),))
 
 
+class _WaitCollective(torch.autograd.Function):
+    """AsyncCollectiveTensor -> the plain tensor it wraps (waits for the collective); gradient unchanged."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.trigger_wait()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _plain(x):
+    """In eager mode a functional collective's output (what ``to_local()`` of a redistributed DTensor returns) is
+    an ``AsyncCollectiveTensor``: a wrapper without storage that waits on its first non-view use. Torch ops
+    unwrap it themselves, but the Triton kernels' eager path (titan_mm.kernels: autograd.Functions that launch
+    on data pointers) would read the wrapper's pointer. The residual stream and the tensors the norms / the CE
+    get are therefore handed on as plain tensors (a no-op under torch.compile, which has no such wrappers)."""
+    return _WaitCollective.apply(x) if isinstance(x, AsyncCollectiveTensor) else x
+
+
+def _plain_output(mod, args, out):
+    return _plain(out)
+
+
 def _gather_local(x, mesh):
     """Local sequence shard -> full plain tensor; the backward expects identical grads on every rank."""
-    return _gather_replicate_dtensor(x, mesh).to_local()
+    return _plain(_gather_replicate_dtensor(x, mesh).to_local())
 
 
 def _scatter_local(y, mesh):
@@ -266,16 +292,20 @@ def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any
             elif style == "rowwise":
                 _check(mod, nn.Linear, fqn, style)
                 parallelize_module(mod, tp_mesh, RowwiseParallel())
+                mod.register_forward_hook(_plain_output)  # all-reduced output: the residual stream
             elif style == "embedding_rowwise":
                 _check(mod, nn.Embedding, fqn, style)
                 parallelize_module(mod, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+                mod.register_forward_hook(_plain_output)
             elif style == "rowwise_seq":
                 _check(mod, nn.Linear, fqn, style)
                 parallelize_module(mod, tp_mesh, RowwiseParallel(output_layouts=Shard(SEQ_DIM)))
+                mod.register_forward_hook(_plain_output)  # reduce-scattered output: the local residual shard
             elif style == "embedding_rowwise_seq":
                 _check(mod, nn.Embedding, fqn, style)
                 parallelize_module(mod, tp_mesh, RowwiseParallel(input_layouts=Replicate(),
                                                                  output_layouts=Shard(SEQ_DIM)))
+                mod.register_forward_hook(_plain_output)
             elif style in ("seq_gather", "seq_gather_local", "seq_gather_output", "seq_scatter_output"):
                 _install_seq_hooks(mod, style, tp_mesh)
             elif style == "grad_sum":

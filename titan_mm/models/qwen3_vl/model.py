@@ -44,7 +44,7 @@ from titan_mm.models.common.attention import AttnMeta
 from titan_mm.models.common.moe import load_balancing_loss
 from titan_mm.models.common.norm import rms_norm
 from titan_mm.models.common.output import ModelOutput
-from titan_mm.models.qwen3.model import Qwen3Model
+from titan_mm.models.qwen3.model import Qwen3Model, select_ops
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
 from titan_mm.models.qwen3_vl.vision import VisionMeta, VisionTower, build_vision_meta
 
@@ -81,7 +81,7 @@ class Qwen3VLModel(nn.Module):
     def __init__(self, cfg: Qwen3VLConfig):
         super().__init__()
         self.cfg = cfg
-        self.visual = VisionTower(cfg.vision)
+        self.visual = VisionTower(cfg.vision, select_ops(cfg.kernels).bias_gelu)  # kernels: the ViT MLP's bias+GELU
         self.language_model = Qwen3Model(cfg.text)
         apply_freeze(self, cfg)
 

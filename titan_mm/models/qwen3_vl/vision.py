@@ -14,6 +14,7 @@ O = out hidden size (the LLM width).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -235,25 +236,35 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg: VisionConfig):
+    """linear_fc1 -> GELU -> linear_fc2. ``bias_gelu(x, b)`` (titan_mm.kernels.bias_gelu when the config's
+    kernels include it; tanh GELU only): fc1 runs without its bias and one kernel adds the bias and applies
+    the GELU. None (the reference): ``linear_fc1`` with its bias, then ``F.gelu``. Parameter names are the same
+    either way."""
+
+    def __init__(self, cfg: VisionConfig, bias_gelu: Callable | None = None):
         super().__init__()
         if cfg.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
             raise ValueError(f"vision hidden_act={cfg.hidden_act!r} is not supported; Qwen3-VL uses gelu_pytorch_tanh.")
         self.approximate = "tanh" if cfg.hidden_act == "gelu_pytorch_tanh" else "none"
+        self.bias_gelu = bias_gelu if self.approximate == "tanh" else None
         self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
 
     def forward(self, x):
-        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.approximate))
+        fc1 = self.linear_fc1
+        # a module swapped in for fc1 (torchao's Float8Linear) keeps its own forward: the unfused path
+        if self.bias_gelu is not None and type(fc1) is nn.Linear:
+            return self.linear_fc2(self.bias_gelu(F.linear(x, fc1.weight), fc1.bias))
+        return self.linear_fc2(F.gelu(fc1(x), approximate=self.approximate))
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, bias_gelu: Callable | None = None):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = VisionMLP(cfg, bias_gelu)
 
     def forward(self, x_ND, cos, sin, meta: VisionMeta):
         x_ND = x_ND + self.attn(self.norm1(x_ND), cos, sin, meta)
@@ -281,9 +292,11 @@ class PatchMerger(nn.Module):
 
 
 class VisionTower(nn.Module):
-    """pixel patches [N, P] + VisionMeta -> (merged tokens [M, O], DeepStack features list of [M, O])."""
+    """pixel patches [N, P] + VisionMeta -> (merged tokens [M, O], DeepStack features list of [M, O]).
+    ``bias_gelu``: the ViT MLPs' fused bias + GELU op (``Ops.bias_gelu`` from qwen3.model.select_ops; None =
+    the PyTorch reference)."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, bias_gelu: Callable | None = None):
         super().__init__()
         self.cfg = cfg
         if cfg.hidden_size % cfg.num_heads:
@@ -295,7 +308,7 @@ class VisionTower(nn.Module):
         # The Conv3d with kernel == stride == (T, ps, ps) is a Linear over the flattened patch (C, T, ps, ps).
         self.patch_embed = nn.Linear(cfg.patch_dim, cfg.hidden_size, bias=True)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
-        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([VisionBlock(cfg, bias_gelu) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
             [PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes]
