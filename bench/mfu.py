@@ -8,7 +8,7 @@ MFU is computed for every stack from titan_mm's FLOP counter (docs/flops.md) aga
 
 Stacks:
   titan            titan_mm's trainer path (registry model -> parallelize -> train_step), compile per block,
-                   Triton kernels (fused linear CE, RMSNorm, residual add + RMSNorm, SwiGLU, RoPE, ViT bias + GELU) on
+                   Triton kernels on (kernels.ops: every op but the ViT bias + GELU)
   titan_f8         the same + torchao float8 linears
   titan_eager      no compile, kernels on
   titan_nokernels  compile, pure-PyTorch ops (the reference path)
@@ -121,7 +121,8 @@ def _titan_builder(case, stack, args, device):
     cfg = load_config(argv)
     attn = args.attn if args.attn != "auto" else "flex"
     # runtime fields sit on the top-level config (Qwen3-VL pushes them into its text config)
-    kw = {k: v for k, v in (("attn_backend", attn), ("kernels", stack != "titan_nokernels")) if hasattr(mc, k)}
+    kernels = cfg.kernels.ops if stack != "titan_nokernels" else False  # the trainer's default op set
+    kw = {k: v for k, v in (("attn_backend", attn), ("kernels", kernels)) if hasattr(mc, k)}
     mc = dataclasses.replace(mc, **kw)
     pd = ParallelDims.from_config(cfg.parallel, 1)
     pd.build_meshes()

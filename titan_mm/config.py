@@ -281,6 +281,10 @@ class Metrics:
 class Kernels:
     mode: Literal["auto", "triton", "reference"] = "auto"
     """auto: Triton kernels on CUDA SM>=80, PyTorch reference elsewhere; triton forces them; reference disables them."""
+    ops: str = "all,-bias_gelu"
+    """Which ops come from titan_mm.kernels when kernels are on: "all", "none", a comma list (rms_norm,
+    add_rms_norm, swiglu, rope, mrope, linear_cross_entropy, bias_gelu) or "all,-op". bias_gelu is off by
+    default: its backward measured 0.65x eager PyTorch on the H200 (bench/results/kernels.json)."""
 
 
 @dataclass

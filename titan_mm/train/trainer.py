@@ -116,7 +116,14 @@ def resolve_model(cfg: JobConfig, device: torch.device):
         kw.setdefault("attn_backend", backend)
     if "kernels" in fields:
         mode = cfg.kernels.mode
-        kw.setdefault("kernels", mode == "triton" or (mode == "auto" and device.type == "cuda"))
+        from titan_mm.kernels import resolve_ops
+
+        try:  # checked on every device, so a typo fails on the CPU too
+            resolve_ops(cfg.kernels.ops)
+        except ValueError as e:
+            raise ConfigError(f"kernels.ops={cfg.kernels.ops!r}: {e}") from None
+        on = mode == "triton" or (mode == "auto" and device.type == "cuda")
+        kw.setdefault("kernels", cfg.kernels.ops if on else False)
     if kw:
         model_cfg = dataclasses.replace(model_cfg, **kw)
     return spec, model_cfg
