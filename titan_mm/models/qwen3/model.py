@@ -40,6 +40,7 @@ class Ops:
     act_mul: Callable = silu_mul
     apply_rope: Callable = apply_rope
     cross_entropy: Callable = None  # (h_ND, w_VD, labels_N, chunk_size, z_loss_weight) -> loss_sum
+    logits: Callable = F.linear  # (h_*D, w_VD) -> logits [*, V] (no labels: eval / decoding)
 
 
 def _torch_ce(h, w, labels, chunk_size, z_loss_weight):
@@ -175,7 +176,7 @@ class Qwen3Model(nn.Module):
             rows = float(B * S * self.n_moe_layers) if valid is None else valid.sum().float() * self.n_moe_layers
             aux = self.cfg.router_aux_loss_coef * load_balancing_loss(stats_2E, rows, self.cfg.num_experts)
         if labels is None:
-            logits = self.output(h_BSD) if self.output is not None else F.linear(h_BSD, self.lm_head_weight)
+            logits = self.ops.logits(h_BSD, self.lm_head_weight)
             return ModelOutput(logits=logits, loss_sum=None, aux_loss=aux)
         loss_sum = self.ops.cross_entropy(
             h_BSD.reshape(B * S, -1), self.lm_head_weight, labels.reshape(-1),
