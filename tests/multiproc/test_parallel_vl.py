@@ -91,7 +91,8 @@ def _worker(rank, world, dims, mode):
                        dp_size=bm.size(), loss_group=pd.mesh("loss").get_group(), select=_select)
 
 
-# (name, world, dims, cp_mode). TP runs with a replicated residual stream (the VL plan has no SP entries).
+# (name, world, dims, cp_mode). No job config: TP cases run with the defaults (sequence parallel and loss parallel
+# on, vision tower replicated); test_vl_tp_modes_match_world1 below sets the switches explicitly.
 # ~5 s per world-2 case and ~11 s per world-4 case on 2 idle cores (mostly process start-up and imports).
 CASES = [
     ("ep2", 2, dict(dp_shard=2, ep=2), None),
@@ -110,3 +111,68 @@ def test_vl_moe_matches_world1(name, world, dims, mode):
     got = run_multiproc(_worker, world, args=(dims, mode), timeout_s=600)
     for r in got:
         assert_close_runs(_reference(), r)
+
+
+# ---- TP modes (parallel.sequence_parallel / loss_parallel / encoder_tp) on Qwen3-VL dense and Qwen3-VL-MoE ----
+def _cfg_family(family):
+    """"moe": _cfg() (tied head); "dense": the dense debug flavor cut the same way, with an untied head, so that
+    both kinds of head (the token embedding, the ``output`` linear) run under loss parallel."""
+    import dataclasses
+
+    from titan_mm.models.qwen3_vl.config import FLAVORS
+
+    if family == "moe":
+        return _cfg()
+    cfg = FLAVORS["debug"]
+    text = dataclasses.replace(cfg.text, attn_backend="sdpa", loss_chunk_size=64, vocab_size=512, num_hidden_layers=2)
+    return dataclasses.replace(cfg, text=text, tie_word_embeddings=False, vision_start_token_id=500,
+                               vision_end_token_id=501, image_token_id=502, video_token_id=503)
+
+
+def _build_family(family):
+    from titan_mm.models.qwen3_vl.model import build
+
+    torch.manual_seed(0)
+    m = build(_cfg_family(family))
+    m.init_weights()
+    return m
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_family(family):
+    return train_steps(_build_family(family), _batches(), _step, select=_select)
+
+
+def _worker_modes(rank, world, family, dims, switches, mode):
+    from types import SimpleNamespace
+
+    from titan_mm.models.qwen3_vl.plan import plan
+    from titan_mm.parallel.apply import parallelize
+    from titan_mm.parallel.mesh import ParallelDims
+
+    model = _build_family(family)
+    pd = ParallelDims(world_size=world, **dims)
+    job = SimpleNamespace(parallel=SimpleNamespace(backend="auto", cp_mode=mode or "ulysses", **switches))
+    parallelize(model, plan(_cfg_family(family)), pd, job)
+    bm = pd.mesh("batch")
+    return train_steps(model, _batches(), functools.partial(_step, pd=pd, mode=mode), dp_rank=bm.get_local_rank(),
+                       dp_size=bm.size(), loss_group=pd.mesh("loss").get_group(), select=_select)
+
+
+_SP_LP = dict(sequence_parallel=True, loss_parallel=True)
+# (name, world, family, dims, switches, cp_mode). ~6 s per world-2 case, ~11 s per world-4 case on 2 cores.
+MODE_CASES = [
+    ("dense-tp2-sp-lp", 2, "dense", dict(dp_shard=1, tp=2), dict(_SP_LP, encoder_tp=False), None),
+    ("dense-tp2-sp-lp-encodertp", 2, "dense", dict(dp_shard=1, tp=2), dict(_SP_LP, encoder_tp=True), None),
+    ("moe-tp2-sp-lp-encodertp", 2, "moe", dict(dp_shard=1, tp=2), dict(_SP_LP, encoder_tp=True), None),
+    ("moe-tp2-nosp-nolp", 2, "moe", dict(dp_shard=1, tp=2),
+     dict(sequence_parallel=False, loss_parallel=False, encoder_tp=False), None),
+    ("dense-cp2xtp2-sp-lp", 4, "dense", dict(dp_shard=1, cp=2, tp=2), dict(_SP_LP, encoder_tp=False), "allgather"),
+]
+
+
+@pytest.mark.parametrize("name,world,family,dims,switches,mode", MODE_CASES, ids=[c[0] for c in MODE_CASES])
+def test_vl_tp_modes_match_world1(name, world, family, dims, switches, mode):
+    got = run_multiproc(_worker_modes, world, args=(family, dims, switches, mode), timeout_s=600)
+    for r in got:
+        assert_close_runs(_reference_family(family), r)
