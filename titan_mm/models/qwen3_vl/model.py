@@ -31,6 +31,13 @@ small next to the LLM), computes the pad running counts over the full rows, and 
 DeepStack additions of its own positions only, so the LLM blocks see exactly the rows they would see in
 the unsplit forward. ViT gradients are partial per cp rank (only its tokens' contributions) and summed by
 FSDP over ``dp_shard x cp`` like every other gradient.
+
+Sequence parallel (titan_mm/models/qwen3_vl/plan.py): ``embed`` runs on the full (or cp-local) rows on every tp
+rank, so the visual tokens and DeepStack features are placed exactly as without tp; ``embed_out`` (an identity
+module, the plan's hook point) then cuts the embeddings and every DeepStack addition to this tp rank's sequence
+shard, and the final norm (called as the module ``language_model.norm``) gathers the sequence for the loss. The
+loss and the logits go through the text model's ``ops`` (``cross_entropy``, ``logits``), which loss parallel
+swaps for vocab-parallel ones.
 """
 
 from __future__ import annotations
