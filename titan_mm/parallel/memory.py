@@ -15,9 +15,9 @@ live on [ep_fsdp, ep] = dp_shard x cp ranks); fsdp = dp_shard * cp (HSDP's dp_re
                        + the root's unsharded params (embedding / head / final norm / vision stem: FSDP2
                          keeps them from the forward through the backward)
                        + the saved activations of every block (+ the vision tower) at the loss
-                       + the loss's working set: fused Triton CE (kernels on, text models) = a [C, V]
-                         logits chunk, grad_h [N, D] and grad_W [V, D] in the weight dtype; the PyTorch
-                         chunked CE (kernels off, or loss parallel) = fp32 grad_W plus up to
+                       + the loss's working set: fused Triton CE (kernels on) = a [C, V]
+                         logits chunk, grad_h [N, D] and grad_W [V, D] in the weight dtype (V/tp under
+                         loss parallel); the PyTorch chunked CE (kernels off) = fp32 grad_W plus up to
                          (16 + a) * C * V bytes of chunk buffers (fp32 logits, exp temp, softmax, grad;
                          the previous chunk's softmax and bf16 grad are still bound when the next
                          chunk's are made).
@@ -44,7 +44,7 @@ residual stream too with sequence parallel; Qwen3-VL: also the DeepStack additio
 cuts to the local shard with the embeddings); with CP the tokens are divided by cp. The ViT and the mergers are
 divided by tp only with ``encoder_tp`` (``parallel.encoder_tp``; their token stream is never sequence-split).
 Loss parallel (the plan names a head, tied or not): the head weight, its gradient and the loss's [C, V] chunks
-are divided by tp, and the loss is the PyTorch vocab-parallel chunked CE (the fused Triton CE is not used).
+are divided by tp (kernels on: the fused CE's vocab-parallel form; off: the PyTorch vocab-parallel chunked CE).
 
 Not modelled: the CUDA context, cuBLAS / cuDNN workspaces and NCCL buffers (outside
 torch.cuda.max_memory_allocated), allocator fragmentation (reserved vs allocated), float8 scales, HSDP's
@@ -290,10 +290,12 @@ def loss_bytes(model_cfg, plan, topo: Topology, tokens: float, act_bytes: int = 
         kernels = bool(getattr(c, "kernels", False))
     vt = topo.tp if (topo.tp > 1 and plan is not None and plan.loss_parallel) else 1
     keep = (a * V * D) / vt + a * N * D  # grad_W (weight dtype) and grad_h (kept until the backward)
-    if kernels and vt == 1 and N > 0:
-        # titan_mm.kernels.linear_cross_entropy: one [C, V] logits buffer in h.dtype, C from default_chunk_size
-        chunk = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(N / math.ceil(V / D))))))
-        work = keep + a * min(chunk, N) * V + 4 * N
+    if kernels and N > 0:
+        # titan_mm.kernels.linear_cross_entropy (loss parallel: its vocab-parallel form on the V/tp shard): one
+        # [C, V/vt] logits buffer in h.dtype, C from default_chunk_size over the shard
+        Vl = math.ceil(V / vt)
+        chunk = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(N / math.ceil(Vl / D))))))
+        work = keep + a * min(chunk, N) * Vl + 4 * N
         return work, keep
     # titan_mm.models.common.loss.chunked_cross_entropy (fp32 grad_W accumulator, fp32 chunk buffers)
     C = min(int(_g(c, "loss_chunk_size", 4096)), max(N, 1))

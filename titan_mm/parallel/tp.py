@@ -49,8 +49,10 @@ with ``cross_entropy`` and ``logits`` fields) are swapped: ``cross_entropy`` bec
 :func:`vocab_parallel_cross_entropy` (chunked, per chunk a local [chunk, V/tp] fp32 logits block, the max /
 sum-exp / target logit all-reduced over tp, gradients computed in the forward as in the replicated chunked CE;
 the input gradient is all-reduced once at the end) and ``logits`` becomes :func:`vocab_parallel_logits`
-(local vocabulary slice, all-gathered). This replaces the fused Triton linear-CE of titan_mm.kernels when
-the model uses it (the fused kernel computes the log-sum-exp of a whole row in one program).
+(local vocabulary slice, all-gathered). A model that used the fused Triton linear-CE of titan_mm.kernels gets
+its vocab-parallel form instead (:func:`vocab_parallel_fused_cross_entropy`: per chunk a Triton pass for the
+shard's log-sum-exp and target logit, one all-gather of those per-row pieces, a Triton pass writing the
+shard's logit gradients in place; no fp32 [chunk, V/tp] blocks), where the Triton path can run (CUDA).
 """
 
 from __future__ import annotations
@@ -245,16 +247,31 @@ def vocab_parallel_logits(h, w_VD):
     return torch.nn.functional.linear(hd, w_VD).redistribute(mesh, (Replicate(),)).to_local()
 
 
-def vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z_loss_weight: float = 0.0):
+def vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z_loss_weight: float = 0.0,
+                                 fused: bool = False):
     """Sum of token CE over labels != -100 with ``w_VD`` a DTensor ``Shard(0)`` over the tp mesh; ``h_ND`` the
-    full (replicated over tp) hidden states. Same value on every tp rank; fp32 scalar."""
+    full (replicated over tp) hidden states. Same value on every tp rank; fp32 scalar. ``fused``: the Triton
+    kernels of titan_mm.kernels.vocab_parallel_linear_cross_entropy where they can run (CUDA), else (and by
+    default) the chunked PyTorch version above."""
     if not isinstance(w_VD, DTensor):
         raise TypeError("vocab_parallel_cross_entropy needs the head weight as a DTensor sharded over the vocabulary.")
     mesh = w_VD.device_mesh
     V = w_VD.shape[0]
     v0 = mesh.get_local_rank() * math.ceil(V / mesh.size())  # torch.chunk layout of Shard(0)
-    return _VocabParallelCE.apply(h_ND, w_VD.to_local(), labels_N, int(chunk_size), float(z_loss_weight),
-                                  mesh.get_group(), v0)
+    w_local = w_VD.to_local()
+    if fused:
+        from titan_mm import kernels as K
+
+        if K.use_triton(h_ND, w_local) and h_ND.dtype == w_local.dtype:
+            return K.vocab_parallel_linear_cross_entropy(h_ND, w_local, labels_N, v0, mesh.get_group(),
+                                                         z_loss=float(z_loss_weight))
+    return _VocabParallelCE.apply(h_ND, w_local, labels_N, int(chunk_size), float(z_loss_weight), mesh.get_group(), v0)
+
+
+def vocab_parallel_fused_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z_loss_weight: float = 0.0):
+    """:func:`vocab_parallel_cross_entropy` with the fused Triton kernels (installed by loss parallel when the
+    model used the fused linear-CE of titan_mm.kernels)."""
+    return vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size, z_loss_weight, fused=True)
 
 
 def _ops_owner(model: nn.Module, fqn: str) -> nn.Module:
@@ -287,7 +304,9 @@ def _apply_loss_parallel(model: nn.Module, fqn: str, tp_mesh, styles: dict[str, 
         _check(head, nn.Linear, fqn, "loss_parallel")
         _check_divisible(head.weight.shape[0], tp_mesh.size(), fqn, "loss_parallel (vocabulary)")
         parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
-    owner.ops = dataclasses.replace(owner.ops, cross_entropy=vocab_parallel_cross_entropy, logits=vocab_parallel_logits)
+    fused = bool(getattr(owner.ops.cross_entropy, "fused_linear_ce", False))  # the model used the Triton CE
+    ce = vocab_parallel_fused_cross_entropy if fused else vocab_parallel_cross_entropy
+    owner.ops = dataclasses.replace(owner.ops, cross_entropy=ce, logits=vocab_parallel_logits)
 
 
 def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any = None) -> None:

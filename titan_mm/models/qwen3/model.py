@@ -61,6 +61,8 @@ def select_ops(use_kernels: bool | str) -> Ops:
     def kernel_ce(h, w, labels, chunk_size, z_loss_weight):
         return K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z_loss_weight)
 
+    kernel_ce.fused_linear_ce = True  # loss parallel keeps the fused kernel (per vocabulary shard); parallel/tp.py
+
     return Ops(
         rms_norm=K.rms_norm if "rms_norm" in on else rms_norm,
         act_mul=K.swiglu if "swiglu" in on else silu_mul,
