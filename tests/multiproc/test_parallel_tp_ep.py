@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _harness import run_multiproc
-from _parallel_common import (build_tiny_qwen3, check_cells, make_packed_batches, qwen3_step, run_cells,
-                              tiny_qwen3_config, train_steps)
+from _parallel_common import (assert_close_runs, build_tiny_qwen3, check_cells, make_packed_batches, qwen3_step,
+                              run_cells, tiny_qwen3_config, train_steps)
 
 BATCHES = make_packed_batches(3, batch=4, seq=32, vocab=128)
 
@@ -89,3 +89,37 @@ def test_matches_world1(world, cells):
     env = {"TRITON_INTERPRET": "1"} if any(c[2].get("kernels") for c in cells) else None
     got = run_multiproc(_worker, world, args=(cells,), env=env)
     check_cells(cells, got, lambda cell: _reference(cell[1]))
+
+
+# ---- tied head (tie_word_embeddings): loss parallel shards the token embedding over the vocabulary ----
+@functools.lru_cache(maxsize=None)
+def _reference_tied():
+    return train_steps(build_tiny_qwen3(tiny_qwen3_config(tie_word_embeddings=True)), BATCHES, qwen3_step)
+
+
+def _worker_tied(rank, world, dims, switches):
+    from titan_mm.parallel.apply import parallelize
+    from titan_mm.parallel.mesh import ParallelDims
+
+    cfg = tiny_qwen3_config(tie_word_embeddings=True)
+    model = build_tiny_qwen3(cfg)
+    job = SimpleNamespace(parallel=SimpleNamespace(backend="auto", **switches))
+    pd = ParallelDims(world_size=world, **dims)
+    parallelize(model, _plan(cfg), pd, job)
+    batch_mesh = pd.mesh("batch")
+    return train_steps(model, BATCHES, qwen3_step, dp_rank=batch_mesh.get_local_rank(), dp_size=batch_mesh.size(),
+                       loss_group=batch_mesh.get_group())
+
+
+# (name, world, dims, switches): the embedding becomes embedding_rowwise_seq under SP, embedding_rowwise without
+TIED_CASES = [
+    ("tied-tp2-sp-lossparallel", 2, dict(dp_shard=1, tp=2), dict(sequence_parallel=True, loss_parallel=True)),
+    ("tied-tp2-nosp-lossparallel", 2, dict(dp_shard=1, tp=2), dict(sequence_parallel=False, loss_parallel=True)),
+]
+
+
+@pytest.mark.parametrize("name,world,dims,switches", TIED_CASES, ids=[c[0] for c in TIED_CASES])
+def test_tied_head_matches_world1(name, world, dims, switches):
+    got = run_multiproc(_worker_tied, world, args=(dims, switches))
+    for r in got:
+        assert_close_runs(_reference_tied(), r)

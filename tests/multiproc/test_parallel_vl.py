@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 from _harness import run_multiproc
-from _parallel_common import check_cells, run_cells, train_steps
+from _parallel_common import assert_close_runs, check_cells, run_cells, train_steps
 
 ROWS = 4  # one row per data-parallel rank at dp 4
 
@@ -112,8 +112,9 @@ def _worker(rank, world, cells):
 
 
 # (launch id, world, cells); a cell is (name, moe, dims, cp_mode), the cells of a launch run one after another in the
-# same processes. TP runs with a replicated residual stream (the VL plan has no SP entries). Ulysses needs cp * tp to
-# divide the kv heads (2 here), so cp x tp uses ring / all-gather.
+# same processes. No job config: TP cells run with the defaults (sequence parallel and loss parallel on, vision tower
+# replicated); test_vl_tp_modes_match_world1 below sets the switches explicitly. Ulysses needs cp * tp to divide the
+# kv heads (2 here), so cp x tp uses ring / all-gather.
 LAUNCHES = [
     ("world2", 2, (
         ("ep2", True, dict(dp_shard=2, ep=2), None),
@@ -144,3 +145,63 @@ LAUNCHES = [
 def test_vl_matches_world1(world, cells):
     got = run_multiproc(_worker, world, args=(cells,), timeout_s=600)
     check_cells(cells, got, lambda cell: _reference(cell[1]))
+
+
+# ---- TP modes (parallel.sequence_parallel / loss_parallel / encoder_tp) on Qwen3-VL dense and Qwen3-VL-MoE ----
+@functools.lru_cache(maxsize=None)
+def _cfg_family(family):
+    """"moe": _cfg(True) (tied head); "dense": _cfg(False) with an untied head, so that both kinds of head (the token
+    embedding, the ``output`` linear) run under loss parallel."""
+    import dataclasses
+
+    return _cfg(True) if family == "moe" else dataclasses.replace(_cfg(False), tie_word_embeddings=False)
+
+
+def _build_family(family):
+    from titan_mm.models.qwen3_vl.model import build
+
+    torch.manual_seed(0)
+    m = build(_cfg_family(family))
+    m.init_weights()
+    return m
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_family(family):
+    return train_steps(_build_family(family), _batches(family == "moe"), _step, select=_select)
+
+
+def _worker_modes(rank, world, family, dims, switches, mode):
+    from types import SimpleNamespace
+
+    from titan_mm.models.qwen3_vl.plan import plan
+    from titan_mm.parallel.apply import parallelize
+    from titan_mm.parallel.mesh import ParallelDims
+
+    model = _build_family(family)
+    pd = ParallelDims(world_size=world, **dims)
+    job = SimpleNamespace(parallel=SimpleNamespace(backend="auto", cp_mode=mode or "ulysses", **switches))
+    parallelize(model, plan(_cfg_family(family)), pd, job)
+    bm = pd.mesh("batch")
+    return train_steps(model, _batches(family == "moe"), functools.partial(_step, pd=pd, mode=mode),
+                       dp_rank=bm.get_local_rank(), dp_size=bm.size(), loss_group=pd.mesh("loss").get_group(),
+                       select=_select)
+
+
+_SP_LP = dict(sequence_parallel=True, loss_parallel=True)
+# (name, world, family, dims, switches, cp_mode)
+MODE_CASES = [
+    ("dense-tp2-sp-lp", 2, "dense", dict(dp_shard=1, tp=2), dict(_SP_LP, encoder_tp=False), None),
+    ("dense-tp2-sp-lp-encodertp", 2, "dense", dict(dp_shard=1, tp=2), dict(_SP_LP, encoder_tp=True), None),
+    ("moe-tp2-sp-lp-encodertp", 2, "moe", dict(dp_shard=1, tp=2), dict(_SP_LP, encoder_tp=True), None),
+    ("moe-tp2-nosp-nolp", 2, "moe", dict(dp_shard=1, tp=2),
+     dict(sequence_parallel=False, loss_parallel=False, encoder_tp=False), None),
+    ("dense-cp2xtp2-sp-lp", 4, "dense", dict(dp_shard=1, cp=2, tp=2), dict(_SP_LP, encoder_tp=False), "allgather"),
+]
+
+
+@pytest.mark.parametrize("name,world,family,dims,switches,mode", MODE_CASES, ids=[c[0] for c in MODE_CASES])
+def test_vl_tp_modes_match_world1(name, world, family, dims, switches, mode):
+    got = run_multiproc(_worker_modes, world, args=(family, dims, switches, mode), timeout_s=600)
+    for r in got:
+        assert_close_runs(_reference_family(family), r)

@@ -44,6 +44,7 @@ class Ops:
     apply_rope: Callable = apply_rope
     cross_entropy: Callable = None  # (h_ND, w_VD, labels_N, chunk_size, z_loss_weight) -> loss_sum
     bias_gelu: Callable | None = None  # (x, b) -> gelu_tanh(x + b) for the Qwen3-VL ViT MLP; None = nn.Linear + F.gelu
+    logits: Callable = F.linear  # (h_*D, w_VD) -> logits [*, V] (no labels: eval / decoding)
 
 
 def _torch_ce(h, w, labels, chunk_size, z_loss_weight):
@@ -64,6 +65,7 @@ def select_ops(use_kernels: bool | str) -> Ops:
     def kernel_ce(h, w, labels, chunk_size, z_loss_weight):
         return K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z_loss_weight)
 
+    kernel_ce.fused_linear_ce = True  # loss parallel keeps the fused kernel (per vocabulary shard); parallel/tp.py
     norm = K.rms_norm if "rms_norm" in on else rms_norm
     return Ops(
         rms_norm=norm,
@@ -187,7 +189,7 @@ class Qwen3Model(nn.Module):
             rows = float(B * S * self.n_moe_layers) if valid is None else valid.sum().float() * self.n_moe_layers
             aux = self.cfg.router_aux_loss_coef * load_balancing_loss(stats_2E, rows, self.cfg.num_experts)
         if labels is None:
-            logits = self.output(h_BSD) if self.output is not None else F.linear(h_BSD, self.lm_head_weight)
+            logits = self.ops.logits(h_BSD, self.lm_head_weight)
             return ModelOutput(logits=logits, loss_sum=None, aux_loss=aux)
         loss_sum = self.ops.cross_entropy(
             h_BSD.reshape(B * S, -1), self.lm_head_weight, labels.reshape(-1),

@@ -221,15 +221,21 @@ def _flex_attention():
 # Modules (parameter containers; forward is a pure function of params and inputs)
 # --------------------------------------------------------------------------------------------------
 class VisionAttention(nn.Module):
+    """``wqkv``: the fused q/k/v projection with its output features ordered head by head, [H, 3, Dh]
+    (q, k, v of head 0, then of head 1, ...). HF's ``qkv`` orders them [3, H, Dh]; hf.py permutes the rows
+    on load and export. Head-major rows make the fused projection split over tensor-parallel ranks by heads
+    (a contiguous row block holds whole heads with their q, k and v), like separate q / k / v projections;
+    the reshape below therefore takes the head count from the tensor (-1: the local heads)."""
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.wqkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
     def forward(self, x_ND, cos, sin, meta: VisionMeta):
         n = x_ND.shape[0]
-        q, k, v = self.qkv(x_ND).view(n, 3, self.num_heads, -1).unbind(1)
+        q, k, v = self.wqkv(x_ND).view(n, -1, 3, self.head_dim).unbind(2)
         q, k = apply_vision_rope(q, cos, sin), apply_vision_rope(k, cos, sin)
         o = vision_attention_core(q, k, v, meta)
         return self.proj(o.reshape(n, -1))
