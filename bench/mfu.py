@@ -226,6 +226,7 @@ def worker(args) -> dict:
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
     else:
         dist.init_process_group("gloo", rank=0, world_size=1)
+    t_build = time.perf_counter()
     if args.stack.startswith("titan"):
         spec, mc, batch, step = _titan_builder(case, args.stack, args, device)
     else:
@@ -240,8 +241,12 @@ def worker(args) -> dict:
     else:
         flops = flops_llm = spec.flops(mc, doc_lens_from_batch(batch))
     n_tok = int(batch["input_ids"].numel())
+    print(f"[worker] {args.case} {args.stack}: built in {time.perf_counter() - t_build:.1f}s", file=sys.stderr, flush=True)
     t_compile = time.perf_counter()
-    losses = [step() for _ in range(args.warmup)]
+    losses = []
+    for i in range(args.warmup):
+        losses.append(step())
+        print(f"[worker] warm-up step {i + 1}: {time.perf_counter() - t_compile:.1f}s", file=sys.stderr, flush=True)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     t_compile = time.perf_counter() - t_compile
@@ -337,8 +342,11 @@ def main() -> int:
                     rows.append(json.loads(lines[-1][7:]))
                 else:
                     rows.append(dict(case=case, stack=stack, ac=args.ac, error=(p.stderr or p.stdout)[-2000:]))
-            except subprocess.TimeoutExpired:
-                rows.append(dict(case=case, stack=stack, ac=args.ac, error=f"timeout after {args.timeout}s"))
+            except subprocess.TimeoutExpired as e:  # keep the worker's progress lines: where did the time go?
+                tail = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                               for x in (e.stdout, e.stderr))[-1500:]
+                rows.append(dict(case=case, stack=stack, ac=args.ac, error=f"timeout after {args.timeout}s; "
+                                                                          f"worker output: {tail}"))
             r = rows[-1]
             print(f"[{time.time() - t0:5.0f}s] {case} {stack}: "
                   + (f"{r['tokens_per_s']:,.0f} tok/s, {100 * r['mfu']:.1f}% MFU, {r['peak_mem_gb']:.1f} GB"

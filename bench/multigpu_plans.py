@@ -24,6 +24,10 @@ step 1 <= 1e-2 and <= 5e-2; the reasoning is in its docstring). MoE routing adds
 whose top-8 router scores tie within bf16 rounding may pick another expert on another split; it changes
 one token's output, which the token-mean loss averages away.
 
+``--control "--kernels.mode reference"`` adds a 1-process run per model with other trainer overrides (here the
+PyTorch ops instead of the Triton kernels: same math, other bf16 rounding): its distance from the reference is the
+noise floor that a parallel case's distance is read against.
+
 Part 2, MFU (``--mfu-cases``), all GPUs, ``--mfu-steps`` steps, median after ``--warmup``:
   moe_ep      Qwen3-30B-A3B-shaped MoE (48 layers on 8 GPUs; 6 x W layers on fewer so memory per GPU is
               the same), EP = W over the FSDP ranks, seq 4096 x 2 rows per GPU, full AC. Anchor: 277-299
@@ -238,9 +242,26 @@ def run_equality(args, models: dict, bounds: dict, dump: Path, W: int) -> list[d
         print(f"[plans] {name}: 1 process, {G} rows x {models[mk]['seq']}", flush=True)
         res = launch(1, ["-m", "titan_mm.train.trainer"], argv, dump / f"{name}.log", args.timeout, args.cpu)
         refs[mk] = (res, read_metrics(dump / name))
-    if args.refs_only:
-        return []
     rows = []
+    if args.control:  # the noise floor: the same model and batch on 1 process, another exact attention kernel
+        for mk in sorted(refs):
+            name = f"control_{mk}_w1"
+            shutil.rmtree(dump / name, ignore_errors=True)
+            argv = trainer_argv(models[mk], seq=models[mk]["seq"], name=name, **common, extra=args.control.split())
+            print(f"[plans] {name}: 1 process, {args.control} (noise floor)", flush=True)
+            res = launch(1, ["-m", "titan_mm.train.trainer"], argv, dump / f"{name}.log", args.timeout, args.cpu)
+            row = dict(kind="control", case="control", model=mk, flavor=models[mk]["flavor"], world=1,
+                       parallel={"control": args.control}, dp=1, global_batch_rows=G, wall_s=res["seconds"])
+            ref_res, ref_m = refs[mk]
+            if "error" in ref_res or "error" in res:
+                row.update(ok=False, error=res.get("error") or ref_res.get("error"))
+            else:
+                row.update(compare(read_metrics(dump / name), ref_m, list(range(1, args.steps + 1)), bounds))
+            rows.append(row)
+            print(f"[plans] {name}: loss rel max {fmt(row.get('loss_rel_max'))}, grad-norm rel max "
+                  f"{fmt(row.get('gnorm_rel_max'))}", flush=True)
+    if args.refs_only:
+        return rows
     steps = list(range(1, args.steps + 1))
     for c, mk, flags, world in todo:
         name = f"{c}_w{world}"
@@ -315,6 +336,12 @@ def run_mfu(args, dump: Path, W: int) -> list[dict]:
     return rows
 
 
+def _verdict(c: dict) -> str:
+    if c.get("kind") == "control" and "error" not in c:
+        return "(noise floor: 1 GPU vs 1 GPU)"
+    return "yes" if c.get("ok") else "NO: " + str(c.get("error", "bound exceeded"))[:80]
+
+
 def render(checks: list[dict], mfu: list[dict]) -> str:
     out = ["| case | model | GPUs | parallel | loss rel. (step 1 / max) | grad-norm rel. (step 1 / max) | ok |",
            "|---|---|---|---|---|---|---|"]
@@ -322,7 +349,7 @@ def render(checks: list[dict], mfu: list[dict]) -> str:
         out.append(f"| {c['case']} | {c['flavor']} | {c['world']} | {c['parallel']} | "
                    f"{fmt(c.get('loss_rel_first'), '.1e')} / {fmt(c.get('loss_rel_max'), '.1e')} | "
                    f"{fmt(c.get('gnorm_rel_first'), '.1e')} / {fmt(c.get('gnorm_rel_max'), '.1e')} | "
-                   f"{'yes' if c.get('ok') else 'NO: ' + str(c.get('error', 'bound exceeded'))[:80]} |")
+                   f"{_verdict(c)} |")
     out += ["", "| MFU case | model (layers) | GPUs | parallel | seq | tok/s/GPU | TFLOP/s/GPU | MFU | peak GB |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in mfu:
@@ -360,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
                          "per micro-batch, the rest accumulation")
     ap.add_argument("--refs-only", action="store_true",
                     help="run only the 1-process references of --cases (e.g. on one GPU while another is busy)")
+    ap.add_argument("--control", default="",
+                    help="trainer overrides for a second 1-process run of each reference model, e.g. "
+                         "'--kernels.mode reference' (PyTorch ops instead of the Triton kernels on GPU): the same math "
+                         "with other bf16 rounding, so its distance from the reference is the noise floor the parallel "
+                         "cases can be read against")
     ap.add_argument("--reuse-refs", action="store_true",
                     help="reuse reference runs already complete in --dump (written by --refs-only)")
     ap.add_argument("--mfu-steps", type=int, default=12, help="steps of each MFU run")
@@ -409,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     out.write_text(json.dumps(doc, indent=1))
     print(render(doc["checks"], doc["mfu"]))
-    failed = [c for c in checks if not c.get("ok")] + [r for r in mfu if "error" in r]
+    failed = [c for c in checks if not c.get("ok") and (c.get("kind") != "control" or "error" in c)] + \
+        [r for r in mfu if "error" in r]
     print(f"[plans] wrote {out}; {len(failed)} failed check(s)/run(s)", flush=True)
     return 1 if failed else 0
 

@@ -20,15 +20,8 @@ from ._utils import as_rows, new_empty, next_pow2
 
 
 @triton.jit
-def _ce_row_kernel(
-    L, stride_l, LAB, LOSS, ignore_index, z_loss,
-    V: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    base = L + row * stride_l
-    lab = tl.load(LAB + row)
-    valid = lab != ignore_index
-    lab = tl.where(valid, lab, 0)
+def _row_lse(base, V: tl.constexpr, BLOCK: tl.constexpr):
+    """Log-sum-exp (fp32) of the V logits at ``base``: one pass with a running max and rescaled sum per lane."""
     offs = tl.arange(0, BLOCK)
     m_vec = tl.full([BLOCK], -1e30, tl.float32)
     d_vec = tl.zeros([BLOCK], tl.float32)
@@ -40,7 +33,20 @@ def _ce_row_kernel(
         d_vec = d_vec * tl.exp(m_vec - m_new) + tl.where(msk, tl.exp(x - m_new), 0.0)
         m_vec = m_new
     m = tl.max(m_vec, axis=0)
-    lse = m + tl.log(tl.sum(d_vec * tl.exp(m_vec - m), axis=0))
+    return m + tl.log(tl.sum(d_vec * tl.exp(m_vec - m), axis=0))
+
+
+@triton.jit
+def _ce_row_kernel(
+    L, stride_l, LAB, LOSS, ignore_index, z_loss,
+    V: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = L + row * stride_l
+    lab = tl.load(LAB + row)
+    valid = lab != ignore_index
+    lab = tl.where(valid, lab, 0)
+    lse = _row_lse(base, V, BLOCK)
     x_t = tl.load(base + lab).to(tl.float32)
     loss = lse - x_t
     if HAS_Z:
@@ -50,6 +56,7 @@ def _ce_row_kernel(
         scale = tl.where(valid, 1.0, 0.0)
         if HAS_Z:
             scale = scale * (1.0 + 2.0 * z_loss * lse)
+        offs = tl.arange(0, BLOCK)
         for start in range(0, V, BLOCK):
             cols = start + offs
             msk = cols < V
@@ -117,18 +124,7 @@ def _ce_shard_stats_kernel(L, stride_l, LOC, LSE, TGT, V: tl.constexpr, BLOCK: t
     base = L + row * stride_l
     loc = tl.load(LOC + row)
     mine = (loc >= 0) & (loc < V)
-    offs = tl.arange(0, BLOCK)
-    m_vec = tl.full([BLOCK], -1e30, tl.float32)
-    d_vec = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, V, BLOCK):
-        cols = start + offs
-        msk = cols < V
-        x = tl.where(msk, tl.load(base + cols, mask=msk, other=0.0).to(tl.float32), -1e30)
-        m_new = tl.maximum(m_vec, x)
-        d_vec = d_vec * tl.exp(m_vec - m_new) + tl.where(msk, tl.exp(x - m_new), 0.0)
-        m_vec = m_new
-    m = tl.max(m_vec, axis=0)
-    tl.store(LSE + row, m + tl.log(tl.sum(d_vec * tl.exp(m_vec - m), axis=0)))
+    tl.store(LSE + row, _row_lse(base, V, BLOCK))
     x_t = tl.load(base + tl.where(mine, loc, 0)).to(tl.float32)
     tl.store(TGT + row, tl.where(mine, x_t, 0.0))
 
