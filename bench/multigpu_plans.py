@@ -279,6 +279,8 @@ def run_equality(args, models: dict, bounds: dict, dump: Path, W: int) -> list[d
             row.update(ok=False, error=res["error"])
         else:
             row.update(compare(m, ref_m, steps, bounds))
+        if m:  # the trainer's peak per GPU (GB = 1e9 bytes), for bench/memory_check.py
+            row["mem_peak_gb"] = max(v.get("mem_peak_gb", 0.0) for v in m.values())
         rows.append(row)
         print(f"[plans] {name}: {'ok' if row.get('ok') else 'FAILED ' + str(row.get('error', ''))[-800:]} "
               f"(loss rel max {fmt(row.get('loss_rel_max'))}, grad-norm rel max {fmt(row.get('gnorm_rel_max'))})",
