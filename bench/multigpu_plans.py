@@ -66,8 +66,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scaling import (  # noqa: E402
-    BOUNDS_CPU, BOUNDS_GPU, PEAK_TFLOPS, compare, env_info, fmt, launch, merge_rows, perf, read_metrics, render_into,
-    step_flops, trainer_argv,
+    BOUNDS_CPU, BOUNDS_GPU, PEAK_TFLOPS, add_render_args, compare, env_info, fmt, launch, merge_rows, perf, read_metrics,
+    render_into, step_flops, trainer_argv,
 )
 
 GPU_MODELS = {
@@ -403,8 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="results JSON (default bench/results/multigpu_plans.json; "
                                                "--cpu: multigpu_plans_cpu.json)")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU processes, tiny flavors, fp32 (tests)")
-    ap.add_argument("--render", default="", help="print the markdown tables of this results JSON and exit")
-    ap.add_argument("--doc", default="", help="with --render: replace the tables between the multigpu-plans markers here")
+    add_render_args(ap, "multigpu-plans")
     args = ap.parse_args(argv)
     if args.render:
         doc = json.loads(Path(args.render).read_text())

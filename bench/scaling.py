@@ -387,6 +387,11 @@ def render(runs: list[dict], checks: list[dict]) -> str:
     return "\n".join(out)
 
 
+def add_render_args(ap: argparse.ArgumentParser, marker: str) -> None:
+    ap.add_argument("--render", default="", help="print the markdown tables of this results JSON and exit")
+    ap.add_argument("--doc", default="", help=f"with --render: replace the tables between the {marker} markers here")
+
+
 def render_into(table: str, doc: str, marker: str) -> str:
     """Replace the text between ``<!-- {marker}:begin -->`` and ``<!-- {marker}:end -->`` in ``doc`` (if given)."""
     if doc:
@@ -420,8 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump", default=str(ROOT / "outputs/bench_scaling"), help="run folders and logs")
     ap.add_argument("--out", default="", help="results JSON (default bench/results/scaling.json; --cpu: scaling_cpu.json)")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU processes, tiny model, fp32 (tests)")
-    ap.add_argument("--render", default="", help="print the markdown tables of this results JSON and exit")
-    ap.add_argument("--doc", default="", help="with --render: replace the tables between the scaling markers here")
+    add_render_args(ap, "scaling")
     args = ap.parse_args(argv)
     if args.render:
         doc = json.loads(Path(args.render).read_text())

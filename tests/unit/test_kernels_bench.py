@@ -1,16 +1,10 @@
 """bench/kernels.py renders its JSON into the docs table (the GPU run itself happens on the H200)."""
 
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import importlib
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels", os.path.join(ROOT, "bench", "kernels.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("bench.kernels")
 
 
 def test_render_and_update_doc(tmp_path):

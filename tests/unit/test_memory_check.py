@@ -1,7 +1,7 @@
 """bench/memory_check.py: the real estimator (titan_mm.parallel.memory) against the peak memory measured on
 the H200 (bench/results/mfu.json), on CPU. The best-understood rows must be within 15%."""
 
-import importlib.util
+import importlib
 import os
 
 import pytest
@@ -12,10 +12,7 @@ BEST_UNDERSTOOD = [("qwen3_1.7b", "titan", "none"), ("qwen3_1.7b", "titan", "ful
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_memory_check", os.path.join(ROOT, "bench", "memory_check.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("bench.memory_check")
 
 
 def _measured(b):
