@@ -82,14 +82,15 @@ class Tuner:
         return self._configs(key) if callable(self._configs) else list(self._configs)
 
     def pick(self, key, launch) -> dict:
+        if FORCE_CONFIG is not None:  # tests: neither read nor written to the cache
+            cands = self.configs(key)
+            cfg = cands[FORCE_CONFIG % len(cands)]
+            self.last = (key, cfg)
+            return cfg
         cfg = self.best.get(key)
         if cfg is None:
             cands = self.configs(key)
             assert 1 <= len(cands) <= MAX_CONFIGS, f"{self.name}: {len(cands)} configs"
-            if FORCE_CONFIG is not None:
-                cfg = cands[FORCE_CONFIG % len(cands)]
-                self.last = (key, cfg)
-                return cfg  # not cached: the next test may force another one
             if INTERPRET or not TUNE or len(cands) == 1 or not torch.cuda.is_available():
                 cfg = cands[0]
             else:
