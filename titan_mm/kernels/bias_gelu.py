@@ -41,7 +41,8 @@ def _fwd_configs(key):
 
 
 def _bwd_configs(key):
-    return _tiles(key[0], [(4, 512, 4, 8), (8, 512, 8, 4), (8, 256, 4, 8), (2, 1024, 4, 8)])
+    # PPS: about as many programs per SM as fit at once by registers (~72 per thread: 7 x 4 warps, 3 x 8)
+    return _tiles(key[0], [(4, 512, 4, 6), (8, 512, 8, 3), (8, 256, 4, 6), (2, 1024, 4, 6)])
 
 
 _FWD = Tuner("bias_gelu_fwd", _fwd_configs)
@@ -65,8 +66,8 @@ def _bias_gelu_fwd_kernel(X, stride_x, B, Y, N, D, NCB, BR: tl.constexpr, BD: tl
 
 @triton.jit
 def _bias_gelu_bwd_kernel(
-    DY, stride_dy, X, stride_x, B, DX, DB_PART, N, D, NCB,
-    ROWS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    DY, stride_dy, X, stride_x, B, DX, DB_PART, N, D, NCB, ROWS,
+    BR: tl.constexpr, BD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rr = pid // NCB  # row range (ROWS rows) and column block of this program, row-range-major
@@ -80,7 +81,8 @@ def _bias_gelu_bwd_kernel(
     mc = cols < D
     bias = tl.load(B + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
     acc = tl.zeros([BR, BD], dtype=tl.float32)
-    for i in range(0, ROWS, BR):  # constexpr trip count (the CPU interpreter needs one)
+    i = 0
+    while i < ROWS:  # ROWS is a multiple of BR (a `while`: the CPU interpreter cannot run a runtime `range`)
         rows = i + r
         m = (rows < n_here)[:, None] & mc[None, :]
         z = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32) + bias
@@ -91,6 +93,7 @@ def _bias_gelu_bwd_kernel(
         dx = tl.where(m, dy * dgelu, 0.0)
         tl.store(DX + rows[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=m)
         acc += dx
+        i += BR
     tl.store(DB_PART + rr.to(tl.int64) * D + cols, tl.sum(acc, axis=0), mask=mc)
 
 
@@ -121,15 +124,14 @@ def bias_gelu_bwd(dy, x, b):
     def launch(c):
         c = dict(c)
         ncb = triton.cdiv(d, c["BD"])
-        # programs = row ranges x column blocks, about PPS per SM; rows per range a power of two (a constexpr:
-        # few compiled variants); one fp32 row of db partials per row range
+        # programs = row ranges x column blocks, about PPS per SM; one fp32 row of db partials per row range
         n_rr = max(1, c.pop("PPS") * sms // ncb)
-        rows = max(c["BR"], next_pow2(triton.cdiv(n, n_rr)))
+        rows = triton.cdiv(triton.cdiv(n, n_rr), c["BR"]) * c["BR"]  # per range, whole tiles
         n_rr = triton.cdiv(n, rows)
         assert rows * max(x2.stride(0), d2.stride(0), d) < 2**31
         db_part = new_empty((n_rr, d), torch.float32, x.device)
         _bias_gelu_bwd_kernel[(n_rr * ncb,)](
-            d2, d2.stride(0), x2, x2.stride(0), b, dx, db_part, n, d, ncb, ROWS=rows, **c,
+            d2, d2.stride(0), x2, x2.stride(0), b, dx, db_part, n, d, ncb, rows, **c,
         )
         return db_part
 

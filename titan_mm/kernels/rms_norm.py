@@ -30,12 +30,13 @@ def _fwd_configs(key):
 
 
 def _bwd_configs(key):
-    # PPS: persistent programs per SM (not a kernel argument); each writes one fp32 dW partial row
+    # PPS: persistent programs per SM (not a kernel argument), as many as fit at once by registers (about
+    # 120 per thread: 2 x 8 warps); each writes one fp32 dW partial row
     bd = key[0]
     if bd >= 1024:
         w = lambda ept: max(1, min(32, bd // (32 * ept)))  # noqa: E731
         return [dict(BR=1, PREFETCH=True, PPS=2, num_warps=w(16)), dict(BR=1, PREFETCH=False, PPS=2, num_warps=w(8)),
-                dict(BR=1, PREFETCH=True, PPS=2, num_warps=w(8)), dict(BR=1, PREFETCH=False, PPS=4, num_warps=w(16))]
+                dict(BR=1, PREFETCH=True, PPS=2, num_warps=w(8)), dict(BR=1, PREFETCH=False, PPS=3, num_warps=w(16))]
     return [dict(BR=max(1, 2048 // bd), PREFETCH=True, PPS=4, num_warps=4),
             dict(BR=max(1, 4096 // bd), PREFETCH=False, PPS=2, num_warps=8),
             dict(BR=max(1, 4096 // bd), PREFETCH=True, PPS=2, num_warps=8),
@@ -72,8 +73,8 @@ def _rms_fwd_kernel(
 @triton.jit
 def _rms_bwd_kernel(
     DY, stride_dy, X, stride_x, W, RSTD, DNR, stride_dnr, DX, DW_PART,
-    N, D,
-    ROWS: tl.constexpr, HAS_DRES: tl.constexpr, PREFETCH: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    N, D, ROWS,
+    HAS_DRES: tl.constexpr, PREFETCH: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * ROWS
@@ -93,7 +94,8 @@ def _rms_bwd_kernel(
         m0 = (r < n_here)[:, None] & mc[None, :]
         x_next = tl.load(X + r[:, None] * stride_x + cols[None, :], mask=m0, other=0.0)
         dy_next = tl.load(DY + r[:, None] * stride_dy + cols[None, :], mask=m0, other=0.0)
-    for i in range(0, ROWS, BR):  # constexpr trip count (the CPU interpreter needs one)
+    i = 0
+    while i < ROWS:  # ROWS is a multiple of BR (a `while`: the CPU interpreter cannot run a runtime `range`)
         rows = i + r
         mr = rows < n_here
         m = mr[:, None] & mc[None, :]
@@ -116,6 +118,7 @@ def _rms_bwd_kernel(
             dx += tl.load(DNR + rows[:, None] * stride_dnr + cols[None, :], mask=m, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=m)
         dw += dy * xhat
+        i += BR
     tl.store(DW_PART + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=mc)
 
 
@@ -164,15 +167,14 @@ def _bwd(dy, x, w, rstd, dnr):
     def launch(c):
         c = dict(c)
         target = c.pop("PPS") * sms  # persistent programs; each writes one fp32 dW partial
-        # rows per program: a power of two >= the tile (a constexpr: only a handful of variants compile)
-        rows = max(c["BR"], next_pow2(triton.cdiv(n, target)))
+        rows = triton.cdiv(triton.cdiv(n, target), c["BR"]) * c["BR"]  # per program, whole tiles
         progs = triton.cdiv(n, rows)
         _check_i32(rows, x2.stride(0), dy2.stride(0), dnr2.stride(0), d)
         dw_part = new_empty((progs, d), torch.float32, x.device)
         _rms_bwd_kernel[(progs,)](
             dy2, dy2.stride(0), x2, x2.stride(0), w, rstd, dnr2, dnr2.stride(0), dx, dw_part,
-            n, d,
-            ROWS=rows, HAS_DRES=dnr is not None, BD=bd, **c,
+            n, d, rows,
+            HAS_DRES=dnr is not None, BD=bd, **c,
         )
         return dw_part
 
