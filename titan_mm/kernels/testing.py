@@ -444,8 +444,8 @@ def _run(ops, device, dtypes, big: bool) -> dict:
                 if prefer_ops and op in ("compile", "opcheck", "model", "configs"):
                     continue
                 for dt in dtypes:
-                    if op == "configs" and dt != torch.float32:
-                        continue  # the config sweep is about code paths: one dtype
+                    if op == "configs" and device.type == "cpu" and dt != torch.float32:
+                        continue  # the config sweep is about code paths: one dtype in the slow interpreter
                     if prefer_ops and (dt == torch.float16 or (device.type == "cpu" and dt != torch.float32)):
                         continue  # same kernels as the fast path: one dtype is enough in the slow interpreter
                     if op in ("compile", "opcheck") and dt == torch.float16:
