@@ -89,7 +89,8 @@ def estimate_row(case_name: str, stack: str, ac: str) -> dict:
     counts = count_params(mc, plan)
     nv = vision_patches(case_name, mc)
     # the VL rows of bench/results/mfu.json were measured while Qwen3-VL still computed its loss with the
-    # chunked PyTorch CE (it has used the text model's fused CE since): estimate what was measured
+    # chunked PyTorch CE and its final norm with the reference RMSNorm (it has used the text model's fused CE
+    # and norm op since): estimate what was measured (kernels=False models both)
     measured_fused_ce = stack != "titan_nokernels" and not case.get("vl")
     phases = estimate_phases(mc, plan, Topology(ac=ac), case["seq"], case["batch"], 2, counts,
                              kernels=measured_fused_ce, compile=stack != "titan_eager",

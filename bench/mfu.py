@@ -8,10 +8,12 @@ MFU is computed for every stack from titan_mm's FLOP counter (docs/flops.md) aga
 
 Stacks:
   titan            titan_mm's trainer path (registry model -> parallelize -> train_step), compile per block,
-                   Triton kernels (fused linear CE, RMSNorm, SwiGLU, RoPE) on
+                   Triton kernels on (kernels.ops: every op but the ViT bias + GELU)
   titan_f8         the same + torchao float8 linears
   titan_eager      no compile, kernels on
   titan_nokernels  compile, pure-PyTorch ops (the reference path)
+  titan_plain      titan_mm's model and train_step, but compile + fully_shard applied by hand to the blocks
+                   and the root (no plan registry, no parallelize): the plan path must cost nothing against it
   torchtitan       torchtitan 0.2.2's Qwen3 with per-block compile, full-logit CE
   hf_liger         HF transformers (sdpa) + Liger 0.8.5 kernels
   hf               HF transformers (sdpa)
@@ -119,11 +121,15 @@ def _titan_builder(case, stack, args, device):
     cfg = load_config(argv)
     attn = args.attn if args.attn != "auto" else "flex"
     # runtime fields sit on the top-level config (Qwen3-VL pushes them into its text config)
-    kw = {k: v for k, v in (("attn_backend", attn), ("kernels", stack != "titan_nokernels")) if hasattr(mc, k)}
+    kernels = cfg.kernels.ops if stack != "titan_nokernels" else False  # the trainer's default op set
+    kw = {k: v for k, v in (("attn_backend", attn), ("kernels", kernels)) if hasattr(mc, k)}
     mc = dataclasses.replace(mc, **kw)
     pd = ParallelDims.from_config(cfg.parallel, 1)
     pd.build_meshes()
-    model = build_model(cfg, spec, mc, pd, device, 1, 0)
+    if stack == "titan_plain":
+        model = _plain_model(spec, mc, device)
+    else:
+        model = build_model(cfg, spec, mc, pd, device, 1, 0)
     opt = build_optimizer(model, cfg)
     state = TrainState(model=model, optimizer=opt, scheduler=build_lr_scheduler(opt, cfg))
     ctx = StepContext(device=device, attn_backend=attn, max_norm=1.0)
@@ -136,6 +142,28 @@ def _titan_builder(case, stack, args, device):
         return train_step(state, [batch], ctx).loss
 
     return spec, mc, batch, step
+
+
+def _plain_model(spec, mc, device):
+    """The model prepared by hand, as a user without the plan registry would: per-block torch.compile, then
+    fully_shard (bf16 params, fp32 reduce) per block and on the root of a 1-GPU mesh. Text models only."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    with torch.device("meta"):
+        model = spec.build(mc)
+    mesh = init_device_mesh(device.type, (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        block.compile()
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    return model
 
 
 def vl_batch(mc, batch: int, seq: int, seed: int = 0) -> dict:
@@ -198,6 +226,7 @@ def worker(args) -> dict:
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
     else:
         dist.init_process_group("gloo", rank=0, world_size=1)
+    t_build = time.perf_counter()
     if args.stack.startswith("titan"):
         spec, mc, batch, step = _titan_builder(case, args.stack, args, device)
     else:
@@ -212,8 +241,12 @@ def worker(args) -> dict:
     else:
         flops = flops_llm = spec.flops(mc, doc_lens_from_batch(batch))
     n_tok = int(batch["input_ids"].numel())
+    print(f"[worker] {args.case} {args.stack}: built in {time.perf_counter() - t_build:.1f}s", file=sys.stderr, flush=True)
     t_compile = time.perf_counter()
-    losses = [step() for _ in range(args.warmup)]
+    losses = []
+    for i in range(args.warmup):
+        losses.append(step())
+        print(f"[worker] warm-up step {i + 1}: {time.perf_counter() - t_compile:.1f}s", file=sys.stderr, flush=True)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     t_compile = time.perf_counter() - t_compile
@@ -309,8 +342,11 @@ def main() -> int:
                     rows.append(json.loads(lines[-1][7:]))
                 else:
                     rows.append(dict(case=case, stack=stack, ac=args.ac, error=(p.stderr or p.stdout)[-2000:]))
-            except subprocess.TimeoutExpired:
-                rows.append(dict(case=case, stack=stack, ac=args.ac, error=f"timeout after {args.timeout}s"))
+            except subprocess.TimeoutExpired as e:  # keep the worker's progress lines: where did the time go?
+                tail = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                               for x in (e.stdout, e.stderr))[-1500:]
+                rows.append(dict(case=case, stack=stack, ac=args.ac, error=f"timeout after {args.timeout}s; "
+                                                                          f"worker output: {tail}"))
             r = rows[-1]
             print(f"[{time.time() - t0:5.0f}s] {case} {stack}: "
                   + (f"{r['tokens_per_s']:,.0f} tok/s, {100 * r['mfu']:.1f}% MFU, {r['peak_mem_gb']:.1f} GB"

@@ -24,6 +24,10 @@ step 1 <= 1e-2 and <= 5e-2; the reasoning is in its docstring). MoE routing adds
 whose top-8 router scores tie within bf16 rounding may pick another expert on another split; it changes
 one token's output, which the token-mean loss averages away.
 
+``--control "--kernels.mode reference"`` adds a 1-process run per model with other trainer overrides (here the
+PyTorch ops instead of the Triton kernels: same math, other bf16 rounding): its distance from the reference is the
+noise floor that a parallel case's distance is read against.
+
 Part 2, MFU (``--mfu-cases``), all GPUs, ``--mfu-steps`` steps, median after ``--warmup``:
   moe_ep      Qwen3-30B-A3B-shaped MoE (48 layers on 8 GPUs; 6 x W layers on fewer so memory per GPU is
               the same), EP = W over the FSDP ranks, seq 4096 x 2 rows per GPU, full AC. Anchor: 277-299
@@ -62,8 +66,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scaling import (  # noqa: E402
-    BOUNDS_CPU, BOUNDS_GPU, PEAK_TFLOPS, compare, env_info, fmt, launch, merge_rows, perf, read_metrics, step_flops,
-    trainer_argv,
+    BOUNDS_CPU, BOUNDS_GPU, PEAK_TFLOPS, compare, env_info, fmt, launch, merge_rows, perf, read_metrics, render_into,
+    step_flops, trainer_argv,
 )
 
 GPU_MODELS = {
@@ -216,22 +220,48 @@ def run_equality(args, models: dict, bounds: dict, dump: Path, W: int) -> list[d
     for c in names:
         model_key, flags, world = CASES[c]
         world = W if world == "W" else world
+        if args.refs_only:  # only the 1-process references of these cases' models (one GPU is enough)
+            todo.append((c, model_key, {}, world))
+            continue
         if world > W or (CASES[c][2] == "W" and W < 4):
             print(f"[plans] skip {c}: needs {'>= 4' if CASES[c][2] == 'W' else world} processes, have {W}", flush=True)
             continue
         todo.append((c, model_key, _resolve(flags, W), world))
-    G, mb = (4, 1) if args.cpu else (8, 1)
+    G, mb = (args.global_rows or (4 if args.cpu else 8)), 1
     common = dict(global_batch=G, mb=mb, steps=args.steps, dump=dump, cpu=args.cpu, compile_=args.compile,
                   float8=False, ac="none")
     refs = {}
     for mk in sorted({t[1] for t in todo}):
         name = f"ref_{mk}_w1"
+        if args.reuse_refs and len(read_metrics(dump / name)) >= args.steps:
+            print(f"[plans] {name}: reusing the reference run in {dump / name}", flush=True)
+            refs[mk] = (dict(rc=0), read_metrics(dump / name))
+            continue
         shutil.rmtree(dump / name, ignore_errors=True)
         argv = trainer_argv(models[mk], seq=models[mk]["seq"], name=name, **common)
         print(f"[plans] {name}: 1 process, {G} rows x {models[mk]['seq']}", flush=True)
         res = launch(1, ["-m", "titan_mm.train.trainer"], argv, dump / f"{name}.log", args.timeout, args.cpu)
         refs[mk] = (res, read_metrics(dump / name))
     rows = []
+    if args.control:  # the noise floor: the same model and batch on 1 process, another exact attention kernel
+        for mk in sorted(refs):
+            name = f"control_{mk}_w1"
+            shutil.rmtree(dump / name, ignore_errors=True)
+            argv = trainer_argv(models[mk], seq=models[mk]["seq"], name=name, **common, extra=args.control.split())
+            print(f"[plans] {name}: 1 process, {args.control} (noise floor)", flush=True)
+            res = launch(1, ["-m", "titan_mm.train.trainer"], argv, dump / f"{name}.log", args.timeout, args.cpu)
+            row = dict(kind="control", case="control", model=mk, flavor=models[mk]["flavor"], world=1,
+                       parallel={"control": args.control}, dp=1, global_batch_rows=G, wall_s=res["seconds"])
+            ref_res, ref_m = refs[mk]
+            if "error" in ref_res or "error" in res:
+                row.update(ok=False, error=res.get("error") or ref_res.get("error"))
+            else:
+                row.update(compare(read_metrics(dump / name), ref_m, list(range(1, args.steps + 1)), bounds))
+            rows.append(row)
+            print(f"[plans] {name}: loss rel max {fmt(row.get('loss_rel_max'))}, grad-norm rel max "
+                  f"{fmt(row.get('gnorm_rel_max'))}", flush=True)
+    if args.refs_only:
+        return rows
     steps = list(range(1, args.steps + 1))
     for c, mk, flags, world in todo:
         name = f"{c}_w{world}"
@@ -306,6 +336,12 @@ def run_mfu(args, dump: Path, W: int) -> list[dict]:
     return rows
 
 
+def _verdict(c: dict) -> str:
+    if c.get("kind") == "control" and "error" not in c:
+        return "(noise floor: 1 GPU vs 1 GPU)"
+    return "yes" if c.get("ok") else "NO: " + str(c.get("error", "bound exceeded"))[:80]
+
+
 def render(checks: list[dict], mfu: list[dict]) -> str:
     out = ["| case | model | GPUs | parallel | loss rel. (step 1 / max) | grad-norm rel. (step 1 / max) | ok |",
            "|---|---|---|---|---|---|---|"]
@@ -313,7 +349,7 @@ def render(checks: list[dict], mfu: list[dict]) -> str:
         out.append(f"| {c['case']} | {c['flavor']} | {c['world']} | {c['parallel']} | "
                    f"{fmt(c.get('loss_rel_first'), '.1e')} / {fmt(c.get('loss_rel_max'), '.1e')} | "
                    f"{fmt(c.get('gnorm_rel_first'), '.1e')} / {fmt(c.get('gnorm_rel_max'), '.1e')} | "
-                   f"{'yes' if c.get('ok') else 'NO: ' + str(c.get('error', 'bound exceeded'))[:80]} |")
+                   f"{_verdict(c)} |")
     out += ["", "| MFU case | model (layers) | GPUs | parallel | seq | tok/s/GPU | TFLOP/s/GPU | MFU | peak GB |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in mfu:
@@ -346,6 +382,18 @@ def main(argv: list[str] | None = None) -> int:
                     "(GPU: moe_ep, vl_moe_ep, cp_32k, cp_128k; --cpu: moe_ep, vl_moe_ep, cp_long)")
     ap.add_argument("--world", type=int, default=0, help="processes for W cases and MFU runs (default: all GPUs; --cpu: 2)")
     ap.add_argument("--steps", type=int, default=20, help="steps of each loss-equality run")
+    ap.add_argument("--global-rows", type=int, default=0,
+                    help="rows per step of the loss-equality runs (default 8; --cpu: 4); 1 row per data-parallel rank "
+                         "per micro-batch, the rest accumulation")
+    ap.add_argument("--refs-only", action="store_true",
+                    help="run only the 1-process references of --cases (e.g. on one GPU while another is busy)")
+    ap.add_argument("--control", default="",
+                    help="trainer overrides for a second 1-process run of each reference model, e.g. "
+                         "'--kernels.mode reference' (PyTorch ops instead of the Triton kernels on GPU): the same math "
+                         "with other bf16 rounding, so its distance from the reference is the noise floor the parallel "
+                         "cases can be read against")
+    ap.add_argument("--reuse-refs", action="store_true",
+                    help="reuse reference runs already complete in --dump (written by --refs-only)")
     ap.add_argument("--mfu-steps", type=int, default=12, help="steps of each MFU run")
     ap.add_argument("--warmup", type=int, default=4, help="MFU steps left out of the median")
     ap.add_argument("--compile", type=lambda s: s.lower() in ("1", "true", "yes"), default=None,
@@ -358,7 +406,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="results JSON (default bench/results/multigpu_plans.json; "
                                                "--cpu: multigpu_plans_cpu.json)")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU processes, tiny flavors, fp32 (tests)")
+    ap.add_argument("--render", default="", help="print the markdown tables of this results JSON and exit")
+    ap.add_argument("--doc", default="", help="with --render: replace the tables between the multigpu-plans markers here")
     args = ap.parse_args(argv)
+    if args.render:
+        doc = json.loads(Path(args.render).read_text())
+        print(render_into(render(doc["checks"], doc["mfu"]), args.doc, "multigpu-plans"))
+        return 0
     if args.compile is None:
         args.compile = not args.cpu
     if args.cpu:
@@ -367,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         W = args.world or torch.cuda.device_count()
-        if W < 1 or W > torch.cuda.device_count():
+        if (W < 1 and not args.refs_only) or W > torch.cuda.device_count():
             ap.error(f"--world {W}: {torch.cuda.device_count()} GPU(s) visible (use --cpu without GPUs)")
     bounds = BOUNDS_CPU if args.cpu else BOUNDS_GPU
     dump = Path(args.dump)
@@ -387,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     out.write_text(json.dumps(doc, indent=1))
     print(render(doc["checks"], doc["mfu"]))
-    failed = [c for c in checks if not c.get("ok")] + [r for r in mfu if "error" in r]
+    failed = [c for c in checks if not c.get("ok") and (c.get("kind") != "control" or "error" in c)] + \
+        [r for r in mfu if "error" in r]
     print(f"[plans] wrote {out}; {len(failed)} failed check(s)/run(s)", flush=True)
     return 1 if failed else 0
 

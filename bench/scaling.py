@@ -130,7 +130,8 @@ def compare(run: dict[int, dict], ref: dict[int, dict], steps: list[int], bounds
           and dg[0] <= bounds["gnorm_step1"] and max(dg) <= bounds["gnorm"])
     return dict(ok=bool(ok), steps=[steps[0], steps[-1]], loss_rel_first=dl[0], loss_rel_max=max(dl),
                 gnorm_rel_first=dg[0], gnorm_rel_max=max(dg),
-                loss=[run[s]["loss"] for s in steps], ref_loss=[ref[s]["loss"] for s in steps])
+                loss=[run[s]["loss"] for s in steps], ref_loss=[ref[s]["loss"] for s in steps],
+                grad_norm=[run[s]["grad_norm"] for s in steps], ref_grad_norm=[ref[s]["grad_norm"] for s in steps])
 
 
 def step_flops(model: dict, seq: int, rows: int, steps: list[int], seed: int = 0) -> dict[int, float]:
@@ -268,7 +269,10 @@ def analyze(runs: list[dict], bounds: dict) -> list[dict]:
                 r.pop("loss_equal", None)
                 continue
             steps = list(range(1, r["settings"]["steps"] + 1))
-            c = compare(read_metrics(Path(r.get("run_dir", ""))), base_m, steps, bounds)
+            run_m = read_metrics(Path(r.get("run_dir", "")))
+            if not run_m or not base_m:  # run folders of an earlier machine: keep the check computed there
+                continue
+            c = compare(run_m, base_m, steps, bounds)
             checks.append(dict(kind="loss_equality", model=r["model"], float8=r["float8"], world=r["world"],
                                ref_world=base["world"], **c))
             r["loss_equal"] = c["ok"]
@@ -383,6 +387,15 @@ def render(runs: list[dict], checks: list[dict]) -> str:
     return "\n".join(out)
 
 
+def render_into(table: str, doc: str, marker: str) -> str:
+    """Replace the text between ``<!-- {marker}:begin -->`` and ``<!-- {marker}:end -->`` in ``doc`` (if given)."""
+    if doc:
+        text = Path(doc).read_text()
+        a, b = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+        Path(doc).write_text(text[: text.index(a) + len(a)] + "\n" + table + "\n" + text[text.index(b):])
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="", help=f"comma list of {list(MODELS)} (default: all; --cpu: debug)")
@@ -407,7 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump", default=str(ROOT / "outputs/bench_scaling"), help="run folders and logs")
     ap.add_argument("--out", default="", help="results JSON (default bench/results/scaling.json; --cpu: scaling_cpu.json)")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU processes, tiny model, fp32 (tests)")
+    ap.add_argument("--render", default="", help="print the markdown tables of this results JSON and exit")
+    ap.add_argument("--doc", default="", help="with --render: replace the tables between the scaling markers here")
     args = ap.parse_args(argv)
+    if args.render:
+        doc = json.loads(Path(args.render).read_text())
+        print(render_into(render(doc["runs"], doc["checks"]), args.doc, "scaling"))
+        return 0
     if args.compile is None:
         args.compile = not args.cpu
     catalog = CPU_MODELS if args.cpu else MODELS
@@ -442,8 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         eq = analyze(merged, bounds)
         key = lambda c: (c["kind"], c["model"], c["float8"], c.get("world"), c.get("written_world"),  # noqa: E731
                          c.get("resumed_world"))
-        old = [c for c in prev.get("checks", []) if c["kind"] != "loss_equality"]
-        doc = dict(meta=meta, runs=merged, checks=merge_rows(merge_rows(old, eq, key), checks, key))
+        # loss-equality checks are recomputed where both run folders exist; the others are kept as written
+        doc = dict(meta=meta, runs=merged, checks=merge_rows(merge_rows(prev.get("checks", []), eq, key), checks, key))
         out.write_text(json.dumps(doc, indent=1))
         return doc
 

@@ -209,7 +209,10 @@ class Parallel:
     all-gather before attention / MLP, reduce-scatter after), when the model's plan supports it."""
     loss_parallel: bool = True
     """With tp > 1: split the output head over the vocabulary and compute the cross-entropy vocab-parallel,
-    when the model's plan names its head (plan.loss_parallel)."""
+    when the model's plan names its head (plan.loss_parallel; a tied head shards the token embedding too)."""
+    encoder_tp: bool = False
+    """With tp > 1: shard the modality encoders (Qwen3-VL: ViT attention / MLP, patch and DeepStack mergers)
+    over tp as well; false: they are replicated over tp (every tp rank runs them on all images)."""
     cp_mode: Literal["ulysses", "ring", "allgather"] = "ulysses"
     """Context-parallel attention: ulysses (all-to-all sequence<->heads; cp x tp must divide the heads), ring
     (k/v blocks passed around the cp ranks, online softmax; one remote block in memory) or allgather
@@ -281,6 +284,10 @@ class Metrics:
 class Kernels:
     mode: Literal["auto", "triton", "reference"] = "auto"
     """auto: Triton kernels on CUDA SM>=80, PyTorch reference elsewhere; triton forces them; reference disables them."""
+    ops: str = "all,-bias_gelu"
+    """Which ops come from titan_mm.kernels when kernels are on: "all", "none", a comma list (rms_norm,
+    add_rms_norm, swiglu, rope, mrope, linear_cross_entropy, bias_gelu) or "all,-op". bias_gelu is off by
+    default: its backward measured 0.65x eager PyTorch on the H200 (bench/results/kernels.json)."""
 
 
 @dataclass

@@ -172,3 +172,28 @@ def qwen3_step(model, b):
 
     meta = build_attn_meta(b, "sdpa", "cpu")
     return model(b["input_ids"], position_ids=b["position_ids"], attn=meta, labels=b["labels"]).loss_sum
+
+
+def run_cells(cells, run_one):
+    """Worker side of a grouped launch: ``run_one(*cell[1:])`` for each cell ``(name, ...)`` in turn, in the same
+    processes (process start-up, imports and gloo set-up dominate these CPU tests, not the three steps). An
+    exception is annotated with its cell's name (the harness reports the traceback)."""
+    out = []
+    for name, *args in cells:
+        try:
+            out.append(run_one(*args))
+        except Exception as e:
+            e.add_note(f"in test cell {name!r}")
+            raise
+    return out
+
+
+def check_cells(cells, got, reference):
+    """Parent side: every rank's result of every cell equals ``reference(cell)`` (assert_close_runs)."""
+    for i, cell in enumerate(cells):
+        ref = reference(cell)
+        for rank, per_cell in enumerate(got):
+            try:
+                assert_close_runs(ref, per_cell[i])
+            except AssertionError as e:
+                raise AssertionError(f"cell {cell[0]!r}, rank {rank}: {e}") from None

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _harness import run_multiproc
-from _parallel_common import (assert_close_runs, build_tiny_qwen3, make_packed_batches, qwen3_step, tiny_qwen3_config,
-                              train_steps)
+from _parallel_common import (assert_close_runs, build_tiny_qwen3, check_cells, make_packed_batches, qwen3_step,
+                              run_cells, tiny_qwen3_config, train_steps)
 
 BATCHES = make_packed_batches(3, batch=4, seq=32, vocab=128)
 
@@ -35,13 +35,17 @@ def _reference(moe):
     return train_steps(build_tiny_qwen3(cfg), BATCHES, qwen3_step)
 
 
-def _worker(rank, world, moe, dims):
+def _run_cell(world, moe, dims):
     from titan_mm.parallel.apply import parallelize
     from titan_mm.parallel.mesh import ParallelDims
 
-    cfg = tiny_qwen3_config(moe)
-    model = build_tiny_qwen3(cfg)
     dims = dict(dims)
+    cfg = tiny_qwen3_config(moe, kernels=dims.pop("kernels", False))
+    model = build_tiny_qwen3(cfg)
+    if cfg.kernels:  # the Triton kernels run (through the interpreter), not the reference fallback
+        from titan_mm.kernels import use_triton
+
+        assert use_triton(torch.empty(1)), "TRITON_INTERPRET=1 did not reach the worker"
     sp = dims.pop("sp", True)
     job = SimpleNamespace(parallel=SimpleNamespace(sequence_parallel=sp, loss_parallel=sp, backend="auto"))
     pd = ParallelDims(world_size=world, **dims)
@@ -51,20 +55,71 @@ def _worker(rank, world, moe, dims):
     return train_steps(model, BATCHES, qwen3_step, dp_rank=dp_rank, dp_size=dp, loss_group=batch_mesh.get_group())
 
 
-# tp2 on Qwen3-MoE alone is covered by tp2xep2 (MoE + SP + TP); kept out for the CPU budget
-CASES = [
-    ("tp2-dense-sp-lossparallel", 2, False, dict(dp_shard=1, tp=2)),
-    ("tp2-dense-nosp-nolossparallel", 2, False, dict(dp_shard=1, tp=2, sp=False)),
-    ("ep2", 2, True, dict(dp_shard=2, ep=2)),
-    ("fsdp2xtp2-dense", 4, False, dict(dp_shard=2, tp=2)),
-    ("fsdp2xep2", 4, True, dict(dp_shard=4, ep=2)),
-    ("tp2xep2", 4, True, dict(dp_shard=2, tp=2, ep=2)),
+def _worker(rank, world, cells):
+    return run_cells(cells, functools.partial(_run_cell, world))
+
+
+# (launch id, world, cells); a cell is (name, moe, dims) and the cells of a launch run one after another in the same
+# processes. SP + loss parallel are on unless dims say sp=False. Qwen3-MoE under tp: the MoE input is all-gathered
+# over tp (seq_gather_local) and every tp rank runs all experts; without ep the experts are plain replicated weights.
+LAUNCHES = [
+    ("world2", 2, (
+        ("tp2-dense-sp-lossparallel", False, dict(dp_shard=1, tp=2)),
+        ("tp2-dense-nosp-nolossparallel", False, dict(dp_shard=1, tp=2, sp=False)),
+        ("tp2-moe", True, dict(dp_shard=1, tp=2)),
+        ("ep2", True, dict(dp_shard=2, ep=2)),
+    )),
+    ("world4", 4, (
+        ("fsdp2xtp2-dense", False, dict(dp_shard=2, tp=2)),
+        ("fsdp2xtp2-moe", True, dict(dp_shard=2, tp=2)),
+        ("fsdp2xep2", True, dict(dp_shard=4, ep=2)),  # experts: ep 2 x ep_fsdp 2
+        ("tp2xep2", True, dict(dp_shard=2, tp=2, ep=2)),
+    )),
+    # the Triton kernels (through the interpreter: TRITON_INTERPRET=1 in the workers) on the sequence shards:
+    # RMSNorm on the embedding's reduce-scattered output, the fused residual add + ffn_norm on wo's, SwiGLU, RoPE;
+    # the reference is the kernels-off world-1 run
+    ("world2-kernels", 2, (
+        ("tp2-dense-sp-kernels", False, dict(dp_shard=1, tp=2, kernels=True)),
+    )),
 ]
 
 
-@pytest.mark.parametrize("name,world,moe,dims", CASES, ids=[c[0] for c in CASES])
-def test_matches_world1(name, world, moe, dims):
-    got = run_multiproc(_worker, world, args=(moe, dims))
-    ref = _reference(moe)
+@pytest.mark.parametrize("world,cells", [c[1:] for c in LAUNCHES], ids=[c[0] for c in LAUNCHES])
+def test_matches_world1(world, cells):
+    env = {"TRITON_INTERPRET": "1"} if any(c[2].get("kernels") for c in cells) else None
+    got = run_multiproc(_worker, world, args=(cells,), env=env)
+    check_cells(cells, got, lambda cell: _reference(cell[1]))
+
+
+# ---- tied head (tie_word_embeddings): loss parallel shards the token embedding over the vocabulary ----
+@functools.lru_cache(maxsize=None)
+def _reference_tied():
+    return train_steps(build_tiny_qwen3(tiny_qwen3_config(tie_word_embeddings=True)), BATCHES, qwen3_step)
+
+
+def _worker_tied(rank, world, dims, switches):
+    from titan_mm.parallel.apply import parallelize
+    from titan_mm.parallel.mesh import ParallelDims
+
+    cfg = tiny_qwen3_config(tie_word_embeddings=True)
+    model = build_tiny_qwen3(cfg)
+    job = SimpleNamespace(parallel=SimpleNamespace(backend="auto", **switches))
+    pd = ParallelDims(world_size=world, **dims)
+    parallelize(model, _plan(cfg), pd, job)
+    batch_mesh = pd.mesh("batch")
+    return train_steps(model, BATCHES, qwen3_step, dp_rank=batch_mesh.get_local_rank(), dp_size=batch_mesh.size(),
+                       loss_group=batch_mesh.get_group())
+
+
+# (name, world, dims, switches): the embedding becomes embedding_rowwise_seq under SP, embedding_rowwise without
+TIED_CASES = [
+    ("tied-tp2-sp-lossparallel", 2, dict(dp_shard=1, tp=2), dict(sequence_parallel=True, loss_parallel=True)),
+    ("tied-tp2-nosp-lossparallel", 2, dict(dp_shard=1, tp=2), dict(sequence_parallel=False, loss_parallel=True)),
+]
+
+
+@pytest.mark.parametrize("name,world,dims,switches", TIED_CASES, ids=[c[0] for c in TIED_CASES])
+def test_tied_head_matches_world1(name, world, dims, switches):
+    got = run_multiproc(_worker_tied, world, args=(dims, switches))
     for r in got:
-        assert_close_runs(ref, r)
+        assert_close_runs(_reference_tied(), r)

@@ -79,3 +79,71 @@ def test_local_map_wrappers_match_single_process(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
         assert "OK" in out
+
+
+CHILD_VP_CE = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor, Shard
+    import titan_mm.kernels as K
+    from titan_mm.models.common.loss import chunked_cross_entropy
+    from titan_mm.parallel.tp import vocab_parallel_fused_cross_entropy
+
+    rank = int(sys.argv[1]); port = sys.argv[2]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)  # same full tensors on both ranks
+    N, D, V = 19, 16, 80  # 40 rows per shard (not a power of two), a partial last chunk
+    h, w = torch.randn(N, D), torch.randn(V, D) * 0.5
+    labels = torch.randint(0, V, (N,))
+    labels[::4] = -100
+    for z, chunk in ((0.0, 0), (1e-2, 7)):
+        hr, wr = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        ref = chunked_cross_entropy(hr, wr, labels, chunk_size=5, z_loss_weight=z)
+        ref.backward()
+        hs, ws = h.clone().requires_grad_(True), w[rank * 40:(rank + 1) * 40].clone().requires_grad_(True)
+        got = K.vocab_parallel_linear_cross_entropy(hs, ws, labels, rank * 40, dist.group.WORLD, z_loss=z,
+                                                    chunk_size=chunk)
+        (got * 2.0).backward()
+        torch.testing.assert_close(got.detach(), ref.detach(), msg=f"loss z={z}")
+        torch.testing.assert_close(hs.grad, 2 * hr.grad, msg=f"grad h z={z}")
+        torch.testing.assert_close(ws.grad, 2 * wr.grad[rank * 40:(rank + 1) * 40], msg=f"grad w z={z}")
+    # through titan_mm.parallel.tp (what loss parallel installs for a model on the fused CE), DTensor weight
+    hd = h.clone().requires_grad_(True)
+    wd = distribute_tensor(w.clone(), mesh, [Shard(0)]).requires_grad_(True)
+    got = vocab_parallel_fused_cross_entropy(hd, wd, labels, 4096, 0.0)
+    got.backward()
+    hr, wr = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    ref = chunked_cross_entropy(hr, wr, labels)
+    ref.backward()
+    torch.testing.assert_close(got.detach(), ref.detach())
+    torch.testing.assert_close(hd.grad, hr.grad)
+    torch.testing.assert_close(wd.grad.full_tensor(), wr.grad)
+    dist.barrier()
+    dist.destroy_process_group()
+    print("OK", rank, flush=True)
+    os._exit(0)  # see CHILD
+    """
+)
+
+
+def test_vocab_parallel_fused_ce_matches_single_process(tmp_path):
+    """The fused Triton CE per vocabulary shard (loss parallel), through the Triton interpreter on 2 gloo ranks:
+    loss and gradients equal the single-process chunked CE (with z-loss, ignored labels, several chunks)."""
+    script = tmp_path / "child_vp_ce.py"
+    script.write_text(CHILD_VP_CE)
+    port = str(_free_port())
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               TRITON_INTERPRET="1")
+    procs = [
+        subprocess.Popen([sys.executable, "-W", "ignore", str(script), str(r), port], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert "OK" in out

@@ -44,3 +44,25 @@ def test_cli_prints_table(capsys):
     main(["--config", "debug_qwen3.toml", "--gpus", "2", "--gpu-mem-gb", "24"])
     out = capsys.readouterr().out
     assert "activations" in out and "total" in out and "suggested for 2 GPUs" in out
+
+
+def test_vl_tp_terms():
+    """Qwen3-VL under tp: sequence parallel divides the residual stream and DeepStack additions, encoder_tp the ViT
+    activations and parameters; the tied head (the token embedding) is vocab-sharded by loss parallel."""
+    from titan_mm.parallel.memory import estimate_phases
+
+    spec = get_model_spec("qwen3_vl")
+    cfg = spec.flavor("2B")
+    plan = spec.plan(cfg)
+    assert plan.sequence_parallel and plan.loss_parallel == "language_model.tok_embeddings" and plan.encoder_tp
+    c = count_params(cfg, plan)
+    V, D = cfg.text.vocab_size, cfg.text.hidden_size
+    assert c.tp_sharded >= V * D  # the tied embedding / head
+    assert count_params(cfg, plan, encoder_tp=True).tp_sharded > c.tp_sharded
+
+    def fwd(**topo):
+        return estimate_phases(cfg, plan, Topology(tp=2, **topo), 8192, 1, counts=None, vision_patches=10240)["forward_end"]
+
+    nosp, sp, enc = fwd(sp=False), fwd(sp=True), fwd(sp=True, encoder_tp=True)
+    assert sp["activations"] < nosp["activations"]
+    assert enc["activations"] < sp["activations"] and enc["params"] < sp["params"]

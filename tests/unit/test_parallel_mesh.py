@@ -45,3 +45,43 @@ def test_check_model():
 def test_world1_no_process_group():
     pd = ParallelDims(world_size=1)
     assert pd.build_meshes() == {} and pd.mesh("fsdp") is None and pd.fsdp_mesh() is None
+
+
+def test_check_model_rejects_unsupported_matrix_cells():
+    """Cells of the issue-8 matrix that cannot exist: ep on a dense model (Qwen3, Qwen3-VL dense), Ulysses with
+    cp * tp above the kv heads (the tiny test configs have 2: cp2 x tp2 runs ring / all-gather instead)."""
+    for dims in (dict(dp_shard=2, ep=2, world_size=2), dict(dp_shard=4, ep=2, world_size=4),
+                 dict(dp_shard=2, tp=2, ep=2, world_size=4)):
+        with pytest.raises(ValueError, match=r"ep\(2\) > 1 but the model has no experts; set parallel.ep = 1"):
+            ParallelDims(**dims).check_model(num_heads=4, num_kv_heads=2, num_experts=0)
+    pd = ParallelDims(dp_shard=1, cp=2, tp=2, world_size=4)
+    with pytest.raises(ValueError, match=r"Ulysses CP needs cp\(2\) \* tp\(2\) to divide .*num_key_value_heads\(2\); "
+                                         r"use cp_mode='ring'"):
+        pd.check_model(num_heads=4, num_kv_heads=2, cp_ulysses=True)
+    pd.check_model(num_heads=4, num_kv_heads=2, cp_ulysses=False)  # ring / all-gather take any head count
+
+
+@pytest.mark.parametrize(
+    "args,dims,msg",
+    [
+        (["--model.name", "qwen3"], dict(dp_shard=2, ep=2, world_size=2), "model has no experts"),
+        (["--model.name", "qwen3_vl"], dict(dp_shard=2, ep=2, world_size=2), "model has no experts"),
+        (["--model.name", "qwen3_moe", "--parallel.cp_mode", "ulysses"], dict(dp_shard=1, cp=2, tp=2, world_size=4),
+         "Ulysses CP needs cp(2) * tp(2)"),
+        (["--model.name", "qwen3", "--data.seq_len", "102"], dict(dp_shard=1, cp=2, world_size=2),
+         "seq_len(102) is not a multiple of tp(1) * 2 * cp(2) = 4"),
+    ],
+)
+def test_trainer_checks_the_model_up_front(args, dims, msg):
+    """The trainer calls check_model right after resolving the model config (before building anything)."""
+    import torch
+
+    from titan_mm.config import ConfigError, load_config
+    from titan_mm.train.trainer import check_parallel, resolve_model
+
+    cfg = load_config(["--model.flavor", "debug", *args])
+    _, mcfg = resolve_model(cfg, torch.device("cpu"))
+    with pytest.raises(ConfigError) as e:
+        check_parallel(cfg, ParallelDims(**dims), mcfg)
+    assert str(e.value).startswith("[parallel] ") and msg in str(e.value)
+    check_parallel(cfg, ParallelDims(dp_shard=dims["world_size"], world_size=dims["world_size"]), mcfg)

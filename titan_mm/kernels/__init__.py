@@ -9,6 +9,8 @@ PyTorch reference in titan_mm.kernels.reference elsewhere; see docs/kernels.md):
     apply_rope(q, k, cos, sin) -> (q, k)                       q/k [B, S, H, Dh]; cos/sin [S|B,S, Dh|Dh/2]
     apply_mrope(q, k, cos, sin, mrope_section) -> (q, k)       cos/sin [3, B, S, Dh|Dh/2] per-axis tables
     linear_cross_entropy(h, weight, labels, ignore_index=-100, z_loss=0.0) -> loss_sum (fp32)
+    vocab_parallel_linear_cross_entropy(h, weight_shard, labels, vocab_start, group, ...) -> loss_sum
+        (loss parallel: the head's rows are split over the ranks of ``group``; Triton only, no reference)
     bias_gelu(x, b) -> gelu_tanh(x + b)
 
 The ops live in the `titan_mm` torch.library namespace (torch.ops.titan_mm.*), each with a fake
@@ -31,6 +33,7 @@ __all__ = [
     "apply_rope",
     "apply_mrope",
     "linear_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
     "bias_gelu",
     "reference",
     "HAS_TRITON",
@@ -64,7 +67,8 @@ def resolve_ops(spec) -> frozenset:
 
 if HAS_TRITON:
     from .bias_gelu import BiasGeluFunction, bias_gelu_op
-    from .cross_entropy import LinearCrossEntropyFunction, linear_cross_entropy_op
+    from .cross_entropy import (LinearCrossEntropyFunction, VocabParallelLinearCrossEntropyFunction,
+                                linear_cross_entropy_op)
     from .rms_norm import AddRMSNormFunction, RMSNormFunction, add_rms_norm_op, rms_norm_op
     from .rope import RopeFunction, rope_op
     from .swiglu import SwiGLUFunction, swiglu_op
@@ -149,6 +153,32 @@ def linear_cross_entropy(
     return reference.linear_cross_entropy(
         h, weight, labels, ignore_index, z_loss, chunk_size=chunk_size if chunk_size > 0 else 4096
     )
+
+
+def vocab_parallel_linear_cross_entropy(
+    h: torch.Tensor,
+    weight_shard: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    group,
+    ignore_index: int = -100,
+    z_loss: float = 0.0,
+    chunk_size: int = 0,
+) -> torch.Tensor:
+    """linear_cross_entropy with the head split over the vocabulary (loss parallel): ``weight_shard`` holds
+    rows [vocab_start, vocab_start + V_local) of the [V, D] head, the other rows live on the other ranks of
+    ``group``; ``h`` and ``labels`` are the same on every rank. Per chunk of tokens each rank computes its
+    shard's log-sum-exp and target logit in Triton, one all-gather combines them into the global values, and
+    a second Triton pass writes the shard's logit gradients in place (no fp32 [C, V] copies). Returns the
+    same fp32 loss sum on every rank; h's gradient is complete (all-reduced), the weight's is this shard's.
+    Triton only (``use_triton(h, weight_shard)`` with equal dtypes): titan_mm.parallel.tp falls back to its
+    PyTorch vocab-parallel CE elsewhere. Eager autograd (it runs collectives; no torch.library op)."""
+    if not (use_triton(h, weight_shard) and h.dtype == weight_shard.dtype):
+        raise RuntimeError("vocab_parallel_linear_cross_entropy runs only on the Triton path (CUDA SM >= 80, or "
+                           "TRITON_INTERPRET=1 on CPU) with h and the weight in one dtype; use "
+                           "titan_mm.parallel.tp.vocab_parallel_cross_entropy elsewhere.")
+    return VocabParallelLinearCrossEntropyFunction.apply(h, weight_shard, labels, int(vocab_start), group,
+                                                         int(ignore_index), float(z_loss), int(chunk_size))
 
 
 def bias_gelu(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -20,15 +20,8 @@ from ._utils import as_rows, new_empty, next_pow2
 
 
 @triton.jit
-def _ce_row_kernel(
-    L, stride_l, LAB, LOSS, ignore_index, z_loss,
-    V: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    base = L + row * stride_l
-    lab = tl.load(LAB + row)
-    valid = lab != ignore_index
-    lab = tl.where(valid, lab, 0)
+def _row_lse(base, V: tl.constexpr, BLOCK: tl.constexpr):
+    """Log-sum-exp (fp32) of the V logits at ``base``: one pass with a running max and rescaled sum per lane."""
     offs = tl.arange(0, BLOCK)
     m_vec = tl.full([BLOCK], -1e30, tl.float32)
     d_vec = tl.zeros([BLOCK], tl.float32)
@@ -40,7 +33,20 @@ def _ce_row_kernel(
         d_vec = d_vec * tl.exp(m_vec - m_new) + tl.where(msk, tl.exp(x - m_new), 0.0)
         m_vec = m_new
     m = tl.max(m_vec, axis=0)
-    lse = m + tl.log(tl.sum(d_vec * tl.exp(m_vec - m), axis=0))
+    return m + tl.log(tl.sum(d_vec * tl.exp(m_vec - m), axis=0))
+
+
+@triton.jit
+def _ce_row_kernel(
+    L, stride_l, LAB, LOSS, ignore_index, z_loss,
+    V: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = L + row * stride_l
+    lab = tl.load(LAB + row)
+    valid = lab != ignore_index
+    lab = tl.where(valid, lab, 0)
+    lse = _row_lse(base, V, BLOCK)
     x_t = tl.load(base + lab).to(tl.float32)
     loss = lse - x_t
     if HAS_Z:
@@ -50,6 +56,7 @@ def _ce_row_kernel(
         scale = tl.where(valid, 1.0, 0.0)
         if HAS_Z:
             scale = scale * (1.0 + 2.0 * z_loss * lse)
+        offs = tl.arange(0, BLOCK)
         for start in range(0, V, BLOCK):
             cols = start + offs
             msk = cols < V
@@ -106,6 +113,114 @@ def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum
         if acc32:
             grad_w = grad_w.to(w.dtype)  # one rounding at the end instead of one per chunk
     return loss, grad_h, grad_w
+
+
+# ---- vocabulary-parallel variant (loss parallel: each tp rank holds rows [v0, v0 + V) of the head) ----
+@triton.jit
+def _ce_shard_stats_kernel(L, stride_l, LOC, LSE, TGT, V: tl.constexpr, BLOCK: tl.constexpr):
+    """Per row: the log-sum-exp of this shard's logits, and the target logit when the label is in the shard
+    (LOC = label - v0, or -1 for ignored rows / labels of other shards; TGT = 0 otherwise)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = L + row * stride_l
+    loc = tl.load(LOC + row)
+    mine = (loc >= 0) & (loc < V)
+    tl.store(LSE + row, _row_lse(base, V, BLOCK))
+    x_t = tl.load(base + tl.where(mine, loc, 0)).to(tl.float32)
+    tl.store(TGT + row, tl.where(mine, x_t, 0.0))
+
+
+@triton.jit
+def _ce_shard_grad_kernel(L, stride_l, LOC, LSE, SCALE, V: tl.constexpr, BLOCK: tl.constexpr):
+    """Overwrite this shard's logits with d(loss)/d(logits): softmax(global lse) * scale - onehot."""
+    row = tl.program_id(0).to(tl.int64)
+    base = L + row * stride_l
+    loc = tl.load(LOC + row)
+    lse = tl.load(LSE + row)
+    scale = tl.load(SCALE + row)
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        msk = cols < V
+        x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32)
+        p = tl.exp(x - lse) * scale
+        p = tl.where(cols == loc, p - 1.0, p)
+        tl.store(base + cols, p.to(L.dtype.element_ty), mask=msk)
+
+
+def lce_vocab_parallel_impl(h, w, labels, vocab_start, group, ignore_index, z_loss, compute_grad, chunk_size):
+    """As :func:`lce_impl` with ``w`` = rows [vocab_start, vocab_start + V) of the head, the other rows on the
+    other ranks of ``group``. Per chunk: this shard's logits (cuBLAS), a Triton pass for the shard's per-row
+    log-sum-exp and target logit, one all-gather of those [2, C] pieces (combined to the global lse and target
+    logit on every rank), a Triton pass writing the shard's d(loss)/d(logits) in place, then the gradient
+    matmuls. grad_W is this shard's; grad_h is all-reduced over ``group`` once at the end. Same loss on every
+    rank."""
+    import torch.distributed as dist
+
+    h2 = as_rows(h).contiguous()
+    w = w.contiguous()
+    lab = labels.reshape(-1).contiguous()
+    n, d = h2.shape
+    v = w.shape[0]
+    world = dist.get_world_size(group)
+    c = chunk_size if chunk_size > 0 else default_chunk_size(n, d, v)  # a logits chunk ~ the size of h
+    block = min(8192, next_pow2(v))
+    valid = lab != ignore_index
+    loc = torch.where(valid & (lab >= vocab_start) & (lab < vocab_start + v), lab - vocab_start, -1)
+    loss_rows = torch.zeros((n,), dtype=torch.float32, device=h.device)
+    if compute_grad:
+        grad_h = new_empty((n, d), h.dtype, h.device)
+        grad_w = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
+    else:
+        grad_h, grad_w = h.new_empty(0), w.new_empty(0)
+    logits_buf = new_empty((min(c, n), v), h.dtype, h.device) if n > 0 else None
+    for s in range(0, n, c):
+        e = min(n, s + c)
+        hc = h2[s:e]
+        logits = logits_buf[: e - s]
+        torch.mm(hc, w.t(), out=logits)
+        pieces = new_empty((2, e - s), torch.float32, h.device)
+        _ce_shard_stats_kernel[(e - s,)](logits, logits.stride(0), loc[s:e], pieces[0], pieces[1], V=v, BLOCK=block,
+                                         num_warps=16 if block >= 8192 else 8)
+        every = new_empty((world * 2, e - s), torch.float32, h.device)  # ranks' pieces concatenated on dim 0
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer torch renamed it
+        all_gather(every, pieces, group=group)
+        every = every.view(world, 2, e - s)
+        lse = torch.logsumexp(every[:, 0], 0)
+        tgt = every[:, 1].sum(0)
+        vf = valid[s:e].float()
+        row_loss = lse - tgt + (z_loss * lse * lse if z_loss else 0.0)
+        loss_rows[s:e] = row_loss * vf
+        if compute_grad:
+            scale = vf * (1.0 + 2.0 * z_loss * lse) if z_loss else vf
+            _ce_shard_grad_kernel[(e - s,)](logits, logits.stride(0), loc[s:e], lse, scale.contiguous(), V=v,
+                                            BLOCK=block, num_warps=16 if block >= 8192 else 8)
+            torch.mm(logits, w, out=grad_h[s:e])
+            grad_w.addmm_(logits.t(), hc)
+    if compute_grad and n > 0:
+        dist.all_reduce(grad_h, group=group)  # every vocabulary shard contributes to each token's gradient
+    loss = loss_rows.sum()
+    if compute_grad:
+        grad_h = grad_h.view(h.shape)
+    return loss, grad_h, grad_w
+
+
+class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
+    """Eager autograd around :func:`lce_vocab_parallel_impl` (it runs collectives, so it has no custom op; the
+    loss is outside the compiled blocks)."""
+
+    @staticmethod
+    def forward(ctx, h, w, labels, vocab_start, group, ignore_index, z_loss, chunk_size):
+        compute_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        loss, grad_h, grad_w = lce_vocab_parallel_impl(h, w, labels, vocab_start, group, ignore_index, z_loss,
+                                                       compute_grad, chunk_size)
+        ctx.compute_grad = compute_grad
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        gh, gw, *_ = _backward(ctx, dloss, None, None)
+        return gh, gw, None, None, None, None, None, None
 
 
 def _addmm_fp32(acc, a, b, first: bool):

@@ -12,8 +12,9 @@ Supported layouts (the ones Qwen3 TP / SP plans produce):
 - swiglu: gate and up Shard(-1) (colwise-sharded w1 / w3 outputs); purely elementwise.
 - apply_rope / apply_mrope: q, k Shard(2) (heads, [B, S, H, Dh]); cos / sin Replicate (grads Partial).
 - bias_gelu: x Shard(-1), bias Shard(0) (colwise-sharded fc1 of the ViT MLP).
-linear_cross_entropy with a vocabulary-sharded lm_head needs a cross-rank logsumexp (loss-parallel CE)
-and is not covered: keep the lm_head weight replicated (or gathered) when calling it on DTensors.
+linear_cross_entropy with a vocabulary-sharded lm_head needs a cross-rank logsumexp: that is
+titan_mm.kernels.vocab_parallel_linear_cross_entropy (on local shards and a process group, not local_map),
+which loss parallel (titan_mm.parallel.tp) installs.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from titan_mm.models.common import init
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
@@ -55,7 +56,7 @@ class ExpertParallelExperts(nn.Module):
 
     def reset_parameters(self, std: float) -> None:
         for name in _WEIGHTS:
-            nn.init.normal_(getattr(self, name), mean=0.0, std=std)
+            init.normal_(getattr(self, name), mean=0.0, std=std)
 
     def forward(self, x_ND: torch.Tensor, top_w_NK: torch.Tensor, top_i_NK: torch.Tensor) -> torch.Tensor:
         N, K = top_i_NK.shape

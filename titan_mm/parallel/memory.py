@@ -15,9 +15,9 @@ live on [ep_fsdp, ep] = dp_shard x cp ranks); fsdp = dp_shard * cp (HSDP's dp_re
                        + the root's unsharded params (embedding / head / final norm / vision stem: FSDP2
                          keeps them from the forward through the backward)
                        + the saved activations of every block (+ the vision tower) at the loss
-                       + the loss's working set: fused Triton CE (kernels on, text models) = a [C, V]
-                         logits chunk, grad_h [N, D] and grad_W [V, D] in the weight dtype; the PyTorch
-                         chunked CE (kernels off, or loss parallel) = fp32 grad_W plus up to
+                       + the loss's working set: fused Triton CE (kernels on) = a [C, V]
+                         logits chunk, grad_h [N, D] and grad_W [V, D] in the weight dtype (V/tp under
+                         loss parallel); the PyTorch chunked CE (kernels off) = fp32 grad_W plus up to
                          (16 + a) * C * V bytes of chunk buffers (fp32 logits, exp temp, softmax, grad;
                          the previous chunk's softmax and bf16 grad are still bound when the next
                          chunk's are made).
@@ -40,7 +40,11 @@ gate/up [N*k, F]; compile recomputes pointwise ops (silu, gelu), eager keeps the
 compile) keep their inputs as float8 when nothing else keeps the bf16 tensor (and add a float8 copy when
 something does: the attention output). Selective AC ("op"): matmul / attention outputs kept; full AC:
 block inputs kept + one block recomputed at a time. With TP the head / FFN terms are divided by tp (the
-residual stream too with sequence parallel); with CP the tokens are divided by cp.
+residual stream too with sequence parallel; Qwen3-VL: also the DeepStack additions, which sequence parallel
+cuts to the local shard with the embeddings); with CP the tokens are divided by cp. The ViT and the mergers are
+divided by tp only with ``encoder_tp`` (``parallel.encoder_tp``; their token stream is never sequence-split).
+Loss parallel (the plan names a head, tied or not): the head weight, its gradient and the loss's [C, V] chunks
+are divided by tp (kernels on: the fused CE's vocab-parallel form; off: the PyTorch vocab-parallel chunked CE).
 
 Not modelled: the CUDA context, cuBLAS / cuDNN workspaces and NCCL buffers (outside
 torch.cuda.max_memory_allocated), allocator fragmentation (reserved vs allocated), float8 scales, HSDP's
@@ -66,6 +70,7 @@ class Topology:
     ep: int = 1
     ac: str = "none"  # none | selective | full
     sp: bool = True  # sequence parallel (with tp > 1, when the plan has sequence_parallel entries)
+    encoder_tp: bool = False  # Qwen3-VL: ViT and mergers sharded over tp (parallel.encoder_tp), else replicated
 
     @property
     def world(self) -> int:
@@ -97,8 +102,10 @@ class ParamCounts:
         return self.tp_sharded + self.replicated + self.experts
 
 
-def count_params(model_cfg, plan) -> ParamCounts:
-    """Count by building the model on the meta device and classifying each parameter by the plan."""
+def count_params(model_cfg, plan, encoder_tp: bool = False) -> ParamCounts:
+    """Count by building the model on the meta device and classifying each parameter by the plan: tp-sharded
+    are the plan's colwise / rowwise / embedding entries, the loss-parallel head (tied: the embedding) and,
+    with ``encoder_tp``, the encoder entries."""
     import fnmatch
 
     import torch
@@ -106,7 +113,10 @@ def count_params(model_cfg, plan) -> ParamCounts:
     build = _build_fn(model_cfg)
     with torch.device("meta"):
         model = build(model_cfg)
-    tp_pat = [p for p, s in plan.tp.items() if s in ("colwise", "rowwise", "embedding_rowwise")]
+    styles = {**plan.tp, **(plan.encoder_tp if encoder_tp else {})}
+    tp_pat = [p for p, s in styles.items() if s in ("colwise", "rowwise", "embedding_rowwise")]
+    if plan.loss_parallel:
+        tp_pat.append(plan.loss_parallel)
     ep_pat = [p for p, s in plan.ep.items() if s == "experts"]
     blocks = [n for n, _ in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in plan.fsdp_units)]
     blocks = [b for b in blocks if not any(b.startswith(o + ".") for o in blocks)]
@@ -232,26 +242,32 @@ def vision_block_bytes(model_cfg, topo: Topology, act_bytes: int = 2, *, compile
     """Saved bytes per patch of one Qwen3-VL ViT block: LayerNorm inputs (2 Dv) + fp32 mean / rstd, their
     outputs as linear inputs (2 Dv), the qkv projection output (3 Dv: v is a view of it and keeps it
     alive), rotated q and k (2 Dv), attention output (Dv) + fp32 lse, fc1 output (Iv; eager also keeps
-    gelu's output). Tensor parallel does not split the ViT (replicated over tp)."""
+    gelu's output). Replicated over tp unless ``topo.encoder_tp``: then the per-head and MLP-channel terms
+    (everything but the LayerNorms and the linear inputs) are divided by tp."""
     v = _vision(model_cfg)
     if v is None:
         return BlockBytes(0.0, 0.0, 0.0)
     a = act_bytes
     Dv, Iv, Hv = v.hidden_size, v.intermediate_size, v.num_heads
-    full = a * (10 * Dv + Iv * (1 if compile else 2)) + 16 + 4 * Hv
-    kept = {"none": full, "selective": a * (Dv + 3 * Dv + Dv + Dv + Iv + Dv) + 4 * Hv, "full": a * Dv}[topo.ac]
-    return BlockBytes(kept, full, 2 * a * Iv)
+    t = topo.tp if topo.encoder_tp else 1
+    full = a * (4 * Dv + (6 * Dv + Iv * (1 if compile else 2)) / t) + 16 + 4 * Hv / t
+    # block input, qkv output, attention output, proj output, fc1 output, fc2 output + lse
+    selective = a * (Dv + (3 * Dv + Dv) / t + Dv + Iv / t + Dv) + 4 * Hv / t
+    kept = {"none": full, "selective": selective, "full": a * Dv}[topo.ac]
+    return BlockBytes(kept, full, 2 * a * Iv / t)
 
 
-def vision_stem_bytes(model_cfg, act_bytes: int = 2) -> float:
+def vision_stem_bytes(model_cfg, act_bytes: int = 2, topo: Topology | None = None) -> float:
     """Saved bytes per patch outside the ViT blocks: patch-embedding input, the main merger (LayerNorm
     input, fc1 input, fc1 / gelu outputs: 4 Dv per patch) and each DeepStack merger (3 Dv per patch; its
-    LayerNorm input is the block output, kept by the next block)."""
+    LayerNorm input is the block output, kept by the next block). With ``topo.encoder_tp`` the fc1 / gelu
+    outputs are divided by tp."""
     v = _vision(model_cfg)
     if v is None:
         return 0.0
     a = act_bytes
-    return a * v.patch_dim + a * v.hidden_size * (4 + 3 * len(v.deepstack_visual_indexes))
+    t = topo.tp if topo is not None and topo.encoder_tp else 1
+    return a * v.patch_dim + a * v.hidden_size * ((2 + 2 / t) + (1 + 2 / t) * len(v.deepstack_visual_indexes))
 
 
 def activation_bytes_per_token(model_cfg, topo: Topology, act_bytes: int) -> tuple[float, float, float]:
@@ -274,10 +290,12 @@ def loss_bytes(model_cfg, plan, topo: Topology, tokens: float, act_bytes: int = 
         kernels = bool(getattr(c, "kernels", False))
     vt = topo.tp if (topo.tp > 1 and plan is not None and plan.loss_parallel) else 1
     keep = (a * V * D) / vt + a * N * D  # grad_W (weight dtype) and grad_h (kept until the backward)
-    if kernels and vt == 1 and N > 0:
-        # titan_mm.kernels.linear_cross_entropy: one [C, V] logits buffer in h.dtype, C from default_chunk_size
-        chunk = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(N / math.ceil(V / D))))))
-        work = keep + a * min(chunk, N) * V + 4 * N
+    if kernels and N > 0:
+        # titan_mm.kernels.linear_cross_entropy (loss parallel: its vocab-parallel form on the V/tp shard): one
+        # [C, V/vt] logits buffer in h.dtype, C from default_chunk_size over the shard
+        Vl = math.ceil(V / vt)
+        chunk = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(N / math.ceil(Vl / D))))))
+        work = keep + a * min(chunk, N) * Vl + 4 * N
         return work, keep
     # titan_mm.models.common.loss.chunked_cross_entropy (fp32 grad_W accumulator, fp32 chunk buffers)
     C = min(int(_g(c, "loss_chunk_size", 4096)), max(N, 1))
@@ -297,7 +315,7 @@ def estimate_phases(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: 
 
     ``vision_patches``: ViT patches per micro-batch (Qwen3-VL; 0 = the vision tower's activations are not
     counted). ``kernels``: the model uses titan_mm.kernels (default: the config's ``kernels``)."""
-    c = counts or count_params(model_cfg, plan)
+    c = counts or count_params(model_cfg, plan, topo.encoder_tp)
     tc = _text(model_cfg)
     f, t = topo.fsdp, topo.tp
     ep = max(topo.ep, 1)
@@ -307,8 +325,8 @@ def estimate_phases(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: 
     fsdp_on = not (f == 1 and topo.dp_replicate == 1 and a == 4 and ep == 1)
     blk_un = c.block_dense / t + c.block_experts / ep  # one block's unsharded params
     blk_sh = c.block_dense / (t * f) + c.block_experts / f
-    vis_un = c.vision_block
-    vis_sh = c.vision_block / f
+    vis_un = c.vision_block / (t if topo.encoder_tp else 1)  # its linears (nearly all of it) are tp-sharded
+    vis_sh = vis_un / f
     root_un = c.root / max(1, t)
     root_sh = root_un / f
     L = max(c.n_blocks, _g(tc, "num_hidden_layers"))
@@ -327,9 +345,11 @@ def estimate_phases(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: 
     vis_acts = 0.0
     if vis is not None and vision_patches:
         nv = vision_patches
-        vis_acts = nv * (c.vision_blocks or vis.depth) * vblk.kept + nv * vision_stem_bytes(model_cfg, a)
-        head_acts += tokens * a * D * len(vis.deepstack_visual_indexes)  # DeepStack adds, alive all forward
-        head_acts += tokens * 4 * D / st  # Qwen3-VL's final norm is the reference RMSNorm: fp32 upcast kept
+        vis_acts = nv * (c.vision_blocks or vis.depth) * vblk.kept + nv * vision_stem_bytes(model_cfg, a, topo)
+        # DeepStack adds, alive all forward (sequence parallel: cut to the local shard with the embeddings)
+        head_acts += tokens * a * D * len(vis.deepstack_visual_indexes) / st
+    if not (kernels if kernels is not None else bool(getattr(tc, "kernels", False))):
+        head_acts += tokens * 4 * D / st  # the final norm is the reference RMSNorm (eager): fp32 upcast kept
     recompute = (blk.full - blk.kept) * tokens if topo.ac != "none" else 0.0
     root_params = a * root_un if fsdp_on else 0.0
     phases: dict[str, dict[str, float]] = {}
@@ -386,10 +406,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def suggest(model_cfg, plan, n_gpus: int, gpu_mem_gb: float, seq_len: int, micro_batch: int,
-            param_dtype_bytes: int = 2, headroom: float = 0.9, **kw) -> list[tuple[Topology, dict[str, float]]]:
+            param_dtype_bytes: int = 2, headroom: float = 0.9, encoder_tp: bool = False,
+            **kw) -> list[tuple[Topology, dict[str, float]]]:
     """Topologies that fit ``headroom * gpu_mem_gb``, best first (no AC before selective before full, then
     the smallest tp, then the smallest cp, then the largest ep). ``kw`` go to :func:`estimate`."""
-    c = count_params(model_cfg, plan)
+    c = count_params(model_cfg, plan, encoder_tp)
     tc = _text(model_cfg)
     H = _g(tc, "num_attention_heads")
     G = _g(tc, "num_key_value_heads", H)
@@ -406,7 +427,7 @@ def suggest(model_cfg, plan, n_gpus: int, gpu_mem_gb: float, seq_len: int, micro
                 if E and E % ep:
                     continue
                 for ac in ("none", "selective", "full"):
-                    topo = Topology(1, ds, cp, tp, ep, ac, bool(plan.sequence_parallel))
+                    topo = Topology(1, ds, cp, tp, ep, ac, bool(plan.sequence_parallel), encoder_tp)
                     est = estimate(model_cfg, plan, topo, seq_len, micro_batch, param_dtype_bytes, c, **kw)
                     if est["total"] <= headroom * gpu_mem_gb * GiB:
                         fits.append((topo, est))
@@ -432,6 +453,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument(f"--{name}", type=int, default=None, help=f"override parallel.{name.replace('-', '_')}")
     ap.add_argument("--ac", choices=("none", "selective", "full"), default=None, help="override activation_checkpoint.mode")
     ap.add_argument("--no-sp", action="store_true", help="estimate without sequence parallel")
+    ap.add_argument("--encoder-tp", action="store_true", help="Qwen3-VL: ViT and mergers sharded over tp "
+                    "(default: parallel.encoder_tp of the config)")
     ap.add_argument("--seq-len", type=int, default=None, help="override data.seq_len")
     ap.add_argument("--micro-batch", type=int, default=None, help="override data.micro_batch_size")
     ap.add_argument("--gpus", type=int, default=None, help="GPU count (default: the topology's world size)")
@@ -456,11 +479,12 @@ def main(argv: list[str] | None = None) -> None:
     if ds == -1:
         ds = max(1, (gpus or dp_r * cp * tp) // (dp_r * cp * tp))
     sp = cfg.parallel.sequence_parallel and not args.no_sp and bool(plan.sequence_parallel)
-    topo = Topology(dp_r, ds, cp, tp, ep, pick(args.ac, cfg.activation_checkpoint.mode), sp)
+    enc = bool(args.encoder_tp or getattr(p, "encoder_tp", False)) and bool(plan.encoder_tp)
+    topo = Topology(dp_r, ds, cp, tp, ep, pick(args.ac, cfg.activation_checkpoint.mode), sp, enc)
     seq = pick(args.seq_len, cfg.data.seq_len)
     mb = pick(args.micro_batch, cfg.data.micro_batch_size)
     pbytes = 2 if cfg.training.param_dtype == "bfloat16" else 4
-    counts = count_params(model_cfg, plan)
+    counts = count_params(model_cfg, plan, enc)
     kw = dict(compile=bool(cfg.compile.enable), float8=bool(cfg.float8.enable), vision_patches=args.vision_patches)
     phases = estimate_phases(model_cfg, plan, topo, seq, mb, pbytes, counts, **kw)
     peak = peak_phase(phases)
@@ -471,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(est, f"per-GPU peak memory ({peak}), {topo.describe()} (world {topo.world})"))
     if args.gpu_mem_gb:
         n = gpus or topo.world
-        fits = suggest(model_cfg, plan, n, args.gpu_mem_gb, seq, mb, pbytes, **kw)
+        fits = suggest(model_cfg, plan, n, args.gpu_mem_gb, seq, mb, pbytes, encoder_tp=enc, **kw)
         if not fits:
             print(f"\nno topology of {n} GPUs fits {args.gpu_mem_gb} GiB at micro_batch={mb}, seq_len={seq}; "
                   "lower the micro batch or the sequence length, or add GPUs.")

@@ -26,16 +26,22 @@ class ParallelizePlan:
     """Modules compiled with ``torch.compile`` one by one when compile is on."""
     tp: dict[str, str] = field(default_factory=dict)
     """Module pattern -> tensor-parallel style over the ``tp`` mesh axis
-    ("colwise", "rowwise", "sequence_parallel", "embedding_rowwise", "replicate", ...)."""
+    ("colwise", "rowwise", "embedding_rowwise", "grad_sum", "replicate", ...; see titan_mm/parallel/tp.py)."""
     sequence_parallel: dict[str, str] = field(default_factory=dict)
     """TP entries that replace / extend ``tp`` when ``parallel.sequence_parallel`` is on: the residual stream
     between blocks is then split over tp along the sequence ("rowwise_seq", "embedding_rowwise_seq",
     "seq_gather", "seq_gather_local", "seq_gather_output", "grad_sum"; see titan_mm/parallel/tp.py)."""
+    encoder_tp: dict[str, str] = field(default_factory=dict)
+    """TP entries for the modality encoders (Qwen3-VL: ViT blocks, patch and DeepStack mergers) that extend
+    ``tp`` when ``parallel.encoder_tp`` is on; off, the encoders are replicated over tp (every tp rank computes
+    the same features, gradients identical)."""
     loss_parallel: str | None = None
-    """FQN of the output-head nn.Linear for vocabulary-parallel loss under tp (``parallel.loss_parallel``):
-    its weight is split over the vocabulary and the root module's ``ops.cross_entropy`` (signature
-    ``(h_ND, w_VD, labels_N, chunk_size, z_loss_weight) -> loss_sum``) is swapped for the vocab-parallel
-    chunked cross-entropy of titan_mm/parallel/tp.py. None: the head and the loss stay replicated."""
+    """FQN of the module holding the output-head weight, for vocabulary-parallel loss under tp
+    (``parallel.loss_parallel``): the untied head (nn.Linear) or, for tied heads, the token embedding
+    (nn.Embedding, then vocab-sharded as well). Its weight is split over the vocabulary and the ``ops`` of the
+    nearest module above it (signature of ``cross_entropy``: ``(h_ND, w_VD, labels_N, chunk_size,
+    z_loss_weight) -> loss_sum``; of ``logits``: ``(h, w_VD) -> logits``) are swapped for the vocab-parallel
+    ones of titan_mm/parallel/tp.py. None: the head and the loss stay replicated."""
     ep: dict[str, str] = field(default_factory=dict)
     """Module pattern -> expert-parallel style over the ``ep`` mesh axis ("experts", ...)."""
     cp: dict[str, str] = field(default_factory=dict)

@@ -31,25 +31,41 @@ Sequence parallel (``parallel.sequence_parallel``; the plan's ``sequence_paralle
     "seq_gather_output"      the final norm: grad_sum on its own weight, and its output is all-gathered to
                              the full sequence for the replicated loss (backward: the local slice).
     "seq_scatter_output"     a replicated module whose full output is cut to the local sequence shard (the
-                             tied embedding; backward: all-gather of the identical gradients).
+                             tied embedding; Qwen3-VL's ``embed_out``, whose output is a tuple: every tensor
+                             in it is cut; backward: all-gather of the identical gradients).
     "grad_sum"               (as above) for the block norms, which now see only the local tokens.
 
-Loss parallel (``plan.loss_parallel`` = the output head's FQN, ``parallel.loss_parallel``): the head's weight
-is ``Shard(0)`` over the vocabulary; logits (no labels) are all-gathered; with labels, the root module's
-``ops.cross_entropy`` becomes :func:`vocab_parallel_cross_entropy`: chunked, per chunk a local
-[chunk, V/tp] fp32 logits block, the max / sum-exp / target logit all-reduced over tp, gradients computed in
-the forward (as the replicated chunked CE); the input gradient is all-reduced once at the end.
+Encoder TP (``parallel.encoder_tp``): the plan's ``encoder_tp`` entries (Qwen3-VL: ViT attention / MLP and the
+patch / DeepStack mergers, colwise + rowwise) are added to ``tp``; off, the encoders stay replicated. The
+encoders' activations are never sequence-split (each image is one bidirectional attention document).
+
+Loss parallel (``plan.loss_parallel`` = the FQN of the module holding the output-head weight,
+``parallel.loss_parallel``): the head's weight is ``Shard(0)`` over the vocabulary. An untied head is an
+nn.Linear (ColwiseParallel). A tied head is the token embedding (nn.Embedding): it becomes vocab-sharded too,
+as style "embedding_rowwise" (output all-reduced), or "embedding_rowwise_seq" where the styles had
+"seq_scatter_output" (output reduce-scattered to the sequence shard); the embedding and the loss then add their
+gradients into the same shard. The ``ops`` of the nearest module above the head (the text model; a dataclass
+with ``cross_entropy`` and ``logits`` fields) are swapped: ``cross_entropy`` becomes
+:func:`vocab_parallel_cross_entropy` (chunked, per chunk a local [chunk, V/tp] fp32 logits block, the max /
+sum-exp / target logit all-reduced over tp, gradients computed in the forward as in the replicated chunked CE;
+the input gradient is all-reduced once at the end) and ``logits`` becomes :func:`vocab_parallel_logits`
+(local vocabulary slice, all-gathered). A model that used the fused Triton linear-CE of titan_mm.kernels gets
+its vocab-parallel form instead (:func:`vocab_parallel_fused_cross_entropy`: per chunk a Triton pass for the
+shard's log-sum-exp and target logit, one all-gather of those per-row pieces, a Triton pass writing the
+shard's logit gradients in place; no fp32 [chunk, V/tp] blocks), where the Triton path can run (CUDA).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -66,14 +82,48 @@ def _gather_replicate_dtensor(x, mesh):
     return DTensor.from_local(x, mesh, (Shard(SEQ_DIM),), run_check=False).redistribute(mesh, (Replicate(),))
 
 
+class _WaitCollective(torch.autograd.Function):
+    """AsyncCollectiveTensor -> the plain tensor it wraps (waits for the collective); gradient unchanged."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.trigger_wait()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _plain(x):
+    """In eager mode a functional collective's output (what ``to_local()`` of a redistributed DTensor returns) is
+    an ``AsyncCollectiveTensor``: a wrapper without storage that waits on its first non-view use. Torch ops
+    unwrap it themselves, but the Triton kernels' eager path (titan_mm.kernels: autograd.Functions that launch
+    on data pointers) would read the wrapper's pointer. The residual stream and the tensors the norms / the CE
+    get are therefore handed on as plain tensors (a no-op under torch.compile, which has no such wrappers)."""
+    return _WaitCollective.apply(x) if isinstance(x, AsyncCollectiveTensor) else x
+
+
+def _plain_output(mod, args, out):
+    return _plain(out)
+
+
 def _gather_local(x, mesh):
     """Local sequence shard -> full plain tensor; the backward expects identical grads on every rank."""
-    return _gather_replicate_dtensor(x, mesh).to_local()
+    return _plain(_gather_replicate_dtensor(x, mesh).to_local())
 
 
 def _scatter_local(y, mesh):
     """Full plain tensor, identical on every rank -> this rank's sequence shard (backward: all-gather)."""
     return DTensor.from_local(y, mesh, (Replicate(),), run_check=False).redistribute(mesh, (Shard(SEQ_DIM),)).to_local()
+
+
+def _map_tensors(out, fn):
+    """``fn`` on every tensor of a (nested) tuple / list output; other values as they are."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_map_tensors(x, fn) for x in out)
+    return out
 
 
 def _install_seq_hooks(mod: nn.Module, style: str, mesh) -> None:
@@ -102,7 +152,7 @@ def _install_seq_hooks(mod: nn.Module, style: str, mesh) -> None:
         mod.register_forward_hook(post)
     elif style == "seq_scatter_output":
         def post(m, args, out):
-            return _scatter_local(out, mesh)
+            return _map_tensors(out, lambda t: _scatter_local(t, mesh))
 
         mod.register_forward_hook(post)
 
@@ -212,29 +262,77 @@ class _VocabParallelCE(torch.autograd.Function):
                 grad_w * g_out.to(grad_w.dtype) if grad_w is not None else None, None, None, None, None, None)
 
 
-def vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z_loss_weight: float = 0.0):
+def vocab_parallel_logits(h, w_VD):
+    """``h @ w_VD.T`` for ``w_VD`` a DTensor ``Shard(0)`` over the tp mesh and ``h`` [*, D] replicated over tp:
+    each rank computes its vocabulary slice, all-gathered to the full [*, V] (backward: the input gradient is
+    all-reduced). A plain ``w_VD`` gives ``F.linear``."""
+    if not isinstance(w_VD, DTensor):
+        return torch.nn.functional.linear(h, w_VD)
+    mesh = w_VD.device_mesh
+    hd = DTensor.from_local(h, mesh, (Replicate(),), run_check=False)
+    return torch.nn.functional.linear(hd, w_VD).redistribute(mesh, (Replicate(),)).to_local()
+
+
+def vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z_loss_weight: float = 0.0,
+                                 fused: bool = False):
     """Sum of token CE over labels != -100 with ``w_VD`` a DTensor ``Shard(0)`` over the tp mesh; ``h_ND`` the
-    full (replicated over tp) hidden states. Same value on every tp rank; fp32 scalar."""
+    full (replicated over tp) hidden states. Same value on every tp rank; fp32 scalar. ``fused``: the Triton
+    kernels of titan_mm.kernels.vocab_parallel_linear_cross_entropy where they can run (CUDA), else (and by
+    default) the chunked PyTorch version above."""
     if not isinstance(w_VD, DTensor):
         raise TypeError("vocab_parallel_cross_entropy needs the head weight as a DTensor sharded over the vocabulary.")
     mesh = w_VD.device_mesh
     V = w_VD.shape[0]
     v0 = mesh.get_local_rank() * math.ceil(V / mesh.size())  # torch.chunk layout of Shard(0)
-    return _VocabParallelCE.apply(h_ND, w_VD.to_local(), labels_N, int(chunk_size), float(z_loss_weight),
-                                  mesh.get_group(), v0)
+    w_local = w_VD.to_local()
+    if fused:
+        from titan_mm import kernels as K
+
+        if K.use_triton(h_ND, w_local) and h_ND.dtype == w_local.dtype:
+            return K.vocab_parallel_linear_cross_entropy(h_ND, w_local, labels_N, v0, mesh.get_group(),
+                                                         z_loss=float(z_loss_weight))
+    return _VocabParallelCE.apply(h_ND, w_local, labels_N, int(chunk_size), float(z_loss_weight), mesh.get_group(), v0)
 
 
-def _apply_loss_parallel(model: nn.Module, fqn: str, tp_mesh) -> None:
+def vocab_parallel_fused_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z_loss_weight: float = 0.0):
+    """:func:`vocab_parallel_cross_entropy` with the fused Triton kernels (installed by loss parallel when the
+    model used the fused linear-CE of titan_mm.kernels)."""
+    return vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size, z_loss_weight, fused=True)
+
+
+def _ops_owner(model: nn.Module, fqn: str) -> nn.Module:
+    """The nearest module above ``fqn`` (its parent, ..., the root) with a dataclass ``ops`` that has
+    ``cross_entropy`` and ``logits`` fields (the text model: Qwen3Model, also inside Qwen3-VL)."""
+    parts = fqn.split(".")[:-1]
+    for i in range(len(parts), -1, -1):
+        mod = model.get_submodule(".".join(parts[:i])) if i else model
+        ops = getattr(mod, "ops", None)
+        if ops is not None and dataclasses.is_dataclass(ops) and all(hasattr(ops, f) for f in ("cross_entropy", "logits")):
+            return mod
+    raise TypeError(
+        f"loss parallel needs a module above {fqn!r} with a dataclass ``ops`` that has ``cross_entropy`` and "
+        f"``logits`` fields ({type(model).__name__} has none); drop loss_parallel from its plan or set "
+        "parallel.loss_parallel=false."
+    )
+
+
+def _apply_loss_parallel(model: nn.Module, fqn: str, tp_mesh, styles: dict[str, str]) -> None:
+    """Shard the head over the vocabulary (an untied nn.Linear here; a tied nn.Embedding through ``styles``,
+    which this updates) and swap the text model's loss / logits ops for the vocab-parallel ones."""
     head = model.get_submodule(fqn)
-    _check(head, nn.Linear, fqn, "loss_parallel")
-    ops = getattr(model, "ops", None)
-    if ops is None or not hasattr(ops, "cross_entropy") or not dataclasses.is_dataclass(ops):
-        raise TypeError(
-            f"loss parallel needs the root module to expose a dataclass ``ops`` with a ``cross_entropy`` field "
-            f"({type(model).__name__} has none); drop loss_parallel from its plan or set parallel.loss_parallel=false."
-        )
-    parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
-    model.ops = dataclasses.replace(ops, cross_entropy=vocab_parallel_cross_entropy)
+    owner = _ops_owner(model, fqn)
+    if isinstance(head, nn.Embedding):  # tied: the embedding's own style shards it; see the module docstring
+        vocab_style = "embedding_rowwise_seq" if styles.get(fqn) == "seq_scatter_output" else "embedding_rowwise"
+        for pattern in [p for p in styles if fnmatch.fnmatchcase(fqn, p)]:
+            del styles[pattern]
+        styles[fqn] = vocab_style
+    else:
+        _check(head, nn.Linear, fqn, "loss_parallel")
+        _check_divisible(head.weight.shape[0], tp_mesh.size(), fqn, "loss_parallel (vocabulary)")
+        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    fused = bool(getattr(owner.ops.cross_entropy, "fused_linear_ce", False))  # the model used the Triton CE
+    ce = vocab_parallel_fused_cross_entropy if fused else vocab_parallel_cross_entropy
+    owner.ops = dataclasses.replace(owner.ops, cross_entropy=ce, logits=vocab_parallel_logits)
 
 
 def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any = None) -> None:
@@ -246,15 +344,21 @@ def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any
             f"parallel.tp={pd.tp} but this model's plan has no tp entries; add them to the family's plan.py "
             "(see docs/parallel.md) or set parallel.tp = 1."
         )
+    par = getattr(cfg, "parallel", None)
     styles = dict(plan.tp)
-    sp = bool(getattr(getattr(cfg, "parallel", None), "sequence_parallel", True))
-    if sp:
+    if bool(getattr(par, "encoder_tp", False)):
+        if not plan.encoder_tp:
+            raise ValueError(f"parallel.encoder_tp is on but the plan of {type(model).__name__} has no encoder_tp "
+                             "entries (no modality encoder to shard); set parallel.encoder_tp = false.")
+        styles.update(plan.encoder_tp)
+    if bool(getattr(par, "sequence_parallel", True)):
         styles.update(plan.sequence_parallel)
     bad = {k: v for k, v in styles.items() if v not in STYLES}
     if bad:
         raise ValueError(f"unknown TP styles {bad}; known styles: {STYLES}.")
-    if plan.loss_parallel and bool(getattr(getattr(cfg, "parallel", None), "loss_parallel", True)):
-        _apply_loss_parallel(model, plan.loss_parallel, tp_mesh)
+    if plan.loss_parallel and bool(getattr(par, "loss_parallel", True)):
+        _apply_loss_parallel(model, plan.loss_parallel, tp_mesh, styles)
+    tp = tp_mesh.size()
     for pattern, style in styles.items():
         matched = match_modules(model, (pattern,))
         if not matched:
@@ -262,26 +366,41 @@ def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any
         for fqn, mod in matched:
             if style == "colwise":
                 _check(mod, nn.Linear, fqn, style)
+                _check_divisible(mod.out_features, tp, fqn, style)
                 parallelize_module(mod, tp_mesh, ColwiseParallel())
             elif style == "rowwise":
                 _check(mod, nn.Linear, fqn, style)
+                _check_divisible(mod.in_features, tp, fqn, style)
                 parallelize_module(mod, tp_mesh, RowwiseParallel())
+                mod.register_forward_hook(_plain_output)  # all-reduced output: the residual stream
             elif style == "embedding_rowwise":
                 _check(mod, nn.Embedding, fqn, style)
+                _check_divisible(mod.num_embeddings, tp, fqn, style)
                 parallelize_module(mod, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+                mod.register_forward_hook(_plain_output)
             elif style == "rowwise_seq":
                 _check(mod, nn.Linear, fqn, style)
+                _check_divisible(mod.in_features, tp, fqn, style)
                 parallelize_module(mod, tp_mesh, RowwiseParallel(output_layouts=Shard(SEQ_DIM)))
+                mod.register_forward_hook(_plain_output)  # reduce-scattered output: the local residual shard
             elif style == "embedding_rowwise_seq":
                 _check(mod, nn.Embedding, fqn, style)
+                _check_divisible(mod.num_embeddings, tp, fqn, style)
                 parallelize_module(mod, tp_mesh, RowwiseParallel(input_layouts=Replicate(),
                                                                  output_layouts=Shard(SEQ_DIM)))
+                mod.register_forward_hook(_plain_output)
             elif style in ("seq_gather", "seq_gather_local", "seq_gather_output", "seq_scatter_output"):
                 _install_seq_hooks(mod, style, tp_mesh)
             elif style == "grad_sum":
                 parent_name, _, child = fqn.rpartition(".")
                 parent = model.get_submodule(parent_name) if parent_name else model
                 _install_grad_sum(parent, child, tp_mesh.get_group())
+
+
+def _check_divisible(n: int, tp: int, fqn: str, style: str) -> None:
+    """Sharded dimensions must split evenly: head / channel reshapes take the local size as n / tp."""
+    if n % tp:
+        raise ValueError(f"TP style {style!r} on {fqn}: its sharded dimension ({n}) is not divisible by tp({tp}).")
 
 
 def _check(mod, cls, fqn, style):

@@ -76,9 +76,28 @@ def build_param_groups(model: nn.Module, cfg: JobConfig) -> list[dict[str, Any]]
     return groups
 
 
+def split_dtensor_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Split every group that holds both DTensor and plain parameters into two groups with the same options.
+    The foreach / fused AdamW kernels cannot take both kinds in one call; tensor parallelism without FSDP
+    leaves the replicated parameters (norms; the embedding when it is not sharded) plain next to DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for g in groups:
+        dt = [p for p in g["params"] if isinstance(p, DTensor)]
+        plain = [p for p in g["params"] if not isinstance(p, DTensor)]
+        if dt and plain:
+            name = g.get("name", "group")
+            out += [{**g, "params": dt, "name": name}, {**g, "params": plain, "name": f"{name}/plain"}]
+        else:
+            out.append(g)
+    return out
+
+
 def build_optimizer(model: nn.Module, cfg: JobConfig, param_groups: list[dict] | None = None) -> torch.optim.Optimizer:
     o = cfg.optimizer
     groups = param_groups if param_groups is not None else build_param_groups(model, cfg)
+    groups = split_dtensor_groups(groups)
     on_cuda = any(p.is_cuda for g in groups for p in g["params"])
     impl = o.implementation
     if impl == "auto":

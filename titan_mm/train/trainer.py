@@ -13,6 +13,7 @@ the middle of step k+1 (after its data is fetched, before its update) - a crash,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -115,48 +116,54 @@ def resolve_model(cfg: JobConfig, device: torch.device):
         kw.setdefault("attn_backend", backend)
     if "kernels" in fields:
         mode = cfg.kernels.mode
-        kw.setdefault("kernels", mode == "triton" or (mode == "auto" and device.type == "cuda"))
+        from titan_mm.kernels import resolve_ops
+
+        try:  # checked on every device, so a typo fails on the CPU too
+            resolve_ops(cfg.kernels.ops)
+        except ValueError as e:
+            raise ConfigError(f"kernels.ops={cfg.kernels.ops!r}: {e}") from None
+        on = mode == "triton" or (mode == "auto" and device.type == "cuda")
+        kw.setdefault("kernels", cfg.kernels.ops if on else False)
     if kw:
         model_cfg = dataclasses.replace(model_cfg, **kw)
     return spec, model_cfg
 
 
-def _full_state_dict(spec, model_cfg, seed: int) -> dict[str, torch.Tensor]:
-    """An unsharded CPU model's randomly initialized state dict (seeded)."""
-    with torch.device("cpu"):
-        full = spec.build(model_cfg)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        full.init_weights()
-    return full.state_dict()
-
-
 def build_model(cfg: JobConfig, spec, model_cfg, parallel_dims, device: torch.device, world: int, rank: int):
     """Meta build -> parallelize -> materialize (to_empty + init_weights), then HF weights if asked.
 
-    Random init gives the same weights for every world size: on CUDA DTensor's offset-based RNG makes
-    sharded init match; on CPU (no such RNG) rank 0 initializes the full model and broadcasts it into the
-    shards. HF weights are loaded by the registry's load_hf, which fills plain or FSDP-sharded models."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
+    Random init gives the same weights for every world size and layout (CPU or CUDA): under
+    ``seeded_init`` each draw fills the full tensor from its own seeded generator and keeps the local shard
+    (titan_mm/models/common/init.py). HF weights are loaded by the registry's load_hf, which fills plain or
+    FSDP-sharded models."""
+    from titan_mm.models.common.init import seeded_init
     from titan_mm.parallel.apply import parallelize
 
     with torch.device("meta"):
         model = spec.build(model_cfg)
     model = parallelize(model, spec.plan(model_cfg), parallel_dims, cfg)
     model.to_empty(device=device)
+    from_hf = bool(cfg.model.hf_path and cfg.model.init_from_hf)
     torch.manual_seed(cfg.training.seed)
-    with torch.no_grad():
+    # with HF weights the random values are overwritten: a plain (local, sharding-dependent) draw is enough
+    with torch.no_grad(), (contextlib.nullcontext() if from_hf else seeded_init(cfg.training.seed)):
         model.init_weights(buffer_device=device)
-    if cfg.model.hf_path and cfg.model.init_from_hf:
+    if from_hf:
         spec.load_hf(model, cfg.model.hf_path)
-    elif world > 1 and device.type == "cpu":
-        sd = _full_state_dict(spec, model_cfg, cfg.training.seed) if rank == 0 else {}
-        set_model_state_dict(
-            model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
-        )
     torch.manual_seed(cfg.training.seed + 1)
     return model
+
+
+def check_parallel(cfg: JobConfig, pd, model_cfg) -> None:
+    """Reject degrees the model's shapes cannot take (ParallelDims.check_model) before anything is built: tp vs
+    heads, ep on a dense model or not dividing the experts, seq_len vs tp * 2 * cp, Ulysses heads vs cp * tp."""
+    text = getattr(model_cfg, "text", model_cfg)  # Qwen3-VL: the LLM's shapes
+    try:
+        pd.check_model(num_heads=text.num_attention_heads, num_kv_heads=text.num_key_value_heads,
+                       num_experts=text.num_experts, seq_len=cfg.data.seq_len,
+                       cp_ulysses=getattr(cfg.parallel, "cp_mode", "ulysses") == "ulysses")
+    except ValueError as e:
+        raise ConfigError(f"[parallel] {e}") from None
 
 
 def grad_accum_steps(cfg: JobConfig, dp_world: int) -> int:
@@ -230,6 +237,7 @@ def train(cfg: JobConfig) -> dict[str, Any]:
         dp_rank, dp_world, loss_group, count_group, loss_world = 0, 1, None, None, 1
 
     spec, model_cfg = resolve_model(cfg, device)
+    check_parallel(cfg, pd, model_cfg)
     out_dir = run_dir(cfg)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_mm.models.common import init
 from titan_mm.models.common.norm import RMSNorm, rms_norm
 from titan_mm.models.common.rope import apply_rope
 
@@ -291,7 +292,7 @@ class Attention(nn.Module):
 
     def reset_parameters(self, std: float) -> None:
         for lin in (self.wq, self.wk, self.wv, self.wo):
-            nn.init.normal_(lin.weight, mean=0.0, std=std)
+            init.normal_(lin.weight, mean=0.0, std=std)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
         if self.q_norm is not None:

@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_mm.models.common import init
+
 
 def swiglu(x_ND: torch.Tensor, w1_FD: torch.Tensor, w3_FD: torch.Tensor, w2_DF: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x_ND, w1_FD)) * F.linear(x_ND, w3_FD), w2_DF)
@@ -34,4 +36,4 @@ class SwiGLU(nn.Module):
 
     def reset_parameters(self, std: float) -> None:
         for lin in (self.w1, self.w3, self.w2):
-            nn.init.normal_(lin.weight, mean=0.0, std=std)
+            init.normal_(lin.weight, mean=0.0, std=std)

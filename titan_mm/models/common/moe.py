@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_mm.models.common import init
+
 
 def route(x_ND: torch.Tensor, router_w_ED: torch.Tensor, top_k: int, norm_topk_prob: bool):
     """-> probs_NE (fp32 softmax), top_w_NK (in x dtype), top_i_NK (int64). Same math as HF Qwen3MoeTopKRouter."""
@@ -78,7 +80,7 @@ class GroupedExperts(nn.Module):
 
     def reset_parameters(self, std: float) -> None:
         for w in (self.w1, self.w3, self.w2):
-            nn.init.normal_(w, mean=0.0, std=std)
+            init.normal_(w, mean=0.0, std=std)
 
 
 def aux_stats(probs_NE: torch.Tensor, top_i_NK: torch.Tensor, valid_N: torch.Tensor | None) -> torch.Tensor:
@@ -122,5 +124,5 @@ class MoE(nn.Module):
         return y_ND.view(B, S, D), stats
 
     def reset_parameters(self, std: float) -> None:
-        nn.init.normal_(self.router.weight, mean=0.0, std=std)
+        init.normal_(self.router.weight, mean=0.0, std=std)
         self.experts.reset_parameters(std)

@@ -18,6 +18,15 @@ def rms_norm(x_ND: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
     return w_D * x32.to(in_dtype)
 
 
+def add_rms_norm(x_ND: torch.Tensor, residual_ND: torch.Tensor, w_D: torch.Tensor, eps: float,
+                 norm=rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm, unfused: ``h = residual + x`` (rounded to the activation dtype, as the
+    eager add) and ``(norm(h, w, eps), h)``. The reference for titan_mm.kernels.add_rms_norm; ``norm`` is the
+    RMSNorm the model uses otherwise (the Triton ``rms_norm`` when only that op is on)."""
+    h_ND = residual_ND + x_ND
+    return norm(h_ND, w_D, eps), h_ND
+
+
 class RMSNorm(nn.Module):
     """Holds the scale weight; ``forward`` is ``impl(x, weight, eps)`` (default :func:`rms_norm`; the
     Triton op from titan_mm.kernels when a model's config turns kernels on)."""

@@ -72,8 +72,9 @@ class Qwen3Config:
     """Tokens per chunk of the chunked cross-entropy."""
     z_loss_weight: float = 0.0
     kernels: bool = False
-    """Use titan_mm.kernels ops (Triton on CUDA SM>=80, references elsewhere): RMSNorm, SwiGLU, RoPE, fused
-    linear cross-entropy. Off: the PyTorch ops in titan_mm.models.common."""
+    """Use titan_mm.kernels ops (Triton on CUDA SM>=80, references elsewhere): RMSNorm, residual add + RMSNorm,
+    SwiGLU, RoPE, fused linear cross-entropy. Off: the PyTorch ops in titan_mm.models.common. Also a per-op spec
+    such as "all,-linear_cross_entropy" (titan_mm.kernels.resolve_ops)."""
     moe_aux_loss: bool = True
     """Return router_aux_loss_coef * load-balancing loss in ModelOutput.aux_loss (MoE)."""
 

@@ -15,6 +15,7 @@ Parameter names (titan_mm; HF names in hf.py):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,11 +23,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_mm.models.common import init
 from titan_mm.models.common.attention import Attention, AttnMeta
 from titan_mm.models.common.loss import chunked_cross_entropy
 from titan_mm.models.common.mlp import SwiGLU, silu_mul
 from titan_mm.models.common.moe import MoE, load_balancing_loss
-from titan_mm.models.common.norm import RMSNorm, rms_norm
+from titan_mm.models.common.norm import RMSNorm, add_rms_norm, rms_norm
 from titan_mm.models.common.output import ModelOutput
 from titan_mm.models.common.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from titan_mm.models.qwen3.config import Qwen3Config
@@ -37,9 +39,12 @@ class Ops:
     """The elementwise/fused ops a model uses: PyTorch references, or titan_mm.kernels (cfg.kernels)."""
 
     rms_norm: Callable = rms_norm
+    add_rms_norm: Callable = add_rms_norm  # (x, residual, w, eps) -> (rms_norm(residual + x), residual + x)
     act_mul: Callable = silu_mul
     apply_rope: Callable = apply_rope
     cross_entropy: Callable = None  # (h_ND, w_VD, labels_N, chunk_size, z_loss_weight) -> loss_sum
+    bias_gelu: Callable | None = None  # (x, b) -> gelu_tanh(x + b) for the Qwen3-VL ViT MLP; None = nn.Linear + F.gelu
+    logits: Callable = F.linear  # (h_*D, w_VD) -> logits [*, V] (no labels: eval / decoding)
 
 
 def _torch_ce(h, w, labels, chunk_size, z_loss_weight):
@@ -60,11 +65,17 @@ def select_ops(use_kernels: bool | str) -> Ops:
     def kernel_ce(h, w, labels, chunk_size, z_loss_weight):
         return K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z_loss_weight)
 
+    kernel_ce.fused_linear_ce = True  # loss parallel keeps the fused kernel (per vocabulary shard); parallel/tp.py
+    norm = K.rms_norm if "rms_norm" in on else rms_norm
     return Ops(
-        rms_norm=K.rms_norm if "rms_norm" in on else rms_norm,
+        rms_norm=norm,
+        # unfused: the eager add, then the RMSNorm picked above
+        add_rms_norm=K.add_rms_norm if "add_rms_norm" in on else (
+            add_rms_norm if norm is rms_norm else functools.partial(add_rms_norm, norm=norm)),
         act_mul=K.swiglu if "swiglu" in on else silu_mul,
         apply_rope=K.apply_rope if "rope" in on else apply_rope,
         cross_entropy=kernel_ce if "linear_cross_entropy" in on else _torch_ce,
+        bias_gelu=K.bias_gelu if "bias_gelu" in on else None,
     )
 
 
@@ -81,6 +92,7 @@ class Qwen3Block(nn.Module):
                               cfg.attention_bias, cfg.rms_norm_eps, norm_impl=ops.rms_norm,
                               rope_impl=ops.apply_rope)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
+        self.add_norm = ops.add_rms_norm  # residual add + ffn_norm (one Triton kernel when add_rms_norm is on)
         if cfg.is_moe_layer(layer_id):
             self.moe = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                            cfg.norm_topk_prob)
@@ -90,8 +102,10 @@ class Qwen3Block(nn.Module):
             self.moe = None
 
     def forward(self, h_BSD: torch.Tensor, cos_BSK: torch.Tensor, sin_BSK: torch.Tensor, attn: AttnMeta | None):
-        h_BSD = h_BSD + self.attn(self.attn_norm(h_BSD), cos_BSK, sin_BSK, attn, self.window)
-        x_BSD = self.ffn_norm(h_BSD)
+        a_BSD = self.attn(self.attn_norm(h_BSD), cos_BSK, sin_BSK, attn, self.window)
+        # h = h + a; x = ffn_norm(h). ffn_norm's weight is read here, in the block's forward, where the TP
+        # plan's grad_sum hooks (installed on the block) see it; the module FQN stays layers.{i}.ffn_norm.
+        x_BSD, h_BSD = self.add_norm(a_BSD, h_BSD, self.ffn_norm.weight, self.ffn_norm.eps)
         if self.moe is not None:
             y_BSD, stats = self.moe(x_BSD, None if attn is None else attn.valid_BS)
             return h_BSD + y_BSD, stats
@@ -125,12 +139,12 @@ class Qwen3Model(nn.Module):
         ``to_empty(device=...)`` for meta-built models; works on FSDP-sharded (DTensor) parameters."""
         std = self.cfg.initializer_range
         with torch.no_grad():
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+            init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
             for block in self.layers.values():
                 block.reset_parameters(std)
             self.norm.reset_parameters()
             if self.output is not None:
-                nn.init.normal_(self.output.weight, mean=0.0, std=std)
+                init.normal_(self.output.weight, mean=0.0, std=std)
         self.init_buffers(buffer_device)
 
     def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
@@ -175,7 +189,7 @@ class Qwen3Model(nn.Module):
             rows = float(B * S * self.n_moe_layers) if valid is None else valid.sum().float() * self.n_moe_layers
             aux = self.cfg.router_aux_loss_coef * load_balancing_loss(stats_2E, rows, self.cfg.num_experts)
         if labels is None:
-            logits = self.output(h_BSD) if self.output is not None else F.linear(h_BSD, self.lm_head_weight)
+            logits = self.ops.logits(h_BSD, self.lm_head_weight)
             return ModelOutput(logits=logits, loss_sum=None, aux_loss=aux)
         loss_sum = self.ops.cross_entropy(
             h_BSD.reshape(B * S, -1), self.lm_head_weight, labels.reshape(-1),

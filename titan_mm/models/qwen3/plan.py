@@ -25,7 +25,7 @@ def plan(cfg: Qwen3Config) -> ParallelizePlan:
     }
     if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):  # dense SwiGLU layers
         tp.update({"layers.*.mlp.w1": "colwise", "layers.*.mlp.w3": "colwise", "layers.*.mlp.w2": "rowwise"})
-    if cfg.tie_word_embeddings:  # the output head reads the embedding weight: keep it whole
+    if cfg.tie_word_embeddings:  # the head reads the embedding weight: whole, unless loss parallel shards both
         del tp["tok_embeddings"]
     # sequence parallel (parallel.sequence_parallel): residual stream split over tp along the sequence
     sp = {
@@ -47,7 +47,8 @@ def plan(cfg: Qwen3Config) -> ParallelizePlan:
         compile_units=BLOCKS,
         tp=tp,
         sequence_parallel=sp,
-        loss_parallel=None if cfg.tie_word_embeddings else "output",
+        # tied: the embedding holds the head weight; loss parallel makes it embedding_rowwise(_seq) (parallel/tp.py)
+        loss_parallel="tok_embeddings" if cfg.tie_word_embeddings else "output",
         ep=ep,
         cp={"layers.*.attn": "attention"},
     )

@@ -89,7 +89,7 @@ class Qwen3VLConfig:
     vision_attn_backend: str = "auto"
     """Vision attention: auto (varlen on CUDA when torch has it, else flex; sdpa on CPU), sdpa, flex or varlen."""
     kernels: bool = False
-    """Use titan_mm.kernels Triton ops in the LLM (as Qwen3Config.kernels)."""
+    """Use titan_mm.kernels Triton ops in the LLM (as Qwen3Config.kernels) and the ViT MLPs' bias + GELU."""
     # ---- training modes ----
     freeze_vision: bool = False
     """Freeze the ViT (patch embed, position embed, blocks); the mergers follow freeze_merger."""

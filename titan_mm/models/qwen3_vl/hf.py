@@ -4,6 +4,8 @@ HF names (transformers Qwen3VLForConditionalGeneration / Qwen3VLMoeForConditiona
 released checkpoints):
   model.visual.patch_embed.proj.weight [Dv, C, T, ps, ps] (Conv3d)  <->  visual.patch_embed.weight [Dv, C*T*ps*ps]
   model.visual.patch_embed.proj.bias                                <->  visual.patch_embed.bias
+  model.visual.blocks.{i}.attn.qkv.{weight,bias} [3 Dv(, Dv)], rows (3, H, Dh)  <->  visual.blocks.{i}.attn.wqkv.*,
+      rows (H, 3, Dh): head-major, so that tensor parallelism splits the fused projection by heads
   model.visual.{pos_embed, blocks.*, merger.*, deepstack_merger_list.*}  <->  visual.{same}
   model.language_model.{embed_tokens, layers.*, norm}.*, lm_head.weight  <->  language_model.* (the Qwen3
       text names of titan_mm/models/qwen3/hf.py with "model." -> "model.language_model.")
@@ -31,6 +33,13 @@ from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
 _VIS = "model.visual."
 _LM = "model.language_model."
 _FUSED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_QKV_RE = re.compile(r"^blocks\.(\d+)\.attn\.(qkv|wqkv)\.(weight|bias)$")
+
+
+def _qkv_rows(v: torch.Tensor, heads: int, to_titan: bool) -> torch.Tensor:
+    """Reorder the rows of the ViT's fused q/k/v weight / bias: HF (3, H, Dh) <-> titan (H, 3, Dh)."""
+    a, b = (3, heads) if to_titan else (heads, 3)
+    return v.reshape(a, b, -1, *v.shape[1:]).transpose(0, 1).reshape(v.shape).contiguous()
 
 
 def _inmem_shape(kind: str, cfg: Qwen3VLConfig) -> tuple[int, int, int]:
@@ -51,6 +60,8 @@ def hf_to_titan(sd: dict[str, torch.Tensor], cfg: Qwen3VLConfig) -> dict[str, to
                 out["visual.patch_embed.weight"] = v.reshape(v.shape[0], -1)
             elif rest == "patch_embed.proj.bias":
                 out["visual.patch_embed.bias"] = v
+            elif (m := _QKV_RE.match(rest)) and m[2] == "qkv":
+                out[f"visual.blocks.{m[1]}.attn.wqkv.{m[3]}"] = _qkv_rows(v, cfg.vision.num_heads, to_titan=True)
             else:
                 out["visual." + rest] = v
         elif k.startswith(_LM):
@@ -89,6 +100,8 @@ def titan_to_hf(sd: dict[str, torch.Tensor], cfg: Qwen3VLConfig) -> dict[str, to
                 v.shape[0], v_cfg.in_channels, v_cfg.temporal_patch_size, v_cfg.patch_size, v_cfg.patch_size)
         elif k == "visual.patch_embed.bias":
             out[_VIS + "patch_embed.proj.bias"] = v
+        elif (m := _QKV_RE.match(k[len("visual."):])) and m[2] == "wqkv":
+            out[f"{_VIS}blocks.{m[1]}.attn.qkv.{m[3]}"] = _qkv_rows(v, v_cfg.num_heads, to_titan=False)
         elif k.startswith("visual."):
             out[_VIS + k[len("visual."):]] = v
         elif k.startswith("language_model."):
@@ -113,7 +126,10 @@ def expected_titan_shapes(cfg: Qwen3VLConfig) -> dict[str, tuple[int, ...]]:
 
 def describe(titan_name: str) -> str:
     if titan_name.startswith("visual."):
-        return f"{_VIS}{titan_name[len('visual.'):]} (titan {titan_name})"
+        rest = titan_name[len("visual."):]
+        if (m := _QKV_RE.match(rest)) and m[2] == "wqkv":
+            rest = f"blocks.{m[1]}.attn.qkv.{m[3]}"
+        return f"{_VIS}{rest} (titan {titan_name})"
     if titan_name.startswith("language_model."):
         d = qwen3_hf.describe(titan_name[len("language_model."):])
         return d.replace("model.", _LM, 1) if d.startswith("model.") else d

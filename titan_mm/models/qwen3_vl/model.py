@@ -31,6 +31,13 @@ small next to the LLM), computes the pad running counts over the full rows, and 
 DeepStack additions of its own positions only, so the LLM blocks see exactly the rows they would see in
 the unsplit forward. ViT gradients are partial per cp rank (only its tokens' contributions) and summed by
 FSDP over ``dp_shard x cp`` like every other gradient.
+
+Sequence parallel (titan_mm/models/qwen3_vl/plan.py): ``embed`` runs on the full (or cp-local) rows on every tp
+rank, so the visual tokens and DeepStack features are placed exactly as without tp; ``embed_out`` (an identity
+module, the plan's hook point) then cuts the embeddings and every DeepStack addition to this tp rank's sequence
+shard, and the final norm (called as the module ``language_model.norm``) gathers the sequence for the loss. The
+loss and the logits go through the text model's ``ops`` (``cross_entropy``, ``logits``), which loss parallel
+swaps for vocab-parallel ones.
 """
 
 from __future__ import annotations
@@ -42,9 +49,8 @@ import torch.nn as nn
 
 from titan_mm.models.common.attention import AttnMeta
 from titan_mm.models.common.moe import load_balancing_loss
-from titan_mm.models.common.norm import rms_norm
 from titan_mm.models.common.output import ModelOutput
-from titan_mm.models.qwen3.model import Qwen3Model
+from titan_mm.models.qwen3.model import Qwen3Model, select_ops
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
 from titan_mm.models.qwen3_vl.vision import VisionMeta, VisionTower, build_vision_meta
 
@@ -77,12 +83,23 @@ def _pad_index(mask_BS: torch.Tensor, seq_index: torch.Tensor | None = None) -> 
     return mask_BS.reshape(-1), idx_BS.reshape(-1)
 
 
+class EmbedOutput(nn.Module):
+    """No parameters: ``forward(h_BSD, adds) -> (h_BSD, adds)``, the identity. It names the point where the
+    embeddings (visual tokens merged in) and the DeepStack additions enter the decoder, so that a
+    parallelize plan can act there: sequence parallel cuts every [B, S, D] tensor of its output to this
+    rank's sequence shard (titan_mm/models/qwen3_vl/plan.py)."""
+
+    def forward(self, h_BSD: torch.Tensor, adds: list[torch.Tensor]):
+        return h_BSD, adds
+
+
 class Qwen3VLModel(nn.Module):
     def __init__(self, cfg: Qwen3VLConfig):
         super().__init__()
         self.cfg = cfg
-        self.visual = VisionTower(cfg.vision)
+        self.visual = VisionTower(cfg.vision, select_ops(cfg.kernels).bias_gelu)  # kernels: the ViT MLP's bias+GELU
         self.language_model = Qwen3Model(cfg.text)
+        self.embed_out = EmbedOutput()
         apply_freeze(self, cfg)
 
     # ---- weights ----
@@ -182,6 +199,7 @@ class Qwen3VLModel(nn.Module):
             h_BSD, ds_adds = self.embed(cp_full_input_ids, pixel_values, pixel_values_videos, vision_meta, cp_seq_index)
         else:
             h_BSD, ds_adds = self.embed(input_ids, pixel_values, pixel_values_videos, vision_meta)
+        h_BSD, ds_adds = self.embed_out(h_BSD, ds_adds)  # (sequence parallel: from here on [B, S/tp, D])
         cos, sin = mrope_cos_sin(position_ids, lm.rope_inv_freq, self.cfg.mrope_section, h_BSD.dtype)
         stats_2E = None
         for i, block in enumerate(lm.layers.values()):
@@ -190,7 +208,7 @@ class Qwen3VLModel(nn.Module):
                 stats_2E = st if stats_2E is None else stats_2E + st
             if i < len(ds_adds):
                 h_BSD = h_BSD + ds_adds[i]
-        h_BSD = rms_norm(h_BSD, lm.norm.weight, lm.norm.eps)
+        h_BSD = lm.norm(h_BSD)
 
         aux = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
         if stats_2E is not None and tcfg.moe_aux_loss:
@@ -200,7 +218,7 @@ class Qwen3VLModel(nn.Module):
         if labels is None:
             if logits_at is not None:
                 h_BSD = h_BSD[torch.arange(B, device=h_BSD.device), logits_at]
-            return ModelOutput(logits=h_BSD @ lm.lm_head_weight.t(), loss_sum=None, aux_loss=aux)
+            return ModelOutput(logits=lm.ops.logits(h_BSD, lm.lm_head_weight), loss_sum=None, aux_loss=aux)
         h_ND, labels_N = h_BSD.reshape(B * S, -1), labels.reshape(-1)
         if h_ND.device.type == "cpu":
             # CPU only: drop unlabeled positions before the vocab projection (VL SFT labels few tokens; the

@@ -14,12 +14,14 @@ O = out hidden size (the LLM width).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_mm.models.common import init
 from titan_mm.models.qwen3_vl.config import VisionConfig
 
 
@@ -219,40 +221,56 @@ def _flex_attention():
 # Modules (parameter containers; forward is a pure function of params and inputs)
 # --------------------------------------------------------------------------------------------------
 class VisionAttention(nn.Module):
+    """``wqkv``: the fused q/k/v projection with its output features ordered head by head, [H, 3, Dh]
+    (q, k, v of head 0, then of head 1, ...). HF's ``qkv`` orders them [3, H, Dh]; hf.py permutes the rows
+    on load and export. Head-major rows make the fused projection split over tensor-parallel ranks by heads
+    (a contiguous row block holds whole heads with their q, k and v), like separate q / k / v projections;
+    the reshape below therefore takes the head count from the tensor (-1: the local heads)."""
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.wqkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
     def forward(self, x_ND, cos, sin, meta: VisionMeta):
         n = x_ND.shape[0]
-        q, k, v = self.qkv(x_ND).view(n, 3, self.num_heads, -1).unbind(1)
+        q, k, v = self.wqkv(x_ND).view(n, -1, 3, self.head_dim).unbind(2)
         q, k = apply_vision_rope(q, cos, sin), apply_vision_rope(k, cos, sin)
         o = vision_attention_core(q, k, v, meta)
         return self.proj(o.reshape(n, -1))
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg: VisionConfig):
+    """linear_fc1 -> GELU -> linear_fc2. ``bias_gelu(x, b)`` (titan_mm.kernels.bias_gelu when the config's
+    kernels include it; tanh GELU only): fc1 runs without its bias and one kernel adds the bias and applies
+    the GELU. None (the reference): ``linear_fc1`` with its bias, then ``F.gelu``. Parameter names are the same
+    either way."""
+
+    def __init__(self, cfg: VisionConfig, bias_gelu: Callable | None = None):
         super().__init__()
         if cfg.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
             raise ValueError(f"vision hidden_act={cfg.hidden_act!r} is not supported; Qwen3-VL uses gelu_pytorch_tanh.")
         self.approximate = "tanh" if cfg.hidden_act == "gelu_pytorch_tanh" else "none"
+        self.bias_gelu = bias_gelu if self.approximate == "tanh" else None
         self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
 
     def forward(self, x):
-        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.approximate))
+        fc1 = self.linear_fc1
+        # a module swapped in for fc1 (torchao's Float8Linear) keeps its own forward: the unfused path
+        if self.bias_gelu is not None and type(fc1) is nn.Linear:
+            return self.linear_fc2(self.bias_gelu(F.linear(x, fc1.weight), fc1.bias))
+        return self.linear_fc2(F.gelu(fc1(x), approximate=self.approximate))
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, bias_gelu: Callable | None = None):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = VisionMLP(cfg, bias_gelu)
 
     def forward(self, x_ND, cos, sin, meta: VisionMeta):
         x_ND = x_ND + self.attn(self.norm1(x_ND), cos, sin, meta)
@@ -280,9 +298,11 @@ class PatchMerger(nn.Module):
 
 
 class VisionTower(nn.Module):
-    """pixel patches [N, P] + VisionMeta -> (merged tokens [M, O], DeepStack features list of [M, O])."""
+    """pixel patches [N, P] + VisionMeta -> (merged tokens [M, O], DeepStack features list of [M, O]).
+    ``bias_gelu``: the ViT MLPs' fused bias + GELU op (``Ops.bias_gelu`` from qwen3.model.select_ops; None =
+    the PyTorch reference)."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, bias_gelu: Callable | None = None):
         super().__init__()
         self.cfg = cfg
         if cfg.hidden_size % cfg.num_heads:
@@ -294,7 +314,7 @@ class VisionTower(nn.Module):
         # The Conv3d with kernel == stride == (T, ps, ps) is a Linear over the flattened patch (C, T, ps, ps).
         self.patch_embed = nn.Linear(cfg.patch_dim, cfg.hidden_size, bias=True)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
-        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([VisionBlock(cfg, bias_gelu) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
             [PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes]
@@ -318,10 +338,10 @@ class VisionTower(nn.Module):
     def init_weights(self, std: float = 0.02):
         for m in self.modules():
             if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=std)
+                init.trunc_normal_(m.weight, std=std)
                 nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=std)
+                init.normal_(m.weight, std=std)
