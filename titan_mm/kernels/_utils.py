@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os as _os
 import time
@@ -53,6 +54,35 @@ TUNE = _os.environ.get("TITAN_KERNELS_TUNE", "1") != "0"
 # the interpreter checks can run each config's code path.
 FORCE_CONFIG: int | None = None
 MAX_CONFIGS = 4  # candidates per kernel and key (keeps tuning within seconds; the tests sweep them all)
+# > 0 inside `tuning()`: a key without a cached config is timed there. Outside (the model's forward and
+# backward) an untuned key runs its first config: no timing, no host synchronization.
+_TUNING = 0
+
+
+@contextlib.contextmanager
+def tuning():
+    """Inside this context the first call of a kernel for a key without a cached config times every
+    candidate (GPU; config 0 under TRITON_INTERPRET=1 or TITAN_KERNELS_TUNE=0) and caches the fastest.
+    Timing synchronizes the GPU: never enter it inside a forward that must stay sync-free, or inside
+    CUDA-graph capture. See titan_mm.kernels.tune_for_model."""
+    global _TUNING
+    _TUNING += 1
+    try:
+        yield
+    finally:
+        _TUNING -= 1
+
+
+def can_time() -> bool:
+    """Whether `tuning()` times candidates (a GPU, tuning not disabled, not the interpreter)."""
+    return TUNE and not INTERPRET and torch.cuda.is_available()
+
+
+def bench_ms(fn) -> float:
+    """Device time of fn() in ms (median, L2 flushed). Synchronizes: called only inside `tuning()`."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
 class Tuner:
@@ -60,12 +90,17 @@ class Tuner:
     count, so training does not retune per batch).
 
     `configs(key)` lists candidate dicts of launch parameters (constexprs and `num_warps`); the first is the
-    default. On the first call for a key on a GPU, `pick(key, launch)` times `launch(cfg)` for every candidate
-    (triton.testing.do_bench, L2 flushed, device time) and keeps the fastest; later calls are a dict lookup.
-    Configs that fail to compile (e.g. out of registers / shared memory) are skipped and recorded in
-    `timings`; if all fail the first error is raised. Under TRITON_INTERPRET=1 (CPU) or TITAN_KERNELS_TUNE=0
-    the first config is used. Unlike triton.autotune, the launcher knows the chosen config before it sizes
-    its grid and any per-program partial buffers.
+    default. `pick(key, launch)`:
+    - a key with a cached pick: that pick (a dict lookup);
+    - inside `tuning()`: times `launch(cfg)` for every candidate (`bench_ms`: triton.testing.do_bench, L2
+      flushed, device time), caches the fastest. Configs that fail to compile (out of registers / shared
+      memory) are skipped and recorded in `timings`; if all fail the first error is raised. Under
+      TRITON_INTERPRET=1 or TITAN_KERNELS_TUNE=0 (or with one candidate) config 0 is cached without timing;
+    - otherwise (the model's forward / backward): config 0, with no timing and so no host synchronization;
+      the key goes to `untuned` (host-side, not `best`: a later `tuning()` still times it), so the trainer can
+      report keys that `tune_for_model` did not cover.
+    Unlike triton.autotune, the launcher knows the chosen config before it sizes its grid and any
+    per-program partial buffers.
     """
 
     registry: list["Tuner"] = []
@@ -75,6 +110,7 @@ class Tuner:
         self._configs = configs
         self.best: dict = {}
         self.timings: dict = {}
+        self.untuned: dict = {}  # key -> config 0, for keys the forward met outside tuning()
         self.last = None  # (key, config) of the latest pick: the benchmark reports it
         Tuner.registry.append(self)
 
@@ -88,25 +124,29 @@ class Tuner:
             self.last = (key, cfg)
             return cfg
         cfg = self.best.get(key)
-        if cfg is None:
-            cands = self.configs(key)
-            assert 1 <= len(cands) <= MAX_CONFIGS, f"{self.name}: {len(cands)} configs"
-            if INTERPRET or not TUNE or len(cands) == 1 or not torch.cuda.is_available():
-                cfg = cands[0]
-            else:
-                cfg = self._tune(key, cands, launch)
+        if cfg is None and not _TUNING:  # the forward: the default, never timed (timing would synchronize)
+            cfg = self.untuned.get(key)
+            if cfg is None:
+                cfg = self.untuned[key] = self._candidates(key)[0]
+        elif cfg is None:
+            cands = self._candidates(key)
+            cfg = self._tune(key, cands, launch) if len(cands) > 1 and can_time() else cands[0]
             self.best[key] = cfg
+            self.untuned.pop(key, None)
         self.last = (key, cfg)
         return cfg
 
-    def _tune(self, key, cands, launch) -> dict:
-        import triton.testing
+    def _candidates(self, key) -> list[dict]:
+        cands = self.configs(key)
+        assert 1 <= len(cands) <= MAX_CONFIGS, f"{self.name}: {len(cands)} configs"
+        return cands
 
+    def _tune(self, key, cands, launch) -> dict:
         t0 = time.perf_counter()
         times, res, first_err = [], {}, None
         for cfg in cands:
             try:
-                ms = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=25, return_mode="median")
+                ms = bench_ms(lambda: launch(cfg))
             except Exception as e:  # compile / resource failure of this config: recorded, never silent
                 first_err = first_err or e
                 res[_cfg_str(cfg)] = f"{type(e).__name__}: {e}"[:300]
@@ -131,3 +171,35 @@ def tuned_configs() -> dict:
         for key, cfg in t.best.items():
             out.setdefault(t.name, {})[str(key)] = dict(config=cfg, **t.timings.get(key, {}))
     return out
+
+
+def untuned_keys() -> dict:
+    """{tuner name: [key, ...]}: keys that ran their default config outside `tuning()` and are still untuned."""
+    return {t.name: sorted(map(str, t.untuned)) for t in Tuner.registry if t.untuned}
+
+
+def export_picks() -> dict:
+    """{tuner name: {key: config}} (picklable: keys hold ints, bools and torch dtypes), for load_picks."""
+    return {t.name: dict(t.best) for t in Tuner.registry if t.best}
+
+
+def load_picks(picks: dict) -> None:
+    """Replace the cached picks with `picks` (from export_picks, e.g. broadcast from rank 0 so every rank
+    launches the same configs and replicated computations round alike)."""
+    by_name = {t.name: t for t in Tuner.registry}
+    for t in Tuner.registry:
+        t.best.clear()
+    for name, best in picks.items():
+        if name in by_name:
+            by_name[name].best.update(best)
+            for key in best:
+                by_name[name].untuned.pop(key, None)
+
+
+def reset_tuning() -> None:
+    """Forget every pick, timing and untuned key (tests)."""
+    for t in Tuner.registry:
+        t.best.clear()
+        t.timings.clear()
+        t.untuned.clear()
+        t.last = None
