@@ -17,6 +17,7 @@ Launch configs (titan_mm.kernels._utils.Tuner): picked per key (width / head lay
 model's forward, which must not synchronize the GPU:
 
     tune_for_model(model_cfg, tokens, dtype, device, tp=1) -> report   # once, after building the model
+    share_picks()               # every rank takes rank 0's picks (a collective)
     with tuning(): ...          # calls inside time the candidates of keys not tuned yet (synchronizes)
     tuned_configs(), untuned_keys()                                     # what was picked / what ran untuned
 
@@ -34,7 +35,7 @@ import torch
 from . import reference
 from . import _dispatch
 from ._dispatch import HAS_TRITON, use_triton
-from ._tuning import tune_for_model
+from ._tuning import share_picks, tune_for_model
 from ._utils import tuned_configs, tuning, untuned_keys
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "KERNEL_OPS",
     "resolve_ops",
     "tune_for_model",
+    "share_picks",
     "tuning",
     "tuned_configs",
     "untuned_keys",

@@ -134,3 +134,16 @@ def tune_for_model(model_cfg, tokens: int, dtype: torch.dtype, device, tp: int =
         if new:
             report["tuned"][t.name] = [str(k) for k in new]
     return report
+
+
+def share_picks(src: int = 0, group=None) -> None:
+    """Every rank of ``group`` takes rank ``src``'s picks (a collective: call it on every rank, after
+    tune_for_model, outside the forward), so replicated computations launch the same configs and round alike
+    on every rank. A no-op without an initialized process group of more than one rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    picks = [_utils.export_picks()]
+    dist.broadcast_object_list(picks, src=src, group=group)
+    _utils.load_picks(picks[0])
