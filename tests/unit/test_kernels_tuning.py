@@ -135,6 +135,29 @@ def test_tune_for_model_skips_without_triton_path():
     assert rep["tuned"] == {} and rep["skipped"], rep
 
 
+def test_trainer_tunes_once_on_cuda_with_kernels_on(monkeypatch):
+    """titan_mm.train.trainer.tune_kernels: what it hands to tune_for_model (this rank's tokens of a
+    micro-batch, the compute dtype, tp, encoder_tp), and that it skips CPU runs and kernels-off models."""
+    from types import SimpleNamespace
+
+    from titan_mm import kernels as K
+    from titan_mm.config import load_config
+    from titan_mm.train.trainer import tune_kernels
+
+    seen = []
+    monkeypatch.setattr(K, "tune_for_model", lambda *a, **kw: seen.append((a, kw)) or {"tuned": {}, "skipped": []})
+    cfg = load_config(["--model.name", "qwen3", "--model.flavor", "debug", "--training.param_dtype", "bfloat16",
+                       "--data.seq_len", "256", "--data.micro_batch_size", "2", "--parallel.encoder_tp", "True"])
+    pd = SimpleNamespace(tp=2, cp=2)
+    mc = _qwen3_cfg()
+    assert tune_kernels(cfg, mc, pd, torch.device("cuda")) is not None
+    (args, kw), = seen
+    assert args == (mc, 2 * 256 // 2, torch.bfloat16, torch.device("cuda")) and kw == dict(tp=2, encoder_tp=True)
+    assert tune_kernels(cfg, mc, pd, torch.device("cpu")) is None
+    assert tune_kernels(cfg, _qwen3_cfg(kernels=False), pd, torch.device("cuda")) is None
+    assert len(seen) == 1
+
+
 # ------------------------------------------------------------------------------ interpreter (child)
 
 
