@@ -105,6 +105,14 @@ def test_tuner_bookkeeping(monkeypatch):
         with _utils.tuning():
             assert tuner.pick((16, torch.bfloat16), bad_launch) == cands[2]
         assert "RuntimeError" in tuner.timings[(16, torch.bfloat16)]["ms"]["BLOCK=128"]
+        # out of device memory is not a config failure: it propagates (tune_for_model skips that op)
+
+        def oom_launch(c):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        with pytest.raises(torch.OutOfMemoryError), _utils.tuning():
+            tuner.pick((24, torch.bfloat16), oom_launch)
+        assert (24, torch.bfloat16) not in tuner.best
         # TITAN_KERNELS_TUNE=0 (or the interpreter): tuning() caches config 0 without timing
         monkeypatch.setattr(_utils, "can_time", lambda: False)
         n = len(timed)
@@ -271,6 +279,18 @@ def test_interp_tune_for_model_keys_per_tp_rank(clean_tuner):
     rep = K.tune_for_model(_cfg("qwen3"), 16, torch.float32, "cpu", tp=2)
     assert rep["tuned"]["rope"] == [str((2, 1, 16, False, torch.float32))]  # 4 / 2 q heads, 2 / 2 kv heads
     assert rep["tuned"]["swiglu_fwd"] == [str((48, True, torch.float32))]  # intermediate 96 / 2
+    # out of memory while tuning one op: that op stays on its defaults, the others are tuned
+    def oom(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    clean_tuner.reset_tuning()
+    swiglu, K.swiglu = K.swiglu, oom  # tune_for_model looks the op up in titan_mm.kernels when it runs
+    try:
+        rep = K.tune_for_model(_cfg("qwen3"), 16, torch.float32, "cpu")
+    finally:
+        K.swiglu = swiglu
+    assert any("swiglu" in r and "out of memory" in r for r in rep["skipped"]), rep
+    assert "swiglu_fwd" not in rep["tuned"] and "rope" in rep["tuned"], rep
     # TITAN_KERNELS_TUNE=0 and kernels off: nothing runs
     assert K.tune_for_model(_cfg("qwen3", kernels=False), 16, torch.float32, "cpu")["skipped"]
     clean_tuner.TUNE = False

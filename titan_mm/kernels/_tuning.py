@@ -88,7 +88,7 @@ def _calls(model_cfg, tokens: int, dtype, device, tp: int, encoder_tp: bool, vis
 
 
 def tune_for_model(model_cfg, tokens: int, dtype: torch.dtype, device, tp: int = 1, encoder_tp: bool = False,
-                   vision_tokens: int | None = None, max_tokens: int = 32768) -> dict:
+                   vision_tokens: int | None = None, max_tokens: int = 16384) -> dict:
     """Pick the launch config of every Triton kernel that ``model_cfg`` (a Qwen3 / Qwen3-MoE / Qwen3-VL
     config; its ``kernels`` field says which ops are on) uses, for its widths and ``dtype``, by running each
     once forward + backward on random tensors inside `_utils.tuning()`. Call it once after building the model

@@ -147,6 +147,8 @@ class Tuner:
         for cfg in cands:
             try:
                 ms = bench_ms(lambda: launch(cfg))
+            except torch.OutOfMemoryError:  # the device's memory, not this config: the caller decides
+                raise
             except Exception as e:  # compile / resource failure of this config: recorded, never silent
                 first_err = first_err or e
                 res[_cfg_str(cfg)] = f"{type(e).__name__}: {e}"[:300]
