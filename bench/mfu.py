@@ -129,7 +129,7 @@ def _titan_builder(case, stack, args, device):
     if stack == "titan_plain":
         model = _plain_model(spec, mc, device)
     else:
-        model = build_model(cfg, spec, mc, pd, device, 1, 0)
+        model = build_model(cfg, spec, mc, pd, device)
     opt = build_optimizer(model, cfg)
     state = TrainState(model=model, optimizer=opt, scheduler=build_lr_scheduler(opt, cfg))
     ctx = StepContext(device=device, attn_backend=attn, max_norm=1.0)

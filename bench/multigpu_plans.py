@@ -169,7 +169,7 @@ def vl_worker(args) -> int:
     spec, mc = resolve_model(cfg, device)
     if args.text_layers:
         mc = dataclasses.replace(mc, text=dataclasses.replace(mc.text, num_hidden_layers=args.text_layers))
-    model = build_model(cfg, spec, mc, pd, device, world, rank)
+    model = build_model(cfg, spec, mc, pd, device)
     tune_kernels(cfg, mc, pd, device)  # the kernels' launch configs, before the first step (as the trainer)
     opt = build_optimizer(model, cfg)
     state = TrainState(model=model, optimizer=opt, scheduler=build_lr_scheduler(opt, cfg))

@@ -154,6 +154,8 @@ def _cfg_family(family):
     embedding, the ``output`` linear) run under loss parallel."""
     import dataclasses
 
+    if family == "moe-biasgelu":  # the ViT MLP's bias + GELU op on (CPU: its reference), fc1 sharded by encoder_tp
+        return dataclasses.replace(_cfg(True), kernels="bias_gelu")
     return _cfg(True) if family == "moe" else dataclasses.replace(_cfg(False), tie_word_embeddings=False)
 
 
@@ -168,7 +170,7 @@ def _build_family(family):
 
 @functools.lru_cache(maxsize=None)
 def _reference_family(family):
-    return train_steps(_build_family(family), _batches(family == "moe"), _step, select=_select)
+    return train_steps(_build_family(family), _batches(family != "dense"), _step, select=_select)
 
 
 def _worker_modes(rank, world, family, dims, switches, mode):
@@ -183,7 +185,7 @@ def _worker_modes(rank, world, family, dims, switches, mode):
     job = SimpleNamespace(parallel=SimpleNamespace(backend="auto", cp_mode=mode or "ulysses", **switches))
     parallelize(model, plan(_cfg_family(family)), pd, job)
     bm = pd.mesh("batch")
-    return train_steps(model, _batches(family == "moe"), functools.partial(_step, pd=pd, mode=mode),
+    return train_steps(model, _batches(family != "dense"), functools.partial(_step, pd=pd, mode=mode),
                        dp_rank=bm.get_local_rank(), dp_size=bm.size(), loss_group=pd.mesh("loss").get_group(),
                        select=_select)
 
@@ -194,6 +196,7 @@ MODE_CASES = [
     ("dense-tp2-sp-lp", 2, "dense", dict(dp_shard=1, tp=2), dict(_SP_LP, encoder_tp=False), None),
     ("dense-tp2-sp-lp-encodertp", 2, "dense", dict(dp_shard=1, tp=2), dict(_SP_LP, encoder_tp=True), None),
     ("moe-tp2-sp-lp-encodertp", 2, "moe", dict(dp_shard=1, tp=2), dict(_SP_LP, encoder_tp=True), None),
+    ("moe-tp2-encodertp-biasgelu", 2, "moe-biasgelu", dict(dp_shard=1, tp=2), dict(_SP_LP, encoder_tp=True), None),
     ("moe-tp2-nosp-nolp", 2, "moe", dict(dp_shard=1, tp=2),
      dict(sequence_parallel=False, loss_parallel=False, encoder_tp=False), None),
     ("dense-cp2xtp2-sp-lp", 4, "dense", dict(dp_shard=1, cp=2, tp=2), dict(_SP_LP, encoder_tp=False), "allgather"),

@@ -24,7 +24,7 @@ def _full_sd(name: str, flavor: str, parallel: dict, world: int) -> dict[str, to
     spec, mc = resolve_model(cfg, device)
     pd = ParallelDims.from_config(cfg.parallel, world)
     pd.build_meshes()
-    model = build_model(cfg, spec, mc, pd, device, world, int(torch.distributed.get_rank()) if world > 1 else 0)
+    model = build_model(cfg, spec, mc, pd, device)
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {k: v.detach().clone() for k, v in sd.items()}
 

@@ -14,7 +14,7 @@ from titan_mm.models.common.attention import build_attn_meta
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_whole_rows_skip_masks_and_match_masked_path(backend):
-    B, S = 2, 32
+    S = 32
     rows = [packed_batch([S], S, seed=s) for s in (1, 2)]
     batch = {k: torch.cat([r[k] for r in rows]) if k not in ("cu_seqlens", "max_seqlen", "num_label_tokens") else None
              for k in rows[0]}

@@ -63,13 +63,17 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_local_map_wrappers_match_single_process(tmp_path):
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
+def _run_two_ranks(tmp_path, name: str, code: str, interpret: bool) -> None:
+    """Run ``code`` as 2 gloo ranks (argv: rank, port) in fresh interpreters (TRITON_INTERPRET must be set, or
+    unset, before triton is imported); each must exit 0 and print OK."""
+    script = tmp_path / name
+    script.write_text(code)
     port = str(_free_port())
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     procs = [
         subprocess.Popen([sys.executable, "-W", "ignore", str(script), str(r), port], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -79,6 +83,10 @@ def test_local_map_wrappers_match_single_process(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
         assert "OK" in out
+
+
+def test_local_map_wrappers_match_single_process(tmp_path):
+    _run_two_ranks(tmp_path, "child.py", CHILD, interpret=False)
 
 
 CHILD_VP_CE = textwrap.dedent(
@@ -132,18 +140,4 @@ CHILD_VP_CE = textwrap.dedent(
 def test_vocab_parallel_fused_ce_matches_single_process(tmp_path):
     """The fused Triton CE per vocabulary shard (loss parallel), through the Triton interpreter on 2 gloo ranks:
     loss and gradients equal the single-process chunked CE (with z-loss, ignored labels, several chunks)."""
-    script = tmp_path / "child_vp_ce.py"
-    script.write_text(CHILD_VP_CE)
-    port = str(_free_port())
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               TRITON_INTERPRET="1")
-    procs = [
-        subprocess.Popen([sys.executable, "-W", "ignore", str(script), str(r), port], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=240) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-        assert "OK" in out
+    _run_two_ranks(tmp_path, "child_vp_ce.py", CHILD_VP_CE, interpret=True)

@@ -4,19 +4,16 @@ The debug-config runs are shortened (4 steps, seq 64) to keep the suite fast; th
 timings are in docs/training.md.
 """
 
-import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from titan_mm.observe.metrics import read_metrics
-from titan_mm.train.checkpoint import COMMIT_FILE, list_checkpoints
+from titan_mm.train.checkpoint import list_checkpoints
 from titan_mm.train.trainer import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,7 +154,7 @@ def test_init_from_hf_dir(tmp_path):
     cfg = load_config(["--model.hf_path", str(tmp_path / "hf"), "--model.flavor", "ignored-with-hf-path"])
     s2, mcfg = resolve_model(cfg, torch.device("cpu"))
     assert (mcfg.vocab_size, mcfg.hidden_size, mcfg.num_hidden_layers) == (300, 48, 1)
-    model = build_model(cfg, s2, mcfg, ParallelDims(world_size=1), torch.device("cpu"), 1, 0)
+    model = build_model(cfg, s2, mcfg, ParallelDims(world_size=1), torch.device("cpu"))
     ref = src.state_dict()
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref[k]), k

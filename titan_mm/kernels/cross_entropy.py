@@ -37,6 +37,19 @@ def _row_lse(base, V: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _write_row_grad(base, lse, scale, tgt, V: tl.constexpr, BLOCK: tl.constexpr):
+    """Overwrite the V logits at ``base`` with d(loss)/d(logits) = softmax(lse) * scale - onehot(tgt) (tgt < 0: none)."""
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        msk = cols < V
+        x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32)
+        p = tl.exp(x - lse) * scale
+        p = tl.where(cols == tgt, p - 1.0, p)
+        tl.store(base + cols, p.to(base.dtype.element_ty), mask=msk)
+
+
+@triton.jit
 def _ce_row_kernel(
     L, stride_l, LAB, LOSS, ignore_index, z_loss,
     V: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
@@ -56,14 +69,7 @@ def _ce_row_kernel(
         scale = tl.where(valid, 1.0, 0.0)
         if HAS_Z:
             scale = scale * (1.0 + 2.0 * z_loss * lse)
-        offs = tl.arange(0, BLOCK)
-        for start in range(0, V, BLOCK):
-            cols = start + offs
-            msk = cols < V
-            x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32)
-            p = tl.exp(x - lse) * scale
-            p = tl.where((cols == lab) & valid, p - 1.0, p)
-            tl.store(base + cols, p.to(L.dtype.element_ty), mask=msk)
+        _write_row_grad(base, lse, scale, tl.where(valid, lab, -1), V, BLOCK)
 
 
 def default_chunk_size(n: int, d: int, v: int) -> int:
@@ -134,17 +140,7 @@ def _ce_shard_grad_kernel(L, stride_l, LOC, LSE, SCALE, V: tl.constexpr, BLOCK: 
     """Overwrite this shard's logits with d(loss)/d(logits): softmax(global lse) * scale - onehot."""
     row = tl.program_id(0).to(tl.int64)
     base = L + row * stride_l
-    loc = tl.load(LOC + row)
-    lse = tl.load(LSE + row)
-    scale = tl.load(SCALE + row)
-    offs = tl.arange(0, BLOCK)
-    for start in range(0, V, BLOCK):
-        cols = start + offs
-        msk = cols < V
-        x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32)
-        p = tl.exp(x - lse) * scale
-        p = tl.where(cols == loc, p - 1.0, p)
-        tl.store(base + cols, p.to(L.dtype.element_ty), mask=msk)
+    _write_row_grad(base, tl.load(LSE + row), tl.load(SCALE + row), tl.load(LOC + row), V, BLOCK)
 
 
 def lce_vocab_parallel_impl(h, w, labels, vocab_start, group, ignore_index, z_loss, compute_grad, chunk_size):

@@ -129,7 +129,7 @@ def resolve_model(cfg: JobConfig, device: torch.device):
     return spec, model_cfg
 
 
-def build_model(cfg: JobConfig, spec, model_cfg, parallel_dims, device: torch.device, world: int, rank: int):
+def build_model(cfg: JobConfig, spec, model_cfg, parallel_dims, device: torch.device):
     """Meta build -> parallelize -> materialize (to_empty + init_weights), then HF weights if asked.
 
     Random init gives the same weights for every world size and layout (CPU or CUDA): under
@@ -263,7 +263,7 @@ def train(cfg: JobConfig) -> dict[str, Any]:
         save_config(cfg, out_dir / "config.toml")
         if cfg.job.print_config:
             print(resolved_toml(cfg))
-    model = build_model(cfg, spec, model_cfg, pd, device, world, rank)
+    model = build_model(cfg, spec, model_cfg, pd, device)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg)
     n_micro = grad_accum_steps(cfg, dp_world)

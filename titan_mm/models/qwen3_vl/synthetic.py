@@ -123,7 +123,6 @@ def pack(samples: list[Sample], cfg: Qwen3VLConfig, seq_len: int | None = None, 
     doc = torch.full((rows, seq_len), -1, dtype=torch.int32)
     r, off, nd = 0, 0, [0] * rows
     seglens = []
-    order: list[tuple[int, int]] = []
     for s in samples:
         n = len(s.input_ids)
         if off + n > seq_len:

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from titan_mm.models.common import init
 from titan_mm.models.qwen3_vl.config import VisionConfig
@@ -258,8 +259,9 @@ class VisionMLP(nn.Module):
 
     def forward(self, x):
         fc1 = self.linear_fc1
-        # a module swapped in for fc1 (torchao's Float8Linear) keeps its own forward: the unfused path
-        if self.bias_gelu is not None and type(fc1) is nn.Linear:
+        # the unfused path keeps fc1's own forward where it matters: a module swapped in for it (torchao's
+        # Float8Linear) or a tensor-parallel fc1 (parallel.encoder_tp: DTensor weight, input / output hooks)
+        if self.bias_gelu is not None and type(fc1) is nn.Linear and not isinstance(fc1.weight, DTensor):
             return self.linear_fc2(self.bias_gelu(F.linear(x, fc1.weight), fc1.bias))
         return self.linear_fc2(F.gelu(fc1(x), approximate=self.approximate))
 
