@@ -150,8 +150,8 @@ def vl_worker(args) -> int:
     from titan_mm.train.optim import build_lr_scheduler, build_optimizer
     from titan_mm.train.state import TrainState
     from titan_mm.train.step import StepContext, train_step
-    from titan_mm.train.trainer import (build_model, grad_accum_steps, pick_device, resolve_model, seed_everything,
-                                        setup_distributed, tune_kernels)
+    from titan_mm.train.trainer import (build_model, data_parallel_groups, grad_accum_steps, pick_device,
+                                        resolve_model, seed_everything, setup_distributed, tune_kernels)
 
     cfg = load_config(args.trainer_args)
     device = pick_device(cfg)
@@ -160,12 +160,7 @@ def vl_worker(args) -> int:
         torch.cuda.set_device(device)
     seed_everything(cfg.training.seed, cfg.training.deterministic)
     pd = ParallelDims.from_config(cfg.parallel, world)
-    if pd.build_meshes():
-        bm, lm = pd.mesh("batch"), pd.mesh("loss")
-        dp_rank, dp_world = bm.get_local_rank(), bm.size()
-        loss_group, count_group, loss_world = lm.get_group(), bm.get_group(), lm.size()
-    else:
-        dp_rank, dp_world, loss_group, count_group, loss_world = 0, 1, None, None, 1
+    dp_rank, dp_world, loss_group, count_group, loss_world = data_parallel_groups(pd)
     spec, mc = resolve_model(cfg, device)
     if args.text_layers:
         mc = dataclasses.replace(mc, text=dataclasses.replace(mc.text, num_hidden_layers=args.text_layers))
@@ -280,6 +275,8 @@ def run_equality(args, models: dict, bounds: dict, dump: Path, W: int) -> list[d
             row.update(ok=False, error=res["error"])
         else:
             row.update(compare(m, ref_m, steps, bounds))
+        if m:  # the trainer's peak per GPU (GB = 1e9 bytes), for bench/memory_check.py
+            row["mem_peak_gb"] = max(v.get("mem_peak_gb", 0.0) for v in m.values())
         rows.append(row)
         print(f"[plans] {name}: {'ok' if row.get('ok') else 'FAILED ' + str(row.get('error', ''))[-800:]} "
               f"(loss rel max {fmt(row.get('loss_rel_max'))}, grad-norm rel max {fmt(row.get('gnorm_rel_max'))})",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from titan_mm.config import Data as _Data
 from titan_mm.data.packing import IGNORE_INDEX, Doc
 from titan_mm.data.schema import Sample
 from titan_mm.data.sources import SkipSample, Unit, media_bytes
@@ -25,21 +26,24 @@ from titan_mm.data.tokenizer import Tokenizer
 
 @dataclass
 class ProcessorConfig:
-    chat_template: str = "qwen3_vl"
-    mrope: bool = False  # emit 3-D M-RoPE positions per doc
-    image_min_pixels: int = 65536
-    image_max_pixels: int = 16777216
-    video_min_pixels: int = 131072
-    video_max_pixels: int = 786432
-    video_fps: float = 2.0
-    video_min_frames: int = 4
-    video_max_frames: int = 768
+    """The processors' settings. Fields shared with the ``[data]`` config section take their defaults (and
+    docstrings) from titan_mm.config.Data; the loader fills them from the job config by field name."""
+
+    chat_template: str = _Data.chat_template
+    mrope: bool = _Data.mrope  # emit 3-D M-RoPE positions per doc
+    image_min_pixels: int = _Data.image_min_pixels
+    image_max_pixels: int = _Data.image_max_pixels
+    video_min_pixels: int = _Data.video_min_pixels
+    video_max_pixels: int = _Data.video_max_pixels
+    video_fps: float = _Data.video_fps
+    video_min_frames: int = _Data.video_min_frames
+    video_max_frames: int = _Data.video_max_frames
     patch_size: int = 16
     temporal_patch_size: int = 2
     merge_size: int = 2
     audio_sample_rate: int = 16000
     audio_n_mels: int = 128
-    media_root: str = ""
+    media_root: str = _Data.media_root
     lazy_images: bool = False  # image patches computed at collate time (the loader turns this on)
 
 

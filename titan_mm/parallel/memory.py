@@ -33,6 +33,9 @@ live on [ep_fsdp, ep] = dp_shard x cp ranks); fsdp = dp_shard * cp (HSDP's dp_re
   root_reduce_scatter  all block gradients + the root's bf16 grads -> fp32 input -> fp32 output.
   optimizer_step       params + grads + optimizer.
 
+Gradient accumulation (``grad_accum`` > 1 micro-batches per step): from the second micro-batch on, the fp32
+gradient shards of the whole model exist through its forward and backward, so every phase carries them.
+
 Saved activations per token and block are counted from this repo's code paths: Triton RMSNorm / RoPE /
 SwiGLU custom ops (inputs + fp32 rstd saved), fused causal SDPA (q, k, v, out, fp32 lse; never S x S),
 qk-norm inputs, linear inputs; MoE: router probs (fp32), routed copies [N*k, D] of the inputs and outputs,
@@ -310,7 +313,7 @@ def loss_bytes(model_cfg, plan, topo: Topology, tokens: float, act_bytes: int = 
 # ------------------------------------------------------------------------------------------- the step
 def estimate_phases(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: int, param_dtype_bytes: int = 2,
                     counts: ParamCounts | None = None, *, kernels: bool | None = None, compile: bool = True,
-                    float8: bool = False, vision_patches: int = 0) -> dict[str, dict[str, float]]:
+                    float8: bool = False, vision_patches: int = 0, grad_accum: int = 1) -> dict[str, dict[str, float]]:
     """Bytes per GPU by category at each moment of the step where memory can peak (module docstring).
 
     ``vision_patches``: ViT patches per micro-batch (Qwen3-VL; 0 = the vision tower's activations are not
@@ -358,6 +361,8 @@ def estimate_phases(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: 
         out = {"params": master, "grads": 0.0, "optimizer": optim, "fsdp_buffers": 0.0, "activations": 0.0,
                "loss": 0.0, "workspace": 0.0}
         out.update(kw)
+        if grad_accum > 1:  # a later micro-batch: every gradient shard already holds the earlier ones' sum
+            out["grads"] = grads_all
         out["total"] = sum(out.values())
         phases[name] = out
 
@@ -486,12 +491,14 @@ def main(argv: list[str] | None = None) -> None:
     pbytes = 2 if cfg.training.param_dtype == "bfloat16" else 4
     counts = count_params(model_cfg, plan, enc)
     kw = dict(compile=bool(cfg.compile.enable), float8=bool(cfg.float8.enable), vision_patches=args.vision_patches)
-    phases = estimate_phases(model_cfg, plan, topo, seq, mb, pbytes, counts, **kw)
+    per_pass = mb * dp_r * ds  # rows per micro-batch over the data-parallel ranks
+    accum = max(1, (cfg.training.global_batch_size or per_pass) // per_pass)
+    phases = estimate_phases(model_cfg, plan, topo, seq, mb, pbytes, counts, grad_accum=accum, **kw)
     peak = peak_phase(phases)
     est = phases[peak]
     name = cfg.model.hf_path or f"{cfg.model.name}/{cfg.model.flavor}"
     print(f"model {name}: {counts.total / 1e9:.3f} B params ({counts.experts / 1e9:.3f} B in experts); "
-          f"seq_len={seq} micro_batch={mb} param_dtype={cfg.training.param_dtype}")
+          f"seq_len={seq} micro_batch={mb} grad_accum={accum} param_dtype={cfg.training.param_dtype}")
     print(format_table(est, f"per-GPU peak memory ({peak}), {topo.describe()} (world {topo.world})"))
     if args.gpu_mem_gb:
         n = gpus or topo.world

@@ -185,6 +185,17 @@ def check_parallel(cfg: JobConfig, pd, model_cfg) -> None:
         raise ConfigError(f"[parallel] {e}") from None
 
 
+def data_parallel_groups(pd) -> tuple[int, int, Any, Any, int]:
+    """(dp_rank, dp_world, loss_group, count_group, loss_world) of this rank, building the meshes: the "batch"
+    mesh holds the ranks that read different rows (label counts are summed over it), the "loss" mesh the ranks
+    whose loss sums add up. Without a process group: one rank, no groups."""
+    if not pd.build_meshes():
+        return 0, 1, None, None, 1
+    batch_mesh, loss_mesh = pd.mesh("batch"), pd.mesh("loss")
+    return (batch_mesh.get_local_rank(), batch_mesh.size(), loss_mesh.get_group(), batch_mesh.get_group(),
+            loss_mesh.size())
+
+
 def grad_accum_steps(cfg: JobConfig, dp_world: int) -> int:
     per_pass = cfg.data.micro_batch_size * dp_world
     g = cfg.training.global_batch_size or per_pass
@@ -247,13 +258,7 @@ def train(cfg: JobConfig) -> dict[str, Any]:
         pd = ParallelDims.from_config(cfg.parallel, world)
     except ValueError as e:
         raise ConfigError(f"[parallel] {e}") from None
-    meshes = pd.build_meshes()
-    if meshes:
-        batch_mesh, loss_mesh = pd.mesh("batch"), pd.mesh("loss")
-        dp_rank, dp_world = batch_mesh.get_local_rank(), batch_mesh.size()
-        loss_group, count_group, loss_world = loss_mesh.get_group(), batch_mesh.get_group(), loss_mesh.size()
-    else:
-        dp_rank, dp_world, loss_group, count_group, loss_world = 0, 1, None, None, 1
+    dp_rank, dp_world, loss_group, count_group, loss_world = data_parallel_groups(pd)
 
     spec, model_cfg = resolve_model(cfg, device)
     check_parallel(cfg, pd, model_cfg)
