@@ -6,10 +6,18 @@ vocabulary 151,936). For each kernel, implementation and mode (fwd, fwd+bwd): me
 iterations (CUDA events), peak memory above the inputs, and achieved bandwidth (minimum bytes moved / time)
 against the H200 copy ceiling of 4.23 TB/s; for the CE, TFLOP/s of its three GEMMs.
 
+Time (`ms`) is device time: the GPU queue is kept ahead of the host (a GPU sleep before each batch of calls),
+so Python and launch overhead do not count; `ms_loop` is the old back-to-back loop, where a call whose host
+side is slower than its kernels measures the host. Before timing a titan_mm row, one fwd+bwd and one fwd call
+run inside titan_mm.kernels.tuning(), which picks the launch configs for these shapes (seconds; the model's
+forward never tunes); the picks are in each titan_mm row's `config` and, with the candidates' times, in
+meta.tuning. The JSON is rewritten after every kernel, so a run cut short keeps what it measured.
+
     PYTHONPATH=$PWD:/tmp/site python3 bench/kernels.py [--out bench/results/kernels.json] [--only rms_norm,...]
     python3 bench/kernels.py --render bench/results/kernels.json [--doc docs/kernels.md]   # markdown table
 
-Runs in < 5 minutes on the H200 (compile of the references is most of it; --no-compile skips that).
+Runs in < 3 minutes on the H200 (torch.compile of the references is most of it: no new compile row starts
+after --budget-s; --no-compile skips them).
 """
 
 from __future__ import annotations
@@ -33,7 +41,32 @@ DOC_BEGIN, DOC_END = "<!-- kernels-bench:begin -->", "<!-- kernels-bench:end -->
 # ---------------------------------------------------------------------------------------------- timing
 
 
-def time_ms(fn, min_iters=20, max_iters=200, budget_s=0.5):
+_CYCLES_PER_MS: list = []
+
+
+def _sleep_cycles_per_ms() -> float:
+    """GPU clock cycles per ms of torch.cuda._sleep (measured once)."""
+    import torch
+
+    if not _CYCLES_PER_MS:
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        torch.cuda._sleep(20_000_000)
+        e.record()
+        e.synchronize()
+        _CYCLES_PER_MS.append(20_000_000 / max(s.elapsed_time(e), 1e-3))
+    return _CYCLES_PER_MS[0]
+
+
+def time_ms(fn, min_iters=10, max_iters=100, budget_s=0.25, batch=25):
+    """-> (device ms, loop ms, iterations).
+
+    device ms: median over CUDA event pairs around each call while the GPU queue is kept ahead of the host
+    (a GPU-side sleep before each batch of `batch` calls covers the time the host needs to enqueue them), so
+    it is the GPU time of the call: kernels plus the gaps between them, without Python/launch overhead.
+    loop ms: the same calls back to back with no sleep (the previous method): when the host needs longer to
+    issue a call than the GPU needs to run it, this is host time. Both are reported; `ms` is device ms."""
     import torch
 
     if not torch.cuda.is_available():  # smoke mode: wall clock, a few iterations
@@ -42,23 +75,36 @@ def time_ms(fn, min_iters=20, max_iters=200, budget_s=0.5):
             t0 = time.perf_counter()
             fn()
             ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts), len(ts)
+        return statistics.median(ts), statistics.median(ts), len(ts)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    one = max(time.perf_counter() - t0, 1e-6)
+    one = max(time.perf_counter() - t0, 1e-6)  # >= host time and >= GPU time of one call
     iters = int(min(max_iters, max(min_iters, budget_s / one)))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), iters
+
+    def timed(k, sleep_ms):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
+        if sleep_ms > 0:
+            torch.cuda._sleep(int(_sleep_cycles_per_ms() * sleep_ms))
+        for i in range(k):
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return [s_.elapsed_time(e_) for s_, e_ in zip(starts, ends)]
+
+    loop = timed(min(iters, 30), 0.0)
+    if one > 5e-3:  # a call this long is GPU-bound: no sleep needed, the loop is the device time
+        return statistics.median(loop), statistics.median(loop), len(loop)
+    dev = []
+    while len(dev) < iters:
+        k = min(batch, iters - len(dev))
+        dev += timed(k, min(200.0, 1.5 * k * one * 1e3))
+    return statistics.median(dev), statistics.median(loop), iters
 
 
 def peak_mb(fn):
@@ -266,6 +312,27 @@ def _outputs(o):
     return [t for t in (o if isinstance(o, (tuple, list)) else (o,)) if hasattr(t, "requires_grad") and t.requires_grad]
 
 
+def _reset_tuner_marks():
+    try:
+        from titan_mm.kernels._utils import Tuner
+    except Exception:
+        return
+    for t in Tuner.registry:
+        t.last = None
+
+
+def _tuner_marks() -> dict:
+    """{kernel: "key -> config"} for the tuned titan_mm kernels the last timed function launched."""
+    from titan_mm.kernels._utils import Tuner
+
+    out = {}
+    for t in Tuner.registry:
+        if t.last is not None:
+            key, cfg = t.last
+            out[t.name] = dict(key=str(key), **cfg)
+    return out
+
+
 def run_case(name, case, impl, fn, do_compile):
     import torch
 
@@ -292,12 +359,26 @@ def run_case(name, case, impl, fn, do_compile):
             fixed["g"] = [torch.randn_like(o) for o in outs]
         torch.autograd.grad(outs, diff, fixed["g"], allow_unused=True)
 
+    if impl == "titan_mm":
+        # launch configs are picked before the timing, as the trainer does before its first step (the forward
+        # never tunes: timing synchronizes); meta.tuning holds the candidates' times
+        from titan_mm.kernels import tuning
+
+        with tuning():
+            fwd_bwd()
+            fwd()
     for mode, f in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
         t_c = time.perf_counter()
-        ms, iters = time_ms(f)
+        _reset_tuner_marks()
+        ms, ms_loop, iters = time_ms(f)
         mem = peak_mb(f)
-        row = dict(kernel=name, shape=case["shape"], impl=impl, mode=mode, ms=round(ms, 4), iters=iters,
-                   peak_mb=round(mem, 1), wall_s=round(time.perf_counter() - t_c, 2))
+        row = dict(kernel=name, shape=case["shape"], impl=impl, mode=mode, ms=round(ms, 4),
+                   ms_loop=round(ms_loop, 4), iters=iters, peak_mb=round(mem, 1),
+                   wall_s=round(time.perf_counter() - t_c, 2))
+        if impl == "titan_mm":
+            cfg = _tuner_marks()
+            if cfg:
+                row["config"] = cfg
         if "fwd_bytes" in case:
             nbytes = case["fwd_bytes"] + (case["bwd_bytes"] if mode == "fwd+bwd" else 0)
             tbs = nbytes / (ms * 1e-3) / 1e12
@@ -317,8 +398,8 @@ def main(argv=None):
     p.add_argument("--out", default="bench/results/kernels.json")
     p.add_argument("--only", default="", help="comma-separated kernel names")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile(reference) rows")
-    p.add_argument("--budget-s", type=float, default=220.0,
-                   help="start no new torch.compile rows after this many seconds (keeps the run under 5 minutes)")
+    p.add_argument("--budget-s", type=float, default=110.0,
+                   help="start no new torch.compile rows after this many seconds (keeps the run under 3 minutes)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU allowed (TRITON_INTERPRET=1): tests the script")
     p.add_argument("--render", default="", help="render the markdown table from this JSON and exit")
     p.add_argument("--doc", default="", help="with --render: replace the table between the markers in this file")
@@ -353,8 +434,24 @@ def main(argv=None):
     )
     rows, errors = [], []
     cases = build_cases(only)
-    # pass 1: eager, Liger, titan_mm (fast); pass 2: torch.compile rows while the time budget lasts
-    # (inductor compiles dominate the wall time; the script must finish in < 5 minutes on the H200)
+    order = {k: i for i, k in enumerate(cases)}
+    imp = {k: i for i, k in enumerate(["eager", "compile", "liger", "titan_mm"])}
+
+    def write(final=False):
+        """The JSON is rewritten after every case, so a run cut short still leaves its rows."""
+        rows.sort(key=lambda r: (order[r["kernel"]], r["mode"], imp[r["impl"]]))
+        meta["wall_s"] = round(time.perf_counter() - t0, 1)
+        meta["complete"] = final
+        meta["tuning"] = _tuning_summary()
+        data = dict(meta=meta, results=rows, errors=errors)
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out + ".tmp", "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(a.out + ".tmp", a.out)
+        return data
+
+    # pass 1: eager, Liger, titan_mm (titan_mm tunes its launch configs before timing each kernel);
+    # pass 2: torch.compile rows while the time budget lasts (inductor compiles dominate the wall time)
     for pass_compile in (False, True):
         for name, case in cases.items():
             for impl, fn in case["impls"].items():
@@ -376,22 +473,26 @@ def main(argv=None):
                 for r in new:
                     print(_fmt_row(r), flush=True)
                 rows += new
-    order = {k: i for i, k in enumerate(cases)}
-    imp = {k: i for i, k in enumerate(["eager", "compile", "liger", "titan_mm"])}
-    rows.sort(key=lambda r: (order[r["kernel"]], r["mode"], imp[r["impl"]]))
-    meta["wall_s"] = round(time.perf_counter() - t0, 1)
-    data = dict(meta=meta, results=rows, errors=errors)
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(data, f, indent=1)
+            write()
+    data = write(final=True)
     print()
     print(render_markdown(data))
     print(f"\nwrote {a.out} in {meta['wall_s']} s")
 
 
+def _tuning_summary() -> dict:
+    """Every titan_mm launch config picked so far, with the candidates' tuning times (ms)."""
+    try:
+        from titan_mm.kernels._utils import tuned_configs
+    except Exception:
+        return {}
+    return tuned_configs()
+
+
 def _fmt_row(r):
     perf = f"{r['tb_s']:.2f} TB/s ({100 * r['frac_copy']:.0f}%)" if "tb_s" in r else f"{r['tflops']:.0f} TFLOP/s"
-    return f"{r['kernel']:<22}{r['impl']:<10}{r['mode']:<9}{r['ms']:>9.3f} ms {r['peak_mb']:>10.1f} MB  {perf}"
+    return (f"{r['kernel']:<22}{r['impl']:<10}{r['mode']:<9}{r['ms']:>9.3f} ms (loop {r.get('ms_loop', float('nan')):.3f})"
+            f" {r['peak_mb']:>10.1f} MB  {perf}" + (f"  {r['config']}" if r.get("config") else ""))
 
 
 # ---------------------------------------------------------------------------------------------- rendering
@@ -407,7 +508,8 @@ def render_markdown(data: dict) -> str:
     m = data.get("meta", {})
     out = [
         f"Measured {m.get('date', '?')} on {m.get('device', '?')} (torch {m.get('torch', '?')}, triton "
-        f"{m.get('triton', '?')}, liger {m.get('liger', '?')}). Time: median ms (CUDA events); memory-bound "
+        f"{m.get('triton', '?')}, liger {m.get('liger', '?')}). Time: median ms (CUDA events, GPU queue kept "
+        f"ahead of the host: device time); memory-bound "
         f"kernels show achieved TB/s and % of the {m.get('copy_ceiling_tb_s', COPY_CEILING_TBS)} TB/s copy "
         "ceiling; the CE shows TFLOP/s of its GEMMs. Peak: MB allocated above the inputs.",
         "",
@@ -435,6 +537,20 @@ def render_markdown(data: dict) -> str:
                 vs = "–"
             shape = next((r["shape"] for r in res if r["kernel"] == k), "")
             out.append(f"| {k} <br>{shape} | {mode} | " + " | ".join(cells) + f" | {vs} | " + " / ".join(peaks) + " |")
+    if any("ms_loop" in r for r in res):
+        out += ["", "Back-to-back call loop (`ms_loop`: no GPU sleep, so host overhead shows where a call's host "
+                "side is slower than its kernels), ms:", "",
+                "| kernel | mode | " + " | ".join(impls) + " |", "|---|---|" + "---|" * len(impls)]
+        for k in kernels:
+            for mode in ("fwd", "fwd+bwd"):
+                cells = [f"{by[(k, mode, i)]['ms_loop']:.3f}" if "ms_loop" in by.get((k, mode, i), {}) else "–"
+                         for i in impls]
+                out.append(f"| {k} | {mode} | " + " | ".join(cells) + " |")
+    cfgs = [(r["kernel"], r["mode"], r["config"]) for r in res if r.get("config")]
+    if cfgs:
+        out += ["", "titan_mm launch configs (picked by timing the candidates before the timed runs): " + "; ".join(
+            f"{k} {mode}: " + ", ".join(f"{n} [{', '.join(f'{a}={b}' for a, b in c.items() if a != 'key')}]"
+                                        for n, c in cfg.items()) for k, mode, cfg in cfgs)]
     if data.get("errors"):
         out += ["", "Errors: " + "; ".join(data["errors"])]
     return "\n".join(out)

@@ -137,11 +137,28 @@ def _titan_builder(case, stack, args, device):
         batch = vl_batch(mc, case["batch"], case["seq"])
     else:
         batch = text_batch(text_cfg(mc).vocab_size, case["batch"], case["seq"], device)
+    tune_kernels(mc, case, batch, device)
 
     def step():
         return train_step(state, [batch], ctx).loss
 
     return spec, mc, batch, step
+
+
+def tune_kernels(mc, case, batch, device):
+    """Launch configs of the Triton kernels, picked before the first step as the trainer does
+    (titan_mm.train.trainer.tune_kernels): the forward never tunes (it must not synchronize)."""
+    import torch
+
+    if device.type != "cuda" or not getattr(mc, "kernels", False):
+        return
+    import titan_mm.kernels as K
+
+    pv = batch.get("pixel_values")
+    rep = K.tune_for_model(mc, case["batch"] * case["seq"], torch.bfloat16, device,
+                           vision_tokens=int(pv.shape[0]) if pv is not None else None)
+    print(f"[worker] kernels: tuned {sum(len(v) for v in rep['tuned'].values())} launch configs in "
+          f"{rep['seconds']:.1f}s {'; '.join(rep['skipped'])}", file=sys.stderr, flush=True)
 
 
 def _plain_model(spec, mc, device):

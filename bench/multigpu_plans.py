@@ -151,7 +151,7 @@ def vl_worker(args) -> int:
     from titan_mm.train.state import TrainState
     from titan_mm.train.step import StepContext, train_step
     from titan_mm.train.trainer import (build_model, data_parallel_groups, grad_accum_steps, pick_device,
-                                        resolve_model, seed_everything, setup_distributed)
+                                        resolve_model, seed_everything, setup_distributed, tune_kernels)
 
     cfg = load_config(args.trainer_args)
     device = pick_device(cfg)
@@ -165,6 +165,7 @@ def vl_worker(args) -> int:
     if args.text_layers:
         mc = dataclasses.replace(mc, text=dataclasses.replace(mc.text, num_hidden_layers=args.text_layers))
     model = build_model(cfg, spec, mc, pd, device)
+    tune_kernels(cfg, mc, pd, device)  # the kernels' launch configs, before the first step (as the trainer)
     opt = build_optimizer(model, cfg)
     state = TrainState(model=model, optimizer=opt, scheduler=build_lr_scheduler(opt, cfg))
     n_micro = grad_accum_steps(cfg, dp_world)

@@ -29,7 +29,8 @@ def _dump():
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": _ALL}, f, indent=1)
 
 
-OPS = ["rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "linear_cross_entropy", "bias_gelu", "compile"]
+# "configs": every launch config of every tuned kernel (small shapes), not only the ones the tuner picks here
+OPS = ["rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "linear_cross_entropy", "bias_gelu", "compile", "configs"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -62,29 +63,40 @@ def test_capability_guard():
 
 
 def test_no_host_syncs():
+    """Every kernel forward + backward under set_sync_debug_mode("error"): with tuned launch configs (tuned
+    before, in tuning(), where timing may synchronize) and with untuned keys (config 0, never timed)."""
     import titan_mm.kernels as K
 
     dev, dt = torch.device("cuda"), torch.bfloat16
-    x = torch.randn(64, 256, device=dev, dtype=dt, requires_grad=True)
-    w = torch.ones(256, device=dev, dtype=dt, requires_grad=True)
-    wv = torch.randn(1000, 256, device=dev, dtype=dt, requires_grad=True)
-    labels = torch.randint(0, 1000, (64,), device=dev)
-    q, k = torch.randn(2, 32, 4, 64, device=dev, dtype=dt), torch.randn(2, 32, 2, 64, device=dev, dtype=dt)
-    cos, sin = torch.randn(2, 32, 64, device=dev, dtype=dt), torch.randn(2, 32, 64, device=dev, dtype=dt)
-    cos3, sin3 = torch.randn(3, 2, 32, 32, device=dev, dtype=dt), torch.randn(3, 2, 32, 32, device=dev, dtype=dt)
 
-    def step():
-        y, nr = K.add_rms_norm(x, x, w, 1e-6)
-        y = K.rms_norm(y, w, 1e-6) + K.swiglu(y, nr) + K.bias_gelu(y, w)
-        K.apply_rope(q, k, cos, sin)
-        K.apply_mrope(q, k, cos3, sin3, [12, 10, 10])
-        loss = K.linear_cross_entropy(y, wv, labels) + y.float().sum()
-        loss.backward()
+    def make_step(d, hq, hk):
+        x = torch.randn(64, d, device=dev, dtype=dt, requires_grad=True)
+        w = torch.ones(d, device=dev, dtype=dt, requires_grad=True)
+        wv = torch.randn(1000, d, device=dev, dtype=dt, requires_grad=True)
+        labels = torch.randint(0, 1000, (64,), device=dev)
+        q, k = torch.randn(2, 32, hq, 64, device=dev, dtype=dt), torch.randn(2, 32, hk, 64, device=dev, dtype=dt)
+        cos, sin = torch.randn(2, 32, 64, device=dev, dtype=dt), torch.randn(2, 32, 64, device=dev, dtype=dt)
+        cos3, sin3 = torch.randn(3, 2, 32, 32, device=dev, dtype=dt), torch.randn(3, 2, 32, 32, device=dev, dtype=dt)
 
-    step()  # compile the Triton kernels first
+        def step():
+            y, nr = K.add_rms_norm(x, x, w, 1e-6)
+            y = K.rms_norm(y, w, 1e-6) + K.swiglu(y, nr) + K.bias_gelu(y, w)
+            K.apply_rope(q, k, cos, sin)
+            K.apply_mrope(q, k, cos3, sin3, [12, 10, 10])
+            loss = K.linear_cross_entropy(y, wv, labels) + y.float().sum()
+            loss.backward()
+
+        return step
+
+    tuned, untuned = make_step(256, 4, 2), make_step(384, 6, 3)
+    with K.tuning():
+        tuned()  # compiles the Triton kernels and times their launch configs (synchronizes: not checked)
+    untuned()  # compiles config 0 of the other widths; outside tuning() nothing is timed
     torch.cuda.synchronize()
+    assert K.untuned_keys(), "the second widths should run untuned"
     torch.cuda.set_sync_debug_mode("error")
     try:
-        step()
+        tuned()
+        untuned()
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -1,6 +1,7 @@
 """Qwen3 on the GPU: one forward+backward of the 1.7B flavor and of the 30B-A3B layer shapes (4 layers)
 in bf16, every block compiled with torch.compile(fullgraph=True) (a graph break raises), and the timed
-forward run under torch.cuda.set_sync_debug_mode("error") (a host sync raises).
+forward run under torch.cuda.set_sync_debug_mode("error") (a host sync raises). With kernels on, the
+launch configs are tuned before the first step (titan_mm.kernels.tune_for_model), as the trainer does.
 
 Run on the H200:  PYTHONPATH=$PWD python -m pytest -q -m gpu tests/gpu/test_qwen3_gpu.py -s
 (split with -k "1p7b" / -k "30b" if one call must stay under 10 minutes; each case compiles its blocks.)
@@ -66,6 +67,14 @@ def _run(cfg, backend, S=2048, B=2, doc_lens=(700, 900, 300)):
     for block in model.layers.values():
         block.compile(fullgraph=True)
 
+    tune = None
+    if cfg.kernels:  # launch configs picked before the steps, as the trainer does (the forward never tunes)
+        from titan_mm import kernels as K
+        from titan_mm.kernels import _utils
+
+        _utils.reset_tuning()
+        tune = K.tune_for_model(cfg, B * S, torch.bfloat16, dev)
+
     batch = _packed_batch(list(doc_lens), S, B, cfg.vocab_size)
     meta = build_attn_meta(batch, backend, dev, sliding_window=cfg.attn_sliding_window)
     ids, pos, labels = (batch[k].to(dev) for k in ("input_ids", "position_ids", "labels"))
@@ -99,6 +108,9 @@ def _run(cfg, backend, S=2048, B=2, doc_lens=(700, 900, 300)):
           f"loss={loss:.4f} "
           f"first(compile)={t_compile:.1f}s step={t_step * 1e3:.0f}ms peak_mem={mem:.1f}GiB "
           f"grouped_mm={moe_mod._use_grouped_mm(torch.empty(1, device=dev, dtype=torch.bfloat16))}")
+    if tune is not None:  # keys the steps met that tune_for_model missed run config 0 (slower, not wrong)
+        print(f"[qwen3 gpu] kernels tuned in {tune['seconds']:.1f}s: {tune['tuned']}; skipped {tune['skipped']}; "
+              f"untuned keys met by the steps: {K.untuned_keys()}")
     return loss
 
 

@@ -52,7 +52,15 @@ def _run_cell(world, moe, dims):
     parallelize(model, _plan(cfg), pd, job)
     batch_mesh = pd.mesh("batch")
     dp_rank, dp = batch_mesh.get_local_rank(), batch_mesh.size()
-    return train_steps(model, BATCHES, qwen3_step, dp_rank=dp_rank, dp_size=dp, loss_group=batch_mesh.get_group())
+    if cfg.kernels:  # launch configs picked before the steps, for this rank's shapes (config 0 in the interpreter)
+        from titan_mm import kernels as K
+
+        K.tune_for_model(cfg, 4 * 32, torch.float32, "cpu", tp=pd.tp)
+        K.share_picks()
+    out = train_steps(model, BATCHES, qwen3_step, dp_rank=dp_rank, dp_size=dp, loss_group=batch_mesh.get_group())
+    if cfg.kernels:  # tune_for_model derived every key the tp ranks met (heads and MLP width per rank)
+        assert not K.untuned_keys(), f"keys the steps met untuned: {K.untuned_keys()}"
+    return out
 
 
 def _worker(rank, world, cells):

@@ -13,6 +13,16 @@ PyTorch reference in titan_mm.kernels.reference elsewhere; see docs/kernels.md):
         (loss parallel: the head's rows are split over the ranks of ``group``; Triton only, no reference)
     bias_gelu(x, b) -> gelu_tanh(x + b)
 
+Launch configs (titan_mm.kernels._utils.Tuner): picked per key (width / head layout, dtype) outside the
+model's forward, which must not synchronize the GPU:
+
+    tune_for_model(model_cfg, tokens, dtype, device, tp=1) -> report   # once, after building the model
+    share_picks()               # every rank takes rank 0's picks (a collective)
+    with tuning(): ...          # calls inside time the candidates of keys not tuned yet (synchronizes)
+    tuned_configs(), untuned_keys()                                     # what was picked / what ran untuned
+
+A key the forward meets untuned runs its first (default) config, without timing.
+
 The ops live in the `titan_mm` torch.library namespace (torch.ops.titan_mm.*), each with a fake
 implementation and registered autograd, so torch.compile(fullgraph=True) traces them without breaks.
 In eager mode the same kernels run through plain autograd.Functions (no dispatcher overhead).
@@ -25,6 +35,8 @@ import torch
 from . import reference
 from . import _dispatch
 from ._dispatch import HAS_TRITON, use_triton
+from ._tuning import share_picks, tune_for_model
+from ._utils import tuned_configs, tuning, untuned_keys
 
 __all__ = [
     "rms_norm",
@@ -40,6 +52,11 @@ __all__ = [
     "use_triton",
     "KERNEL_OPS",
     "resolve_ops",
+    "tune_for_model",
+    "share_picks",
+    "tuning",
+    "tuned_configs",
+    "untuned_keys",
 ]
 
 KERNEL_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "linear_cross_entropy", "bias_gelu")

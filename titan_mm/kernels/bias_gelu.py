@@ -1,7 +1,14 @@
 """Bias + GELU (tanh approximation) for the ViT MLP, forward and backward, as a custom op.
 
-tanh is written through exp (triton 3.6 has no tl.math.tanh import path that works everywhere).
-Backward writes dx and one fp32 partial of db per row tile; the partials are summed in PyTorch.
+gelu_tanh(z) = 0.5 z (1 + tanh(u)) = z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3): one exp and one
+division per element (triton 3.6 has no tl.math.tanh import path that works everywhere), and the same
+sigmoid gives the derivative in the backward: s + 2 z s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 z^2).
+Forward: [BR, BD] tiles, 1-D grid in row-major order (consecutive programs stream consecutive memory).
+Backward: programs = (ranges of ROWS consecutive rows) x (column blocks), row-range-major, so programs
+running side by side cover whole rows; each walks its rows tile by tile, keeps the column sums of dx for db
+in fp32 registers and writes one db partial; the partials ([row ranges, D] fp32, about 1 MB at the ViT
+shape) are summed in PyTorch. Tiles, warps and programs per SM are picked per width and dtype by
+`_utils.Tuner`.
 Legend: N rows (patch tokens), D width.
 """
 
@@ -10,43 +17,84 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import as_rows, new_empty, next_pow2
+from ._utils import Tuner, as_rows, new_empty, next_pow2, sm_count
 
-_BR, _BD = 64, 128  # backward tile: rows x columns (the db partial is N/64 x D fp32)
+_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+_A = tl.constexpr(0.044715)
+
+
+def _tiles(d, cands):
+    out = []
+    for br, bd, warps, *pps in cands:
+        bd = min(bd, max(16, next_pow2(d)))
+        c = dict(BR=br, BD=bd, num_warps=max(1, min(warps, br * bd // 256)))
+        if pps:
+            c["PPS"] = pps[0]  # backward: programs per SM (not a kernel argument)
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _fwd_configs(key):
+    # BD 256 / 512 waste little on widths that are not powers of two (4304 = 16 x 269: 1% / 7% masked)
+    return _tiles(key[0], [(8, 256, 4), (4, 512, 4), (16, 256, 8), (2, 1024, 4)])
+
+
+def _bwd_configs(key):
+    # PPS: about as many programs per SM as fit at once by registers (~72 per thread: 7 x 4 warps, 3 x 8)
+    return _tiles(key[0], [(4, 512, 4, 6), (8, 512, 8, 3), (8, 256, 4, 6), (2, 1024, 4, 6)])
+
+
+_FWD = Tuner("bias_gelu_fwd", _fwd_configs)
+_BWD = Tuner("bias_gelu_bwd", _bwd_configs)
 
 
 @triton.jit
-def _tanh(z):
-    return 1.0 - 2.0 / (1.0 + tl.exp(2.0 * z))
-
-
-@triton.jit
-def _bias_gelu_fwd_kernel(X, stride_x, B, Y, D, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < D
-    x = tl.load(X + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-    x += tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
-    t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
-    tl.store(Y + row * D + cols, (0.5 * x * (1.0 + t)).to(Y.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _bias_gelu_bwd_kernel(DY, stride_dy, X, stride_x, B, DX, DB_PART, N, D, BR: tl.constexpr, BD: tl.constexpr):
-    pr = tl.program_id(0)
-    rows = (pr * BR + tl.arange(0, BR)).to(tl.int64)
-    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+def _bias_gelu_fwd_kernel(X, stride_x, B, Y, N, D, NCB, BR: tl.constexpr, BD: tl.constexpr):
+    pid = tl.program_id(0)
+    rb = pid // NCB
+    cols = (pid - rb * NCB) * BD + tl.arange(0, BD)
+    row0 = rb.to(tl.int64) * BR
+    r = tl.arange(0, BR)
     mc = cols < D
-    m = (rows[:, None] < N) & mc[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    x += tl.load(B + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
-    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    x2 = x * x
-    t = _tanh(0.7978845608028654 * (x + 0.044715 * x2 * x))
-    dgelu = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x2)
-    dx = tl.where(m, dy * dgelu, 0.0)
-    tl.store(DX + rows[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=m)
-    tl.store(DB_PART + pr.to(tl.int64) * D + cols, tl.sum(dx, axis=0), mask=mc)
+    m = (r < N - row0)[:, None] & mc[None, :]
+    x = tl.load(X + row0 * stride_x + r[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    z = x + tl.load(B + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
+    y = z / (1.0 + tl.exp(-2.0 * _C * (z + _A * z * z * z)))
+    tl.store(Y + row0 * D + r[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(
+    DY, stride_dy, X, stride_x, B, DX, DB_PART, N, D, NCB, ROWS,
+    BR: tl.constexpr, BD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rr = pid // NCB  # row range (ROWS rows) and column block of this program, row-range-major
+    cols = (pid - rr * NCB) * BD + tl.arange(0, BD)
+    start = rr.to(tl.int64) * ROWS
+    n_here = N - start
+    X += start * stride_x
+    DY += start * stride_dy
+    DX += start * D
+    r = tl.arange(0, BR)
+    mc = cols < D
+    bias = tl.load(B + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
+    acc = tl.zeros([BR, BD], dtype=tl.float32)
+    i = 0
+    while i < ROWS:  # ROWS is a multiple of BR (a `while`: the CPU interpreter cannot run a runtime `range`)
+        rows = i + r
+        m = (rows < n_here)[:, None] & mc[None, :]
+        z = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32) + bias
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        z2 = z * z
+        s = 1.0 / (1.0 + tl.exp(-2.0 * _C * (z + _A * z2 * z)))
+        dgelu = s + 2.0 * _C * z * s * (1.0 - s) * (1.0 + 3.0 * _A * z2)
+        dx = tl.where(m, dy * dgelu, 0.0)
+        tl.store(DX + rows[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=m)
+        acc += dx
+        i += BR
+    tl.store(DB_PART + rr.to(tl.int64) * D + cols, tl.sum(acc, axis=0), mask=mc)
 
 
 def bias_gelu_fwd(x, b):
@@ -55,8 +103,12 @@ def bias_gelu_fwd(x, b):
     n, d = x2.shape
     y = new_empty(x.shape, x.dtype, x.device)
     if n * d > 0:
-        block = min(1024, next_pow2(d))
-        _bias_gelu_fwd_kernel[(n, triton.cdiv(d, block))](x2, x2.stride(0), b, y, d, BLOCK=block, num_warps=4)
+        def launch(c):
+            assert c["BR"] * max(x2.stride(0), d) < 2**31
+            ncb = triton.cdiv(d, c["BD"])
+            _bias_gelu_fwd_kernel[(triton.cdiv(n, c["BR"]) * ncb,)](x2, x2.stride(0), b, y, n, d, ncb, **c)
+
+        launch(_FWD.pick((d, x.dtype), launch))
     return y
 
 
@@ -65,14 +117,25 @@ def bias_gelu_bwd(dy, x, b):
     b = b.contiguous()
     n, d = x2.shape
     dx = new_empty(x.shape, x.dtype, x.device)
-    nrb = triton.cdiv(n, _BR)
-    db_part = new_empty((max(nrb, 1), d), torch.float32, x.device)
-    if n * d > 0:
-        _bias_gelu_bwd_kernel[(nrb, triton.cdiv(d, _BD))](
-            d2, d2.stride(0), x2, x2.stride(0), b, dx, db_part, n, d, BR=_BR, BD=_BD, num_warps=8
+    if n * d == 0:
+        return dx, torch.zeros_like(b)
+    sms = sm_count(x.device)
+
+    def launch(c):
+        c = dict(c)
+        ncb = triton.cdiv(d, c["BD"])
+        # programs = row ranges x column blocks, about PPS per SM; one fp32 row of db partials per row range
+        n_rr = max(1, c.pop("PPS") * sms // ncb)
+        rows = triton.cdiv(triton.cdiv(n, n_rr), c["BR"]) * c["BR"]  # per range, whole tiles
+        n_rr = triton.cdiv(n, rows)
+        assert rows * max(x2.stride(0), d2.stride(0), d) < 2**31
+        db_part = new_empty((n_rr, d), torch.float32, x.device)
+        _bias_gelu_bwd_kernel[(n_rr * ncb,)](
+            d2, d2.stride(0), x2, x2.stride(0), b, dx, db_part, n, d, ncb, rows, **c,
         )
-    else:
-        db_part.zero_()
+        return db_part
+
+    db_part = launch(_BWD.pick((d, x.dtype), launch))
     return dx, db_part.sum(0).to(b.dtype)
 
 

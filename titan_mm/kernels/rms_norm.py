@@ -1,9 +1,12 @@
 """RMSNorm and residual-add + RMSNorm (Qwen3RMSNorm numerics), forward and backward, as custom ops.
 
-Tiles of ~4096 elements hold whole rows in registers (1 row at hidden 4096; 32 rows for a q/k-norm over
-head_dim 128). Forward: fp32 statistics, saves rstd [N] fp32. Backward: persistent programs (4 per SM) walk a
-contiguous range of rows tile by tile, accumulate dW in fp32 registers and write one partial per program;
-the partials are summed in PyTorch (small: programs x D).
+Forward: one tile of BR whole rows per program (one row of 4096 at hidden 4096; 16-64 rows for a q/k-norm
+over head_dim 128), fp32 statistics, saves rstd [N] fp32. Backward: persistent programs (2-8 per SM)
+each walk a contiguous range of rows tile by tile (optionally loading the next tile while the current one
+is reduced and stored), accumulate dW in fp32 registers and write one partial per program; the partials
+are summed in PyTorch (small: programs x D).
+Launch configs (rows per tile, warps, prefetch) are picked per hidden size and dtype by `_utils.Tuner`.
+Row offsets inside a program are int32; only the program's first row is an int64 offset.
 Legend: N rows (tokens), D hidden.
 """
 
@@ -12,16 +15,36 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import as_rows, new_empty, next_pow2, sm_count
+from ._utils import Tuner, as_rows, new_empty, next_pow2, sm_count
 
 
-def _tile(d: int) -> tuple[int, int, int]:
-    """(rows per tile, column block, warps): about 4096 elements per tile, whole rows in registers.
-    Hidden 4096 -> 1 row x 4096; a Qwen3 q/k-norm over head_dim 128 -> 32 rows x 128."""
-    bd = next_pow2(d)
-    br = max(1, min(64, 4096 // bd))
-    elems = br * bd
-    return br, bd, (4 if elems <= 2048 else (8 if elems <= 8192 else 16))
+def _fwd_configs(key):
+    bd = key[0]
+    if bd >= 1024:  # whole rows: warps set the elements per thread (16 = two 16-byte loads for bf16)
+        w = lambda ept: max(1, min(32, bd // (32 * ept)))  # noqa: E731
+        return [dict(BR=1, num_warps=w(16)), dict(BR=1, num_warps=w(8)), dict(BR=1, num_warps=w(32)),
+                dict(BR=2, num_warps=w(16))]
+    # short rows (q/k-norm): several rows per tile
+    return [dict(BR=max(1, 4096 // bd), num_warps=4), dict(BR=max(1, 4096 // bd), num_warps=8),
+            dict(BR=max(1, 2048 // bd), num_warps=4), dict(BR=max(1, 8192 // bd), num_warps=8)]
+
+
+def _bwd_configs(key):
+    # PPS: persistent programs per SM (not a kernel argument), as many as fit at once by registers (about
+    # 120 per thread: 2 x 8 warps); each writes one fp32 dW partial row
+    bd = key[0]
+    if bd >= 1024:
+        w = lambda ept: max(1, min(32, bd // (32 * ept)))  # noqa: E731
+        return [dict(BR=1, PREFETCH=True, PPS=2, num_warps=w(16)), dict(BR=1, PREFETCH=False, PPS=2, num_warps=w(8)),
+                dict(BR=1, PREFETCH=True, PPS=2, num_warps=w(8)), dict(BR=1, PREFETCH=False, PPS=3, num_warps=w(16))]
+    return [dict(BR=max(1, 2048 // bd), PREFETCH=True, PPS=4, num_warps=4),
+            dict(BR=max(1, 4096 // bd), PREFETCH=False, PPS=2, num_warps=8),
+            dict(BR=max(1, 4096 // bd), PREFETCH=True, PPS=2, num_warps=8),
+            dict(BR=max(1, 1024 // bd), PREFETCH=True, PPS=8, num_warps=2)]
+
+
+_FWD = Tuner("rms_norm_fwd", _fwd_configs)
+_BWD = Tuner("rms_norm_bwd", _bwd_configs)
 
 
 @triton.jit
@@ -29,41 +52,63 @@ def _rms_fwd_kernel(
     X, stride_x, R, stride_r, NR, Y, W, RSTD, N, D, eps,
     HAS_RES: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    row0 = tl.program_id(0).to(tl.int64) * BR
+    r = tl.arange(0, BR)
     cols = tl.arange(0, BD)
-    mr = rows < N
+    mr = r < N - row0
     m = mr[:, None] & (cols[None, :] < D)
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    x = tl.load(X + row0 * stride_x + r[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_RES:
-        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        nr = (x + r).to(NR.dtype.element_ty)  # rounded like the eager add
-        tl.store(NR + rows[:, None] * D + cols[None, :], nr, mask=m)
+        res = tl.load(R + row0 * stride_r + r[:, None] * stride_r + cols[None, :], mask=m, other=0.0)
+        nr = (x + res.to(tl.float32)).to(NR.dtype.element_ty)  # rounded like the eager add
+        tl.store(NR + row0 * D + r[:, None] * D + cols[None, :], nr, mask=m)
         x = nr.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    tl.store(RSTD + rows, rstd, mask=mr)
+    tl.store(RSTD + row0 + r, rstd, mask=mr)
     w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
     xn = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)  # HF casts before the weight multiply
-    tl.store(Y + rows[:, None] * D + cols[None, :], (w[None, :] * xn).to(Y.dtype.element_ty), mask=m)
+    tl.store(Y + row0 * D + r[:, None] * D + cols[None, :], (w[None, :] * xn).to(Y.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _rms_bwd_kernel(
     DY, stride_dy, X, stride_x, W, RSTD, DNR, stride_dnr, DX, DW_PART,
-    N, D,
-    ROWS: tl.constexpr, HAS_DRES: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    N, D, ROWS,
+    HAS_DRES: tl.constexpr, PREFETCH: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    start = pid.to(tl.int64) * ROWS
+    n_here = N - start  # rows left from this program's first row (only the first ROWS are ours)
+    X += start * stride_x
+    DY += start * stride_dy
+    DX += start * D
+    RSTD += start
+    if HAS_DRES:
+        DNR += start * stride_dnr
+    r = tl.arange(0, BR)
     cols = tl.arange(0, BD)
     mc = cols < D
     w = tl.load(W + cols, mask=mc, other=0.0).to(tl.float32)
     dw = tl.zeros([BR, BD], dtype=tl.float32)
-    start = pid * ROWS
-    for i in range(0, ROWS, BR):  # constexpr trip count (the CPU interpreter needs one)
-        rows = (start + i + tl.arange(0, BR)).to(tl.int64)
-        mr = rows < N
+    if PREFETCH:  # the next tile's loads are in flight while this tile is reduced and stored
+        m0 = (r < n_here)[:, None] & mc[None, :]
+        x_next = tl.load(X + r[:, None] * stride_x + cols[None, :], mask=m0, other=0.0)
+        dy_next = tl.load(DY + r[:, None] * stride_dy + cols[None, :], mask=m0, other=0.0)
+    i = 0
+    while i < ROWS:  # ROWS is a multiple of BR (a `while`: the CPU interpreter cannot run a runtime `range`)
+        rows = i + r
+        mr = rows < n_here
         m = mr[:, None] & mc[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            nxt = rows + BR
+            mn = ((nxt < n_here) & (nxt < ROWS))[:, None] & mc[None, :]
+            x_next = tl.load(X + nxt[:, None] * stride_x + cols[None, :], mask=mn, other=0.0)
+            dy_next = tl.load(DY + nxt[:, None] * stride_dy + cols[None, :], mask=mn, other=0.0)
+        else:
+            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=mr, other=0.0)
         xhat = x * rstd[:, None]
         g = dy * w[None, :]
@@ -73,14 +118,20 @@ def _rms_bwd_kernel(
             dx += tl.load(DNR + rows[:, None] * stride_dnr + cols[None, :], mask=m, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=m)
         dw += dy * xhat
+        i += BR
     tl.store(DW_PART + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=mc)
+
+
+def _check_i32(rows_in_program: int, *strides: int) -> None:
+    # offsets inside a program are int32: the largest one must fit
+    assert rows_in_program * max(strides) < 2**31, "row stride too large for int32 in-program offsets"
 
 
 def _fwd(x, residual, w, eps):
     w = w.contiguous()
     x2 = as_rows(x)
     n, d = x2.shape
-    br, bd, warps = _tile(d)
+    bd = next_pow2(d)
     y = new_empty(x.shape, x.dtype, x.device)
     rstd = new_empty(x.shape[:-1], torch.float32, x.device)
     if residual is not None:
@@ -89,10 +140,14 @@ def _fwd(x, residual, w, eps):
     else:
         r2, nr = x2, y  # unused
     if n > 0:
-        _rms_fwd_kernel[(triton.cdiv(n, br),)](
-            x2, x2.stride(0), r2, r2.stride(0), nr, y, w, rstd, n, d, eps,
-            HAS_RES=residual is not None, BR=br, BD=bd, num_warps=warps,
-        )
+        def launch(c):
+            _check_i32(c["BR"], x2.stride(0), r2.stride(0), d)
+            _rms_fwd_kernel[(triton.cdiv(n, c["BR"]),)](
+                x2, x2.stride(0), r2, r2.stride(0), nr, y, w, rstd, n, d, eps,
+                HAS_RES=residual is not None, BD=bd, **c,
+            )
+
+        launch(_FWD.pick((bd, x.dtype, residual is not None), launch))
     return y, (nr if residual is not None else None), rstd
 
 
@@ -102,23 +157,28 @@ def _bwd(dy, x, w, rstd, dnr):
     x2 = as_rows(x)
     dy2 = as_rows(dy)
     n, d = x2.shape
-    br, bd, warps = _tile(d)
-    # persistent programs (4 per SM) each own a contiguous range of rows and one fp32 dW partial;
-    # rows per program is a power of two >= the tile (a constexpr: only a handful of variants compile)
-    progs = max(1, min(triton.cdiv(n, br), 4 * sm_count(x.device)))
-    rows_per_prog = max(br, next_pow2(triton.cdiv(n, progs))) if n > 0 else br
-    progs = triton.cdiv(n, rows_per_prog) if n > 0 else 1
+    bd = next_pow2(d)
     dx = new_empty(x.shape, x.dtype, x.device)
-    dw_part = new_empty((progs, d), torch.float32, x.device)
     dnr2 = as_rows(dnr) if dnr is not None else dy2
-    if n > 0:
+    if n == 0:
+        return dx, torch.zeros_like(w)
+    sms = sm_count(x.device)
+
+    def launch(c):
+        c = dict(c)
+        target = c.pop("PPS") * sms  # persistent programs; each writes one fp32 dW partial
+        rows = triton.cdiv(triton.cdiv(n, target), c["BR"]) * c["BR"]  # per program, whole tiles
+        progs = triton.cdiv(n, rows)
+        _check_i32(rows, x2.stride(0), dy2.stride(0), dnr2.stride(0), d)
+        dw_part = new_empty((progs, d), torch.float32, x.device)
         _rms_bwd_kernel[(progs,)](
             dy2, dy2.stride(0), x2, x2.stride(0), w, rstd, dnr2, dnr2.stride(0), dx, dw_part,
-            n, d,
-            ROWS=rows_per_prog, HAS_DRES=dnr is not None, BR=br, BD=bd, num_warps=warps,
+            n, d, rows,
+            HAS_DRES=dnr is not None, BD=bd, **c,
         )
-    else:
-        dw_part.zero_()
+        return dw_part
+
+    dw_part = launch(_BWD.pick((bd, x.dtype, dnr is not None), launch))
     return dx, dw_part.sum(0).to(w.dtype)
 
 

@@ -1,16 +1,19 @@
 """RoPE (Qwen3 half rotation) and Qwen3-VL interleaved M-RoPE on q and k, forward and backward.
 
-One program per token rotates all q heads and all k heads, loading cos/sin once. Inputs are read
-through their strides (a [B, H, S, Dh] tensor passed as .transpose(1, 2) needs no copy); outputs are
-contiguous [B, S, H, Dh]. The backward is the same kernel with the rotation inverted (sin -> -sin).
+Each program rotates all q heads and all k heads of BS consecutive tokens ([BS, heads, Dh/2] tiles),
+loading cos/sin once per token. Inputs are read through their strides (a [B, H, S, Dh] tensor passed as
+.transpose(1, 2) needs no copy); outputs are contiguous [B, S, H, Dh]. The backward is the same kernel with
+the rotation inverted (sin times a runtime sign of -1), so forward and backward share one compiled kernel
+and one tuned config (tokens per program, warps; picked per head layout and dtype by `_utils.Tuner`).
 
 cos/sin tables: only the first Dh/2 entries of the last dim are read, so both the HF layout (Dh, halves
 duplicated) and a half table (Dh/2) work.
 - RoPE:   [S, X] or [B, S, X]
 - M-RoPE: [3, B, S, X] per-axis (T, H, W) tables; frequency j takes axis H when j % 3 == 1 and
   j < 3 * mrope_section[1], axis W when j % 3 == 2 and j < 3 * mrope_section[2], else T
-  (transformers' Qwen3-VL interleaving), selected inside the kernel.
-Legend: B batch, S sequence, Hq/Hk heads, Dh head dim, X table width.
+  (transformers' Qwen3-VL interleaving). The kernel loads the three axis rows of a token contiguously and
+  selects per frequency (no gather).
+Legend: B batch, S sequence, Hq/Hk heads, Dh head dim, X table width, BS tokens per program.
 """
 
 
@@ -18,43 +21,71 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import new_empty, next_pow2
+from ._utils import Tuner, new_empty, next_pow2
+
+
+def _configs(key):
+    hq, hk, dh = key[:3]
+    per_token = next_pow2(hq) * next_pow2(max(1, dh // 2))  # elements of one q half-tile
+    out = []
+    for elems, warps in ((2048, 4), (4096, 8), (4096, 4), (8192, 8)):
+        c = dict(BS=max(1, min(64, elems // per_token)), num_warps=warps)
+        if c not in out:
+            out.append(c)
+    return out
+
+
+_ROPE = Tuner("rope", _configs)
 
 
 @triton.jit
-def _rot_heads(X, sxb, sxs, sxh, O, sob, sos, soh, b, s, H, HALF, c, sn, BH: tl.constexpr, BD: tl.constexpr):
+def _rot_heads(X, sxb, sxs, sxh, O, b, s, t, mt, H, HALF, c, sn, BH: tl.constexpr, BD: tl.constexpr):
     h = tl.arange(0, BH)
     j = tl.arange(0, BD)
-    m = (h[:, None] < H) & (j[None, :] < HALF)
-    xb = X + b * sxb + s * sxs + h[:, None] * sxh + j[None, :]
-    x1 = tl.load(xb, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(xb + HALF, mask=m, other=0.0).to(tl.float32)
-    ob = O + b * sob + s * sos + h[:, None] * soh + j[None, :]
-    tl.store(ob, (x1 * c - x2 * sn).to(O.dtype.element_ty), mask=m)
-    tl.store(ob + HALF, (x2 * c + x1 * sn).to(O.dtype.element_ty), mask=m)
+    m = mt[:, None, None] & ((h < H)[:, None] & (j < HALF)[None, :])[None, :, :]
+    x_tok = b.to(tl.int64) * sxb + s.to(tl.int64) * sxs  # [BS] int64; in-token offsets are int32
+    x_in = (h * sxh)[:, None] + j[None, :]
+    xp = X + x_tok[:, None, None] + x_in[None, :, :]
+    x1 = tl.load(xp, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(xp + HALF, mask=m, other=0.0).to(tl.float32)
+    c3 = c[:, None, :]
+    s3 = sn[:, None, :]
+    o_tok = t.to(tl.int64) * (H * 2 * HALF)  # outputs are contiguous [tokens, H, 2 * HALF]
+    op = O + o_tok[:, None, None] + ((h * (2 * HALF))[:, None] + j[None, :])[None, :, :]
+    tl.store(op, (x1 * c3 - x2 * s3).to(O.dtype.element_ty), mask=m)
+    tl.store(op + HALF, (x2 * c3 + x1 * s3).to(O.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _rope_kernel(
-    Q, sqb, sqs, sqh, K, skb, sks, skh,
-    QO, soqb, soqs, soqh, KO, sokb, soks, sokh,
+    Q, sqb, sqs, sqh, K, skb, sks, skh, QO, KO,
     COS, SIN, sca, scb, scs,
-    S, HQ, HK, HALF, END_H, END_W,
-    SIGN: tl.constexpr, MROPE: tl.constexpr, BHQ: tl.constexpr, BHK: tl.constexpr, BD: tl.constexpr,
+    NT, S, HQ, HK, HALF, END_H, END_W, sign,
+    MROPE: tl.constexpr, BS: tl.constexpr, BHQ: tl.constexpr, BHK: tl.constexpr, BD: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // S
-    s = pid % S
+    t = tl.program_id(0) * BS + tl.arange(0, BS)  # token ids (b * S + s)
+    mt = t < NT
+    b = t // S
+    s = t - b * S
     j = tl.arange(0, BD)
-    mj = j < HALF
-    off = b * scb + s * scs + j
+    mc = mt[:, None] & (j < HALF)[None, :]
+    coff = (b.to(tl.int64) * scb + s.to(tl.int64) * scs)[:, None] + j[None, :]
     if MROPE:
-        axis = tl.where(((j % 3) == 1) & (j < END_H), 1, tl.where(((j % 3) == 2) & (j < END_W), 2, 0))
-        off += axis.to(tl.int64) * sca
-    c = tl.load(COS + off, mask=mj, other=0.0).to(tl.float32)[None, :]
-    sn = (SIGN * tl.load(SIN + off, mask=mj, other=0.0).to(tl.float32))[None, :]
-    _rot_heads(Q, sqb, sqs, sqh, QO, soqb, soqs, soqh, b, s, HQ, HALF, c, sn, BHQ, BD)
-    _rot_heads(K, skb, sks, skh, KO, sokb, soks, sokh, b, s, HK, HALF, c, sn, BHK, BD)
+        is_h = (((j % 3) == 1) & (j < END_H))[None, :]
+        is_w = (((j % 3) == 2) & (j < END_W))[None, :]
+        c = tl.where(is_h, tl.load(COS + sca + coff, mask=mc, other=0.0),
+                     tl.where(is_w, tl.load(COS + 2 * sca + coff, mask=mc, other=0.0),
+                              tl.load(COS + coff, mask=mc, other=0.0)))
+        sn = tl.where(is_h, tl.load(SIN + sca + coff, mask=mc, other=0.0),
+                      tl.where(is_w, tl.load(SIN + 2 * sca + coff, mask=mc, other=0.0),
+                               tl.load(SIN + coff, mask=mc, other=0.0)))
+    else:
+        c = tl.load(COS + coff, mask=mc, other=0.0)
+        sn = tl.load(SIN + coff, mask=mc, other=0.0)
+    c = c.to(tl.float32)
+    sn = sn.to(tl.float32) * sign
+    _rot_heads(Q, sqb, sqs, sqh, QO, b, s, t, mt, HQ, HALF, c, sn, BHQ, BD)
+    _rot_heads(K, skb, sks, skh, KO, b, s, t, mt, HK, HALF, c, sn, BHK, BD)
 
 
 def _table(t: torch.Tensor, mrope: bool, B: int, S: int) -> torch.Tensor:
@@ -80,6 +111,7 @@ def rope_impl(q, k, cos, sin, mrope_section, inverse):
     q4, k4 = _as_bshd(q), _as_bshd(k)
     B, S, HQ, DH = q4.shape
     HK = k4.shape[2]
+    assert DH % 2 == 0 and k4.shape[3] == DH, "head_dim must be even and equal for q and k"
     half = DH // 2
     c4 = _table(cos, mrope, B, S)
     s4 = _table(sin, mrope, B, S)
@@ -90,15 +122,17 @@ def rope_impl(q, k, cos, sin, mrope_section, inverse):
     ko = new_empty(k4.shape, k.dtype, k.device)
     end_h = 3 * mrope_section[1] if mrope else 0
     end_w = 3 * mrope_section[2] if mrope else 0
-    if B * S > 0:
-        _rope_kernel[(B * S,)](
-            q4, q4.stride(0), q4.stride(1), q4.stride(2), k4, k4.stride(0), k4.stride(1), k4.stride(2),
-            qo, qo.stride(0), qo.stride(1), qo.stride(2), ko, ko.stride(0), ko.stride(1), ko.stride(2),
-            c4, s4, c4.stride(0), c4.stride(1), c4.stride(2),
-            S, HQ, HK, half, end_h, end_w,
-            SIGN=-1.0 if inverse else 1.0, MROPE=mrope,
-            BHQ=next_pow2(HQ), BHK=next_pow2(HK), BD=next_pow2(half), num_warps=4,
-        )
+    nt = B * S
+    if nt > 0:
+        def launch(c):
+            _rope_kernel[(triton.cdiv(nt, c["BS"]),)](
+                q4, q4.stride(0), q4.stride(1), q4.stride(2), k4, k4.stride(0), k4.stride(1), k4.stride(2), qo, ko,
+                c4, s4, c4.stride(0), c4.stride(1), c4.stride(2),
+                nt, S, HQ, HK, half, end_h, end_w, -1.0 if inverse else 1.0,
+                MROPE=mrope, BHQ=next_pow2(HQ), BHK=next_pow2(HK), BD=next_pow2(half), **c,
+            )
+
+        launch(_ROPE.pick((HQ, HK, DH, mrope, q.dtype), launch))
     return qo.view(q.shape), ko.view(k.shape)
 
 

@@ -1,7 +1,10 @@
 """SwiGLU: silu(gate) * up, forward and backward, as a custom op.
 
-2-D grid (row, column block); gate/up may be strided row views (e.g. halves of a fused gate_up
-projection). The backward recomputes sigmoid from gate (nothing but the inputs is saved).
+1-D grid over (row, column block) in row-major order, so consecutive programs stream consecutive memory;
+when gate, up (and dy) are contiguous the whole tensor is one long row (no row arithmetic, no partly masked
+blocks at row ends). gate/up may be strided row views (e.g. halves of a fused gate_up projection). The
+backward recomputes sigmoid from gate (nothing but the inputs is saved). Block size and warps are picked
+per row width and dtype by `_utils.Tuner`.
 Legend: N rows (tokens), F MLP width.
 """
 
@@ -10,62 +13,98 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import as_rows, new_empty, next_pow2
+from ._utils import Tuner, as_rows, new_empty, next_pow2
 
-_BLOCK = 1024
+
+def _configs(key):
+    f = key[0]
+    cands = [dict(BLOCK=2048, num_warps=4), dict(BLOCK=4096, num_warps=8), dict(BLOCK=1024, num_warps=4),
+             dict(BLOCK=4096, num_warps=4)]
+    cap = max(128, next_pow2(f))  # short rows (strided case): no block wider than the row
+    out = []
+    for c in cands:
+        c = dict(c, BLOCK=min(c["BLOCK"], cap))
+        c["num_warps"] = max(1, min(c["num_warps"], c["BLOCK"] // 256))
+        if c not in out:
+            out.append(c)
+    return out
+
+
+_FWD = Tuner("swiglu_fwd", _configs)
+_BWD = Tuner("swiglu_bwd", _configs)
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, stride_g, U, stride_u, Y, F, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < F
-    g = tl.load(G + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
+def _block(F, NCB, BLOCK: tl.constexpr):
+    """(row, int64 offset of the block's first column, elements left in the row from there) of this program."""
+    pid = tl.program_id(0)
+    row = pid // NCB
+    start = (pid - row * NCB).to(tl.int64) * BLOCK
+    return row.to(tl.int64), start, F - start
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, stride_g, U, stride_u, Y, F, NCB, BLOCK: tl.constexpr):
+    row, start, left = _block(F, NCB, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    m = cols < left
+    g = tl.load(G + row * stride_g + start + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + start + cols, mask=m, other=0.0).to(tl.float32)
     y = g * tl.sigmoid(g) * u
-    tl.store(Y + row * F + cols, y.to(Y.dtype.element_ty), mask=m)
+    tl.store(Y + row * F + start + cols, y.to(Y.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DY, stride_dy, G, stride_g, U, stride_u, DG, DU, F, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < F
-    dy = tl.load(DY + row * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
-    g = tl.load(G + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
+def _swiglu_bwd_kernel(DY, stride_dy, G, stride_g, U, stride_u, DG, DU, F, NCB, BLOCK: tl.constexpr):
+    row, start, left = _block(F, NCB, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    m = cols < left
+    dy = tl.load(DY + row * stride_dy + start + cols, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(G + row * stride_g + start + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + start + cols, mask=m, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     silu = g * s
     dg = dy * u * s * (1.0 + g * (1.0 - s))
-    tl.store(DG + row * F + cols, dg.to(DG.dtype.element_ty), mask=m)
-    tl.store(DU + row * F + cols, (dy * silu).to(DU.dtype.element_ty), mask=m)
+    tl.store(DG + row * F + start + cols, dg.to(DG.dtype.element_ty), mask=m)
+    tl.store(DU + row * F + start + cols, (dy * silu).to(DU.dtype.element_ty), mask=m)
 
 
-def _grid(n, f):
-    block = min(_BLOCK, next_pow2(f))
-    return (n, triton.cdiv(f, block)), block
+def _flat(*ts):
+    """[rows, F] views of the inputs; one row of rows * F when all are contiguous (and the outputs are)."""
+    rows = [as_rows(t) for t in ts]
+    n, f = rows[0].shape
+    if all(r.stride(0) == f for r in rows):
+        rows = [r.reshape(1, n * f) for r in rows]
+    return rows
 
 
 def swiglu_fwd(gate, up):
-    g2, u2 = as_rows(gate), as_rows(up)
+    g2, u2 = _flat(gate, up)
     n, f = g2.shape
     y = new_empty(gate.shape, gate.dtype, gate.device)
     if n * f > 0:
-        grid, block = _grid(n, f)
-        _swiglu_fwd_kernel[grid](g2, g2.stride(0), u2, u2.stride(0), y, f, BLOCK=block, num_warps=4)
+        def launch(c):
+            ncb = triton.cdiv(f, c["BLOCK"])
+            _swiglu_fwd_kernel[(n * ncb,)](g2, g2.stride(0), u2, u2.stride(0), y, f, ncb, **c)
+
+        # key: the row width (F, or contiguous) and dtype, never the token count
+        launch(_FWD.pick((gate.shape[-1], n == 1, gate.dtype), launch))
     return y
 
 
 def swiglu_bwd(dy, gate, up):
-    d2, g2, u2 = as_rows(dy), as_rows(gate), as_rows(up)
+    d2, g2, u2 = _flat(dy, gate, up)
     n, f = g2.shape
     dg = new_empty(gate.shape, gate.dtype, gate.device)
     du = new_empty(up.shape, up.dtype, up.device)
     if n * f > 0:
-        grid, block = _grid(n, f)
-        _swiglu_bwd_kernel[grid](
-            d2, d2.stride(0), g2, g2.stride(0), u2, u2.stride(0), dg, du, f, BLOCK=block, num_warps=4
-        )
+        def launch(c):
+            ncb = triton.cdiv(f, c["BLOCK"])
+            _swiglu_bwd_kernel[(n * ncb,)](
+                d2, d2.stride(0), g2, g2.stride(0), u2, u2.stride(0), dg, du, f, ncb, **c
+            )
+
+        launch(_BWD.pick((gate.shape[-1], n == 1, gate.dtype), launch))
     return dg, du
 
 

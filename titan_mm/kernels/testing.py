@@ -21,7 +21,8 @@ import sys
 import torch
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "linear_cross_entropy", "bias_gelu", "compile", "opcheck")
+OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "linear_cross_entropy", "bias_gelu", "compile", "opcheck",
+       "configs")
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -78,7 +79,7 @@ def check_rms_norm(device, dtype, big):
     from titan_mm.kernels import reference as R
 
     recs = []
-    shapes = [(16384, 4096), (3, 1000, 4099), (16384 * 8, 128)] if big else [(3, 7, 37), (5, 64), (3, 1000, 9)]
+    shapes = [(16384, 4096), (3, 1000, 4099), (16384 * 8, 128)] if big else [(3, 7, 37), (5, 64), (3, 1000, 9), (2, 5, 1030)]
     for shape in shapes:
         for mode in ("contig", "sliced", "transposed"):
             if big and mode != "contig" and shape[-1] == 4096:
@@ -98,7 +99,7 @@ def check_add_rms_norm(device, dtype, big):
     from titan_mm.kernels import reference as R
 
     recs = []
-    shapes = [(16384, 4096), (3, 1000, 4099), (16384 * 8, 128)] if big else [(3, 7, 37), (5, 64), (3, 1000, 9)]
+    shapes = [(16384, 4096), (3, 1000, 4099), (16384 * 8, 128)] if big else [(3, 7, 37), (5, 64), (3, 1000, 9), (2, 5, 1030)]
     for shape in shapes:
         for mode in ("contig", "sliced"):
             x = _leaf(_strided(shape, dtype, device, mode))
@@ -118,7 +119,7 @@ def check_swiglu(device, dtype, big):
     from titan_mm.kernels import reference as R
 
     recs = []
-    shapes = [(16384, 12288), (2, 999, 4097)] if big else [(3, 5, 45), (7, 130)]
+    shapes = [(16384, 12288), (2, 999, 4097)] if big else [(3, 5, 45), (7, 130), (3, 2100)]
     for shape in shapes:
         for mode in ("contig", "fused_halves"):
             if mode == "fused_halves":  # gate/up as the two halves of one [.., 2F] projection
@@ -230,7 +231,7 @@ def check_bias_gelu(device, dtype, big):
     from titan_mm.kernels import reference as R
 
     recs = []
-    shapes = [(16384, 4304), (999, 1153)] if big else [(33, 19), (2, 9, 40)]
+    shapes = [(16384, 4304), (999, 1153)] if big else [(33, 19), (2, 9, 40), (21, 700)]
     for shape in shapes:
         for mode in ("contig", "sliced"):
             x = _leaf(3 * _strided(shape, dtype, device, mode))
@@ -367,7 +368,36 @@ def check_model(device, dtype, big):
     return recs
 
 
+def check_configs(device, dtype, big):
+    """Every launch config of every tuned kernel (not only the one the tuner would pick): the op checks
+    rerun with titan_mm.kernels._utils.FORCE_CONFIG = 1, 2, ... (config 0 is what the plain checks run on
+    CPU). Small shapes even on the GPU: this is about each config's code path, not the full-shape numbers."""
+    from titan_mm.kernels import _utils
+
+    recs = []
+    before = _utils.FORCE_CONFIG
+    try:
+        for i in range(1, _utils.MAX_CONFIGS):
+            _utils.FORCE_CONFIG = i
+            for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "bias_gelu"):
+                try:
+                    new = CHECKS[op](device, dtype, False)
+                except Exception as e:  # recorded under the op's name, so that op's test fails
+                    import traceback
+
+                    new = [{"op": op, "dtype": str(dtype).replace("torch.", ""), "case": "exception",
+                            "what": "".join(traceback.format_exception(e))[-3000:], "err": float("nan"),
+                            "tol": TOL[dtype], "ok": False}]
+                for r in new:
+                    r["case"] = f"[config {i}] " + r["case"]
+                recs += new
+    finally:
+        _utils.FORCE_CONFIG = before
+    return recs
+
+
 CHECKS = {
+    "configs": check_configs,
     "model": check_model,
     "opcheck": check_opcheck,
     "rms_norm": check_rms_norm,
@@ -395,6 +425,21 @@ def run(ops, device, dtypes, big: bool) -> dict:
         torch.set_float32_matmul_precision(prec_before)
 
 
+TUNED_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "bias_gelu")  # ops with a launch-config Tuner
+
+
+def _tune_for_check(op, device, dtype, big) -> None:
+    """GPU: run the check once inside `_utils.tuning()` (records dropped), so the recorded run launches the
+    tuned configs on outputs no timing launch has written (the NaN poison still catches unwritten elements)."""
+    from titan_mm.kernels import _utils
+
+    try:
+        with _utils.tuning():
+            CHECKS[op](device, dtype, big)
+    except Exception:  # the recorded run reports it
+        pass
+
+
 def _run(ops, device, dtypes, big: bool) -> dict:
     from titan_mm.kernels import _dispatch, use_triton
 
@@ -411,13 +456,17 @@ def _run(ops, device, dtypes, big: bool) -> dict:
         for tag, prefer_ops in paths:
             _dispatch.PREFER_OPS = prefer_ops
             for op in ops:
-                if prefer_ops and op in ("compile", "opcheck", "model"):
+                if prefer_ops and op in ("compile", "opcheck", "model", "configs"):
                     continue
                 for dt in dtypes:
+                    if op == "configs" and device.type == "cpu" and dt != torch.float32:
+                        continue  # the config sweep is about code paths: one dtype in the slow interpreter
                     if prefer_ops and (dt == torch.float16 or (device.type == "cpu" and dt != torch.float32)):
                         continue  # same kernels as the fast path: one dtype is enough in the slow interpreter
                     if op in ("compile", "opcheck") and dt == torch.float16:
                         continue
+                    if device.type == "cuda" and not prefer_ops and op in TUNED_OPS:
+                        _tune_for_check(op, device, dt, big)
                     try:
                         new = CHECKS[op](device, dt, big)
                     except Exception as e:  # one broken check must not hide the others; it fails its own test

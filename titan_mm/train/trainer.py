@@ -154,6 +154,25 @@ def build_model(cfg: JobConfig, spec, model_cfg, parallel_dims, device: torch.de
     return model
 
 
+def tune_kernels(cfg: JobConfig, model_cfg, pd, device: torch.device) -> dict | None:
+    """Pick the Triton kernels' launch configs for this model's shapes once, before the first step.
+
+    The forward never tunes (timing synchronizes the GPU, and the forward must stay sync-free): a key it
+    meets untuned runs the kernel's first config. CUDA with kernels on only; TITAN_KERNELS_TUNE=0 skips the
+    timing. Every rank tunes its own shapes (heads and MLP width per tp rank), then takes rank 0's picks, so
+    replicated computations launch the same configs (and round alike) on every rank. None when skipped."""
+    if device.type != "cuda" or not getattr(model_cfg, "kernels", False):
+        return None
+    from titan_mm import kernels as K
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.training.param_dtype]
+    tokens = cfg.data.micro_batch_size * cfg.data.seq_len // max(1, pd.cp)  # this rank's rows of a micro-batch
+    encoder_tp = bool(getattr(cfg.parallel, "encoder_tp", False)) and pd.tp > 1
+    report = K.tune_for_model(model_cfg, tokens, dtype, device, tp=pd.tp, encoder_tp=encoder_tp)
+    K.share_picks(src=0)  # a no-op in a single process
+    return report
+
+
 def check_parallel(cfg: JobConfig, pd, model_cfg) -> None:
     """Reject degrees the model's shapes cannot take (ParallelDims.check_model) before anything is built: tp vs
     heads, ep on a dense model or not dividing the experts, seq_len vs tp * 2 * cp, Ulysses heads vs cp * tp."""
@@ -273,6 +292,12 @@ def train(cfg: JobConfig) -> dict[str, Any]:
                 f"{n_params / 1e6:.2f}M params; world {world} (dp {dp_world}, grad accum {n_micro}); device {device}; "
                 f"run folder {out_dir}; starting at step {state.step}/{cfg.training.steps}")
 
+    tune_report = tune_kernels(cfg, model_cfg, pd, device)
+    if tune_report is not None:
+        tuned = sum(len(v) for v in tune_report["tuned"].values())
+        logger.info(f"kernels: tuned {tuned} launch configs in {tune_report['seconds']:.1f}s"
+                    + "".join(f"; {r}" for r in tune_report["skipped"]))
+    check_untuned = bool(tune_report and tune_report["tuned"])
     guard = NanGuard(cfg.training.nan_policy, cfg.training.max_skipped_steps)
     guard.nan_count = state.nan_count
     ctx = StepContext(device=device, attn_backend=getattr(model_cfg, "attn_backend", "sdpa"),
@@ -303,6 +328,12 @@ def train(cfg: JobConfig) -> dict[str, Any]:
             res = train_step(state, micro, ctx)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            if check_untuned:  # after the first step: keys the model met that tune_kernels did not cover
+                check_untuned = False
+                from titan_mm.kernels import untuned_keys
+
+                if untuned_keys():
+                    logger.info(f"kernels: these launch-config keys ran untuned (first config): {untuned_keys()}")
             step_time = time.perf_counter() - t0
             times.add(step_time)
             flops = sum(spec.flops(model_cfg, doc_lens_from_batch(mb),  # VL: grids let the vision tower count
