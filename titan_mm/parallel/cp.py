@@ -87,6 +87,7 @@ class CPAttention:
 
     def _local_rows_meta(self, m):
         """Metadata whose masks keep only the rows of this rank's queries (kv stays the full sequence)."""
+        _check_dense(m, "allgather")
         B = None
         lm = dataclasses.replace(m, cp=None)
         rows = self.local
@@ -108,6 +109,7 @@ class CPAttention:
         """{window or None: [mask block of my queries x rank j's keys for j in range(cp)]}."""
         if m.backend not in ("sdpa", "flex"):
             raise ValueError(f"context parallelism supports the sdpa and flex backends, not {m.backend!r}.")
+        _check_dense(m, "ring")
         dense = m.sdpa_mask
         if dense is None:
             q = torch.arange(self.S, device=self.local.device)
@@ -150,6 +152,14 @@ class CPAttention:
         o = o[:, self.gathered].reshape(B, self.cp, S // self.cp, Hc, K).permute(1, 0, 2, 3, 4).contiguous()
         o = all_to_all_single_autograd(o, None, None, self.group)  # [cp(head group), B, Sl, Hc, K]
         return o.permute(1, 2, 0, 3, 4).reshape(B, S // self.cp, self.cp * Hc, K)
+
+
+def _check_dense(m, mode: str) -> None:
+    """Ring / allgather read the document mask densely; a packed batch's metadata without it (flex on CUDA
+    builds only block masks) would silently attend across documents."""
+    if (m.packed or m.sliding_window is not None) and m.sdpa_mask is None:
+        raise ValueError(f"{mode} context parallelism needs the dense document mask of this packed batch; build "
+                         "the metadata with build_attn_meta(..., dense_mask=True) (prepare_cp_batch does).")
 
 
 def _ring_shift(t: torch.Tensor, group, rank: int, cp: int) -> torch.Tensor:
@@ -276,7 +286,8 @@ def prepare_cp_batch(
     mesh = parallel_dims.mesh("cp")
     S = batch["input_ids"].shape[-1]
     idx = load_balanced_index(S, parallel_dims.cp, mesh.get_local_rank())
-    meta = build_attn_meta(batch, backend, device, sliding_window)
+    # ring / allgather cut their mask blocks from the dense document mask, which flex on CUDA leaves out
+    meta = build_attn_meta(batch, backend, device, sliding_window, dense_mask=mode != "ulysses")
     full = dataclasses.replace(meta, cp=None)
     local = {}
     for k, v in batch.items():

@@ -96,13 +96,16 @@ def _whole_rows(cu: torch.Tensor | None, B: int, S: int) -> bool:
 
 
 def build_attn_meta(
-    batch: dict[str, torch.Tensor], backend: str, device: torch.device | str, sliding_window: int | None = None
+    batch: dict[str, torch.Tensor], backend: str, device: torch.device | str, sliding_window: int | None = None,
+    dense_mask: bool = False,
 ) -> AttnMeta:
     """Turn a batch's ``doc_ids`` / ``cu_seqlens`` / ``max_seqlen`` into backend metadata (on ``device``).
 
     Call it before the forward (it may sync; the forward must not). ``sliding_window``: pass the model
     config's ``attn_sliding_window`` when any layer uses a window (Qwen3 configs with use_sliding_window).
-    Batches without ``doc_ids`` are treated as unpacked causal rows.
+    Batches without ``doc_ids`` are treated as unpacked causal rows. ``dense_mask``: also build the dense
+    ``sdpa_mask`` (and ``sdpa_mask_swa``) for the flex backend on CUDA, where it is otherwise left out; ring
+    and all-gather context parallelism slice their mask blocks from it.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
@@ -129,7 +132,7 @@ def build_attn_meta(
         meta.block_mask = _block_mask(doc, B, S, None, device)
         if sliding_window is not None:
             meta.block_mask_swa = _block_mask(doc, B, S, sliding_window, device)
-        if device.type == "cpu":  # CPU training fallback (no flex backward on CPU): same mask, dense
+        if device.type == "cpu" or dense_mask:  # CPU fallback (no flex backward on CPU), CP ring / allgather
             meta.sdpa_mask = _mask_dense(doc, B, S, None, device)
             if sliding_window is not None:
                 meta.sdpa_mask_swa = _mask_dense(doc, B, S, sliding_window, device)
