@@ -121,7 +121,8 @@ def _titan_builder(case, stack, args, device):
     cfg = load_config(argv)
     attn = args.attn if args.attn != "auto" else "flex"
     # runtime fields sit on the top-level config (Qwen3-VL pushes them into its text config)
-    kernels = cfg.kernels.ops if stack != "titan_nokernels" else False  # the trainer's default op set
+    # the trainer's default op set, or --kernel-ops (e.g. "all,-rope": which op helps or hurts end to end)
+    kernels = (args.kernel_ops or cfg.kernels.ops) if stack != "titan_nokernels" else False
     kw = {k: v for k, v in (("attn_backend", attn), ("kernels", kernels)) if hasattr(mc, k)}
     mc = dataclasses.replace(mc, **kw)
     pd = ParallelDims.from_config(cfg.parallel, 1)
@@ -307,7 +308,8 @@ def render(rows: list[dict]) -> str:
         peers = [p["tokens_per_s"] for p in rows if p["case"] == r["case"] and "error" not in p
                  and not p["stack"].startswith("titan")]
         ratio = f"{r['tokens_per_s'] / max(peers):.2f}x" if peers else ""
-        out.append(f"| {r['case']} | {r['stack']} | {r['ac']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
+        stack = r["stack"] + (f" (ops {r['kernel_ops']})" if r.get("kernel_ops") else "")
+        out.append(f"| {r['case']} | {stack} | {r['ac']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
                    f"{100 * r['mfu']:.1f}% | {100 * r.get('mfu_llm_only', r['mfu']):.1f}% | {r['peak_mem_gb']:.1f} | {ratio} |")
     return "\n".join(out)
 
@@ -317,6 +319,8 @@ def main() -> int:
     ap.add_argument("--cases", default="qwen3_1.7b")
     ap.add_argument("--stacks", default="titan,titan_f8,torchtitan,hf_liger")
     ap.add_argument("--ac", default="none", help="titan activation checkpointing: none | selective | full")
+    ap.add_argument("--kernel-ops", default="", help="titan kernels.ops for the titan stacks with kernels "
+                    "(default: the config's, 'all,-bias_gelu'); the row records it and keys on it")
     ap.add_argument("--attn", default="auto", help="titan attention backend: auto (flex) | sdpa | flex | varlen")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
@@ -342,12 +346,12 @@ def main() -> int:
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
-    rows = []
+    rows, merged = [], []
     for case in args.cases.split(","):
         for stack in args.stacks.split(","):
             prof = str(Path(args.profile) / f"profile_{case}_{stack}.txt") if args.profile else ""
             cmd = [sys.executable, __file__, "--worker", "--case", case, "--stack", stack, "--ac", args.ac,
-                   "--profile", prof,
+                   "--profile", prof, "--kernel-ops", args.kernel_ops,
                    "--attn", args.attn, *(["--cpu"] if args.cpu else []), "--warmup", str(args.warmup), "--steps", str(args.steps)]
             t0 = time.time()
             try:
@@ -365,17 +369,25 @@ def main() -> int:
                 rows.append(dict(case=case, stack=stack, ac=args.ac, error=f"timeout after {args.timeout}s; "
                                                                           f"worker output: {tail}"))
             r = rows[-1]
+            if args.kernel_ops and stack.startswith("titan") and stack != "titan_nokernels":
+                r["kernel_ops"] = args.kernel_ops
             print(f"[{time.time() - t0:5.0f}s] {case} {stack}: "
                   + (f"{r['tokens_per_s']:,.0f} tok/s, {100 * r['mfu']:.1f}% MFU, {r['peak_mem_gb']:.1f} GB"
                      if "error" not in r else "FAILED\n" + r["error"][-1500:]), flush=True)
-    out = Path(args.out)
+            merged = _write(Path(args.out), rows)  # after every row: a run cut short keeps what it measured
+    print(render(merged))
+    return 0
+
+
+def _write(out: Path, rows: list[dict]) -> list[dict]:
+    """Merge ``rows`` into the results JSON at ``out`` (a row replaces the earlier one of its case, stack, ac)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     prev = json.loads(out.read_text()) if out.exists() else {"rows": []}
     keep = [r for r in prev.get("rows", []) if not any(
-        r["case"] == n["case"] and r["stack"] == n["stack"] and r.get("ac") == n.get("ac") for n in rows)]
+        r["case"] == n["case"] and r["stack"] == n["stack"] and r.get("ac") == n.get("ac")
+        and r.get("kernel_ops") == n.get("kernel_ops") for n in rows)]
     out.write_text(json.dumps({"peak_tflops": PEAK_TFLOPS, "rows": keep + rows}, indent=1))
-    print(render(keep + rows))
-    return 0
+    return keep + rows
 
 
 if __name__ == "__main__":
