@@ -26,7 +26,12 @@ one token's output, which the token-mean loss averages away.
 
 ``--control "--kernels.mode reference"`` adds a 1-process run per model with other trainer overrides (here the
 PyTorch ops instead of the Triton kernels: same math, other bf16 rounding): its distance from the reference is the
-noise floor that a parallel case's distance is read against.
+noise floor that a parallel case's distance is read against. Where a model has a control row, the bound over
+steps 1..20 becomes max(fixed bound, NOISE_FACTOR (2) x the control's max distance): on the H200 two 1-GPU runs
+that differ only in bf16 rounding drift 5.0e-4 (loss) and 5.0e-2 (grad norm) apart by step 20, so the fixed 5%
+grad-norm bound fails the 1-GPU run against itself. The step-1 bounds stay fixed (same weights, same rows): they
+are what catches a real fault early (the ring-CP document-mask bug gave a step-1 grad norm 3.1e-2 off, and 0.67
+by step 20). ``ok_fixed`` keeps the verdict against the fixed bounds alone.
 
 Part 2, MFU (``--mfu-cases``), all GPUs, ``--mfu-steps`` steps, median after ``--warmup``:
   moe_ep      Qwen3-30B-A3B-shaped MoE (48 layers on 8 GPUs; 6 x W layers on fewer so memory per GPU is
@@ -334,9 +339,34 @@ def run_mfu(args, dump: Path, W: int) -> list[dict]:
     return rows
 
 
+NOISE_FACTOR = 2.0
+
+
+def apply_noise_floor(checks: list[dict], bounds: dict) -> list[dict]:
+    """Re-judge each loss-equality row of a model that has a control row (see the module docstring): step 1
+    against the fixed bounds, steps 1..N against max(fixed, NOISE_FACTOR x the control's max distance)."""
+    floors = {c["model"]: c for c in checks if c.get("kind") == "control" and "loss_rel_max" in c}
+    for c in checks:
+        f = floors.get(c["model"])
+        if c.get("kind") != "loss_equality" or "loss_rel_max" not in c or "error" in c:
+            continue
+        c.setdefault("ok_fixed", c["ok"])
+        if f is None:
+            continue
+        lb = max(bounds["loss"], NOISE_FACTOR * f["loss_rel_max"])
+        gb = max(bounds["gnorm"], NOISE_FACTOR * f["gnorm_rel_max"])
+        c["bounds_used"] = dict(loss_step1=bounds["loss_step1"], gnorm_step1=bounds["gnorm_step1"], loss=lb, gnorm=gb,
+                                rule=f"max(fixed, {NOISE_FACTOR:g} x control {f['parallel'].get('control')})")
+        c["ok"] = bool(c["loss_rel_first"] <= bounds["loss_step1"] and c["gnorm_rel_first"] <= bounds["gnorm_step1"]
+                       and c["loss_rel_max"] <= lb and c["gnorm_rel_max"] <= gb)
+    return checks
+
+
 def _verdict(c: dict) -> str:
     if c.get("kind") == "control" and "error" not in c:
         return "(noise floor: 1 GPU vs 1 GPU)"
+    if c.get("ok") and c.get("ok_fixed") is False:
+        return f"yes (within {NOISE_FACTOR:g}x the noise floor; over the fixed bound)"
     return "yes" if c.get("ok") else "NO: " + str(c.get("error", "bound exceeded"))[:80]
 
 
@@ -352,11 +382,11 @@ def render(checks: list[dict], mfu: list[dict]) -> str:
             "|---|---|---|---|---|---|---|---|---|"]
     for r in mfu:
         if "tokens_per_s_per_gpu" not in r:
-            out.append(f"| {r['case']} | {r['flavor']} ({r['layers']}) | {r['world']} | {r['parallel']} | {r['seq']} | "
+            out.append(f"| {r['case']} | {r['flavor']} ({r['layers'] or 'all'}) | {r['world']} | {r['parallel']} | {r['seq']} | "
                        f"failed: {r.get('error', '')[:60]!r} | | | |")
             continue
         mfu_s = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a (CPU)"
-        out.append(f"| {r['case']} | {r['flavor']} ({r['layers']}) | {r['world']} | {r['parallel']} | {r['seq']} | "
+        out.append(f"| {r['case']} | {r['flavor']} ({r['layers'] or 'all'}) | {r['world']} | {r['parallel']} | {r['seq']} | "
                    f"{r['tokens_per_s_per_gpu']:,.0f} | {fmt(r.get('tflops_per_gpu'), '.1f')} | {mfu_s} | "
                    f"{r.get('mem_peak_gb', 0):.1f} |")
     return "\n".join(out)
@@ -433,12 +463,13 @@ def main(argv: list[str] | None = None) -> int:
                   peak_tflops=None if args.cpu else args.peak_tflops,
                   bounds_note="relative |a-b|/|b| of loss and grad norm vs the 1-process run; see bench/scaling.py",
                   command="python bench/multigpu_plans.py " + " ".join(argv)),
-        checks=merge_rows(prev.get("checks", []), checks, lambda r: (r["case"], r["world"])),
+        checks=apply_noise_floor(merge_rows(prev.get("checks", []), checks, lambda r: (r["case"], r["world"])), bounds),
         mfu=merge_rows(prev.get("mfu", []), mfu, lambda r: (r["case"], r["world"], r["float8"])),
     )
     out.write_text(json.dumps(doc, indent=1))
     print(render(doc["checks"], doc["mfu"]))
-    failed = [c for c in checks if not c.get("ok") and (c.get("kind") != "control" or "error" in c)] + \
+    failed = [c for c in doc["checks"] if c in checks and not c.get("ok")
+              and (c.get("kind") != "control" or "error" in c)] + \
         [r for r in mfu if "error" in r]
     print(f"[plans] wrote {out}; {len(failed)} failed check(s)/run(s)", flush=True)
     return 1 if failed else 0

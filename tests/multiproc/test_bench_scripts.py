@@ -49,6 +49,29 @@ def test_compare_bounds():
     assert not compare(short, ref, list(range(1, 21)), BOUNDS_GPU)["ok"]
 
 
+def test_noise_floor_bound():
+    """With a control row (1 process vs 1 process, other bf16 rounding) the bound over the steps widens to twice
+    the control's distance, while step 1 keeps the fixed bounds (a real fault shows there)."""
+    sys.path.insert(0, str(ROOT))
+    from bench.multigpu_plans import apply_noise_floor
+    from bench.scaling import BOUNDS_GPU
+
+    def row(kind, first, gmax, model="dense"):
+        return dict(kind=kind, case=kind, model=model, parallel={"control": "x"} if kind == "control" else {},
+                    loss_rel_first=1e-5, loss_rel_max=4e-4, gnorm_rel_first=first, gnorm_rel_max=gmax,
+                    ok=gmax <= BOUNDS_GPU["gnorm"] and first <= BOUNDS_GPU["gnorm_step1"])
+
+    floor = row("control", 1e-4, 0.05)
+    noisy = row("loss_equality", 1e-4, 0.07)             # 1.4x the floor: bf16 drift
+    fault = row("loss_equality", 3e-2, 0.07)             # step 1 off: a fault, whatever the floor
+    far = row("loss_equality", 1e-4, 0.2)                # 4x the floor
+    other = row("loss_equality", 1e-4, 0.07, model="moe")  # no control for this model: fixed bound
+    checks = apply_noise_floor([floor, noisy, fault, far, other], BOUNDS_GPU)
+    assert [c["ok"] for c in checks[1:]] == [True, False, False, False]
+    assert noisy["ok_fixed"] is False and noisy["bounds_used"]["gnorm"] == pytest.approx(0.1)
+    assert "bounds_used" not in other
+
+
 def test_scaling_cpu(tmp_path):
     out = tmp_path / "scaling.json"
     p = _run("scaling.py", ["--nprocs", "1,2", "--steps", "4", "--warmup", "1", "--dump", str(tmp_path / "runs"),
