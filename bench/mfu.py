@@ -329,7 +329,8 @@ def main() -> int:
     ap.add_argument("--profile", default="", help="folder: write a torch.profiler kernel table per (case, stack)")
     ap.add_argument("--cpu", action="store_true", help="smoke-test on CPU (gloo; use --cases debug)")
     ap.add_argument("--render", default="", help="print the markdown table of this results JSON and exit")
-    ap.add_argument("--doc", default="", help="with --render: replace the table between the mfu-bench markers here")
+    ap.add_argument("--doc", default="", help="with --render: replace the table between the --marker markers here")
+    ap.add_argument("--marker", default="mfu-bench", help="with --doc: <!-- MARKER:begin --> ... <!-- MARKER:end -->")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--stack", help=argparse.SUPPRESS)
@@ -338,7 +339,7 @@ def main() -> int:
         table = render(json.loads(Path(args.render).read_text())["rows"])
         if args.doc:
             doc = Path(args.doc).read_text()
-            a, b = "<!-- mfu-bench:begin -->", "<!-- mfu-bench:end -->"
+            a, b = f"<!-- {args.marker}:begin -->", f"<!-- {args.marker}:end -->"
             doc = doc[: doc.index(a) + len(a)] + "\n" + table + "\n" + doc[doc.index(b):]
             Path(args.doc).write_text(doc)
         print(table)
