@@ -388,9 +388,23 @@ def run_case(name, case, impl, fn, do_compile):
             tf = fl / (ms * 1e-3) / 1e12
             row.update(flops=fl, tflops=round(tf, 1), frac_matmul=round(tf / MATMUL_CEILING_TFLOPS, 3))
         rows.append(row)
+    if PROFILE_DIR and impl != "eager":  # where the fwd+bwd time goes, kernel by kernel
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fwd_bwd()
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        os.makedirs(PROFILE_DIR, exist_ok=True)
+        with open(os.path.join(PROFILE_DIR, f"kprof_{name}_{impl}.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=90))
     del inp, inp_nograd, diff
     torch.cuda.empty_cache()
     return rows
+
+
+PROFILE_DIR = ""  # --profile
 
 
 def main(argv=None):
@@ -401,6 +415,8 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=110.0,
                    help="start no new torch.compile rows after this many seconds (keeps the run under 3 minutes)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU allowed (TRITON_INTERPRET=1): tests the script")
+    p.add_argument("--profile", default="", help="folder: a torch.profiler table of 3 fwd+bwd calls per (kernel, "
+                   "implementation), kernels sorted by their own time")
     p.add_argument("--render", default="", help="render the markdown table from this JSON and exit")
     p.add_argument("--doc", default="", help="with --render: replace the table between the markers in this file")
     a = p.parse_args(argv)
@@ -415,6 +431,8 @@ def main(argv=None):
     import torch
     import triton
 
+    global PROFILE_DIR
+    PROFILE_DIR = a.profile
     if a.smoke:
         set_smoke_shapes()
     else:

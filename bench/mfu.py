@@ -9,7 +9,8 @@ MFU is computed for every stack from titan_mm's FLOP counter (docs/flops.md) aga
 Stacks:
   titan            titan_mm's trainer path (registry model -> parallelize -> train_step), compile per block,
                    Triton kernels on (kernels.ops: every op but the ViT bias + GELU)
-  titan_f8         the same + torchao float8 linears
+  titan_f8         the same + torchao float8 linears (tensorwise scales)
+  titan_f8_pre     titan_f8 + float8.precompute_scale (one batched scale computation after each optimizer step)
   titan_eager      no compile, kernels on
   titan_nokernels  compile, pure-PyTorch ops (the reference path)
   titan_plain      titan_mm's model and train_step, but compile + fully_shard applied by hand to the blocks
@@ -101,6 +102,8 @@ def text_batch(vocab: int, batch: int, seq: int, device, seed: int = 0) -> dict:
 def _titan_builder(case, stack, args, device):
     import dataclasses
 
+    import torch
+
     from titan_mm.config import load_config
     from titan_mm.parallel.apply import float8_after_optimizer
     from titan_mm.parallel.mesh import ParallelDims
@@ -113,7 +116,8 @@ def _titan_builder(case, stack, args, device):
     argv = [
         "--model.name", case["model"], "--model.flavor", case["flavor"],
         "--compile.enable", str(stack != "titan_eager"),
-        "--float8.enable", str(stack == "titan_f8"),
+        "--float8.enable", str(stack in ("titan_f8", "titan_f8_pre")),
+        "--float8.precompute_scale", str(stack == "titan_f8_pre"),
         "--kernels.mode", "reference" if stack == "titan_nokernels" else "auto",
         "--activation_checkpoint.mode", args.ac,
         "--training.param_dtype", "bfloat16", "--training.reduce_dtype", "float32",
@@ -138,6 +142,10 @@ def _titan_builder(case, stack, args, device):
                       after_optimizer=float8_after_optimizer(model, cfg))  # as the trainer (None by default)
     if case.get("vl"):
         batch = vl_batch(mc, case["batch"], case["seq"])
+        if device.type == "cuda":  # host batches arrive pinned, as from the trainer's loader (data.pin_memory):
+            # a pageable copy of the pixels each step would block the host (the peers' batch stays on the GPU)
+            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) and k not in ("cu_seqlens", "max_seqlen")
+                     else v for k, v in batch.items()}
     else:
         batch = text_batch(text_cfg(mc).vocab_size, case["batch"], case["seq"], device)
     tune_kernels(mc, case, batch, device)
@@ -280,11 +288,21 @@ def worker(args) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t_prof = time.perf_counter()
             for _ in range(2):
                 step()
             sync()
-        table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=35,
-                                          max_name_column_width=70)
+            t_prof = time.perf_counter() - t_prof
+        avg = prof.key_averages()
+        table = avg.table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=35,
+                          max_name_column_width=70)
+        if cuda:  # the kernels themselves, and how much of the wall time the GPU was busy
+            table += "\n\nBy self CUDA time (kernels):\n" + avg.table(
+                sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=110)
+            busy_ms = sum(e.self_device_time_total for e in avg) / 1e3
+            table += f"\n\n2 steps: wall {t_prof * 1e3:.1f} ms, GPU kernel time {busy_ms:.1f} ms " \
+                     f"({100 * busy_ms / (t_prof * 1e3):.0f}% of the wall time; steps timed above: " \
+                     f"{1e3 * sorted(times)[len(times) // 2]:.1f} ms median)\n"
         Path(args.profile).write_text(table)
     times.sort()
     med = times[len(times) // 2]

@@ -30,7 +30,7 @@ def fake_timer(monkeypatch):
     from titan_mm.kernels import _utils
 
     calls, idx = [], [0]
-    times = [3.0, 1.0, 2.0, 4.0]  # per candidate of a key: the second one is the fastest
+    times = [3.0, 1.0, 2.0, 4.0, 5.0, 6.0]  # per candidate of a key: the second one is the fastest
     tune = _utils.Tuner._tune
 
     def tune_key(self, key, cands, launch):  # candidate numbering restarts per key
@@ -59,6 +59,22 @@ def clean_tuner():
 
 
 # ------------------------------------------------------------------------------------------- no Triton
+
+
+def test_config_sweep_covers_every_candidate():
+    """testing.check_configs forces configs 1 .. CONFIGS_PER_OP[op] - 1: every candidate list must fit in it,
+    or a config the tuner may pick on the GPU would never be checked."""
+    import titan_mm.kernels  # noqa: F401  (registers the tuners)
+    from titan_mm.kernels import _utils, testing
+
+    for t in _utils.Tuner.registry:
+        op = t.name.rsplit("_", 1)[0] if t.name.endswith(("_fwd", "_bwd")) else t.name
+        for key in [(4304, torch.bfloat16), (2048, torch.float32), (128, torch.bfloat16)]:
+            try:
+                n = len(t.configs(key))
+            except Exception:  # keys of another shape (RoPE's head layout): covered by the interpreter tests
+                continue
+            assert n <= testing.CONFIGS_PER_OP.get(op, 4), (t.name, key, n)
 
 
 def test_tuner_bookkeeping(monkeypatch):

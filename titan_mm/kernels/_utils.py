@@ -53,7 +53,7 @@ TUNE = _os.environ.get("TITAN_KERNELS_TUNE", "1") != "0"
 # Tests set this to an int i: every tuner returns config i (modulo its list) without timing or caching, so
 # the interpreter checks can run each config's code path.
 FORCE_CONFIG: int | None = None
-MAX_CONFIGS = 4  # candidates per kernel and key (keeps tuning within seconds; the tests sweep them all)
+MAX_CONFIGS = 6  # candidates per kernel and key (keeps tuning within seconds; the tests sweep them all)
 # > 0 inside `tuning()`: a key without a cached config is timed there. Outside (the model's forward and
 # backward) an untuned key runs its first config: no timing, no host synchronization.
 _TUNING = 0

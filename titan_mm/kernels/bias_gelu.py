@@ -7,8 +7,9 @@ Forward: [BR, BD] tiles, 1-D grid in row-major order (consecutive programs strea
 Backward: programs = (ranges of ROWS consecutive rows) x (column blocks), row-range-major, so programs
 running side by side cover whole rows; each walks its rows tile by tile, keeps the column sums of dx for db
 in fp32 registers and writes one db partial; the partials ([row ranges, D] fp32, about 1 MB at the ViT
-shape) are summed in PyTorch. Tiles, warps and programs per SM are picked per width and dtype by
-`_utils.Tuner`.
+shape) are summed in PyTorch. With PREFETCH the next tile's loads are issued before the current tile is
+computed and stored (a `while` loop is not pipelined by the compiler). Tiles, warps, programs per SM and
+prefetch are picked per width and dtype by `_utils.Tuner`.
 Legend: N rows (patch tokens), D width.
 """
 
@@ -25,11 +26,11 @@ _A = tl.constexpr(0.044715)
 
 def _tiles(d, cands):
     out = []
-    for br, bd, warps, *pps in cands:
+    for br, bd, warps, *bwd in cands:
         bd = min(bd, max(16, next_pow2(d)))
         c = dict(BR=br, BD=bd, num_warps=max(1, min(warps, br * bd // 256)))
-        if pps:
-            c["PPS"] = pps[0]  # backward: programs per SM (not a kernel argument)
+        if bwd:  # backward: programs per SM (not a kernel argument) and prefetch
+            c["PPS"], c["PREFETCH"] = bwd
         if c not in out:
             out.append(c)
     return out
@@ -41,8 +42,11 @@ def _fwd_configs(key):
 
 
 def _bwd_configs(key):
-    # PPS: about as many programs per SM as fit at once by registers (~72 per thread: 7 x 4 warps, 3 x 8)
-    return _tiles(key[0], [(4, 512, 4, 6), (8, 512, 8, 3), (8, 256, 4, 6), (2, 1024, 4, 6)])
+    # PPS: about as many programs per SM as fit at once by registers (~72 per thread: 7 x 4 warps, 3 x 8).
+    # Without prefetch (8, 256, 4 warps, PPS 6) was the pick at the ViT shape on the H200 (74% of the copy
+    # ceiling fwd+bwd); prefetch holds two tiles, so fewer programs may fit per SM.
+    return _tiles(key[0], [(4, 512, 4, 6, False), (8, 256, 4, 6, False), (8, 512, 8, 3, False),
+                           (8, 256, 4, 6, True), (4, 512, 4, 4, True), (8, 256, 4, 3, True)])
 
 
 _FWD = Tuner("bias_gelu_fwd", _fwd_configs)
@@ -67,7 +71,7 @@ def _bias_gelu_fwd_kernel(X, stride_x, B, Y, N, D, NCB, BR: tl.constexpr, BD: tl
 @triton.jit
 def _bias_gelu_bwd_kernel(
     DY, stride_dy, X, stride_x, B, DX, DB_PART, N, D, NCB, ROWS,
-    BR: tl.constexpr, BD: tl.constexpr,
+    BR: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rr = pid // NCB  # row range (ROWS rows) and column block of this program, row-range-major
@@ -81,12 +85,24 @@ def _bias_gelu_bwd_kernel(
     mc = cols < D
     bias = tl.load(B + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
     acc = tl.zeros([BR, BD], dtype=tl.float32)
+    if PREFETCH:  # the next tile's loads are in flight while this tile is computed and stored
+        m0 = (r < n_here)[:, None] & mc[None, :]
+        x_next = tl.load(X + r[:, None] * stride_x + cols[None, :], mask=m0, other=0.0)
+        dy_next = tl.load(DY + r[:, None] * stride_dy + cols[None, :], mask=m0, other=0.0)
     i = 0
     while i < ROWS:  # ROWS is a multiple of BR (a `while`: the CPU interpreter cannot run a runtime `range`)
         rows = i + r
         m = (rows < n_here)[:, None] & mc[None, :]
-        z = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32) + bias
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if PREFETCH:
+            z = x_next.to(tl.float32) + bias
+            dy = dy_next.to(tl.float32)
+            nxt = rows + BR
+            mn = ((nxt < n_here) & (nxt < ROWS))[:, None] & mc[None, :]
+            x_next = tl.load(X + nxt[:, None] * stride_x + cols[None, :], mask=mn, other=0.0)
+            dy_next = tl.load(DY + nxt[:, None] * stride_dy + cols[None, :], mask=mn, other=0.0)
+        else:
+            z = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32) + bias
+            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
         z2 = z * z
         s = 1.0 / (1.0 + tl.exp(-2.0 * _C * (z + _A * z2 * z)))
         dgelu = s + 2.0 * _C * z * s * (1.0 - s) * (1.0 + 3.0 * _A * z2)

@@ -72,6 +72,27 @@ def _ce_row_kernel(
         _write_row_grad(base, lse, scale, tl.where(valid, lab, -1), V, BLOCK)
 
 
+@triton.jit
+def _scale_kernel(X, G, N, BLOCK: tl.constexpr):
+    """X[:N] *= G[0] in place, in fp32 (the backward's scale of the gradients computed in the forward)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(G).to(tl.float32)
+    x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(X + offs, (x * g).to(X.dtype.element_ty), mask=m)
+
+
+def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """x *= g (a 1-element tensor on x's device) in place for a contiguous x, math in fp32. One vectorized
+    pass: a bf16 tensor times an fp32 0-d tensor through torch's `mul_` takes a slower mixed-dtype kernel
+    (about 3x the time of a copy at 151,936 x 4096 on the H200)."""
+    assert x.is_contiguous()
+    n = x.numel()
+    if n:
+        _scale_kernel[(triton.cdiv(n, 4096),)](x, g.reshape(1), n, BLOCK=4096, num_warps=8)
+    return x
+
+
 def default_chunk_size(n: int, d: int, v: int) -> int:
     """Rows per chunk: the logits chunk holds about as many elements as h (Liger's rule, same peak)."""
     return max(1, next_pow2(triton.cdiv(n, triton.cdiv(v, d))))
@@ -265,8 +286,8 @@ def _backward(ctx, dloss, _dgh, _dgw):
     grad_h, grad_w = ctx.saved_tensors
     g = dloss.to(torch.float32)
     eager = type(grad_h) is torch.Tensor and type(grad_w) is torch.Tensor and not torch.compiler.is_compiling()
-    if eager:  # scale the buffers computed in forward in place (no second grad_W-sized tensor)
-        gh, gw = grad_h.mul_(g), grad_w.mul_(g)
+    if eager:  # scale the buffers computed in forward (Triton path) in place: no second grad_W-sized tensor
+        gh, gw = scale_(grad_h, g), scale_(grad_w, g)
     else:  # traced (compile / export / AOT): functional; the compiler reuses the dead buffers
         gh, gw = grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype)
     return gh, gw, None, None, None, None, None, None
