@@ -102,6 +102,7 @@ def _titan_builder(case, stack, args, device):
     import dataclasses
 
     from titan_mm.config import load_config
+    from titan_mm.parallel.apply import float8_after_optimizer
     from titan_mm.parallel.mesh import ParallelDims
     from titan_mm.train.optim import build_lr_scheduler, build_optimizer
     from titan_mm.train.state import TrainState
@@ -133,7 +134,8 @@ def _titan_builder(case, stack, args, device):
         model = build_model(cfg, spec, mc, pd, device)
     opt = build_optimizer(model, cfg)
     state = TrainState(model=model, optimizer=opt, scheduler=build_lr_scheduler(opt, cfg))
-    ctx = StepContext(device=device, attn_backend=attn, max_norm=1.0)
+    ctx = StepContext(device=device, attn_backend=attn, max_norm=1.0,
+                      after_optimizer=float8_after_optimizer(model, cfg))  # as the trainer (None by default)
     if case.get("vl"):
         batch = vl_batch(mc, case["batch"], case["seq"])
     else:

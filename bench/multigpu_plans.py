@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.scaling import (  # noqa: E402
     BOUNDS_CPU, BOUNDS_GPU, PEAK_TFLOPS, add_render_args, compare, env_info, fmt, launch, merge_rows, perf, read_metrics,
-    render_into, step_flops, trainer_argv,
+    render_into, step_flops, trainer_argv, within,
 )
 
 GPU_MODELS = {
@@ -353,12 +353,10 @@ def apply_noise_floor(checks: list[dict], bounds: dict) -> list[dict]:
         c.setdefault("ok_fixed", c["ok"])
         if f is None:
             continue
-        lb = max(bounds["loss"], NOISE_FACTOR * f["loss_rel_max"])
-        gb = max(bounds["gnorm"], NOISE_FACTOR * f["gnorm_rel_max"])
-        c["bounds_used"] = dict(loss_step1=bounds["loss_step1"], gnorm_step1=bounds["gnorm_step1"], loss=lb, gnorm=gb,
-                                rule=f"max(fixed, {NOISE_FACTOR:g} x control {f['parallel'].get('control')})")
-        c["ok"] = bool(c["loss_rel_first"] <= bounds["loss_step1"] and c["gnorm_rel_first"] <= bounds["gnorm_step1"]
-                       and c["loss_rel_max"] <= lb and c["gnorm_rel_max"] <= gb)
+        used = dict(bounds, loss=max(bounds["loss"], NOISE_FACTOR * f["loss_rel_max"]),
+                    gnorm=max(bounds["gnorm"], NOISE_FACTOR * f["gnorm_rel_max"]))
+        c["ok"] = within(c, used)
+        c["bounds_used"] = dict(used, rule=f"max(fixed, {NOISE_FACTOR:g} x control {f['parallel'].get('control')})")
     return checks
 
 

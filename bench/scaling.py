@@ -119,6 +119,13 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def within(row: dict, bounds: dict) -> bool:
+    """A comparison row's distances (``loss_rel_first`` / ``_max``, ``gnorm_rel_first`` / ``_max``) against
+    ``bounds`` (``loss_step1``, ``loss``, ``gnorm_step1``, ``gnorm``)."""
+    return bool(row["loss_rel_first"] <= bounds["loss_step1"] and row["loss_rel_max"] <= bounds["loss"]
+                and row["gnorm_rel_first"] <= bounds["gnorm_step1"] and row["gnorm_rel_max"] <= bounds["gnorm"])
+
+
 def compare(run: dict[int, dict], ref: dict[int, dict], steps: list[int], bounds: dict) -> dict:
     """Loss / grad-norm relative differences of ``run`` against ``ref`` over ``steps`` with a verdict."""
     missing = [s for s in steps if s not in run or s not in ref]
@@ -126,10 +133,8 @@ def compare(run: dict[int, dict], ref: dict[int, dict], steps: list[int], bounds
         return dict(ok=False, error=f"missing steps {missing[:5]}{'...' if len(missing) > 5 else ''}")
     dl = [rel(run[s]["loss"], ref[s]["loss"]) for s in steps]
     dg = [rel(run[s]["grad_norm"], ref[s]["grad_norm"]) for s in steps]
-    ok = (dl[0] <= bounds["loss_step1"] and max(dl) <= bounds["loss"]
-          and dg[0] <= bounds["gnorm_step1"] and max(dg) <= bounds["gnorm"])
-    return dict(ok=bool(ok), steps=[steps[0], steps[-1]], loss_rel_first=dl[0], loss_rel_max=max(dl),
-                gnorm_rel_first=dg[0], gnorm_rel_max=max(dg),
+    row = dict(loss_rel_first=dl[0], loss_rel_max=max(dl), gnorm_rel_first=dg[0], gnorm_rel_max=max(dg))
+    return dict(ok=within(row, bounds), steps=[steps[0], steps[-1]], **row,
                 loss=[run[s]["loss"] for s in steps], ref_loss=[ref[s]["loss"] for s in steps],
                 grad_norm=[run[s]["grad_norm"] for s in steps], ref_grad_norm=[ref[s]["grad_norm"] for s in steps])
 

@@ -248,6 +248,10 @@ class Float8:
     filter_fqns: list[str] = field(default_factory=lambda: ["output", "router", "gate"])
     """Linears with a dot-separated FQN component equal to one of these stay in high precision
     ("output" = lm head, "router"/"gate" = MoE routers; "gate_proj"-style names are not matched)."""
+    precompute_scale: bool = False
+    """tensorwise + FSDP: after each optimizer step compute every float8 weight's scale in one batched op
+    (torchao precompute_float8_dynamic_scale_for_fsdp) instead of one amax per weight inside every FSDP
+    all-gather. Off by default until its effect is measured on the GPU."""
 
 
 @dataclass

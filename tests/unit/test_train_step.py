@@ -122,3 +122,37 @@ def test_step_times_percentiles():
     for x in [1.0, 2.0, 3.0, 4.0, 5.0]:
         t.add(x)
     assert t.p50 == 3.0 and abs(t.p90 - 4.6) < 1e-9
+
+
+def test_after_optimizer_hook_runs_after_applied_steps_only():
+    """StepContext.after_optimizer (float8.precompute_scale's hook) runs once per applied update, after it, and not
+    after a step the NaN guard skipped."""
+    m = tiny_model()
+    st = _state(m)
+    seen = []
+    first = next(m.parameters())
+
+    def hook():
+        seen.append(first.detach().clone())
+
+    before = first.detach().clone()
+    train_step(st, batches(1), StepContext(device=torch.device("cpu"), after_optimizer=hook))
+    assert len(seen) == 1 and not torch.equal(seen[0], before)  # called after the update
+    ctx = StepContext(device=torch.device("cpu"), nan_guard=NanGuard("skip", max_skipped=2), inject_nan=True,
+                      after_optimizer=hook)
+    assert train_step(st, batches(1), ctx).skipped and len(seen) == 1
+
+
+def test_float8_precompute_hook_config():
+    from types import SimpleNamespace
+
+    from titan_mm.parallel.apply import float8_after_optimizer
+
+    def cfg(enable, precompute, recipe="tensorwise"):
+        return SimpleNamespace(float8=SimpleNamespace(enable=enable, precompute_scale=precompute, recipe=recipe))
+
+    assert float8_after_optimizer(tiny_model(), cfg(False, True)) is None
+    assert float8_after_optimizer(tiny_model(), cfg(True, False)) is None
+    with pytest.raises(ValueError, match="precompute_scale needs float8.recipe='tensorwise'"):
+        float8_after_optimizer(tiny_model(), cfg(True, True, "rowwise"))
+    assert callable(float8_after_optimizer(tiny_model(), cfg(True, True)))

@@ -25,7 +25,7 @@ from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["parallelize", "apply_ac", "apply_compile", "apply_fsdp", "apply_float8"]
+__all__ = ["parallelize", "apply_ac", "apply_compile", "apply_fsdp", "apply_float8", "float8_after_optimizer"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -113,6 +113,22 @@ def apply_float8(model: nn.Module, cfg: Any, on_cuda: bool) -> None:
         return mod.in_features % 16 == 0 and mod.out_features % 16 == 0
 
     convert_to_float8_training(model, config=f8cfg, module_filter_fn=keep)
+
+
+def float8_after_optimizer(model: nn.Module, cfg: Any):
+    """The hook to run after each optimizer step (``StepContext.after_optimizer``), or None: with
+    ``float8.precompute_scale`` (tensorwise), every float8 weight's scale for the next FSDP all-gathers in one
+    batched computation, instead of an amax per weight inside each all-gather."""
+    if not (_opt(cfg, "float8.enable", False) and _opt(cfg, "float8.precompute_scale", False)):
+        return None
+    recipe = _opt(cfg, "float8.recipe", "tensorwise")
+    if recipe != "tensorwise":
+        raise ValueError(f"float8.precompute_scale needs float8.recipe='tensorwise' (got {recipe!r}): the "
+                         "precomputed scales are the per-tensor ones of the FSDP float8 all-gather. Set "
+                         "--float8.precompute_scale false or --float8.recipe tensorwise.")
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    return lambda: precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 # ----------------------------------------------------------------------------------------------- AC

@@ -54,6 +54,8 @@ class StepContext:
     cp_mode: str = "ulysses"
     inject_nan: bool = False
     """Fault injection (tests): multiply this step's loss by NaN."""
+    after_optimizer: Callable | None = None
+    """Called after each applied optimizer step (not after a skipped one), e.g. float8 scale precompute."""
 
 
 @dataclass
@@ -179,6 +181,8 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
         ok = ctx.nan_guard.check(state.step + 1, loss, gnorm)
     if ok:
         opt.step()
+        if ctx.after_optimizer is not None:
+            ctx.after_optimizer()
     else:
         state.nan_count += 1
     opt.zero_grad(set_to_none=True)

@@ -252,6 +252,7 @@ def train(cfg: JobConfig) -> dict[str, Any]:
         torch.cuda.set_device(device)
     seed_everything(cfg.training.seed, cfg.training.deterministic)
 
+    from titan_mm.parallel.apply import float8_after_optimizer
     from titan_mm.parallel.mesh import ParallelDims
 
     try:
@@ -304,7 +305,8 @@ def train(cfg: JobConfig) -> dict[str, Any]:
                       sliding_window=getattr(model_cfg, "attn_sliding_window", None),
                       max_norm=cfg.training.max_norm, loss_group=loss_group, count_group=count_group,
                       dp_world=dp_world, loss_world=loss_world, nan_guard=guard, parallel_dims=pd,
-                      cp_mode=getattr(cfg.parallel, "cp_mode", "ulysses"))
+                      cp_mode=getattr(cfg.parallel, "cp_mode", "ulysses"),
+                      after_optimizer=float8_after_optimizer(model, cfg))
     peak = peak_tflops(device, cfg.metrics.peak_tflops)
     times = StepTimes()
     batches = _Batches(loader)
