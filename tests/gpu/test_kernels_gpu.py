@@ -30,7 +30,8 @@ def _dump():
 
 
 # "configs": every launch config of every tuned kernel (small shapes), not only the ones the tuner picks here
-OPS = ["rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "linear_cross_entropy", "bias_gelu", "compile", "configs"]
+OPS = ["rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "linear_cross_entropy", "bias_gelu", "compile", "graph",
+       "configs"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

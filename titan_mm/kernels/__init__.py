@@ -23,8 +23,10 @@ model's forward, which must not synchronize the GPU:
 
 A key the forward meets untuned runs its first (default) config, without timing.
 
-The ops live in the `titan_mm` torch.library namespace (torch.ops.titan_mm.*), each with a fake
-implementation and registered autograd, so torch.compile(fullgraph=True) traces them without breaks.
+The ops live in the `titan_mm` torch.library namespace (torch.ops.titan_mm.*) with registered autograd, so
+torch.compile(fullgraph=True) traces them without breaks: the block ops are torch.library.triton_ops (the
+compiler traces their bodies; the kernel launches become graph nodes that inductor launches itself), the
+fused CE is an opaque custom_op with a fake implementation (see docs/kernels.md).
 In eager mode the same kernels run through plain autograd.Functions (no dispatcher overhead).
 """
 

@@ -45,6 +45,59 @@ def new_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
+# ------------------------------------------------------------------------------------ triton_op launches
+
+_TWINS: dict = {}
+
+
+def _interpreter_twin(kernel):
+    """Under TRITON_INTERPRET=1 `triton.jit` returns an InterpretedFunction, which torch's triton tracing
+    cannot wrap. The twin is a JITFunction of the same Python function whose launches run the interpreted
+    kernel, so the ops trace into triton_kernel_wrapper nodes on CPU too (the CPU tests; never on a GPU)."""
+    twin = _TWINS.get(id(kernel))
+    if twin is None:
+        from triton.runtime.jit import JITFunction
+
+        class _Twin(JITFunction):
+            def run(self, *args, grid, warmup, **kwargs):
+                return kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+
+        twin = _TWINS[id(kernel)] = _Twin(kernel.fn)
+        # JITFunction's cache key walks the kernel's globals and rejects the interpreted helpers it calls;
+        # the twin is never compiled, so a hash of its own source stands in (torch hashes kernels it records)
+        import hashlib
+
+        twin.hash = hashlib.sha256(twin.src.encode()).hexdigest()
+    return twin
+
+
+# kernel name -> the pointer arguments it stores through (the rest it only reads). torch finds the written
+# arguments of a traced launch itself by compiling the kernel to TTIR; the CPU interpreter cannot, so the
+# interpreter tests use this table instead (titan_mm.kernels.testing), and on the GPU check_graph checks that
+# torch's analysis agrees with it.
+WRITES: dict[str, tuple[str, ...]] = {}
+
+
+def writes(kernel, *names: str):
+    """Declare the arguments ``kernel`` stores through (see WRITES); returns the kernel."""
+    WRITES[kernel.fn.__name__] = names
+    return kernel
+
+
+def wrap_triton(kernel):
+    """The launcher of ``kernel`` inside the body of a `torch.library.triton_op`: while the op is traced
+    (fake / functional tensors: torch.compile's AOT dispatcher, make_fx, opcheck) a
+    `torch.library.wrap_triton` wrapper, whose launches become triton_kernel_wrapper_mutation / _functional
+    nodes of the graph (inductor then emits the launch in its own wrapper code); when the op runs eagerly
+    (triton_op's dispatcher implementation turns wrapping off) the kernel itself. ``wrap_triton(k) is not k``
+    therefore means "being traced": no timing and no host syncs then (Tuner.pick with launch=None)."""
+    from torch.library import wrap_triton as _wrap
+
+    k = _interpreter_twin(kernel) if INTERPRET else kernel
+    w = _wrap(k)
+    return kernel if w is k else w
+
+
 # ---------------------------------------------------------------------------------------------- tuning
 
 INTERPRET = _os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -118,13 +171,15 @@ class Tuner:
         return self._configs(key) if callable(self._configs) else list(self._configs)
 
     def pick(self, key, launch) -> dict:
+        """``launch=None``: never time (the body of a triton_op while it is traced: the pick is baked into the
+        graph, and fake tensors cannot be timed): the cached pick, or config 0 for an untuned key."""
         if FORCE_CONFIG is not None:  # tests: neither read nor written to the cache
             cands = self.configs(key)
             cfg = cands[FORCE_CONFIG % len(cands)]
             self.last = (key, cfg)
             return cfg
         cfg = self.best.get(key)
-        if cfg is None and not _TUNING:  # the forward: the default, never timed (timing would synchronize)
+        if cfg is None and (not _TUNING or launch is None):  # the forward / tracing: the default, never timed
             cfg = self.untuned.get(key)
             if cfg is None:
                 cfg = self.untuned[key] = self._candidates(key)[0]

@@ -1,4 +1,4 @@
-"""Bias + GELU (tanh approximation) for the ViT MLP, forward and backward, as a custom op.
+"""Bias + GELU (tanh approximation) for the ViT MLP, forward and backward, as triton_ops.
 
 gelu_tanh(z) = 0.5 z (1 + tanh(u)) = z * sigmoid(2u), u = sqrt(2/pi) (z + 0.044715 z^3): one exp and one
 division per element (triton 3.6 has no tl.math.tanh import path that works everywhere), and the same
@@ -18,10 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import Tuner, as_rows, new_empty, next_pow2, sm_count
+from ._utils import Tuner, as_rows, new_empty, next_pow2, sm_count, wrap_triton, writes
 
-_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
-_A = tl.constexpr(0.044715)
+# module-level constexprs: inductor copies them next to the kernel source when it compiles the traced launch
+_GELU_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+_GELU_A = tl.constexpr(0.044715)
 
 
 def _tiles(d, cands):
@@ -64,8 +65,11 @@ def _bias_gelu_fwd_kernel(X, stride_x, B, Y, N, D, NCB, BR: tl.constexpr, BD: tl
     m = (r < N - row0)[:, None] & mc[None, :]
     x = tl.load(X + row0 * stride_x + r[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
     z = x + tl.load(B + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
-    y = z / (1.0 + tl.exp(-2.0 * _C * (z + _A * z * z * z)))
+    y = z / (1.0 + tl.exp(-2.0 * _GELU_C * (z + _GELU_A * z * z * z)))
     tl.store(Y + row0 * D + r[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
+
+
+writes(_bias_gelu_fwd_kernel, 'Y')
 
 
 @triton.jit
@@ -104,8 +108,8 @@ def _bias_gelu_bwd_kernel(
             z = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32) + bias
             dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
         z2 = z * z
-        s = 1.0 / (1.0 + tl.exp(-2.0 * _C * (z + _A * z2 * z)))
-        dgelu = s + 2.0 * _C * z * s * (1.0 - s) * (1.0 + 3.0 * _A * z2)
+        s = 1.0 / (1.0 + tl.exp(-2.0 * _GELU_C * (z + _GELU_A * z2 * z)))
+        dgelu = s + 2.0 * _GELU_C * z * s * (1.0 - s) * (1.0 + 3.0 * _GELU_A * z2)
         dx = tl.where(m, dy * dgelu, 0.0)
         tl.store(DX + rows[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=m)
         acc += dx
@@ -113,7 +117,12 @@ def _bias_gelu_bwd_kernel(
     tl.store(DB_PART + rr.to(tl.int64) * D + cols, tl.sum(acc, axis=0), mask=mc)
 
 
-def bias_gelu_fwd(x, b):
+writes(_bias_gelu_bwd_kernel, 'DX', 'DB_PART')
+
+
+def bias_gelu_fwd(x, b, op=False):
+    """op=True: from the triton_op body (traceable launches through `wrap_triton`); False: eager Function."""
+    kern = wrap_triton(_bias_gelu_fwd_kernel) if op else _bias_gelu_fwd_kernel
     x2 = as_rows(x)
     b = b.contiguous()
     n, d = x2.shape
@@ -122,13 +131,15 @@ def bias_gelu_fwd(x, b):
         def launch(c):
             assert c["BR"] * max(x2.stride(0), d) < 2**31
             ncb = triton.cdiv(d, c["BD"])
-            _bias_gelu_fwd_kernel[(triton.cdiv(n, c["BR"]) * ncb,)](x2, x2.stride(0), b, y, n, d, ncb, **c)
+            kern[(triton.cdiv(n, c["BR"]) * ncb,)](x2, x2.stride(0), b, y, n, d, ncb, **c)
 
-        launch(_FWD.pick((d, x.dtype), launch))
+        traced = kern is not _bias_gelu_fwd_kernel  # no timing while traced: the pick goes into the graph
+        launch(_FWD.pick((int(d), x.dtype), None if traced else launch))
     return y
 
 
-def bias_gelu_bwd(dy, x, b):
+def bias_gelu_bwd(dy, x, b, op=False):
+    kern = wrap_triton(_bias_gelu_bwd_kernel) if op else _bias_gelu_bwd_kernel
     x2, d2 = as_rows(x), as_rows(dy)
     b = b.contiguous()
     n, d = x2.shape
@@ -146,33 +157,25 @@ def bias_gelu_bwd(dy, x, b):
         n_rr = triton.cdiv(n, rows)
         assert rows * max(x2.stride(0), d2.stride(0), d) < 2**31
         db_part = new_empty((n_rr, d), torch.float32, x.device)
-        _bias_gelu_bwd_kernel[(n_rr * ncb,)](
+        kern[(n_rr * ncb,)](
             d2, d2.stride(0), x2, x2.stride(0), b, dx, db_part, n, d, ncb, rows, **c,
         )
         return db_part
 
-    db_part = launch(_BWD.pick((d, x.dtype), launch))
+    traced = kern is not _bias_gelu_bwd_kernel
+    db_part = launch(_BWD.pick((int(d), x.dtype), None if traced else launch))
     return dx, db_part.sum(0).to(b.dtype)
 
 
-@torch.library.custom_op("titan_mm::bias_gelu", mutates_args=())
+# triton_op: the body is the fake implementation too, and under torch.compile it is traced into the graph.
+@torch.library.triton_op("titan_mm::bias_gelu", mutates_args=())
 def bias_gelu_op(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return bias_gelu_fwd(x, b)
+    return bias_gelu_fwd(x, b, op=True)
 
 
-@bias_gelu_op.register_fake
-def _(x, b):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("titan_mm::bias_gelu_bwd", mutates_args=())
+@torch.library.triton_op("titan_mm::bias_gelu_bwd", mutates_args=())
 def bias_gelu_bwd_op(dy: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return bias_gelu_bwd(dy, x, b)
-
-
-@bias_gelu_bwd_op.register_fake
-def _(dy, x, b):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(b)
+    return bias_gelu_bwd(dy, x, b, op=True)
 
 
 def _setup(ctx, inputs, output):

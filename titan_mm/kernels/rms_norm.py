@@ -1,4 +1,4 @@
-"""RMSNorm and residual-add + RMSNorm (Qwen3RMSNorm numerics), forward and backward, as custom ops.
+"""RMSNorm and residual-add + RMSNorm (Qwen3RMSNorm numerics), forward and backward, as triton_ops.
 
 Forward: one tile of BR whole rows per program (one row of 4096 at hidden 4096; 16-64 rows for a q/k-norm
 over head_dim 128), fp32 statistics, saves rstd [N] fp32. Backward: persistent programs (2-8 per SM)
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import Tuner, as_rows, new_empty, next_pow2, sm_count
+from ._utils import Tuner, as_rows, new_empty, next_pow2, sm_count, wrap_triton, writes
 
 
 def _fwd_configs(key):
@@ -70,6 +70,9 @@ def _rms_fwd_kernel(
     tl.store(Y + row0 * D + r[:, None] * D + cols[None, :], (w[None, :] * xn).to(Y.dtype.element_ty), mask=m)
 
 
+writes(_rms_fwd_kernel, 'NR', 'Y', 'RSTD')
+
+
 @triton.jit
 def _rms_bwd_kernel(
     DY, stride_dy, X, stride_x, W, RSTD, DNR, stride_dnr, DX, DW_PART,
@@ -122,12 +125,18 @@ def _rms_bwd_kernel(
     tl.store(DW_PART + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=mc)
 
 
+writes(_rms_bwd_kernel, 'DX', 'DW_PART')
+
+
 def _check_i32(rows_in_program: int, *strides: int) -> None:
     # offsets inside a program are int32: the largest one must fit
     assert rows_in_program * max(strides) < 2**31, "row stride too large for int32 in-program offsets"
 
 
-def _fwd(x, residual, w, eps):
+def _fwd(x, residual, w, eps, op=False):
+    """op=True: called from the triton_op body (launches through `wrap_triton`, traceable); False: the eager
+    autograd.Function path (the kernel itself)."""
+    kern = wrap_triton(_rms_fwd_kernel) if op else _rms_fwd_kernel
     w = w.contiguous()
     x2 = as_rows(x)
     n, d = x2.shape
@@ -137,21 +146,24 @@ def _fwd(x, residual, w, eps):
     if residual is not None:
         r2 = as_rows(residual)
         nr = new_empty(x.shape, x.dtype, x.device)
-    else:
-        r2, nr = x2, y  # unused
+    else:  # unused by the kernel (HAS_RES=False); traced, no written buffer may be passed twice (the
+        # functionalized launch would clone y once per argument and keep the wrong copy)
+        r2, nr = x2, (new_empty((1,), x.dtype, x.device) if op else y)
     if n > 0:
         def launch(c):
             _check_i32(c["BR"], x2.stride(0), r2.stride(0), d)
-            _rms_fwd_kernel[(triton.cdiv(n, c["BR"]),)](
+            kern[(triton.cdiv(n, c["BR"]),)](
                 x2, x2.stride(0), r2, r2.stride(0), nr, y, w, rstd, n, d, eps,
                 HAS_RES=residual is not None, BD=bd, **c,
             )
 
-        launch(_FWD.pick((bd, x.dtype, residual is not None), launch))
+        traced = kern is not _rms_fwd_kernel  # no timing while traced: the pick goes into the graph
+        launch(_FWD.pick((bd, x.dtype, residual is not None), None if traced else launch))
     return y, (nr if residual is not None else None), rstd
 
 
-def _bwd(dy, x, w, rstd, dnr):
+def _bwd(dy, x, w, rstd, dnr, op=False):
+    kern = wrap_triton(_rms_bwd_kernel) if op else _rms_bwd_kernel
     w = w.contiguous()
     rstd = rstd.contiguous()
     x2 = as_rows(x)
@@ -171,41 +183,36 @@ def _bwd(dy, x, w, rstd, dnr):
         progs = triton.cdiv(n, rows)
         _check_i32(rows, x2.stride(0), dy2.stride(0), dnr2.stride(0), d)
         dw_part = new_empty((progs, d), torch.float32, x.device)
-        _rms_bwd_kernel[(progs,)](
+        kern[(progs,)](
             dy2, dy2.stride(0), x2, x2.stride(0), w, rstd, dnr2, dnr2.stride(0), dx, dw_part,
             n, d, rows,
             HAS_DRES=dnr is not None, BD=bd, **c,
         )
         return dw_part
 
-    dw_part = launch(_BWD.pick((bd, x.dtype, dnr is not None), launch))
+    traced = kern is not _rms_bwd_kernel
+    dw_part = launch(_BWD.pick((bd, x.dtype, dnr is not None), None if traced else launch))
     return dx, dw_part.sum(0).to(w.dtype)
 
 
 # ---- rms_norm -------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("titan_mm::rms_norm", mutates_args=())
+# triton_op: the body is the fake implementation too, and under torch.compile it is traced into the graph
+# (the kernel launches become triton_kernel_wrapper nodes that inductor launches from its own wrapper code).
+
+
+@torch.library.triton_op("titan_mm::rms_norm", mutates_args=())
 def rms_norm_op(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    y, _, rstd = _fwd(x, None, w, eps)
+    y, _, rstd = _fwd(x, None, w, eps, op=True)
     return y, rstd
 
 
-@rms_norm_op.register_fake
-def _(x, w, eps):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.custom_op("titan_mm::rms_norm_bwd", mutates_args=())
+@torch.library.triton_op("titan_mm::rms_norm_bwd", mutates_args=())
 def rms_norm_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dnr: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _bwd(dy, x, w, rstd, dnr)
-
-
-@rms_norm_bwd_op.register_fake
-def _(dy, x, w, rstd, dnr):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(w)
+    return _bwd(dy, x, w, rstd, dnr, op=True)
 
 
 def _rms_setup(ctx, inputs, output):
@@ -226,17 +233,11 @@ rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
 # ---- add_rms_norm ---------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("titan_mm::add_rms_norm", mutates_args=())
+@torch.library.triton_op("titan_mm::add_rms_norm", mutates_args=())
 def add_rms_norm_op(
     x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fwd(x, residual, w, eps)
-
-
-@add_rms_norm_op.register_fake
-def _(x, residual, w, eps):
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return y, torch.empty_like(y), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return _fwd(x, residual, w, eps, op=True)
 
 
 def _add_setup(ctx, inputs, output):

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import Tuner, new_empty, next_pow2
+from ._utils import Tuner, new_empty, next_pow2, wrap_triton, writes
 
 
 def _configs(key):
@@ -88,6 +88,9 @@ def _rope_kernel(
     _rot_heads(K, skb, sks, skh, KO, b, s, t, mt, HK, HALF, c, sn, BHK, BD)
 
 
+writes(_rope_kernel, 'QO', 'KO')
+
+
 def _table(t: torch.Tensor, mrope: bool, B: int, S: int) -> torch.Tensor:
     """-> [A, B, S, X] view (A = 3 for M-RoPE, else 1), broadcast dims with stride 0."""
     if t.stride(-1) != 1:
@@ -106,7 +109,9 @@ def _as_bshd(x: torch.Tensor) -> torch.Tensor:
     return x.unsqueeze(0) if x.dim() == 3 else x
 
 
-def rope_impl(q, k, cos, sin, mrope_section, inverse):
+def rope_impl(q, k, cos, sin, mrope_section, inverse, op=False):
+    """op=True: from the triton_op body (traceable launches through `wrap_triton`); False: eager Function."""
+    kern = wrap_triton(_rope_kernel) if op else _rope_kernel
     mrope = len(mrope_section) > 0
     q4, k4 = _as_bshd(q), _as_bshd(k)
     B, S, HQ, DH = q4.shape
@@ -125,30 +130,24 @@ def rope_impl(q, k, cos, sin, mrope_section, inverse):
     nt = B * S
     if nt > 0:
         def launch(c):
-            _rope_kernel[(triton.cdiv(nt, c["BS"]),)](
+            kern[(triton.cdiv(nt, c["BS"]),)](
                 q4, q4.stride(0), q4.stride(1), q4.stride(2), k4, k4.stride(0), k4.stride(1), k4.stride(2), qo, ko,
                 c4, s4, c4.stride(0), c4.stride(1), c4.stride(2),
                 nt, S, HQ, HK, half, end_h, end_w, -1.0 if inverse else 1.0,
                 MROPE=mrope, BHQ=next_pow2(HQ), BHK=next_pow2(HK), BD=next_pow2(half), **c,
             )
 
-        launch(_ROPE.pick((HQ, HK, DH, mrope, q.dtype), launch))
+        traced = kern is not _rope_kernel  # no timing while traced: the pick goes into the graph
+        launch(_ROPE.pick((int(HQ), int(HK), int(DH), mrope, q.dtype), None if traced else launch))
     return qo.view(q.shape), ko.view(k.shape)
 
 
-@torch.library.custom_op("titan_mm::rope", mutates_args=())
+# triton_op: the body is the fake implementation too, and under torch.compile it is traced into the graph.
+@torch.library.triton_op("titan_mm::rope", mutates_args=())
 def rope_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mrope_section: list[int], inverse: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rope_impl(q, k, cos, sin, mrope_section, inverse)
-
-
-@rope_op.register_fake
-def _(q, k, cos, sin, mrope_section, inverse):
-    return (
-        torch.empty_like(q, memory_format=torch.contiguous_format),
-        torch.empty_like(k, memory_format=torch.contiguous_format),
-    )
+    return rope_impl(q, k, cos, sin, mrope_section, inverse, op=True)
 
 
 def _setup(ctx, inputs, output):

@@ -1,4 +1,4 @@
-"""SwiGLU: silu(gate) * up, forward and backward, as a custom op.
+"""SwiGLU: silu(gate) * up, forward and backward, as triton_ops.
 
 1-D grid over (row, column block) in row-major order, so consecutive programs stream consecutive memory;
 when gate, up (and dy) are contiguous the whole tensor is one long row (no row arithmetic, no partly masked
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import Tuner, as_rows, new_empty, next_pow2
+from ._utils import Tuner, as_rows, new_empty, next_pow2, wrap_triton, writes
 
 
 def _configs(key):
@@ -54,6 +54,9 @@ def _swiglu_fwd_kernel(G, stride_g, U, stride_u, Y, F, NCB, BLOCK: tl.constexpr)
     tl.store(Y + row * F + start + cols, y.to(Y.dtype.element_ty), mask=m)
 
 
+writes(_swiglu_fwd_kernel, 'Y')
+
+
 @triton.jit
 def _swiglu_bwd_kernel(DY, stride_dy, G, stride_g, U, stride_u, DG, DU, F, NCB, BLOCK: tl.constexpr):
     row, start, left = _block(F, NCB, BLOCK)
@@ -69,6 +72,9 @@ def _swiglu_bwd_kernel(DY, stride_dy, G, stride_g, U, stride_u, DG, DU, F, NCB, 
     tl.store(DU + row * F + start + cols, (dy * silu).to(DU.dtype.element_ty), mask=m)
 
 
+writes(_swiglu_bwd_kernel, 'DG', 'DU')
+
+
 def _flat(*ts):
     """[rows, F] views of the inputs; one row of rows * F when all are contiguous (and the outputs are)."""
     rows = [as_rows(t) for t in ts]
@@ -78,21 +84,25 @@ def _flat(*ts):
     return rows
 
 
-def swiglu_fwd(gate, up):
+def swiglu_fwd(gate, up, op=False):
+    """op=True: from the triton_op body (traceable launches through `wrap_triton`); False: eager Function."""
+    kern = wrap_triton(_swiglu_fwd_kernel) if op else _swiglu_fwd_kernel
     g2, u2 = _flat(gate, up)
     n, f = g2.shape
     y = new_empty(gate.shape, gate.dtype, gate.device)
     if n * f > 0:
         def launch(c):
             ncb = triton.cdiv(f, c["BLOCK"])
-            _swiglu_fwd_kernel[(n * ncb,)](g2, g2.stride(0), u2, u2.stride(0), y, f, ncb, **c)
+            kern[(n * ncb,)](g2, g2.stride(0), u2, u2.stride(0), y, f, ncb, **c)
 
         # key: the row width (F, or contiguous) and dtype, never the token count
-        launch(_FWD.pick((gate.shape[-1], n == 1, gate.dtype), launch))
+        traced = kern is not _swiglu_fwd_kernel  # no timing while traced: the pick goes into the graph
+        launch(_FWD.pick((int(gate.shape[-1]), bool(n == 1), gate.dtype), None if traced else launch))
     return y
 
 
-def swiglu_bwd(dy, gate, up):
+def swiglu_bwd(dy, gate, up, op=False):
+    kern = wrap_triton(_swiglu_bwd_kernel) if op else _swiglu_bwd_kernel
     d2, g2, u2 = _flat(dy, gate, up)
     n, f = g2.shape
     dg = new_empty(gate.shape, gate.dtype, gate.device)
@@ -100,35 +110,24 @@ def swiglu_bwd(dy, gate, up):
     if n * f > 0:
         def launch(c):
             ncb = triton.cdiv(f, c["BLOCK"])
-            _swiglu_bwd_kernel[(n * ncb,)](
+            kern[(n * ncb,)](
                 d2, d2.stride(0), g2, g2.stride(0), u2, u2.stride(0), dg, du, f, ncb, **c
             )
 
-        launch(_BWD.pick((gate.shape[-1], n == 1, gate.dtype), launch))
+        traced = kern is not _swiglu_bwd_kernel
+        launch(_BWD.pick((int(gate.shape[-1]), bool(n == 1), gate.dtype), None if traced else launch))
     return dg, du
 
 
-@torch.library.custom_op("titan_mm::swiglu", mutates_args=())
+# triton_op: the body is the fake implementation too, and under torch.compile it is traced into the graph.
+@torch.library.triton_op("titan_mm::swiglu", mutates_args=())
 def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return swiglu_fwd(gate, up)
+    return swiglu_fwd(gate, up, op=True)
 
 
-@swiglu_op.register_fake
-def _(gate, up):
-    return torch.empty_like(gate, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("titan_mm::swiglu_bwd", mutates_args=())
+@torch.library.triton_op("titan_mm::swiglu_bwd", mutates_args=())
 def swiglu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return swiglu_bwd(dy, gate, up)
-
-
-@swiglu_bwd_op.register_fake
-def _(dy, gate, up):
-    return (
-        torch.empty_like(gate, memory_format=torch.contiguous_format),
-        torch.empty_like(up, memory_format=torch.contiguous_format),
-    )
+    return swiglu_bwd(dy, gate, up, op=True)
 
 
 def _setup(ctx, inputs, output):

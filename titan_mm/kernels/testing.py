@@ -22,7 +22,7 @@ import torch
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "linear_cross_entropy", "bias_gelu", "compile", "opcheck",
-       "configs")
+       "graph", "configs")
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -371,6 +371,193 @@ def check_model(device, dtype, big):
 CONFIGS_PER_OP = {"bias_gelu": 6}  # the longest candidate list of the op's tuners (others: 4)
 
 
+def _kernel_name(k) -> str:
+    """The Python function's name behind a kernel recorded by torch's triton tracing (an Autotuner that holds
+    the launch's num_warps, around the JITFunction or, in the interpreter, its twin)."""
+    import inspect
+
+    while not inspect.isfunction(k):
+        k = k.fn
+    return k.__name__
+
+
+def graph_launches(gm) -> tuple[list[tuple[str, dict]], list[str]]:
+    """([(kernel name, launch kwargs)] of the triton_kernel_wrapper_* nodes, [titan_mm op nodes]) of an FX graph."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    hops = (torch.ops.higher_order.triton_kernel_wrapper_functional, torch.ops.higher_order.triton_kernel_wrapper_mutation)
+    launches, opaque = [], []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in hops:
+            k = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+            consts = kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"])
+            launches.append((_kernel_name(k), {**node.kwargs["kwargs"], **consts,
+                                               "tensors_to_clone": node.kwargs.get("tensors_to_clone", [])}))
+        elif getattr(node.target, "namespace", None) == "titan_mm":
+            opaque.append(str(node.target))
+    return launches, opaque
+
+
+def use_declared_writes() -> None:
+    """CPU interpreter only: torch finds which arguments a traced Triton launch writes by compiling the kernel
+    to TTIR, which needs a GPU target (on CPU it warns and assumes every tensor argument is written: inputs,
+    weights and aliased arguments then look mutated, which the AOT graphs of a whole block do not survive).
+    Use the kernels' declared written arguments (titan_mm.kernels._utils.WRITES) instead; on the GPU
+    check_graph checks that torch's own analysis agrees with them."""
+    from types import SimpleNamespace
+
+    from torch._higher_order_ops import triton_kernel_wrap as tkw
+
+    from titan_mm.kernels import _utils
+
+    if getattr(tkw.identify_accessed_tensors, "_titan_declared", False):
+        return
+    orig = tkw.identify_accessed_tensors
+
+    def declared(kernel, kwargs, tma_descriptor_metadata):
+        name = _kernel_name(kernel)
+        if name not in _utils.WRITES:
+            return orig(kernel, kwargs, tma_descriptor_metadata)
+        w = [SimpleNamespace(name=n) for n in _utils.WRITES[name] if isinstance(kwargs.get(n), torch.Tensor)]
+        return SimpleNamespace(read_writes=SimpleNamespace(writes=w))
+
+    declared._titan_declared = True
+    tkw.identify_accessed_tensors = declared
+
+
+def check_graph(device, dtype, big):
+    """The point of registering the ops with torch.library.triton_op: torch.compile's AOT graphs of a Qwen3
+    decoder block (every block kernel on) hold the Triton launches as triton_kernel_wrapper_* nodes, visible
+    to the compiler, and no opaque titan_mm.* op; the launch config in the graph is the Tuner's cached pick
+    (picked while tracing without timing, even inside `tuning()` with timing possible); the compiled blocks
+    equal the eager kernels (loss and every gradient). On CUDA also: inductor's generated code launches the
+    kernels itself (their names in the code, no torch.ops.titan_mm call)."""
+    import dataclasses
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    import importlib
+
+    rms_mod = importlib.import_module("titan_mm.kernels.rms_norm")  # the package attribute is the function
+    from titan_mm.kernels import _utils
+    from titan_mm.models.qwen3.config import Qwen3Config
+    from titan_mm.models.qwen3.model import Qwen3Model
+
+    cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                      max_position_embeddings=256, kernels="rms_norm,add_rms_norm,swiglu,rope")
+    B, S = 2, 12
+    torch._dynamo.reset()
+    with torch.device(device):
+        eager = Qwen3Model(cfg)
+        eager.init_weights()
+        comp = Qwen3Model(dataclasses.replace(cfg))
+    comp.load_state_dict(eager.state_dict())
+    comp.init_buffers()
+    eager.to(dtype)
+    comp.to(dtype)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), device=device)
+    labels = torch.randint(0, cfg.vocab_size, (B, S), device=device)
+    pos = torch.arange(S, device=device).repeat(B, 1)
+    out_e = eager(ids, position_ids=pos, labels=labels)
+    out_e.loss_sum.backward()
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    for block in comp.layers.values():
+        block.compile(fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    # the tuner state the check sets up: the keys of the eager parts (embedding side, final norm) cached
+    # (config 0, no timing in the interpreter); the blocks' q/k-norm, RoPE and SwiGLU keys left untuned, so
+    # tracing meets untuned keys inside tuning() with timing possible and must not time them; a non-default
+    # pick for the hidden-width RMSNorm forward (attn_norm, and the eager final norm), which the graph must launch
+    saved = {t: dict(t.best) for t in _utils.Tuner.registry}, _utils.can_time, _utils.bench_ms
+    with _utils.tuning():
+        ref = Qwen3Model(cfg).to(device=device, dtype=dtype)
+        ref(ids, position_ids=pos, labels=labels).loss_sum.backward()
+    key = (_utils.next_pow2(cfg.hidden_size), dtype, False)
+    for t in _utils.Tuner.registry:
+        for k in list(t.best):
+            if t is not rms_mod._FWD and t is not rms_mod._BWD or k[0] != key[0]:
+                del t.best[k]
+    cands = rms_mod._FWD.configs(key)
+    pick = next(c for c in cands if c["BR"] != cands[0]["BR"])
+    timed = []
+    rms_mod._FWD.best[key] = pick
+    _utils.can_time = lambda: True  # a pick that tried to time while tracing would reach bench_ms
+
+    def _no_bench(fn):
+        timed.append(1)
+        raise RuntimeError("a launch config was timed while tracing")
+
+    _utils.bench_ms = _no_bench
+    try:
+        with _utils.tuning():
+            out_c = comp(ids, position_ids=pos, labels=labels)
+            out_c.loss_sum.backward()
+    finally:
+        for t, best in saved[0].items():
+            t.best.clear()
+            t.best.update(best)
+        _utils.can_time, _utils.bench_ms = saved[1], saved[2]
+
+    recs = []
+    case = "qwen3 block (compiled, aot)"
+    _record(recs, "graph", dtype, case, "loss_sum", out_c.loss_sum, out_e.loss_sum)
+    ge = dict(eager.named_parameters())
+    for name, p in comp.named_parameters():
+        _record(recs, "graph", dtype, case, f"grad {name}", p.grad, ge[name].grad)
+
+    def flag(what, ok):
+        recs.append({"op": "graph", "dtype": str(dtype).replace("torch.", ""), "case": case, "what": what,
+                     "err": 0.0 if ok else float("nan"), "tol": TOL[dtype], "ok": bool(ok)})
+
+    # one block's forward and backward graph (both blocks compile to the same graphs: 2 more, or a cache hit)
+    fw_names, bw_names, opaque, attn_norm_br, extra_clones = set(), set(), [], set(), set()
+    for i, gm in enumerate(graphs):
+        launches, op_nodes = graph_launches(gm)
+        opaque += op_nodes
+        names = {n for n, _ in launches}
+        (bw_names if any(n.endswith("_bwd_kernel") for n in names) else fw_names).update(names)
+        for n, kw in launches:
+            # functionalized launches clone what the kernel writes; on the GPU torch finds that from the TTIR,
+            # and anything beyond the declared outputs (an input or weight) would be a copy per launch
+            extra_clones.update(f"{n}.{a}" for a in kw["tensors_to_clone"] if a not in _utils.WRITES.get(n, ()))
+            if n == "_rms_fwd_kernel" and kw.get("BD") == key[0] and not kw.get("HAS_RES"):
+                attn_norm_br.add(kw.get("BR"))
+    want_fw = {"_rms_fwd_kernel", "_rope_kernel", "_swiglu_fwd_kernel"}
+    want_bw = {"_rms_bwd_kernel", "_rope_kernel", "_swiglu_bwd_kernel"}
+    flag(f"forward graph launches {sorted(fw_names)} (want {sorted(want_fw)})", fw_names == want_fw)
+    flag(f"backward graph launches {sorted(bw_names)} (want {sorted(want_bw)})", bw_names == want_bw)
+    flag(f"no opaque titan_mm op nodes in the block graphs: {opaque}", not opaque)
+    flag(f"attn_norm launch BR {sorted(attn_norm_br)} = the cached pick's {pick['BR']}", attn_norm_br == {pick["BR"]})
+    flag(f"no timing while tracing inside tuning() ({len(timed)} timed)", not timed)
+    flag(f"launches clone only the kernels' outputs (extra: {sorted(extra_clones)})", not extra_clones)
+    if device.type == "cuda":  # inductor: the launches are in its generated wrapper code
+        from torch._inductor.utils import run_and_get_code
+
+        torch._dynamo.reset()
+        with torch.device(device):
+            ind = Qwen3Model(cfg)
+        ind.load_state_dict(eager.state_dict())
+        ind.init_buffers()
+        ind.to(dtype)
+        for block in ind.layers.values():
+            block.compile(fullgraph=True)
+        _, codes = run_and_get_code(lambda: ind(ids, position_ids=pos, labels=labels).loss_sum.backward())
+        code = "\n".join(codes)
+        names = sorted(n for n in want_fw | want_bw if n in code)
+        flag(f"inductor code launches {names}, no torch.ops.titan_mm call",
+             set(names) == want_fw | want_bw and "torch.ops.titan_mm" not in code)
+    return recs
+
+
 def check_configs(device, dtype, big):
     """Every launch config of every tuned kernel (not only the one the tuner would pick): the op checks
     rerun with titan_mm.kernels._utils.FORCE_CONFIG = 1, 2, ... (config 0 is what the plain checks run on
@@ -413,6 +600,7 @@ CHECKS = {
     "linear_cross_entropy": check_linear_cross_entropy,
     "bias_gelu": check_bias_gelu,
     "compile": check_compile,
+    "graph": check_graph,
 }
 
 
@@ -452,6 +640,8 @@ def _run(ops, device, dtypes, big: bool) -> dict:
     torch.manual_seed(seed)
     probe = torch.empty(1, device=device)
     assert use_triton(probe), f"the Triton path is not active on {device} (CPU needs TRITON_INTERPRET=1)"
+    if device.type == "cpu":
+        use_declared_writes()
     recs = []
     # eager runs twice: through the autograd.Function fast path (what eager users get) and through the
     # torch.library custom ops (what torch.compile graphs call); "[ops]" marks the second
@@ -461,14 +651,14 @@ def _run(ops, device, dtypes, big: bool) -> dict:
         for tag, prefer_ops in paths:
             _dispatch.PREFER_OPS = prefer_ops
             for op in ops:
-                if prefer_ops and op in ("compile", "opcheck", "model", "configs"):
+                if prefer_ops and op in ("compile", "opcheck", "graph", "model", "configs"):
                     continue
                 for dt in dtypes:
                     if op == "configs" and device.type == "cpu" and dt != torch.float32:
                         continue  # the config sweep is about code paths: one dtype in the slow interpreter
                     if prefer_ops and (dt == torch.float16 or (device.type == "cpu" and dt != torch.float32)):
                         continue  # same kernels as the fast path: one dtype is enough in the slow interpreter
-                    if op in ("compile", "opcheck") and dt == torch.float16:
+                    if op in ("compile", "opcheck", "graph") and dt == torch.float16:
                         continue
                     if device.type == "cuda" and not prefer_ops and op in TUNED_OPS:
                         _tune_for_check(op, device, dt, big)
