@@ -299,7 +299,8 @@ def worker(args) -> dict:
         if cuda:  # the kernels themselves, and how much of the wall time the GPU was busy
             table += "\n\nBy self CUDA time (kernels):\n" + avg.table(
                 sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=110)
-            busy_ms = sum(e.self_device_time_total for e in avg) / 1e3
+            busy_ms = sum(e.self_device_time_total for e in avg  # kernel events only (ops repeat their kernels' time)
+                          if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
             table += f"\n\n2 steps: wall {t_prof * 1e3:.1f} ms, GPU kernel time {busy_ms:.1f} ms " \
                      f"({100 * busy_ms / (t_prof * 1e3):.0f}% of the wall time; steps timed above: " \
                      f"{1e3 * sorted(times)[len(times) // 2]:.1f} ms median)\n"
@@ -318,10 +319,21 @@ def worker(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ driver
+STACK_ORDER = ("titan", "titan_f8", "titan_f8_pre", "titan_eager", "titan_nokernels", "titan_plain", "torchtitan",
+               "hf_liger", "hf")
+
+
+def _row_order(r: dict):
+    """Table order: case (as in CASES), AC none first, stack, the default kernel ops before variants."""
+    case = list(CASES).index(r["case"]) if r["case"] in CASES else len(CASES)
+    stack = STACK_ORDER.index(r["stack"]) if r["stack"] in STACK_ORDER else len(STACK_ORDER)
+    return case, r.get("ac") != "none", r.get("ac") or "", stack, r.get("kernel_ops") or ""
+
+
 def render(rows: list[dict]) -> str:
     out = ["| case | stack | AC | tokens/s | TFLOP/s | MFU | MFU (LLM only) | peak GiB | vs best peer |",
            "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in sorted(rows, key=_row_order):
         if "error" in r:
             out.append(f"| {r['case']} | {r['stack']} | {r.get('ac', '')} | failed: {r['error'][:60]} | | | | | |")
             continue
@@ -340,7 +352,7 @@ def main() -> int:
     ap.add_argument("--stacks", default="titan,titan_f8,torchtitan,hf_liger")
     ap.add_argument("--ac", default="none", help="titan activation checkpointing: none | selective | full")
     ap.add_argument("--kernel-ops", default="", help="titan kernels.ops for the titan stacks with kernels "
-                    "(default: the config's, 'all,-bias_gelu'); the row records it and keys on it")
+                    "(default: the config's, 'all'); the row records it and keys on it")
     ap.add_argument("--attn", default="auto", help="titan attention backend: auto (flex) | sdpa | flex | varlen")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)

@@ -71,8 +71,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scaling import (  # noqa: E402
-    BOUNDS_CPU, BOUNDS_GPU, PEAK_TFLOPS, add_render_args, compare, env_info, fmt, launch, merge_rows, perf, read_metrics,
-    render_into, step_flops, trainer_argv, within,
+    BOUNDS_CPU, BOUNDS_GPU, PEAK_TFLOPS, add_render_args, apply_noise_floor, compare, env_info, fmt, launch, merge_rows,
+    perf, read_metrics, render_into, step_flops, trainer_argv, verdict,
 )
 
 GPU_MODELS = {
@@ -339,35 +339,6 @@ def run_mfu(args, dump: Path, W: int) -> list[dict]:
     return rows
 
 
-NOISE_FACTOR = 2.0
-
-
-def apply_noise_floor(checks: list[dict], bounds: dict) -> list[dict]:
-    """Re-judge each loss-equality row of a model that has a control row (see the module docstring): step 1
-    against the fixed bounds, steps 1..N against max(fixed, NOISE_FACTOR x the control's max distance)."""
-    floors = {c["model"]: c for c in checks if c.get("kind") == "control" and "loss_rel_max" in c}
-    for c in checks:
-        f = floors.get(c["model"])
-        if c.get("kind") != "loss_equality" or "loss_rel_max" not in c or "error" in c:
-            continue
-        c.setdefault("ok_fixed", c["ok"])
-        if f is None:
-            continue
-        used = dict(bounds, loss=max(bounds["loss"], NOISE_FACTOR * f["loss_rel_max"]),
-                    gnorm=max(bounds["gnorm"], NOISE_FACTOR * f["gnorm_rel_max"]))
-        c["ok"] = within(c, used)
-        c["bounds_used"] = dict(used, rule=f"max(fixed, {NOISE_FACTOR:g} x control {f['parallel'].get('control')})")
-    return checks
-
-
-def _verdict(c: dict) -> str:
-    if c.get("kind") == "control" and "error" not in c:
-        return "(noise floor: 1 GPU vs 1 GPU)"
-    if c.get("ok") and c.get("ok_fixed") is False:
-        return f"yes (within {NOISE_FACTOR:g}x the noise floor; over the fixed bound)"
-    return "yes" if c.get("ok") else "NO: " + str(c.get("error", "bound exceeded"))[:80]
-
-
 def render(checks: list[dict], mfu: list[dict]) -> str:
     out = ["| case | model | GPUs | parallel | loss rel. (step 1 / max) | grad-norm rel. (step 1 / max) | ok |",
            "|---|---|---|---|---|---|---|"]
@@ -375,7 +346,7 @@ def render(checks: list[dict], mfu: list[dict]) -> str:
         out.append(f"| {c['case']} | {c['flavor']} | {c['world']} | {c['parallel']} | "
                    f"{fmt(c.get('loss_rel_first'), '.1e')} / {fmt(c.get('loss_rel_max'), '.1e')} | "
                    f"{fmt(c.get('gnorm_rel_first'), '.1e')} / {fmt(c.get('gnorm_rel_max'), '.1e')} | "
-                   f"{_verdict(c)} |")
+                   f"{verdict(c)} |")
     out += ["", "| MFU case | model (layers) | GPUs | parallel | seq | tok/s/GPU | TFLOP/s/GPU | MFU | peak GB |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in mfu:

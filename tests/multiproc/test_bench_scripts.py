@@ -53,8 +53,7 @@ def test_noise_floor_bound():
     """With a control row (1 process vs 1 process, other bf16 rounding) the bound over the steps widens to twice
     the control's distance, while step 1 keeps the fixed bounds (a real fault shows there)."""
     sys.path.insert(0, str(ROOT))
-    from bench.multigpu_plans import apply_noise_floor
-    from bench.scaling import BOUNDS_GPU
+    from bench.scaling import BOUNDS_GPU, apply_noise_floor
 
     def row(kind, first, gmax, model="dense"):
         return dict(kind=kind, case=kind, model=model, parallel={"control": "x"} if kind == "control" else {},
@@ -75,7 +74,7 @@ def test_noise_floor_bound():
 def test_scaling_cpu(tmp_path):
     out = tmp_path / "scaling.json"
     p = _run("scaling.py", ["--nprocs", "1,2", "--steps", "4", "--warmup", "1", "--dump", str(tmp_path / "runs"),
-                            "--out", str(out)])
+                            "--out", str(out), "--control", "--kernels.mode reference"])
     doc = json.loads(out.read_text())
     assert doc["meta"]["mode"] == "cpu" and doc["meta"]["bounds"]["loss"] == 1e-4
     runs = {r["world"]: r for r in doc["runs"]}
@@ -87,14 +86,17 @@ def test_scaling_cpu(tmp_path):
         assert 0 < r["weak_scaling_eff"] < 10
     assert runs[1]["weak_scaling_eff"] == 1.0 and runs[2]["loss_equal"] is True
     checks = {c["kind"]: c for c in doc["checks"]}
-    eq, rs = checks["loss_equality"], checks["resharding"]
+    eq, rs, ctl = checks["loss_equality"], checks["resharding"], checks["control"]
+    # the control (1 process again, other overrides) sets the noise floor the loss-equality row is judged by
+    assert ctl["world"] == 1 and ctl["control"] == "--kernels.mode reference" and ctl["steps"] == [1, 4]
+    assert eq["bounds_used"]["rule"] == "max(fixed, 2 x control --kernels.mode reference)"
     assert eq["ok"] and eq["world"] == 2 and eq["ref_world"] == 1 and eq["steps"] == [1, 4]
     assert eq["loss_rel_max"] <= 1e-4 and eq["gnorm_rel_max"] <= 1e-4
     assert rs["ok"] and rs["written_world"] == 2 and rs["resumed_world"] == 1 and rs["steps"] == [3, 4]
     assert rs["resumed_log_line"] and rs["loss_rel_max"] <= 1e-4
     # the writer's checkpoints are deleted after the resharding check (disk on the GPU machines)
     assert not (tmp_path / "runs" / "debug_w2" / "checkpoints").exists()
-    assert "| debug | False | 2 |" in p.stdout
+    assert "| debug | False | 2 |" in p.stdout and "(noise floor: 1 GPU vs 1 GPU)" in p.stdout
 
 
 def test_plans_cpu_tp2(tmp_path):

@@ -138,7 +138,7 @@ def test_kernel_ops_default_and_bad_name():
 
     cfg = load_config(["--model.name", "qwen3", "--model.flavor", "debug", "--kernels.mode", "triton"])
     _, mc = resolve_model(cfg, torch.device("cpu"))
-    assert mc.kernels == "all,-bias_gelu"
+    assert mc.kernels == "all"
     cfg = load_config(["--model.name", "qwen3", "--model.flavor", "debug", "--kernels.ops", "all,-rmsnorm"])
     with pytest.raises(ConfigError, match=r"kernels.ops='all,-rmsnorm'.*unknown kernel op.*rms_norm"):
         resolve_model(cfg, torch.device("cpu"))

@@ -123,9 +123,9 @@ def float8_after_optimizer(model: nn.Module, cfg: Any):
         return None
     recipe = _opt(cfg, "float8.recipe", "tensorwise")
     if recipe != "tensorwise":
-        raise ValueError(f"float8.precompute_scale needs float8.recipe='tensorwise' (got {recipe!r}): the "
-                         "precomputed scales are the per-tensor ones of the FSDP float8 all-gather. Set "
-                         "--float8.precompute_scale false or --float8.recipe tensorwise.")
+        logger.info(f"float8.precompute_scale is not used with float8.recipe={recipe!r}: the precomputed scales "
+                    "are the per-tensor ones of the tensorwise FSDP float8 all-gather")
+        return None
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     return lambda: precompute_float8_dynamic_scale_for_fsdp(model)
