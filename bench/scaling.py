@@ -127,6 +127,7 @@ def within(row: dict, bounds: dict) -> bool:
 
 
 NOISE_FACTOR = 2.0
+DEFAULT_LR = 3e-4  # AdamW lr of every run (constant after 2 warm-up steps); --lr overrides it
 
 
 def control_of(c: dict) -> str | None:
@@ -215,7 +216,7 @@ def perf(metrics: dict[int, dict], world: int, warmup: int, flops: dict[int, flo
 
 def trainer_argv(model: dict, *, seq: int, mb: int, global_batch: int, steps: int, name: str, dump: Path,
                  cpu: bool, compile_: bool, float8: bool, ac: str, ckpt_interval: int = 0,
-                 parallel: dict | None = None, lr: float = 3e-4, extra: list[str] | None = None) -> list[str]:
+                 parallel: dict | None = None, lr: float = DEFAULT_LR, extra: list[str] | None = None) -> list[str]:
     """CLI overrides of titan_mm.train.trainer for one run (no TOML: JobConfig defaults + these)."""
     a = ["--model.name", model["name"], "--model.flavor", model["flavor"],
          "--data.dataset", "synthetic", "--data.seq_len", str(seq), "--data.micro_batch_size", str(mb),
@@ -333,6 +334,8 @@ def run_model(key: str, model: dict, nprocs: list[int], args, bounds: dict, dump
     flops = step_flops(model, seq, G, list(range(1, args.steps + 1))) if not args.no_flops else None
     peak = None if args.cpu else args.peak_tflops
     settings = dict(seq=seq, micro_batch=mb, global_batch_rows=G, ac=ac, compile=args.compile, steps=args.steps)
+    if args.lr != DEFAULT_LR:
+        settings["lr"] = args.lr
     runs, metrics, equal = [], {}, []
     for n in nprocs:
         name = f"{key}{suffix}_w{n}"
@@ -343,7 +346,7 @@ def run_model(key: str, model: dict, nprocs: list[int], args, bounds: dict, dump
                              error=f"global batch {G} rows is not a multiple of {mb} rows x {n} GPUs"))
             continue
         argv = trainer_argv(model, seq=seq, mb=mb, global_batch=G, steps=args.steps, name=name, dump=dump,
-                            cpu=args.cpu, compile_=args.compile, float8=args.float8, ac=ac,
+                            cpu=args.cpu, compile_=args.compile, float8=args.float8, ac=ac, lr=args.lr,
                             ckpt_interval=half if src_ckpt else 0)
         print(f"[scaling] {name}: {n} process(es), {G} rows x {seq} per step ({G // (mb * n)} micro-batches of "
               f"{mb} per GPU), {args.steps} steps", flush=True)
@@ -369,7 +372,7 @@ def run_model(key: str, model: dict, nprocs: list[int], args, bounds: dict, dump
             row.update(ok=False, error="no 1-process run in this command to compare the control with (add 1 to --nprocs)")
         else:
             argv = trainer_argv(model, seq=seq, mb=mb, global_batch=G, steps=args.steps, name=name, dump=dump,
-                                cpu=args.cpu, compile_=args.compile, float8=args.float8, ac=ac,
+                                cpu=args.cpu, compile_=args.compile, float8=args.float8, ac=ac, lr=args.lr,
                                 extra=args.control.split())
             print(f"[scaling] {name}: 1 process, {args.control} (noise floor)", flush=True)
             res = launch(1, ["-m", "titan_mm.train.trainer"], argv, dump / f"{name}.log", args.timeout, args.cpu)
@@ -394,7 +397,7 @@ def run_model(key: str, model: dict, nprocs: list[int], args, bounds: dict, dump
             shutil.rmtree(dump / name, ignore_errors=True)
             link_checkpoint(ck, dump / name)
             argv = trainer_argv(model, seq=seq, mb=mb, global_batch=G, steps=args.steps, name=name, dump=dump,
-                                cpu=args.cpu, compile_=args.compile, float8=args.float8, ac=ac, ckpt_interval=half)
+                                cpu=args.cpu, compile_=args.compile, float8=args.float8, ac=ac, lr=args.lr, ckpt_interval=half)
             print(f"[scaling] {name}: resume step {half} on {mres} process(es)", flush=True)
             res = launch(mres, ["-m", "titan_mm.train.trainer"], argv, dump / f"{name}.log", args.timeout, args.cpu)
             m = read_metrics(dump / name)
@@ -478,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reshard-models", default="qwen3_1.7b,debug",
                     help="models whose largest-N run writes a checkpoint that is resumed on N/2 and 1 "
                          "(an 8B checkpoint with AdamW state is ~100 GB: add qwen3_8b only with the disk for it)")
+    ap.add_argument("--lr", type=float, default=DEFAULT_LR,
+                    help="AdamW learning rate of every run (a lower one keeps a short run out of unstable phases)")
     ap.add_argument("--control", default="",
                     help="trainer overrides of a second 1-process run, e.g. \"--kernels.ops linear_cross_entropy\" "
                          "(other bf16 rounding): its distance to the 1-process run is the noise floor; loss-equality "
