@@ -66,7 +66,6 @@ MULTI_GPU_ROWS: tuple[dict, ...] = (
     dict(run="plans ep2_w2", model=("qwen3_moe", "30B-A3B", {"num_hidden_layers": 4}), topo=dict(dp_shard=2, ep=2),
          mb=1, seq=4096, ac="none", compile=False, accum=1, measured_gb=28.25),
 )
-MEASURED_WITH_CHUNKED_CE = ("qwen3_vl_2b",)
 SHOWN_PHASES = ("forward_end", "backward_first_block", "backward_last_block", "backward_vision",
                 "embedding_backward", "root_reduce_scatter", "optimizer_step")
 
@@ -115,14 +114,9 @@ def estimate_row(case_name: str, stack: str, ac: str) -> dict:
     plan = spec.plan(mc)
     counts = count_params(mc, plan)
     nv = vision_patches(case_name, mc)
-    # the qwen3_vl_2b row of bench/results/mfu.json was measured while Qwen3-VL still computed its loss with the
-    # chunked PyTorch CE and its final norm with the reference RMSNorm (it has used the text model's fused CE
-    # and norm op since; the qwen3_vl_30b_a3b_4l row was re-measured after): estimate what was measured
-    # (kernels=False models both)
-    measured_fused_ce = stack != "titan_nokernels" and case_name not in MEASURED_WITH_CHUNKED_CE
     phases = estimate_phases(mc, plan, Topology(ac=ac), case["seq"], case["batch"], 2, counts,
-                             kernels=measured_fused_ce, compile=stack != "titan_eager",
-                             float8=stack == "titan_f8", vision_patches=nv)
+                             kernels=stack != "titan_nokernels", compile=stack != "titan_eager",
+                             float8=stack in ("titan_f8", "titan_f8_pre"), vision_patches=nv)
     peak = peak_phase(phases)
     blocks = sorted((k for k in phases if k.startswith("backward_block_")), key=lambda k: -int(k.rsplit("_", 1)[1]))
     named = dict(phases)
