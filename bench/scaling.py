@@ -241,6 +241,13 @@ def trainer_argv(model: dict, *, seq: int, mb: int, global_batch: int, steps: in
     return a + list(extra or [])
 
 
+def _repo_rel(path: Path) -> str:
+    """``path`` relative to the repo when it is inside it (results files name no machine paths), else as given;
+    ``ROOT / result`` reads it back either way."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def link_checkpoint(src: Path, dst_run: Path) -> Path:
     """Hard-link a committed step folder into a fresh run's checkpoints/ (no disk; DCP files are never
     rewritten in place). Falls back to a copy across file systems."""
@@ -304,7 +311,7 @@ def analyze(runs: list[dict], bounds: dict) -> list[dict]:
         if not ok:
             continue
         base = min(ok, key=lambda r: r["world"])
-        base_m = read_metrics(Path(base.get("run_dir", "")))
+        base_m = read_metrics(ROOT / base.get("run_dir", "-"))
         for r in ok:
             r["weak_scaling_base_world"] = base["world"]
             r["weak_scaling_eff"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
@@ -312,7 +319,7 @@ def analyze(runs: list[dict], bounds: dict) -> list[dict]:
                 r.pop("loss_equal", None)
                 continue
             steps = list(range(1, r["settings"]["steps"] + 1))
-            run_m = read_metrics(Path(r.get("run_dir", "")))
+            run_m = read_metrics(ROOT / r.get("run_dir", "-"))
             if not run_m or not base_m:  # run folders of an earlier machine: keep the check computed there
                 continue
             c = compare(run_m, base_m, steps, bounds)
@@ -355,7 +362,7 @@ def run_model(key: str, model: dict, nprocs: list[int], args, bounds: dict, dump
         metrics[n] = m
         row = dict(model=key, flavor=model["flavor"], world=n, float8=args.float8, compile=args.compile, ac=ac, seq=seq,
                    micro_batch=mb, global_batch_rows=G, grad_accum=G // (mb * n), steps_done=len(m),
-                   wall_s=res["seconds"], run_dir=str(dump / name), settings=settings)
+                   wall_s=res["seconds"], run_dir=_repo_rel(dump / name), settings=settings)
         if "error" in res:
             row["error"] = res["error"]
         row.update(perf(m, n, args.warmup, flops, peak))

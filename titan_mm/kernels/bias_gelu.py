@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tl import load_tile_pair
 from ._utils import Tuner, as_rows, new_empty, next_pow2, sm_count, wrap_triton, writes
 
 # module-level constexprs: inductor copies them next to the kernel source when it compiles the traced launch
@@ -90,23 +91,19 @@ def _bias_gelu_bwd_kernel(
     bias = tl.load(B + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
     acc = tl.zeros([BR, BD], dtype=tl.float32)
     if PREFETCH:  # the next tile's loads are in flight while this tile is computed and stored
-        m0 = (r < n_here)[:, None] & mc[None, :]
-        x_next = tl.load(X + r[:, None] * stride_x + cols[None, :], mask=m0, other=0.0)
-        dy_next = tl.load(DY + r[:, None] * stride_dy + cols[None, :], mask=m0, other=0.0)
+        x_next, dy_next = load_tile_pair(X, stride_x, DY, stride_dy, r, cols, (r < n_here)[:, None] & mc[None, :])
     i = 0
     while i < ROWS:  # ROWS is a multiple of BR (a `while`: the CPU interpreter cannot run a runtime `range`)
         rows = i + r
         m = (rows < n_here)[:, None] & mc[None, :]
         if PREFETCH:
-            z = x_next.to(tl.float32) + bias
-            dy = dy_next.to(tl.float32)
+            z, dy = x_next.to(tl.float32) + bias, dy_next.to(tl.float32)
             nxt = rows + BR
             mn = ((nxt < n_here) & (nxt < ROWS))[:, None] & mc[None, :]
-            x_next = tl.load(X + nxt[:, None] * stride_x + cols[None, :], mask=mn, other=0.0)
-            dy_next = tl.load(DY + nxt[:, None] * stride_dy + cols[None, :], mask=mn, other=0.0)
+            x_next, dy_next = load_tile_pair(X, stride_x, DY, stride_dy, nxt, cols, mn)
         else:
-            z = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32) + bias
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            x_t, dy_t = load_tile_pair(X, stride_x, DY, stride_dy, rows, cols, m)
+            z, dy = x_t.to(tl.float32) + bias, dy_t.to(tl.float32)
         z2 = z * z
         s = 1.0 / (1.0 + tl.exp(-2.0 * _GELU_C * (z + _GELU_A * z2 * z)))
         dgelu = s + 2.0 * _GELU_C * z * s * (1.0 - s) * (1.0 + 3.0 * _GELU_A * z2)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tl import load_tile_pair
 from ._utils import Tuner, as_rows, new_empty, next_pow2, sm_count, wrap_triton, writes
 
 
@@ -94,24 +95,20 @@ def _rms_bwd_kernel(
     w = tl.load(W + cols, mask=mc, other=0.0).to(tl.float32)
     dw = tl.zeros([BR, BD], dtype=tl.float32)
     if PREFETCH:  # the next tile's loads are in flight while this tile is reduced and stored
-        m0 = (r < n_here)[:, None] & mc[None, :]
-        x_next = tl.load(X + r[:, None] * stride_x + cols[None, :], mask=m0, other=0.0)
-        dy_next = tl.load(DY + r[:, None] * stride_dy + cols[None, :], mask=m0, other=0.0)
+        x_next, dy_next = load_tile_pair(X, stride_x, DY, stride_dy, r, cols, (r < n_here)[:, None] & mc[None, :])
     i = 0
     while i < ROWS:  # ROWS is a multiple of BR (a `while`: the CPU interpreter cannot run a runtime `range`)
         rows = i + r
         mr = rows < n_here
         m = mr[:, None] & mc[None, :]
         if PREFETCH:
-            x = x_next.to(tl.float32)
-            dy = dy_next.to(tl.float32)
+            x, dy = x_next.to(tl.float32), dy_next.to(tl.float32)
             nxt = rows + BR
             mn = ((nxt < n_here) & (nxt < ROWS))[:, None] & mc[None, :]
-            x_next = tl.load(X + nxt[:, None] * stride_x + cols[None, :], mask=mn, other=0.0)
-            dy_next = tl.load(DY + nxt[:, None] * stride_dy + cols[None, :], mask=mn, other=0.0)
+            x_next, dy_next = load_tile_pair(X, stride_x, DY, stride_dy, nxt, cols, mn)
         else:
-            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            x_t, dy_t = load_tile_pair(X, stride_x, DY, stride_dy, rows, cols, m)
+            x, dy = x_t.to(tl.float32), dy_t.to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=mr, other=0.0)
         xhat = x * rstd[:, None]
         g = dy * w[None, :]
