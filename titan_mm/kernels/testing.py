@@ -322,13 +322,31 @@ def check_opcheck(device, dtype, big):
     return recs
 
 
+def _twin_models(cfg_a, cfg_b, device, dtype, B: int, S: int):
+    """Two Qwen3 models (configs a and b) with the same random weights in ``dtype``, and a random batch
+    (input ids, position ids, labels) of B x S tokens."""
+    from titan_mm.models.qwen3.model import Qwen3Model
+
+    with torch.device(device):
+        a = Qwen3Model(cfg_a)
+        a.init_weights()
+        b = Qwen3Model(cfg_b)
+    b.load_state_dict(a.state_dict())
+    b.init_buffers()
+    a.to(dtype)
+    b.to(dtype)
+    ids = torch.randint(0, cfg_a.vocab_size, (B, S), device=device)
+    labels = torch.randint(0, cfg_a.vocab_size, (B, S), device=device)
+    pos = torch.arange(S, device=device).repeat(B, 1)
+    return a, b, (ids, pos, labels)
+
+
 def check_model(device, dtype, big):
     """Integration: a Qwen3 model with kernels=True equals kernels=False (loss_sum and every gradient).
     The models pick titan_mm.kernels through their config (Ops in titan_mm/models/qwen3/model.py)."""
     import dataclasses
 
     from titan_mm.models.qwen3.config import Qwen3Config
-    from titan_mm.models.qwen3.model import Qwen3Model
 
     if dtype != torch.float32:  # two low-precision models drift apart by more than one op's tolerance
         return []
@@ -342,18 +360,9 @@ def check_model(device, dtype, big):
                           max_position_embeddings=256)
         B, S = 2, 16
     recs = []
-    with torch.device(device):
-        ref = Qwen3Model(dataclasses.replace(cfg, kernels=False))
-        ref.init_weights()
-        ker = Qwen3Model(dataclasses.replace(cfg, kernels=True))
-    ker.load_state_dict(ref.state_dict())
-    ker.init_buffers()
-    ref.to(dtype)
-    ker.to(dtype)
-    ids = torch.randint(0, cfg.vocab_size, (B, S), device=device)
-    labels = torch.randint(0, cfg.vocab_size, (B, S), device=device)
+    ref, ker, (ids, pos, labels) = _twin_models(dataclasses.replace(cfg, kernels=False),
+                                                dataclasses.replace(cfg, kernels=True), device, dtype, B, S)
     labels[:, :3] = -100
-    pos = torch.arange(S, device=device).repeat(B, 1)
     outs = []
     for m in (ref, ker):
         out = m(ids, position_ids=pos, labels=labels)
@@ -451,17 +460,7 @@ def check_graph(device, dtype, big):
                       max_position_embeddings=256, kernels="rms_norm,add_rms_norm,swiglu,rope")
     B, S = 2, 12
     torch._dynamo.reset()
-    with torch.device(device):
-        eager = Qwen3Model(cfg)
-        eager.init_weights()
-        comp = Qwen3Model(dataclasses.replace(cfg))
-    comp.load_state_dict(eager.state_dict())
-    comp.init_buffers()
-    eager.to(dtype)
-    comp.to(dtype)
-    ids = torch.randint(0, cfg.vocab_size, (B, S), device=device)
-    labels = torch.randint(0, cfg.vocab_size, (B, S), device=device)
-    pos = torch.arange(S, device=device).repeat(B, 1)
+    eager, comp, (ids, pos, labels) = _twin_models(cfg, dataclasses.replace(cfg), device, dtype, B, S)
     out_e = eager(ids, position_ids=pos, labels=labels)
     out_e.loss_sum.backward()
 
