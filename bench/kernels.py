@@ -33,6 +33,7 @@ import traceback
 
 COPY_CEILING_TBS = 4.23  # H200 device-to-device copy, bytes read + written (shared/GPU.md)
 MATMUL_CEILING_TFLOPS = 796.0  # H200 bf16 matmul 8192^3, measured
+PROFILE_DIR = ""  # --profile: where run_case writes its torch.profiler tables
 N_TOKENS, HIDDEN, FFN, VOCAB, VIT_FFN = 16384, 4096, 12288, 151936, 4304
 HQ, HK, DH, MROPE_SECTION = 32, 8, 128, [24, 20, 20]
 DOC_BEGIN, DOC_END = "<!-- kernels-bench:begin -->", "<!-- kernels-bench:end -->"
@@ -402,9 +403,6 @@ def run_case(name, case, impl, fn, do_compile):
     del inp, inp_nograd, diff
     torch.cuda.empty_cache()
     return rows
-
-
-PROFILE_DIR = ""  # --profile
 
 
 def main(argv=None):

@@ -8,7 +8,7 @@ MFU is computed for every stack from titan_mm's FLOP counter (docs/flops.md) aga
 
 Stacks:
   titan            titan_mm's trainer path (registry model -> parallelize -> train_step), compile per block,
-                   Triton kernels on (kernels.ops: every op but the ViT bias + GELU)
+                   Triton kernels on (the trainer's kernels.ops: all)
   titan_f8         the same + torchao float8 linears (tensorwise scales)
   titan_f8_pre     titan_f8 + float8.precompute_scale (one batched scale computation after each optimizer step)
   titan_eager      no compile, kernels on
@@ -139,7 +139,7 @@ def _titan_builder(case, stack, args, device):
     opt = build_optimizer(model, cfg)
     state = TrainState(model=model, optimizer=opt, scheduler=build_lr_scheduler(opt, cfg))
     ctx = StepContext(device=device, attn_backend=attn, max_norm=1.0,
-                      after_optimizer=float8_after_optimizer(model, cfg))  # as the trainer (None by default)
+                      after_optimizer=float8_after_optimizer(model, cfg))  # as the trainer (None unless float8 + precompute)
     if case.get("vl"):
         batch = vl_batch(mc, case["batch"], case["seq"])
         if device.type == "cuda":  # host batches arrive pinned, as from the trainer's loader (data.pin_memory):

@@ -288,8 +288,8 @@ def _backward(ctx, dloss, _dgh, _dgw):
     eager = type(grad_h) is torch.Tensor and type(grad_w) is torch.Tensor and not torch.compiler.is_compiling()
     if eager:  # scale the buffers computed in forward (Triton path) in place: no second grad_W-sized tensor
         gh, gw = scale_(grad_h, g), scale_(grad_w, g)
-    else:  # traced (compile / export / AOT): functional; the compiler reuses the dead buffers
-        gh, gw = grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype)
+    else:  # traced (compile / export / AOT): functional, fp32 math as scale_; the compiler reuses the dead buffers
+        gh, gw = (grad_h.float() * g).to(grad_h.dtype), (grad_w.float() * g).to(grad_w.dtype)
     return gh, gw, None, None, None, None, None, None
 
 
