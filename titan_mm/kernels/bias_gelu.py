@@ -7,7 +7,7 @@ Forward: [BR, BD] tiles, 1-D grid in row-major order (consecutive programs strea
 Backward: programs = (ranges of ROWS consecutive rows) x (column blocks), row-range-major, so programs
 running side by side cover whole rows; each walks its rows tile by tile, keeps the column sums of dx for db
 in fp32 registers and writes one db partial; the partials ([row ranges, D] fp32, about 1 MB at the ViT
-shape) are summed in PyTorch. With PREFETCH the next tile's loads are issued before the current tile is
+shape) are summed by one more launch (`_tl.col_sums`). With PREFETCH the next tile's loads are issued before the current tile is
 computed and stored (a `while` loop is not pipelined by the compiler). Tiles, warps, programs per SM and
 prefetch are picked per width and dtype by `_utils.Tuner`.
 Legend: N rows (patch tokens), D width.
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tl import load_tile_pair
+from ._tl import col_sums, load_tile_pair
 from ._utils import Tuner, as_rows, new_empty, next_pow2, sm_count, wrap_triton, writes
 
 # module-level constexprs: inductor copies them next to the kernel source when it compiles the traced launch
@@ -161,7 +161,7 @@ def bias_gelu_bwd(dy, x, b, op=False):
 
     traced = kern is not _bias_gelu_bwd_kernel
     db_part = launch(_BWD.pick((int(d), x.dtype), None if traced else launch))
-    return dx, db_part.sum(0).to(b.dtype)
+    return dx, col_sums(db_part, b.dtype, op)
 
 
 # triton_op: the body is the fake implementation too, and under torch.compile it is traced into the graph.

@@ -4,7 +4,7 @@ Forward: one tile of BR whole rows per program (one row of 4096 at hidden 4096; 
 over head_dim 128), fp32 statistics, saves rstd [N] fp32. Backward: persistent programs (2-8 per SM)
 each walk a contiguous range of rows tile by tile (optionally loading the next tile while the current one
 is reduced and stored), accumulate dW in fp32 registers and write one partial per program; the partials
-are summed in PyTorch (small: programs x D).
+are summed by one more launch (`_tl.col_sums`; small: programs x D).
 Launch configs (rows per tile, warps, prefetch) are picked per hidden size and dtype by `_utils.Tuner`.
 Row offsets inside a program are int32; only the program's first row is an int64 offset.
 Legend: N rows (tokens), D hidden.
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tl import load_tile_pair
+from ._tl import col_sums, load_tile_pair
 from ._utils import Tuner, as_rows, new_empty, next_pow2, sm_count, wrap_triton, writes
 
 
@@ -189,7 +189,7 @@ def _bwd(dy, x, w, rstd, dnr, op=False):
 
     traced = kern is not _rms_bwd_kernel
     dw_part = launch(_BWD.pick((bd, x.dtype, dnr is not None), None if traced else launch))
-    return dx, dw_part.sum(0).to(w.dtype)
+    return dx, col_sums(dw_part, w.dtype, op)
 
 
 # ---- rms_norm -------------------------------------------------------------------------------------------
