@@ -243,7 +243,7 @@ def test_interp_forward_never_times_untuned_keys(name, fake_timer, clean_tuner):
     assert fake_timer == [], "the forward/backward reached the timing code"
     assert all(not t.best for t in clean_tuner.Tuner.registry)
     untuned = clean_tuner.untuned_keys()
-    want = {"rms_norm_fwd", "rms_norm_bwd", "rope", "swiglu_fwd", "swiglu_bwd"} | (
+    want = {"rms_norm_fwd", "rms_norm_bwd", "rope", "swiglu_fwd", "swiglu_bwd", "linear_cross_entropy"} | (
         {"bias_gelu_fwd", "bias_gelu_bwd"} if name == "qwen3_vl" else set())
     assert set(untuned) == want, untuned
 
@@ -270,7 +270,7 @@ def test_interp_tune_picks_fastest_and_forward_uses_it(fake_timer, clean_tuner):
     rep = K.tune_for_model(_cfg("qwen3_vl"), 24, torch.float32, "cpu", vision_tokens=40)
     assert fake_timer, "tune_for_model timed nothing"
     assert set(rep["tuned"]) == {"rms_norm_fwd", "rms_norm_bwd", "rope", "swiglu_fwd", "swiglu_bwd",
-                                 "bias_gelu_fwd", "bias_gelu_bwd"}, rep
+                                 "bias_gelu_fwd", "bias_gelu_bwd", "linear_cross_entropy"}, rep
     for t in clean_tuner.Tuner.registry:
         for key, cfg in t.best.items():
             cands = t.configs(key)

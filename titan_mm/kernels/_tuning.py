@@ -9,7 +9,9 @@ Which keys the models hit (per rank; tp = tensor-parallel degree):
 - add_rms_norm: hidden (Qwen3Block: residual add + ffn_norm), forward and backward with the residual grad;
 - swiglu:       intermediate_size / tp, contiguous gate / up (separate w1 / w3 outputs), dense layers only;
 - rope:         heads / tp, kv heads / tp, head_dim (Qwen3-VL's interleaved M-RoPE too: one HF-layout table);
-- bias_gelu:    the ViT MLP width (/ tp with encoder_tp), Qwen3-VL with a tanh GELU only.
+- bias_gelu:    the ViT MLP width (/ tp with encoder_tp), Qwen3-VL with a tanh GELU only;
+- linear_cross_entropy: the row kernel of the fused linear cross-entropy: vocabulary, forward with
+                gradients (training; tp's vocabulary-parallel loss has its own kernels, not tuned).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _grads(outs, inputs):
 
 def _calls(model_cfg, tokens: int, dtype, device, tp: int, encoder_tp: bool, vision_tokens: int | None):
     """[(name, fn)]: one forward + backward of each kernel the model's config turns on, at its shapes."""
-    from . import add_rms_norm, apply_rope, bias_gelu, resolve_ops, rms_norm, swiglu
+    from . import add_rms_norm, apply_rope, bias_gelu, linear_cross_entropy, resolve_ops, rms_norm, swiglu
 
     on = resolve_ops(getattr(model_cfg, "kernels", False))
     text = getattr(model_cfg, "text", model_cfg)  # Qwen3-VL: the LLM's shapes
@@ -68,6 +70,10 @@ def _calls(model_cfg, tokens: int, dtype, device, tp: int, encoder_tp: bool, vis
             _grads([bias_gelu(x, b)], [x, b])
         return fn
 
+    def lce():
+        h, w = rnd(n, d), rnd(text.vocab_size, d, scale=d ** -0.5)
+        linear_cross_entropy(h, w, torch.randint(0, text.vocab_size, (n,), device=device))
+
     calls = []
     if "rms_norm" in on:  # attn_norm, the final norm (and the unfused add + norm's): hidden; q/k-norm: head_dim
         calls.append((f"rms_norm [{n}, {d}]", norm((n,), d)))
@@ -84,6 +90,8 @@ def _calls(model_cfg, tokens: int, dtype, device, tp: int, encoder_tp: bool, vis
         f = vision.intermediate_size // (tp if encoder_tp else 1)
         nv = vision_tokens or tokens
         calls.append((f"bias_gelu [{nv}, {f}]", gelu(nv, f)))
+    if "linear_cross_entropy" in on:
+        calls.append((f"linear_cross_entropy [{n}, {d}] x [{text.vocab_size}, {d}]", lce))
     return calls
 
 

@@ -1,10 +1,11 @@
 """Fused linear + cross-entropy that never materializes the full [N, V] logits.
 
-Tokens are processed in chunks of C rows: logits_C = h_C @ W^T (cuBLAS, in h.dtype), then one Triton
-program per row makes two passes over its logits (online max / sum-exp, then softmax) and overwrites the
-logits in place with d(loss)/d(logits); the gradients for h and W are finished right away in the forward
-(grad_h_C = dlogits_C @ W, grad_W += dlogits_C^T @ h_C), so the backward only scales them by the
-incoming gradient (in place in eager). Peak extra memory: one C x V logits chunk plus grad_W and grad_h.
+Tokens are processed in chunks of C rows: logits_C = h_C @ W^T (cuBLAS, in h.dtype), then a Triton
+program per row (or a persistent grid of them, a launch config picked by `_utils.Tuner`) makes two passes
+over its row (online max / sum-exp, then softmax) and overwrites the logits in place with d(loss)/d(logits);
+the gradients for h and W are finished right away in the forward (grad_h_C = dlogits_C @ W,
+grad_W += dlogits_C^T @ h_C), so the backward only scales them by the incoming gradient (in place in eager).
+Peak extra memory: one C x V logits chunk plus grad_W and grad_h.
 
 Loss (fp32, sum reduction): sum over labels != ignore_index of (lse - logit[label]) + z_loss * lse^2.
 Rows with an ignored label contribute 0 to the loss and get zero gradients.
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import as_rows, new_empty, next_pow2
+from ._utils import Tuner, as_rows, new_empty, next_pow2, sm_count
 
 
 @triton.jit
@@ -51,25 +52,68 @@ def _write_row_grad(base, lse, scale, tgt, V: tl.constexpr, BLOCK: tl.constexpr)
 
 @triton.jit
 def _ce_row_kernel(
-    L, stride_l, LAB, LOSS, ignore_index, z_loss,
+    L, stride_l, LAB, LOSS, ignore_index, z_loss, n_rows, row_step,
     V: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """Rows pid, pid + row_step, ... of the chunk (row_step = the grid size: one row per program when the grid
+    covers the chunk; a persistent grid keeps fewer rows in flight, so a row's second pass may hit L2)."""
     row = tl.program_id(0).to(tl.int64)
-    base = L + row * stride_l
-    lab = tl.load(LAB + row)
-    valid = lab != ignore_index
-    lab = tl.where(valid, lab, 0)
-    lse = _row_lse(base, V, BLOCK)
-    x_t = tl.load(base + lab).to(tl.float32)
-    loss = lse - x_t
-    if HAS_Z:
-        loss += z_loss * lse * lse
-    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
-    if WRITE_GRAD:
-        scale = tl.where(valid, 1.0, 0.0)
+    while row < n_rows:  # a `while`: the CPU interpreter cannot run a runtime `range`
+        base = L + row * stride_l
+        lab = tl.load(LAB + row)
+        valid = lab != ignore_index
+        lab = tl.where(valid, lab, 0)
+        lse = _row_lse(base, V, BLOCK)
+        x_t = tl.load(base + lab).to(tl.float32)
+        loss = lse - x_t
         if HAS_Z:
-            scale = scale * (1.0 + 2.0 * z_loss * lse)
-        _write_row_grad(base, lse, scale, tl.where(valid, lab, -1), V, BLOCK)
+            loss += z_loss * lse * lse
+        tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+        if WRITE_GRAD:
+            scale = tl.where(valid, 1.0, 0.0)
+            if HAS_Z:
+                scale = scale * (1.0 + 2.0 * z_loss * lse)
+            _write_row_grad(base, lse, scale, tl.where(valid, lab, -1), V, BLOCK)
+        row += row_step
+
+
+def _row_configs(key):
+    """PPS: programs per SM of a persistent grid (0: one program per row, the whole chunk in flight at once;
+    at the default chunk about 4 rows per SM, whose second pass then re-reads from HBM); warps; BLOCK: logits
+    per load."""
+    v = key[0]
+    block = min(8192, next_pow2(v))
+    warps = 16 if block >= 8192 else 8
+    cands = [dict(PPS=0, BLOCK=block, num_warps=warps), dict(PPS=1, BLOCK=block, num_warps=warps),
+             dict(PPS=2, BLOCK=block, num_warps=warps), dict(PPS=1, BLOCK=2 * block, num_warps=2 * warps),
+             dict(PPS=2, BLOCK=block, num_warps=warps // 2)]
+    return [c for i, c in enumerate(cands) if c not in cands[:i]]
+
+
+_ROWS = Tuner("linear_cross_entropy", _row_configs)
+
+
+def _ce_rows(logits, lab, loss_rows, ignore_index, z_loss, write_grad):
+    """The row kernel over a chunk's logits (in place with write_grad). Tuned per (V, dtype, write_grad) inside
+    `_utils.tuning()`: the candidates are timed on a copy of the chunk (the kernel overwrites its input)."""
+    n, v = logits.shape
+    sms = sm_count(logits.device)
+
+    def run(c, buf, out):
+        c = dict(c)
+        pps = c.pop("PPS")
+        grid = n if pps == 0 else min(n, pps * sms)
+        _ce_row_kernel[(grid,)](buf, buf.stride(0), lab, out, ignore_index, float(z_loss), n, grid,
+                                V=v, WRITE_GRAD=write_grad, HAS_Z=z_loss != 0.0, **c)
+
+    scratch = []
+
+    def timed(c):  # only called while tuning
+        if not scratch:
+            scratch.extend((logits.clone(), torch.empty_like(loss_rows)))
+        run(c, *scratch)
+
+    run(_ROWS.pick((v, logits.dtype, bool(write_grad)), timed), logits, loss_rows)
 
 
 @triton.jit
@@ -105,7 +149,6 @@ def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum
     n, d = h2.shape
     v = w.shape[0]
     c = chunk_size if chunk_size > 0 else default_chunk_size(n, d, v)
-    block = min(8192, next_pow2(v))
     loss_rows = new_empty((n,), torch.float32, h.device)
     acc32 = compute_grad and accum_fp32 and w.dtype != torch.float32
     if compute_grad:
@@ -122,10 +165,7 @@ def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum
         hc = h2[s:e]
         logits = logits_buf[: e - s]
         torch.mm(hc, w.t(), out=logits)
-        _ce_row_kernel[(e - s,)](
-            logits, logits.stride(0), lab[s:e], loss_rows[s:e], ignore_index, float(z_loss),
-            V=v, WRITE_GRAD=compute_grad, HAS_Z=z_loss != 0.0, BLOCK=block, num_warps=16 if block >= 8192 else 8,
-        )
+        _ce_rows(logits, lab[s:e], loss_rows[s:e], ignore_index, z_loss, compute_grad)
         if compute_grad:
             torch.mm(logits, w, out=grad_h[s:e])
             if acc32:

@@ -377,7 +377,7 @@ def check_model(device, dtype, big):
     return recs
 
 
-CONFIGS_PER_OP = {"bias_gelu": 6}  # the longest candidate list of the op's tuners (others: 4)
+CONFIGS_PER_OP = {"bias_gelu": 6, "linear_cross_entropy": 5}  # the longest candidate list of the op's tuners (others: 4)
 
 
 def _kernel_name(k) -> str:
@@ -531,7 +531,7 @@ def check_graph(device, dtype, big):
             if n == "_rms_fwd_kernel" and kw.get("BD") == key[0] and not kw.get("HAS_RES"):
                 attn_norm_br.add(kw.get("BR"))
     want_fw = {"_rms_fwd_kernel", "_rope_kernel", "_swiglu_fwd_kernel"}
-    want_bw = {"_rms_bwd_kernel", "_rope_kernel", "_swiglu_bwd_kernel"}
+    want_bw = {"_rms_bwd_kernel", "_col_sum_kernel", "_rope_kernel", "_swiglu_bwd_kernel"}  # col_sum: dW of the norms
     flag(f"forward graph launches {sorted(fw_names)} (want {sorted(want_fw)})", fw_names == want_fw)
     flag(f"backward graph launches {sorted(bw_names)} (want {sorted(want_bw)})", bw_names == want_bw)
     flag(f"no opaque titan_mm op nodes in the block graphs: {opaque}", not opaque)
@@ -568,7 +568,7 @@ def check_configs(device, dtype, big):
     try:
         for i in range(1, _utils.MAX_CONFIGS):
             _utils.FORCE_CONFIG = i
-            for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "bias_gelu"):
+            for op in TUNED_OPS:
                 if i >= CONFIGS_PER_OP.get(op, 4):  # FORCE_CONFIG wraps around: past the list it repeats configs
                     continue
                 try:
@@ -617,7 +617,7 @@ def run(ops, device, dtypes, big: bool) -> dict:
         torch.set_float32_matmul_precision(prec_before)
 
 
-TUNED_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "bias_gelu")  # ops with a launch-config Tuner
+TUNED_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "bias_gelu", "linear_cross_entropy")  # with a Tuner
 
 
 def _tune_for_check(op, device, dtype, big) -> None:
