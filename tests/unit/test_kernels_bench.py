@@ -23,3 +23,29 @@ def test_render_and_update_doc(tmp_path):
     b.update_doc(str(doc), md)
     text = doc.read_text()
     assert "old" not in text and "1.20x" in text and text.startswith("head") and text.endswith("tail\n")
+
+
+def test_retime_reversed_averages_abba(monkeypatch):
+    """The GPU-bound CE is timed A B B A: each implementation's ms becomes the mean of its two timings, the
+    rates follow, and the second pass runs in reverse order."""
+    b = _bench()
+    order = []
+    second = {"liger": 110.0, "titan_mm": 100.0}
+
+    def fake_run_case(name, case, impl, fn, do_compile):
+        order.append(impl)
+        return [dict(kernel=name, impl=impl, mode="fwd+bwd", ms=second[impl], peak_mb=1.0)]
+
+    monkeypatch.setattr(b, "run_case", fake_run_case)
+    fl = 6e12
+    rows = [dict(kernel="ce", impl=i, mode="fwd+bwd", ms=ms, peak_mb=1.0, flops=fl, tflops=0.0, frac_matmul=0.0)
+            for i, ms in (("liger", 100.0), ("titan_mm", 104.0))]
+    case = {"abba": ("liger", "titan_mm"), "impls": {"liger": object(), "titan_mm": object()}}
+    errors = []
+    b.retime_reversed("ce", case, rows, errors)
+    assert order == ["titan_mm", "liger"] and not errors
+    by = {r["impl"]: r for r in rows}
+    assert by["liger"]["ms"] == 105.0 and by["liger"]["ms_runs"] == [100.0, 110.0]
+    assert by["titan_mm"]["ms"] == 102.0 and by["titan_mm"]["ms_runs"] == [104.0, 100.0]
+    assert by["titan_mm"]["tflops"] == round(fl / 1e12 / 0.102, 1)
+    assert by["titan_mm"]["frac_matmul"] == round(by["titan_mm"]["tflops"] / b.MATMUL_CEILING_TFLOPS, 3)
