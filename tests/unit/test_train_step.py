@@ -155,3 +155,200 @@ def test_float8_precompute_hook_config():
     assert float8_after_optimizer(tiny_model(), cfg(True, False)) is None
     assert float8_after_optimizer(tiny_model(), cfg(True, True, "rowwise")) is None  # no per-tensor scale there
     assert callable(float8_after_optimizer(tiny_model(), cfg(True, True)))
+
+
+# ---------------------------------------------------------------- device-decided NaN skip (fused AdamW)
+# titan_mm builds fused AdamW only on CUDA; torch's fused AdamW also runs on CPU, so these tests construct it
+# directly and compare the device-skip path (StepContext.device_skip=True, the default) with the host-decided
+# path (device_skip=False) on the same optimizer type.
+
+
+def _fused_state(m):
+    from titan_mm.train.optim import build_param_groups
+
+    cfg = JobConfig()
+    cfg.training.steps = 10
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(build_param_groups(m, cfg), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay, fused=True)
+    return TrainState(model=m, optimizer=opt, scheduler=build_lr_scheduler(opt, cfg))
+
+
+def _opt_state(st):
+    """{(param name, state key): tensor clone} of the optimizer (exp_avg, exp_avg_sq, step)."""
+    names = {id(p): n for n, p in st.model.named_parameters()}
+    return {(names[id(p)], k): v.detach().clone() for p, s in st.optimizer.state.items() for k, v in s.items()}
+
+
+def _params(m):
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def _assert_bitwise(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _nan_eq(a, b) -> bool:
+    """Equality of nested lists / tuples of values where NaN equals NaN."""
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_nan_eq(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def _result_values(res):
+    return (res.loss, res.aux_loss, res.grad_norm, res.lr, res.label_tokens, res.tokens, res.skipped)
+
+
+def test_supports_found_inf():
+    from titan_mm.train.optim import supports_found_inf
+
+    m = tiny_model()
+    assert not supports_found_inf(_state(m).optimizer)  # CPU: build_optimizer gives foreach AdamW
+    opt = _fused_state(m).optimizer
+    assert supports_found_inf(opt)
+    opt.found_inf = torch.zeros(())  # driven by someone else (a GradScaler): leave it alone
+    assert not supports_found_inf(opt)
+    assert not supports_found_inf(torch.optim.SGD(m.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_device_skip_finite_steps_bitwise_equal_to_host_path(moe):
+    runs = {}
+    for device_skip in (True, False):
+        m = tiny_model(moe=moe)
+        st = _fused_state(m)
+        ctx = StepContext(device=torch.device("cpu"), nan_guard=NanGuard("skip"), device_skip=device_skip)
+        results = [_result_values(train_step(st, batches(2, seed=i), ctx)) for i in range(3)]
+        assert not hasattr(st.optimizer, "found_inf") and st.nan_count == 0 and st.step == 3
+        runs[device_skip] = (results, _params(m), _opt_state(st), st.scheduler.get_last_lr())
+    (r1, p1, s1, lr1), (r0, p0, s0, lr0) = runs[True], runs[False]
+    assert r1 == r0 and lr1 == lr0
+    assert all(not r[-1] for r in r1)
+    _assert_bitwise(p1, p0)
+    _assert_bitwise(s1, s0)
+    assert {float(v) for (_, k), v in s1.items() if k == "step"} == {3.0}
+
+
+@pytest.mark.parametrize("nan_at", [0, 1])
+def test_device_skip_nan_step_leaves_params_and_state_and_next_step_proceeds(nan_at):
+    """A NaN step (inject_nan: NaN loss and gradients) on the device path: the fused kernel skips the update,
+    params and exp_avg / exp_avg_sq / step are bitwise unchanged, the guard counts it, and the following
+    finite steps give bitwise the same run as the host-decided path (which never calls opt.step there)."""
+    runs = {}
+    for device_skip in (True, False):
+        m = tiny_model()
+        st = _fused_state(m)
+        guard = NanGuard("skip", max_skipped=2)
+        results = []
+        for i in range(3):
+            ctx = StepContext(device=torch.device("cpu"), nan_guard=guard, device_skip=device_skip,
+                              inject_nan=i == nan_at)
+            if i == nan_at:
+                p_before, s_before = _params(m), _opt_state(st)
+            res = train_step(st, batches(1, seed=i), ctx)
+            results.append(_result_values(res))
+            if i == nan_at:
+                assert res.skipped and math.isnan(res.loss)
+                assert st.nan_count == 1 and guard.nan_count == 1 and st.step == i + 1
+                assert not hasattr(st.optimizer, "found_inf")
+                _assert_bitwise(_params(m), p_before)
+                if device_skip and nan_at == 0:
+                    # the skipped first opt.step() created zero state with step 0 (same as no state for Adam)
+                    assert all(float(v.abs().max()) == 0.0 for v in _opt_state(st).values())
+                else:
+                    _assert_bitwise(_opt_state(st), s_before)
+        assert st.step == 3 and st.nan_count == 1 and guard.skipped_in_a_row == 0
+        runs[device_skip] = (results, _params(m), _opt_state(st))
+    (r1, p1, s1), (r0, p0, s0) = runs[True], runs[False]
+    assert _nan_eq(r1, r0)  # loss, aux, grad norm (NaN on the skipped step), lr, tokens, skipped
+    _assert_bitwise(p1, p0)
+    _assert_bitwise(s1, s0)
+    assert {float(v) for (_, k), v in s1.items() if k == "step"} == {2.0}  # two applied updates
+
+
+def test_device_skip_host_read_after_optimizer_step(monkeypatch):
+    """On the device path nothing reads device values on the host between the clip and opt.step(); the
+    statistics are read (tolist) after it. The host path reads, then steps."""
+    from titan_mm.parallel.clip import clip_grad_norm_
+
+    events = []
+    orig_tolist, orig_cpu, orig_item = torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.item
+
+    def rec(name, fn):
+        def wrapper(self, *a, **k):
+            events.append(name)
+            return fn(self, *a, **k)
+        return wrapper
+
+    monkeypatch.setattr(torch.Tensor, "tolist", rec("tolist", orig_tolist))
+    monkeypatch.setattr(torch.Tensor, "cpu", rec("cpu", orig_cpu))
+    monkeypatch.setattr(torch.Tensor, "item", rec("item", orig_item))
+
+    def clip(params, max_norm):
+        out = clip_grad_norm_(params, max_norm)
+        events.append("clipped")
+        return out
+
+    for device_skip in (True, False):
+        m = tiny_model()
+        st = _fused_state(m)
+        opt = st.optimizer
+        seen_flag = []
+        step = opt.step
+
+        def recording_step(*a, **k):
+            events.append("step")
+            seen_flag.append(getattr(opt, "found_inf", None))
+            return step(*a, **k)
+
+        opt.step = recording_step
+        events.clear()
+        ctx = StepContext(device=torch.device("cpu"), nan_guard=NanGuard("skip"), clip_fn=clip,
+                          device_skip=device_skip)
+        res = train_step(st, batches(1), ctx)
+        assert not res.skipped
+        tail = events[events.index("clipped") + 1:]
+        if device_skip:
+            assert tail[0] == "step" and "tolist" in tail[1:], tail
+            flag = seen_flag[0]
+            assert flag is not None and flag.shape == () and flag.dtype == torch.float32 and float(flag) == 0.0
+        else:
+            assert tail.index("tolist") < tail.index("step"), tail
+            assert seen_flag == [None]
+        assert not hasattr(opt, "found_inf")
+
+
+def test_device_skip_stop_policy_raises_same_message_without_update():
+    msgs = {}
+    for device_skip in (True, False):
+        m = tiny_model()
+        st = _fused_state(m)
+        guard = NanGuard("stop")
+        train_step(st, batches(1), StepContext(device=torch.device("cpu"), nan_guard=guard, device_skip=device_skip))
+        p_before, s_before = _params(m), _opt_state(st)
+        ctx = StepContext(device=torch.device("cpu"), nan_guard=guard, inject_nan=True, device_skip=device_skip)
+        with pytest.raises(NonFiniteError, match=r"step 2: non-finite loss=nan.*nan_policy='stop'") as ei:
+            train_step(st, batches(1, seed=1), ctx)
+        msgs[device_skip] = str(ei.value)
+        _assert_bitwise(_params(m), p_before)
+        _assert_bitwise(_opt_state(st), s_before)
+        assert st.step == 1 and guard.nan_count == 1 and not hasattr(st.optimizer, "found_inf")
+    assert msgs[True] == msgs[False]
+
+
+def test_device_skip_without_guard_matches_host_path():
+    """No NaN guard: nothing to decide, the device path only moves opt.step() before the host read (no
+    found_inf is set), with bitwise the same result."""
+    runs = {}
+    for device_skip in (True, False):
+        m = tiny_model()
+        st = _fused_state(m)
+        res = train_step(st, batches(2), StepContext(device=torch.device("cpu"), device_skip=device_skip))
+        runs[device_skip] = (_result_values(res), _params(m), _opt_state(st))
+    assert runs[True][0] == runs[False][0]
+    _assert_bitwise(runs[True][1], runs[False][1])
+    _assert_bitwise(runs[True][2], runs[False][2])

@@ -114,6 +114,21 @@ def build_optimizer(model: nn.Module, cfg: JobConfig, param_groups: list[dict] |
     return torch.optim.AdamW(groups, **kwargs)
 
 
+def supports_found_inf(opt: Any) -> bool:
+    """Whether ``opt.step()`` honours a device-side skip flag: torch's Adam / AdamW with ``fused=True`` in every
+    parameter group (what :func:`build_optimizer` returns on CUDA). Their step reads the attributes
+    ``opt.grad_scale`` / ``opt.found_inf`` (the GradScaler mechanism, torch >= 2.0): with ``found_inf == 1`` the
+    fused kernel leaves parameters, ``exp_avg`` and ``exp_avg_sq`` untouched and ``state['step']`` is restored
+    (+1, then -found_inf). False for anything else (foreach / single-tensor AdamW, subclasses, other optimizers),
+    and when the optimizer already carries ``grad_scale`` / ``found_inf`` (someone else, e.g. a GradScaler,
+    drives them)."""
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    if hasattr(opt, "found_inf") or hasattr(opt, "grad_scale"):
+        return False
+    return bool(opt.param_groups) and all(g.get("fused") for g in opt.param_groups)
+
+
 def lr_factor(step: int, total_steps: int, s: LRScheduler) -> float:
     """Multiplier on the peak lr for the update made at ``step`` (0-based)."""
     warm = s.warmup_steps

@@ -11,6 +11,14 @@ micro-batches and the dp x cp ranks (gradients are summed; each rank adds aux / 
 
 Then: global grad-norm clip over every mesh axis (titan_mm.parallel.clip), a non-finite check (the same
 decision on every rank: the loss and norm are global), optimizer step, scheduler step.
+
+Where the check is made. With torch's fused AdamW (CUDA; :func:`titan_mm.train.optim.supports_found_inf`)
+and a NaN guard, the check is computed on the device and handed to the optimizer as ``found_inf`` (the
+GradScaler mechanism: the fused kernel skips the update and restores ``state['step']``), so
+``opt.step()`` is enqueued before the one host read of the step's statistics and the GPU does not idle
+while the host launches it. The NaN guard then sees the same values and makes the same decision on the
+host (count, log, or raise for policy "stop" / too many skips; the update is already skipped). Any other
+optimizer, or ``StepContext.device_skip=False``, keeps the host-decided path: read, decide, then step.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch.distributed as dist
 from titan_mm.models.common.attention import build_attn_meta
 from titan_mm.observe.health import NanGuard
 from titan_mm.parallel.clip import clip_grad_norm_
+from titan_mm.train.optim import supports_found_inf
 from titan_mm.train.state import TrainState
 
 # Batch keys consumed by the step / attention metadata, not passed to the model as keyword arguments.
@@ -55,7 +64,14 @@ class StepContext:
     inject_nan: bool = False
     """Fault injection (tests): multiply this step's loss by NaN."""
     after_optimizer: Callable | None = None
-    """Called after each applied optimizer step (not after a skipped one), e.g. float8 scale precompute."""
+    """Called after each applied optimizer step, e.g. float8 scale precompute. On the host-decided path not
+    after a skipped one; on the device-skip path (``device_skip``) it runs after every ``opt.step()``, skipped
+    or not, because the skip is only known on the device then (the weights are unchanged by a skipped step,
+    so a hook that derives state from them, like the float8 scale precompute, computes the same values)."""
+    device_skip: bool = True
+    """Decide the NaN skip on the device when the optimizer supports it (torch's fused AdamW, see
+    titan_mm.train.optim.supports_found_inf) and a ``nan_guard`` is set: ``opt.step()`` is enqueued before
+    the host reads the step's statistics. False forces the host-decided path (read, decide, then step)."""
 
 
 @dataclass
@@ -153,6 +169,13 @@ def forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_globa
     return loss_acc, aux_acc
 
 
+def _param_device(opt) -> torch.device:
+    for g in opt.param_groups:
+        for p in g["params"]:
+            return p.device
+    return torch.device("cpu")
+
+
 def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -> StepResult:
     """Forward/backward over ``micro_batches``, clip, optimizer and scheduler step; advances ``state.step``."""
     t0 = time.perf_counter()
@@ -170,20 +193,42 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
     if ctx.loss_group is not None:
         comm_dev = ctx.device if dist.get_backend(ctx.loss_group) == "nccl" else torch.device("cpu")
         stats = _all_reduce_sum(stats.to(comm_dev), ctx.loss_group)
-    host = torch.cat([stats.cpu(), grad_norm.detach().float().reshape(1).cpu()]).tolist()
+    gnorm_t = grad_norm.detach().float().reshape(1)
+    lr = opt.param_groups[0]["lr"]
+
+    # Device-decided skip: enqueue opt.step() before the host read below (the read waits for the GPU).
+    device_skip = ctx.device_skip and supports_found_inf(opt)
+    if device_skip:
+        if ctx.nan_guard is not None:
+            # the guard's test (loss and grad norm finite) as a 0-dim float32 flag on the params' device (a
+            # plain tensor also for DTensor params: DTensor treats a 0-dim plain tensor as replicated; it must
+            # be 0-dim, as GradScaler's, since the optimizer subtracts it in place from the 0-dim step counts)
+            dev = _param_device(opt)
+            finite = torch.isfinite(stats[0].to(dev)) & torch.isfinite(gnorm_t[0].to(dev))
+            opt.found_inf = (~finite).to(torch.float32)
+        try:
+            opt.step()
+        finally:
+            if hasattr(opt, "found_inf"):  # this step's flag only: never reused by a later step
+                del opt.found_inf
+        if ctx.after_optimizer is not None:
+            ctx.after_optimizer()
+
+    host = torch.cat([stats.cpu(), gnorm_t.cpu()]).tolist()
     loss = host[0] / max(n_labels, 1)
     aux = host[1] / (len(micro_batches) * ctx.loss_world)
     gnorm = host[2]
-    lr = opt.param_groups[0]["lr"]
 
     ok = True
     if ctx.nan_guard is not None:
+        # same test as found_inf above, on the same values: on the device-skip path the update was already
+        # skipped exactly when this returns False (or raises: policy "stop" / too many skips in a row)
         ok = ctx.nan_guard.check(state.step + 1, loss, gnorm)
-    if ok:
+    if ok and not device_skip:
         opt.step()
         if ctx.after_optimizer is not None:
             ctx.after_optimizer()
-    else:
+    elif not ok:
         state.nan_count += 1
     opt.zero_grad(set_to_none=True)
     with warnings.catch_warnings():  # a skipped update makes LambdaLR warn about the call order
