@@ -1,0 +1,63 @@
+"""The device-decided NaN skip on CUDA (fused AdamW's found_inf, titan_mm.train.step): the same run as the
+host-decided path, bit for bit, with a NaN step in the middle that leaves parameters and AdamW state alone.
+The CPU tests (tests/unit/test_train_step.py) run torch's fused CPU AdamW; this is the optimizer the trainer
+builds on the GPU (titan_mm.train.optim.build_optimizer: fused=True on CUDA)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from titan_mm.config import JobConfig
+from titan_mm.observe.health import NanGuard
+from titan_mm.registry import get_model_spec
+from titan_mm.train.optim import build_lr_scheduler, build_optimizer, supports_found_inf
+from titan_mm.train.state import TrainState
+from titan_mm.train.step import StepContext, train_step
+from titan_mm.train.synthetic import SyntheticLoader
+
+pytestmark = pytest.mark.gpu
+VOCAB = 256
+
+
+def _run(device_skip: bool, nan_at: int):
+    dev = torch.device("cuda")
+    spec = get_model_spec("qwen3")
+    cfg = spec.flavors["debug"].replace(vocab_size=VOCAB, num_hidden_layers=2, hidden_size=64,
+                                        intermediate_size=128, head_dim=16)
+    torch.manual_seed(0)
+    with dev:
+        m = spec.build(cfg)
+        m.init_weights()
+    jc = JobConfig()
+    jc.training.steps = 10
+    opt = build_optimizer(m, jc)
+    assert supports_found_inf(opt), "build_optimizer should give fused AdamW on CUDA"
+    st = TrainState(model=m, optimizer=opt, scheduler=build_lr_scheduler(opt, jc))
+    guard = NanGuard("skip", max_skipped=2)
+    it = iter(SyntheticLoader(vocab_size=VOCAB, seq_len=32, micro_batch_size=2, n_micro=1, seed=0))
+    out = []
+    for i in range(4):
+        ctx = StepContext(device=dev, nan_guard=guard, device_skip=device_skip, inject_nan=i == nan_at)
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        res = train_step(st, [next(it)], ctx)
+        if i == nan_at:
+            assert res.skipped and math.isnan(res.loss)
+            for n, p in m.named_parameters():
+                assert torch.equal(p.detach(), before[n]), f"the NaN step changed {n}"
+        out.append((res.loss, res.grad_norm, res.skipped))
+    steps = {float(s["step"]) for s in opt.state.values()}
+    return out, {n: p.detach().clone() for n, p in m.named_parameters()}, st.nan_count, steps
+
+
+def test_device_skip_matches_host_path_on_cuda():
+    r1, p1, n1, s1 = _run(True, nan_at=1)
+    r0, p0, n0, s0 = _run(False, nan_at=1)
+    assert n1 == n0 == 1
+    assert s1 == s0 == {3.0}, (s1, s0)  # 4 steps, one skipped: AdamW's step counts restored on the device
+    assert len(r1) == len(r0) and all(
+        (math.isnan(a[0]) and math.isnan(b[0])) or a == b for a, b in zip(r1, r0)), (r1, r0)
+    for n in p0:
+        assert torch.equal(p1[n], p0[n]), n
