@@ -383,14 +383,12 @@ def run_case(name, case, impl, fn, do_compile):
             cfg = _tuner_marks()
             if cfg:
                 row["config"] = cfg
+        bwd = mode == "fwd+bwd"
         if "fwd_bytes" in case:
-            nbytes = case["fwd_bytes"] + (case["bwd_bytes"] if mode == "fwd+bwd" else 0)
-            tbs = nbytes / (ms * 1e-3) / 1e12
-            row.update(bytes=nbytes, tb_s=round(tbs, 3), frac_copy=round(tbs / COPY_CEILING_TBS, 3))
+            row["bytes"] = case["fwd_bytes"] + (case["bwd_bytes"] if bwd else 0)
         else:
-            fl = case["fwd_flops"] + (case["bwd_flops"] if mode == "fwd+bwd" else 0)
-            tf = fl / (ms * 1e-3) / 1e12
-            row.update(flops=fl, tflops=round(tf, 1), frac_matmul=round(tf / MATMUL_CEILING_TFLOPS, 3))
+            row["flops"] = case["fwd_flops"] + (case["bwd_flops"] if bwd else 0)
+        set_rates(row)
         rows.append(row)
     if PROFILE_DIR and impl != "eager":  # where the fwd+bwd time goes, kernel by kernel
         from torch.profiler import ProfilerActivity, profile
@@ -501,6 +499,17 @@ def main(argv=None):
     print(f"\nwrote {a.out} in {meta['wall_s']} s")
 
 
+def set_rates(row) -> None:
+    """Achieved rate of a row from its ``ms``: TB/s and fraction of the copy ceiling for a row with ``bytes``,
+    TFLOP/s and fraction of the matmul ceiling for one with ``flops``."""
+    if "bytes" in row:
+        tbs = row["bytes"] / (row["ms"] * 1e-3) / 1e12
+        row.update(tb_s=round(tbs, 3), frac_copy=round(tbs / COPY_CEILING_TBS, 3))
+    if "flops" in row:
+        tf = row["flops"] / (row["ms"] * 1e-3) / 1e12
+        row.update(tflops=round(tf, 1), frac_matmul=round(tf / MATMUL_CEILING_TFLOPS, 3))
+
+
 ABBA = ("liger", "titan_mm")  # the pair whose ratio is a target: timed A B B A (retime_reversed)
 
 
@@ -525,12 +534,7 @@ def retime_reversed(name, case, rows, errors) -> None:
                 continue
             r["ms_runs"] = [r["ms"], r2["ms"]]
             r["ms"] = round((r["ms"] + r2["ms"]) / 2, 4)
-            for k in ("tflops", "tb_s"):  # rates follow the mean time
-                if k in r:
-                    ceil, frac = (MATMUL_CEILING_TFLOPS, "frac_matmul") if k == "tflops" else (COPY_CEILING_TBS, "frac_copy")
-                    work = r["flops"] / 1e12 if k == "tflops" else r["bytes"] / 1e12
-                    r[k] = round(work / (r["ms"] * 1e-3), 3 if k == "tb_s" else 1)
-                    r[frac] = round(r[k] / ceil, 3)
+            set_rates(r)  # the rates follow the mean time
             print(_fmt_row(r) + f"  (runs {r['ms_runs']})", flush=True)
 
 
