@@ -1,0 +1,232 @@
+"""The step-time floor of a dense Qwen3 training step on this GPU: the unavoidable GEMMs, attention and
+optimizer, each timed alone with the libraries every stack calls (cuBLAS, cuDNN SDPA, fused AdamW).
+
+Any stack that trains the model with these libraries does at least this work per step; the floor leaves out
+everything memory-bound between the GEMMs (norms, RoPE, SwiGLU, residual adds, the CE's softmax, float8
+casts, FSDP copies) and assumes the GPU is never idle, so the real ceiling is lower. The report sets the
+floor's tokens/s next to the issue's targets (1.2x / 1.5x the faster peer of bench/results/mfu.json):
+a target above the floor cannot be met with these libraries.
+
+Timed per step, at the case's shape (tokens = batch x seq):
+  gemm        every linear's forward, input-gradient and weight-gradient GEMM, all layers + the LM head, bf16
+              (q/k/v and gate/up each timed separate and fused; the faster form counts)
+  gemm_f8     the same GEMMs through torch._scaled_mm in float8 e4m3 with tensorwise scales (torchao's
+              tensorwise recipe), except the LM head, which stays bf16 (titan_mm's float8.filter_fqns)
+  attention   causal GQA SDPA forward + backward (cuDNN backend, as titan_mm's and the peers' runs pick)
+  adamw       one fused AdamW step over fp32 parameters of the model's shapes (tied embeddings counted once)
+
+  PYTHONPATH=$PWD python3 bench/floor.py --cases qwen3_1.7b --out bench/results/floor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.mfu import CASES, model_config, text_cfg  # noqa: E402
+
+PEAK_TFLOPS = 989.0
+
+
+def cuda_ms(fn, iters: int = 10, warmup: int = 3) -> float:
+    """Median CUDA-event time of fn() in ms."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def linears(t) -> dict[str, list[tuple[int, int]]]:
+    """Per decoder layer: group -> [(in, out)] of its linears, in two forms (separate and fused)."""
+    d, f, hd = t.hidden_size, t.intermediate_size, t.head_dim
+    q, kv = t.num_attention_heads * hd, t.num_key_value_heads * hd
+    return {
+        "qkv": [(d, q), (d, kv), (d, kv)], "qkv_fused": [(d, q + 2 * kv)],
+        "o": [(q, d)],
+        "gate_up": [(d, f), (d, f)], "gate_up_fused": [(d, 2 * f)],
+        "down": [(f, d)],
+    }
+
+
+def gemm_list(n: int, pairs, float8: bool):
+    """The three GEMMs of each linear (x [n, in], W [out, in]) as closures over preallocated operands."""
+    ops, flops = [], 0
+    for i, o in pairs:
+        flops += 6 * n * i * o
+        if float8:
+            e4 = torch.float8_e4m3fn
+            x = torch.randn(n, i, device="cuda").to(e4)
+            w = torch.randn(o, i, device="cuda").to(e4)
+            dy = torch.randn(n, o, device="cuda").to(e4)
+            dyt = dy.t().contiguous()  # for the weight gradient, the left operand is dy^T row-major
+            xt = x.t().contiguous()    # ... and the right operand x, column-major
+            one = torch.ones((), device="cuda")
+            wt = w.t().contiguous()    # dgrad: dy @ W with W column-major
+            ops += [
+                lambda x=x, w=w: torch._scaled_mm(x, w.t(), one, one, out_dtype=torch.bfloat16),
+                lambda dy=dy, wt=wt: torch._scaled_mm(dy, wt.t(), one, one, out_dtype=torch.bfloat16),
+                lambda dyt=dyt, xt=xt: torch._scaled_mm(dyt, xt.t(), one, one, out_dtype=torch.bfloat16),
+            ]
+        else:
+            x = torch.randn(n, i, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(o, i, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(n, o, device="cuda", dtype=torch.bfloat16)
+            ops += [lambda x=x, w=w: x @ w.t(), lambda dy=dy, w=w: dy @ w, lambda dy=dy, x=x: dy.t() @ x]
+    return ops, flops
+
+
+def time_ops(ops) -> float:
+    def run():
+        for op in ops:
+            op()
+    return cuda_ms(run)
+
+
+def gemm_floor(t, n: int, float8: bool) -> dict:
+    """ms per step of all GEMMs: per layer the faster of separate / fused qkv and gate_up, x layers, + head."""
+    groups = linears(t)
+    per_layer, detail = 0.0, {}
+    layer_flops = 0
+    for name in ("qkv", "o", "gate_up", "down"):
+        forms = [name] + ([name + "_fused"] if name + "_fused" in groups else [])
+        best = None
+        for form in forms:
+            ops, fl = gemm_list(n, groups[form], float8)
+            ms = time_ops(ops)
+            detail[form] = round(ms, 4)
+            del ops
+            if best is None or ms < best[0]:
+                best = (ms, fl)
+        per_layer += best[0]
+        layer_flops += best[1]
+    ops, head_flops = gemm_list(n, [(t.hidden_size, t.vocab_size)], False)  # the LM head stays bf16
+    head_ms = time_ops(ops)
+    del ops
+    torch.cuda.empty_cache()
+    L = t.num_hidden_layers
+    ms = per_layer * L + head_ms
+    flops = layer_flops * L + head_flops
+    return dict(ms=ms, tflops=flops / ms / 1e9, layer_ms=per_layer, head_ms=head_ms, per_form_ms=detail,
+                flops=flops)
+
+
+def attention_floor(t, batch: int, seq: int) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    h, g, hd = t.num_attention_heads, t.num_key_value_heads, t.head_dim
+    q = torch.randn(batch, h, seq, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(batch, g, seq, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(batch, g, seq, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(batch, h, seq, hd, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        def run(be=be):
+            with sdpa_kernel([be]):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g != h)
+            o.backward(do)
+        try:
+            out[name] = cuda_ms(run)
+        except RuntimeError as e:  # a backend this build lacks for the shape
+            out[name] = None
+            print(f"[floor] attention {name}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
+    best = min(v for v in out.values() if v is not None)
+    # causal: half the S x S score matrix; fwd 2 GEMMs, bwd 5 (FLOPs as docs/flops.md counts them: 3.5x fwd)
+    flops = 3.5 * 2 * 2 * batch * h * seq * seq * hd / 2
+    L = t.num_hidden_layers
+    return dict(ms=best * L, layer_ms=best, per_backend_layer_ms=out, tflops=flops / best / 1e9)
+
+
+def adamw_floor(t) -> dict:
+    d, f, hd, L = t.hidden_size, t.intermediate_size, t.head_dim, t.num_hidden_layers
+    q, kv = t.num_attention_heads * hd, t.num_key_value_heads * hd
+    layer = [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f), (d,), (d,), (hd,), (hd,)]
+    shapes = layer * L + [(t.vocab_size, d), (d,)] + ([] if t.tie_word_embeddings else [(t.vocab_size, d)])
+    params = [torch.zeros(s, device="cuda", requires_grad=True) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    ms = cuda_ms(opt.step, iters=5, warmup=2)
+    n = sum(p.numel() for p in params)
+    del opt, params
+    torch.cuda.empty_cache()
+    return dict(ms=ms, params=n, gb_per_s=n * 4 * 7 / ms / 1e6)  # read p g m v, write p m v (fp32)
+
+
+def peers(case: str, mfu_json: Path) -> dict:
+    """The latest rows of bench/results/mfu.json for the case: titan stacks and the peers."""
+    if not mfu_json.exists():
+        return {}
+    rows = {}
+    for r in json.loads(mfu_json.read_text()).get("rows", []):
+        if r.get("case") == case and r.get("ac", "none") == "none":
+            rows[r["stack"]] = r["tokens_per_s"]
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="qwen3_1.7b")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/floor.json"))
+    ap.add_argument("--mfu-json", default=str(ROOT / "bench/results/mfu.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/floor.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = []
+    for name in args.cases.split(","):
+        case = CASES[name]
+        _, mc = model_config(case)
+        t = text_cfg(mc)
+        if t.num_experts:
+            raise SystemExit(f"{name}: the floor covers dense models only")
+        n = case["batch"] * case["seq"]
+        t0 = time.time()
+        gemm = gemm_floor(t, n, False)
+        gemm8 = gemm_floor(t, n, True)
+        attn = attention_floor(t, case["batch"], case["seq"])
+        adam = adamw_floor(t)
+        floor_ms = gemm["ms"] + attn["ms"] + adam["ms"]
+        floor8_ms = gemm8["ms"] + attn["ms"] + adam["ms"]
+        p = peers(name, Path(args.mfu_json))
+        best_peer = max((v for k, v in p.items() if not k.startswith("titan")), default=None)
+        row = dict(
+            case=name, tokens=n, gemm=gemm, gemm_f8=gemm8, attention=attn, adamw=adam,
+            floor_ms=floor_ms, floor_tok_s=n / floor_ms * 1e3,
+            floor_f8_ms=floor8_ms, floor_f8_tok_s=n / floor8_ms * 1e3,
+            mfu_rows=p, best_peer_tok_s=best_peer,
+            target_bf16_tok_s=1.2 * best_peer if best_peer else None,
+            target_f8_tok_s=1.5 * best_peer if best_peer else None,
+            gpu=torch.cuda.get_device_name(), torch=torch.__version__, seconds=round(time.time() - t0, 1),
+        )
+        rows.append(row)
+        print(f"{name}: gemm {gemm['ms']:.1f} ms ({gemm['tflops']:.0f} TFLOP/s), f8 {gemm8['ms']:.1f} ms "
+              f"({gemm8['tflops']:.0f}), attention {attn['ms']:.1f} ms ({attn['tflops']:.0f}), adamw "
+              f"{adam['ms']:.1f} ms -> floor {floor_ms:.1f} ms = {row['floor_tok_s']:,.0f} tok/s "
+              f"(float8 {row['floor_f8_tok_s']:,.0f}); best peer {best_peer}; targets "
+              f"{row['target_bf16_tok_s']} / {row['target_f8_tok_s']}", flush=True)
+    Path(args.out).write_text(json.dumps(dict(
+        note="per-step floor: GEMMs + attention + fused AdamW, each timed alone (bench/floor.py docstring)",
+        rows=rows), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
