@@ -267,6 +267,28 @@ def build_cases(only):
             "titan_mm": lambda q, k, cos, sin: K.apply_mrope(q, k, cos, sin, MROPE_SECTION),
         },
     )
+
+    def mrope_model_inputs():
+        d = mrope_inputs()
+        d["cos_i"], d["sin_i"] = (R.mrope_interleave(t[..., :half], MROPE_SECTION) for t in (d["cos"], d["sin"]))
+        return d
+
+    # M-RoPE as each stack's model runs it per layer: titan_mm's Qwen3-VL interleaves the table once per step
+    # (mrope_cos_sin) and applies the RoPE kernel to it; Liger's Qwen2-VL path takes the per-axis tables
+    cases["mrope_model"] = dict(
+        shape=f"as mrope; titan_mm: the interleaved [{B}, {S}, {DH}] table built once per step (models' path)",
+        inputs=mrope_model_inputs,
+        fwd_bytes=2 * qk_bytes + N * DH * e, bwd_bytes=2 * qk_bytes + N * DH * e,
+        impls={
+            "eager": lambda q, k, cos, sin, cos_i, sin_i: R.apply_rope(q, k, cos_i, sin_i),
+            "compile": ("compile", lambda q, k, cos, sin, cos_i, sin_i: R.apply_rope(q, k, cos_i, sin_i)),
+            "liger": (
+                lambda q, k, cos, sin, cos_i, sin_i, L=L: L.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin,
+                                                                  MROPE_SECTION)
+            ) if L else None,
+            "titan_mm": lambda q, k, cos, sin, cos_i, sin_i: K.apply_rope(q, k, cos_i, sin_i),
+        },
+    )
     cases["bias_gelu"] = dict(
         shape=f"x [{N}, {VIT_FFN}] bf16 (Qwen3-VL ViT MLP)",
         inputs=lambda: dict(x=rnd(N, VIT_FFN), b=rnd(VIT_FFN)),

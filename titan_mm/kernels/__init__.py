@@ -89,6 +89,7 @@ if HAS_TRITON:
     from .cross_entropy import (LinearCrossEntropyFunction, VocabParallelLinearCrossEntropyFunction,
                                 linear_cross_entropy_op)
     from .rms_norm import AddRMSNormFunction, RMSNormFunction, add_rms_norm_op, rms_norm_op
+    from .rms_norm import _fwd as _rms_fwd
     from .rope import RopeFunction, rope_op
     from .swiglu import SwiGLUFunction, swiglu_op
 
@@ -96,7 +97,11 @@ if HAS_TRITON:
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Qwen3 RMSNorm over the last dim: w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)."""
     if use_triton(x, w):
-        return rms_norm_op(x, w, eps)[0] if _dispatch.use_ops() else RMSNormFunction.apply(x, w, eps)
+        if _dispatch.use_ops():
+            return rms_norm_op(x, w, eps)[0]
+        if not torch.is_grad_enabled():  # eval / generation: no backward, so no rstd written for it
+            return _rms_fwd(x, None, w, eps, stats=False)[0]
+        return RMSNormFunction.apply(x, w, eps)
     return reference.rms_norm(x, w, eps)
 
 
@@ -106,6 +111,8 @@ def add_rms_norm(
     """new_residual = x + residual; returns (rms_norm(new_residual, w, eps), new_residual)."""
     if use_triton(x, residual, w) and x.shape == residual.shape and x.dtype == residual.dtype:
         if not _dispatch.use_ops():
+            if not torch.is_grad_enabled():
+                return _rms_fwd(x, residual, w, eps, stats=False)[:2]
             return AddRMSNormFunction.apply(x, residual, w, eps)
         y, nr, _ = add_rms_norm_op(x, residual, w, eps)
         return y, nr

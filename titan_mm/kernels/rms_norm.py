@@ -51,7 +51,7 @@ _BWD = Tuner("rms_norm_bwd", _bwd_configs)
 @triton.jit
 def _rms_fwd_kernel(
     X, stride_x, R, stride_r, NR, Y, W, RSTD, N, D, eps,
-    HAS_RES: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    HAS_RES: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, HAS_RSTD: tl.constexpr = True,
 ):
     row0 = tl.program_id(0).to(tl.int64) * BR
     r = tl.arange(0, BR)
@@ -65,7 +65,8 @@ def _rms_fwd_kernel(
         tl.store(NR + row0 * D + r[:, None] * D + cols[None, :], nr, mask=m)
         x = nr.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    tl.store(RSTD + row0 + r, rstd, mask=mr)
+    if HAS_RSTD:  # saved for the backward; a forward without gradients skips it
+        tl.store(RSTD + row0 + r, rstd, mask=mr)
     w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
     xn = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)  # HF casts before the weight multiply
     tl.store(Y + row0 * D + r[:, None] * D + cols[None, :], (w[None, :] * xn).to(Y.dtype.element_ty), mask=m)
@@ -130,16 +131,17 @@ def _check_i32(rows_in_program: int, *strides: int) -> None:
     assert rows_in_program * max(strides) < 2**31, "row stride too large for int32 in-program offsets"
 
 
-def _fwd(x, residual, w, eps, op=False):
+def _fwd(x, residual, w, eps, op=False, stats=True):
     """op=True: called from the triton_op body (launches through `wrap_triton`, traceable); False: the eager
-    autograd.Function path (the kernel itself)."""
+    autograd.Function path (the kernel itself). stats=False (eager, no gradients needed): rstd is not
+    written (returned as None)."""
     kern = wrap_triton(_rms_fwd_kernel) if op else _rms_fwd_kernel
     w = w.contiguous()
     x2 = as_rows(x)
     n, d = x2.shape
     bd = next_pow2(d)
     y = new_empty(x.shape, x.dtype, x.device)
-    rstd = new_empty(x.shape[:-1], torch.float32, x.device)
+    rstd = new_empty(x.shape[:-1] if stats else (1,), torch.float32, x.device)
     if residual is not None:
         r2 = as_rows(residual)
         nr = new_empty(x.shape, x.dtype, x.device)
@@ -151,12 +153,12 @@ def _fwd(x, residual, w, eps, op=False):
             _check_i32(c["BR"], x2.stride(0), r2.stride(0), d)
             kern[(triton.cdiv(n, c["BR"]),)](
                 x2, x2.stride(0), r2, r2.stride(0), nr, y, w, rstd, n, d, eps,
-                HAS_RES=residual is not None, BD=bd, **c,
+                HAS_RES=residual is not None, BD=bd, HAS_RSTD=stats, **c,
             )
 
         traced = kern is not _rms_fwd_kernel  # no timing while traced: the pick goes into the graph
         launch(_FWD.pick((bd, x.dtype, residual is not None), None if traced else launch))
-    return y, (nr if residual is not None else None), rstd
+    return y, (nr if residual is not None else None), (rstd if stats else None)
 
 
 def _bwd(dy, x, w, rstd, dnr, op=False):
@@ -258,7 +260,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, eps):
-        y, _, rstd = _fwd(x, None, w, eps)
+        y, _, rstd = _fwd(x, None, w, eps, stats=ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         ctx.save_for_backward(x, w, rstd)
         return y
 
@@ -272,7 +274,7 @@ class RMSNormFunction(torch.autograd.Function):
 class AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, w, eps):
-        y, nr, rstd = _fwd(x, residual, w, eps)
+        y, nr, rstd = _fwd(x, residual, w, eps, stats=any(ctx.needs_input_grad[:3]))
         ctx.save_for_backward(nr, w, rstd)
         return y, nr
 

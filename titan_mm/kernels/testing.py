@@ -91,6 +91,9 @@ def check_rms_norm(device, dtype, big):
             xr, wr = _ref_leaves([x, w])
             yr = R.rms_norm(xr, wr, eps)
             _compare(recs, "rms_norm", dtype, f"{shape}/{mode}", [y], [yr], [x, w], [xr, wr], [torch.randn_like(y)])
+            with torch.no_grad():  # the eval forward (no rstd written) and a detached input under grad mode
+                _record(recs, "rms_norm", dtype, f"{shape}/{mode}", "out_nograd", K.rms_norm(x, w, eps), yr)
+            _record(recs, "rms_norm", dtype, f"{shape}/{mode}", "out_detached", K.rms_norm(x.detach(), w.detach(), eps), yr)
     return recs
 
 
@@ -109,6 +112,9 @@ def check_add_rms_norm(device, dtype, big):
             ins = [x, r, w]
             refs_in = _ref_leaves(ins)
             yr, nrr = R.add_rms_norm(*refs_in, 1e-6)
+            with torch.no_grad():  # the eval forward (no rstd written)
+                for i, (o, ref) in enumerate(zip(K.add_rms_norm(x, r, w, 1e-6), (yr, nrr))):
+                    _record(recs, "add_rms_norm", dtype, f"{shape}/{mode}", f"out{i}_nograd", o, ref)
             _compare(recs, "add_rms_norm", dtype, f"{shape}/{mode}", [y, nr], [yr, nrr], ins, refs_in,
                      [torch.randn_like(y), torch.randn_like(nr)])
     return recs
