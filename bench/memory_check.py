@@ -107,14 +107,17 @@ def estimate_row(case_name: str, stack: str, ac: str) -> dict:
     """Run titan_mm.parallel.memory for one bench row; GiB values."""
     from mfu import CASES
 
+    from mfu import parse_ac
+
     from titan_mm.parallel.memory import GiB, Topology, count_params, estimate_phases, peak_phase
 
     case = CASES[case_name]
+    ac_mode, ac_layers = parse_ac(ac)
     spec, mc = titan_model_config(case_name, stack)
     plan = spec.plan(mc)
     counts = count_params(mc, plan)
     nv = vision_patches(case_name, mc)
-    phases = estimate_phases(mc, plan, Topology(ac=ac), case["seq"], case["batch"], 2, counts,
+    phases = estimate_phases(mc, plan, Topology(ac=ac_mode, ac_layers=ac_layers), case["seq"], case["batch"], 2, counts,
                              kernels=stack != "titan_nokernels", compile=stack != "titan_eager",
                              float8=stack in ("titan_f8", "titan_f8_pre"), vision_patches=nv)
     peak = peak_phase(phases)

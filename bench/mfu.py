@@ -50,6 +50,15 @@ CASES: dict[str, dict] = {
 }
 
 
+def parse_ac(ac: str) -> tuple[str, int]:
+    """--ac MODE[:N] -> (activation_checkpoint.mode, num_layers): 'selective:2' = selective AC on the first 2
+    blocks only, 'none' / 'full' / 'selective' = that mode on every block."""
+    mode, _, n = ac.partition(":")
+    if mode not in ("none", "selective", "full") or (n and not n.isdigit()):
+        raise SystemExit(f"--ac {ac!r}: expected none | selective | full, optionally :N (the first N blocks)")
+    return mode, int(n or 0)
+
+
 def text_cfg(mc):
     """The text-model part of a (possibly VL) config (Qwen3-VL keeps it in ``.text``)."""
     return getattr(mc, "text", mc)
@@ -113,13 +122,14 @@ def _titan_builder(case, stack, args, device):
     from titan_mm.train.trainer import build_model
 
     spec, mc = model_config(case)
+    ac_mode, ac_layers = parse_ac(args.ac)
     argv = [
         "--model.name", case["model"], "--model.flavor", case["flavor"],
         "--compile.enable", str(stack != "titan_eager"),
         "--float8.enable", str(stack in ("titan_f8", "titan_f8_pre")),
         "--float8.precompute_scale", str(stack == "titan_f8_pre"),
         "--kernels.mode", "reference" if stack == "titan_nokernels" else "auto",
-        "--activation_checkpoint.mode", args.ac,
+        "--activation_checkpoint.mode", ac_mode, "--activation_checkpoint.num_layers", str(ac_layers),
         "--training.param_dtype", "bfloat16", "--training.reduce_dtype", "float32",
         "--checkpoint.enable", "False",
     ]
@@ -350,7 +360,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="qwen3_1.7b")
     ap.add_argument("--stacks", default="titan,titan_f8,torchtitan,hf_liger")
-    ap.add_argument("--ac", default="none", help="titan activation checkpointing: none | selective | full")
+    ap.add_argument("--ac", default="none", help="titan activation checkpointing: none | selective | full, "
+                    "optionally :N for the first N blocks only (activation_checkpoint.num_layers), e.g. selective:2")
     ap.add_argument("--kernel-ops", default="", help="titan kernels.ops for the titan stacks with kernels "
                     "(default: the config's, 'all'); the row records it and keys on it")
     ap.add_argument("--attn", default="auto", help="titan attention backend: auto (flex) | sdpa | flex | varlen")

@@ -66,3 +66,35 @@ def test_vl_tp_terms():
     nosp, sp, enc = fwd(sp=False), fwd(sp=True), fwd(sp=True, encoder_tp=True)
     assert sp["activations"] < nosp["activations"]
     assert enc["activations"] < sp["activations"] and enc["params"] < sp["params"]
+
+
+def test_ac_num_layers_interpolates():
+    """activation_checkpoint.num_layers = N: N blocks hold the AC mode's bytes, the rest everything; N = 0 or
+    N >= the block count is the mode on every block. Qwen3-VL counts its vision blocks first (module order)."""
+    from titan_mm.parallel.memory import decoder_block_bytes, estimate_phases
+
+    spec = get_model_spec("qwen3")
+    cfg = spec.flavor("1.7B")
+    plan = spec.plan(cfg)
+    c = count_params(cfg, plan)
+    L, tokens = cfg.num_hidden_layers, 4 * 4096
+    fwd = {n: estimate_phases(cfg, plan, Topology(ac="selective", ac_layers=n), 4096, 4, counts=c,
+                              kernels=True)["forward_end"]["activations"] for n in (0, 1, 2, L, L + 5)}
+    none = estimate_phases(cfg, plan, Topology(), 4096, 4, counts=c, kernels=True)["forward_end"]["activations"]
+    blk = decoder_block_bytes(cfg, Topology(ac="selective"), 2, kernels=True)
+    step = (blk.full - blk.kept) * tokens
+    assert abs((none - fwd[1]) - step) < 1 and abs((none - fwd[2]) - 2 * step) < 1
+    assert fwd[0] == fwd[L] == fwd[L + 5] and abs((none - fwd[0]) - L * step) < 1e3
+
+    vspec = get_model_spec("qwen3_vl")
+    vcfg = vspec.flavor("2B")
+    vplan = vspec.plan(vcfg)
+    vc = count_params(vcfg, vplan)
+    nvb = vc.vision_blocks
+
+    def vis(n):
+        return estimate_phases(vcfg, vplan, Topology(ac="full", ac_layers=n), 4096, 1, counts=vc, kernels=True,
+                               vision_patches=1024)["forward_end"]["activations"]
+    # the first nvb units are vision blocks: the decoder keeps everything until N passes them
+    assert vis(1) < vis(0) + 1e12 and vis(nvb) > vis(nvb + 1) > vis(nvb + 2)
+    assert vis(0) < vis(nvb + 2)

@@ -41,6 +41,17 @@ def test_ac_keeps_the_math(mode, opt):
     assert_close_runs(ref, got, atol=1e-6, rtol=1e-6)
 
 
+def test_ac_num_layers_wraps_the_first_units():
+    """activation_checkpoint.num_layers = 1: only the first unit is wrapped, the math is unchanged."""
+    _, ref = _run(_cfg())
+    m, got = _run(_cfg(activation_checkpoint=NS(mode="selective", selective_option="op", num_layers=1)))
+    wrapped = [n for n, _ in m.named_modules() if n.endswith("_checkpoint_wrapped_module")]
+    assert wrapped == ["layers.0._checkpoint_wrapped_module"]
+    assert_close_runs(ref, got, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="num_layers must be >= 0"):
+        _run(_cfg(activation_checkpoint=NS(mode="full", selective_option="op", num_layers=-1)))
+
+
 def test_bad_selective_option():
     with pytest.raises(ValueError, match="selective_option must be 'op' or a positive integer"):
         _run(_cfg(activation_checkpoint=NS(mode="selective", selective_option="half")))

@@ -68,7 +68,8 @@ def parallelize(model: nn.Module, plan: ParallelizePlan, parallel_dims: Parallel
 
     mode = _opt(cfg, "activation_checkpoint.mode", "none")
     if mode != "none":
-        apply_ac(model, plan.ac_units, mode, str(_opt(cfg, "activation_checkpoint.selective_option", "op")))
+        apply_ac(model, plan.ac_units, mode, str(_opt(cfg, "activation_checkpoint.selective_option", "op")),
+                 int(_opt(cfg, "activation_checkpoint.num_layers", 0)))
 
     if _opt(cfg, "compile.enable", False):
         apply_compile(model, plan.compile_units, fullgraph=bool(_opt(cfg, "compile.fullgraph", False)))
@@ -148,9 +149,11 @@ def _sac_save_ops() -> set:
     return ops
 
 
-def apply_ac(model: nn.Module, units: tuple[str, ...], mode: str, selective_option: str = "op") -> None:
+def apply_ac(model: nn.Module, units: tuple[str, ...], mode: str, selective_option: str = "op",
+             num_layers: int = 0) -> None:
     """Wrap each AC unit: ``full`` recomputes the whole unit; ``selective`` = ``op`` (keep matmul/attention/
-    collective outputs, recompute the rest) or an integer N (full AC on every N-th unit)."""
+    collective outputs, recompute the rest) or an integer N (full AC on every N-th unit). ``num_layers`` > 0:
+    only the first that many units (in model order) are candidates."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     if mode not in ("full", "selective"):
@@ -158,6 +161,10 @@ def apply_ac(model: nn.Module, units: tuple[str, ...], mode: str, selective_opti
     targets = _top_level(match_modules(model, units))
     if not targets:
         raise ValueError(f"activation checkpointing is on but no module matches the plan's ac_units {units}.")
+    if num_layers < 0:
+        raise ValueError(f"activation_checkpoint.num_layers must be >= 0 (0 = every unit), got {num_layers}.")
+    if num_layers:
+        targets = targets[:num_layers]
     every = None
     context_fn = None
     if mode == "selective":

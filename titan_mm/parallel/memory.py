@@ -74,6 +74,7 @@ class Topology:
     ac: str = "none"  # none | selective | full
     sp: bool = True  # sequence parallel (with tp > 1, when the plan has sequence_parallel entries)
     encoder_tp: bool = False  # Qwen3-VL: ViT and mergers sharded over tp (parallel.encoder_tp), else replicated
+    ac_layers: int = 0  # activation_checkpoint.num_layers: the AC mode on the first N AC units only (0 = all)
 
     @property
     def world(self) -> int:
@@ -85,7 +86,7 @@ class Topology:
 
     def describe(self) -> str:
         return (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp} ep={self.ep} "
-                f"ac={self.ac}")
+                f"ac={self.ac}" + (f" ac_layers={self.ac_layers}" if self.ac_layers and self.ac != "none" else ""))
 
 
 @dataclass(frozen=True)
@@ -345,14 +346,22 @@ def estimate_phases(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: 
 
     # forward-only activations outside the blocks: final norm (+ its output), RoPE tables, VL extras
     head_acts = tokens * ((a * D + 4) / st + a * D + 2 * a * _g(tc, "head_dim", 128))
+    # blocks under AC (activation_checkpoint.num_layers = N > 0: the first N AC units in module order, which
+    # for Qwen3-VL are the vision blocks first, then the decoder blocks); the others keep everything
+    n_vis = (c.vision_blocks or vis.depth) if vis is not None else 0
+    n_ac_vis = 0 if topo.ac == "none" else (min(topo.ac_layers, n_vis) if topo.ac_layers > 0 else n_vis)
+    n_ac = 0 if topo.ac == "none" else (min(max(0, topo.ac_layers - n_vis), L) if topo.ac_layers > 0 else L)
     vis_acts = 0.0
     if vis is not None and vision_patches:
         nv = vision_patches
-        vis_acts = nv * (c.vision_blocks or vis.depth) * vblk.kept + nv * vision_stem_bytes(model_cfg, a, topo)
+        vis_acts = nv * (n_ac_vis * vblk.kept + (n_vis - n_ac_vis) * vblk.full) + nv * vision_stem_bytes(model_cfg, a, topo)
         # DeepStack adds, alive all forward (sequence parallel: cut to the local shard with the embeddings)
         head_acts += tokens * a * D * len(vis.deepstack_visual_indexes) / st
     if not (kernels if kernels is not None else bool(getattr(tc, "kernels", False))):
         head_acts += tokens * 4 * D / st  # the final norm is the reference RMSNorm (eager): fp32 upcast kept
+    def kept_upto(j: int) -> float:  # saved bytes per token of blocks 0..j
+        return min(j + 1, n_ac) * blk.kept + max(0, j + 1 - n_ac) * blk.full
+
     recompute = (blk.full - blk.kept) * tokens if topo.ac != "none" else 0.0
     root_params = a * root_un if fsdp_on else 0.0
     phases: dict[str, dict[str, float]] = {}
@@ -366,7 +375,7 @@ def estimate_phases(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: 
         out["total"] = sum(out.values())
         phases[name] = out
 
-    add("forward_end", fsdp_buffers=root_params, activations=L * blk.kept * tokens + head_acts + vis_acts,
+    add("forward_end", fsdp_buffers=root_params, activations=kept_upto(L - 1) * tokens + head_acts + vis_acts,
         loss=loss_work)
     for j in range(L - 1, -1, -1):
         done = L - 1 - j
@@ -375,13 +384,13 @@ def estimate_phases(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: 
             buf += a * blk_un * (2 if j > 0 else 1) + a * blk_un  # block j + prefetched j-1 params, j's grads
             buf += 4 * blk_un if done else 0.0  # previous block's fp32 reduce-scatter input (one in flight)
         add(f"backward_block_{j}", grads=4 * blk_sh * done, fsdp_buffers=buf,
-            activations=(j + 1) * blk.kept * tokens + recompute + vis_acts, loss=head_grad,
+            activations=kept_upto(j) * tokens + (recompute if j < n_ac else 0.0) + vis_acts, loss=head_grad,
             workspace=tokens * (a * D / st + blk.bwd_tmp))
     llm_grads = 4 * blk_sh * L
     if vis is not None and vision_patches:
         vbuf = root_params + (a * 3 * vis_un + 4 * blk_un if fsdp_on else 0.0)  # ViT block params x2 + grads
         add("backward_vision", grads=llm_grads, fsdp_buffers=vbuf,
-            activations=vis_acts + (vblk.full - vblk.kept) * vision_patches * (topo.ac != "none"),
+            activations=vis_acts + (vblk.full - vblk.kept) * vision_patches * (n_ac_vis > 0),
             loss=head_grad, workspace=vision_patches * (a * vis.hidden_size + vblk.bwd_tmp))
     blocks_grads = llm_grads + 4 * vis_sh * c.vision_blocks
     if fsdp_on:
@@ -485,7 +494,8 @@ def main(argv: list[str] | None = None) -> None:
         ds = max(1, (gpus or dp_r * cp * tp) // (dp_r * cp * tp))
     sp = cfg.parallel.sequence_parallel and not args.no_sp and bool(plan.sequence_parallel)
     enc = bool(args.encoder_tp or getattr(p, "encoder_tp", False)) and bool(plan.encoder_tp)
-    topo = Topology(dp_r, ds, cp, tp, ep, pick(args.ac, cfg.activation_checkpoint.mode), sp, enc)
+    topo = Topology(dp_r, ds, cp, tp, ep, pick(args.ac, cfg.activation_checkpoint.mode), sp, enc,
+                    int(cfg.activation_checkpoint.num_layers))
     seq = pick(args.seq_len, cfg.data.seq_len)
     mb = pick(args.micro_batch, cfg.data.micro_batch_size)
     pbytes = 2 if cfg.training.param_dtype == "bfloat16" else 4
