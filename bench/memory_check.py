@@ -33,6 +33,7 @@ TOLERANCE = 0.15
 ROWS: tuple[tuple[str, str, str], ...] = (
     ("qwen3_1.7b", "titan", "none"),
     ("qwen3_1.7b", "titan", "full"),
+    ("qwen3_1.7b", "titan", "selective:2"),  # activation_checkpoint.num_layers=2
     ("qwen3_1.7b", "titan_f8", "none"),
     ("qwen3_1.7b", "titan_eager", "none"),
     ("qwen3_4b", "titan", "none"),
