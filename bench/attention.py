@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def bench(fn, iters: int = 20) -> float:
-    for _ in range(3):
+def bench(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median CUDA-event time of fn() in ms (also bench/floor.py's timer)."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     ts = []

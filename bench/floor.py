@@ -32,26 +32,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.attention import bench as cuda_ms  # noqa: E402  (median CUDA-event ms of fn())
 from bench.mfu import CASES, model_config, text_cfg  # noqa: E402
 
 PEAK_TFLOPS = 989.0
-
-
-def cuda_ms(fn, iters: int = 10, warmup: int = 3) -> float:
-    """Median CUDA-event time of fn() in ms."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def linears(t) -> dict[str, list[tuple[int, int]]]:
@@ -97,7 +81,7 @@ def time_ops(ops) -> float:
     def run():
         for op in ops:
             op()
-    return cuda_ms(run)
+    return cuda_ms(run, iters=10)
 
 
 def gemm_floor(t, n: int, float8: bool) -> dict:
@@ -143,7 +127,7 @@ def attention_floor(t, batch: int, seq: int) -> dict:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g != h)
             o.backward(do)
         try:
-            out[name] = cuda_ms(run)
+            out[name] = cuda_ms(run, iters=10)
         except RuntimeError as e:  # a backend this build lacks for the shape
             out[name] = None
             print(f"[floor] attention {name}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
