@@ -315,6 +315,8 @@ def worker(args) -> dict:
                      f"({100 * busy_ms / (t_prof * 1e3):.0f}% of the wall time; steps timed above: " \
                      f"{1e3 * sorted(times)[len(times) // 2]:.1f} ms median)\n"
         Path(args.profile).write_text(table)
+        if args.trace_file:  # the timeline too: python bench/trace_gaps.py FILE lists where the GPU waits
+            prof.export_chrome_trace(args.trace_file)
     times.sort()
     med = times[len(times) // 2]
     res = dict(
@@ -370,6 +372,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=400, help="seconds per (case, stack) subprocess")
     ap.add_argument("--out", default=str(ROOT / "bench/results/mfu.json"))
     ap.add_argument("--profile", default="", help="folder: write a torch.profiler kernel table per (case, stack)")
+    ap.add_argument("--trace", action="store_true", help="with --profile: also a chrome trace per (case, stack) "
+                    "(trace_CASE_STACK.json; bench/trace_gaps.py summarizes its GPU idle gaps)")
     ap.add_argument("--cpu", action="store_true", help="smoke-test on CPU (gloo; use --cases debug)")
     ap.add_argument("--render", default="", help="print the markdown table of this results JSON and exit")
     ap.add_argument("--doc", default="", help="with --render: replace the table between the --marker markers here")
@@ -377,6 +381,7 @@ def main() -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--stack", help=argparse.SUPPRESS)
+    ap.add_argument("--trace-file", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.render:
         table = render(json.loads(Path(args.render).read_text())["rows"])
@@ -396,6 +401,7 @@ def main() -> int:
             prof = str(Path(args.profile) / f"profile_{case}_{stack}.txt") if args.profile else ""
             cmd = [sys.executable, __file__, "--worker", "--case", case, "--stack", stack, "--ac", args.ac,
                    "--profile", prof, "--kernel-ops", args.kernel_ops,
+                   *(["--trace-file", str(Path(args.profile) / f"trace_{case}_{stack}.json")] if args.trace and prof else []),
                    "--attn", args.attn, *(["--cpu"] if args.cpu else []), "--warmup", str(args.warmup), "--steps", str(args.steps)]
             t0 = time.time()
             try:
