@@ -106,9 +106,7 @@ def vision_patches(case_name: str, mc) -> int:
 
 def estimate_row(case_name: str, stack: str, ac: str) -> dict:
     """Run titan_mm.parallel.memory for one bench row; GiB values."""
-    from mfu import CASES
-
-    from mfu import parse_ac
+    from mfu import CASES, parse_ac
 
     from titan_mm.parallel.memory import GiB, Topology, count_params, estimate_phases, peak_phase
 

@@ -229,10 +229,10 @@ class ActivationCheckpoint:
     """Selective AC: 'op' (save matmul outputs, recompute the rest) or an integer N (every N-th block)."""
     num_layers: int = 0
     """Apply the mode to the first N AC units only, in module order (Qwen3-VL: its vision blocks come before
-    the decoder blocks); 0 = all. Every block's activations are alive
-    when the backward starts (the peak without AC), so N blocks save N blocks' worth whichever they are; the
-    first ones are recomputed last, when memory is lowest. E.g. mode=selective, num_layers=2 trims a step
-    that is just over its memory budget for ~2 blocks of recomputed norms / RoPE / SwiGLU."""
+    the decoder blocks); 0 = all. Every block's activations are alive when the backward starts (the peak
+    without AC), so N blocks save N blocks' worth whichever they are; the first ones are recomputed last,
+    when memory is lowest. E.g. mode=selective, num_layers=2 trims a step that is just over its memory
+    budget for ~2 blocks of recomputed norms / RoPE / SwiGLU."""
 
 
 @dataclass
