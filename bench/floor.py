@@ -11,7 +11,8 @@ Timed per step, at the case's shape (tokens = batch x seq):
   gemm        every linear's forward, input-gradient and weight-gradient GEMM, all layers + the LM head, bf16
               (q/k/v and gate/up each timed separate and fused; the faster form counts)
   gemm_f8     the same GEMMs through torch._scaled_mm in float8 e4m3 with tensorwise scales (torchao's
-              tensorwise recipe), except the LM head, which stays bf16 (titan_mm's float8.filter_fqns)
+              tensorwise recipe), except the LM head, which stays bf16 (titan_mm's float8.filter_fqns);
+              without fast accumulation (torchao uses it in the forward), so its time errs on the slow side
   attention   causal GQA SDPA forward + backward (cuDNN backend, as titan_mm's and the peers' runs pick)
   adamw       one fused AdamW step over fp32 parameters of the model's shapes (tied embeddings counted once)
 
@@ -65,9 +66,9 @@ def gemm_list(n: int, pairs, float8: bool):
             one = torch.ones((), device="cuda")
             wt = w.t().contiguous()    # dgrad: dy @ W with W column-major
             ops += [
-                lambda x=x, w=w: torch._scaled_mm(x, w.t(), one, one, out_dtype=torch.bfloat16),
-                lambda dy=dy, wt=wt: torch._scaled_mm(dy, wt.t(), one, one, out_dtype=torch.bfloat16),
-                lambda dyt=dyt, xt=xt: torch._scaled_mm(dyt, xt.t(), one, one, out_dtype=torch.bfloat16),
+                lambda x=x, w=w, one=one: torch._scaled_mm(x, w.t(), one, one, out_dtype=torch.bfloat16),
+                lambda dy=dy, wt=wt, one=one: torch._scaled_mm(dy, wt.t(), one, one, out_dtype=torch.bfloat16),
+                lambda dyt=dyt, xt=xt, one=one: torch._scaled_mm(dyt, xt.t(), one, one, out_dtype=torch.bfloat16),
             ]
         else:
             x = torch.randn(n, i, device="cuda", dtype=torch.bfloat16)

@@ -383,6 +383,8 @@ def main() -> int:
     ap.add_argument("--stack", help=argparse.SUPPRESS)
     ap.add_argument("--trace-file", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.trace and not args.profile:
+        ap.error("--trace writes its timeline next to the kernel tables: give --profile DIR too")
     if args.render:
         table = render(json.loads(Path(args.render).read_text())["rows"])
         if args.doc:

@@ -40,13 +40,9 @@ def gpu_busy(events: list[dict]) -> list[tuple[float, float, str]]:
     return [tuple(x) for x in out]
 
 
-def gaps(busy, min_us: float) -> list[tuple[float, float, str, str]]:
-    """(start, end, GPU event before, GPU event after) for every idle stretch longer than ``min_us``."""
-    out = []
-    for (s0, e0, n0), (s1, _, _) in zip(busy, busy[1:]):
-        if s1 - e0 > min_us:
-            out.append((e0, s1, n0, ""))
-    return out
+def gaps(busy, min_us: float) -> list[tuple[float, float, str]]:
+    """(start, end, last GPU event before it) for every idle stretch longer than ``min_us``."""
+    return [(e0, s1, n0) for (_, e0, n0), (s1, _, _) in zip(busy, busy[1:]) if s1 - e0 > min_us]
 
 
 class HostStacks:
@@ -90,8 +86,8 @@ def summarize(path: str | Path, min_us: float = 20.0, top: int = 20, depth: int 
     busy_us = sum(e - s for s, e, _ in busy)
     by_op: dict = defaultdict(float)
     rows = []
-    stacks = host.stacks_at([(s + e) / 2 for s, e, _, _ in idle])
-    for (s, e, before, _), stack in zip(idle, stacks):
+    stacks = host.stacks_at([(s + e) / 2 for s, e, _ in idle])
+    for (s, e, before), stack in zip(idle, stacks):
         key = " > ".join(stack[:depth]) or "(no host op open)"
         by_op[key] += e - s
         rows.append(dict(at_ms=round((s - t0) / 1e3, 3), gap_us=round(e - s, 1), gpu_before=before[:80],
@@ -99,7 +95,7 @@ def summarize(path: str | Path, min_us: float = 20.0, top: int = 20, depth: int 
     rows.sort(key=lambda r: -r["gap_us"])
     return dict(
         trace=str(path), span_ms=(t1 - t0) / 1e3, gpu_busy_ms=busy_us / 1e3,
-        idle_ms=sum(e - s for s, e, _, _ in idle) / 1e3, min_gap_us=min_us, gaps=len(idle),
+        idle_ms=sum(e - s for s, e, _ in idle) / 1e3, min_gap_us=min_us, gaps=len(idle),
         idle_by_host_op_ms={k: round(v / 1e3, 3) for k, v in sorted(by_op.items(), key=lambda x: -x[1])},
         longest=rows[:top],
     )
