@@ -1,4 +1,5 @@
-"""FSDP2 (and HSDP) over gloo: three SGD-momentum steps equal the world-1 run (stand-in model)."""
+"""FSDP2 (and HSDP) over gloo: three SGD-momentum steps equal the world-1 run (stand-in model), with the
+blocks' params freed after forward (the default) and kept (parallel.fsdp_reshard_after_forward = never)."""
 
 import pytest
 import torch
@@ -16,6 +17,9 @@ class _Cfg:
         mode = "none"
         selective_option = "op"
 
+    class parallel:
+        fsdp_reshard_after_forward = "always"
+
 
 def _step(model, b):
     return model(b["input_ids"], b["labels"])
@@ -31,7 +35,7 @@ def _reference(ac="none"):
     return train_steps(model, BATCHES, _step)
 
 
-def _worker(rank, world, dims, ac):
+def _worker(rank, world, dims, ac, reshard="always"):
     from titan_mm.parallel.apply import parallelize
     from titan_mm.parallel.mesh import ParallelDims
 
@@ -40,18 +44,25 @@ def _worker(rank, world, dims, ac):
     pd = ParallelDims(world_size=world, **dims)
     cfg = _Cfg()
     cfg.activation_checkpoint.mode = ac
+    cfg.parallel.fsdp_reshard_after_forward = reshard
     parallelize(model, PLAN, pd, cfg)
+    # parallel.fsdp_reshard_after_forward reached every FSDP2 module: never = nothing freed after forward
+    # (FSDP2 marks a module that keeps its params with post_forward_mesh_info None)
+    groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
+              for g in m._get_fsdp_state()._fsdp_param_groups]
+    assert len(groups) == 3, len(groups)  # 2 blocks + the root
+    assert all((g.post_forward_mesh_info is None) == (reshard == "never") for g in groups), reshard
     return train_steps(model, BATCHES, _step, dp_rank=rank, dp_size=world)
 
 
 @pytest.mark.parametrize(
-    "world,dims,ac",
-    [(2, {}, "none"), (4, {"dp_replicate": 2}, "selective")],
-    ids=["fsdp2", "hsdp2x2-sac"],
+    "world,dims,ac,reshard",
+    [(2, {}, "none", "always"), (2, {}, "none", "never"), (4, {"dp_replicate": 2}, "selective", "always")],
+    ids=["fsdp2", "fsdp2-reshard-never", "hsdp2x2-sac"],
 )
-def test_fsdp_matches_world1(world, dims, ac):
+def test_fsdp_matches_world1(world, dims, ac, reshard):
     ref = _reference(ac)
-    got = run_multiproc(_worker, world, args=(dims, ac))
+    got = run_multiproc(_worker, world, args=(dims, ac, reshard))
     for r in got:
         assert_close_runs(ref, r)
 

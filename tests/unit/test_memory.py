@@ -98,3 +98,32 @@ def test_ac_num_layers_interpolates():
     # the first nvb units are vision blocks: each N up to nvb takes one more ViT block under AC, each N past it
     # one more decoder block; N = 0 is every block
     assert vis(1) > vis(nvb) > vis(nvb + 1) > vis(nvb + 2) > vis(0)
+
+
+def test_reshard_never_keeps_every_block_gathered():
+    """parallel.fsdp_reshard_after_forward = never: at the end of the forward every block's gathered params are
+    still there (bf16, or 1 byte for float8 linears), and in block j's backward the blocks 0..j are; the
+    default (always) holds none at the loss. Qwen3-1.7B on one GPU: +2.44 GiB bf16 (measured +2.54 GiB on the
+    H200, bench/results/mfu_reshard.json)."""
+    from titan_mm.parallel.memory import GiB, estimate_phases
+
+    spec = get_model_spec("qwen3")
+    cfg = spec.flavor("1.7B")
+    plan = spec.plan(cfg)
+    c = count_params(cfg, plan)
+    L = cfg.num_hidden_layers
+
+    def phases(reshard, float8=False):
+        return estimate_phases(cfg, plan, Topology(reshard=reshard), 4096, 4, counts=c, kernels=True, float8=float8)
+
+    always, never = phases("always"), phases("never")
+    assert never["forward_end"]["fsdp_buffers"] - always["forward_end"]["fsdp_buffers"] == 2 * c.block_dense * L
+    f8 = phases("never", True)["forward_end"]["fsdp_buffers"] - phases("always", True)["forward_end"]["fsdp_buffers"]
+    assert f8 == c.block_dense * L
+    # block 0's backward: only block 0 is still gathered, as with always (which holds block 0, nothing prefetched)
+    assert never["backward_block_0"]["fsdp_buffers"] == always["backward_block_0"]["fsdp_buffers"]
+    extra = never["backward_block_27"]["total"] - always["backward_block_27"]["total"]
+    assert 2.3 * GiB < extra < 2.6 * GiB
+    # world 1 in fp32 has no FSDP: the policy changes nothing
+    assert estimate_phases(cfg, plan, Topology(reshard="never"), 4096, 4, 4, counts=c, kernels=True)["forward_end"] \
+        == estimate_phases(cfg, plan, Topology(), 4096, 4, 4, counts=c, kernels=True)["forward_end"]

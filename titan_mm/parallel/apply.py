@@ -82,7 +82,8 @@ def parallelize(model: nn.Module, plan: ParallelizePlan, parallel_dims: Parallel
                            "slow and the CPU tests compare against fp32).", param_dtype)
             param_dtype = torch.float32
         if pd.fsdp_enabled or param_dtype != torch.float32 or pd.ep_enabled:
-            apply_fsdp(model, plan, pd, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+            apply_fsdp(model, plan, pd, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                       reshard_after_forward=str(_opt(cfg, "parallel.fsdp_reshard_after_forward", "always")))
     return model
 
 
@@ -220,11 +221,19 @@ def apply_fsdp(
     pd: ParallelDims,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: str = "always",
 ) -> None:
-    """fully_shard the plan's expert modules (on the ep_fsdp mesh), then its FSDP units, then the root."""
+    """fully_shard the plan's expert modules (on the ep_fsdp mesh), then its FSDP units, then the root.
+
+    ``reshard_after_forward`` (``parallel.fsdp_reshard_after_forward``): "always" frees every module's gathered
+    params after its forward and gathers them again for its backward; "never" keeps them from the forward
+    through the backward (no backward all-gather; one unsharded copy of the weights more at the peak).
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if reshard_after_forward not in ("always", "never"):
+        raise ValueError(f"parallel.fsdp_reshard_after_forward={reshard_after_forward!r}: expected always or never.")
+    reshard = reshard_after_forward == "always"
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     mesh = pd.fsdp_mesh()
     wrapped = []
@@ -232,11 +241,11 @@ def apply_fsdp(
         ep_mesh = pd.ep_fsdp_mesh()
         experts = _top_level(match_modules(model, tuple(k for k, v in plan.ep.items() if v == "experts")))
         for _, mod in experts:
-            wrapped.append(fully_shard(mod, mesh=ep_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward))
+            wrapped.append(fully_shard(mod, mesh=ep_mesh, mp_policy=mp, reshard_after_forward=reshard))
     units = _top_level(match_modules(model, plan.fsdp_units))
     for _, mod in units:
-        wrapped.append(fully_shard(mod, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward))
-    root = fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        wrapped.append(fully_shard(mod, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard))
+    root = fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     for mod in {id(m): m for m in wrapped + [root]}.values():
         _sum_reduction(mod)
 

@@ -75,6 +75,7 @@ class Topology:
     sp: bool = True  # sequence parallel (with tp > 1, when the plan has sequence_parallel entries)
     encoder_tp: bool = False  # Qwen3-VL: ViT and mergers sharded over tp (parallel.encoder_tp), else replicated
     ac_layers: int = 0  # activation_checkpoint.num_layers: the AC mode on the first N AC units only (0 = all)
+    reshard: str = "always"  # parallel.fsdp_reshard_after_forward: always | never
 
     @property
     def world(self) -> int:
@@ -86,7 +87,8 @@ class Topology:
 
     def describe(self) -> str:
         return (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp} ep={self.ep} "
-                f"ac={self.ac}" + (f" ac_layers={self.ac_layers}" if self.ac_layers and self.ac != "none" else ""))
+                f"ac={self.ac}" + (f" ac_layers={self.ac_layers}" if self.ac_layers and self.ac != "none" else "")
+                + (f" reshard={self.reshard}" if self.reshard != "always" else ""))
 
 
 @dataclass(frozen=True)
@@ -375,12 +377,20 @@ def estimate_phases(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: 
         out["total"] = sum(out.values())
         phases[name] = out
 
-    add("forward_end", fsdp_buffers=root_params, activations=kept_upto(L - 1) * tokens + head_acts + vis_acts,
-        loss=loss_work)
+    # parallel.fsdp_reshard_after_forward = never: every block's (and ViT block's) gathered params outlive
+    # its forward until its backward (float8: the linears' weights are gathered as float8, 1 byte each)
+    never = fsdp_on and topo.reshard == "never"
+    kept_b = 1 if float8 else a
+    kept_fwd = kept_b * (blk_un * L + vis_un * n_vis) if never else 0.0
+    add("forward_end", fsdp_buffers=root_params + kept_fwd,
+        activations=kept_upto(L - 1) * tokens + head_acts + vis_acts, loss=loss_work)
     for j in range(L - 1, -1, -1):
         done = L - 1 - j
         buf = root_params
-        if fsdp_on:
+        if never:  # blocks 0..j still gathered (nothing to prefetch), the ViT blocks too, and j's grads
+            buf += kept_b * (blk_un * (j + 1) + vis_un * n_vis) + a * blk_un
+            buf += 4 * blk_un if done else 0.0
+        elif fsdp_on:
             buf += a * blk_un * (2 if j > 0 else 1) + a * blk_un  # block j + prefetched j-1 params, j's grads
             buf += 4 * blk_un if done else 0.0  # previous block's fp32 reduce-scatter input (one in flight)
         add(f"backward_block_{j}", grads=4 * blk_sh * done, fsdp_buffers=buf,
@@ -389,6 +399,8 @@ def estimate_phases(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: 
     llm_grads = 4 * blk_sh * L
     if vis is not None and vision_patches:
         vbuf = root_params + (a * 3 * vis_un + 4 * blk_un if fsdp_on else 0.0)  # ViT block params x2 + grads
+        if never:  # the other ViT blocks are still gathered
+            vbuf += kept_b * vis_un * max(n_vis - 2, 0)
         add("backward_vision", grads=llm_grads, fsdp_buffers=vbuf,
             activations=vis_acts + (vblk.full - vblk.kept) * vision_patches * (n_ac_vis > 0),
             loss=head_grad, workspace=vision_patches * (a * vis.hidden_size + vblk.bwd_tmp))
