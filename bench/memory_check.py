@@ -67,18 +67,26 @@ MULTI_GPU_ROWS: tuple[dict, ...] = (
     dict(run="plans ep2_w2", model=("qwen3_moe", "30B-A3B", {"num_hidden_layers": 4}), topo=dict(dp_shard=2, ep=2),
          mb=1, seq=4096, ac="none", compile=False, accum=1, measured_gb=28.25),
 )
+# Rows of bench/results/mfu_reshard.json run with parallel.fsdp_reshard_after_forward = never (bench/mfu.py --reshard
+# never): every block's gathered params live from its forward to its backward.
+RESHARD_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("qwen3_1.7b", "titan", "none"),
+    ("qwen3_1.7b", "titan", "selective:8"),
+    ("qwen3_1.7b", "titan_f8_pre", "none"),
+)
 SHOWN_PHASES = ("forward_end", "backward_first_block", "backward_last_block", "backward_vision",
                 "embedding_backward", "root_reduce_scatter", "optimizer_step")
 
 
-def load_measured(path: str | Path) -> dict[tuple[str, str, str], float]:
+def load_measured(path: str | Path, reshard: str = "always") -> dict[tuple[str, str, str], float]:
     """(case, stack, ac) -> measured peak GiB, from bench/mfu.py's JSON (``peak_mem_gb``, GiB: bytes / 2**30)
-    or from this script's own output (``measured_gib``)."""
+    or from this script's own output (``measured_gib``); the rows run with ``reshard``
+    (parallel.fsdp_reshard_after_forward; rows without the field ran with the default, always)."""
     data = json.loads(Path(path).read_text())
     out = {}
     for r in data.get("rows", []):
         v = r.get("peak_mem_gb", r.get("measured_gib"))
-        if v and "error" not in r:
+        if v and "error" not in r and r.get("reshard", "always") == reshard:
             out[(r["case"], r["stack"], r.get("ac", "none"))] = float(v)
     return out
 
@@ -104,7 +112,7 @@ def vision_patches(case_name: str, mc) -> int:
     return int(vl_batch(mc, case["batch"], case["seq"])["pixel_values"].shape[0])
 
 
-def estimate_row(case_name: str, stack: str, ac: str) -> dict:
+def estimate_row(case_name: str, stack: str, ac: str, reshard: str = "always") -> dict:
     """Run titan_mm.parallel.memory for one bench row; GiB values."""
     from mfu import CASES, parse_ac
 
@@ -116,7 +124,8 @@ def estimate_row(case_name: str, stack: str, ac: str) -> dict:
     plan = spec.plan(mc)
     counts = count_params(mc, plan)
     nv = vision_patches(case_name, mc)
-    phases = estimate_phases(mc, plan, Topology(ac=ac_mode, ac_layers=ac_layers), case["seq"], case["batch"], 2, counts,
+    topo = Topology(ac=ac_mode, ac_layers=ac_layers, reshard=reshard)
+    phases = estimate_phases(mc, plan, topo, case["seq"], case["batch"], 2, counts,
                              kernels=stack != "titan_nokernels", compile=stack != "titan_eager",
                              float8=stack in ("titan_f8", "titan_f8_pre"), vision_patches=nv)
     peak = peak_phase(phases)
@@ -126,20 +135,20 @@ def estimate_row(case_name: str, stack: str, ac: str) -> dict:
         named["backward_first_block"] = phases[blocks[0]]
         named["backward_last_block"] = phases[blocks[-1]]
     return dict(
-        case=case_name, stack=stack, ac=ac, batch=case["batch"], seq=case["seq"], vision_patches=nv,
+        case=case_name, stack=stack, ac=ac, reshard=reshard, batch=case["batch"], seq=case["seq"], vision_patches=nv,
         params_b=counts.total / 1e9, estimate_gib=phases[peak]["total"] / GiB, peak_phase=peak,
         breakdown_gib={k: round(v / GiB, 3) for k, v in phases[peak].items()},
         phases_gib={k: round(named[k]["total"] / GiB, 3) for k in SHOWN_PHASES if k in named},
     )
 
 
-def check(measured: dict[tuple[str, str, str], float], rows=ROWS) -> list[dict]:
+def check(measured: dict[tuple[str, str, str], float], rows=ROWS, reshard: str = "always") -> list[dict]:
     """Estimate every row that has a measurement; add measured GiB and the relative error (est / meas - 1)."""
     out = []
     for key in rows:
         if key not in measured:
             continue
-        r = estimate_row(*key)
+        r = estimate_row(*key, reshard=reshard)
         r["measured_gib"] = measured[key]
         r["rel_error"] = r["estimate_gib"] / measured[key] - 1.0
         r["within_tolerance"] = abs(r["rel_error"]) <= TOLERANCE
@@ -184,8 +193,9 @@ def render(rows: list[dict]) -> str:
     for r in rows:
         b = r["breakdown_gib"]
         rest = b["fsdp_buffers"] + b["grads"] + b["workspace"]
+        stack = r["stack"] + (f" (reshard {r['reshard']})" if r.get("reshard", "always") != "always" else "")
         lines.append(
-            f"| {r['case']} | {r['stack']} | {r['ac']} | {r['batch']} x {r['seq']} | {r['measured_gib']:.2f} | "
+            f"| {r['case']} | {stack} | {r['ac']} | {r['batch']} x {r['seq']} | {r['measured_gib']:.2f} | "
             f"{r['estimate_gib']:.2f} | {100 * r['rel_error']:+.1f}% | {r['peak_phase']} | "
             f"{b['params'] + b['optimizer']:.2f} | {b['activations']:.2f} | {b['loss']:.2f} | {rest:.2f} |")
     return "\n".join(lines)
@@ -194,9 +204,13 @@ def render(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measured", default=str(ROOT / "bench/results/mfu.json"), help="bench/mfu.py's JSON")
+    ap.add_argument("--measured-reshard", default=str(ROOT / "bench/results/mfu_reshard.json"),
+                    help="bench/mfu.py --reshard never rows (RESHARD_ROWS)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/memory_check.json"))
     args = ap.parse_args(argv)
     rows = check(load_measured(args.measured))
+    if Path(args.measured_reshard).exists():
+        rows += check(load_measured(args.measured_reshard, "never"), RESHARD_ROWS, "never")
     multi = [estimate_multi_gpu(r) for r in MULTI_GPU_ROWS]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({

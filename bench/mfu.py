@@ -18,7 +18,11 @@ Stacks:
   torchtitan       torchtitan 0.2.2's Qwen3 with per-block compile, full-logit CE
   hf_liger         HF transformers (sdpa) + Liger 0.8.5 kernels
   hf               HF transformers (sdpa)
-Cases set the model shape, batch and sequence; ``--ac`` switches activation checkpointing for titan.
+Cases set the model shape, batch and sequence; ``--ac`` switches activation checkpointing for titan and
+``--reshard`` its ``parallel.fsdp_reshard_after_forward`` (a row run with ``never`` records it). With
+TITAN_BENCH_SKIP_GUARD_EVAL=1 in the environment the timed steps run under
+``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (an experiment: the row records it; the trainer never
+does this).
 
   python bench/mfu.py --cases qwen3_1.7b --stacks titan,titan_f8,torchtitan,hf_liger --out bench/results/mfu.json
 """
@@ -132,6 +136,7 @@ def _titan_builder(case, stack, args, device):
         "--activation_checkpoint.mode", ac_mode, "--activation_checkpoint.num_layers", str(ac_layers),
         "--training.param_dtype", "bfloat16", "--training.reduce_dtype", "float32",
         "--checkpoint.enable", "False",
+        "--parallel.fsdp_reshard_after_forward", args.reshard,
     ]
     cfg = load_config(argv)
     attn = args.attn if args.attn != "auto" else "flex"
@@ -288,6 +293,9 @@ def worker(args) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     t_compile = time.perf_counter() - t_compile
+    skip_guards = os.environ.get("TITAN_BENCH_SKIP_GUARD_EVAL") == "1"
+    if skip_guards:  # experiment: after the warm-up, run only the guards that tell cached graphs apart
+        torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -326,6 +334,8 @@ def worker(args) -> dict:
         last_loss=losses[-1], gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
     )
     res["mfu_llm_only"] = flops_llm / med / 1e12 / PEAK_TFLOPS
+    if skip_guards:
+        res["skip_guard_eval_unsafe"] = True
     dist.destroy_process_group()
     return res
 
@@ -339,7 +349,7 @@ def _row_order(r: dict):
     """Table order: case (as in CASES), AC none first, stack, the default kernel ops before variants."""
     case = list(CASES).index(r["case"]) if r["case"] in CASES else len(CASES)
     stack = STACK_ORDER.index(r["stack"]) if r["stack"] in STACK_ORDER else len(STACK_ORDER)
-    return case, r.get("ac") != "none", r.get("ac") or "", stack, r.get("kernel_ops") or ""
+    return case, r.get("ac") != "none", r.get("ac") or "", stack, r.get("kernel_ops") or "", r.get("reshard") or ""
 
 
 def render(rows: list[dict]) -> str:
@@ -352,7 +362,9 @@ def render(rows: list[dict]) -> str:
         peers = [p["tokens_per_s"] for p in rows if p["case"] == r["case"] and "error" not in p
                  and not p["stack"].startswith("titan")]
         ratio = f"{r['tokens_per_s'] / max(peers):.2f}x" if peers else ""
-        stack = r["stack"] + (f" (ops {r['kernel_ops']})" if r.get("kernel_ops") else "")
+        stack = r["stack"] + (f" (ops {r['kernel_ops']})" if r.get("kernel_ops") else "") \
+            + (f" (reshard {r['reshard']})" if r.get("reshard") else "") \
+            + (" (guards skipped)" if r.get("skip_guard_eval_unsafe") else "")
         out.append(f"| {r['case']} | {stack} | {r['ac']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
                    f"{100 * r['mfu']:.1f}% | {100 * r.get('mfu_llm_only', r['mfu']):.1f}% | {r['peak_mem_gb']:.1f} | {ratio} |")
     return "\n".join(out)
@@ -366,6 +378,8 @@ def main() -> int:
                     "optionally :N for the first N blocks only (activation_checkpoint.num_layers), e.g. selective:2")
     ap.add_argument("--kernel-ops", default="", help="titan kernels.ops for the titan stacks with kernels "
                     "(default: the config's, 'all'); the row records it and keys on it")
+    ap.add_argument("--reshard", default="always", choices=("always", "never"),
+                    help="titan parallel.fsdp_reshard_after_forward; a row other than always (the default) records it and keys on it")
     ap.add_argument("--attn", default="auto", help="titan attention backend: auto (flex) | sdpa | flex | varlen")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
@@ -402,7 +416,7 @@ def main() -> int:
         for stack in args.stacks.split(","):
             prof = str(Path(args.profile) / f"profile_{case}_{stack}.txt") if args.profile else ""
             cmd = [sys.executable, __file__, "--worker", "--case", case, "--stack", stack, "--ac", args.ac,
-                   "--profile", prof, "--kernel-ops", args.kernel_ops,
+                   "--profile", prof, "--kernel-ops", args.kernel_ops, "--reshard", args.reshard,
                    *(["--trace-file", str(Path(args.profile) / f"trace_{case}_{stack}.json")] if args.trace and prof else []),
                    "--attn", args.attn, *(["--cpu"] if args.cpu else []), "--warmup", str(args.warmup), "--steps", str(args.steps)]
             t0 = time.time()
@@ -423,6 +437,8 @@ def main() -> int:
             r = rows[-1]
             if args.kernel_ops and stack.startswith("titan") and stack != "titan_nokernels":
                 r["kernel_ops"] = args.kernel_ops
+            if args.reshard != "always" and stack.startswith("titan") and stack != "titan_plain":
+                r["reshard"] = args.reshard
             print(f"[{time.time() - t0:5.0f}s] {case} {stack}: "
                   + (f"{r['tokens_per_s']:,.0f} tok/s, {100 * r['mfu']:.1f}% MFU, {r['peak_mem_gb']:.1f} GB"
                      if "error" not in r else "FAILED\n" + r["error"][-1500:]), flush=True)
@@ -437,7 +453,8 @@ def _write(out: Path, rows: list[dict]) -> list[dict]:
     prev = json.loads(out.read_text()) if out.exists() else {"rows": []}
     keep = [r for r in prev.get("rows", []) if not any(
         r["case"] == n["case"] and r["stack"] == n["stack"] and r.get("ac") == n.get("ac")
-        and r.get("kernel_ops") == n.get("kernel_ops") for n in rows)]
+        and r.get("kernel_ops") == n.get("kernel_ops") and r.get("reshard") == n.get("reshard")
+        and r.get("skip_guard_eval_unsafe") == n.get("skip_guard_eval_unsafe") for n in rows)]
     out.write_text(json.dumps({"peak_tflops": PEAK_TFLOPS, "rows": keep + rows}, indent=1))
     return keep + rows
 
