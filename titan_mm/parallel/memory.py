@@ -33,6 +33,10 @@ live on [ep_fsdp, ep] = dp_shard x cp ranks); fsdp = dp_shard * cp (HSDP's dp_re
   root_reduce_scatter  all block gradients + the root's bf16 grads -> fp32 input -> fp32 output.
   optimizer_step       params + grads + optimizer.
 
+With ``parallel.fsdp_reshard_after_forward = never`` (``Topology.reshard``) no block frees its gathered params
+after its forward: forward_end holds all of them (and the ViT blocks'), backward_block_{j} those of blocks
+0..j (nothing is prefetched), in bf16, or 1 byte per param with float8 (tensorwise gathers float8 weights).
+
 Gradient accumulation (``grad_accum`` > 1 micro-batches per step): from the second micro-batch on, the fp32
 gradient shards of the whole model exist through its forward and backward, so every phase carries them.
 
@@ -378,7 +382,8 @@ def estimate_phases(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: 
         phases[name] = out
 
     # parallel.fsdp_reshard_after_forward = never: every block's (and ViT block's) gathered params outlive
-    # its forward until its backward (float8: the linears' weights are gathered as float8, 1 byte each)
+    # its forward until its backward (float8: tensorwise, the default recipe, gathers the linears' weights as
+    # float8, 1 byte each; the norms' few params are counted at that size too)
     never = fsdp_on and topo.reshard == "never"
     kept_b = 1 if float8 else a
     kept_fwd = kept_b * (blk_un * L + vis_un * n_vis) if never else 0.0
@@ -478,6 +483,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("dp-replicate", "dp-shard", "cp", "tp", "ep"):
         ap.add_argument(f"--{name}", type=int, default=None, help=f"override parallel.{name.replace('-', '_')}")
     ap.add_argument("--ac", choices=("none", "selective", "full"), default=None, help="override activation_checkpoint.mode")
+    ap.add_argument("--reshard", choices=("always", "never"), default=None,
+                    help="override parallel.fsdp_reshard_after_forward")
     ap.add_argument("--no-sp", action="store_true", help="estimate without sequence parallel")
     ap.add_argument("--encoder-tp", action="store_true", help="Qwen3-VL: ViT and mergers sharded over tp "
                     "(default: parallel.encoder_tp of the config)")
@@ -507,7 +514,8 @@ def main(argv: list[str] | None = None) -> None:
     sp = cfg.parallel.sequence_parallel and not args.no_sp and bool(plan.sequence_parallel)
     enc = bool(args.encoder_tp or getattr(p, "encoder_tp", False)) and bool(plan.encoder_tp)
     topo = Topology(dp_r, ds, cp, tp, ep, pick(args.ac, cfg.activation_checkpoint.mode), sp, enc,
-                    int(cfg.activation_checkpoint.num_layers))
+                    int(cfg.activation_checkpoint.num_layers),
+                    pick(args.reshard, str(cfg.parallel.fsdp_reshard_after_forward)))
     seq = pick(args.seq_len, cfg.data.seq_len)
     mb = pick(args.micro_batch, cfg.data.micro_batch_size)
     pbytes = 2 if cfg.training.param_dtype == "bfloat16" else 4
