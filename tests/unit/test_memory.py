@@ -103,7 +103,7 @@ def test_ac_num_layers_interpolates():
 def test_reshard_never_keeps_every_block_gathered():
     """parallel.fsdp_reshard_after_forward = never: at the end of the forward every block's gathered params are
     still there (bf16, or 1 byte for float8 linears), and in block j's backward the blocks 0..j are; the
-    default (always) holds none at the loss. Qwen3-1.7B on one GPU: +2.44 GiB bf16 (measured +2.54 GiB on the
+    default (always) holds no block's params at the loss (only the root's). Qwen3-1.7B on one GPU: +2.44 GiB bf16 (measured +2.54 GiB on the
     H200, bench/results/mfu_reshard.json)."""
     from titan_mm.parallel.memory import GiB, estimate_phases
 
