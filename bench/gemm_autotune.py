@@ -3,7 +3,8 @@
 Would ``torch.compile(mode="max-autotune-no-cudagraphs")`` find faster GEMMs than cuBLAS for the shapes the
 1.7B step runs (forward, input-gradient and weight-gradient GEMMs of the fused q/k/v, o, fused gate/up and
 down projections)? Each form is timed as ``torch.mm`` and as a compiled ``a @ b`` that inductor autotunes over
-its Triton templates and cuBLAS (CUDA events, 20 runs after 3 warm-up runs). Weight-gradient forms take a
+its Triton templates and cuBLAS (bench/attention.py's timer: median of 20 CUDA-event timed runs after 3
+warm-up runs). Weight-gradient forms take a
 transposed view as their first operand, as autograd passes it.
 
     python3 bench/gemm_autotune.py --out bench/results/gemm_autotune.json    # ~4 minutes, GPU only
@@ -16,6 +17,9 @@ import json
 import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 M, D, F = 16384, 2048, 6144
 # name -> (a shape, b shape) of a @ b
@@ -33,27 +37,14 @@ FORMS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
 }
 
 
-def _time(fn, a, b, n: int = 20) -> float:
-    import torch
-
-    for _ in range(3):
-        fn(a, b)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(n):
-        fn(a, b)
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / n
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=240, help="stop starting new forms after this long")
-    ap.add_argument("--out", default="bench/results/gemm_autotune.json")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/gemm_autotune.json"))
     args = ap.parse_args(argv)
     import torch
+
+    from bench.attention import bench as cuda_ms  # median CUDA-event ms of fn(), as bench/floor.py
 
     if not torch.cuda.is_available():
         print("bench/gemm_autotune.py needs a CUDA GPU (it times cuBLAS against inductor's Triton GEMMs).",
@@ -67,14 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         if "wgrad" in name:
             a = torch.randn(sa[::-1], device="cuda", dtype=torch.bfloat16).t()
         b = torch.randn(sb, device="cuda", dtype=torch.bfloat16)
-        t_cublas = _time(torch.mm, a, b)
+        t_cublas = cuda_ms(lambda: torch.mm(a, b))
         torch._dynamo.reset()
         t0 = time.time()
         f = torch.compile(lambda x, y: x @ y, mode="max-autotune-no-cudagraphs", dynamic=False)
         f(a, b)
         torch.cuda.synchronize()
         compile_s = time.time() - t0
-        t_auto = _time(f, a, b)
+        t_auto = cuda_ms(lambda: f(a, b))
         flops = 2 * sa[0] * sa[1] * sb[1]
         rows[name] = dict(cublas_ms=t_cublas, autotune_ms=t_auto, speedup=t_cublas / t_auto, compile_s=compile_s,
                           cublas_tflops=flops / t_cublas / 1e9, autotune_tflops=flops / t_auto / 1e9)
