@@ -80,7 +80,7 @@ class Data:
     dataset: str = "builtin"
     """Dataset name or path understood by titan_mm.data (builtin = the small corpus inside the package)."""
     seq_len: int = 512
-    """Tokens per packed row."""
+    """Tokens per packed row (rows are padded to the next multiple of 16: titan_mm.data.packing.padded_seq_len)."""
     micro_batch_size: int = 2
     """Packed rows per micro-batch on each data-parallel rank."""
     num_workers: int = 0
@@ -100,10 +100,9 @@ class Data:
     """Cap on vision patches per packed row (0: no cap)."""
     split_long_text: bool = False
     """Split plain-text documents longer than seq_len into chunks instead of skipping them."""
-    chat_template: str = "qwen3_vl"
-    """'qwen3_vl' (Qwen3-VL Instruct, no think block) or 'qwen3' (empty <think></think> on the last turn)."""
-    mrope: bool = False
-    """Emit 3-D M-RoPE position_ids [3, B, S] (Qwen3-VL); the trainer sets it for VL models."""
+    chat_template: str = ""
+    """Chat template of chat samples: empty = the model family's; 'qwen3_vl' (Qwen3-VL Instruct, no think block)
+    or 'qwen3' (empty <think></think> on the last turn) override it."""
     image_min_pixels: int = 65536
     """Smallest image area after smart resize (pixels)."""
     image_max_pixels: int = 16777216
@@ -247,8 +246,6 @@ class Compile:
     """torch.compile each compile unit of the plan (per transformer block)."""
     fullgraph: bool = False
     """Require one graph per compiled unit."""
-    loss: bool = True
-    """Also compile the loss (chunked cross-entropy) when enable is True."""
 
 
 @dataclass
@@ -303,7 +300,7 @@ class Kernels:
     """auto: Triton kernels on CUDA SM>=80, PyTorch reference elsewhere; triton forces them; reference disables them."""
     ops: str = "all"
     """Which ops come from titan_mm.kernels when kernels are on: "all", "none", a comma list (rms_norm,
-    add_rms_norm, swiglu, rope, mrope, linear_cross_entropy, bias_gelu) or "all,-op" (docs/kernels.md)."""
+    add_rms_norm, swiglu, rope, linear_cross_entropy, bias_gelu) or "all,-op" (docs/kernels.md)."""
 
 
 @dataclass

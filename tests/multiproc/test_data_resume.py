@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+from tests.data_needs import QWEN3_VL_NEEDS
+from titan_mm.config import Data
 from titan_mm.data.builtin.generate import generate
 from titan_mm.data.loader import build_dataloader
 
@@ -19,19 +21,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 K, N = 7, 50
 
 
-class Cfg:
-    seq_len = 256
-    micro_batch_size = 2
-    image_min_pixels = 1024
-    image_max_pixels = 4096
-    open_rows = 8
-
-    def __init__(self, d):
-        self.mixture = {"builtin:text": 0.5, f"{d}/txt": 0.3, f"{d}/img": 0.2}
+def _data(d, **kw) -> Data:
+    return Data(**{"seq_len": 256, "micro_batch_size": 2, "image_min_pixels": 1024, "image_max_pixels": 4096,
+                   "open_rows": 8, "mixture": {"builtin:text": 0.5, f"{d}/txt": 0.3, f"{d}/img": 0.2}, **kw})
 
 
 def make(d, nw):
-    return build_dataloader(Cfg(d), num_workers=nw, seed=11, mrope=True)
+    return build_dataloader(_data(d, num_workers=nw), needs=QWEN3_VL_NEEDS, seed=11)
 
 
 def digest(b) -> str:
@@ -109,7 +105,7 @@ def test_resume_rejects_other_layout(tmp_path):
     dl = make(d, 0)
     next(iter(dl))
     state = dl.state_dict()
-    other = build_dataloader(Cfg(d), num_workers=0, seed=11, dp_rank=0, dp_world=2)
+    other = build_dataloader(_data(d), needs=QWEN3_VL_NEEDS, seed=11, dp_rank=0, dp_world=2)
     with pytest.raises(ValueError, match="same dp world size"):
         other.load_state_dict(state)
         next(iter(other))
@@ -125,15 +121,10 @@ def test_resume_rebuilds_buffered_docs_from_every_format(tmp_path):
     (tmp_path / "j").mkdir()
     (tmp_path / "j" / "a.json").write_text(_json.dumps([{"text": "word " * n} for n in range(5, 700, 7)]))
 
-    class C(Cfg):
-        split_long_text = True
-        open_rows = 6
-
-        def __init__(self):
-            self.mixture = {f"{d}/t": 1.0, f"{d}/j": 1.0}
+    data = _data(d, split_long_text=True, open_rows=6, mixture={f"{d}/t": 1.0, f"{d}/j": 1.0})
 
     def mk():
-        return build_dataloader(C(), num_workers=0, seed=2, mrope=True)
+        return build_dataloader(data, needs=QWEN3_VL_NEEDS, seed=2)
 
     dl = mk()
     it = iter(dl)

@@ -3,17 +3,15 @@ JSONL (fewer files than slots: strided), Parquet row groups (more units than slo
 
 import collections
 
+from titan_mm.config import Data
 from titan_mm.data.builtin.generate import generate
 from titan_mm.data.loader import build_dataloader
+from titan_mm.registry import DataNeeds
 
 
-class Cfg:
-    seq_len = 1024
-    micro_batch_size = 2
-    open_rows = 4
-
-    def __init__(self, d):
-        self.mixture = {f"{d}/j": 1.0, f"{d}/p": 2.0, f"{d}/t": 1.0}
+def _data(d) -> Data:
+    return Data(seq_len=1024, micro_batch_size=2, open_rows=4, num_workers=2,
+                mixture={f"{d}/j": 1.0, f"{d}/p": 2.0, f"{d}/t": 1.0})
 
 
 def test_no_dup_no_loss_2_ranks_2_workers(tmp_path):
@@ -23,7 +21,7 @@ def test_no_dup_no_loss_2_ranks_2_workers(tmp_path):
     generate(f"{d}/t", 90, "tar", shards=2, seed=3)
     ids, seen_per_rank = [], []
     for rank in range(2):
-        dl = build_dataloader(Cfg(d), dp_rank=rank, dp_world=2, num_workers=2, seed=5, epochs=1,
+        dl = build_dataloader(_data(d), needs=DataNeeds(), dp_rank=rank, dp_world=2, seed=5, epochs=1,
                               return_sample_ids=True)
         rank_ids = []
         for _ in dl:

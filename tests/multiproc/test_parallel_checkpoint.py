@@ -27,6 +27,7 @@ CASES = (
 def _setup(world, model_name, dims, mode, load):
     """-> (model, optimizer, steps(batches slice) -> train_steps result). ``load``: other random weights than the
     reference, so that the checkpoint must overwrite them."""
+    from titan_mm.config import JobConfig
     from titan_mm.parallel.apply import parallelize
     from titan_mm.parallel.mesh import ParallelDims
 
@@ -43,7 +44,7 @@ def _setup(world, model_name, dims, mode, load):
         model = vl._build(True, seed=1 if load else 0)
         batches, step, select, p = vl._batches(True), functools.partial(vl._step, pd=pd, mode=mode), vl._select, \
             plan(vl._cfg(True))
-    parallelize(model, p, pd, None)
+    parallelize(model, p, pd, JobConfig())
     opt = make_optimizer(model)
     bm = pd.mesh("batch")
 

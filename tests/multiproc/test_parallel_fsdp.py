@@ -6,19 +6,11 @@ import torch
 from _harness import run_multiproc
 from _parallel_common import StandIn, assert_close_runs, make_batches, train_steps
 
+from titan_mm.config import JobConfig
 from titan_mm.parallel.plan import ParallelizePlan
 
 PLAN = ParallelizePlan(fsdp_units=("layers.*",), ac_units=("layers.*",), compile_units=("layers.*",))
 BATCHES = make_batches(3, batch=4, seq=16, vocab=64)
-
-
-class _Cfg:
-    class activation_checkpoint:
-        mode = "none"
-        selective_option = "op"
-
-    class parallel:
-        fsdp_reshard_after_forward = "always"
 
 
 def _step(model, b):
@@ -42,7 +34,7 @@ def _worker(rank, world, dims, ac, reshard="always"):
     torch.manual_seed(0)
     model = StandIn()
     pd = ParallelDims(world_size=world, **dims)
-    cfg = _Cfg()
+    cfg = JobConfig()
     cfg.activation_checkpoint.mode = ac
     cfg.parallel.fsdp_reshard_after_forward = reshard
     parallelize(model, PLAN, pd, cfg)
@@ -72,6 +64,6 @@ def test_world1_without_process_group():
     from titan_mm.parallel.mesh import ParallelDims
 
     torch.manual_seed(0)
-    model = parallelize(StandIn(), PLAN, ParallelDims(world_size=1), None)
+    model = parallelize(StandIn(), PLAN, ParallelDims(world_size=1), JobConfig())
     assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())
     assert_close_runs(_reference(), train_steps(model, BATCHES, _step))

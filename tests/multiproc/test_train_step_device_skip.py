@@ -29,12 +29,12 @@ def _run(world, dims, device_skip):
     from titan_mm.train.optim import build_lr_scheduler, build_param_groups, split_dtensor_groups, supports_found_inf
     from titan_mm.train.state import TrainState
     from titan_mm.train.step import StepContext, train_step
-    from titan_mm.train.trainer import data_parallel_groups
+    from titan_mm.train.setup import data_parallel_groups
 
     pd = ParallelDims(world_size=world, **dims)
     mcfg = tiny_qwen3_config(False)
     model = build_tiny_qwen3(mcfg)
-    parallelize(model, plan(mcfg), pd, None)
+    parallelize(model, plan(mcfg), pd, JobConfig())
     dp_rank, dp_world, loss_group, count_group, loss_world = data_parallel_groups(pd)
     cfg = JobConfig()
     cfg.training.steps = 10

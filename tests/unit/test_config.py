@@ -134,11 +134,11 @@ def test_resolved_toml_is_valid_toml():
 def test_kernel_ops_default_and_bad_name():
     import torch
 
-    from titan_mm.train.trainer import resolve_model
+    from titan_mm.train.setup import model_from_config
 
     cfg = load_config(["--model.name", "qwen3", "--model.flavor", "debug", "--kernels.mode", "triton"])
-    _, mc = resolve_model(cfg, torch.device("cpu"))
+    _, mc = model_from_config(cfg, torch.device("cpu"))
     assert mc.kernels == "all"
     cfg = load_config(["--model.name", "qwen3", "--model.flavor", "debug", "--kernels.ops", "all,-rmsnorm"])
     with pytest.raises(ConfigError, match=r"kernels.ops='all,-rmsnorm'.*unknown kernel op.*rms_norm"):
-        resolve_model(cfg, torch.device("cpu"))
+        model_from_config(cfg, torch.device("cpu"))

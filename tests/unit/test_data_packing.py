@@ -3,8 +3,11 @@
 import numpy as np
 import torch
 
+from tests.data_needs import QWEN3_VL_NEEDS
+from titan_mm.config import Data
 from titan_mm.data.loader import build_dataloader
-from titan_mm.data.packing import BestFitPacker, Doc, collate_rows
+from titan_mm.data.packing import BestFitPacker, Doc, collate_rows, padded_seq_len
+from titan_mm.registry import DataNeeds
 
 
 def _doc(n, sid=""):
@@ -14,10 +17,11 @@ def _doc(n, sid=""):
 
 
 def test_contract_on_builtin_text():
-    dl = build_dataloader(None, seq_len=200, batch_size=3)
+    data = Data(seq_len=200, micro_batch_size=3)
+    dl = build_dataloader(data, needs=DataNeeds())
     b = next(iter(dl))
     B, S = b["input_ids"].shape
-    assert (B, S) == (3, 208) and S % 16 == 0
+    assert (B, S) == (3, 208) and S == padded_seq_len(data)
     assert b["input_ids"].dtype == torch.int64 and b["labels"].dtype == torch.int64
     assert b["doc_ids"].dtype == torch.int32 and b["cu_seqlens"].dtype == torch.int32
     assert b["max_seqlen"].dim() == 0 and b["num_label_tokens"].dim() == 0
@@ -100,7 +104,7 @@ def test_lazy_image_equals_eager():
 
     buf = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (70, 130, 3), dtype=np.uint8)).save(buf, format="PNG")
-    cfg = ProcessorConfig(image_min_pixels=4096, image_max_pixels=20000)
+    cfg = ProcessorConfig(Data(image_min_pixels=4096, image_max_pixels=20000), QWEN3_VL_NEEDS)
     eager = vision.process_image(buf.getvalue(), cfg)
     lazy = vision.process_image(buf.getvalue(), cfg, lazy=True)
     assert lazy.grid == eager.grid and lazy.n_tokens == eager.n_tokens

@@ -12,6 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from tests.data_needs import QWEN3_VL_NEEDS
+from titan_mm.config import Data
 from titan_mm.data.builtin import builtin_records
 from titan_mm.data.loader import build_dataloader
 from titan_mm.data.sources import list_units
@@ -23,21 +25,13 @@ def _png(seed=0, h=40, w=60) -> bytes:
     return b.getvalue()
 
 
-class Cfg:
-    seq_len = 512
-    micro_batch_size = 1
-    image_min_pixels = 1024
-    image_max_pixels = 4096
-    video_min_pixels = 1024
-    video_max_pixels = 20000
-    mrope = True
-
-    def __init__(self, dataset):
-        self.dataset = dataset
+def _data(dataset) -> Data:
+    return Data(dataset=dataset, seq_len=512, micro_batch_size=1, image_min_pixels=1024, image_max_pixels=4096,
+                video_min_pixels=1024, video_max_pixels=20000)
 
 
 def _all(dataset, **kw):
-    dl = build_dataloader(Cfg(dataset), epochs=1, return_sample_ids=True, **kw)
+    dl = build_dataloader(_data(dataset), needs=QWEN3_VL_NEEDS, epochs=1, return_sample_ids=True, **kw)
     batches, ids = [], []
     for b in dl:
         batches.append(b)

@@ -68,8 +68,9 @@ def test_check_model_rejects_unsupported_matrix_cells():
         (["--model.name", "qwen3_vl"], dict(dp_shard=2, ep=2, world_size=2), "model has no experts"),
         (["--model.name", "qwen3_moe", "--parallel.cp_mode", "ulysses"], dict(dp_shard=1, cp=2, tp=2, world_size=4),
          "Ulysses CP needs cp(2) * tp(2)"),
-        (["--model.name", "qwen3", "--data.seq_len", "102"], dict(dp_shard=1, cp=2, world_size=2),
-         "seq_len(102) is not a multiple of tp(1) * 2 * cp(2) = 4"),
+        # the check is on the padded row length (102 -> 112), which cp=2 would split fine
+        (["--model.name", "qwen3", "--data.seq_len", "102"], dict(dp_shard=1, cp=3, world_size=3),
+         "row length 112 (data.seq_len rounded up by the data pipeline) is not a multiple of tp(1) * 2 * cp(3) = 6"),
     ],
 )
 def test_trainer_checks_the_model_up_front(args, dims, msg):
@@ -77,11 +78,11 @@ def test_trainer_checks_the_model_up_front(args, dims, msg):
     import torch
 
     from titan_mm.config import ConfigError, load_config
-    from titan_mm.train.trainer import check_parallel, resolve_model
+    from titan_mm.train.setup import check_parallel, model_from_config
 
     cfg = load_config(["--model.flavor", "debug", *args])
-    _, mcfg = resolve_model(cfg, torch.device("cpu"))
+    spec, mcfg = model_from_config(cfg, torch.device("cpu"))
     with pytest.raises(ConfigError) as e:
-        check_parallel(cfg, ParallelDims(**dims), mcfg)
+        check_parallel(cfg, ParallelDims(**dims), spec, mcfg)
     assert str(e.value).startswith("[parallel] ") and msg in str(e.value)
-    check_parallel(cfg, ParallelDims(dp_shard=dims["world_size"], world_size=dims["world_size"]), mcfg)
+    check_parallel(cfg, ParallelDims(dp_shard=dims["world_size"], world_size=dims["world_size"]), spec, mcfg)

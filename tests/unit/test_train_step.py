@@ -144,17 +144,14 @@ def test_after_optimizer_hook_runs_after_applied_steps_only():
 
 
 def test_float8_precompute_hook_config():
-    from types import SimpleNamespace
+    from titan_mm.config import Float8
+    from titan_mm.quant.float8 import float8_after_optimizer
 
-    from titan_mm.parallel.apply import float8_after_optimizer
-
-    def cfg(enable, precompute, recipe="tensorwise"):
-        return SimpleNamespace(float8=SimpleNamespace(enable=enable, precompute_scale=precompute, recipe=recipe))
-
-    assert float8_after_optimizer(tiny_model(), cfg(False, True)) is None
-    assert float8_after_optimizer(tiny_model(), cfg(True, False)) is None
-    assert float8_after_optimizer(tiny_model(), cfg(True, True, "rowwise")) is None  # no per-tensor scale there
-    assert callable(float8_after_optimizer(tiny_model(), cfg(True, True)))
+    assert float8_after_optimizer(tiny_model(), Float8(enable=False, precompute_scale=True)) is None
+    assert float8_after_optimizer(tiny_model(), Float8(enable=True, precompute_scale=False)) is None
+    # no per-tensor scale with rowwise
+    assert float8_after_optimizer(tiny_model(), Float8(enable=True, recipe="rowwise")) is None
+    assert callable(float8_after_optimizer(tiny_model(), Float8(enable=True)))  # precompute_scale defaults to on
 
 
 # ---------------------------------------------------------------- device-decided NaN skip (fused AdamW)

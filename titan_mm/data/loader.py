@@ -1,20 +1,22 @@
 """The data loader: sources -> processor -> best-fit packer -> batches, behind one entry point.
 
-    loader = build_dataloader(cfg.data, dp_rank=r, dp_world=w, seed=cfg.training.seed)
+    loader = build_dataloader(cfg.data, needs=spec.data_needs(model_cfg), dp_rank=r, dp_world=w,
+                              seed=cfg.training.seed)
     for batch in loader:            # dict[str, Tensor] exactly as docs/architecture.md "Batch"
         ...; m = loader.metrics()   # data_wait_s, samples_per_s, packing_efficiency, skipped/<reason>, ...
     state = loader.state_dict()     # every source's position + the packer's open rows, per worker
     loader.load_state_dict(state)   # on a fresh loader: continues with exactly the same batches
 
-Each (dp rank, worker) slot runs its own stream: a weighted mixture over its share of every source,
-each sample parsed (schema.py), processed (processors.py), packed (packing.py) into rows of
-``seq_len`` tokens; a batch is ``batch_size`` rows. Worker processes take turns (StatefulDataLoader's
-round-robin), so the order of batches is fixed by (seed, dp_world, dp_rank, num_workers).
+The ``[data]`` section (titan_mm.config.Data) is the one source of the data settings; the model family's
+:class:`~titan_mm.registry.DataNeeds` adds its patch / merge sizes, positions kind and special tokens
+(``DataNeeds()``: text with 1-D positions). Each (dp rank, worker) slot runs its own stream: a weighted
+mixture over its share of every source, each sample parsed (schema.py), processed (processors.py), packed
+(packing.py) into rows of ``data.seq_len`` tokens padded to ``padded_seq_len(data)``; a batch is
+``data.micro_batch_size`` rows. Worker processes take turns (StatefulDataLoader's round-robin), so the order
+of batches is fixed by (seed, dp_world, dp_rank, num_workers).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import logging
 import time
@@ -25,27 +27,15 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titan_mm.data.packing import Doc, BestFitPacker, collate_rows, round_up
+from titan_mm.config import Data
+from titan_mm.data.packing import BestFitPacker, Doc, collate_rows, padded_seq_len
 from titan_mm.data.processors import Processor, ProcessorConfig
 from titan_mm.data.schema import parse_record
 from titan_mm.data.sources import SkipSample, SourceStream, hash_ints, list_units
 from titan_mm.data.tokenizer import load_tokenizer
+from titan_mm.registry import DataNeeds
 
 log = logging.getLogger("titan_mm.data")
-
-def _data_defaults() -> dict[str, Any]:
-    """Field defaults of the ``[data]`` config section (titan_mm.config.Data), for partial configs in tests."""
-    from titan_mm.config import Data
-
-    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            for f in dataclasses.fields(Data)}
-
-
-_DEFAULTS: dict[str, Any] = _data_defaults()
-
-
-def _get(cfg: Any, key: str) -> Any:
-    return getattr(cfg, key, _DEFAULTS[key]) if cfg is not None else _DEFAULTS[key]
 
 
 def resolve_sources(dataset: str, mixture: dict[str, float] | None) -> list[tuple[str, float]]:
@@ -66,24 +56,21 @@ def _canon(spec: str) -> str:
 
 @dataclass
 class StreamConfig:
-    """Everything a worker needs (picklable)."""
+    """Everything a worker needs (picklable): the processors' settings ([data] + the family's needs) and what the
+    [data] section does not hold."""
+    proc: ProcessorConfig
     sources: list[tuple[str, float]]
-    seq_len: int
-    batch_size: int
     dp_rank: int
     dp_world: int
     seed: int
     tokenizer_path: str | None
-    proc: ProcessorConfig
-    open_rows: int = 32
-    max_patches_per_row: int = 0
-    split_long_text: bool = False
-    max_error_rate: float = 0.05
-    error_min_samples: int = 200
-    shuffle_buffer: int = 256
     epochs: int = 0  # 0: cycle forever; N: stop after N epochs of every source (last batch padded)
     return_sample_ids: bool = False
     units: list = field(default_factory=list)  # per source, filled by PackedDataset
+
+    @property
+    def data(self) -> Data:
+        return self.proc.data
 
 
 class PackedDataset(IterableDataset):
@@ -108,10 +95,12 @@ class PackedStream:
         self.n_slots = cfg.dp_world * num_workers
         self.tok = load_tokenizer(cfg.tokenizer_path)
         self.proc = Processor(self.tok, cfg.proc)
+        d = cfg.data
         self.streams = [SourceStream(u, cfg.seed, self.slot, self.n_slots, i, cfg.epochs,
-                                     buffer_size=cfg.shuffle_buffer) for i, u in enumerate(cfg.units)]
+                                     buffer_size=d.shuffle_buffer) for i, u in enumerate(cfg.units)]
         self.weights = [w for _, w in cfg.sources]
-        self.packer = BestFitPacker(cfg.seq_len, cfg.open_rows, cfg.max_patches_per_row)
+        self.packer = BestFitPacker(d.seq_len, d.open_rows, d.max_patches_per_row)
+        self.S = padded_seq_len(d)
         self.mix_n = 0
         self.done = False
         self.counters: dict[str, int] = {"seen": 0, "samples": 0, "skipped": 0, "batches": 0}
@@ -142,7 +131,7 @@ class PackedStream:
 
     # ---------------------------------------------------------------- iteration
     def __next__(self) -> dict:
-        B = self.cfg.batch_size
+        B = self.cfg.data.micro_batch_size
         while True:
             rows = self.packer.pop_rows(B)
             if rows is not None:
@@ -187,12 +176,12 @@ class PackedStream:
             doc = self.proc(sample, rec, unit, sid)
             doc.ref = (i, loc, -1)
             if not self.packer.fits(doc):
-                if self.cfg.split_long_text and sample.text is not None and not doc.media:
+                if self.cfg.data.split_long_text and sample.text is not None and not doc.media:
                     for d in self._split(doc):
                         self._add(d)
                     return
                 raise SkipSample("too_long", f"{len(doc)} tokens / {doc.n_patches} patches > budget "
-                                 f"{self.cfg.seq_len} tokens / {self.cfg.max_patches_per_row or '-'} patches")
+                                 f"{self.cfg.data.seq_len} tokens / {self.cfg.data.max_patches_per_row or '-'} patches")
             self._add(doc)
         except SkipSample as e:
             self._skip(e.reason, sid, e.detail)
@@ -204,10 +193,10 @@ class PackedStream:
         self.counters["samples"] += 1
 
     def _split(self, doc: Doc) -> list[Doc]:
-        return [self._chunk(doc, a) for a in range(0, len(doc), self.cfg.seq_len)]
+        return [self._chunk(doc, a) for a in range(0, len(doc), self.cfg.data.seq_len)]
 
     def _chunk(self, doc: Doc, a: int) -> Doc:
-        n = self.cfg.seq_len
+        n = self.cfg.data.seq_len
         lab = doc.labels[a : a + n].copy()
         lab[-1] = -100
         ref = (doc.ref[0], doc.ref[1], a) if doc.ref is not None else None
@@ -252,20 +241,21 @@ class PackedStream:
             self._logged.add(key)
             log.warning("data: skipped sample %s (%s): %s [further skips of this kind from this source are "
                         "only counted]", sid, reason, detail[:500])
-        if c["seen"] >= self.cfg.error_min_samples and c["skipped"] > self.cfg.max_error_rate * c["seen"]:
+        d = self.cfg.data
+        if c["seen"] >= d.error_min_samples and c["skipped"] > d.max_error_rate * c["seen"]:
             reasons = {k[8:]: v for k, v in c.items() if k.startswith("skipped/")}
             raise RuntimeError(
                 f"data: {c['skipped']} of {c['seen']} samples were skipped ({c['skipped'] / c['seen']:.1%} > "
-                f"data.max_error_rate = {self.cfg.max_error_rate:.1%}); by reason: {reasons}; last: {sid}: "
+                f"data.max_error_rate = {d.max_error_rate:.1%}); by reason: {reasons}; last: {sid}: "
                 f"{detail[:300]}. Fix the data (see the warnings above) or raise data.max_error_rate."
             )
 
     def _emit(self, rows: list[list[Doc]]) -> dict:
-        batch = collate_rows(rows, self.cfg.seq_len, self.tok.pad_id, self.cfg.proc.mrope)
+        batch = collate_rows(rows, self.S, self.tok.pad_id, self.cfg.proc.mrope)
         n_docs = sum(len(r) for r in rows)
         self.counters["batches"] += 1
         meta = {"worker": self.worker_id, "counters": dict(self.counters), "n_samples": n_docs,
-                "n_tokens": int(sum(len(d) for r in rows for d in r)), "n_slots": len(rows) * round_up(self.cfg.seq_len)}
+                "n_tokens": int(sum(len(d) for r in rows for d in r)), "n_slots": len(rows) * self.S}
         if self.cfg.return_sample_ids:
             meta["sample_ids"] = [d.sample_id for r in rows for d in r]
         batch["_meta"] = meta
@@ -319,31 +309,25 @@ class TitanDataLoader(StatefulDataLoader):
         return out
 
 
-def build_dataloader(cfg: Any = None, *, dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
-                     batch_size: int | None = None, seq_len: int | None = None, num_workers: int | None = None,
-                     mrope: bool | None = None, tokenizer_path: str | None = None, epochs: int = 0,
+def build_dataloader(data: Data, *, needs: DataNeeds, dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
+                     tokenizer_path: str | None = None, epochs: int = 0,
                      return_sample_ids: bool = False) -> TitanDataLoader:
-    """Build the rank's loader from the ``[data]`` config section (titan_mm.config.Data, or any object with
-    those attributes; missing ones take the defaults). Keyword arguments override the config."""
+    """The rank's loader for the ``[data]`` section and the model family's data needs (``DataNeeds()`` without a
+    model: text, 1-D positions). ``tokenizer_path`` replaces data.tokenizer_path (the trainer passes the model's HF
+    folder); ``epochs`` > 0 stops after that many passes; ``return_sample_ids`` keeps ``loader.last_sample_ids``."""
+    if not isinstance(data, Data):
+        raise TypeError(f"build_dataloader needs the [data] section (titan_mm.config.Data), got {type(data).__name__}")
     if not 0 <= dp_rank < dp_world:
         raise ValueError(f"dp_rank must be in [0, dp_world), got rank {dp_rank} of {dp_world}")
-    seq_len = seq_len or _get(cfg, "seq_len")
-    B = batch_size or _get(cfg, "micro_batch_size")
-    nw = _get(cfg, "num_workers") if num_workers is None else num_workers
-    # every processor setting that the [data] section has, by name (patch/merge sizes stay the processor's)
-    shared = {f.name: _get(cfg, f.name) for f in dataclasses.fields(ProcessorConfig) if f.name in _DEFAULTS}
-    proc = ProcessorConfig(**{**shared, "mrope": shared["mrope"] if mrope is None else mrope, "lazy_images": True})
-    scfg = StreamConfig(
-        sources=resolve_sources(_get(cfg, "dataset"), _get(cfg, "mixture")), seq_len=seq_len, batch_size=B,
-        dp_rank=dp_rank, dp_world=dp_world, seed=seed, tokenizer_path=tokenizer_path or _get(cfg, "tokenizer_path"),
-        proc=proc, open_rows=_get(cfg, "open_rows"), max_patches_per_row=_get(cfg, "max_patches_per_row"),
-        split_long_text=_get(cfg, "split_long_text"), max_error_rate=_get(cfg, "max_error_rate"),
-        error_min_samples=_get(cfg, "error_min_samples"), epochs=epochs, return_sample_ids=return_sample_ids,
-        shuffle_buffer=_get(cfg, "shuffle_buffer"),
-    )
-    ds = PackedDataset(scfg)
-    kw: dict[str, Any] = dict(num_workers=nw, pin_memory=bool(_get(cfg, "pin_memory")) and torch.cuda.is_available())
+    proc = ProcessorConfig(data=data, needs=needs, lazy_images=True)
+    tok = tokenizer_path or data.tokenizer_path
+    Processor(load_tokenizer(tok), proc)  # fail here, not inside a worker, on a tokenizer that misses the model's ids
+    ds = PackedDataset(StreamConfig(proc=proc, sources=resolve_sources(data.dataset, data.mixture), dp_rank=dp_rank,
+                                    dp_world=dp_world, seed=seed, tokenizer_path=tok, epochs=epochs,
+                                    return_sample_ids=return_sample_ids))
+    nw = data.num_workers
+    kw: dict[str, Any] = dict(num_workers=nw, pin_memory=data.pin_memory and torch.cuda.is_available())
     if nw > 0:
-        kw.update(prefetch_factor=_get(cfg, "prefetch_factor"), persistent_workers=False,
+        kw.update(prefetch_factor=data.prefetch_factor, persistent_workers=False,
                   multiprocessing_context="spawn" if torch.cuda.is_initialized() else None)
     return TitanDataLoader(ds, **kw)

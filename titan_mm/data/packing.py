@@ -31,6 +31,12 @@ def round_up(x: int, m: int = PAD_MULTIPLE) -> int:
     return (x + m - 1) // m * m
 
 
+def padded_seq_len(data) -> int:
+    """The row length S of every batch for the ``[data]`` section (titan_mm.config.Data): data.seq_len rounded up
+    to a multiple of 16. The loader pads to it and the mesh checks it (ParallelDims.check_model)."""
+    return round_up(data.seq_len)
+
+
 @dataclass
 class Doc:
     input_ids: np.ndarray  # [L] int64
@@ -137,14 +143,17 @@ class BestFitPacker:
         self.ready = deque(ready)
 
 
-def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool) -> dict[str, torch.Tensor]:
-    """Build the contract batch (docs/architecture.md, "Batch") from packed rows.
+def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool,
+                 multiple: int = PAD_MULTIPLE) -> dict[str, torch.Tensor]:
+    """Build the contract batch (docs/architecture.md, "Batch") from packed rows: the one collator of the
+    data pipeline and of the synthetic loaders (titan_mm.train.synthetic, titan_mm.models.qwen3_vl.synthetic).
 
-    Rows are padded to ``S = round_up(seq_len, 16)``. ``cu_seqlens`` runs over the flattened B*S tokens:
+    Rows are padded to ``S = round_up(seq_len, multiple)`` (16 by default; the synthetic loaders pass 1 to
+    keep their exact row length). ``cu_seqlens`` runs over the flattened B*S tokens:
     every doc is a segment, and each row's padding is one more trailing segment. ``max_seqlen`` is the
     longest segment (docs and padding alike), so varlen kernels given it never under-size a tile.
     """
-    B, S = len(rows), round_up(seq_len)
+    B, S = len(rows), round_up(seq_len, multiple)
     ids = np.full((B, S), pad_id, dtype=np.int64)
     labels = np.full((B, S), IGNORE_INDEX, dtype=np.int64)
     doc_ids = np.full((B, S), -1, dtype=np.int32)
@@ -167,8 +176,8 @@ def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool) 
             for key, arrs in d.media.items():
                 if key == "_lazy_image":  # vision.LazyImage: patches computed now, in token order
                     for lazy in arrs:
-                        for k, v in lazy.materialize().items():
-                            media.setdefault(k, []).append(v)
+                        for mk, v in lazy.materialize().items():
+                            media.setdefault(mk, []).append(v)
                 else:
                     media.setdefault(key, []).extend(arrs)
         if t > S:

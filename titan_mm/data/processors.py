@@ -4,8 +4,11 @@ Text: ``tokens + <|endoftext|>``, every token a target. Chat: the Qwen3 chat tem
 assistant turns (their content and the closing ``<|im_end|>``). Media: see :mod:`titan_mm.data.vision`
 (images and video the Qwen3-VL way) and :mod:`titan_mm.data.audio` (16 kHz log-mel).
 
-Two chat templates:
-- ``qwen3_vl`` (default): Qwen3-VL Instruct's template; media parts render as
+Sizes (patch, temporal patch, merge), the positions kind (1-D or M-RoPE) and the special token ids come from
+the model family's :class:`~titan_mm.registry.DataNeeds`; every other setting from the ``[data]`` section.
+
+Two chat templates (the family's, unless ``data.chat_template`` names one):
+- ``qwen3_vl``: Qwen3-VL Instruct's template; media parts render as
   ``<|vision_start|><|image_pad|><|vision_end|>`` (one pad per merged patch after expansion).
 - ``qwen3``: Qwen3's hybrid-thinking template; the last assistant turn after the last user query gets
   an (empty unless given) ``<think>...</think>`` block, exactly as HF's ``apply_chat_template`` renders it.
@@ -13,38 +16,72 @@ Two chat templates:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from titan_mm.config import Data as _Data
+from titan_mm.config import Data
 from titan_mm.data.packing import IGNORE_INDEX, Doc
 from titan_mm.data.schema import Sample
 from titan_mm.data.sources import SkipSample, Unit, media_bytes
 from titan_mm.data.tokenizer import Tokenizer
+from titan_mm.registry import DataNeeds
+
+CHAT_TEMPLATES = ("qwen3", "qwen3_vl")
+POSITIONS = ("1d", "mrope")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProcessorConfig:
-    """The processors' settings. Fields shared with the ``[data]`` config section take their defaults (and
-    docstrings) from titan_mm.config.Data; the loader fills them from the job config by field name."""
+    """What the processors read: the ``[data]`` section, the model family's data needs (patch / merge sizes,
+    positions kind, special tokens, chat template) and the settings neither of them holds."""
 
-    chat_template: str = _Data.chat_template
-    mrope: bool = _Data.mrope  # emit 3-D M-RoPE positions per doc
-    image_min_pixels: int = _Data.image_min_pixels
-    image_max_pixels: int = _Data.image_max_pixels
-    video_min_pixels: int = _Data.video_min_pixels
-    video_max_pixels: int = _Data.video_max_pixels
-    video_fps: float = _Data.video_fps
-    video_min_frames: int = _Data.video_min_frames
-    video_max_frames: int = _Data.video_max_frames
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    merge_size: int = 2
+    data: Data = field(default_factory=Data)
+    needs: DataNeeds = field(default_factory=DataNeeds)
+    lazy_images: bool = False  # image patches computed at collate time (the loader turns this on)
     audio_sample_rate: int = 16000
     audio_n_mels: int = 128
-    media_root: str = _Data.media_root
-    lazy_images: bool = False  # image patches computed at collate time (the loader turns this on)
+
+    def __post_init__(self):
+        if self.needs.positions not in POSITIONS:
+            raise ValueError(f"DataNeeds.positions must be one of {POSITIONS}, got {self.needs.positions!r}")
+        if self.chat_template not in CHAT_TEMPLATES:
+            raise ValueError(f"data.chat_template must be empty (the model's), 'qwen3' or 'qwen3_vl', "
+                             f"got {self.chat_template!r}")
+
+    # the family's sizes, by the names vision.py reads
+    @property
+    def patch_size(self) -> int:
+        return self.needs.patch_size
+
+    @property
+    def temporal_patch_size(self) -> int:
+        return self.needs.temporal_patch_size
+
+    @property
+    def merge_size(self) -> int:
+        return self.needs.merge_size
+
+    @property
+    def mrope(self) -> bool:
+        """3-D M-RoPE positions per doc (the family's positions kind)."""
+        return self.needs.positions == "mrope"
+
+    @property
+    def chat_template(self) -> str:
+        return self.data.chat_template or self.needs.chat_template
+
+
+def check_special_tokens(tok: Tokenizer, needs: DataNeeds) -> None:
+    """The tokenizer must give every special token the family names the id the model was trained with."""
+    for role, want in needs.special_tokens.items():
+        if not hasattr(tok, f"{role}_id"):
+            known = sorted(k[:-3] for k in vars(tok) if k.endswith("_id"))
+            raise ValueError(f"DataNeeds.special_tokens names an unknown role {role!r}; the processors know {known}")
+        got = getattr(tok, f"{role}_id")
+        if got != want:
+            raise ValueError(f"the tokenizer ({tok.path}) gives {role} the id {got}, the model expects {want}; "
+                             "set data.tokenizer_path to the model's tokenizer")
 
 
 def shift_labels(ids: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -59,8 +96,7 @@ class Processor:
     def __init__(self, tokenizer: Tokenizer, cfg: ProcessorConfig | None = None):
         self.tok = tokenizer
         self.cfg = cfg or ProcessorConfig()
-        if self.cfg.chat_template not in ("qwen3", "qwen3_vl"):
-            raise ValueError(f"data.chat_template must be 'qwen3' or 'qwen3_vl', got {self.cfg.chat_template!r}")
+        check_special_tokens(tokenizer, self.cfg.needs)
 
     # ------------------------------------------------------------------ text
     def text_doc(self, text: str, sample_id: str = "") -> Doc:
@@ -87,11 +123,11 @@ class Processor:
             for p in parts:
                 if p.type == "text":
                     s.append(p.text)
-                elif p.type == "image":
-                    s.append("<|vision_start|><|image_pad|><|vision_end|>")
-                    media.append(p)
-                elif p.type == "video":
-                    s.append("<|vision_start|><|video_pad|><|vision_end|>")
+                elif p.type in ("image", "video"):
+                    if not self.cfg.patch_size:
+                        raise SkipSample("unknown_modality", f"{p.type} part, but the model takes no vision input "
+                                         "(its data needs have no patch size)")
+                    s.append(f"<|vision_start|><|{p.type}_pad|><|vision_end|>")
                     media.append(p)
                 elif p.type == "audio":
                     if self.tok.audio_pad_id is None:
@@ -160,7 +196,7 @@ class Processor:
         for w, part in zip(where, media):
             pieces_ids.append(ids[prev:w])
             pieces_tgt.append(target[prev:w])
-            payload = media_bytes(part.ref, rec, unit, self.cfg.media_root) if unit is not None else part.ref
+            payload = media_bytes(part.ref, rec, unit, self.cfg.data.media_root) if unit is not None else part.ref
             if part.type == "image":
                 item = vision.process_image(payload, self.cfg, lazy=self.cfg.lazy_images)
                 tok = np.full(item.n_tokens, self.tok.image_pad_id, dtype=np.int64)

@@ -137,7 +137,7 @@ def process_image(payload, cfg, lazy: bool = False) -> MediaItem:
     """Decode (validating the image), smart-resize rule -> grid; patches now, or at collate time (lazy)."""
     img = _load_pil(payload)
     factor = cfg.patch_size * cfg.merge_size
-    h, w = smart_resize(img.height, img.width, factor, cfg.image_min_pixels, cfg.image_max_pixels)
+    h, w = smart_resize(img.height, img.width, factor, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
     grid = (1, h // cfg.patch_size, w // cfg.patch_size)
     n = grid[1] * grid[2]
     if lazy:
@@ -227,14 +227,16 @@ def process_video(payload, cfg, frames: list[np.ndarray] | None = None, video_fp
         box = {}
 
         def pick(total, fps):
-            box["idx"] = sample_frame_indices(total, fps, cfg.video_fps, cfg.video_min_frames, cfg.video_max_frames)
+            box["idx"] = sample_frame_indices(total, fps, cfg.data.video_fps, cfg.data.video_min_frames,
+                                              cfg.data.video_max_frames)
             return box["idx"]
 
         clip_frames, video_fps = decode_video(payload, pick)
         idx = box["idx"]
         frames = dict(zip(idx.tolist(), clip_frames))
     else:
-        idx = sample_frame_indices(len(frames), video_fps, cfg.video_fps, cfg.video_min_frames, cfg.video_max_frames)
+        idx = sample_frame_indices(len(frames), video_fps, cfg.data.video_fps, cfg.data.video_min_frames,
+                                   cfg.data.video_max_frames)
     if len(idx) < 1:
         raise SkipSample("bad_video", "no frames sampled")
     clip = np.stack([frames[i] for i in idx])  # [T, H, W, 3]
@@ -243,7 +245,7 @@ def process_video(payload, cfg, frames: list[np.ndarray] | None = None, video_fp
     if n_frames < cfg.temporal_patch_size:
         clip = np.concatenate([clip, np.repeat(clip[-1:], cfg.temporal_patch_size - n_frames, 0)])
     h, w = video_smart_resize(clip.shape[0], clip.shape[1], clip.shape[2], factor, cfg.temporal_patch_size,
-                              cfg.video_min_pixels, cfg.video_max_pixels)
+                              cfg.data.video_min_pixels, cfg.data.video_max_pixels)
     x = resize_frames(clip, h, w)
     x = (x * np.float32(1 / 255) - MEAN[:, None, None]) / STD[:, None, None]
     pv, grid = patchify(x.astype(np.float32), cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size)
@@ -267,39 +269,54 @@ def video_placeholder_ids(item: MediaItem, tok) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------ M-RoPE
-def mrope_positions(ids: np.ndarray, items: list[MediaItem], tok, cfg) -> np.ndarray:
-    """[3, L] positions of one document (starting at 0), following Qwen3-VL's get_rope_index."""
-    L = ids.shape[0]
+def mrope_index(kinds_L, image_grids, video_grids, merge: int) -> np.ndarray:
+    """[3, L] int64 (t, h, w) positions of one document (starting at 0), as Qwen3-VL's get_rope_index.
+
+    ``kinds_L``: per token 0 text, 1 image pad, 2 video pad (HF's mm_token_type_ids); ``image_grids`` /
+    ``video_grids``: the (t, h, w) patch grids in document order (arrays, tensors or lists). A run of pad
+    tokens is one image or one video frame (each video is t runs of (1, h, w)). Raises ValueError when the
+    runs do not match the grids."""
+    kinds = np.asarray(kinds_L).reshape(-1)
+    L = kinds.shape[0]
+    frames = [(1, h, w) for t, h, w in np.asarray(video_grids, dtype=np.int64).reshape(-1, 3).tolist()
+              for _ in range(t)]
+    grids = {1: iter(np.asarray(image_grids, dtype=np.int64).reshape(-1, 3).tolist()), 2: iter(frames)}
     pos = np.zeros((3, L), dtype=np.int64)
-    img_grids = [it.grid for it in items if it.kind == "image"]
-    vid_grids = [(1, it.grid[1], it.grid[2]) for it in items if it.kind == "video" for _ in range(it.grid[0])]
-    gi = {tok.image_pad_id: iter(img_grids), tok.video_pad_id: iter(vid_grids)}
-    m = cfg.merge_size
     cur, i = 0, 0
     while i < L:
-        t = int(ids[i])
-        if t in gi and t is not None:
-            j = i
-            while j < L and ids[j] == t:
-                j += 1
+        k = int(kinds[i])
+        j = i
+        while j < L and (kinds[j] == k if k else kinds[j] not in (1, 2)):
+            j += 1
+        if k in (1, 2):
             try:
-                gt, gh, gw = next(gi[t])
+                gt, gh, gw = next(grids[k])
             except StopIteration:
-                raise SkipSample("bad_schema", "more vision pad tokens than images/videos") from None
-            lt, lh, lw = gt, gh // m, gw // m
+                raise ValueError(f"more {('image', 'video')[k - 1]} pad runs than grids") from None
+            lt, lh, lw = gt, gh // merge, gw // merge
             if lt * lh * lw != j - i:
-                raise SkipSample("bad_schema", f"vision run of {j - i} tokens does not match grid {(gt, gh, gw)}")
+                raise ValueError(f"a vision run of {j - i} tokens does not match its grid {(gt, gh, gw)} "
+                                 f"(merge {merge})")
             tt, hh, ww = np.meshgrid(np.arange(lt), np.arange(lh), np.arange(lw), indexing="ij")
             pos[0, i:j] = tt.reshape(-1) + cur
             pos[1, i:j] = hh.reshape(-1) + cur
             pos[2, i:j] = ww.reshape(-1) + cur
-            cur += max(gh, gw) // m
-            i = j
+            cur += max(lh, lw)
         else:
-            j = i
-            while j < L and int(ids[j]) not in gi:
-                j += 1
             pos[:, i:j] = np.arange(j - i) + cur
             cur += j - i
-            i = j
+        i = j
     return pos
+
+
+def mrope_positions(ids: np.ndarray, items: list[MediaItem], tok, cfg) -> np.ndarray:
+    """[3, L] positions of one processed document (its media ``items`` in order), via :func:`mrope_index`."""
+    kinds = np.zeros(ids.shape[0], dtype=np.int64)
+    for k, pad in ((1, tok.image_pad_id), (2, tok.video_pad_id)):
+        if pad is not None:
+            kinds[ids == pad] = k
+    try:
+        return mrope_index(kinds, [it.grid for it in items if it.kind == "image"],
+                           [it.grid for it in items if it.kind == "video"], cfg.merge_size)
+    except ValueError as e:
+        raise SkipSample("bad_schema", str(e)) from None

@@ -1,6 +1,6 @@
 """Apply a :class:`~titan_mm.parallel.plan.ParallelizePlan` to a model, in one fixed order.
 
-    float8 (module swap; CUDA only) -> TP / EP -> CP -> AC -> torch.compile -> FSDP2 (units, then root)
+    float8 (module swap, titan_mm.quant; CUDA only) -> TP / EP -> CP -> AC -> torch.compile -> FSDP2 (units, then root)
 
 Every step reads only the plan (module-FQN patterns) and the job config; nothing here knows a model family.
 
@@ -13,124 +13,72 @@ That is also what makes FSDP2 work on gloo, which has neither ``PREMUL_SUM`` nor
 
 from __future__ import annotations
 
-import fnmatch
 import logging
-from typing import Any
 
 import torch
 import torch.nn as nn
 
+from titan_mm.config import JobConfig
+from titan_mm.dtypes import torch_dtype
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["parallelize", "apply_ac", "apply_compile", "apply_fsdp", "apply_float8", "float8_after_optimizer"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["parallelize", "apply_ac", "apply_compile", "apply_fsdp"]
 
 
-def _opt(cfg: Any, path: str, default: Any) -> Any:
-    """``cfg.a.b`` or ``default`` when cfg is None or the section/field is absent (tests pass partial configs)."""
-    obj = cfg
-    for part in path.split("."):
-        if obj is None or not hasattr(obj, part):
-            return default
-        obj = getattr(obj, part)
-    return obj
-
-
-def parallelize(model: nn.Module, plan: ParallelizePlan, parallel_dims: ParallelDims, cfg: Any = None) -> nn.Module:
+def parallelize(model: nn.Module, plan: ParallelizePlan, parallel_dims: ParallelDims, cfg: JobConfig) -> nn.Module:
     """Shard, checkpoint, compile and wrap ``model`` as ``plan`` and ``cfg`` say; returns the same module.
 
     ``model`` may live on the meta device (the trainer builds it there and materialises after this call).
-    ``cfg`` is the :class:`titan_mm.config.JobConfig` (sections ``training``, ``parallel``,
-    ``activation_checkpoint``, ``compile``, ``float8``); ``None`` means all defaults (fp32, no AC/compile).
+    ``cfg`` is the job's :class:`titan_mm.config.JobConfig` (``JobConfig()`` for the defaults: fp32, no AC /
+    compile / float8). Its typed sections ``training``, ``parallel``, ``activation_checkpoint``, ``compile`` and
+    ``float8`` are read here (TP and CP get the ``parallel`` section, float8 its own), so their defaults are the
+    config's.
     """
+    if not isinstance(cfg, JobConfig):
+        raise TypeError(f"parallelize needs the titan_mm.config.JobConfig (JobConfig() for the defaults), "
+                        f"got {type(cfg).__name__}.")
     pd = parallel_dims
-    on_cuda = torch.cuda.is_available() and _opt(cfg, "parallel.backend", "auto") != "gloo"
+    on_cuda = torch.cuda.is_available() and cfg.parallel.backend != "gloo"
 
-    if _opt(cfg, "float8.enable", False):
-        apply_float8(model, cfg, on_cuda=on_cuda)
+    if cfg.float8.enable:
+        from titan_mm.quant.float8 import apply_float8
+
+        apply_float8(model, cfg.float8, on_cuda=on_cuda)
 
     if pd.tp_enabled:
         from titan_mm.parallel.tp import apply_tp
 
-        apply_tp(model, plan, pd, cfg)
+        apply_tp(model, plan, pd, cfg.parallel)
     if pd.ep_enabled:
         from titan_mm.parallel.ep import apply_ep
 
-        apply_ep(model, plan, pd, cfg)
+        apply_ep(model, plan, pd)
     if pd.cp_enabled:
         from titan_mm.parallel.cp import apply_cp
 
-        apply_cp(model, plan, pd, cfg)
+        apply_cp(model, plan, pd, cfg.parallel)
 
-    mode = _opt(cfg, "activation_checkpoint.mode", "none")
-    if mode != "none":
-        apply_ac(model, plan.ac_units, mode, str(_opt(cfg, "activation_checkpoint.selective_option", "op")),
-                 int(_opt(cfg, "activation_checkpoint.num_layers", 0)))
+    ac = cfg.activation_checkpoint
+    if ac.mode != "none":
+        apply_ac(model, plan.ac_units, ac.mode, ac.selective_option, ac.num_layers)
 
-    if _opt(cfg, "compile.enable", False):
-        apply_compile(model, plan.compile_units, fullgraph=bool(_opt(cfg, "compile.fullgraph", False)))
+    if cfg.compile.enable:
+        apply_compile(model, plan.compile_units, fullgraph=cfg.compile.fullgraph)
 
     if pd.build_meshes():  # a process group exists (always for world > 1)
-        param_dtype = _DTYPES[_opt(cfg, "training.param_dtype", "float32")]
-        reduce_dtype = _DTYPES[_opt(cfg, "training.reduce_dtype", "float32")]
+        param_dtype = torch_dtype(cfg.training.param_dtype)
+        reduce_dtype = torch_dtype(cfg.training.reduce_dtype)
         if not on_cuda and param_dtype != torch.float32:
             logger.warning("training.param_dtype=%s on CPU: computing in float32 instead (bf16 matmuls on CPU are "
                            "slow and the CPU tests compare against fp32).", param_dtype)
             param_dtype = torch.float32
         if pd.fsdp_enabled or param_dtype != torch.float32 or pd.ep_enabled:
             apply_fsdp(model, plan, pd, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                       reshard_after_forward=str(_opt(cfg, "parallel.fsdp_reshard_after_forward", "always")))
+                       reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward)
     return model
-
-
-# ----------------------------------------------------------------------------------------------- float8
-def apply_float8(model: nn.Module, cfg: Any, on_cuda: bool) -> None:
-    """Swap eligible ``nn.Linear`` for torchao Float8Linear (tensorwise or rowwise scaling)."""
-    if not on_cuda:
-        raise RuntimeError(
-            "float8.enable=true needs a CUDA GPU with SM>=89 (H100/H200); this run is on CPU. "
-            "Set --float8.enable false for CPU runs."
-        )
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (8, 9):
-        raise RuntimeError(f"float8 training needs SM>=89; this GPU is SM{major}{minor}. Set --float8.enable false.")
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    skip = set(_opt(cfg, "float8.filter_fqns", ["output", "router", "gate"]))
-    recipe = _opt(cfg, "float8.recipe", "tensorwise")
-    if recipe == "rowwise":
-        f8cfg = Float8LinearConfig.from_recipe_name("rowwise")
-    else:
-        f8cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-
-    def keep(mod: nn.Module, fqn: str) -> bool:
-        if not isinstance(mod, nn.Linear):
-            return False
-        if any(part in skip for part in fqn.split(".")):
-            return False
-        return mod.in_features % 16 == 0 and mod.out_features % 16 == 0
-
-    convert_to_float8_training(model, config=f8cfg, module_filter_fn=keep)
-
-
-def float8_after_optimizer(model: nn.Module, cfg: Any):
-    """The hook to run after each optimizer step (``StepContext.after_optimizer``), or None: with
-    ``float8.precompute_scale`` (tensorwise), every float8 weight's scale for the next FSDP all-gathers in one
-    batched computation, instead of an amax per weight inside each all-gather."""
-    if not (_opt(cfg, "float8.enable", False) and _opt(cfg, "float8.precompute_scale", False)):
-        return None
-    recipe = _opt(cfg, "float8.recipe", "tensorwise")
-    if recipe != "tensorwise":
-        logger.info(f"float8.precompute_scale is not used with float8.recipe={recipe!r}: the precomputed scales "
-                    "are the per-tensor ones of the tensorwise FSDP float8 all-gather")
-        return None
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-    return lambda: precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 # ----------------------------------------------------------------------------------------------- AC
@@ -266,6 +214,3 @@ def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
 
-
-def matches(fqn: str, patterns) -> bool:
-    return any(fnmatch.fnmatchcase(fqn, p) for p in patterns)

@@ -22,8 +22,6 @@ expert computation, so expert gradients are already identical over tp).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -99,7 +97,7 @@ def _grouped_fn():
     return grouped_swiglu
 
 
-def apply_ep(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any = None) -> None:
+def apply_ep(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims) -> None:
     ep_mesh = pd.mesh("ep")
     if ep_mesh is None:
         raise RuntimeError("parallel.ep > 1 needs torch.distributed; call titan_mm.parallel.mesh.init_distributed().")

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_mm.config import Parallel
+
 __all__ = ["ParallelDims", "init_distributed", "device_type"]
 
 
@@ -117,7 +119,8 @@ class ParallelDims:
 
     def check_model(self, *, num_heads: int, num_kv_heads: int, num_experts: int = 0, seq_len: int | None = None,
                     vocab_size: int | None = None, cp_ulysses: bool = False) -> None:
-        """Reject degrees that a model's shapes cannot take, naming the product that does not divide."""
+        """Reject degrees that a model's shapes cannot take, naming the product that does not divide. ``seq_len`` is
+        the padded row length the batches have (titan_mm.data.packing.padded_seq_len), not data.seq_len."""
         if num_heads % self.tp:
             raise ValueError(f"tp({self.tp}) does not divide num_attention_heads({num_heads}).")
         if num_kv_heads % self.tp:
@@ -131,8 +134,9 @@ class ParallelDims:
             div = self.seq_len_divisor
             if seq_len % div:
                 raise ValueError(
-                    f"seq_len({seq_len}) is not a multiple of tp({self.tp}) * 2 * cp({self.cp}) = {div} "
-                    "(sequence parallel splits by tp, load-balanced CP splits into 2*cp chunks)."
+                    f"the padded row length {seq_len} (data.seq_len rounded up by the data pipeline) is not a multiple "
+                    f"of tp({self.tp}) * 2 * cp({self.cp}) = {div} (sequence parallel splits rows by tp, load-balanced "
+                    "CP into 2*cp chunks); pick data.seq_len so that it is."
                 )
         if cp_ulysses and self.cp > 1:
             if num_heads % (self.cp * self.tp) or num_kv_heads % (self.cp * self.tp):
@@ -251,16 +255,9 @@ class ParallelDims:
         return self.mesh("ep_hsdp") if self.dp_replicate > 1 else self.mesh("ep_fsdp")
 
     @classmethod
-    def from_config(cls, parallel_cfg, world_size: int | None = None) -> "ParallelDims":
-        """From the ``parallel`` config section (fields dp_replicate, dp_shard, cp, tp, ep; missing ones = 1)."""
+    def from_config(cls, par: Parallel, world_size: int | None = None) -> "ParallelDims":
+        """From the ``[parallel]`` config section; ``world_size`` defaults to the process group's (1 without one)."""
         if world_size is None:
             world_size = dist.get_world_size() if dist.is_initialized() else 1
-        g = lambda k, d=1: int(getattr(parallel_cfg, k, d))  # noqa: E731
-        return cls(
-            dp_replicate=g("dp_replicate"),
-            dp_shard=g("dp_shard", -1),
-            cp=g("cp"),
-            tp=g("tp"),
-            ep=g("ep"),
-            world_size=world_size,
-        )
+        return cls(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp, tp=par.tp, ep=par.ep,
+                   world_size=world_size)

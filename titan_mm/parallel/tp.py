@@ -46,9 +46,9 @@ as style "embedding_rowwise" (output all-reduced), or "embedding_rowwise_seq" wh
 "seq_scatter_output" (output reduce-scattered to the sequence shard); the embedding and the loss then add their
 gradients into the same shard. The ``ops`` of the nearest module above the head (the text model; a dataclass
 with ``cross_entropy`` and ``logits`` fields) are swapped: ``cross_entropy`` becomes
-:func:`vocab_parallel_cross_entropy` (chunked, per chunk a local [chunk, V/tp] fp32 logits block, the max /
-sum-exp / target logit all-reduced over tp, gradients computed in the forward as in the replicated chunked CE;
-the input gradient is all-reduced once at the end) and ``logits`` becomes :func:`vocab_parallel_logits`
+:func:`vocab_parallel_cross_entropy` (titan_mm.models.common.loss.chunked_cross_entropy with ``group=``: per
+chunk a local [chunk, V/tp] fp32 logits block, the max / sum-exp / target logit all-reduced over tp, the input
+gradient all-reduced once at the end) and ``logits`` becomes :func:`vocab_parallel_logits`
 (local vocabulary slice, all-gathered). A model that used the fused Triton linear-CE of titan_mm.kernels gets
 its vocab-parallel form instead (:func:`vocab_parallel_fused_cross_entropy`: per chunk a Triton pass for the
 shard's log-sum-exp and target logit, one all-gather of those per-row pieces, a Triton pass writing the
@@ -69,6 +69,8 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from titan_mm.config import Parallel
+from titan_mm.models.common.loss import chunked_cross_entropy
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
@@ -214,54 +216,6 @@ def _install_grad_sum_self(mod: nn.Module, group) -> None:
     mod.register_forward_hook(post)
 
 
-class _VocabParallelCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h_ND, w_VD, labels_N, chunk_size, z_loss_weight, group, v0):
-        N = h_ND.shape[0]
-        Vl = w_VD.shape[0]
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
-        grad_h = torch.zeros_like(h_ND) if need_h else None
-        grad_w = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_w else None
-        for s in range(0, N, chunk_size):
-            h_c, y_c = h_ND[s : s + chunk_size], labels_N[s : s + chunk_size]
-            logits = (h_c @ w_VD.t()).float()
-            m = logits.amax(-1)
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            sumexp = torch.exp(logits - m[:, None]).sum(-1)
-            dist.all_reduce(sumexp, group=group)
-            lse = torch.log(sumexp) + m
-            valid = y_c != -100
-            loc = y_c - v0
-            mine = valid & (loc >= 0) & (loc < Vl)
-            loc = loc.clamp(0, max(Vl - 1, 0))
-            tgt = torch.where(mine, logits.gather(1, loc[:, None]).squeeze(1), torch.zeros_like(lse))
-            dist.all_reduce(tgt, group=group)
-            vf = valid.float()
-            total = total + ((lse - tgt) * vf).sum()
-            if z_loss_weight:
-                total = total + z_loss_weight * (lse.square() * vf).sum()
-            if need_h or need_w:
-                coef = vf if not z_loss_weight else vf * (1 + 2 * z_loss_weight * lse)
-                g = torch.exp(logits - lse[:, None]) * coef[:, None]
-                g.scatter_add_(1, loc[:, None], -mine.float()[:, None])
-                g = g.to(h_ND.dtype)
-                if need_h:
-                    grad_h[s : s + chunk_size] = g @ w_VD
-                if need_w:
-                    grad_w += (g.t() @ h_c).float()
-        if need_h:
-            dist.all_reduce(grad_h, group=group)  # every vocab shard contributes to each token's gradient
-        ctx.save_for_backward(grad_h if need_h else None, grad_w.to(w_VD.dtype) if need_w else None)
-        return total
-
-    @staticmethod
-    def backward(ctx, g_out):
-        grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * g_out.to(grad_h.dtype) if grad_h is not None else None,
-                grad_w * g_out.to(grad_w.dtype) if grad_w is not None else None, None, None, None, None, None)
-
-
 def vocab_parallel_logits(h, w_VD):
     """``h @ w_VD.T`` for ``w_VD`` a DTensor ``Shard(0)`` over the tp mesh and ``h`` [*, D] replicated over tp:
     each rank computes its vocabulary slice, all-gathered to the full [*, V] (backward: the input gradient is
@@ -291,7 +245,8 @@ def vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z
         if K.use_triton(h_ND, w_local) and h_ND.dtype == w_local.dtype:
             return K.vocab_parallel_linear_cross_entropy(h_ND, w_local, labels_N, v0, mesh.get_group(),
                                                          z_loss=float(z_loss_weight))
-    return _VocabParallelCE.apply(h_ND, w_local, labels_N, int(chunk_size), float(z_loss_weight), mesh.get_group(), v0)
+    return chunked_cross_entropy(h_ND, w_local, labels_N, chunk_size, z_loss_weight, group=mesh.get_group(),
+                                 vocab_start=v0)
 
 
 def vocab_parallel_fused_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z_loss_weight: float = 0.0):
@@ -335,7 +290,9 @@ def _apply_loss_parallel(model: nn.Module, fqn: str, tp_mesh, styles: dict[str, 
     owner.ops = dataclasses.replace(owner.ops, cross_entropy=ce, logits=vocab_parallel_logits)
 
 
-def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any = None) -> None:
+def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, par: Parallel) -> None:
+    """The plan's TP styles over the ``tp`` mesh, with the ``[parallel]`` switches (sequence_parallel, loss_parallel,
+    encoder_tp) deciding which of its entries apply."""
     tp_mesh = pd.mesh("tp")
     if tp_mesh is None:
         raise RuntimeError("parallel.tp > 1 needs torch.distributed; call titan_mm.parallel.mesh.init_distributed().")
@@ -344,19 +301,18 @@ def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any
             f"parallel.tp={pd.tp} but this model's plan has no tp entries; add them to the family's plan.py "
             "(see docs/parallel.md) or set parallel.tp = 1."
         )
-    par = getattr(cfg, "parallel", None)
     styles = dict(plan.tp)
-    if bool(getattr(par, "encoder_tp", False)):
+    if par.encoder_tp:
         if not plan.encoder_tp:
             raise ValueError(f"parallel.encoder_tp is on but the plan of {type(model).__name__} has no encoder_tp "
                              "entries (no modality encoder to shard); set parallel.encoder_tp = false.")
         styles.update(plan.encoder_tp)
-    if bool(getattr(par, "sequence_parallel", True)):
+    if par.sequence_parallel:
         styles.update(plan.sequence_parallel)
     bad = {k: v for k, v in styles.items() if v not in STYLES}
     if bad:
         raise ValueError(f"unknown TP styles {bad}; known styles: {STYLES}.")
-    if plan.loss_parallel and bool(getattr(par, "loss_parallel", True)):
+    if plan.loss_parallel and par.loss_parallel:
         _apply_loss_parallel(model, plan.loss_parallel, tp_mesh, styles)
     tp = tp_mesh.size()
     for pattern, style in styles.items():

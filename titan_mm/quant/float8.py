@@ -1,0 +1,59 @@
+"""float8 training through torchao, configured by the ``[float8]`` section (titan_mm.config.Float8).
+
+    apply_float8(model, cfg.float8, on_cuda)          # Float8Linear for the eligible nn.Linear (CUDA SM>=89)
+    hook = float8_after_optimizer(model, cfg.float8)   # StepContext.after_optimizer, or None
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from titan_mm.config import Float8
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["apply_float8", "float8_after_optimizer"]
+
+
+def apply_float8(model: nn.Module, cfg: Float8, on_cuda: bool) -> None:
+    """Swap eligible ``nn.Linear`` for torchao Float8Linear (tensorwise or rowwise scaling). The caller decides
+    whether float8 is on (``cfg.enable``); this checks that the device can run it."""
+    if not on_cuda:
+        raise RuntimeError("float8.enable=true needs a CUDA GPU with SM>=89 (H100/H200); this run is on CPU. "
+                           "Set --float8.enable false for CPU runs.")
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        raise RuntimeError(f"float8 training needs SM>=89; this GPU is SM{major}{minor}. Set --float8.enable false.")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    skip = set(cfg.filter_fqns)
+    if cfg.recipe == "rowwise":
+        f8cfg = Float8LinearConfig.from_recipe_name("rowwise")
+    else:
+        f8cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        if not isinstance(mod, nn.Linear) or any(part in skip for part in fqn.split(".")):
+            return False
+        return mod.in_features % 16 == 0 and mod.out_features % 16 == 0  # float8 GEMM shape rule
+
+    convert_to_float8_training(model, config=f8cfg, module_filter_fn=keep)
+
+
+def float8_after_optimizer(model: nn.Module, cfg: Float8) -> Callable[[], None] | None:
+    """The hook to run after each optimizer step (``StepContext.after_optimizer``), or None: with
+    ``float8.precompute_scale`` (tensorwise), every float8 weight's scale for the next FSDP all-gathers in one
+    batched computation, instead of an amax per weight inside each all-gather."""
+    if not (cfg.enable and cfg.precompute_scale):
+        return None
+    if cfg.recipe != "tensorwise":
+        logger.info(f"float8.precompute_scale is not used with float8.recipe={cfg.recipe!r}: the precomputed scales "
+                    "are the per-tensor ones of the tensorwise FSDP float8 all-gather")
+        return None
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    return lambda: precompute_float8_dynamic_scale_for_fsdp(model)
