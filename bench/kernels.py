@@ -140,7 +140,7 @@ def _liger(name):
             from liger_kernel.ops.swiglu import LigerSiLUMulFunction as F
         elif name == "rope":
             from liger_kernel.ops.rope import LigerRopeFunction as F
-        elif name == "mrope":
+        elif name == "mrope_model":
             from liger_kernel.ops.qwen2vl_mrope import LigerQwen2VLMRopeFunction as F
         elif name == "linear_cross_entropy":
             from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction as F
@@ -164,7 +164,7 @@ def build_cases(only):
     import torch.nn.functional as F
 
     import titan_mm.kernels as K
-    from titan_mm.kernels import reference as R
+    from titan_mm.models.common import mlp, norm, rope  # the PyTorch references (eager / compile rows)
 
     dev, dt = torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16
     N, D = N_TOKENS, HIDDEN
@@ -182,8 +182,8 @@ def build_cases(only):
         inputs=lambda: dict(x=rnd(N, D), w=rnd(D, scale=0.1)),
         fwd_bytes=2 * N * D * e, bwd_bytes=3 * N * D * e,
         impls={
-            "eager": lambda x, w: R.rms_norm(x, w, 1e-6),
-            "compile": ("compile", lambda x, w: R.rms_norm(x, w, 1e-6)),
+            "eager": lambda x, w: norm.rms_norm(x, w, 1e-6),
+            "compile": ("compile", lambda x, w: norm.rms_norm(x, w, 1e-6)),
             "liger": (lambda x, w, L=L: L.apply(x, w, 1e-6)) if L else None,
             "titan_mm": lambda x, w: K.rms_norm(x, w, 1e-6),
         },
@@ -194,8 +194,8 @@ def build_cases(only):
         inputs=lambda: dict(x=rnd(N * HQ, DH), w=rnd(DH, scale=0.1)),
         fwd_bytes=2 * N * HQ * DH * e, bwd_bytes=3 * N * HQ * DH * e,
         impls={
-            "eager": lambda x, w: R.rms_norm(x, w, 1e-6),
-            "compile": ("compile", lambda x, w: R.rms_norm(x, w, 1e-6)),
+            "eager": lambda x, w: norm.rms_norm(x, w, 1e-6),
+            "compile": ("compile", lambda x, w: norm.rms_norm(x, w, 1e-6)),
             "liger": (lambda x, w, L=L: L.apply(x, w, 1e-6)) if L else None,
             "titan_mm": lambda x, w: K.rms_norm(x, w, 1e-6),
         },
@@ -206,8 +206,8 @@ def build_cases(only):
         inputs=lambda: dict(x=rnd(N, D), r=rnd(N, D), w=rnd(D, scale=0.1)),
         fwd_bytes=4 * N * D * e, bwd_bytes=4 * N * D * e,
         impls={
-            "eager": lambda x, r, w: R.add_rms_norm(x, r, w, 1e-6),
-            "compile": ("compile", lambda x, r, w: R.add_rms_norm(x, r, w, 1e-6)),
+            "eager": lambda x, r, w: norm.add_rms_norm(x, r, w, 1e-6),
+            "compile": ("compile", lambda x, r, w: norm.add_rms_norm(x, r, w, 1e-6)),
             "liger": (lambda x, r, w, L=L: L.apply(x, r, w, 1e-6)) if L else None,
             "titan_mm": lambda x, r, w: K.add_rms_norm(x, r, w, 1e-6),
         },
@@ -218,8 +218,8 @@ def build_cases(only):
         inputs=lambda: dict(g=rnd(N, FFN), u=rnd(N, FFN)),
         fwd_bytes=3 * N * FFN * e, bwd_bytes=5 * N * FFN * e,
         impls={
-            "eager": lambda g, u: R.swiglu(g, u),
-            "compile": ("compile", lambda g, u: R.swiglu(g, u)),
+            "eager": lambda g, u: mlp.silu_mul(g, u),
+            "compile": ("compile", lambda g, u: mlp.silu_mul(g, u)),
             "liger": (lambda g, u, L=L: L.apply(g, u)) if L else None,
             "titan_mm": lambda g, u: K.swiglu(g, u),
         },
@@ -239,49 +239,37 @@ def build_cases(only):
         inputs=rope_inputs,
         fwd_bytes=2 * qk_bytes + N * DH * e, bwd_bytes=2 * qk_bytes + N * DH * e,  # + cos/sin halves
         impls={
-            "eager": lambda q, k, cos, sin: R.apply_rope(q, k, cos, sin),
-            "compile": ("compile", lambda q, k, cos, sin: R.apply_rope(q, k, cos, sin)),
+            "eager": lambda q, k, cos, sin: rope.apply_rope(q, k, cos, sin),
+            "compile": ("compile", lambda q, k, cos, sin: rope.apply_rope(q, k, cos, sin)),
             # Liger wants [B, H, S, Dh]; HF models hold q/k that way before attention
             "liger": (lambda q, k, cos, sin, L=L: L.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)) if L else None,
             "titan_mm": lambda q, k, cos, sin: K.apply_rope(q, k, cos, sin),
         },
     )
 
-    def mrope_inputs():
-        ang = torch.rand(3, B, S, half, device=dev) * 100
-        ang = torch.cat((ang, ang), -1)  # HF / Liger width Dh (titan_mm reads the first half only)
-        return dict(q=rnd(B, S, HQ, DH), k=rnd(B, S, HK, DH), cos=ang.cos().to(dt), sin=ang.sin().to(dt))
-
-    L = _liger("mrope")
-    cases["mrope"] = dict(
-        shape=f"q [{B}, {S}, {HQ}, {DH}], k [.., {HK}, ..], cos/sin [3, {B}, {S}, {DH}] bf16, section {MROPE_SECTION}",
-        inputs=mrope_inputs,
-        fwd_bytes=2 * qk_bytes + N * DH * e, bwd_bytes=2 * qk_bytes + N * DH * e,  # one axis per frequency
-        impls={
-            "eager": lambda q, k, cos, sin: R.apply_mrope(q, k, cos, sin, MROPE_SECTION),
-            "compile": ("compile", lambda q, k, cos, sin: R.apply_mrope(q, k, cos, sin, MROPE_SECTION)),
-            # Liger 0.8.5 has Qwen2-VL's *sectioned* (not interleaved) M-RoPE only: a peer for speed, not numerics
-            "liger": (
-                lambda q, k, cos, sin, L=L: L.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin, MROPE_SECTION)
-            ) if L else None,
-            "titan_mm": lambda q, k, cos, sin: K.apply_mrope(q, k, cos, sin, MROPE_SECTION),
-        },
-    )
-
     def mrope_model_inputs():
-        d = mrope_inputs()
-        d["cos_i"], d["sin_i"] = (R.mrope_interleave(t[..., :half], MROPE_SECTION) for t in (d["cos"], d["sin"]))
-        return d
+        from titan_mm.models.qwen3_vl.model import mrope_cos_sin
+
+        pos = torch.randint(0, 4096, (3, B, S), device=dev)
+        inv = 1.0 / (5e6 ** (torch.arange(0, DH, 2, device=dev).float() / DH))
+        ang = pos[..., None].float() * inv
+        ang = torch.cat((ang, ang), -1)  # Liger's per-axis [3, B, S, Dh] tables
+        cos_i, sin_i = mrope_cos_sin(pos, inv, MROPE_SECTION, dt)  # the model's interleaved [B, S, Dh] table
+        return dict(q=rnd(B, S, HQ, DH), k=rnd(B, S, HK, DH), cos=ang.cos().to(dt), sin=ang.sin().to(dt),
+                    cos_i=cos_i, sin_i=sin_i)
 
     # M-RoPE as each stack's model runs it per layer: titan_mm's Qwen3-VL interleaves the table once per step
     # (mrope_cos_sin) and applies the RoPE kernel to it; Liger's Qwen2-VL path takes the per-axis tables
+    # (Liger 0.8.5 has Qwen2-VL's *sectioned*, not interleaved, M-RoPE: a peer for speed, not numerics)
+    L = _liger("mrope_model")
     cases["mrope_model"] = dict(
-        shape=f"as mrope; titan_mm: the interleaved [{B}, {S}, {DH}] table built once per step (models' path)",
+        shape=f"q [{B}, {S}, {HQ}, {DH}], k [.., {HK}, ..], section {MROPE_SECTION}; titan_mm: the interleaved "
+              f"[{B}, {S}, {DH}] table built once per step (models' path), Liger: per-axis [3, {B}, {S}, {DH}]",
         inputs=mrope_model_inputs,
         fwd_bytes=2 * qk_bytes + N * DH * e, bwd_bytes=2 * qk_bytes + N * DH * e,
         impls={
-            "eager": lambda q, k, cos, sin, cos_i, sin_i: R.apply_rope(q, k, cos_i, sin_i),
-            "compile": ("compile", lambda q, k, cos, sin, cos_i, sin_i: R.apply_rope(q, k, cos_i, sin_i)),
+            "eager": lambda q, k, cos, sin, cos_i, sin_i: rope.apply_rope(q, k, cos_i, sin_i),
+            "compile": ("compile", lambda q, k, cos, sin, cos_i, sin_i: rope.apply_rope(q, k, cos_i, sin_i)),
             "liger": (
                 lambda q, k, cos, sin, cos_i, sin_i, L=L: L.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin,
                                                                   MROPE_SECTION)
@@ -294,8 +282,8 @@ def build_cases(only):
         inputs=lambda: dict(x=rnd(N, VIT_FFN), b=rnd(VIT_FFN)),
         fwd_bytes=2 * N * VIT_FFN * e, bwd_bytes=3 * N * VIT_FFN * e,
         impls={
-            "eager": lambda x, b: R.bias_gelu(x, b),
-            "compile": ("compile", lambda x, b: R.bias_gelu(x, b)),
+            "eager": lambda x, b: mlp.bias_gelu(x, b),
+            "compile": ("compile", lambda x, b: mlp.bias_gelu(x, b)),
             "liger": None,  # Liger has no bias-GELU
             "titan_mm": lambda x, b: K.bias_gelu(x, b),
         },
@@ -335,7 +323,9 @@ def build_cases(only):
 
 
 def _outputs(o):
-    return [t for t in (o if isinstance(o, (tuple, list)) else (o,)) if hasattr(t, "requires_grad") and t.requires_grad]
+    import torch
+
+    return [t for t in (o if isinstance(o, (tuple, list)) else (o,)) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def _reset_tuner_marks():

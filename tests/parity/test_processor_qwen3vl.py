@@ -17,10 +17,17 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel  # noqa: E402
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor  # noqa: E402
 
+from tests.data_needs import QWEN3_VL_NEEDS  # noqa: E402
+from titan_mm.config import Data  # noqa: E402
 from titan_mm.data import vision  # noqa: E402
 from titan_mm.data.processors import Processor, ProcessorConfig  # noqa: E402
 from titan_mm.data.schema import parse_record  # noqa: E402
 from titan_mm.data.tokenizer import load_tokenizer, qwen3_tokenizer_dir  # noqa: E402
+
+
+def _cfg(**data) -> ProcessorConfig:
+    """The processors' settings for Qwen3-VL with these [data] fields."""
+    return ProcessorConfig(Data(**data), QWEN3_VL_NEEDS)
 
 
 class _VideoProcStub:  # HF's Qwen3VLVideoProcessor needs torchvision; the prompt expansion only needs these
@@ -62,7 +69,7 @@ def _img(h, w, mode="RGB", seed=0):
 def test_image_parity(hf_tok, size, mode, minp, maxp):
     img = _img(*size, mode=mode)
     hf = hf_processor(hf_tok, minp, maxp)
-    mine = Processor(load_tokenizer(), ProcessorConfig(image_min_pixels=minp, image_max_pixels=maxp))
+    mine = Processor(load_tokenizer(), _cfg(image_min_pixels=minp, image_max_pixels=maxp))
     rec = {"messages": [{"role": "user", "content": [{"type": "image", "image": img},
                                                      {"type": "text", "text": "What is it?"}]},
                         {"role": "assistant", "content": "A picture."}]}
@@ -82,7 +89,7 @@ def test_image_parity(hf_tok, size, mode, minp, maxp):
 def test_two_images_and_multi_turn(hf_tok):
     a, b = _img(200, 300, seed=1), _img(400, 260, seed=2)
     hf = hf_processor(hf_tok)
-    mine = Processor(load_tokenizer(), ProcessorConfig())
+    mine = Processor(load_tokenizer(), _cfg())
     rec = {"messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "And"},
@@ -104,7 +111,7 @@ def test_qwen3_text_chat_template_matches_hf(hf_tok):
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"},
             {"role": "assistant", "content": "4"}]
     ref = hf_tok.apply_chat_template(msgs, tokenize=False)
-    mine = Processor(load_tokenizer(), ProcessorConfig(chat_template="qwen3"))
+    mine = Processor(load_tokenizer(), _cfg(chat_template="qwen3"))
     text, _, _ = mine.render(parse_record({"messages": msgs}))
     assert text == ref
     doc = mine(parse_record({"messages": msgs}))
@@ -133,7 +140,7 @@ def test_video_parity(hf_tok):
     HF's prompt expansion with timestamps (Qwen3VLProcessor.replace_video_token), the patch layout
     against HF's image processor (a clip of identical frames at a size that needs no resize equals the
     image path, which repeats one frame over the temporal patch), and the sampling / resize rules."""
-    cfg = ProcessorConfig(video_fps=2.0, video_min_pixels=4096, video_max_pixels=200000)
+    cfg = _cfg(video_fps=2.0, video_min_pixels=4096, video_max_pixels=200000)
     frames, fps = vision.decode_video(_mp4())
     assert len(frames) == 20 and fps == 10
     idx = vision.sample_frame_indices(len(frames), fps, 2.0, 4, 768)
@@ -162,8 +169,8 @@ def test_video_parity(hf_tok):
 
 def test_mrope_positions_match_hf_get_rope_index(hf_tok):
     """An image and a video in one doc: positions equal Qwen3VLModel.get_rope_index."""
-    cfg = ProcessorConfig(mrope=True, video_fps=2.0, video_min_pixels=4096, video_max_pixels=200000,
-                          image_min_pixels=4096, image_max_pixels=50000)
+    cfg = _cfg(video_fps=2.0, video_min_pixels=4096, video_max_pixels=200000, image_min_pixels=4096,
+               image_max_pixels=50000)
     mine = Processor(load_tokenizer(), cfg)
     rec = {"messages": [{"role": "user", "content": [{"type": "image", "image": _img(100, 180)},
                                                      {"type": "text", "text": "and"},

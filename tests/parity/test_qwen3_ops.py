@@ -7,8 +7,18 @@ import torch
 
 from _qwen3_helpers import VOCAB, hf_model, packed_batch, titan_twin
 from titan_mm.models.common.attention import build_attn_meta
-from titan_mm.models.common.loss import chunked_cross_entropy, reference_cross_entropy
+from titan_mm.models.common.loss import IGNORE_INDEX, chunked_cross_entropy
 from titan_mm.models.common.moe import GroupedExperts, aux_stats, load_balancing_loss, route
+
+
+def reference_cross_entropy(h_ND, w_VD, labels_N, z_loss_weight: float = 0.0) -> torch.Tensor:
+    """The full-logits definition the chunked CE must equal."""
+    logits = (h_ND @ w_VD.t()).float()
+    loss = torch.nn.functional.cross_entropy(logits, labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
+    if z_loss_weight:
+        valid = (labels_N != IGNORE_INDEX).float()
+        loss = loss + z_loss_weight * (torch.logsumexp(logits, -1).square() * valid).sum()
+    return loss
 
 
 @pytest.mark.parametrize("z", [0.0, 1e-3])
@@ -104,16 +114,16 @@ def test_meta_build_then_init_weights():
 
 
 def test_backend_errors_and_registry_lookups(tmp_path):
-    from titan_mm.registry import get_model_spec, list_models, spec_for_hf_dir
+    from titan_mm.registry import SpecError, get_model_spec, list_models, spec_for_hf_dir
 
     batch = packed_batch([3, 4], S=8)
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         build_attn_meta(batch, "nope", "cpu")
     with pytest.raises(RuntimeError, match="varlen.*(CUDA|lacks)"):
         build_attn_meta(batch, "varlen", "cpu")
-    with pytest.raises(KeyError, match="unknown model 'llama9'"):
+    with pytest.raises(SpecError, match="unknown model 'llama9'"):
         get_model_spec("llama9")
-    with pytest.raises(KeyError, match="no flavor '3B'"):
+    with pytest.raises(SpecError, match="is not a flavor of 'qwen3'"):
         get_model_spec("qwen3").flavor("3B")
     assert {"qwen3", "qwen3_moe"} <= set(list_models())
     assert get_model_spec("qwen3_moe").name == "qwen3_moe" and get_model_spec("qwen3_moe").build is get_model_spec("qwen3").build

@@ -1,5 +1,5 @@
-"""CPU, in-process: the capability guards pick the PyTorch reference, and the references agree with
-transformers / torch (the Triton kernels are checked against these references elsewhere)."""
+"""CPU, in-process: the capability guards pick the PyTorch ops of titan_mm.models.common (the references
+the Triton kernels are checked against elsewhere), and those agree with transformers / torch."""
 
 import os
 
@@ -8,7 +8,10 @@ import torch
 import torch.nn.functional as F
 
 import titan_mm.kernels as K
-from titan_mm.kernels import reference as R
+from titan_mm.models.common import rope
+from titan_mm.models.common.loss import chunked_cross_entropy
+from titan_mm.models.common.mlp import silu_mul
+from titan_mm.models.common.norm import rms_norm
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="checks the non-interpreter path")
 
@@ -18,8 +21,8 @@ def test_cpu_uses_reference():
     assert not K.use_triton(x)
     assert not K.use_triton(x.double())
     w = torch.randn(8)
-    torch.testing.assert_close(K.rms_norm(x, w, 1e-6), R.rms_norm(x, w, 1e-6))
-    torch.testing.assert_close(K.swiglu(x, x), R.swiglu(x, x))
+    torch.testing.assert_close(K.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))
+    torch.testing.assert_close(K.swiglu(x, x), silu_mul(x, x))
     torch.testing.assert_close(K.bias_gelu(x, w), F.gelu(x + w, approximate="tanh"))
 
 
@@ -34,47 +37,50 @@ def test_linear_cross_entropy_reference_matches_torch():
     labels = torch.randint(0, V, (N,))
     labels[::4] = -100
     ref = F.cross_entropy(h @ w.t(), labels, ignore_index=-100, reduction="sum")
-    torch.testing.assert_close(R.linear_cross_entropy(h, w, labels, chunk_size=8), ref)
+    torch.testing.assert_close(chunked_cross_entropy(h, w, labels, chunk_size=8), ref)
     torch.testing.assert_close(K.linear_cross_entropy(h.float(), w.float(), labels), ref.float(), rtol=1e-5, atol=1e-4)
     # z-loss adds z * lse^2 over the same tokens
     lse = torch.logsumexp(h @ w.t(), -1)[labels != -100]
-    torch.testing.assert_close(R.linear_cross_entropy(h, w, labels, z_loss=1e-2), ref + 1e-2 * (lse**2).sum())
+    torch.testing.assert_close(chunked_cross_entropy(h, w, labels, z_loss_weight=1e-2), ref + 1e-2 * (lse**2).sum())
+    # the kernels' CPU path is the same function, for h [..., D] and any ignore_index
+    lab2 = torch.where(labels == -100, 7, labels)
+    lab2[::4] = -1
+    got = K.linear_cross_entropy(h.float().view(1, N, D), w.float(), lab2.view(1, N), ignore_index=-1)
+    torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-4)
 
 
-def test_rope_reference_matches_models_common():
-    rope = pytest.importorskip("titan_mm.models.common.rope")
+def test_rope_layouts():
+    """apply_rope takes [B, S, X] or [S, X] tables of width Dh (HF layout) or Dh/2, and q/k [B, S, H, Dh]."""
     B, S, H, Dh = 2, 6, 3, 8
     q, k = torch.randn(B, S, H, Dh, dtype=torch.float64), torch.randn(B, S, 1, Dh, dtype=torch.float64)
     inv, scale = rope.rope_inv_freq(Dh, 10000.0)
     pos = torch.arange(S).expand(B, S)
     cos, sin = rope.rope_cos_sin(pos, inv, scale, torch.float64)
-    for a, b in zip(R.apply_rope(q, k, cos, sin), rope.apply_rope(q, k, cos, sin)):
-        torch.testing.assert_close(a, b)
-    # a half table (Dh/2) gives the same result
-    for a, b in zip(R.apply_rope(q, k, cos[..., : Dh // 2], sin[..., : Dh // 2]), rope.apply_rope(q, k, cos, sin)):
-        torch.testing.assert_close(a, b)
+    want = [q * cos[:, :, None] + rope.rotate_half(q) * sin[:, :, None],
+            k * cos[:, :, None] + rope.rotate_half(k) * sin[:, :, None]]
+    for c, s_ in ((cos, sin), (cos[..., : Dh // 2], sin[..., : Dh // 2]), (cos[0], sin[0])):
+        for a, b in zip(rope.apply_rope(q, k, c, s_), want):
+            torch.testing.assert_close(a, b)
+    for a, b in zip(K.apply_rope(q.float(), k.float(), cos[0, :, : Dh // 2].float(), sin[0, :, : Dh // 2].float()), want):
+        torch.testing.assert_close(a, b.float())
 
 
-def test_mrope_interleave_matches_transformers():
+def test_interleaved_mrope_table_through_rope_matches_transformers():
+    """Qwen3-VL's M-RoPE is the RoPE op applied to HF's interleaved [B, S, Dh] table (what the models build)."""
     mod = pytest.importorskip("transformers.models.qwen3_vl.modeling_qwen3_vl")
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
 
-    sec = [24, 20, 20]
     cfg = Qwen3VLTextConfig(
         hidden_size=256, num_attention_heads=2, head_dim=128, num_key_value_heads=1,
-        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": sec, "mrope_interleaved": True},
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+                         "mrope_interleaved": True},
     )
     emb = mod.Qwen3VLTextRotaryEmbedding(cfg)
     B, S = 2, 9
-    pos = torch.randint(0, 50, (3, B, S))
-    x = torch.zeros(1, dtype=torch.float32)
-    cos_hf, sin_hf = emb(x, pos)
-    freqs = pos[..., None].float() * emb.inv_freq.float()  # [3, B, S, Dh/2] per-axis
-    torch.testing.assert_close(R.mrope_interleave(freqs.cos(), sec), cos_hf)
-    torch.testing.assert_close(R.mrope_interleave(freqs.sin(), sec), sin_hf)
+    cos_hf, sin_hf = emb(torch.zeros(1), torch.randint(0, 50, (3, B, S)))
     q, k = torch.randn(B, S, 2, 128), torch.randn(B, S, 1, 128)
     qh, kh = mod.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos_hf, sin_hf)
-    qo, ko = K.apply_mrope(q, k, freqs.cos(), freqs.sin(), sec)
+    qo, ko = K.apply_rope(q, k, cos_hf, sin_hf)
     torch.testing.assert_close(qo, qh.transpose(1, 2))
     torch.testing.assert_close(ko, kh.transpose(1, 2))
 

@@ -1,8 +1,8 @@
 """Integration: tiny models with kernels on (every op through the Triton interpreter on CPU) equal the same
 models with kernels off, fp32: loss_sum and every parameter gradient (relative L2 < 1e-4, the tolerance of
-titan_mm.kernels.testing.check_model).
+titan_mm.tools.kernel_checks.check_model).
 
-- test_qwen3_kernels_on_equals_off: Qwen3 dense (titan_mm.kernels.testing.check_model).
+- test_qwen3_kernels_on_equals_off: Qwen3 dense (titan_mm.tools.kernel_checks.check_model).
 - test_models_kernels_on_equal_off: Qwen3, Qwen3-MoE and Qwen3-VL (image + DeepStack) with kernels=True and with
   per-op specs, run in a child process with TRITON_INTERPRET=1; the autograd graph of the loss shows which
   kernels ran (AddRMSNormFunction in the decoder blocks, BiasGeluFunction in the ViT MLPs, RMSNormFunction for
@@ -19,7 +19,8 @@ import sys
 
 import pytest
 
-from titan_mm.kernels.testing import failures, run_in_interpreter
+from titan_mm.tools.kernel_checks import failures, run_in_interpreter
+from titan_mm.models.qwen3_vl.model import vision_inputs  # noqa: E402
 
 pytest.importorskip("titan_mm.models.qwen3.model")
 
@@ -95,7 +96,7 @@ def _run_model(name, kernels, seed=0):
              make_sample(cfg, [("text", 4), ("image", (4, 4)), ("text", 6)], g, text_vocab=150)]
         b = pack(s, cfg)
         out = m(b["input_ids"], position_ids=b["position_ids"], attn=build_attn_meta(b, "sdpa", "cpu"),
-                labels=b["labels"], pixel_values=b["pixel_values"], **m.prepare_inputs(b, "cpu"))
+                labels=b["labels"], pixel_values=b["pixel_values"], **vision_inputs(m.cfg, b, "cpu"))
         n_labels = (b["labels"] != -100).sum()
     else:
         from titan_mm.models.qwen3.model import Qwen3Model
@@ -119,7 +120,7 @@ def _child() -> None:
     import torch
 
     from titan_mm.kernels import _dispatch, use_triton
-    from titan_mm.kernels.testing import rel_l2
+    from titan_mm.tools.kernel_checks import rel_l2
 
     torch.set_float32_matmul_precision("highest")
     assert use_triton(torch.empty(1)), "the Triton path is not active (TRITON_INTERPRET=1 is needed on CPU)"

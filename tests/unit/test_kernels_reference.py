@@ -1,6 +1,6 @@
 """Every Triton kernel vs the float64 PyTorch reference, on CPU through TRITON_INTERPRET=1.
 
-The checks run in one child process (titan_mm.kernels.testing.run_in_interpreter) so the interpreter
+The checks run in one child process (titan_mm.tools.kernel_checks.run_in_interpreter) so the interpreter
 setting never leaks into the rest of the suite. Inputs are fresh random draws each run (the seed is
 printed on failure); outputs start NaN-poisoned. Forward and backward, odd sizes, strided inputs,
 ignore-index rows and z-loss for the cross-entropy.
@@ -8,9 +8,9 @@ ignore-index rows and z-loss for the cross-entropy.
 
 import pytest
 
-from titan_mm.kernels.testing import failures, run_in_interpreter
+from titan_mm.tools.kernel_checks import failures, run_in_interpreter
 
-OPS = ["rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "linear_cross_entropy", "bias_gelu"]
+OPS = ["rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy", "bias_gelu"]
 
 
 

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+from titan_mm.models.qwen3_vl.model import vision_inputs  # noqa: E402
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 interp_only = pytest.mark.skipif(not INTERP, reason="runs in the interpreter child of test_tuning_in_interpreter")
@@ -62,10 +63,11 @@ def clean_tuner():
 
 
 def test_config_sweep_covers_every_candidate():
-    """testing.check_configs forces configs 1 .. CONFIGS_PER_OP[op] - 1: every candidate list must fit in it,
+    """kernel_checks.check_configs forces configs 1 .. CONFIGS_PER_OP[op] - 1: every candidate list must fit in it,
     or a config the tuner may pick on the GPU would never be checked."""
     import titan_mm.kernels  # noqa: F401  (registers the tuners)
-    from titan_mm.kernels import _utils, testing
+    from titan_mm.kernels import _utils
+    from titan_mm.tools import kernel_checks
 
     for t in _utils.Tuner.registry:
         op = t.name.rsplit("_", 1)[0] if t.name.endswith(("_fwd", "_bwd")) else t.name
@@ -74,7 +76,7 @@ def test_config_sweep_covers_every_candidate():
                 n = len(t.configs(key))
             except Exception:  # keys of another shape (RoPE's head layout): covered by the interpreter tests
                 continue
-            assert n <= testing.CONFIGS_PER_OP.get(op, 4), (t.name, key, n)
+            assert n <= kernel_checks.CONFIGS_PER_OP.get(op, 4), (t.name, key, n)
 
 
 def test_tuner_bookkeeping(monkeypatch):
@@ -150,35 +152,36 @@ def test_tuner_bookkeeping(monkeypatch):
 
 
 def test_tune_for_model_skips_without_triton_path():
-    from titan_mm import kernels as K
     from titan_mm.models.qwen3.config import Qwen3Config
 
     if INTERP:
         pytest.skip("checks the non-interpreter CPU path")
-    rep = K.tune_for_model(Qwen3Config(kernels=True), 128, torch.bfloat16, "cpu")
+    rep = _tune(Qwen3Config(kernels=True), 128, torch.bfloat16, "cpu")
     assert rep["tuned"] == {} and rep["skipped"], rep
 
 
 def test_trainer_tunes_once_on_cuda_with_kernels_on(monkeypatch):
-    """titan_mm.train.trainer.tune_kernels: what it hands to tune_for_model (this rank's tokens of a
-    micro-batch, the compute dtype, tp, encoder_tp), and that it skips CPU runs and kernels-off models."""
-    from types import SimpleNamespace
-
+    """titan_mm.train.setup.tune_kernels: what it hands to tune_for_model (the spec's widths for tp and
+    encoder_tp, the kernels spec, this rank's tokens of a micro-batch, the compute dtype), and that it skips CPU
+    runs and kernels-off models."""
     from titan_mm import kernels as K
     from titan_mm.config import load_config
-    from titan_mm.train.trainer import tune_kernels
+    from titan_mm.parallel.mesh import ParallelDims
+    from titan_mm.registry import get_model_spec
+    from titan_mm.train.setup import tune_kernels
 
     seen = []
     monkeypatch.setattr(K, "tune_for_model", lambda *a, **kw: seen.append((a, kw)) or {"tuned": {}, "skipped": []})
     cfg = load_config(["--model.name", "qwen3", "--model.flavor", "debug", "--training.param_dtype", "bfloat16",
                        "--data.seq_len", "256", "--data.micro_batch_size", "2", "--parallel.encoder_tp", "True"])
-    pd = SimpleNamespace(tp=2, cp=2)
-    mc = _qwen3_cfg()
-    assert tune_kernels(cfg, mc, pd, torch.device("cuda")) is not None
+    pd = ParallelDims(tp=2, cp=2, dp_shard=1, world_size=4)
+    mc, spec = _qwen3_cfg(), get_model_spec("qwen3")
+    assert tune_kernels(cfg, spec, mc, pd, torch.device("cuda")) is not None
     (args, kw), = seen
-    assert args == (mc, 2 * 256 // 2, torch.bfloat16, torch.device("cuda")) and kw == dict(tp=2, encoder_tp=True)
-    assert tune_kernels(cfg, mc, pd, torch.device("cpu")) is None
-    assert tune_kernels(cfg, _qwen3_cfg(kernels=False), pd, torch.device("cuda")) is None
+    assert args == (spec.kernel_shapes(mc, tp=2, encoder_tp=True), True, 2 * 256 // 2, torch.bfloat16,
+                    torch.device("cuda")) and kw == dict(vision_tokens=None)
+    assert tune_kernels(cfg, spec, mc, pd, torch.device("cpu")) is None
+    assert tune_kernels(cfg, spec, _qwen3_cfg(kernels=False), pd, torch.device("cuda")) is None
     assert len(seen) == 1
 
 
@@ -221,7 +224,7 @@ def _fwd_bwd(name, cfg):
         g = torch.Generator().manual_seed(1)
         b = pack([make_sample(cfg, [("text", 5), ("image", (4, 6)), ("text", 7)], g, text_vocab=150)], cfg)
         out = m(b["input_ids"], position_ids=b["position_ids"], attn=build_attn_meta(b, "sdpa", "cpu"),
-                labels=b["labels"], pixel_values=b["pixel_values"], **m.prepare_inputs(b, "cpu"))
+                labels=b["labels"], pixel_values=b["pixel_values"], **vision_inputs(m.cfg, b, "cpu"))
     else:
         from titan_mm.models.qwen3.model import Qwen3Model
 
@@ -230,6 +233,15 @@ def _fwd_bwd(name, cfg):
         ids = torch.randint(0, cfg.vocab_size, (2, 16))
         out = m(ids, position_ids=torch.arange(16).repeat(2, 1), labels=ids)
     (out.loss_sum + out.aux_loss).backward()
+
+
+def _tune(cfg, tokens, dtype, device, tp=1, **kw):
+    """tune_for_model at the widths the family's spec gives for ``cfg``, as titan_mm.train.setup.tune_kernels."""
+    from titan_mm import kernels as K
+    from titan_mm.registry import spec_for_config
+
+    spec = spec_for_config(cfg)
+    return K.tune_for_model(spec.kernel_shapes(cfg, tp=tp), spec.runtime(cfg).kernels, tokens, dtype, device, **kw)
 
 
 def _cfg(name, kernels=True):
@@ -251,9 +263,8 @@ def test_interp_forward_never_times_untuned_keys(name, fake_timer, clean_tuner):
 @interp_only
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen3_vl"])
 def test_interp_tune_for_model_covers_the_forward(name, clean_tuner):
-    from titan_mm import kernels as K
 
-    rep = K.tune_for_model(_cfg(name), 24, torch.float32, "cpu", vision_tokens=40)
+    rep = _tune(_cfg(name), 24, torch.float32, "cpu", vision_tokens=40)
     assert rep["tuned"] and not rep["skipped"], rep
     # the interpreter cannot time: config 0 for every key
     for t in clean_tuner.Tuner.registry:
@@ -265,9 +276,8 @@ def test_interp_tune_for_model_covers_the_forward(name, clean_tuner):
 
 @interp_only
 def test_interp_tune_picks_fastest_and_forward_uses_it(fake_timer, clean_tuner):
-    from titan_mm import kernels as K
 
-    rep = K.tune_for_model(_cfg("qwen3_vl"), 24, torch.float32, "cpu", vision_tokens=40)
+    rep = _tune(_cfg("qwen3_vl"), 24, torch.float32, "cpu", vision_tokens=40)
     assert fake_timer, "tune_for_model timed nothing"
     assert set(rep["tuned"]) == {"rms_norm_fwd", "rms_norm_bwd", "rope", "swiglu_fwd", "swiglu_bwd",
                                  "bias_gelu_fwd", "bias_gelu_bwd", "linear_cross_entropy"}, rep
@@ -292,8 +302,8 @@ def test_interp_tune_picks_fastest_and_forward_uses_it(fake_timer, clean_tuner):
 def test_interp_tune_for_model_keys_per_tp_rank(clean_tuner):
     from titan_mm import kernels as K
 
-    rep = K.tune_for_model(_cfg("qwen3"), 16, torch.float32, "cpu", tp=2)
-    assert rep["tuned"]["rope"] == [str((2, 1, 16, False, torch.float32))]  # 4 / 2 q heads, 2 / 2 kv heads
+    rep = _tune(_cfg("qwen3"), 16, torch.float32, "cpu", tp=2)
+    assert rep["tuned"]["rope"] == [str((2, 1, 16, torch.float32))]  # 4 / 2 q heads, 2 / 2 kv heads
     assert rep["tuned"]["swiglu_fwd"] == [str((48, True, torch.float32))]  # intermediate 96 / 2
     # out of memory while tuning one op: that op stays on its defaults, the others are tuned
     def oom(*a, **kw):
@@ -302,16 +312,16 @@ def test_interp_tune_for_model_keys_per_tp_rank(clean_tuner):
     clean_tuner.reset_tuning()
     swiglu, K.swiglu = K.swiglu, oom  # tune_for_model looks the op up in titan_mm.kernels when it runs
     try:
-        rep = K.tune_for_model(_cfg("qwen3"), 16, torch.float32, "cpu")
+        rep = _tune(_cfg("qwen3"), 16, torch.float32, "cpu")
     finally:
         K.swiglu = swiglu
     assert any("swiglu" in r and "out of memory" in r for r in rep["skipped"]), rep
     assert "swiglu_fwd" not in rep["tuned"] and "rope" in rep["tuned"], rep
     # TITAN_KERNELS_TUNE=0 and kernels off: nothing runs
-    assert K.tune_for_model(_cfg("qwen3", kernels=False), 16, torch.float32, "cpu")["skipped"]
+    assert _tune(_cfg("qwen3", kernels=False), 16, torch.float32, "cpu")["skipped"]
     clean_tuner.TUNE = False
     try:
-        assert K.tune_for_model(_cfg("qwen3"), 16, torch.float32, "cpu")["skipped"]
+        assert _tune(_cfg("qwen3"), 16, torch.float32, "cpu")["skipped"]
     finally:
         clean_tuner.TUNE = True
 

@@ -1,22 +1,23 @@
 """titan_mm.kernels: Triton kernels on the hot path, as torch.library custom ops, with PyTorch references.
 
 Public functional API (each dispatches to Triton on CUDA SM >= 80 for bf16/fp16/fp32 inputs and to the
-PyTorch reference in titan_mm.kernels.reference elsewhere; see docs/kernels.md):
+PyTorch op of titan_mm.models.common elsewhere, which is also the reference the kernels are tested against;
+see docs/kernels.md):
 
     rms_norm(x, w, eps) -> y
     add_rms_norm(x, residual, w, eps) -> (normed, new_residual)
     swiglu(gate, up) -> silu(gate) * up
     apply_rope(q, k, cos, sin) -> (q, k)                       q/k [B, S, H, Dh]; cos/sin [S|B,S, Dh|Dh/2]
-    apply_mrope(q, k, cos, sin, mrope_section) -> (q, k)       cos/sin [3, B, S, Dh|Dh/2] per-axis tables
     linear_cross_entropy(h, weight, labels, ignore_index=-100, z_loss=0.0) -> loss_sum (fp32)
     vocab_parallel_linear_cross_entropy(h, weight_shard, labels, vocab_start, group, ...) -> loss_sum
-        (loss parallel: the head's rows are split over the ranks of ``group``; Triton only, no reference)
+        (loss parallel: the head's rows are split over the ranks of ``group``; Triton only; the PyTorch
+        version is titan_mm.models.common.loss.chunked_cross_entropy(..., group=group))
     bias_gelu(x, b) -> gelu_tanh(x + b)
 
 Launch configs (titan_mm.kernels._utils.Tuner): picked per key (width / head layout, dtype) outside the
 model's forward, which must not synchronize the GPU:
 
-    tune_for_model(model_cfg, tokens, dtype, device, tp=1) -> report   # once, after building the model
+    tune_for_model(shapes, kernels, tokens, dtype, device) -> report   # once, after building the model (shapes: ModelSpec.kernel_shapes)
     share_picks()               # every rank takes rank 0's picks (a collective)
     with tuning(): ...          # calls inside time the candidates of keys not tuned yet (synchronizes)
     tuned_configs(), untuned_keys()                                     # what was picked / what ran untuned
@@ -34,7 +35,13 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from titan_mm.models.common.loss import chunked_cross_entropy
+from titan_mm.models.common.mlp import bias_gelu as _bias_gelu_ref
+from titan_mm.models.common.mlp import silu_mul
+from titan_mm.models.common.norm import add_rms_norm as _add_rms_norm_ref
+from titan_mm.models.common.norm import rms_norm as _rms_norm_ref
+from titan_mm.models.common.rope import apply_rope as _apply_rope_ref
+
 from . import _dispatch
 from ._dispatch import HAS_TRITON, use_triton
 from ._tuning import share_picks, tune_for_model
@@ -45,11 +52,9 @@ __all__ = [
     "add_rms_norm",
     "swiglu",
     "apply_rope",
-    "apply_mrope",
     "linear_cross_entropy",
     "vocab_parallel_linear_cross_entropy",
     "bias_gelu",
-    "reference",
     "HAS_TRITON",
     "use_triton",
     "KERNEL_OPS",
@@ -61,7 +66,7 @@ __all__ = [
     "untuned_keys",
 ]
 
-KERNEL_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "linear_cross_entropy", "bias_gelu")
+KERNEL_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy", "bias_gelu")
 
 
 def resolve_ops(spec) -> frozenset:
@@ -102,7 +107,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tenso
         if not torch.is_grad_enabled():  # eval / generation: no backward, so no rstd written for it
             return _rms_fwd(x, None, w, eps, stats=False)[0]
         return RMSNormFunction.apply(x, w, eps)
-    return reference.rms_norm(x, w, eps)
+    return _rms_norm_ref(x, w, eps)
 
 
 def add_rms_norm(
@@ -116,14 +121,14 @@ def add_rms_norm(
             return AddRMSNormFunction.apply(x, residual, w, eps)
         y, nr, _ = add_rms_norm_op(x, residual, w, eps)
         return y, nr
-    return reference.add_rms_norm(x, residual, w, eps)
+    return _add_rms_norm_ref(x, residual, w, eps)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
     if use_triton(gate, up) and gate.shape == up.shape and gate.dtype == up.dtype:
         return swiglu_op(gate, up) if _dispatch.use_ops() else SwiGLUFunction.apply(gate, up)
-    return reference.swiglu(gate, up)
+    return silu_mul(gate, up)
 
 
 def apply_rope(
@@ -134,26 +139,9 @@ def apply_rope(
     .transpose(1, 2) without a copy; Triton outputs are contiguous [B, S, H, Dh]."""
     if use_triton(q, k, cos, sin) and q.dim() in (3, 4):
         if not _dispatch.use_ops():
-            return RopeFunction.apply(q, k, cos, sin, [], False)
-        return rope_op(q, k, cos, sin, [], False)
-    return reference.apply_rope(q, k, cos, sin)
-
-
-def apply_mrope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    mrope_section: list[int] | tuple[int, ...],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-VL interleaved M-RoPE: cos/sin are per-axis [3, B, S, X] tables (T, H, W positions times
-    inv_freq); the interleaving by mrope_section (e.g. [24, 20, 20]) happens inside the kernel."""
-    if use_triton(q, k, cos, sin) and q.dim() == 4:
-        section = [int(s) for s in mrope_section]
-        if not _dispatch.use_ops():
-            return RopeFunction.apply(q, k, cos, sin, section, False)
-        return rope_op(q, k, cos, sin, section, False)
-    return reference.apply_mrope(q, k, cos, sin, mrope_section)
+            return RopeFunction.apply(q, k, cos, sin, False)
+        return rope_op(q, k, cos, sin, False)
+    return _apply_rope_ref(q, k, cos, sin)
 
 
 def linear_cross_entropy(
@@ -176,9 +164,8 @@ def linear_cross_entropy(
         if not _dispatch.use_ops():
             return LinearCrossEntropyFunction.apply(*args)
         return linear_cross_entropy_op(*args)[0]
-    return reference.linear_cross_entropy(
-        h, weight, labels, ignore_index, z_loss, chunk_size=chunk_size if chunk_size > 0 else 4096
-    )
+    return chunked_cross_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1),
+                                 chunk_size if chunk_size > 0 else 4096, z_loss, ignore_index=ignore_index)
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -197,12 +184,13 @@ def vocab_parallel_linear_cross_entropy(
     shard's log-sum-exp and target logit in Triton, one all-gather combines them into the global values, and
     a second Triton pass writes the shard's logit gradients in place (no fp32 [C, V] copies). Returns the
     same fp32 loss sum on every rank; h's gradient is complete (all-reduced), the weight's is this shard's.
-    Triton only (``use_triton(h, weight_shard)`` with equal dtypes): titan_mm.parallel.tp falls back to its
-    PyTorch vocab-parallel CE elsewhere. Eager autograd (it runs collectives; no torch.library op)."""
+    Triton only (``use_triton(h, weight_shard)`` with equal dtypes): elsewhere the PyTorch version is
+    ``chunked_cross_entropy(h, weight_shard, labels, group=group, vocab_start=vocab_start)``
+    (titan_mm.models.common.loss). Eager autograd (it runs collectives; no torch.library op)."""
     if not (use_triton(h, weight_shard) and h.dtype == weight_shard.dtype):
         raise RuntimeError("vocab_parallel_linear_cross_entropy runs only on the Triton path (CUDA SM >= 80, or "
                            "TRITON_INTERPRET=1 on CPU) with h and the weight in one dtype; use "
-                           "titan_mm.parallel.tp.vocab_parallel_cross_entropy elsewhere.")
+                           "titan_mm.models.common.loss.chunked_cross_entropy(..., group=group) elsewhere.")
     return VocabParallelLinearCrossEntropyFunction.apply(h, weight_shard, labels, int(vocab_start), group,
                                                          int(ignore_index), float(z_loss), int(chunk_size))
 
@@ -211,4 +199,4 @@ def bias_gelu(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """gelu(x + b, approximate='tanh')."""
     if use_triton(x, b):
         return bias_gelu_op(x, b) if _dispatch.use_ops() else BiasGeluFunction.apply(x, b)
-    return reference.bias_gelu(x, b)
+    return _bias_gelu_ref(x, b)

@@ -65,8 +65,8 @@ except Exception:  # pragma: no cover - builds without distributed
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when every tensor may go through the Triton kernels (same device, supported dtype).
 
-    DTensors take the reference path (DTensor runs its aten ops); to run the kernels on DTensor shards use
-    the local_map wrappers in titan_mm.kernels.dtensor."""
+    DTensors take the reference path (DTensor runs its aten ops); a caller with DTensor shards passes
+    their local tensors (``to_local()``), as loss parallel does for the vocab-parallel CE."""
     t0 = tensors[0]
     if any(isinstance(t, DTensor) for t in tensors):
         return False

@@ -3,7 +3,8 @@ uses once per key (width / head layout, dtype), forward and backward, on dummy t
 inside `_utils.tuning()`, where the tuner may time candidates (which synchronizes the GPU). The forward
 then finds every key cached; a key it meets untuned runs config 0 without timing (`_utils.Tuner.pick`).
 
-Which keys the models hit (per rank; tp = tensor-parallel degree):
+The widths come from the family's ``ModelSpec.kernel_shapes`` (titan_mm.registry.KernelShapes); the tuner
+knows no family. Which keys the Qwen families hit (per rank; tp = tensor-parallel degree):
 - rms_norm:     hidden (attn_norm, the final norm, the unfused add + norm) and head_dim (q/k-norm, rows of
                 heads / tp), forward and backward;
 - add_rms_norm: hidden (Qwen3Block: residual add + ffn_norm), forward and backward with the residual grad;
@@ -30,14 +31,12 @@ def _grads(outs, inputs):
     torch.autograd.grad(outs, inputs, [torch.randn_like(o) for o in outs], allow_unused=True)
 
 
-def _calls(model_cfg, tokens: int, dtype, device, tp: int, encoder_tp: bool, vision_tokens: int | None):
-    """[(name, fn)]: one forward + backward of each kernel the model's config turns on, at its shapes."""
-    from . import add_rms_norm, apply_rope, bias_gelu, linear_cross_entropy, resolve_ops, rms_norm, swiglu
+def _calls(shapes, on, tokens: int, dtype, device, vision_tokens: int | None):
+    """[(name, fn)]: one forward + backward of each kernel that ``on`` (the resolved op set) turns on, at the
+    model's widths (``shapes``: titan_mm.registry.KernelShapes of one rank)."""
+    from . import add_rms_norm, apply_rope, bias_gelu, linear_cross_entropy, rms_norm, swiglu
 
-    on = resolve_ops(getattr(model_cfg, "kernels", False))
-    text = getattr(model_cfg, "text", model_cfg)  # Qwen3-VL: the LLM's shapes
-    n, d, dh = tokens, text.hidden_size, text.head_dim
-    hq, hk = text.num_attention_heads // tp, text.num_key_value_heads // tp
+    n = tokens
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, device=device, dtype=dtype) * scale).requires_grad_(True)
@@ -48,9 +47,11 @@ def _calls(model_cfg, tokens: int, dtype, device, tp: int, encoder_tp: bool, vis
             _grads([rms_norm(x, w, 1e-6)], [x, w])
         return fn
 
-    def add_norm():
-        x, r, w = rnd(n, d), rnd(n, d), rnd(d, scale=0.1)
-        _grads(add_rms_norm(x, r, w, 1e-6), [x, r, w])
+    def add_norm(d):
+        def fn():
+            x, r, w = rnd(n, d), rnd(n, d), rnd(d, scale=0.1)
+            _grads(add_rms_norm(x, r, w, 1e-6), [x, r, w])
+        return fn
 
     def act_mul(f):
         def fn():
@@ -58,11 +59,13 @@ def _calls(model_cfg, tokens: int, dtype, device, tp: int, encoder_tp: bool, vis
             _grads([swiglu(g, u)], [g, u])
         return fn
 
-    def rope():
-        q, k = rnd(1, n, hq, dh), rnd(1, n, hk, dh)
-        ang = torch.rand(1, n, dh // 2, device=device) * 100
-        ang = torch.cat((ang, ang), -1)  # the models' HF-layout [B, S, Dh] table
-        _grads(apply_rope(q, k, ang.cos().to(dtype), ang.sin().to(dtype)), [q, k])
+    def rope(hq, hk, dh):
+        def fn():
+            q, k = rnd(1, n, hq, dh), rnd(1, n, hk, dh)
+            ang = torch.rand(1, n, dh // 2, device=device) * 100
+            ang = torch.cat((ang, ang), -1)  # the models' HF-layout [B, S, Dh] table
+            _grads(apply_rope(q, k, ang.cos().to(dtype), ang.sin().to(dtype)), [q, k])
+        return fn
 
     def gelu(nv, f):
         def fn():
@@ -70,45 +73,45 @@ def _calls(model_cfg, tokens: int, dtype, device, tp: int, encoder_tp: bool, vis
             _grads([bias_gelu(x, b)], [x, b])
         return fn
 
-    def lce():
-        h, w = rnd(n, d), rnd(text.vocab_size, d, scale=d ** -0.5)
-        linear_cross_entropy(h, w, torch.randint(0, text.vocab_size, (n,), device=device))
+    def lce(d, v):
+        def fn():
+            h, w = rnd(n, d), rnd(v, d, scale=d ** -0.5)
+            linear_cross_entropy(h, w, torch.randint(0, v, (n,), device=device))
+        return fn
 
     calls = []
-    if "rms_norm" in on:  # attn_norm, the final norm (and the unfused add + norm's): hidden; q/k-norm: head_dim
-        calls.append((f"rms_norm [{n}, {d}]", norm((n,), d)))
-        calls.append((f"rms_norm (q/k-norm) [{n}, {hq}, {dh}]", norm((n, hq), dh)))
+    if "rms_norm" in on:
+        calls += [(f"rms_norm [{n}, {d}]", norm((n,), d)) for d in shapes.rms_norm]
+        calls += [(f"rms_norm (head norm) [{n}, {h}, {dh}]", norm((n, h), dh)) for h, dh in shapes.head_norm]
     if "add_rms_norm" in on:
-        calls.append((f"add_rms_norm [{n}, {d}]", add_norm))
-    dense = any(not text.is_moe_layer(i) for i in range(text.num_hidden_layers))
-    if "swiglu" in on and dense:
-        calls.append((f"swiglu [{n}, {text.intermediate_size // tp}]", act_mul(text.intermediate_size // tp)))
+        calls += [(f"add_rms_norm [{n}, {d}]", add_norm(d)) for d in shapes.add_rms_norm]
+    if "swiglu" in on:
+        calls += [(f"swiglu [{n}, {f}]", act_mul(f)) for f in shapes.swiglu]
     if "rope" in on:
-        calls.append((f"rope q [{n}, {hq}, {dh}] k [{n}, {hk}, {dh}]", rope))
-    vision = getattr(model_cfg, "vision", None)
-    if "bias_gelu" in on and vision is not None and vision.hidden_act == "gelu_pytorch_tanh":
-        f = vision.intermediate_size // (tp if encoder_tp else 1)
+        calls += [(f"rope q [{n}, {hq}, {dh}] k [{n}, {hk}, {dh}]", rope(hq, hk, dh)) for hq, hk, dh in shapes.rope]
+    if "bias_gelu" in on:
         nv = vision_tokens or tokens
-        calls.append((f"bias_gelu [{nv}, {f}]", gelu(nv, f)))
-    if "linear_cross_entropy" in on:
-        calls.append((f"linear_cross_entropy [{n}, {d}] x [{text.vocab_size}, {d}]", lce))
+        calls += [(f"bias_gelu [{nv}, {f}]", gelu(nv, f)) for f in shapes.bias_gelu]
+    if "linear_cross_entropy" in on and shapes.vocab:
+        d = shapes.rms_norm[0]  # the final norm's width is the LM head's input width
+        calls.append((f"linear_cross_entropy [{n}, {d}] x [{shapes.vocab}, {d}]", lce(d, shapes.vocab)))
     return calls
 
 
-def tune_for_model(model_cfg, tokens: int, dtype: torch.dtype, device, tp: int = 1, encoder_tp: bool = False,
+def tune_for_model(shapes, kernels: bool | str, tokens: int, dtype: torch.dtype, device,
                    vision_tokens: int | None = None, max_tokens: int = 16384) -> dict:
-    """Pick the launch config of every Triton kernel that ``model_cfg`` (a Qwen3 / Qwen3-MoE / Qwen3-VL
-    config; its ``kernels`` field says which ops are on) uses, for its widths and ``dtype``, by running each
-    once forward + backward on random tensors inside `_utils.tuning()`. Call it once after building the model
-    and before the first step (it synchronizes the GPU, so never from inside a forward).
+    """Pick the launch config of every Triton kernel a model uses, at its widths (``shapes``: the family's
+    titan_mm.registry.KernelShapes for this rank, ``ModelSpec.kernel_shapes(cfg, tp, encoder_tp)``) and
+    ``dtype``, by running each op that ``kernels`` (the model's kernels spec) turns on once forward + backward on
+    random tensors inside `_utils.tuning()`. Call it once after building the model and before the first step
+    (it synchronizes the GPU, so never from inside a forward).
 
     tokens: tokens per micro-batch on this rank (the timing shape; keys never depend on it), capped at
-    ``max_tokens``; tp: tensor-parallel degree (heads and the MLP width per rank); encoder_tp: the ViT MLP is
-    sharded over tp too; vision_tokens: ViT patches per micro-batch (default: ``tokens``).
+    ``max_tokens``; vision_tokens: ViT patches per micro-batch (default: ``tokens``).
     Returns {"tuned": {tuner: [key, ...]}, "seconds", "skipped": [reason, ...]}; nothing runs (a reason in
     "skipped") when no op is on, when the Triton path is not taken on ``device`` or with TITAN_KERNELS_TUNE=0.
     On the CPU interpreter every key caches config 0 (bookkeeping only)."""
-    from . import use_triton
+    from . import resolve_ops, use_triton
 
     report: dict = {"tuned": {}, "seconds": 0.0, "skipped": []}
     device = torch.device(device)
@@ -120,7 +123,7 @@ def tune_for_model(model_cfg, tokens: int, dtype: torch.dtype, device, tp: int =
         return report
     n = max(1, min(int(tokens), max_tokens))
     nv = max(1, min(int(vision_tokens), max_tokens)) if vision_tokens else None
-    calls = _calls(model_cfg, n, dtype, device, tp, encoder_tp, nv)
+    calls = _calls(shapes, resolve_ops(kernels), n, dtype, device, nv)
     if not calls:
         report["skipped"].append("no tuned kernel is on in the model's kernels spec")
         return report

@@ -73,7 +73,7 @@ def _interpreter_twin(kernel):
 
 # kernel name -> the pointer arguments it stores through (the rest it only reads). torch finds the written
 # arguments of a traced launch itself by compiling the kernel to TTIR; the CPU interpreter cannot, so the
-# interpreter tests use this table instead (titan_mm.kernels.testing), and on the GPU check_graph checks that
+# interpreter tests use this table instead (titan_mm.tools.kernel_checks), and on the GPU check_graph checks that
 # torch's analysis agrees with it.
 WRITES: dict[str, tuple[str, ...]] = {}
 

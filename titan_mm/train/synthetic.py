@@ -4,13 +4,16 @@
 Row r of optimizer step t is generated from (seed, t, r) alone, where r counts rows over the whole global
 batch, so the global batch is the same for every data-parallel world size and gradient-accumulation split
 (what the multi-process equality tests need). State: the number of micro-batches served.
+Batches come from the data pipeline's collator (titan_mm.data.packing.collate_rows).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-IGNORE = -100
+from titan_mm.data.packing import IGNORE_INDEX as IGNORE
+from titan_mm.data.packing import Doc, collate_rows
 
 
 def make_row(gen: torch.Generator, seq_len: int, vocab_size: int, min_doc: int = 8):
@@ -35,31 +38,23 @@ def make_row(gen: torch.Generator, seq_len: int, vocab_size: int, min_doc: int =
 
 
 def collate(rows) -> dict:
-    ids = torch.stack([r[0] for r in rows])
-    labels = torch.stack([r[1] for r in rows])
-    pos = torch.stack([r[2] for r in rows])
-    doc = torch.stack([r[3] for r in rows])
-    B, S = ids.shape
-    lens = []
-    for b in range(B):
-        d = doc[b]
-        n_docs = int(d.max()) + 1 if (d >= 0).any() else 0
-        for i in range(n_docs):
-            lens.append(int((d == i).sum()))
-        pad = int((d < 0).sum())
-        if pad:
-            lens.append(pad)
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
-    return {
-        "input_ids": ids,
-        "labels": labels,
-        "position_ids": pos,
-        "doc_ids": doc,
-        "cu_seqlens": cu,
-        "max_seqlen": torch.tensor(max(lens) if lens else 0, dtype=torch.int64),
-        "num_label_tokens": (labels != IGNORE).sum(),
-    }
+    """Rows of (input_ids, labels, position_ids, doc_ids) [S] tensors -> the contract batch, through
+    collate_rows: each row's documents become Docs; the padding keeps the row's own token ids (the random
+    draws of :func:`make_row`), so batches are what they were before the shared collator."""
+    docs, ids = [], torch.stack([r[0] for r in rows])
+    for r_ids, r_lab, r_pos, r_doc in rows:
+        d = r_doc.numpy()
+        starts = np.flatnonzero(np.diff(d, prepend=-2))  # first token of each doc and of the padding
+        row = []
+        for a, e in zip(starts, [*starts[1:], len(d)]):
+            if d[a] >= 0:
+                pos = r_pos[a:e].numpy()
+                row.append(Doc(r_ids[a:e].numpy(), r_lab[a:e].numpy(), positions=np.broadcast_to(pos, (3, e - a))))
+        docs.append(row)
+    batch = collate_rows(docs, ids.shape[1], pad_id=0, mrope=False, multiple=1)
+    pad = batch["doc_ids"] < 0
+    batch["input_ids"][pad] = ids[pad]
+    return batch
 
 
 class SyntheticLoader:

@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward.
+"""SwiGLU feed-forward and the MLP activations (the references of titan_mm.kernels.swiglu / bias_gelu).
 
 Legend: N tokens (any leading dims), D model dim, F hidden dim. w1 = gate, w3 = up, w2 = down
 (nn.Linear layout: weight [out, in]).
@@ -13,12 +13,14 @@ import torch.nn.functional as F
 from titan_mm.models.common import init
 
 
-def swiglu(x_ND: torch.Tensor, w1_FD: torch.Tensor, w3_FD: torch.Tensor, w2_DF: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x_ND, w1_FD)) * F.linear(x_ND, w3_FD), w2_DF)
-
-
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (the Qwen3 MLP activation)."""
     return F.silu(gate) * up
+
+
+def bias_gelu(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """gelu(x + b, approximate='tanh') (the Qwen3-VL ViT MLP activation after a bias-free fc1)."""
+    return F.gelu(x + b, approximate="tanh")
 
 
 class SwiGLU(nn.Module):

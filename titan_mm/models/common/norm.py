@@ -2,6 +2,7 @@
 
 Legend: x_*D = any leading dims, last dim D (normalized); w_D = scale weight.
 Numerics follow HF Qwen3RMSNorm exactly: normalize in fp32, cast back to the input dtype, then scale.
+These are also the references the Triton kernels (titan_mm.kernels) are tested against, in float64.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import torch.nn as nn
 
 
 def rms_norm(x_ND: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
-    """y = w * (x / sqrt(mean(x^2) + eps)); the normalization runs in fp32 and is cast back before scaling."""
+    """y = w * (x / sqrt(mean(x^2) + eps)); the normalization runs in fp32 (float64 stays float64: the kernel
+    tests' ground truth) and is cast back before scaling."""
     in_dtype = x_ND.dtype
-    x32 = x_ND.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return w_D * x32.to(in_dtype)
+    xf = x_ND.to(torch.promote_types(in_dtype, torch.float32))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w_D * xf.to(in_dtype)
 
 
 def add_rms_norm(x_ND: torch.Tensor, residual_ND: torch.Tensor, w_D: torch.Tensor, eps: float,

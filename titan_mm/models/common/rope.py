@@ -108,7 +108,8 @@ def rope_cos_sin(
     return (emb.cos() * attn_scaling).to(dtype), (emb.sin() * attn_scaling).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dim's halves (HF's rotate-half convention)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -116,6 +117,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(
     q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, cos_BSK: torch.Tensor, sin_BSK: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k (rotate-half convention, as HF Qwen3)."""
-    cos, sin = cos_BSK.unsqueeze(2), sin_BSK.unsqueeze(2)
-    return q_BSHK * cos + _rotate_half(q_BSHK) * sin, k_BSHK * cos + _rotate_half(k_BSHK) * sin
+    """Rotate q and k (rotate-half convention, as HF Qwen3). q / k [B, S, H, K] (or [S, H, K]); cos / sin
+    [B, S, X] or [S, X] with X = K (HF layout, halves duplicated) or K/2. Outputs in the dtypes of q and k.
+    The reference of titan_mm.kernels.apply_rope, which accepts the same layouts."""
+    K = q_BSHK.shape[-1]
+    if cos_BSK.shape[-1] == K // 2:  # a half table: duplicate it to the HF layout
+        cos_BSK, sin_BSK = torch.cat((cos_BSK, cos_BSK), -1), torch.cat((sin_BSK, sin_BSK), -1)
+    cos, sin = cos_BSK.unsqueeze(-2), sin_BSK.unsqueeze(-2)  # broadcast over heads
+    q = q_BSHK * cos + rotate_half(q_BSHK) * sin
+    k = k_BSHK * cos + rotate_half(k_BSHK) * sin
+    return q.to(q_BSHK.dtype), k.to(k_BSHK.dtype)

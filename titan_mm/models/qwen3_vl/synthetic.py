@@ -5,9 +5,9 @@ h x w patches: <|vision_start|> + h*w/merge**2 <|image_pad|> + <|vision_end|>), 
 (t temporal patches; each frame is preceded by a timestamp text token and wrapped in start/end tokens, as
 the Qwen3-VL processor lays videos out).
 
-:func:`mrope_positions` computes the [3, S] M-RoPE positions of one sample on the host the same way
-HF's ``Qwen3VLModel.get_rope_index`` does (the parity tests check it against HF).
-:func:`pack` turns samples into a batch dict that follows the Batch contract in docs/architecture.md.
+:func:`pack` places samples into rows and collates them with the data pipeline's collator
+(titan_mm.data.packing.collate_rows; the Batch contract in docs/architecture.md); each sample's [3, S]
+M-RoPE positions come from titan_mm.data.vision.mrope_index (= HF's ``get_rope_index``, parity-tested).
 :func:`synthetic_vl_batch` builds a packed image+text batch of N tokens for a config (bench/mfu.py).
 """
 
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from titan_mm.data.packing import Doc, collate_rows
+from titan_mm.data.vision import mrope_index
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
 
 
@@ -78,38 +80,6 @@ def make_sample(cfg: Qwen3VLConfig, segments, generator: torch.Generator | None 
     )
 
 
-def mrope_positions(mm_type: torch.Tensor, image_grid_thw: torch.Tensor, video_grid_thw: torch.Tensor,
-                    spatial_merge_size: int) -> torch.Tensor:
-    """[3, S] (t, h, w) positions of one sample (host-side). Text advances all three by one; a visual run
-    (one image, or one video frame) lays its merged grid out at (start, start + row, start + col) and the
-    text after it continues at start + max(h, w) / merge. Video frames each take one (1, h, w) grid."""
-    m = spatial_merge_size
-    frames = []
-    for t, h, w in video_grid_thw.tolist():
-        frames += [(h, w)] * t
-    grids = {1: iter([(h, w) for _, h, w in image_grid_thw.tolist()]), 2: iter(frames)}
-    types = mm_type.tolist()
-    out, pos, i = [], 0, 0
-    while i < len(types):
-        j = i
-        while j < len(types) and types[j] == types[i]:
-            j += 1
-        if types[i] == 0:
-            out.append(torch.arange(pos, pos + j - i).expand(3, -1))
-            pos += j - i
-        else:
-            h, w = next(grids[types[i]])
-            gh, gw = h // m, w // m
-            if gh * gw != j - i:
-                raise ValueError(f"a visual run of {j - i} tokens does not match its grid ({h}x{w} patches, merge {m})")
-            rows = torch.arange(gh).repeat_interleave(gw)
-            cols = torch.arange(gw).repeat(gh)
-            out.append(torch.stack([torch.zeros_like(rows), rows, cols]) + pos)
-            pos += max(gh, gw)
-        i = j
-    return torch.cat(out, 1)
-
-
 def pack(samples: list[Sample], cfg: Qwen3VLConfig, seq_len: int | None = None, rows: int = 1,
          labels: bool = True) -> dict[str, torch.Tensor]:
     """Pack samples greedily into ``rows`` rows of ``seq_len`` tokens (default: all in one row, padded to
@@ -117,56 +87,29 @@ def pack(samples: list[Sample], cfg: Qwen3VLConfig, seq_len: int | None = None, 
     lens = [len(s.input_ids) for s in samples]
     if seq_len is None:
         seq_len = -(-sum(lens) // 16) * 16
-    ids = torch.zeros(rows, seq_len, dtype=torch.long)
-    lab = torch.full((rows, seq_len), -100, dtype=torch.long)
-    pos = torch.zeros(3, rows, seq_len, dtype=torch.long)
-    doc = torch.full((rows, seq_len), -1, dtype=torch.int32)
-    r, off, nd = 0, 0, [0] * rows
-    seglens = []
+    placed: list[list[Doc]] = [[] for _ in range(rows)]
+    r, off = 0, 0
     for s in samples:
         n = len(s.input_ids)
         if off + n > seq_len:
-            if off < seq_len:
-                seglens.append((r, seq_len - off))
             r, off = r + 1, 0
             if r >= rows or n > seq_len:
                 raise ValueError(f"samples ({lens}) do not fit in {rows} rows of {seq_len} tokens")
-        ids[r, off:off + n] = s.input_ids
-        pos[:, r, off:off + n] = mrope_positions(s.mm_type, s.image_grid_thw, s.video_grid_thw,
-                                                 cfg.vision.spatial_merge_size)
-        doc[r, off:off + n] = nd[r]
+        lab = torch.full((n,), -100, dtype=torch.long)
         if labels:
             tgt = s.input_ids[1:].clone()
             tgt[(tgt == cfg.image_token_id) | (tgt == cfg.video_token_id)] = -100
             tgt[(s.mm_type[1:] != 0)] = -100
-            lab[r, off:off + n - 1] = tgt
-        nd[r] += 1
-        seglens.append((r, n))
+            lab[: n - 1] = tgt
+        media = {}
+        if len(s.image_grid_thw):
+            media.update(pixel_values=[s.pixel_values.numpy()], image_grid_thw=[s.image_grid_thw.numpy()])
+        if len(s.video_grid_thw):
+            media.update(pixel_values_videos=[s.pixel_values_videos.numpy()], video_grid_thw=[s.video_grid_thw.numpy()])
+        pos = mrope_index(s.mm_type.numpy(), s.image_grid_thw, s.video_grid_thw, cfg.vision.spatial_merge_size)
+        placed[r].append(Doc(s.input_ids.numpy(), lab.numpy(), positions=pos, media=media))
         off += n
-    if off < seq_len:
-        seglens.append((r, seq_len - off))
-    for rr in range(r + 1, rows):
-        seglens.append((rr, seq_len))
-    # cu_seqlens over the flattened rows; padding is its own trailing segment per row.
-    cu = torch.tensor([0] + [n for _, n in seglens], dtype=torch.int64).cumsum(0).to(torch.int32)
-    batch = {
-        "input_ids": ids,
-        "labels": lab,
-        "position_ids": pos,
-        "doc_ids": doc,
-        "cu_seqlens": cu,
-        "max_seqlen": torch.tensor(max(n for _, n in seglens)),
-        "num_label_tokens": (lab != -100).sum(),
-    }
-    imgs = [s for s in samples if len(s.image_grid_thw)]
-    vids = [s for s in samples if len(s.video_grid_thw)]
-    if imgs:
-        batch["pixel_values"] = torch.cat([s.pixel_values for s in imgs])
-        batch["image_grid_thw"] = torch.cat([s.image_grid_thw for s in imgs])
-    if vids:
-        batch["pixel_values_videos"] = torch.cat([s.pixel_values_videos for s in vids])
-        batch["video_grid_thw"] = torch.cat([s.video_grid_thw for s in vids])
-    return batch
+    return collate_rows(placed, seq_len, pad_id=0, mrope=True, multiple=1)
 
 
 def synthetic_vl_batch(cfg: Qwen3VLConfig, num_tokens: int = 8192, rows: int = 1, image_hw: tuple[int, int] = (32, 32),

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from titan_mm.models.common import init
+from titan_mm.models.common.rope import rotate_half
 from titan_mm.models.qwen3_vl.config import VisionConfig
 
 
@@ -174,15 +175,10 @@ def vision_rope(rope_hw: torch.Tensor, head_dim: int, theta: float) -> tuple[tor
     return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], -1)
-
-
 def apply_vision_rope(x_NHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary in fp32 (as the reference does), cast back to the input dtype."""
     xf = x_NHD.float()
-    out = xf * cos[:, None, :] + _rotate_half(xf) * sin[:, None, :]
+    out = xf * cos[:, None, :] + rotate_half(xf) * sin[:, None, :]
     return out.to(x_NHD.dtype)
 
 

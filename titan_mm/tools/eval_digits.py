@@ -1,8 +1,8 @@
 """Held-out accuracy of a Qwen3-VL model on the built-in digits captioning data (greedy decoding through
 titan_mm's own forward).
 
-    python -m titan_mm.models.qwen3_vl.eval_digits --checkpoint outputs/debug_qwen3_vl_moe [--limit 360]
-    python -m titan_mm.models.qwen3_vl.eval_digits --hf /path/to/exported_hf_dir --config debug_qwen3_vl_moe.toml
+    python -m titan_mm.tools.eval_digits --checkpoint outputs/debug_qwen3_vl_moe [--limit 360]
+    python -m titan_mm.tools.eval_digits --hf /path/to/exported_hf_dir --config debug_qwen3_vl_moe.toml
 
 Each held-out record (load_digits index % 5 == 0, 360 images) is tokenized exactly as in training (the
 data pipeline's processor and chat template, the run's image resize settings); the prompt is everything
@@ -27,13 +27,14 @@ from titan_mm.data.packing import IGNORE_INDEX
 from titan_mm.data.processors import Processor, ProcessorConfig
 from titan_mm.data.schema import parse_record
 from titan_mm.data.tokenizer import load_tokenizer
+from titan_mm.models.qwen3_vl.model import vision_inputs
+from titan_mm.registry import spec_for_config
 
 
-def _prompts(job_cfg, limit: int | None):
+def _prompts(job_cfg, model_cfg, limit: int | None):
     d = job_cfg.data
     tok = load_tokenizer(d.tokenizer_path)
-    proc = Processor(tok, ProcessorConfig(chat_template=d.chat_template, mrope=True,
-                                          image_min_pixels=d.image_min_pixels, image_max_pixels=d.image_max_pixels))
+    proc = Processor(tok, ProcessorConfig(d, spec_for_config(model_cfg).data_needs(model_cfg)))
     out = []
     for rec in digits_records(test=True)[:limit]:
         doc = proc(parse_record(rec))
@@ -60,7 +61,8 @@ def generate(model, prompts, eos_id: int, max_new_tokens: int = 3, device="cpu")
     if pv:
         batch["pixel_values"] = torch.cat(pv).float()
         batch["image_grid_thw"] = torch.cat(gr).long()
-    extra = model.prepare_inputs(batch, device)
+    extra = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+             for k, v in vision_inputs(model.cfg, batch, device).items()}  # host-built, as the train step does
     vis = {k: batch[k].to(device) for k in ("pixel_values",) if k in batch}
     out_tokens: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -83,7 +85,7 @@ def generate(model, prompts, eos_id: int, max_new_tokens: int = 3, device="cpu")
 
 
 def evaluate(model, job_cfg, limit: int | None = None, batch_size: int = 64, device="cpu", verbose=False) -> dict:
-    tok, prompts = _prompts(job_cfg, limit)
+    tok, prompts = _prompts(job_cfg, model.cfg, limit)
     eos = tok._tok.token_to_id("<|im_end|>")
     model.eval()
     correct, t0, examples = 0, time.perf_counter(), []

@@ -1,6 +1,6 @@
-"""Numerical checks of the Triton ops against the float64 PyTorch reference, shared by the CPU
-interpreter tests (tests/unit/test_kernels_*.py, small shapes) and the H200 tests
-(tests/gpu/test_kernels_gpu.py, full shapes).
+"""Numerical checks of the Triton ops (titan_mm.kernels) against their float64 PyTorch references (the ops
+of titan_mm.models.common), shared by the CPU interpreter tests (tests/unit/test_kernels_*.py, small
+shapes) and the H200 tests (tests/gpu/test_kernels_gpu.py, full shapes).
 
 Each check draws fresh random inputs (the seed is returned so a failure can be replayed), runs the op
 forward and backward through the public API (which must pick the Triton path), and compares every output
@@ -8,7 +8,7 @@ and gradient with the reference run in float64 by relative L2 error. Tolerances:
 A NaN anywhere fails (NaN never compares below a tolerance, and outputs are also checked for finiteness).
 Run with titan_mm.kernels._utils.POISON = True so every output buffer starts NaN-filled.
 
-    python -m titan_mm.kernels.testing [op ...]   # prints JSON records; set TRITON_INTERPRET=1 on CPU
+    python -m titan_mm.tools.kernel_checks [op ...]   # prints JSON records; set TRITON_INTERPRET=1 on CPU
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import torch
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "linear_cross_entropy", "bias_gelu", "compile", "opcheck",
+OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy", "bias_gelu", "compile", "opcheck",
        "graph", "configs")
 
 
@@ -76,7 +76,7 @@ def _compare(recs, op, dtype, case, outs, refs, ins, ref_ins, grads):
 
 def check_rms_norm(device, dtype, big):
     import titan_mm.kernels as K
-    from titan_mm.kernels import reference as R
+    from titan_mm.models.common.norm import rms_norm
 
     recs = []
     shapes = [(16384, 4096), (3, 1000, 4099), (16384 * 8, 128)] if big else [(3, 7, 37), (5, 64), (3, 1000, 9), (2, 5, 1030)]
@@ -89,7 +89,7 @@ def check_rms_norm(device, dtype, big):
             eps = 1e-6
             y = K.rms_norm(x, w, eps)
             xr, wr = _ref_leaves([x, w])
-            yr = R.rms_norm(xr, wr, eps)
+            yr = rms_norm(xr, wr, eps)
             _compare(recs, "rms_norm", dtype, f"{shape}/{mode}", [y], [yr], [x, w], [xr, wr], [torch.randn_like(y)])
             with torch.no_grad():  # the eval forward (no rstd written) and a detached input under grad mode
                 _record(recs, "rms_norm", dtype, f"{shape}/{mode}", "out_nograd", K.rms_norm(x, w, eps), yr)
@@ -99,7 +99,7 @@ def check_rms_norm(device, dtype, big):
 
 def check_add_rms_norm(device, dtype, big):
     import titan_mm.kernels as K
-    from titan_mm.kernels import reference as R
+    from titan_mm.models.common.norm import add_rms_norm
 
     recs = []
     shapes = [(16384, 4096), (3, 1000, 4099), (16384 * 8, 128)] if big else [(3, 7, 37), (5, 64), (3, 1000, 9), (2, 5, 1030)]
@@ -111,7 +111,7 @@ def check_add_rms_norm(device, dtype, big):
             y, nr = K.add_rms_norm(x, r, w, 1e-6)
             ins = [x, r, w]
             refs_in = _ref_leaves(ins)
-            yr, nrr = R.add_rms_norm(*refs_in, 1e-6)
+            yr, nrr = add_rms_norm(*refs_in, 1e-6)
             with torch.no_grad():  # the eval forward (no rstd written)
                 for i, (o, ref) in enumerate(zip(K.add_rms_norm(x, r, w, 1e-6), (yr, nrr))):
                     _record(recs, "add_rms_norm", dtype, f"{shape}/{mode}", f"out{i}_nograd", o, ref)
@@ -122,7 +122,7 @@ def check_add_rms_norm(device, dtype, big):
 
 def check_swiglu(device, dtype, big):
     import titan_mm.kernels as K
-    from titan_mm.kernels import reference as R
+    from titan_mm.models.common.mlp import silu_mul
 
     recs = []
     shapes = [(16384, 12288), (2, 999, 4097)] if big else [(3, 5, 45), (7, 130), (3, 2100)]
@@ -135,7 +135,7 @@ def check_swiglu(device, dtype, big):
                 g, u = _leaf(torch.randn(shape, dtype=dtype, device=device)), _leaf(torch.randn(shape, dtype=dtype, device=device))
             y = K.swiglu(g, u)
             gr, ur = _ref_leaves([g, u])
-            yr = R.swiglu(gr, ur)
+            yr = silu_mul(gr, ur)
             _compare(recs, "swiglu", dtype, f"{shape}/{mode}", [y], [yr], [g, u], [gr, ur], [torch.randn_like(y)])
     return recs
 
@@ -150,7 +150,7 @@ def _rope_tables(lead, half, dtype, device, full: bool):
 
 def check_rope(device, dtype, big):
     import titan_mm.kernels as K
-    from titan_mm.kernels import reference as R
+    from titan_mm.models.common.rope import apply_rope
 
     recs = []
     # (B, S, Hq, Hk, Dh)
@@ -169,35 +169,15 @@ def check_rope(device, dtype, big):
                 cos, sin = _rope_tables((B, S), DH // 2, dtype, device, full=True)
             qo, ko = K.apply_rope(q, k, cos, sin)
             qr, kr = _ref_leaves([q, k])
-            qor, kor = R.apply_rope(qr, kr, cos.double(), sin.double())
+            qor, kor = apply_rope(qr, kr, cos.double(), sin.double())
             _compare(recs, "rope", dtype, f"{(B, S, HQ, HK, DH)}/{mode}", [qo, ko], [qor, kor], [q, k], [qr, kr],
                      [torch.randn_like(qo), torch.randn_like(ko)])
     return recs
 
 
-def check_mrope(device, dtype, big):
-    import titan_mm.kernels as K
-    from titan_mm.kernels import reference as R
-
-    recs = []
-    cfgs = [(4, 4096, 32, 8, 128, [24, 20, 20]), (1, 999, 5, 3, 128, [16, 24, 24])] if big else [
-        (2, 5, 3, 1, 16, [4, 2, 2]), (1, 7, 2, 2, 12, [2, 2, 2])]
-    for B, S, HQ, HK, DH, sec in cfgs:
-        for full in (False, True):
-            q = _leaf(torch.randn(B, S, HQ, DH, dtype=dtype, device=device))
-            k = _leaf(torch.randn(B, HK, S, DH, dtype=dtype, device=device).transpose(1, 2))
-            cos, sin = _rope_tables((3, B, S), DH // 2, dtype, device, full=full)
-            qo, ko = K.apply_mrope(q, k, cos, sin, sec)
-            qr, kr = _ref_leaves([q, k])
-            qor, kor = R.apply_mrope(qr, kr, cos.double(), sin.double(), sec)
-            _compare(recs, "mrope", dtype, f"{(B, S, HQ, HK, DH)}/{sec}/full={full}", [qo, ko], [qor, kor], [q, k],
-                     [qr, kr], [torch.randn_like(qo), torch.randn_like(ko)])
-    return recs
-
-
 def check_linear_cross_entropy(device, dtype, big):
     import titan_mm.kernels as K
-    from titan_mm.kernels import reference as R
+    from titan_mm.models.common.loss import chunked_cross_entropy
 
     recs = []
     # (N, D, V, chunk)
@@ -216,7 +196,7 @@ def check_linear_cross_entropy(device, dtype, big):
                 loss = K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z, chunk_size=chunk,
                                               grad_accum_fp32=acc32)
                 hr, wr = _ref_leaves([h, w])
-                lr = R.linear_cross_entropy(hr, wr, labels, -100, z, chunk_size=1024)
+                lr = chunked_cross_entropy(hr, wr, labels, 1024, z)
                 scale = torch.tensor(0.37, device=device)  # like 1 / num_label_tokens
                 _compare(recs, "linear_cross_entropy", dtype, f"{(N, D, V, chunk)}/z={z}/{mode}/acc32={acc32}", [loss], [lr],
                          [h, w], [hr, wr], [scale.to(loss.dtype)])
@@ -234,7 +214,7 @@ def check_linear_cross_entropy(device, dtype, big):
 
 def check_bias_gelu(device, dtype, big):
     import titan_mm.kernels as K
-    from titan_mm.kernels import reference as R
+    from titan_mm.models.common.mlp import bias_gelu
 
     recs = []
     shapes = [(16384, 4304), (999, 1153)] if big else [(33, 19), (2, 9, 40), (21, 700)]
@@ -244,7 +224,7 @@ def check_bias_gelu(device, dtype, big):
             b = _leaf(torch.randn(shape[-1], dtype=dtype, device=device))
             y = K.bias_gelu(x, b)
             xr, br = _ref_leaves([x, b])
-            yr = R.bias_gelu(xr, br)
+            yr = bias_gelu(xr, br)
             _compare(recs, "bias_gelu", dtype, f"{shape}/{mode}", [y], [yr], [x, b], [xr, br], [torch.randn_like(y)])
     return recs
 
@@ -257,26 +237,24 @@ def check_compile(device, dtype, big, backend: str | None = None):
     torch._dynamo.reset()
     recs = []
 
-    def f(x, r, w, g, u, q, k, cos, sin, cos3, sin3, h, wv, labels, xb, b):
+    def f(x, r, w, g, u, q, k, cos, sin, h, wv, labels, xb, b):
         y, nr = K.add_rms_norm(x, r, w, 1e-6)
         y = K.rms_norm(y, w, 1e-6)
         s = K.swiglu(g, u)
         qo, ko = K.apply_rope(q, k, cos, sin)
-        qm, km = K.apply_mrope(q, k, cos3, sin3, [2, 1, 1])
         loss = K.linear_cross_entropy(h, wv, labels, z_loss=1e-4)
         gb = K.bias_gelu(xb, b)
         return (y.float().sum() + nr.float().sum() + s.float().sum() + qo.float().sum() + ko.float().sum()
-                + qm.float().sum() + km.float().sum() + loss + gb.float().sum())
+                + loss + gb.float().sum())
 
     def inputs():
         B, S, HQ, HK, DH = 2, 5, 3, 1, 8
         t = lambda *s: _leaf(torch.randn(*s, dtype=dtype, device=device))  # noqa: E731
         cos, sin = _rope_tables((B, S), DH // 2, dtype, device, full=True)
-        cos3, sin3 = _rope_tables((3, B, S), DH // 2, dtype, device, full=False)
         labels = torch.randint(0, 50, (11,), device=device)
         labels[::3] = -100
         return [t(4, 6, 33), t(4, 6, 33), t(33), t(5, 20), t(5, 20), t(B, S, HQ, DH), t(B, S, HK, DH), cos, sin,
-                cos3, sin3, t(11, 16), t(50, 16), labels, t(7, 24), t(24)]
+                t(11, 16), t(50, 16), labels, t(7, 24), t(24)]
 
     args = inputs()
     args2 = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
@@ -304,14 +282,12 @@ def check_opcheck(device, dtype, big):
 
     t = lambda *s: torch.randn(*s, dtype=dtype, device=device, requires_grad=True)  # noqa: E731
     cos, sin = _rope_tables((2, 5), 4, dtype, device, full=True)
-    cos3, sin3 = _rope_tables((3, 2, 5), 4, dtype, device, full=False)
     labels = torch.tensor([1, -100, 3, 4, -100, 0, 2], device=device)
     cases = [
         (rms_norm_op, (t(3, 17), t(17), 1e-6)),
         (add_rms_norm_op, (t(3, 17), t(3, 17), t(17), 1e-6)),
         (swiglu_op, (t(3, 17), t(3, 17))),
-        (rope_op, (t(2, 5, 3, 8), t(2, 5, 1, 8), cos, sin, [], False)),
-        (rope_op, (t(2, 5, 3, 8), t(2, 5, 1, 8), cos3, sin3, [2, 1, 1], False)),
+        (rope_op, (t(2, 5, 3, 8), t(2, 5, 1, 8), cos, sin, False)),
         (linear_cross_entropy_op, (t(7, 16), t(30, 16), labels, -100, 1e-3, True, 3)),
         (linear_cross_entropy_op, (t(7, 16), t(30, 16), labels, -100, 0.0, True, 2, True)),
         (bias_gelu_op, (t(5, 9), t(9))),
@@ -601,7 +577,6 @@ CHECKS = {
     "add_rms_norm": check_add_rms_norm,
     "swiglu": check_swiglu,
     "rope": check_rope,
-    "mrope": check_mrope,
     "linear_cross_entropy": check_linear_cross_entropy,
     "bias_gelu": check_bias_gelu,
     "compile": check_compile,
@@ -623,7 +598,7 @@ def run(ops, device, dtypes, big: bool) -> dict:
         torch.set_float32_matmul_precision(prec_before)
 
 
-TUNED_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "mrope", "bias_gelu", "linear_cross_entropy")  # with a Tuner
+TUNED_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "bias_gelu", "linear_cross_entropy")  # with a Tuner
 
 
 def _tune_for_check(op, device, dtype, big) -> None:
@@ -718,7 +693,7 @@ def _run_interpreter_process(ops: list[str], timeout: float) -> dict:
     env.update(TRITON_INTERPRET="1", TITAN_KERNELS_POISON="1", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "titan_mm.kernels.testing", *ops],
+        [sys.executable, "-W", "ignore", "-m", "titan_mm.tools.kernel_checks", *ops],
         env=env, cwd=root, capture_output=True, text=True, timeout=timeout,
     )
     if proc.returncode != 0:
