@@ -1,23 +1,43 @@
-"""Grouped-query attention with qk-norm over packed sequences, three backends.
+"""Grouped-query attention with qk-norm over packed sequences: mask kinds x backends, and a KV-cache path.
 
-Legend: B batch, S sequence, H query heads, G kv heads, K head_dim, D model dim, T = B*S flat tokens.
+Legend: B batch, S sequence, H query heads, G kv heads, K head_dim, D model dim, T = B*S flat tokens,
+L cached keys per sequence.
 
-Backends (chosen by the config's ``attn_backend``; metadata built by :func:`build_attn_meta` OUTSIDE the
-forward, so the forward never syncs with the host):
-  * "sdpa"   torch SDPA. Unpacked batches (no ``doc_ids``) run causal with ``is_causal=True``; packed
-             batches use a dense bool mask [B, 1, S, S] (same document AND causal [AND window]).
-  * "flex"   flex_attention with a BlockMask from ``doc_ids`` (causal, optional sliding window). On CUDA the
-             kernel is compiled (torch.compile of flex_attention). On CPU it runs eager for forward-only
-             calls; torch has no flex backward on CPU, so when gradients are needed on CPU the same mask
-             (materialized from the mask_mod at build time) runs through SDPA.
-  * "varlen" torch.nn.attention.varlen.varlen_attn over the flattened tokens with ``cu_seqlens``
-             (CUDA only, torch builds that ship it); otherwise a clear error.
+Mask kinds (``AttnMeta.kind``, from ``build_attn_meta(..., kind=...)``). A query q sees a key k only within its
+own document (``doc_ids``; rows without them are one document each), and then iff
+  * "causal"         k <= q (the default; with a sliding window also q - window < k, HF semantics)
+  * "bidirectional"  always (ViTs, diffusion LMs)
+  * "block_causal"   block(k) <= block(q), block = (position within the document) // ``block_size``
+                     (block diffusion; positions come from ``doc_ids`` in build_attn_meta, never in the forward)
+  * "prefix_lm"      k <= q, or both are prefix tokens (``batch["prefix_mask"]`` [B, S] bool, True on the prefix)
+Sliding windows combine only with "causal". Every kind lets a token see itself, so no row is fully masked; padding
+(doc_id -1) forms one more document of its row (no NaN).
 
-Rows that are each one whole document (``cu_seqlens`` says so on the host) need no mask: every backend
-then runs fused causal SDPA (cuDNN / flash; the train step sets the backend priority).
+Backends (the config's ``attn_backend``; metadata built by :func:`build_attn_meta` OUTSIDE the forward, so the
+forward never syncs with the host):
 
-Sliding window (HF semantics): query q sees key k iff q - window < k <= q.
-Padding tokens (doc_id -1) attend causally among themselves, so no row is fully masked (no NaN).
+  kind            sdpa                 flex                    varlen (CUDA)
+  causal          dense bool mask      BlockMask (mask_mod)    cu_seqlens, causal=True (+ window)
+  bidirectional   dense bool mask      BlockMask (mask_mod)    cu_seqlens, causal=False
+  block_causal    dense bool mask      BlockMask (mask_mod)    refused: use flex or sdpa
+  prefix_lm       dense bool mask      BlockMask (mask_mod)    refused: use flex or sdpa
+
+  * "sdpa"   torch SDPA with a dense bool mask [B, 1, S, S].
+  * "flex"   flex_attention with a BlockMask from the same mask_mod that builds the dense mask. On CUDA the
+             kernel is compiled (torch.compile of flex_attention). On CPU it runs eager for forward-only calls;
+             torch has no flex backward on CPU, so when gradients are needed on CPU the dense mask (built from
+             the mask_mod at build time) runs through SDPA.
+  * "varlen" torch.nn.attention.varlen.varlen_attn over the flattened tokens with ``cu_seqlens`` (CUDA only,
+             torch builds that ship it); its kernels take whole documents, so only causal or bidirectional.
+
+Rows that are each one whole document (``cu_seqlens`` says so on the host; or no ``doc_ids``) need no mask for
+"causal" and "bidirectional": every backend then runs fused SDPA (is_causal=True / False; cuDNN / flash, the
+train step sets the backend priority).
+
+KV cache (``AttnMeta.kv_cache``, titan_mm.models.common.kv_cache; None in training): every backend writes the
+layer's new k/v (after qk-norm and RoPE) into the cache by the step's slot mapping and attends the new queries
+to all cached keys of their sequence (causal by absolute position, optional window) with SDPA over the gathered
+keys. Causal only; the serving engine's paged decode kernels replace the gather later.
 """
 
 from __future__ import annotations
@@ -35,6 +55,10 @@ from titan_mm.models.common.norm import RMSNorm, rms_norm
 from titan_mm.models.common.rope import apply_rope
 
 BACKENDS = ("sdpa", "flex", "varlen")
+KINDS = ("causal", "bidirectional", "block_causal", "prefix_lm")
+BACKEND_KINDS = {"sdpa": KINDS, "flex": KINDS, "varlen": ("causal", "bidirectional")}
+"""The kinds each backend implements (varlen's kernels take whole documents: causal or not)."""
+_ROW_KINDS = ("block_causal", "prefix_lm")  # need a mask even on rows that are one whole document
 
 
 @dataclass
@@ -43,13 +67,17 @@ class AttnMeta:
 
     backend: str
     packed: bool
-    """True when built from ``doc_ids`` (document masking); False: plain causal rows."""
+    """True when built from ``doc_ids`` (document masking); False: one document per row."""
+    kind: str = "causal"
+    """Mask kind, one of KINDS (module docstring)."""
+    block_size: int | None = None
+    """Tokens per block of kind "block_causal"."""
     sliding_window: int | None = None
     sdpa_mask: torch.Tensor | None = None
-    """[B, 1, S, S] bool, True = attend (sdpa, packed or windowed)."""
+    """[B, 1, S, S] bool, True = attend (sdpa; flex on CPU or with dense_mask)."""
     sdpa_mask_swa: torch.Tensor | None = None
     block_mask: Any = None
-    """flex BlockMask (full causal + documents)."""
+    """flex BlockMask (the kind + documents)."""
     block_mask_swa: Any = None
     """flex BlockMask with the sliding window."""
     cu_seqlens: torch.Tensor | None = None
@@ -60,32 +88,84 @@ class AttnMeta:
     cp: Any = None
     """Context-parallel attention set by titan_mm.parallel.cp.prepare_cp_batch (q/k/v are then local sequence
     shards); when set, attention() delegates to ``cp(q, k, v, window)``."""
+    kv_cache: Any = None
+    """A planned KVCache (titan_mm.models.common.kv_cache.plan_step) when decoding; None in training. Each
+    Attention writes its layer's new k/v into it and attends to all cached keys of the sequence."""
 
 
-def _mask_dense(doc_BS: torch.Tensor | None, B: int, S: int, window: int | None, device) -> torch.Tensor:
-    q = torch.arange(S, device=device)
-    m = q[:, None] >= q[None, :]
-    if window is not None:
-        m = m & (q[:, None] - q[None, :] < window)
-    m = m[None].expand(B, S, S)
-    if doc_BS is not None:
-        m = m & (doc_BS[:, :, None] == doc_BS[:, None, :])
-    return m[:, None]
+def _mask_mod(kind: str, doc_BS, blk_BS, prefix_BS, window: int | None):
+    """The kind's mask as a flex mask_mod; on broadcast index grids it also builds the dense mask."""
 
-
-def _block_mask(doc_BS: torch.Tensor | None, B: int, S: int, window: int | None, device):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        m = q_idx >= kv_idx
-        if doc_BS is not None:
-            m = m & (doc_BS[b, q_idx] == doc_BS[b, kv_idx])
+    def mask_mod(b, h, q, k):
+        if kind == "causal":
+            m = q >= k
+        elif kind == "block_causal":
+            m = blk_BS[b, q] >= blk_BS[b, k]
+        elif kind == "prefix_lm":
+            m = (q >= k) | (prefix_BS[b, q] & prefix_BS[b, k])
+        else:  # bidirectional: every key (of the document, below)
+            m = (q >= 0) & (k >= 0)
         if window is not None:
-            m = m & (q_idx - kv_idx < window)
+            m = m & (q - k < window)
+        if doc_BS is not None:
+            m = m & (doc_BS[b, q] == doc_BS[b, k])
         return m
 
-    Bm = B if doc_BS is not None else None
-    return create_block_mask(mask_mod, Bm, None, S, S, device=device, _compile=torch.device(device).type == "cuda")
+    return mask_mod
+
+
+def _mask_dense(mask_mod, B: int, S: int, device) -> torch.Tensor:
+    i = torch.arange(S, device=device)
+    m = mask_mod(torch.arange(B, device=device)[:, None, None], None, i[None, :, None], i[None, None, :])
+    return m.expand(B, S, S)[:, None]
+
+
+def _block_mask(mask_mod, B: int | None, S: int, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mask_mod, B, None, S, S, device=device, _compile=torch.device(device).type == "cuda")
+
+
+def _doc_positions(doc_BS: torch.Tensor | None, B: int, S: int) -> torch.Tensor:
+    """[B, S] position of every token within its document (a run of equal ``doc_ids``), where doc_ids live."""
+    i = torch.arange(S, device=None if doc_BS is None else doc_BS.device).expand(B, S)
+    if doc_BS is None:
+        return i
+    start = torch.ones_like(doc_BS, dtype=torch.bool)
+    start[:, 1:] = doc_BS[:, 1:] != doc_BS[:, :-1]
+    return i - torch.where(start, i, 0).cummax(1).values  # minus the start of the token's run
+
+
+def _prefix_mask(batch: dict[str, torch.Tensor], B: int, S: int) -> torch.Tensor:
+    p = batch.get("prefix_mask")
+    if p is None:
+        raise ValueError("attention kind 'prefix_lm' needs batch['prefix_mask'] ([B, S] bool, True on each "
+                         "document's prefix tokens); add it in the data pipeline")
+    if tuple(p.shape) != (B, S):
+        raise ValueError(f"batch['prefix_mask'] has shape {list(p.shape)}; kind 'prefix_lm' needs [B, S] = "
+                         f"[{B}, {S}], one bool per token of input_ids")
+    return p.bool()
+
+
+def check_kind(backend: str, kind: str, sliding_window: int | None = None, block_size: int | None = None) -> None:
+    """Raise a ValueError saying what to use instead when ``backend`` cannot run mask ``kind`` as asked."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if kind not in KINDS:
+        raise ValueError(f"unknown attention kind {kind!r}; choose one of {KINDS}")
+    if kind not in BACKEND_KINDS[backend]:
+        able = " or ".join(repr(b) for b in BACKENDS if kind in BACKEND_KINDS[b])
+        raise ValueError(f"attention backend {backend!r} cannot do kind {kind!r} (it does {BACKEND_KINDS[backend]}); "
+                         f"use attn_backend={able}")
+    if sliding_window is not None and kind != "causal":
+        raise ValueError(f"a sliding window ({sliding_window}) combines only with kind 'causal', not {kind!r}; "
+                         "turn the window off (use_sliding_window=false) or use kind='causal'")
+    if kind == "block_causal":
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"kind 'block_causal' needs block_size, a positive int of tokens per block; "
+                             f"got {block_size!r}")
+    elif block_size is not None:
+        raise ValueError(f"block_size={block_size} applies only to kind 'block_causal', not {kind!r}; leave it None")
 
 
 def _whole_rows(cu: torch.Tensor | None, B: int, S: int) -> bool:
@@ -97,46 +177,54 @@ def _whole_rows(cu: torch.Tensor | None, B: int, S: int) -> bool:
 
 def build_attn_meta(
     batch: dict[str, torch.Tensor], backend: str, device: torch.device | str, sliding_window: int | None = None,
-    dense_mask: bool = False,
+    dense_mask: bool = False, kind: str = "causal", block_size: int | None = None, kv_cache: Any = None,
 ) -> AttnMeta:
-    """Turn a batch's ``doc_ids`` / ``cu_seqlens`` / ``max_seqlen`` into backend metadata (on ``device``).
+    """Turn a batch's ``doc_ids`` / ``cu_seqlens`` / ``max_seqlen`` (and ``prefix_mask`` for kind "prefix_lm")
+    into backend metadata for mask ``kind`` (on ``device``).
 
     Call it before the forward (it may sync; the forward must not). ``sliding_window``: pass the model
     config's ``attn_sliding_window`` when any layer uses a window (Qwen3 configs with use_sliding_window).
-    Batches without ``doc_ids`` are treated as unpacked causal rows. ``dense_mask``: also build the dense
-    ``sdpa_mask`` (and ``sdpa_mask_swa``) for the flex backend on CUDA, where it is otherwise left out; ring
-    and all-gather context parallelism slice their mask blocks from it.
+    Batches without ``doc_ids`` are one document per row. ``dense_mask``: also build the dense ``sdpa_mask``
+    (and ``sdpa_mask_swa``) where it is otherwise left out (flex on CUDA, bidirectional whole rows); ring and
+    all-gather context parallelism slice their mask blocks from it. ``block_size``: tokens per block of kind
+    "block_causal". ``kv_cache``: a KVCache planned for this step (kv_cache.plan_step); the metadata then
+    only carries it (causal kind only).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    check_kind(backend, kind, sliding_window, block_size)
     device = torch.device(device)
     ids = batch["input_ids"]
     B, S = ids.shape[-2], ids.shape[-1]
+    if kv_cache is not None:
+        return _cache_meta(kv_cache, backend, kind, sliding_window, B, S)
     doc = batch.get("doc_ids")
     if doc is not None and sliding_window is None and _whole_rows(batch.get("cu_seqlens"), B, S):
-        doc = None  # every row is one whole document: plain causal rows (fused SDPA kernels, no mask)
-    doc = doc.to(device=device, non_blocking=True) if doc is not None else None
-    meta = AttnMeta(backend=backend, packed=doc is not None, sliding_window=sliding_window)
+        doc = None  # every row is one whole document: no document mask (fused SDPA kernels for causal)
+    blk = _doc_positions(doc, B, S) // block_size if kind == "block_causal" else None
+    prefix = _prefix_mask(batch, B, S) if kind == "prefix_lm" else None
+    doc, blk, prefix = (None if t is None else t.to(device=device, non_blocking=True) for t in (doc, blk, prefix))
+    meta = AttnMeta(backend=backend, packed=doc is not None, kind=kind, block_size=block_size,
+                    sliding_window=sliding_window)
     if doc is not None:
         meta.valid_BS = doc >= 0
-    elif sliding_window is None:
+    mask_mod = _mask_mod(kind, doc, blk, prefix, None)
+    if doc is None and sliding_window is None and kind not in _ROW_KINDS:
         if backend == "varlen" and device.type == "cuda":
             _varlen_fn()  # resolve torch's varlen_attn here, not inside a (compiled) forward
-        return meta  # plain causal rows: attention() runs fused causal SDPA for every backend
-    if backend == "sdpa":
-        if doc is not None or sliding_window is not None:
-            meta.sdpa_mask = _mask_dense(doc, B, S, None, device)
-        if sliding_window is not None:
-            meta.sdpa_mask_swa = _mask_dense(doc, B, S, sliding_window, device)
-    elif backend == "flex":
-        meta.block_mask = _block_mask(doc, B, S, None, device)
-        if sliding_window is not None:
-            meta.block_mask_swa = _block_mask(doc, B, S, sliding_window, device)
-        if device.type == "cpu" or dense_mask:  # CPU fallback (no flex backward on CPU), CP ring / allgather
-            meta.sdpa_mask = _mask_dense(doc, B, S, None, device)
-            if sliding_window is not None:
-                meta.sdpa_mask_swa = _mask_dense(doc, B, S, sliding_window, device)
-    else:  # varlen
+        if dense_mask and kind != "causal":  # CP slices it (its own fallback for causal rows is the causal mask)
+            meta.sdpa_mask = _mask_dense(mask_mod, B, S, device)
+        return meta  # one document per row: attention() runs fused SDPA for every backend
+    swa_mod = _mask_mod(kind, doc, blk, prefix, sliding_window) if sliding_window is not None else None
+    if backend == "sdpa" or (backend == "flex" and (device.type == "cpu" or dense_mask)):
+        # flex on CPU: the fallback when gradients are needed (no flex backward on CPU); CP ring / allgather
+        meta.sdpa_mask = _mask_dense(mask_mod, B, S, device)
+        if swa_mod is not None:
+            meta.sdpa_mask_swa = _mask_dense(swa_mod, B, S, device)
+    if backend == "flex":
+        Bm = B if doc is not None or blk is not None or prefix is not None else None  # None: same mask every row
+        meta.block_mask = _block_mask(mask_mod, Bm, S, device)
+        if swa_mod is not None:
+            meta.block_mask_swa = _block_mask(swa_mod, Bm, S, device)
+    elif backend == "varlen":
         _varlen_fn()  # fail early with a clear message when unavailable
         if device.type != "cuda":
             raise RuntimeError(
@@ -158,6 +246,25 @@ def build_attn_meta(
         meta.cu_seqlens = cu.to(device=device, dtype=torch.int32, non_blocking=True)
         meta.max_seqlen = max_len
     return meta
+
+
+def _cache_meta(cache, backend: str, kind: str, sliding_window: int | None, B: int, S: int) -> AttnMeta:
+    """Metadata of a decoding step: the planned cache; its masks were built on the host by plan_step."""
+    if kind != "causal":
+        raise ValueError(f"the KV-cache path attends causally; kind {kind!r} with a kv_cache is not supported, "
+                         "use kind='causal'")
+    step = getattr(cache, "step", None)
+    if step is None:
+        raise ValueError("kv_cache has no planned step; call titan_mm.models.common.kv_cache.plan_step(cache, "
+                         "new_lens) before build_attn_meta")
+    if tuple(step.positions.shape) != (B, S):
+        raise ValueError(f"the batch has [B, S] = [{B}, {S}] tokens but the cache step was planned for "
+                         f"{list(step.positions.shape)}; plan_step with this batch's new token counts")
+    if step.sliding_window != sliding_window:
+        raise ValueError(f"build_attn_meta got sliding_window={sliding_window} but the cache step was planned "
+                         f"with {step.sliding_window}; pass the same cfg.attn_sliding_window to plan_step")
+    return AttnMeta(backend=backend, packed=False, sliding_window=sliding_window, valid_BS=step.valid,
+                    kv_cache=cache)
 
 
 from torch.nn.attention.flex_attention import flex_attention as _FLEX_EAGER  # noqa: E402
@@ -199,44 +306,54 @@ def _varlen_fn():
 
 
 def attention(
-    q_BSHK: torch.Tensor, k_BSGK: torch.Tensor, v_BSGK: torch.Tensor, meta: AttnMeta | None, window: int | None
+    q_BSHK: torch.Tensor, k_BSGK: torch.Tensor, v_BSGK: torch.Tensor, meta: AttnMeta | None, window: int | None,
+    layer_id: int = 0,
 ) -> torch.Tensor:
-    """Scaled dot-product attention (scale 1/sqrt(K)) -> o_BSHK. ``meta=None``: plain causal via SDPA."""
+    """Scaled dot-product attention (scale 1/sqrt(K)) -> o_BSHK. ``meta=None``: plain causal via SDPA.
+    ``layer_id``: the layer of ``meta.kv_cache`` that this call writes and reads."""
     if meta is not None and meta.cp is not None:
         return meta.cp(q_BSHK, k_BSGK, v_BSGK, window)
     B, S, H, K = q_BSHK.shape
-    G = k_BSGK.shape[2]
     if meta is not None and window is not None and meta.sliding_window != window:
         raise ValueError(
             f"this layer uses a sliding window of {window} but the attention metadata was built with "
             f"sliding_window={meta.sliding_window}; call build_attn_meta(..., sliding_window=cfg.attn_sliding_window)"
         )
+    if meta is not None and meta.kv_cache is not None:
+        cache = meta.kv_cache
+        k_all, v_all = cache.update(layer_id, k_BSGK, v_BSGK)  # [B, L, G, K]: every cached key of the sequence
+        return _sdpa(q_BSHK, k_all, v_all, cache.step.mask_swa if window is not None else cache.step.mask, False)
+    if meta is None and window is not None:
+        raise ValueError("a sliding-window layer needs attention metadata; call build_attn_meta(...) first")
     cpu_grad = q_BSHK.device.type == "cpu" and torch.is_grad_enabled() and (
         q_BSHK.requires_grad or k_BSGK.requires_grad or v_BSGK.requires_grad
     )
-    plain = meta is None or (not meta.packed and window is None)  # causal rows: fused SDPA, no mask
+    causal = meta is None or meta.kind == "causal"
+    plain = meta is None or not (meta.packed or window is not None or meta.kind in _ROW_KINDS)  # one doc per row
     if plain or meta.backend == "sdpa" or (meta.backend == "flex" and cpu_grad):
-        q, k, v = (t.transpose(1, 2) for t in (q_BSHK, k_BSGK, v_BSGK))
-        mask = None
-        if meta is not None:
-            mask = meta.sdpa_mask_swa if window is not None else meta.sdpa_mask
-        elif window is not None:
-            raise ValueError("a sliding-window layer needs attention metadata; call build_attn_meta(...) first")
-        gqa = G != H
-        if gqa and mask is not None:
-            # fused SDPA kernels that take a mask (mem-efficient) lack GQA: share kv heads explicitly
-            k, v = (t.repeat_interleave(H // G, dim=1) for t in (k, v))
-            gqa = False
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-        return o.transpose(1, 2)
+        mask = None if meta is None else meta.sdpa_mask_swa if window is not None else meta.sdpa_mask
+        return _sdpa(q_BSHK, k_BSGK, v_BSGK, mask, causal)
     if meta.backend == "flex":
         bm = meta.block_mask_swa if window is not None else meta.block_mask
         q, k, v = (t.transpose(1, 2) for t in (q_BSHK, k_BSGK, v_BSGK))
         return _flex(q, k, v, bm).transpose(1, 2)
     # varlen over flattened tokens
     q, k, v = (t.reshape(B * S, t.shape[2], K) for t in (q_BSHK, k_BSGK, v_BSGK))
-    o = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=True, window=window)
+    o = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=causal, window=window)
     return o.reshape(B, S, H, K)
+
+
+def _sdpa(q_BSHK, k_BLGK, v_BLGK, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """torch SDPA with a bool mask [B, 1, S, L] (True = attend), or without one: causal or not."""
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHK, k_BLGK, v_BLGK))
+    H, G = q.shape[1], k.shape[1]
+    gqa = G != H
+    if gqa and mask is not None:
+        # fused SDPA kernels that take a mask (mem-efficient) lack GQA: share kv heads explicitly
+        k, v = (t.repeat_interleave(H // G, dim=1) for t in (k, v))
+        gqa = False
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=gqa)
+    return o.transpose(1, 2)
 
 
 def varlen_attention(q_THK: torch.Tensor, k_TGK: torch.Tensor, v_TGK: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -270,14 +387,16 @@ class Attention(nn.Module):
     """GQA with per-head RMSNorm on q and k (Qwen3), RoPE, and an output projection."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, bias: bool, eps: float,
-                 qk_norm: bool = True, norm_impl=rms_norm, rope_impl=apply_rope):
+                 qk_norm: bool = True, norm_impl=rms_norm, rope_impl=apply_rope, o_bias: bool | None = None,
+                 layer_id: int = 0):
         super().__init__()
         self.rope_impl = rope_impl
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias if o_bias is None else o_bias)  # Qwen2: q/k/v only
+        self.layer_id = layer_id  # which layer of a KV cache this module reads and writes
         self.q_norm = RMSNorm(head_dim, eps, norm_impl) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, norm_impl) if qk_norm else None
 
@@ -290,7 +409,7 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = self.rope_impl(q, k, cos_BSK, sin_BSK)
-        o = attention(q, k, v, meta, window)
+        o = attention(q, k, v, meta, window, self.layer_id)
         return self.wo(o.reshape(B, S, -1))
 
     def reset_parameters(self, std: float) -> None:

@@ -1,0 +1,274 @@
+"""Attention mask kinds x backends: every pair equals a dense reference (a boolean mask written out here, token by
+token, and softmax attention written out here), forward and gradients, on packed rows with 2-3 documents and
+padding and on unpacked rows; or it is refused with a ValueError naming the kind and the backend. Context
+parallelism (ulysses / all-gather / ring, world 2 over gloo) runs every kind to the same reference."""
+
+import inspect
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiproc"))
+from _harness import run_multiproc  # noqa: E402
+
+from titan_mm.models.common import attention as A  # noqa: E402
+from titan_mm.models.common.attention import KINDS, AttnMeta, attention, build_attn_meta  # noqa: E402
+
+B, S, H, G, K = 2, 16, 4, 2, 16  # K >= 16: flex kernels on CUDA need it
+DOCS = ([5, 7], [3, 4, 6])  # per row; the rest of the row is padding (doc_id -1)
+BLOCK = 3
+
+
+def packed_batch() -> dict[str, torch.Tensor]:
+    """Two rows of documents + trailing padding, in the packer's format, with a prefix on every document."""
+    doc = torch.full((B, S), -1, dtype=torch.int32)
+    prefix = torch.zeros(B, S, dtype=torch.bool)
+    segs = []
+    for b, lens in enumerate(DOCS):
+        o = 0
+        for d, n in enumerate(lens):
+            doc[b, o:o + n] = d
+            prefix[b, o:o + (n + 1) // 2] = True
+            o += n
+        segs += list(lens) + [S - o]
+    cu = torch.tensor([0] + torch.tensor(segs).cumsum(0).tolist(), dtype=torch.int32)
+    prefix[1, -1] = True  # a prefix flag on padding must not leak out of the padding
+    return {"input_ids": torch.zeros(B, S, dtype=torch.long), "doc_ids": doc, "prefix_mask": prefix,
+            "cu_seqlens": cu, "max_seqlen": torch.tensor(max(segs))}
+
+
+def unpacked_batch() -> dict[str, torch.Tensor]:
+    prefix = torch.zeros(B, S, dtype=torch.bool)
+    prefix[0, :6] = True
+    prefix[1, :1] = True
+    return {"input_ids": torch.zeros(B, S, dtype=torch.long), "prefix_mask": prefix}
+
+
+def reference_mask(batch, kind, window=None) -> torch.Tensor:
+    """[B, S, S] bool from the definitions, one (query, key) pair at a time."""
+    doc = batch.get("doc_ids", torch.zeros(B, S, dtype=torch.int32)).tolist()
+    pre = batch.get("prefix_mask", torch.zeros(B, S, dtype=torch.bool)).tolist()
+    m = torch.zeros(B, S, S, dtype=torch.bool)
+    for b in range(B):
+        pos = [0] * S  # position within the document
+        for t in range(1, S):
+            pos[t] = pos[t - 1] + 1 if doc[b][t] == doc[b][t - 1] else 0
+        for q in range(S):
+            for k in range(S):
+                if doc[b][q] != doc[b][k]:
+                    continue
+                ok = {"causal": k <= q, "bidirectional": True,
+                      "block_causal": pos[k] // BLOCK <= pos[q] // BLOCK,
+                      "prefix_lm": k <= q or (pre[b][q] and pre[b][k])}[kind]
+                if window is not None:
+                    ok = ok and q - k < window
+                m[b, q, k] = ok
+    return m
+
+
+def reference_attention(q, k, v, mask_BSS):
+    """softmax(q k^T / sqrt(K) where mask) v, query head h using kv head h // (H / G)."""
+    kk, vv = (t.repeat_interleave(H // G, dim=2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) / math.sqrt(K)
+    s = s.masked_fill(~mask_BSS[:, None], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vv)
+
+
+def qkv(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, S, n, K, generator=g, requires_grad=True) for n in (H, G, G)]
+
+
+def weights():
+    return torch.randn(B, S, H, K, generator=torch.Generator().manual_seed(9))
+
+
+def run_and_grads(fn, q, k, v, w=None):
+    """fn(q, k, v) and the gradients of sum(fn(q, k, v) * w)."""
+    o = fn(q, k, v)
+    w = weights() if w is None else w
+    (o * w).sum().backward()
+    out = (o.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone())
+    for t in (q, k, v):
+        t.grad = None
+    return out
+
+
+def assert_matches_reference(batch, meta, kind, window=None):
+    q, k, v = qkv()
+    ref = run_and_grads(lambda *t: reference_attention(*t, reference_mask(batch, kind, window)), q, k, v)
+    got = run_and_grads(lambda *t: attention(*t, meta, window), q, k, v)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert torch.isfinite(a).all(), f"{name}: non-finite values (a fully masked row?)"
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{kind} {meta.backend} {name}: {m}")
+    if meta.backend == "flex":  # no-grad forward: the eager flex kernel on the BlockMask itself (not the fallback)
+        o = attention(q.detach(), k.detach(), v.detach(), meta, window)
+        torch.testing.assert_close(o, ref[0], atol=1e-5, rtol=1e-5)
+
+
+def kw(kind):
+    return {"kind": kind, "block_size": BLOCK if kind == "block_causal" else None}
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", ["packed", "unpacked"])
+def test_kind_matches_dense_reference(rows, kind, backend):
+    batch = packed_batch() if rows == "packed" else unpacked_batch()
+    meta = build_attn_meta(batch, backend, "cpu", **kw(kind))
+    assert meta.kind == kind and meta.packed == (rows == "packed")
+    assert_matches_reference(batch, meta, kind)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_causal_sliding_window_matches_reference(backend):
+    batch = packed_batch()
+    meta = build_attn_meta(batch, backend, "cpu", sliding_window=3)
+    assert_matches_reference(batch, meta, "causal", window=3)
+    assert_matches_reference(batch, meta, "causal")  # the full-attention layers of the same model
+
+
+@pytest.mark.parametrize("kind", ["causal", "bidirectional"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_whole_document_rows_take_the_maskless_fused_path(kind, backend):
+    batch = {"input_ids": torch.zeros(B, S, dtype=torch.long), "doc_ids": torch.zeros(B, S, dtype=torch.int32),
+             "cu_seqlens": torch.tensor([0, S, 2 * S], dtype=torch.int32)}
+    meta = build_attn_meta(batch, backend, "cpu", kind=kind)
+    assert not meta.packed and meta.sdpa_mask is None and meta.block_mask is None
+    assert_matches_reference(batch, meta, kind)
+
+
+def _fake_varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                 enable_gqa=False):
+    """CPU stand-in with torch 2.13's varlen_attn signature: per-segment attention, causal iff window_size[1] == 0."""
+    out = torch.empty_like(query)
+    cu = cu_q.tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        q, k, v = (t[a:b].transpose(0, 1) for t in (query, key, value))
+        k, v = (t.repeat_interleave(q.shape[0] // k.shape[0], dim=0) for t in (k, v))
+        i = torch.arange(b - a)
+        m = i[:, None] >= i[None, :] if window_size[1] == 0 else torch.ones(b - a, b - a, dtype=torch.bool)
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["causal", "bidirectional"])
+def test_varlen_kinds_with_a_cpu_stand_in(monkeypatch, kind):
+    """varlen's kernels are CUDA-only: the wiring (causal flag from the kind) against the reference, on CPU."""
+    monkeypatch.setattr(A, "_VARLEN", (_fake_varlen, frozenset(inspect.signature(_fake_varlen).parameters)))
+    batch = packed_batch()
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        build_attn_meta(batch, "varlen", "cpu", kind=kind)  # the kind is fine; the device is not
+    meta = AttnMeta(backend="varlen", packed=True, kind=kind, cu_seqlens=batch["cu_seqlens"],
+                    max_seqlen=int(batch["max_seqlen"]))
+    assert_matches_reference(batch, meta, kind)
+
+
+@pytest.mark.parametrize("kind", ["block_causal", "prefix_lm"])
+@pytest.mark.parametrize("rows", ["packed", "unpacked"])
+def test_varlen_refuses_kinds_it_cannot_do(rows, kind):
+    batch = packed_batch() if rows == "packed" else unpacked_batch()
+    with pytest.raises(ValueError, match=f"backend 'varlen' cannot do kind '{kind}'.*attn_backend='sdpa' or 'flex'"):
+        build_attn_meta(batch, "varlen", "cpu", **kw(kind))
+
+
+@pytest.mark.parametrize("kind", ["bidirectional", "block_causal", "prefix_lm"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_sliding_window_with_a_non_causal_kind_is_refused(backend, kind):
+    with pytest.raises(ValueError, match=f"sliding window \\(4\\) combines only with kind 'causal', not '{kind}'"):
+        build_attn_meta(packed_batch(), backend, "cpu", sliding_window=4, **kw(kind))
+
+
+@pytest.mark.parametrize("args,match", [
+    (dict(kind="diagonal"), "unknown attention kind 'diagonal'"),
+    (dict(kind="block_causal"), "kind 'block_causal' needs block_size"),
+    (dict(kind="block_causal", block_size=0), "kind 'block_causal' needs block_size"),
+    (dict(kind="causal", block_size=4), "block_size=4 applies only to kind 'block_causal'"),
+])
+def test_bad_kind_arguments_are_refused(args, match):
+    with pytest.raises(ValueError, match=match):
+        build_attn_meta(packed_batch(), "sdpa", "cpu", **args)
+
+
+def test_prefix_lm_needs_a_prefix_mask_of_the_batch_shape():
+    batch = packed_batch()
+    with pytest.raises(ValueError, match=r"needs batch\['prefix_mask'\]"):
+        build_attn_meta({k: v for k, v in batch.items() if k != "prefix_mask"}, "sdpa", "cpu", kind="prefix_lm")
+    with pytest.raises(ValueError, match=r"prefix_mask'\] has shape \[2, 15\]"):
+        build_attn_meta({**batch, "prefix_mask": batch["prefix_mask"][:, 1:]}, "flex", "cpu", kind="prefix_lm")
+
+
+def test_dense_mask_for_cp_covers_bidirectional_rows():
+    """Ring / all-gather CP slice a dense mask; a whole-row bidirectional batch gets an all-true one, not causal."""
+    meta = build_attn_meta(unpacked_batch(), "flex", "cpu", dense_mask=True, kind="bidirectional")
+    assert meta.sdpa_mask is not None and bool(meta.sdpa_mask.all())
+
+
+# ---- context parallelism: every kind in every mode equals the reference (world 2, gloo) ----
+
+CP_CELLS = [(mode, backend, kind) for mode in ("ulysses", "allgather", "ring") for backend in ("sdpa", "flex")
+            for kind in KINDS]
+
+
+def _cp_worker(rank, world, cells):
+    from titan_mm.parallel.cp import load_balanced_index, prepare_cp_batch
+    from titan_mm.parallel.mesh import ParallelDims
+
+    pd = ParallelDims(world_size=world, dp_shard=1, cp=world)
+    idx = load_balanced_index(S, world, rank)
+    out = []
+    for mode, backend, kind in cells:
+        q, k, v = qkv()
+        local, meta = prepare_cp_batch(packed_batch(), pd, backend, "cpu", mode=mode, **kw(kind))
+        assert torch.equal(local["prefix_mask"], packed_batch()["prefix_mask"][:, idx])
+        out.append(run_and_grads(lambda q, k, v: attention(*(t[:, idx] for t in (q, k, v)), meta, None), q, k, v,
+                                 weights()[:, idx]))
+    return out
+
+
+def test_cp_modes_run_every_kind():
+    from titan_mm.parallel.cp import load_balanced_index
+
+    world = 2
+    got = run_multiproc(_cp_worker, world, args=(CP_CELLS,))
+    batch = packed_batch()
+    for i, (mode, backend, kind) in enumerate(CP_CELLS):
+        o_ref, *ref_grads = run_and_grads(lambda *t: reference_attention(*t, reference_mask(batch, kind)), *qkv())
+        for r in range(world):
+            torch.testing.assert_close(got[r][i][0], o_ref[:, load_balanced_index(S, world, r)], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{mode} {backend} {kind} rank {r} out: {m}")
+        # each rank's loss covers its own rows; the ranks' gradients sum to those of the whole loss
+        for name, g_ref, parts in zip(("dq", "dk", "dv"), ref_grads, zip(*(got[r][i][1:] for r in range(world)))):
+            torch.testing.assert_close(sum(parts), g_ref, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{mode} {backend} {kind} {name}: {m}")
+
+
+# ---- GPU: the compiled flex kernels and torch's real varlen kernel, no host sync in the forward ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "varlen"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_kinds_on_cuda_without_host_sync(backend, kind):
+    batch = packed_batch()
+    if kind not in A.BACKEND_KINDS[backend]:
+        with pytest.raises(ValueError, match=f"cannot do kind '{kind}'"):
+            build_attn_meta(batch, backend, "cuda", **kw(kind))
+        return
+    meta = build_attn_meta(batch, backend, "cuda", **kw(kind))
+    q, k, v = (t.detach().cuda().bfloat16().requires_grad_() for t in qkv())
+    for check in (False, True):  # the first call compiles (flex), which may sync; the second must not
+        for t in (q, k, v):
+            t.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if check else 0)
+        try:
+            o = attention(q, k, v, meta, None)
+            o.float().square().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    ref = reference_attention(*(t.detach().float() for t in (q, k, v)), reference_mask(batch, kind).cuda())
+    torch.testing.assert_close(o.float(), ref, atol=2e-2, rtol=2e-2)
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

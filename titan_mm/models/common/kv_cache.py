@@ -1,0 +1,231 @@
+"""KV caches for decoding: every layer's key/value storage plus the host-built metadata of one step.
+
+Legend: B sequences in the step, S new tokens per sequence (rows padded to the longest), G kv heads, K head_dim,
+L keys per sequence after the step (the longest), N real (unpadded) new tokens.
+
+Two layouts of one idea. Every layer's storage is seen flat as ``[slots, G, K]``; a *slot* is where one token's
+k/v lives, and only the host-side slot arithmetic differs:
+
+  * :class:`ContiguousKVCache`: per layer ``[B, max_len, G, K]``; row b's position p is slot ``b * max_len + p``.
+  * :class:`PagedKVCache` (vLLM's paged layout): per layer a pool ``[num_blocks, block_size, G, K]``; sequence b's
+    position p is slot ``block_tables[b, p // block_size] * block_size + p % block_size``. Which blocks a
+    sequence owns (``block_tables`` [B, max_blocks]) is the serving block manager's choice, passed in per step.
+
+A step (prefill of a prompt, a chunk of it, or one decode token per sequence: the same path):
+
+    cache = alloc_paged_cache(cfg.num_hidden_layers, 64, 16, cfg.num_key_value_heads, cfg.head_dim, dtype, dev)
+    cache = plan_step(cache, new_lens=[7, 5], block_tables=tables)   # host: positions, slots, masks
+    meta = build_attn_meta({"input_ids": ids}, "sdpa", dev, kv_cache=cache)
+    out = model(ids, position_ids=cache.step.positions, attn=meta)  # out.kv_cache is cache, now holding k/v
+    cache = plan_step(out.kv_cache, new_lens=[1, 1], block_tables=tables)  # next step: one token each
+
+The forward (``KVCache.update``, called by titan_mm.models.common.attention) copies the new k/v into their slots
+(``index_copy_``, in place: the storage is donated to the step) and gathers every cached key of each sequence
+(``index_select``); the mask built here says which of them each new query sees (causal by absolute position,
+optionally a sliding window). Index tensors and masks are built on the host before the forward, so the forward
+does no ``.item()``, no ``nonzero`` and no host sync. The gather is the simple correct path; the serving engine's
+paged decode kernels read the blocks in place later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class KVStep:
+    """One forward's cache metadata, built on the host by :func:`plan_step`, on the cache's device."""
+
+    positions: torch.Tensor
+    """[B, S] int64 absolute position of each new token (the RoPE position_ids; padding continues the count)."""
+    valid: torch.Tensor
+    """[B, S] bool, False on the padding of rows with fewer new tokens."""
+    new_tokens: torch.Tensor
+    """[N] int64 indices into the step's flattened B*S tokens of the real new tokens."""
+    slot_mapping: torch.Tensor
+    """[N] int64 slot each of them is written to."""
+    kv_slots: torch.Tensor
+    """[B, L] int64 slots of positions 0 .. L-1 of every sequence (past its length: slot 0, masked)."""
+    mask: torch.Tensor
+    """[B, 1, S, L] bool, True = attend: key j <= the query's position and j < the sequence's length."""
+    mask_swa: torch.Tensor | None = None
+    """``mask`` and the sliding window (query position - j < window); None when planned without a window."""
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class KVCache:
+    """Storage of every layer (``k[layer]``, ``v[layer]``) and the lengths of the sequences it holds."""
+
+    k: tuple[torch.Tensor, ...]
+    v: tuple[torch.Tensor, ...]
+    seq_lens: torch.Tensor | None = None
+    """[B] int64 (host): tokens cached per sequence, the planned step included; None: nothing cached yet."""
+    step: KVStep | None = None
+    """The planned step (plan_step); the forward reads only this."""
+
+    def _slots(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Slot of position ``pos`` of sequence ``rows`` (host tensors of one shape)."""
+        raise NotImplementedError
+
+    def _check_capacity(self, total: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def update(self, layer: int, k_BSGK: torch.Tensor, v_BSGK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's new k/v of ``layer`` into their slots; -> every cached k, v of each sequence
+        [B, L, G, K] (in the new k/v's dtype). Shape checks only: no host sync."""
+        if not 0 <= layer < len(self.k):
+            raise ValueError(f"layer {layer} has no KV cache: the cache holds {len(self.k)} layers; allocate it with "
+                             "num_layers = the model's layer count and pass layer_id=i to Attention")
+        B, S, G, K = k_BSGK.shape
+        if tuple(self.k[layer].shape[-2:]) != (G, K):
+            raise ValueError(f"the cache stores [G, K] = {list(self.k[layer].shape[-2:])} per token but layer {layer} "
+                             f"has {G} kv heads of dim {K}; allocate it with the model's num_key_value_heads, head_dim")
+        out = []
+        for store, new in ((self.k[layer], k_BSGK), (self.v[layer], v_BSGK)):
+            flat = store.view(-1, G, K)
+            flat.index_copy_(0, self.step.slot_mapping,
+                             new.reshape(B * S, G, K).index_select(0, self.step.new_tokens).to(flat.dtype))
+            out.append(flat.index_select(0, self.step.kv_slots.reshape(-1)).view(B, -1, G, K).to(new.dtype))
+        return out[0], out[1]
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class ContiguousKVCache(KVCache):
+    """Per layer ``[B, max_len, G, K]``: row b holds sequence b; ``seq_lens`` [B] says how much of it is filled."""
+
+    def _slots(self, rows, pos):
+        return rows * self.k[0].shape[1] + pos
+
+    def _check_capacity(self, total):
+        max_len = self.k[0].shape[1]
+        if total.numel() != self.k[0].shape[0]:  # cached_lens given for another batch size
+            raise ValueError(f"the contiguous cache has {self.k[0].shape[0]} rows but the step has {total.numel()} "
+                             "sequences; plan one new_lens entry per row (0 for an idle row)")
+        if int(total.max()) > max_len:
+            b = int(total.argmax())
+            raise ValueError(f"row {b} would hold {int(total[b])} tokens but the cache holds max_len={max_len} per "
+                             f"row; allocate it with max_len >= {int(total.max())}")
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class PagedKVCache(KVCache):
+    """Per layer a pool ``[num_blocks, block_size, G, K]``; sequence b owns blocks ``block_tables[b]`` in order."""
+
+    block_tables: torch.Tensor | None = None
+    """[B, max_blocks] int64 (host): the pool blocks of each sequence, logical block i at column i."""
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """[N] slots of the planned step's new tokens (on the cache's device)."""
+        return self.step.slot_mapping
+
+    def _slots(self, rows, pos):
+        bs = self.block_size
+        return self.block_tables[rows, pos // bs] * bs + pos % bs
+
+    def _check_capacity(self, total):
+        bt, bs, nb = self.block_tables, self.block_size, self.k[0].shape[0]
+        if bt is None:
+            raise ValueError("a paged cache step needs block_tables [B, max_blocks]: plan_step(..., block_tables=...)")
+        if bt.dim() != 2 or bt.shape[0] != total.numel():
+            raise ValueError(f"block_tables has shape {list(bt.shape)} but the step has {total.numel()} sequences; "
+                             "pass one row of block ids per sequence, [B, max_blocks]")
+        need = (total + bs - 1) // bs
+        if int(need.max()) > bt.shape[1]:
+            b = int(need.argmax())
+            raise ValueError(f"sequence {b} needs {int(need[b])} blocks of {bs} tokens for {int(total[b])} tokens but "
+                             f"block_tables has {bt.shape[1]} columns; give it more blocks")
+        used = torch.arange(bt.shape[1])[None] < need[:, None]
+        if bool(((bt < 0) | (bt >= nb))[used].any()):
+            raise ValueError(f"block_tables names a block outside the pool of {nb} blocks (0 .. {nb - 1}) among the "
+                             "blocks the step uses; allocate more blocks or fix the table")
+
+
+def _storage(num_layers: int, shape: tuple[int, ...], dtype, device) -> tuple[tuple, tuple]:
+    if num_layers < 1 or min(shape) < 1:
+        raise ValueError(f"a KV cache needs num_layers >= 1 and positive sizes, got num_layers={num_layers}, "
+                         f"per-layer shape {list(shape)}")
+    # zeros: slots never written are still finite where a mask lets a query read them (an empty row's slot 0)
+    return tuple(tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)) for _ in "kv")
+
+
+def alloc_contiguous_cache(num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                           dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> ContiguousKVCache:
+    """An empty contiguous cache: per layer k and v of ``[batch_size, max_len, num_kv_heads, head_dim]``."""
+    k, v = _storage(num_layers, (batch_size, max_len, num_kv_heads, head_dim), dtype, device)
+    return ContiguousKVCache(k=k, v=v, seq_lens=torch.zeros(batch_size, dtype=torch.int64))
+
+
+def alloc_paged_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> PagedKVCache:
+    """An empty paged cache: per layer k and v pools of ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    k, v = _storage(num_layers, (num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
+    return PagedKVCache(k=k, v=v)
+
+
+def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_lens: Sequence[int] | None = None,
+              block_tables: torch.Tensor | Sequence[Sequence[int]] | None = None,
+              sliding_window: int | None = None, width: int | None = None) -> KVCache:
+    """Host side: -> ``cache`` with this step's :class:`KVStep` and the lengths after it (storage shared).
+
+    ``new_lens`` [B]: new tokens per sequence this step (the batch's rows hold them first, then padding).
+    ``cached_lens`` [B]: tokens already cached per sequence (default: ``cache.seq_lens``, zeros when empty).
+    ``block_tables`` [B, max_blocks]: paged layout only (default: the cache's current ones).
+    ``sliding_window``: the model config's ``attn_sliding_window`` when any layer uses one.
+    ``width``: S, the padded row length of the step's input_ids (default: max(new_lens)).
+    """
+    new = torch.as_tensor(new_lens, dtype=torch.int64).reshape(-1).cpu()  # host metadata, whatever was passed
+    B = new.numel()
+    if cached_lens is not None:
+        cached = torch.as_tensor(cached_lens, dtype=torch.int64).reshape(-1).cpu()
+    else:
+        cached = cache.seq_lens if cache.seq_lens is not None else torch.zeros(B, dtype=torch.int64)
+    if cached.numel() != B:
+        fix = ("plan one new_lens entry per row (0 for an idle row)" if isinstance(cache, ContiguousKVCache) else
+               "pass cached_lens (tokens already cached per sequence) for a new batch")
+        raise ValueError(f"new_lens has {B} sequences but the cache holds {cached.numel()}; {fix}")
+    if bool((new < 0).any()) or int(new.sum()) == 0:
+        raise ValueError(f"new_lens must be >= 0 with at least one new token, got {new.tolist()}")
+    S = int(new.max()) if width is None else width
+    if S < int(new.max()):
+        raise ValueError(f"width={S} is shorter than the longest row of new tokens ({int(new.max())})")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+    if isinstance(cache, PagedKVCache):
+        bt = cache.block_tables if block_tables is None else torch.as_tensor(block_tables, dtype=torch.int64).cpu()
+        cache = dataclasses.replace(cache, block_tables=bt)
+    elif block_tables is not None:
+        raise ValueError("block_tables apply to a PagedKVCache only; a contiguous cache maps rows to sequences")
+    total = cached + new
+    cache._check_capacity(total)
+
+    i = torch.arange(S)
+    positions = cached[:, None] + i[None]  # [B, S]
+    valid = i[None] < new[:, None]
+    rows = torch.arange(B)[:, None].expand(B, S)
+    new_tokens = valid.reshape(-1).nonzero().squeeze(1)
+    slot_mapping = cache._slots(rows.reshape(-1)[new_tokens], positions.reshape(-1)[new_tokens])
+    L = int(total.max())
+    j = torch.arange(L)
+    has = j[None] < total[:, None]  # [B, L]: key j exists in sequence b
+    kv_slots = torch.where(has, cache._slots(torch.arange(B)[:, None].expand(B, L), torch.where(has, j, 0)), 0)
+    # padding queries look from their row's last key (and an empty row at its slot 0), so no query row is
+    # fully masked (no NaN), not even inside a window
+    qpos = torch.where(valid, positions, (total - 1).clamp(min=0)[:, None])[:, :, None]  # [B, S, 1]
+    mask = (j <= qpos) & (has | (j == 0))[:, None, :]
+    mask_swa = None if sliding_window is None else mask & (qpos - j < sliding_window)
+    host = dict(positions=positions, valid=valid, new_tokens=new_tokens, slot_mapping=slot_mapping, kv_slots=kv_slots,
+                mask=mask[:, None], mask_swa=None if mask_swa is None else mask_swa[:, None])
+    dev = cache.k[0].device
+    step = KVStep(**{n: None if t is None else t.to(dev, non_blocking=True) for n, t in host.items()},
+                  sliding_window=sliding_window)
+    return dataclasses.replace(cache, seq_lens=total, step=step)
