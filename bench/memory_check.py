@@ -97,8 +97,7 @@ def titan_model_config(case_name: str, stack: str):
     from mfu import CASES, model_config
 
     spec, mc = model_config(CASES[case_name])
-    kw = {k: v for k, v in (("attn_backend", "flex"), ("kernels", stack != "titan_nokernels")) if hasattr(mc, k)}
-    return spec, dataclasses.replace(mc, **kw)
+    return spec, spec.with_runtime(mc, attn_backend="flex", kernels=stack != "titan_nokernels")
 
 
 def vision_patches(case_name: str, mc) -> int:
@@ -163,7 +162,7 @@ def estimate_multi_gpu(row: dict) -> dict:
 
     name, flavor, over = row["model"]
     spec = get_model_spec(name)
-    mc = dataclasses.replace(spec.flavor(flavor), attn_backend="flex", kernels=True, **over)
+    mc = spec.with_runtime(dataclasses.replace(spec.flavor(flavor), **over), attn_backend="flex", kernels=True)
     plan = dataclasses.replace(spec.plan(mc), **row.get("plan_over", {}))
     topo = Topology(ac=row["ac"], **row["topo"])
     phases = estimate_phases(mc, plan, topo, row["seq"], row["mb"], 2, count_params(mc, plan), kernels=True,

@@ -17,23 +17,22 @@ from pathlib import Path
 import torch
 
 from titan_mm.config import ConfigError, load_toml
+from titan_mm.dtypes import DTYPES, torch_dtype
 from titan_mm.train.checkpoint import CONFIG_FILE, CheckpointError, resolve_checkpoint
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_model_from_checkpoint(checkpoint: str | Path):
     """(model on CPU with the checkpoint's weights, model config, ModelSpec, checkpoint folder)."""
     import torch.distributed.checkpoint as dcp
 
-    from titan_mm.train.trainer import resolve_model
+    from titan_mm.train.setup import model_from_config
 
     ck = resolve_checkpoint(checkpoint)
     cfg_file = ck / CONFIG_FILE
     if not cfg_file.is_file():
         raise CheckpointError(f"{ck} has no {CONFIG_FILE}; cannot tell which model it holds")
     cfg = load_toml(cfg_file)
-    spec, model_cfg = resolve_model(cfg, torch.device("cpu"))
+    spec, model_cfg = model_from_config(cfg, torch.device("cpu"))
     with torch.device("cpu"):
         model = spec.build(model_cfg)
     with torch.no_grad():
@@ -48,7 +47,7 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) ->
     model, model_cfg, spec, ck = load_model_from_checkpoint(checkpoint)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    kw = {"dtype": _DTYPES[dtype]} if dtype else {}
+    kw = {"dtype": torch_dtype(dtype)} if dtype else {}
     spec.save_hf(model, model_cfg, str(out), **kw)
     print(f"[titan_mm] exported {ck} -> {out}")
     return out
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="step folder, checkpoints folder or run folder")
     ap.add_argument("--out", required=True, help="output HF folder (created)")
-    ap.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="dtype of the saved tensors (default: as trained, float32)")
     a = ap.parse_args(argv)
     try:

@@ -1,48 +1,212 @@
-"""Model registry: name -> ModelSpec. A family registers itself with one call to :func:`register`.
+"""The model-family contract: name -> :class:`ModelSpec`. A family registers itself with one call to
+:func:`register` from its package ``__init__``; nothing outside a family's folder reads its config fields or
+names it. The trainer, the memory estimator, the kernel tuner, the optimizer and the benches ask the spec.
 
 Built-in families are registered lazily on first lookup (importing titan_mm.registry stays cheap).
-"qwen3" and "qwen3_moe" are the same spec (one config class covers dense and MoE; the flavor or the
-HF config.json decides); both names list every Qwen3 flavor.
+"qwen3" and "qwen3_moe" are the same spec (one config class covers dense and MoE; the flavor or the HF
+config.json decides); both names list every Qwen3 flavor.
+
+How to add a family: docs/models.md (the Qwen2 family in titan_mm/models/qwen2/ is the worked example).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
+import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
+
+
+class SpecError(ValueError):
+    """A model-selection mistake the user must fix (unknown family or flavor, bad hf_path or overrides)."""
+
+
+@dataclass(frozen=True)
+class VisionDims:
+    """The numbers of a vision tower that tools need (the estimator, the tuner, the benches)."""
+
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    patch_dim: int
+    """Values per flattened patch (channels x temporal x patch x patch)."""
+    merge_size: int
+    deepstack_layers: int = 0
+    """Decoder blocks that receive a DeepStack addition (0: none)."""
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The decoder's shapes. MoE fields are 0 for dense models."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int
+    """Dense MLP width (of the dense layers; 0 when every layer is MoE)."""
+    dense_layers: int
+    """Decoder blocks with a dense MLP."""
+    moe_layers: int = 0
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    tie_word_embeddings: bool = False
+    vision: VisionDims | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Settings of a built model that the step and the tuner read (they are runtime fields of its config)."""
+
+    attn_backend: str
+    """"sdpa" | "flex" | "varlen" (titan_mm/models/common/attention.py)."""
+    kernels: bool | str
+    """The titan_mm.kernels ops spec the model was built with (False: PyTorch references)."""
+    sliding_window: int | None = None
+    """The window of the model's sliding-window layers (None: every layer attends fully); the attention
+    metadata is built with it."""
+
+
+@dataclass(frozen=True)
+class DataNeeds:
+    """What the data pipeline must produce for this family."""
+
+    positions: str = "1d"
+    """"1d": positions restart per document; "mrope": 3-D [3, B, S] M-RoPE positions (Qwen-VL)."""
+    patch_size: int = 0
+    """Vision patch size in pixels (0: no vision input)."""
+    temporal_patch_size: int = 0
+    merge_size: int = 0
+    """Patches per merged visual token along each spatial axis."""
+    special_tokens: dict[str, int] = field(default_factory=dict)
+    """Token ids the processors must place, by role (image_pad, video_pad, vision_start, vision_end, ...)."""
+    chat_template: str = "qwen3"
+    """The processors' chat template for this family (data.chat_template may override it)."""
+
+
+@dataclass(frozen=True)
+class KernelShapes:
+    """The widths at which the model calls each titan_mm.kernels op on one rank (tensor-parallel degree
+    ``tp`` applied), for launch-config tuning before the first step (titan_mm/kernels/_tuning.py)."""
+
+    rms_norm: tuple[int, ...] = ()
+    """Row widths of plain RMSNorms over [N, width] (hidden: attn_norm / final norm)."""
+    head_norm: tuple[tuple[int, int], ...] = ()
+    """(heads, head_dim) of per-head RMSNorms over [N, heads, head_dim] (q/k-norm)."""
+    add_rms_norm: tuple[int, ...] = ()
+    swiglu: tuple[int, ...] = ()
+    rope: tuple[tuple[int, int, int], ...] = ()
+    """(q heads, kv heads, head_dim)."""
+    bias_gelu: tuple[int, ...] = ()
+    """ViT MLP widths with a tanh GELU; tuned at the vision token count."""
+    vocab: int = 0
+    """Vocabulary of the fused linear cross-entropy (0: no LM head)."""
+
+
+@dataclass(frozen=True)
+class BlockBytes:
+    """Activation bytes per token (decoder) or per patch (vision encoder) of one block."""
+
+    kept: float
+    """Saved for the backward under the topology's AC mode (what every block holds at the loss)."""
+    full: float
+    """Saved without AC (what one block holds while it is recomputed under AC)."""
+    bwd_tmp: float
+    """Largest gradient temporaries of its backward, on top of what it saved."""
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """A family's activation terms for the memory estimator (titan_mm/parallel/memory.py), for one topology,
+    activation dtype and kernels / compile / float8 setting; the shapes come from :class:`ModelDims`."""
+
+    decoder: BlockBytes
+    """Bytes per token of one decoder block (tp / sequence parallel applied)."""
+    head: float
+    """Bytes per token saved outside the blocks through the forward (final norm, RoPE tables)."""
+    vision: BlockBytes | None = None
+    """Bytes per patch of one vision-encoder block (None: no vision encoder)."""
+    vision_stem: float = 0.0
+    """Bytes per patch saved outside the vision-encoder blocks (patch embedding input, mergers)."""
+    vision_head: float = 0.0
+    """Bytes per token saved through the forward when the batch has vision input (DeepStack additions)."""
+    loss_chunk: int = 4096
+    """Tokens per chunk of the PyTorch chunked cross-entropy (titan_mm.models.common.loss)."""
 
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """Every extension point of a model family, as one typed value."""
+
     name: str
     config_cls: type
     flavors: dict[str, Any]
-    build: Callable[[Any], Any]
-    """build(cfg) -> nn.Module, under the caller's device context (meta in the trainer)."""
+    build: Callable[[Any], torch.nn.Module]
+    """build(cfg) -> nn.Module, under the caller's device context (meta in the trainer). The module follows
+    the embed -> trunk -> head contract of docs/models.md."""
     config_from_hf: Callable[..., Any]
-    """config_from_hf(hf_dir, **runtime_overrides) -> config."""
-    load_hf: Callable[[Any, str], None]
+    """config_from_hf(hf_dir) -> config."""
+    load_hf: Callable[[torch.nn.Module, str], None]
     """load_hf(model, hf_dir): checks names/shapes/model_type, loads full tensors (plain, meta or FSDP model)."""
     save_hf: Callable[..., None]
     """save_hf(model_or_state_dict, cfg, out_dir, dtype=None): safetensors + config.json for transformers."""
-    flops: Callable[[Any, Any], float]
-    """flops(cfg, doc_lens) -> training FLOPs of a batch with these document lengths (docs/flops.md)."""
+    flops: Callable[..., float]
+    """flops(cfg, doc_lens, **batch_grids) -> training FLOPs of a batch with these document lengths
+    (docs/flops.md); vision families also read ``image_grid_thw`` / ``video_grid_thw``."""
     plan: Callable[[Any], Any]
     """plan(cfg) -> titan_mm.parallel.plan.ParallelizePlan."""
+    dims: Callable[[Any], ModelDims]
+    """dims(cfg) -> the shapes tools need."""
+    runtime: Callable[[Any], Runtime]
+    """runtime(cfg) -> the attention backend, kernels and sliding window the config carries."""
+    with_runtime: Callable[..., Any]
+    """with_runtime(cfg, attn_backend=..., kernels=...) -> cfg with those runtime fields set."""
+    data_needs: Callable[[Any], DataNeeds]
+    """data_needs(cfg) -> what the data pipeline must produce (positions, patch / merge sizes, tokens)."""
+    kernel_shapes: Callable[..., KernelShapes]
+    """kernel_shapes(cfg, tp=1, encoder_tp=False) -> the widths each kernel op runs at on one rank."""
+    memory_terms: Callable[..., MemoryTerms]
+    """memory_terms(cfg, topo, act_bytes, kernels=..., compile=..., float8=...) ->
+    MemoryTerms: the family's activation bytes per token / patch."""
+    prepare_batch: Callable[[Any, dict, torch.device], dict] | None = None
+    """prepare_batch(cfg, batch, device) -> batch with the host-built metadata the forward needs (vision grids
+    -> VisionMeta, visual-token indices), called on the host before the batch moves to the device and before
+    any context-parallel split. None: the batch is the forward's input as it is."""
+    seq_keys: tuple[str, ...] = ()
+    """Keys that prepare_batch adds laid out along the sequence ([B, S] or [..., B, S]): context parallelism
+    splits them with input_ids."""
+    param_groups: Callable[[torch.nn.Module, Any, list[dict], float], list[dict]] | None = None
+    """param_groups(model, cfg, groups, base_lr) -> groups split per part with their lr (None: as built)."""
     hf_model_types: tuple[str, ...] = ()
     """HF config.json model_type values this spec reads."""
 
     def flavor(self, name: str):
         if name not in self.flavors:
-            raise KeyError(f"model {self.name!r} has no flavor {name!r}; known: {sorted(self.flavors)}")
+            near = difflib.get_close_matches(name, list(self.flavors), n=3, cutoff=0.4)
+            hint = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+            raise SpecError(f"model.flavor {name!r} is not a flavor of {self.name!r}; {hint}"
+                            f"available: {', '.join(self.flavors)}")
         return self.flavors[name]
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
 # name -> module whose import registers it (built-in families; others call register() themselves)
 _BUILTIN = {
+    "qwen2": "titan_mm.models.qwen2",
     "qwen3": "titan_mm.models.qwen3",
     "qwen3_moe": "titan_mm.models.qwen3",
     "qwen3_vl": "titan_mm.models.qwen3_vl",
@@ -63,7 +227,10 @@ def get_model_spec(name: str) -> ModelSpec:
     if name not in _REGISTRY and name in _BUILTIN:
         importlib.import_module(_BUILTIN[name])
     if name not in _REGISTRY:
-        raise KeyError(f"unknown model {name!r}; registered: {sorted(set(_REGISTRY) | set(_BUILTIN))}")
+        known = sorted(set(_REGISTRY) | set(_BUILTIN))
+        near = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+        hint = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+        raise SpecError(f"unknown model {name!r}; {hint}registered: {', '.join(known)}")
     return _REGISTRY[name]
 
 
@@ -73,15 +240,75 @@ def spec_for_hf_dir(hf_dir: str) -> ModelSpec:
 
     mt = read_hf_config(hf_dir).get("model_type")
     for n in _BUILTIN:
-        try:
-            get_model_spec(n)
-        except (ImportError, KeyError):
-            continue
+        get_model_spec(n)
     for spec in _REGISTRY.values():
         if mt in spec.hf_model_types:
             return spec
-    raise KeyError(f"no registered model reads model_type={mt!r} ({hf_dir}/config.json)")
+    raise SpecError(f"no registered model reads model_type={mt!r} ({hf_dir}/config.json)")
+
+
+def spec_for_config(model_cfg: Any) -> ModelSpec:
+    """The registered spec whose config class ``model_cfg`` is (tools that are handed a bare config)."""
+    for n in _BUILTIN:
+        get_model_spec(n)
+    for spec in _REGISTRY.values():
+        if isinstance(model_cfg, spec.config_cls):
+            return spec
+    raise SpecError(f"no registered model family has the config class {type(model_cfg).__name__}")
 
 
 def list_models() -> list[str]:
     return sorted(set(_REGISTRY) | set(_BUILTIN))
+
+
+def families() -> list[ModelSpec]:
+    """One spec per family (aliases sharing a config class and flavors are listed once)."""
+    out: dict[tuple[type, int], ModelSpec] = {}
+    for n in _BUILTIN:
+        get_model_spec(n)
+    for spec in _REGISTRY.values():
+        out.setdefault((spec.config_cls, id(spec.flavors)), spec)
+    return list(out.values())
+
+
+def resolve_model(name: str, flavor: str, hf_path: str | None = None, overrides: str | dict = "",
+                  attn_backend: str = "sdpa", kernels: bool | str = False) -> tuple[ModelSpec, Any]:
+    """(spec, model config): the flavor or the HF config.json, then the JSON ``overrides`` of config fields,
+    then the runtime fields. Every mistake is a :class:`SpecError` naming what to fix."""
+    spec = get_model_spec(name)
+    if hf_path:
+        p = Path(hf_path)
+        if not p.is_dir():
+            raise SpecError(f"model.hf_path {hf_path!r} is not a directory; give a local HF model folder "
+                            "(config.json + *.safetensors), or drop model.hf_path to use a flavor")
+        if not (p / "config.json").is_file():
+            raise SpecError(f"model.hf_path {hf_path!r} has no config.json; it must be an HF model folder")
+        model_cfg = spec.config_from_hf(str(p))
+    else:
+        model_cfg = spec.flavor(flavor)
+    kw: dict[str, Any] = json.loads(overrides) if isinstance(overrides, str) and overrides else dict(overrides or {})
+    if kw:
+        try:
+            model_cfg = override(model_cfg, kw)
+        except (TypeError, ValueError) as e:
+            raise SpecError(f"model.overrides {kw}: {e}") from None
+    return spec, spec.with_runtime(model_cfg, attn_backend=attn_backend, kernels=kernels)
+
+
+def override(cfg: Any, kw: dict[str, Any], where: str = "model.overrides") -> Any:
+    """``cfg`` with fields replaced; a dict for a field that holds a config dataclass reaches inside it
+    (``{"text": {"num_hidden_layers": 2}}``); JSON lists become tuples. Unknown keys raise with hints."""
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    unknown = [k for k in kw if k not in fields]
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, list(fields), n=2) for k in unknown}
+        raise SpecError(f"{where} has unknown model-config fields {hints} (key: closest valid names)")
+    new = {}
+    for k, v in kw.items():
+        cur = getattr(cfg, k)
+        if isinstance(v, dict) and dataclasses.is_dataclass(cur):
+            v = override(cur, v, f"{where}.{k}")
+        elif isinstance(v, list):
+            v = tuple(v)
+        new[k] = v
+    return dataclasses.replace(cfg, **new)

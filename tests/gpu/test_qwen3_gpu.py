@@ -17,7 +17,7 @@ import torch
 
 from titan_mm.models.common import moe as moe_mod
 from titan_mm.models.common.attention import build_attn_meta
-from titan_mm.registry import get_model_spec
+from titan_mm.registry import get_model_spec, spec_for_config
 
 pytestmark = pytest.mark.gpu
 
@@ -73,7 +73,8 @@ def _run(cfg, backend, S=2048, B=2, doc_lens=(700, 900, 300)):
         from titan_mm.kernels import _utils
 
         _utils.reset_tuning()
-        tune = K.tune_for_model(cfg, B * S, torch.bfloat16, dev)
+        spec = spec_for_config(cfg)
+        tune = K.tune_for_model(spec.kernel_shapes(cfg), spec.runtime(cfg).kernels, B * S, torch.bfloat16, dev)
 
     batch = _packed_batch(list(doc_lens), S, B, cfg.vocab_size)
     meta = build_attn_meta(batch, backend, dev, sliding_window=cfg.attn_sliding_window)

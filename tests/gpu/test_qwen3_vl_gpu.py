@@ -16,6 +16,7 @@ from titan_mm.models.common.attention import build_attn_meta
 from titan_mm.models.qwen3_vl.config import FLAVORS, MOE_FLAVORS, with_overrides
 from titan_mm.models.qwen3_vl.model import Qwen3VLModel
 from titan_mm.models.qwen3_vl.synthetic import make_sample, pack
+from titan_mm.models.qwen3_vl.model import vision_inputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -47,7 +48,7 @@ def _to_bf16(model):
 
 def _run(model, batch, dev, sync_check: bool):
     attn = build_attn_meta(batch, model.cfg.attn_backend, dev)
-    extra = model.prepare_inputs(batch, dev)
+    extra = vision_inputs(model.cfg, batch, dev)
     b = {k: (v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) and k not in ("cu_seqlens", "max_seqlen")
              else v) for k, v in batch.items()}
     vis = {k: b[k].to(torch.bfloat16 if next(model.parameters()).dtype == torch.bfloat16 else torch.float32)

@@ -28,6 +28,7 @@ def _cp_step(pd, mode):
 
 
 def _run_cell(world, moe, dims, mode):
+    from titan_mm.config import JobConfig
     from titan_mm.models.qwen3.plan import plan
     from titan_mm.parallel.apply import parallelize
     from titan_mm.parallel.mesh import ParallelDims
@@ -35,7 +36,7 @@ def _run_cell(world, moe, dims, mode):
     cfg = tiny_qwen3_config(moe)
     model = build_tiny_qwen3(cfg)
     pd = ParallelDims(world_size=world, **dims)
-    parallelize(model, plan(cfg), pd, None)
+    parallelize(model, plan(cfg), pd, JobConfig())
     bm = pd.mesh("batch")
     return train_steps(model, BATCHES, _cp_step(pd, mode), dp_rank=bm.get_local_rank(), dp_size=bm.size(),
                        loss_group=pd.mesh("loss").get_group())

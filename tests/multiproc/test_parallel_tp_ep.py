@@ -2,13 +2,14 @@
 batches give the same losses, grad norms and gradients as the world-1 run (fp32, 1e-5)."""
 
 import functools
-from types import SimpleNamespace
 
 import pytest
 import torch
 from _harness import run_multiproc
 from _parallel_common import (assert_close_runs, build_tiny_qwen3, check_cells, make_packed_batches, qwen3_step,
                               run_cells, tiny_qwen3_config, train_steps)
+
+from titan_mm.config import JobConfig, Parallel
 
 BATCHES = make_packed_batches(3, batch=4, seq=32, vocab=128)
 
@@ -47,15 +48,17 @@ def _run_cell(world, moe, dims):
 
         assert use_triton(torch.empty(1)), "TRITON_INTERPRET=1 did not reach the worker"
     sp = dims.pop("sp", True)
-    job = SimpleNamespace(parallel=SimpleNamespace(sequence_parallel=sp, loss_parallel=sp, backend="auto"))
+    job = JobConfig(parallel=Parallel(sequence_parallel=sp, loss_parallel=sp))
     pd = ParallelDims(world_size=world, **dims)
     parallelize(model, _plan(cfg), pd, job)
     batch_mesh = pd.mesh("batch")
     dp_rank, dp = batch_mesh.get_local_rank(), batch_mesh.size()
     if cfg.kernels:  # launch configs picked before the steps, for this rank's shapes (config 0 in the interpreter)
         from titan_mm import kernels as K
+        from titan_mm.registry import spec_for_config
 
-        K.tune_for_model(cfg, 4 * 32, torch.float32, "cpu", tp=pd.tp)
+        spec = spec_for_config(cfg)
+        K.tune_for_model(spec.kernel_shapes(cfg, tp=pd.tp), spec.runtime(cfg).kernels, 4 * 32, torch.float32, "cpu")
         K.share_picks()
     out = train_steps(model, BATCHES, qwen3_step, dp_rank=dp_rank, dp_size=dp, loss_group=batch_mesh.get_group())
     if cfg.kernels:  # tune_for_model derived every key the tp ranks met (heads and MLP width per rank)
@@ -111,7 +114,7 @@ def _worker_tied(rank, world, dims, switches):
 
     cfg = tiny_qwen3_config(tie_word_embeddings=True)
     model = build_tiny_qwen3(cfg)
-    job = SimpleNamespace(parallel=SimpleNamespace(backend="auto", **switches))
+    job = JobConfig(parallel=Parallel(**switches))
     pd = ParallelDims(world_size=world, **dims)
     parallelize(model, _plan(cfg), pd, job)
     batch_mesh = pd.mesh("batch")

@@ -11,6 +11,8 @@ import torch
 from _harness import run_multiproc
 from _parallel_common import assert_close_runs, check_cells, run_cells, train_steps
 
+from titan_mm.config import JobConfig, Parallel
+
 ROWS = 4  # one row per data-parallel rank at dp 4
 
 
@@ -64,19 +66,19 @@ def _select(gb, dp_rank, dp_size):
 
 
 def _step(model, b, pd=None, mode=None):
-    """As titan_mm.train.step: the CP split (prepare_cp_batch) or build_attn_meta, the model's host-side
-    prepare_inputs, and every other batch key as a model input."""
+    """As titan_mm.train.step: the family's host-side prepare_batch, then the CP split (prepare_cp_batch, which
+    cuts its sequence keys) or build_attn_meta, and every other batch key as a model input."""
     from titan_mm.models.common.attention import build_attn_meta
-    from titan_mm.models.qwen3_vl.model import prepare_inputs
+    from titan_mm.models.qwen3_vl.model import prepare_batch
     from titan_mm.parallel.cp import prepare_cp_batch
     from titan_mm.train.step import _NOT_MODEL_KWARGS
 
+    b = prepare_batch(model.cfg, b, "cpu")
     if pd is not None and pd.cp_enabled:
-        b, meta = prepare_cp_batch(b, pd, "sdpa", "cpu", mode=mode)
+        b, meta = prepare_cp_batch(b, pd, "sdpa", "cpu", mode=mode, seq_keys=("visual_index",))
     else:
         meta = build_attn_meta(b, "sdpa", "cpu")
     extra = {k: v for k, v in b.items() if k not in _NOT_MODEL_KWARGS}
-    extra.update(prepare_inputs(model.cfg, b, "cpu"))
     return model(b["input_ids"], position_ids=b["position_ids"], attn=meta, labels=b["labels"], **extra).loss_sum
 
 
@@ -101,7 +103,7 @@ def _run_cell(world, moe, dims, mode):
 
     model = _build(moe)
     pd = ParallelDims(world_size=world, **dims)
-    parallelize(model, plan(_cfg(moe)), pd, None)
+    parallelize(model, plan(_cfg(moe)), pd, JobConfig())
     bm = pd.mesh("batch")
     return train_steps(model, _batches(moe), functools.partial(_step, pd=pd, mode=mode), dp_rank=bm.get_local_rank(),
                        dp_size=bm.size(), loss_group=pd.mesh("loss").get_group(), select=_select)
@@ -112,7 +114,7 @@ def _worker(rank, world, cells):
 
 
 # (launch id, world, cells); a cell is (name, moe, dims, cp_mode), the cells of a launch run one after another in the
-# same processes. No job config: TP cells run with the defaults (sequence parallel and loss parallel on, vision tower
+# same processes. JobConfig(): TP cells run with the defaults (sequence parallel and loss parallel on, vision tower
 # replicated); test_vl_tp_modes_match_world1 below sets the switches explicitly. Ulysses needs cp * tp to divide the
 # kv heads (2 here), so cp x tp uses ring / all-gather.
 LAUNCHES = [
@@ -174,15 +176,13 @@ def _reference_family(family):
 
 
 def _worker_modes(rank, world, family, dims, switches, mode):
-    from types import SimpleNamespace
-
     from titan_mm.models.qwen3_vl.plan import plan
     from titan_mm.parallel.apply import parallelize
     from titan_mm.parallel.mesh import ParallelDims
 
     model = _build_family(family)
     pd = ParallelDims(world_size=world, **dims)
-    job = SimpleNamespace(parallel=SimpleNamespace(backend="auto", cp_mode=mode or "ulysses", **switches))
+    job = JobConfig(parallel=Parallel(cp_mode=mode or "ulysses", **switches))
     parallelize(model, plan(_cfg_family(family)), pd, job)
     bm = pd.mesh("batch")
     return train_steps(model, _batches(family != "dense"), functools.partial(_step, pd=pd, mode=mode),

@@ -13,7 +13,7 @@ def _full_sd(name: str, flavor: str, parallel: dict, world: int) -> dict[str, to
 
     from titan_mm.config import load_config
     from titan_mm.parallel.mesh import ParallelDims
-    from titan_mm.train.trainer import build_model, resolve_model
+    from titan_mm.train.setup import build_model, model_from_config
 
     argv = ["--model.name", name, "--model.flavor", flavor, "--job.device", "cpu", "--training.seed", "7",
             "--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}']
@@ -21,7 +21,7 @@ def _full_sd(name: str, flavor: str, parallel: dict, world: int) -> dict[str, to
         argv += [f"--parallel.{k}", str(v)]
     cfg = load_config(argv)
     device = torch.device("cpu")
-    spec, mc = resolve_model(cfg, device)
+    spec, mc = model_from_config(cfg, device)
     pd = ParallelDims.from_config(cfg.parallel, world)
     pd.build_meshes()
     model = build_model(cfg, spec, mc, pd, device)

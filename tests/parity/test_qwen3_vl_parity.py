@@ -19,7 +19,9 @@ from titan_mm.models.common.attention import build_attn_meta  # noqa: E402
 from titan_mm.models.qwen3_vl import hf as vl_hf  # noqa: E402
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig  # noqa: E402
 from titan_mm.models.qwen3_vl.model import Qwen3VLModel  # noqa: E402
-from titan_mm.models.qwen3_vl.synthetic import make_sample, mrope_positions, pack  # noqa: E402
+from titan_mm.data.vision import mrope_index  # noqa: E402
+from titan_mm.models.qwen3_vl.synthetic import make_sample, pack  # noqa: E402
+from titan_mm.models.qwen3_vl.model import vision_inputs  # noqa: E402
 
 VOCAB = 160
 TOK = dict(image_token_id=151, video_token_id=152, vision_start_token_id=150, vision_end_token_id=153)
@@ -84,7 +86,7 @@ def hf_inputs(s):
 
 def titan_forward(tm, batch, labels=False):
     attn = build_attn_meta(batch, "sdpa", "cpu")
-    extra = tm.prepare_inputs(batch, "cpu")
+    extra = vision_inputs(tm.cfg, batch, "cpu")
     vis = {k: batch[k] for k in ("pixel_values", "pixel_values_videos") if k in batch}
     return tm(batch["input_ids"], position_ids=batch["position_ids"], attn=attn,
               labels=batch["labels"] if labels else None, **vis, **extra)
@@ -127,7 +129,8 @@ def test_single_sample_logits_and_grads(moe, case):
     if case != "text":
         ref_pos, _ = hf.model.get_rope_index(s.input_ids[None], s.mm_type[None], s.image_grid_thw if len(s.image_grid_thw) else None,
                                              s.video_grid_thw if len(s.video_grid_thw) else None)
-        assert torch.equal(ref_pos[:, 0], mrope_positions(s.mm_type, s.image_grid_thw, s.video_grid_thw, 2))
+        ours = mrope_index(s.mm_type, s.image_grid_thw, s.video_grid_thw, 2)
+        assert torch.equal(ref_pos[:, 0], torch.from_numpy(ours))
     batch = pack([s], cfg)
     hf.zero_grad(set_to_none=True)
     tm.zero_grad(set_to_none=True)

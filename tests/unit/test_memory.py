@@ -1,9 +1,14 @@
-"""Memory estimator: parameter classification by plan, monotonic in the topology and AC, CLI table."""
+"""Memory estimator: parameter classification by plan, monotonic in the topology and AC, CLI table
+(titan_mm.tools.memory), the family terms (titan_mm/models/*/memory.py) behind a generic estimator."""
+
+import re
+from pathlib import Path
 
 import torch
 
-from titan_mm.parallel.memory import GiB, Topology, count_params, estimate, main, suggest
+from titan_mm.parallel.memory import GiB, Topology, count_params, estimate, suggest
 from titan_mm.registry import get_model_spec
+from titan_mm.tools.memory import main
 
 
 def _moe():
@@ -71,7 +76,8 @@ def test_vl_tp_terms():
 def test_ac_num_layers_interpolates():
     """activation_checkpoint.num_layers = N: N blocks hold the AC mode's bytes, the rest everything; N = 0 or
     N >= the block count is the mode on every block. Qwen3-VL counts its vision blocks first (module order)."""
-    from titan_mm.parallel.memory import decoder_block_bytes, estimate_phases
+    from titan_mm.models.qwen3.memory import decoder_block_bytes
+    from titan_mm.parallel.memory import estimate_phases
 
     spec = get_model_spec("qwen3")
     cfg = spec.flavor("1.7B")
@@ -127,3 +133,49 @@ def test_reshard_never_keeps_every_block_gathered():
     # world 1 in fp32 has no FSDP: the policy changes nothing
     assert estimate_phases(cfg, plan, Topology(reshard="never"), 4096, 4, 4, counts=c, kernels=True)["forward_end"] \
         == estimate_phases(cfg, plan, Topology(), 4096, 4, 4, counts=c, kernels=True)["forward_end"]
+
+
+def test_cli_passes_job_config_keys(capsys):
+    """Flags the tool does not know are job-config overrides (titan_mm.config.load_config); a typo fails."""
+    import pytest
+
+    main(["--config", "debug_qwen3.toml", "--data.seq_len", "64", "--training.global_batch_size", "8"])
+    assert "seq_len=64 micro_batch=2 grad_accum=4" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--config", "debug_qwen3.toml", "--data.seq_lenn", "64"])
+    assert "data.seq_len" in capsys.readouterr().err
+
+
+def test_estimator_names_no_family():
+    """The estimator asks the spec (dims, runtime, plan, build, memory_terms): no family names, no guessing
+    at config fields."""
+    src = (Path(__file__).resolve().parents[2] / "titan_mm" / "parallel" / "memory.py").read_text()
+    assert not re.search(r"qwen|getattr\(|hasattr\(", src, re.IGNORECASE)
+
+
+def test_vl_terms_extend_the_text_terms():
+    from titan_mm.models.qwen3 import memory as text_memory
+    from titan_mm.parallel.memory import memory_terms
+
+    spec = get_model_spec("qwen3_vl")
+    cfg = spec.flavor("2B")
+    topo = Topology(tp=2, encoder_tp=True)
+    vl = memory_terms(cfg, topo, 2, kernels=True)
+    text = text_memory.memory_terms(cfg.text, topo, 2, kernels=True)
+    assert vl.decoder == text.decoder and vl.head == text.head and vl.loss_chunk == cfg.text.loss_chunk_size
+    assert vl.vision is not None and vl.vision.kept > 0 and vl.vision_stem > 0
+    assert vl.vision_head == 2 * cfg.text.hidden_size * len(cfg.vision.deepstack_visual_indexes) / 2
+    assert memory_terms(spec.flavor("debug"), Topology(), 2).vision_head > 0
+    assert text.vision is None and text.vision_head == 0.0
+
+
+def test_decoder_without_qk_norm_drops_its_terms():
+    """Decoders built with qk_norm=False (Qwen2) keep no qk-norm inputs / rstd."""
+    from titan_mm.models.qwen3.memory import decoder_block_bytes
+
+    cfg = get_model_spec("qwen3").flavor("1.7B")
+    H, G, K = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    with_qk = decoder_block_bytes(cfg, Topology(tp=2), 2, kernels=True)
+    without = decoder_block_bytes(cfg.replace(qk_norm=False), Topology(tp=2), 2, kernels=True)
+    assert with_qk.full - without.full == (2 * (H + G) * K + 4 * (H + G)) / 2
+    assert with_qk.bwd_tmp == without.bwd_tmp

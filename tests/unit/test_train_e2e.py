@@ -1,9 +1,10 @@
 """End to end: the debug configs train, checkpoint and export; exact resume after SIGKILL; bad input.
 
-The debug-config runs are shortened (4 steps, seq 64) to keep the suite fast; the full runs and their
+Every registered family's debug config runs, shortened to 4 steps to keep the suite fast; the full runs and their
 timings are in docs/training.md.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -12,8 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_mm.config import load_config
 from titan_mm.observe.metrics import read_metrics
+from titan_mm.registry import list_models
 from titan_mm.train.checkpoint import list_checkpoints
+from titan_mm.train.setup import model_from_config
 from titan_mm.train.trainer import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,11 +38,15 @@ def losses(run_dir):
     return {s: r["loss"] for s, r in read_metrics(Path(run_dir) / "metrics.jsonl").items()}
 
 
-@pytest.mark.parametrize("config", ["debug_qwen3", "debug_qwen3_moe"])
-def test_debug_config_trains_checkpoints_and_exports(tmp_path, config):
+@pytest.mark.parametrize("name", list_models())
+def test_debug_config_trains_checkpoints_and_exports(tmp_path, name):
+    """Every registered family's train_configs/debug_<name>.toml: 4 steps on built-in data, the loss falls, two
+    checkpoints, and the export loads in transformers with our logits (a new family is covered by registering
+    it and shipping its debug config)."""
+    config = f"debug_{name}"
+    assert (ROOT / "train_configs" / f"{config}.toml").is_file(), f"family {name!r} ships no {config}.toml"
     r = run_sh(["--config", config, "--job.dump_folder", str(tmp_path), "--training.steps", "4",
-                "--data.seq_len", "64", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "2",
-                "--metrics.log_freq", "1"])
+                "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "2", "--metrics.log_freq", "1"])
     assert r.returncode == 0, r.stderr[-3000:]
     run = tmp_path / config
     rows = read_metrics(run / "metrics.jsonl")
@@ -47,7 +55,8 @@ def test_debug_config_trains_checkpoints_and_exports(tmp_path, config):
                 "mem_peak_gb", "nan_count", "step_time_p50_s", "step_time_p90_s", "data/packing_efficiency"):
         assert key in rows[4], key
     assert rows[4]["loss"] < rows[1]["loss"] - 0.5, [rows[s]["loss"] for s in rows]
-    if config.endswith("moe"):
+    spec, mcfg = model_from_config(load_config(["--config", config]), torch.device("cpu"))
+    if spec.dims(mcfg).is_moe:
         assert rows[4]["aux_loss"] > 0
     assert "step 4/4 (100%)" in r.stdout and "eta" in r.stdout
     assert list((run / "tb").glob("events.out.tfevents.*"))
@@ -56,18 +65,19 @@ def test_debug_config_trains_checkpoints_and_exports(tmp_path, config):
     assert [p.name for p in cks] == ["step-00000002", "step-00000004"]
 
     out = tmp_path / "hf"
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     from titan_mm.export import load_model_from_checkpoint
     from titan_mm.export import main as export_main
 
     assert export_main(["--checkpoint", str(run), "--out", str(out)]) == 0  # = python -m titan_mm.export ...
 
-    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    arch = json.loads((out / "config.json").read_text())["architectures"][0]
+    hf = getattr(transformers, arch).from_pretrained(out).eval()
     ours, _, _, _ = load_model_from_checkpoint(run)
     ids = torch.randint(0, 1000, (1, 16))
     with torch.no_grad():
-        ref = hf(ids).logits
+        ref = hf(input_ids=ids).logits
         mine = ours(ids, position_ids=torch.arange(16)[None]).logits
     torch.testing.assert_close(mine.float(), ref.float(), rtol=1e-4, atol=1e-4)
 
@@ -142,7 +152,7 @@ def test_init_from_hf_dir(tmp_path):
     from titan_mm.config import load_config
     from titan_mm.parallel.mesh import ParallelDims
     from titan_mm.registry import get_model_spec
-    from titan_mm.train.trainer import build_model, resolve_model
+    from titan_mm.train.setup import build_model, model_from_config
 
     spec = get_model_spec("qwen3")
     src_cfg = spec.flavors["debug"].replace(vocab_size=300, num_hidden_layers=1, hidden_size=48,
@@ -152,7 +162,7 @@ def test_init_from_hf_dir(tmp_path):
     src.init_weights()
     spec.save_hf(src, src_cfg, str(tmp_path / "hf"))
     cfg = load_config(["--model.hf_path", str(tmp_path / "hf"), "--model.flavor", "ignored-with-hf-path"])
-    s2, mcfg = resolve_model(cfg, torch.device("cpu"))
+    s2, mcfg = model_from_config(cfg, torch.device("cpu"))
     assert (mcfg.vocab_size, mcfg.hidden_size, mcfg.num_hidden_layers) == (300, 48, 1)
     model = build_model(cfg, s2, mcfg, ParallelDims(world_size=1), torch.device("cpu"))
     ref = src.state_dict()
@@ -163,10 +173,10 @@ def test_init_from_hf_dir(tmp_path):
 def test_real_recipe_resolves():
     """qwen3_1.7b.toml: config, model spec, meta build, plan and FLOPs (the GPU run itself is on the H200)."""
     from titan_mm.config import load_config
-    from titan_mm.train.trainer import grad_accum_steps, resolve_model
+    from titan_mm.train.setup import grad_accum_steps, model_from_config
 
     cfg = load_config(["--config", "qwen3_1.7b"])
-    spec, mcfg = resolve_model(cfg, torch.device("cuda"))  # no CUDA needed: only picks cuda defaults
+    spec, mcfg = model_from_config(cfg, torch.device("cuda"))  # no CUDA needed: only picks cuda defaults
     assert mcfg.attn_backend == "flex" and mcfg.hidden_size == 2048 and mcfg.num_hidden_layers == 28
     with torch.device("meta"):
         model = spec.build(mcfg)

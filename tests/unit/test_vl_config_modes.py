@@ -7,6 +7,7 @@ Run: OMP_NUM_THREADS=1 pytest -q tests/unit/test_vl_config_modes.py
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from titan_mm.models.qwen3_vl.config import FLAVORS, MOE_FLAVORS, Qwen3VLConfig,
 from titan_mm.models.qwen3_vl.flops import flops_of_batch, num_params
 from titan_mm.models.qwen3_vl.model import Qwen3VLModel, mrope_cos_sin, param_kind
 from titan_mm.models.qwen3_vl.synthetic import synthetic_vl_batch
+from titan_mm.models.qwen3_vl.model import vision_inputs  # noqa: E402
 
 # The fields of Qwen/Qwen3-VL-30B-A3B-Instruct/config.json that matter (as released).
 HF_30B_A3B = {
@@ -78,7 +80,7 @@ def test_bad_configs_raise_clearly():
         dataclasses.replace(FLAVORS["debug"], mrope_section=(4, 4, 4))
     with pytest.raises(ValueError, match="out_hidden_size"):
         dataclasses.replace(FLAVORS["debug"], vision=dataclasses.replace(FLAVORS["debug"].vision, out_hidden_size=64))
-    with pytest.raises(ValueError, match="unknown vision config fields"):
+    with pytest.raises(ValueError, match=r"vision has unknown model-config fields.*depth"):
         with_overrides(FLAVORS["debug"], {"vision": {"dept": 3}})
     with pytest.raises(ValueError, match="nothing would train"):
         Qwen3VLModel(dataclasses.replace(FLAVORS["debug"], freeze_vision=True, freeze_merger=True, freeze_llm=True))
@@ -95,6 +97,7 @@ def _tiny():
                                    dict(freeze_vision=True, freeze_merger=True)])
 def test_freeze_and_param_groups(flags):
     from titan_mm.config import JobConfig
+    from titan_mm.registry import get_model_spec
     from titan_mm.train.optim import build_param_groups
 
     cfg = dataclasses.replace(_tiny(), vision_lr=1e-5, llm_lr=3e-4, **flags)
@@ -105,7 +108,8 @@ def test_freeze_and_param_groups(flags):
         assert p.requires_grad == (param_kind(n) not in frozen), n
     jc = JobConfig()
     jc.optimizer.lr = 1e-3
-    groups = build_param_groups(m, jc)
+    spec = get_model_spec("qwen3_vl")  # as titan_mm.train.setup: the family's param_groups split the groups
+    groups = build_param_groups(m, jc, functools.partial(spec.param_groups, m, cfg))
     want_lr = {"vision": 1e-5, "merger": 1e-5, "llm": 3e-4}
     seen = set()
     kind_of = {id(p): param_kind(n) for n, p in m.named_parameters()}
@@ -120,7 +124,7 @@ def test_freeze_and_param_groups(flags):
     opt = torch.optim.AdamW(groups)
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
     b = synthetic_vl_batch(cfg, num_tokens=128, image_hw=(8, 8), text_per_sample=20)
-    extra = m.prepare_inputs(b, "cpu")
+    extra = vision_inputs(m.cfg, b, "cpu")
     out = m(b["input_ids"], position_ids=b["position_ids"], labels=b["labels"], pixel_values=b["pixel_values"], **extra)
     out.loss_sum.backward()
     opt.step()

@@ -11,11 +11,10 @@ CP acts through the *batch* and the attention metadata, not by changing modules:
   3. puts a :class:`CPAttention` in ``AttnMeta.cp``; ``titan_mm.models.common.attention.attention``
      delegates to it, everything else in the model (embeddings, norms, MLP/MoE, RoPE with the local
      ``position_ids``, the loss over the local labels) simply runs on the local tokens.
-  4. for batches with pixels (Qwen3-VL) also passes the full ``input_ids`` rows (``cp_full_input_ids``) and
-     this rank's positions (``cp_seq_index``, built here on the host): every cp rank runs the vision tower
-     on all of the micro-batch's images (redundant ViT work; the ViT is small next to the LLM) and keeps
-     the embeddings / DeepStack additions of its own positions, so the LLM blocks see what a text model's
-     blocks see under CP. M-RoPE ``position_ids`` [3, B, S] are sliced on their last axis like [B, S] ones.
+  4. cuts the family's own sequence keys (``ModelSpec.seq_keys``, host-built by its ``prepare_batch`` before
+     this split: Qwen3-VL's ``visual_index``) the same way, and leaves every other key whole (pixels: every
+     cp rank runs the vision tower on all of the micro-batch's images and keeps the embeddings of its own
+     positions). M-RoPE ``position_ids`` [3, B, S] are sliced on their last axis like [B, S] ones.
 
 Modes (``parallel.cp_mode``):
 
@@ -49,12 +48,17 @@ import torch
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
 
+from titan_mm.config import Parallel
+from titan_mm.models.common.attention import KINDS, check_kind
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
 MODES = ("ulysses", "allgather", "ring")
-SEQ_KEYS = ("input_ids", "labels", "position_ids", "doc_ids")
-VISUAL_KEYS = ("pixel_values", "pixel_values_videos")  # whole on every cp rank (the ViT is not split)
+SEQ_KEYS = ("input_ids", "labels", "position_ids", "doc_ids", "prefix_mask")
+# Attention mask kinds (titan_mm.models.common.attention.KINDS) each mode runs. Every mode attends with the
+# metadata of the full sequence (ulysses) or with blocks cut from its dense mask (allgather, ring), so every kind
+# works (tests/unit/test_attention_kinds.py); a mode on fused kernels that cannot (a flash ring) lists fewer.
+MODE_KINDS = dict.fromkeys(MODES, KINDS)
 
 
 def load_balanced_index(S: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -156,8 +160,8 @@ class CPAttention:
 
 def _check_dense(m, mode: str) -> None:
     """Ring / allgather read the document mask densely; a packed batch's metadata without it (flex on CUDA
-    builds only block masks) would silently attend across documents."""
-    if (m.packed or m.sliding_window is not None) and m.sdpa_mask is None:
+    builds only block masks) would silently attend across documents (and fall back to causal for other kinds)."""
+    if (m.packed or m.sliding_window is not None or m.kind != "causal") and m.sdpa_mask is None:
         raise ValueError(f"{mode} context parallelism needs the dense document mask of this packed batch; build "
                          "the metadata with build_attn_meta(..., dense_mask=True) (prepare_cp_batch does).")
 
@@ -273,31 +277,38 @@ def prepare_cp_batch(
     device,
     sliding_window: int | None = None,
     mode: str = "ulysses",
+    seq_keys: tuple[str, ...] = (),
+    kind: str = "causal",
+    block_size: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], Any]:
-    """-> (this rank's sequence shard of ``batch``, AttnMeta with ``cp`` set). Without CP: (batch, build_attn_meta)."""
+    """-> (this rank's sequence shard of ``batch``, AttnMeta with ``cp`` set). Without CP: (batch, build_attn_meta).
+    ``seq_keys``: the family's keys laid out along the sequence (ModelSpec.seq_keys), cut like input_ids.
+    ``kind`` / ``block_size``: the attention mask kind, passed to build_attn_meta (MODE_KINDS says which run)."""
     from titan_mm.models.common.attention import build_attn_meta
 
     if mode not in MODES:
         raise ValueError(f"parallel.cp_mode must be one of {MODES}, got {mode!r}.")
     if not parallel_dims.cp_enabled:
-        return batch, build_attn_meta(batch, backend, device, sliding_window)
+        return batch, build_attn_meta(batch, backend, device, sliding_window, kind=kind, block_size=block_size)
+    check_kind(backend, kind, sliding_window, block_size)
+    if kind not in MODE_KINDS[mode]:
+        able = [m for m in MODES if kind in MODE_KINDS[m]]
+        raise ValueError(f"context parallelism mode {mode!r} cannot run attention kind {kind!r}; use "
+                         f"parallel.cp_mode in {able}.")
     if backend == "varlen":
         raise ValueError("context parallelism does not support attn_backend='varlen' yet; use 'flex' or 'sdpa'.")
     mesh = parallel_dims.mesh("cp")
     S = batch["input_ids"].shape[-1]
     idx = load_balanced_index(S, parallel_dims.cp, mesh.get_local_rank())
     # ring / allgather cut their mask blocks from the dense document mask, which flex on CUDA leaves out
-    meta = build_attn_meta(batch, backend, device, sliding_window, dense_mask=mode != "ulysses")
+    meta = build_attn_meta(batch, backend, device, sliding_window, dense_mask=mode != "ulysses", kind=kind,
+                           block_size=block_size)
     full = dataclasses.replace(meta, cp=None)
     local = {}
     for k, v in batch.items():
-        local[k] = v.index_select(v.dim() - 1, idx.to(v.device)) if k in SEQ_KEYS else v
+        local[k] = v.index_select(v.dim() - 1, idx.to(v.device)) if k in SEQ_KEYS or k in seq_keys else v
     if "num_label_tokens" in batch:
         local["num_label_tokens"] = (local["labels"] != -100).sum()
-    if any(batch.get(k) is not None and batch[k].numel() for k in VISUAL_KEYS):
-        # visual features are placed by counts over the full rows (see titan_mm/models/qwen3_vl/model.py)
-        local["cp_full_input_ids"] = batch["input_ids"]
-        local["cp_seq_index"] = idx
     local.pop("cu_seqlens", None)
     local.pop("max_seqlen", None)
     meta.cp = CPAttention(mode, mesh, full, S, torch.device(device))
@@ -306,7 +317,7 @@ def prepare_cp_batch(
     return local, meta
 
 
-def apply_cp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any = None) -> None:
+def apply_cp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, par: Parallel) -> None:
     """CP changes no module; check that the family's plan declares its attention modules CP-capable."""
     if not plan.cp:
         raise ValueError(
@@ -318,8 +329,5 @@ def apply_cp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, cfg: Any
             raise ValueError(f"unknown CP role {role!r} for {pattern!r}; the only role is 'attention'.")
         if not match_modules(model, (pattern,)):
             raise ValueError(f"CP plan entry {pattern!r} matches no module of {type(model).__name__}.")
-    mode = "ulysses"
-    if cfg is not None and hasattr(cfg, "parallel"):
-        mode = getattr(cfg.parallel, "cp_mode", "ulysses")
-    if mode not in MODES:
-        raise ValueError(f"parallel.cp_mode must be one of {MODES}, got {mode!r}.")
+    if par.cp_mode not in MODES:
+        raise ValueError(f"parallel.cp_mode must be one of {MODES}, got {par.cp_mode!r}.")

@@ -1,7 +1,7 @@
 """Optimizers and learning-rate schedules (plain torch.optim + LambdaLR).
 
-Parameter groups come from :func:`build_param_groups` (model, config) -> list of group dicts, so that
-per-module learning rates (for example vision tower vs LLM) can be added in one place.
+Parameter groups come from :func:`build_param_groups` (model, config) -> list of group dicts; a family's
+per-part learning rates (ModelSpec.param_groups, e.g. vision tower vs LLM) split them further.
 
 Weight decay: matrices decay; norm weights, biases and embeddings do not, unless
 ``optimizer.decay_norms_and_biases`` / ``optimizer.decay_embeddings`` say so.
@@ -10,6 +10,7 @@ Weight decay: matrices decay; norm weights, biases and embeddings do not, unless
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,8 +37,9 @@ def _is_norm_or_bias(name: str, p: torch.Tensor) -> bool:
     return p.ndim < 2 or name.endswith(".bias") or "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1].lower()
 
 
-def build_param_groups(model: nn.Module, cfg: JobConfig) -> list[dict[str, Any]]:
-    """Split trainable parameters into a decay group and a no-decay group (empty groups are dropped).
+def build_param_groups(model: nn.Module, cfg: JobConfig, split: Callable | None = None) -> list[dict[str, Any]]:
+    """Split trainable parameters into a decay group and a no-decay group (empty groups are dropped), then
+    ``split(groups, base_lr)`` when given (the family's ModelSpec.param_groups bound to the model and config).
 
     Tied parameters (one tensor under two names, e.g. a tied embedding / output head) appear once; a
     tensor is treated as an embedding if any of its names is one.
@@ -70,7 +72,6 @@ def build_param_groups(model: nn.Module, cfg: JobConfig) -> list[dict[str, Any]]
         groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
     if not groups:
         raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
-    split = getattr(model, "split_param_groups", None)  # per-part learning rates (Qwen3-VL: vision / merger / LLM)
     if split is not None:
         groups = split(groups, o.lr)
     return groups
@@ -94,9 +95,10 @@ def split_dtensor_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def build_optimizer(model: nn.Module, cfg: JobConfig, param_groups: list[dict] | None = None) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: JobConfig, param_groups: list[dict] | None = None,
+                    split: Callable | None = None) -> torch.optim.Optimizer:
     o = cfg.optimizer
-    groups = param_groups if param_groups is not None else build_param_groups(model, cfg)
+    groups = param_groups if param_groups is not None else build_param_groups(model, cfg, split)
     groups = split_dtensor_groups(groups)
     on_cuda = any(p.is_cuda for g in groups for p in g["params"])
     impl = o.implementation

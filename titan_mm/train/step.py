@@ -61,6 +61,15 @@ class StepContext:
     parallel_dims: Any = None
     """titan_mm.parallel.mesh.ParallelDims; with cp > 1 each micro-batch is split over the cp axis."""
     cp_mode: str = "ulysses"
+    mask_kind: str = "causal"
+    """Attention mask kind the objective trains with (titan_mm/models/common/attention.py KINDS)."""
+    block_size: int | None = None
+    """Block size of the "block_causal" kind."""
+    prepare_batch: Callable | None = None
+    """prepare_batch(micro_batch, device) -> micro_batch: the family's host-side metadata (ModelSpec.prepare_batch
+    bound to the model config), before the CP split."""
+    seq_keys: tuple[str, ...] = ()
+    """The family's sequence keys that the CP split cuts (ModelSpec.seq_keys)."""
     inject_nan: bool = False
     """Fault injection (tests): multiply this step's loss by NaN."""
     after_optimizer: Callable | None = None
@@ -117,13 +126,18 @@ def global_label_count(micro_batches: list[dict], ctx: StepContext) -> int:
 
 
 def _prepare(mb: dict, ctx: StepContext):
-    """(micro-batch for this rank, attention metadata): build_attn_meta, or the CP split of the sequence."""
+    """(micro-batch for this rank, attention metadata), on the host: the family's metadata, then
+    build_attn_meta, or the CP split of the sequence."""
+    if ctx.prepare_batch is not None:
+        mb = ctx.prepare_batch(mb, ctx.device)
     pd = ctx.parallel_dims
     if pd is not None and pd.cp_enabled:
         from titan_mm.parallel.cp import prepare_cp_batch
 
-        return prepare_cp_batch(mb, pd, ctx.attn_backend, ctx.device, ctx.sliding_window, mode=ctx.cp_mode)
-    return mb, build_attn_meta(mb, ctx.attn_backend, ctx.device, sliding_window=ctx.sliding_window)
+        return prepare_cp_batch(mb, pd, ctx.attn_backend, ctx.device, ctx.sliding_window, mode=ctx.cp_mode,
+                                seq_keys=ctx.seq_keys, kind=ctx.mask_kind, block_size=ctx.block_size)
+    return mb, build_attn_meta(mb, ctx.attn_backend, ctx.device, sliding_window=ctx.sliding_window,
+                               kind=ctx.mask_kind, block_size=ctx.block_size)
 
 
 def sdpa_priority(device: torch.device):
@@ -152,9 +166,6 @@ def forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_globa
         mb, attn = _prepare(mb, ctx)
         b = _to_device(mb, ctx.device)
         extra = {k: v for k, v in b.items() if k not in _NOT_MODEL_KWARGS}
-        prepare = getattr(model, "prepare_inputs", None)  # host-side model metadata (Qwen3-VL: vision grids)
-        if prepare is not None:
-            extra.update(prepare(mb, ctx.device))
         out = model(b["input_ids"], position_ids=b.get("position_ids"), attn=attn, labels=b["labels"], **extra)
         if out.loss_sum is None:
             raise RuntimeError("the model returned loss_sum=None although labels were given (see ModelOutput contract)")

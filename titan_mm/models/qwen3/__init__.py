@@ -5,7 +5,7 @@ from titan_mm.models.qwen3.model import Qwen3Model, build
 
 
 def _register() -> None:
-    from titan_mm.models.qwen3 import flops, hf, plan
+    from titan_mm.models.qwen3 import flops, hf, memory, plan, spec
     from titan_mm.registry import ModelSpec, register
 
     register(
@@ -19,6 +19,12 @@ def _register() -> None:
             save_hf=hf.save_hf,
             flops=flops.flops,
             plan=plan.plan,
+            dims=spec.dims,
+            runtime=spec.runtime,
+            with_runtime=spec.with_runtime,
+            data_needs=spec.data_needs,
+            kernel_shapes=spec.kernel_shapes,
+            memory_terms=memory.memory_terms,
             hf_model_types=("qwen3", "qwen3_moe"),
         ),
         "qwen3_moe",

@@ -77,8 +77,14 @@ class Qwen3Config:
     such as "all,-linear_cross_entropy" (titan_mm.kernels.resolve_ops)."""
     moe_aux_loss: bool = True
     """Return router_aux_loss_coef * load-balancing loss in ModelOutput.aux_loss (MoE)."""
+    # --- decoder variants of other families built on this decoder (never in a Qwen3 config.json) ---
+    qk_norm: bool = True
+    """Per-head RMSNorm on q and k (Qwen3); False for decoders without it (Qwen2)."""
+    attention_output_bias: bool | None = None
+    """Bias on the attention output projection; None: as ``attention_bias`` (Qwen3). Qwen2: False."""
 
-    RUNTIME_FIELDS = ("attn_backend", "loss_chunk_size", "z_loss_weight", "kernels", "moe_aux_loss")
+    RUNTIME_FIELDS = ("attn_backend", "loss_chunk_size", "z_loss_weight", "kernels", "moe_aux_loss", "qk_norm",
+                      "attention_output_bias")
 
     def __post_init__(self):
         if self.hidden_act != "silu":

@@ -29,7 +29,7 @@ from titan_mm.models.common.loss import chunked_cross_entropy
 from titan_mm.models.common.mlp import SwiGLU, silu_mul
 from titan_mm.models.common.moe import MoE, load_balancing_loss
 from titan_mm.models.common.norm import RMSNorm, add_rms_norm, rms_norm
-from titan_mm.models.common.output import ModelOutput
+from titan_mm.models.common.output import ModelOutput, Stream
 from titan_mm.models.common.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from titan_mm.models.qwen3.config import Qwen3Config
 
@@ -88,9 +88,10 @@ class Qwen3Block(nn.Module):
         self.layer_id = layer_id
         self.window = cfg.layer_window(layer_id)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
+        o_bias = cfg.attention_bias if cfg.attention_output_bias is None else cfg.attention_output_bias
         self.attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                              cfg.attention_bias, cfg.rms_norm_eps, norm_impl=ops.rms_norm,
-                              rope_impl=ops.apply_rope)
+                              cfg.attention_bias, cfg.rms_norm_eps, qk_norm=cfg.qk_norm, o_bias=o_bias,
+                              norm_impl=ops.rms_norm, rope_impl=ops.apply_rope, layer_id=layer_id)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
         self.add_norm = ops.add_rms_norm  # residual add + ffn_norm (one Triton kernel when add_rms_norm is on)
         if cfg.is_moe_layer(layer_id):
@@ -160,42 +161,72 @@ class Qwen3Model(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    # ---- forward ----
+    # ---- forward: embed -> trunk -> head (docs/models.md) ----
+    def embed(self, input_ids: torch.Tensor) -> Stream:
+        return Stream(self.tok_embeddings(input_ids))
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [B, S, K] for position_ids [B, S]."""
+        return rope_cos_sin(position_ids, self.rope_inv_freq, self.rope_scale, dtype)
+
+    def trunk(self, stream: Stream, rope: tuple[torch.Tensor, torch.Tensor], attn: AttnMeta | None,
+              start: int = 0, stop: int | None = None) -> Stream:
+        """Blocks ``start .. stop-1`` (any contiguous slice: a pipeline stage). Router statistics are summed
+        into the stream and DeepStack-style additions are added after their block."""
+        cos_BSK, sin_BSK = rope
+        h_BSD, stats_2E = stream.h, stream.moe_stats
+        for i in range(start, self.cfg.num_hidden_layers if stop is None else stop):
+            h_BSD, st = self.layers[str(i)](h_BSD, cos_BSK, sin_BSK, attn)
+            if st is not None:
+                stats_2E = st if stats_2E is None else stats_2E + st
+            if i < len(stream.adds):
+                h_BSD = h_BSD + stream.adds[i]
+        return Stream(h_BSD, stats_2E, stream.adds)
+
+    def head(self, stream: Stream, attn: AttnMeta | None, labels: torch.Tensor | None = None,
+             logits_at: torch.Tensor | None = None) -> ModelOutput:
+        """Final norm, the MoE aux loss, then the loss sum over ``labels`` (already shifted, -100 = ignore) or,
+        without labels, logits ([B, V] at positions ``logits_at`` [B] when given)."""
+        h_BSD = self.norm(stream.h)
+        B, S = h_BSD.shape[:2]
+        aux = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
+        if stream.moe_stats is not None and self.cfg.moe_aux_loss:
+            valid = None if attn is None else attn.valid_BS
+            # rows as in HF: MoE layers x tokens (padding excluded); a python float needs no device copy
+            rows = float(B * S * self.n_moe_layers) if valid is None else valid.sum().float() * self.n_moe_layers
+            aux = self.cfg.router_aux_loss_coef * load_balancing_loss(stream.moe_stats, rows, self.cfg.num_experts)
+        if labels is None:
+            if logits_at is not None:
+                h_BSD = h_BSD[torch.arange(B, device=h_BSD.device), logits_at]
+            return ModelOutput(logits=self.ops.logits(h_BSD, self.lm_head_weight), loss_sum=None, aux_loss=aux)
+        h_ND, labels_N = h_BSD.reshape(B * S, -1), labels.reshape(-1)
+        if h_ND.device.type == "cpu":
+            # CPU only: drop unlabeled positions before the vocab projection (SFT labels few tokens; the
+            # boolean index needs the count on the host, free on CPU but a sync on accelerators).
+            keep_N = labels_N != -100
+            h_ND, labels_N = h_ND[keep_N], labels_N[keep_N]
+        loss_sum = self.ops.cross_entropy(h_ND, self.lm_head_weight, labels_N, self.cfg.loss_chunk_size,
+                                          self.cfg.z_loss_weight)
+        return ModelOutput(logits=None, loss_sum=loss_sum, aux_loss=aux)
+
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attn: AttnMeta | None = None,
         labels: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids [B, S]; position_ids [B, S] (restart per document; default arange); attn from
-        build_attn_meta (None = plain causal rows); labels [B, S] already shifted, -100 = ignore."""
+        build_attn_meta (None = plain causal rows; its ``kv_cache``, when set, is written and returned);
+        labels [B, S] already shifted, -100 = ignore."""
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
-        h_BSD = self.tok_embeddings(input_ids)
-        cos_BSK, sin_BSK = rope_cos_sin(position_ids, self.rope_inv_freq, self.rope_scale, h_BSD.dtype)
-        stats_2E = None
-        for block in self.layers.values():
-            h_BSD, st = block(h_BSD, cos_BSK, sin_BSK, attn)
-            if st is not None:
-                stats_2E = st if stats_2E is None else stats_2E + st
-        h_BSD = self.norm(h_BSD)
-
-        aux = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
-        if stats_2E is not None and self.cfg.moe_aux_loss:
-            valid = None if attn is None else attn.valid_BS
-            # rows as in HF: MoE layers x tokens (padding excluded); a python float needs no device copy
-            rows = float(B * S * self.n_moe_layers) if valid is None else valid.sum().float() * self.n_moe_layers
-            aux = self.cfg.router_aux_loss_coef * load_balancing_loss(stats_2E, rows, self.cfg.num_experts)
-        if labels is None:
-            logits = self.ops.logits(h_BSD, self.lm_head_weight)
-            return ModelOutput(logits=logits, loss_sum=None, aux_loss=aux)
-        loss_sum = self.ops.cross_entropy(
-            h_BSD.reshape(B * S, -1), self.lm_head_weight, labels.reshape(-1),
-            self.cfg.loss_chunk_size, self.cfg.z_loss_weight,
-        )
-        return ModelOutput(logits=None, loss_sum=loss_sum, aux_loss=aux)
+        stream = self.embed(input_ids)
+        stream = self.trunk(stream, self.rope(position_ids, stream.h.dtype), attn)
+        out = self.head(stream, attn, labels, logits_at)
+        return out if attn is None else out._replace(kv_cache=attn.kv_cache)
 
 
 def build(cfg: Qwen3Config) -> Qwen3Model:

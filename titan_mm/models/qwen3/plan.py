@@ -19,10 +19,9 @@ def plan(cfg: Qwen3Config) -> ParallelizePlan:
         "layers.*.attn.wk": "colwise",
         "layers.*.attn.wv": "colwise",
         "layers.*.attn.wo": "rowwise",
-        # qk-norm weights act on the local heads: replicated, gradients summed over tp (titan_mm/parallel/tp.py)
-        "layers.*.attn.q_norm": "grad_sum",
-        "layers.*.attn.k_norm": "grad_sum",
     }
+    if cfg.qk_norm:  # qk-norm weights act on the local heads: replicated, gradients summed over tp (parallel/tp.py)
+        tp.update({"layers.*.attn.q_norm": "grad_sum", "layers.*.attn.k_norm": "grad_sum"})
     if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):  # dense SwiGLU layers
         tp.update({"layers.*.mlp.w1": "colwise", "layers.*.mlp.w3": "colwise", "layers.*.mlp.w2": "rowwise"})
     if cfg.tie_word_embeddings:  # the head reads the embedding weight: whole, unless loss parallel shards both

@@ -2,15 +2,18 @@
 both read either kind of HF config.json."""
 
 from titan_mm.models.qwen3_vl.config import FLAVORS, MOE_FLAVORS, Qwen3VLConfig, VisionConfig
-from titan_mm.models.qwen3_vl.model import Qwen3VLModel, build, param_groups, prepare_inputs
+from titan_mm.models.qwen3_vl.model import Qwen3VLModel, build, param_groups, prepare_batch
 
 
 def _register() -> None:
-    from titan_mm.models.qwen3_vl import flops, hf, plan
+    from titan_mm.models.qwen3_vl import flops, hf, memory, plan, spec
     from titan_mm.registry import ModelSpec, register
 
     common = dict(config_cls=Qwen3VLConfig, build=build, config_from_hf=Qwen3VLConfig.from_hf, load_hf=hf.load_hf,
-                  save_hf=hf.save_hf, flops=flops.flops, plan=plan.plan)
+                  save_hf=hf.save_hf, flops=flops.flops, plan=plan.plan, dims=spec.dims, runtime=spec.runtime,
+                  with_runtime=spec.with_runtime, data_needs=spec.data_needs, kernel_shapes=spec.kernel_shapes,
+                  memory_terms=memory.memory_terms, prepare_batch=prepare_batch, seq_keys=("visual_index",),
+                  param_groups=param_groups)
     register(ModelSpec(name="qwen3_vl", flavors=FLAVORS, hf_model_types=("qwen3_vl",), **common))
     register(ModelSpec(name="qwen3_vl_moe", flavors=MOE_FLAVORS, hf_model_types=("qwen3_vl_moe",), **common))
 
@@ -18,4 +21,4 @@ def _register() -> None:
 _register()
 
 __all__ = ["FLAVORS", "MOE_FLAVORS", "Qwen3VLConfig", "Qwen3VLModel", "VisionConfig", "build", "param_groups",
-           "prepare_inputs"]
+           "prepare_batch"]

@@ -243,25 +243,11 @@ class Qwen3VLConfig:
 
 
 def with_overrides(cfg: Qwen3VLConfig, overrides: dict[str, Any]) -> Qwen3VLConfig:
-    """A copy of ``cfg`` with fields replaced; ``{"text": {...}, "vision": {...}}`` reach inside.
-    Unknown keys raise with the valid names."""
-    top = {}
-    for k, v in overrides.items():
-        if k in ("text", "vision") and isinstance(v, dict):
-            sub = getattr(cfg, k)
-            names = {f.name for f in dataclasses.fields(sub)}
-            bad = set(v) - names
-            if bad:
-                raise ValueError(f"unknown {k} config fields {sorted(bad)}; valid: {sorted(names)}")
-            v = {kk: tuple(vv) if isinstance(vv, list) else vv for kk, vv in v.items()}
-            top[k] = dataclasses.replace(sub, **v)
-        else:
-            top[k] = tuple(v) if isinstance(v, list) else v
-    names = {f.name for f in dataclasses.fields(cfg)}
-    bad = set(top) - names
-    if bad:
-        raise ValueError(f"unknown Qwen3-VL config fields {sorted(bad)}; valid: {sorted(names)}")
-    return dataclasses.replace(cfg, **top)
+    """A copy of ``cfg`` with fields replaced; ``{"text": {...}, "vision": {...}}`` reach inside (the registry's
+    one override rule). Unknown keys raise with the closest valid names."""
+    from titan_mm.registry import override
+
+    return override(cfg, overrides, "Qwen3-VL config")
 
 
 # ---- flavors: real HF numbers (Qwen/Qwen3-VL-*/config.json) + tiny debug flavors ----

@@ -11,26 +11,23 @@ Parameter names (titan):
   visual.*                       the vision tower (see vision.py; HF names in hf.py)
   language_model.tok_embeddings / layers.{i}.* / norm / output   the Qwen3 text model (qwen3/model.py)
 
-Forward (no host syncs; metadata from :meth:`Qwen3VLModel.prepare_inputs`, called on the host first):
-    extra = model.prepare_inputs(batch, device)      # {"vision_meta": VisionMeta} when the batch has pixels
-    out = model(input_ids, position_ids=pos_3BS, attn=attn_meta, labels=labels,
-                pixel_values=..., pixel_values_videos=..., **extra)
+Forward (no host syncs; metadata from :func:`prepare_batch`, the family's ``ModelSpec.prepare_batch``, on the
+host first):
+    batch = prepare_batch(cfg, batch, device)        # + vision_meta, visual_index when the batch has pixels
+    out = model(input_ids, position_ids=pos_3BS, attn=attn_meta, labels=labels, pixel_values=...,
+                pixel_values_videos=..., vision_meta=..., visual_index=...)
 
 Visual tokens: ``input_ids`` hold one <|image_pad|> / <|video_pad|> per merged token, in the same order as
-the patches of ``pixel_values`` / ``pixel_values_videos`` (row-major over the batch). The k-th pad of a
-kind takes the k-th merged embedding of that kind: the index is a running count (cumsum) of the pad mask,
-computed on device, and the embedding is gathered with it (no nonzero, no masked_scatter size check).
-The number of pads must equal the number of merged tokens (the data pipeline guarantees it; it is not
-checked in forward because checking needs a sync).
+the patches of ``pixel_values`` / ``pixel_values_videos`` (row-major over the batch). ``visual_index`` [B, S]
+(host-built) names, per position, the merged embedding it takes (-1 on text); the forward gathers with it (no
+nonzero, no masked_scatter size check). The number of pads must equal the number of merged tokens (the data
+pipeline guarantees it; it is not checked in forward because checking needs a sync).
 
-Context parallelism (titan_mm.parallel.cp.prepare_cp_batch): ``input_ids`` / ``labels`` / ``position_ids``
-([3, B, S] sliced on the last axis) are this cp rank's load-balanced shard, and the batch also carries
-``cp_full_input_ids`` (the full rows) and ``cp_seq_index`` (the shard's positions, built on the host). Every
-cp rank runs the vision tower on *all* images of the micro-batch (redundant ViT work, cp times; the ViT is
-small next to the LLM), computes the pad running counts over the full rows, and gathers the embeddings and
-DeepStack additions of its own positions only, so the LLM blocks see exactly the rows they would see in
-the unsplit forward. ViT gradients are partial per cp rank (only its tokens' contributions) and summed by
-FSDP over ``dp_shard x cp`` like every other gradient.
+Context parallelism: ``visual_index`` is a sequence key (``ModelSpec.seq_keys``), so
+titan_mm.parallel.cp.prepare_cp_batch cuts it with ``input_ids``: every cp rank runs the vision tower on *all*
+images of the micro-batch (redundant ViT work; the ViT is small next to the LLM) and gathers the embeddings and
+DeepStack additions of its own positions only. The forward knows nothing of CP. ViT gradients are partial per
+cp rank and summed by FSDP over ``dp_shard x cp`` like every other gradient.
 
 Sequence parallel (titan_mm/models/qwen3_vl/plan.py): ``embed`` runs on the full (or cp-local) rows on every tp
 rank, so the visual tokens and DeepStack features are placed exactly as without tp; ``embed_out`` (an identity
@@ -48,8 +45,7 @@ import torch
 import torch.nn as nn
 
 from titan_mm.models.common.attention import AttnMeta
-from titan_mm.models.common.moe import load_balancing_loss
-from titan_mm.models.common.output import ModelOutput
+from titan_mm.models.common.output import ModelOutput, Stream
 from titan_mm.models.qwen3.model import Qwen3Model, select_ops
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
 from titan_mm.models.qwen3_vl.vision import VisionMeta, VisionTower, build_vision_meta
@@ -72,15 +68,16 @@ def mrope_cos_sin(position_ids_3BS: torch.Tensor, inv_freq_F: torch.Tensor, sect
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _pad_index(mask_BS: torch.Tensor, seq_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask_N, idx_N): position t (row-major over [B, S]) is the idx_N[t]-th True of ``mask_BS`` (garbage,
-    clamped to 0, where mask_N is False). With ``seq_index`` [S'] the count runs over the full rows and only
-    the positions ``seq_index`` of each row are returned (N = B * S'). Sync-free: a cumsum on device."""
-    B, S = mask_BS.shape
-    idx_BS = (torch.cumsum(mask_BS.reshape(-1).to(torch.int64), 0) - 1).clamp_(min=0).view(B, S)
-    if seq_index is not None:
-        mask_BS, idx_BS = mask_BS.index_select(1, seq_index), idx_BS.index_select(1, seq_index)
-    return mask_BS.reshape(-1), idx_BS.reshape(-1)
+def visual_index(input_ids_BS: torch.Tensor, image_token_id: int, video_token_id: int,
+                 n_image_tokens: int) -> torch.Tensor:
+    """Host side: [B, S] int64, for each position the row of the merged visual embeddings (images first,
+    then videos, as the vision tower returns them) that it takes, -1 on text. The k-th pad of a kind (row-major
+    over the batch) takes the k-th merged token of that kind."""
+    idx = torch.full_like(input_ids_BS, -1, dtype=torch.int64)
+    for tok, first in ((image_token_id, 0), (video_token_id, n_image_tokens)):
+        m = input_ids_BS == tok
+        idx[m] = first + torch.arange(int(m.sum()), dtype=torch.int64)
+    return idx
 
 
 class EmbedOutput(nn.Module):
@@ -114,54 +111,33 @@ class Qwen3VLModel(nn.Module):
     def rope_inv_freq(self) -> torch.Tensor:
         return self.language_model.rope_inv_freq
 
-    # ---- host-side metadata ----
-    def prepare_inputs(self, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-        """Host-side metadata for :meth:`forward` (call before moving the batch to the device):
-        ``{"vision_meta": VisionMeta}`` built from the CPU ``image_grid_thw`` / ``video_grid_thw``."""
-        return prepare_inputs(self.cfg, batch, device)
-
-    def split_param_groups(self, groups: list[dict[str, Any]], base_lr: float) -> list[dict[str, Any]]:
-        """Called by titan_mm.train.optim.build_param_groups: per-part learning rates (see :func:`param_groups`)."""
-        return param_groups(self, self.cfg, groups, base_lr)
-
-    # ---- forward ----
+    # ---- forward: embed -> trunk -> head (the trunk and head are the text model's) ----
     def embed(self, input_ids: torch.Tensor, pixel_values=None, pixel_values_videos=None,
-              vision_meta: VisionMeta | None = None, seq_index: torch.Tensor | None = None):
-        """Token embeddings with visual tokens scattered in -> (h_BSD, deepstack adds list of [B, S, D] or []).
-        ``seq_index`` [S'] (context parallelism): ``input_ids`` are the full rows; the visual features are
-        placed by counts over the full rows, and only the positions ``seq_index`` are returned ([B, S', D])."""
-        lm = self.language_model
-        full_ids = input_ids
-        if seq_index is not None:
-            input_ids = input_ids.index_select(1, seq_index)
-        B, S = input_ids.shape
-        h_BSD = lm.tok_embeddings(input_ids)
+              vision_meta: VisionMeta | None = None, visual_index: torch.Tensor | None = None) -> Stream:
+        """Token embeddings with the visual tokens placed by ``visual_index`` [B, S] (host-built by
+        :func:`prepare_batch`, already cut to this rank's positions under context parallelism), and the
+        DeepStack additions as the stream's ``adds``."""
+        h_BSD = self.language_model.tok_embeddings(input_ids)
         pix = [p for p in (pixel_values, pixel_values_videos) if p is not None and p.numel()]
         if not pix:
-            return h_BSD, []
-        if vision_meta is None:
+            return Stream(h_BSD)
+        if vision_meta is None or visual_index is None:
             raise ValueError(
-                "pixel inputs were given without vision_meta; call model.prepare_inputs(batch, device) on the host "
-                "and pass its result to the forward (the train step does this)."
+                "pixel inputs were given without vision_meta / visual_index; build them on the host with "
+                "titan_mm.models.qwen3_vl.model.prepare_batch(cfg, batch, device) (the train step does this)."
             )
-        pixels = pix[0] if len(pix) == 1 else torch.cat(pix, 0)
-        merged, deepstack = self.visual(pixels, vision_meta)
-        merged = merged.to(h_BSD.dtype)
-        h_ND = h_BSD.reshape(B * S, -1)
-        n_img = vision_meta.n_image_tokens
-        kinds = []
-        if pixel_values is not None and pixel_values.numel():
-            kinds.append((self.cfg.image_token_id, slice(0, n_img)))
-        if pixel_values_videos is not None and pixel_values_videos.numel():
-            kinds.append((self.cfg.video_token_id, slice(n_img, None)))
-        adds = [torch.zeros_like(h_ND) for _ in deepstack]
-        for tok, sl in kinds:
-            mask_N, idx_N = _pad_index(full_ids == tok, seq_index)
-            m = mask_N[:, None]
-            h_ND = torch.where(m, merged[sl].index_select(0, idx_N), h_ND)
-            for i, ds in enumerate(deepstack):
-                adds[i] = torch.where(m, ds[sl].to(h_ND.dtype).index_select(0, idx_N), adds[i])
-        return h_ND.view(B, S, -1), [a.view(B, S, -1) for a in adds]
+        B, S = input_ids.shape
+        merged, deepstack = self.visual(torch.cat(pix, 0) if len(pix) > 1 else pix[0], vision_meta)
+        idx_N = visual_index.reshape(-1)
+        m = (idx_N >= 0)[:, None]
+        sel = idx_N.clamp(min=0)
+        h_ND = torch.where(m, merged.to(h_BSD.dtype).index_select(0, sel), h_BSD.reshape(B * S, -1))
+        adds = tuple(torch.where(m, ds.to(h_ND.dtype).index_select(0, sel), 0.0).view(B, S, -1) for ds in deepstack)
+        return Stream(h_ND.view(B, S, -1), None, adds)
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Interleaved M-RoPE cos / sin [B, S, K] from position_ids [3, B, S] (or [B, S] for text only)."""
+        return mrope_cos_sin(position_ids, self.language_model.rope_inv_freq, self.cfg.mrope_section, dtype)
 
     def forward(
         self,
@@ -169,65 +145,29 @@ class Qwen3VLModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         attn: AttnMeta | None = None,
         labels: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
         vision_meta: VisionMeta | None = None,
+        visual_index: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
-        logits_at: torch.Tensor | None = None,
-        cp_full_input_ids: torch.Tensor | None = None,
-        cp_seq_index: torch.Tensor | None = None,
-        **unused: Any,
     ) -> ModelOutput:
         """input_ids [B, S]; position_ids [3, B, S] M-RoPE positions (or [B, S] for text only; default
-        arange); attn from build_attn_meta; labels [B, S] already shifted. ``image_grid_thw`` /
-        ``video_grid_thw`` are accepted for interface compatibility but only ``vision_meta`` is read
-        (it was built from them on the host). ``logits_at`` [B] (decoding): without labels, return logits
-        only at these positions, [B, V]. ``cp_full_input_ids`` [B, S_full] / ``cp_seq_index`` [S] (set by
-        titan_mm.parallel.cp.prepare_cp_batch for batches with pixels): the full rows and the positions of
-        this cp rank's shard ``input_ids`` (see the module docstring). Unknown keyword inputs raise."""
-        if unused:
-            raise TypeError(f"Qwen3VLModel.forward got unexpected inputs {sorted(unused)}; expected pixel_values, "
-                            "pixel_values_videos, image_grid_thw, video_grid_thw, vision_meta, cp_full_input_ids, "
-                            "cp_seq_index")
+        arange); attn from build_attn_meta; labels [B, S] already shifted. ``vision_meta`` / ``visual_index``
+        come from :func:`prepare_batch` (host); the grids are accepted for interface compatibility and not
+        read (they were turned into vision_meta on the host). ``logits_at`` [B] (decoding): without labels,
+        logits only at these positions, [B, V]."""
         lm = self.language_model
-        tcfg = lm.cfg
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
-        if cp_seq_index is not None:  # CP shard: visual features follow the full rows, keep our positions
-            h_BSD, ds_adds = self.embed(cp_full_input_ids, pixel_values, pixel_values_videos, vision_meta, cp_seq_index)
-        else:
-            h_BSD, ds_adds = self.embed(input_ids, pixel_values, pixel_values_videos, vision_meta)
-        h_BSD, ds_adds = self.embed_out(h_BSD, ds_adds)  # (sequence parallel: from here on [B, S/tp, D])
-        cos, sin = mrope_cos_sin(position_ids, lm.rope_inv_freq, self.cfg.mrope_section, h_BSD.dtype)
-        stats_2E = None
-        for i, block in enumerate(lm.layers.values()):
-            h_BSD, st = block(h_BSD, cos, sin, attn)
-            if st is not None:
-                stats_2E = st if stats_2E is None else stats_2E + st
-            if i < len(ds_adds):
-                h_BSD = h_BSD + ds_adds[i]
-        h_BSD = lm.norm(h_BSD)
-
-        aux = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
-        if stats_2E is not None and tcfg.moe_aux_loss:
-            valid = None if attn is None else attn.valid_BS
-            rows = float(B * S * lm.n_moe_layers) if valid is None else valid.sum().float() * lm.n_moe_layers
-            aux = tcfg.router_aux_loss_coef * load_balancing_loss(stats_2E, rows, tcfg.num_experts)
-        if labels is None:
-            if logits_at is not None:
-                h_BSD = h_BSD[torch.arange(B, device=h_BSD.device), logits_at]
-            return ModelOutput(logits=lm.ops.logits(h_BSD, lm.lm_head_weight), loss_sum=None, aux_loss=aux)
-        h_ND, labels_N = h_BSD.reshape(B * S, -1), labels.reshape(-1)
-        if h_ND.device.type == "cpu":
-            # CPU only: drop unlabeled positions before the vocab projection (VL SFT labels few tokens; the
-            # boolean index needs the count on the host, free on CPU but a sync on accelerators).
-            keep_N = labels_N != -100
-            h_ND, labels_N = h_ND[keep_N], labels_N[keep_N]
-        # the text model's loss op: chunked CE, or the fused Triton linear-CE when kernels are on
-        loss_sum = lm.ops.cross_entropy(h_ND, lm.lm_head_weight, labels_N, tcfg.loss_chunk_size, tcfg.z_loss_weight)
-        return ModelOutput(logits=None, loss_sum=loss_sum, aux_loss=aux)
+        stream = self.embed(input_ids, pixel_values, pixel_values_videos, vision_meta, visual_index)
+        h_BSD, adds = self.embed_out(stream.h, list(stream.adds))  # (sequence parallel: from here on [B, S/tp, D])
+        stream = Stream(h_BSD, None, tuple(adds))
+        stream = lm.trunk(stream, self.rope(position_ids, h_BSD.dtype), attn)
+        out = lm.head(stream, attn, labels, logits_at)
+        return out if attn is None else out._replace(kv_cache=attn.kv_cache)
 
 
 def _vision_backend(cfg: Qwen3VLConfig, device: torch.device) -> str:
@@ -244,8 +184,9 @@ def _vision_backend(cfg: Qwen3VLConfig, device: torch.device) -> str:
         return "flex"
 
 
-def prepare_inputs(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    """Host-side: VisionMeta over the images then the videos of ``batch`` (CPU grids), on ``device``."""
+def vision_inputs(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """Host side: ``{"vision_meta", "visual_index"}`` for a batch with pixels ({} without): VisionMeta over the
+    images then the videos, from the CPU grids, and :func:`visual_index` [B, S], both on ``device``."""
     device = torch.device(device)
     grids = []
     n_img = 0
@@ -262,7 +203,14 @@ def prepare_inputs(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.devi
     if not grids:
         return {}
     meta = build_vision_meta(torch.cat(grids), cfg.vision, _vision_backend(cfg, device), device)
-    return {"vision_meta": meta._replace(n_image_tokens=n_img)}
+    idx = visual_index(batch["input_ids"].cpu(), cfg.image_token_id, cfg.video_token_id, n_img)
+    return {"vision_meta": meta._replace(n_image_tokens=n_img), "visual_index": idx.to(device, non_blocking=True)}
+
+
+def prepare_batch(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """The family's ModelSpec.prepare_batch: the batch plus :func:`vision_inputs`, on the host, before the batch
+    moves to the device and before any context-parallel split (``visual_index`` is a sequence key CP cuts)."""
+    return {**batch, **vision_inputs(cfg, batch, device)}
 
 
 # ---- training modes ----

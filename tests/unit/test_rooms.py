@@ -1,0 +1,62 @@
+"""The rooms of the package keep their walls (docs/architecture.md):
+
+- low rooms (models/, data/, kernels/, registry.py) import nothing from train/, parallel/ or tools/, except the
+  plan data type (titan_mm.parallel.plan) that a family's plan.py returns;
+- train/, parallel/ and kernels/ name no model family and read no family config field by getattr / hasattr:
+  they ask the ModelSpec (titan_mm.registry).
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[2] / "titan_mm"
+LOW = ["models", "data", "kernels", "registry.py"]
+HIGH = ("titan_mm.train", "titan_mm.parallel", "titan_mm.tools")
+ALLOWED = {"titan_mm.parallel.plan"}
+
+
+def _py(room: str) -> list[Path]:
+    p = PKG / room
+    return [p] if p.is_file() else sorted(p.rglob("*.py"))
+
+
+def _imports(path: Path) -> list[str]:
+    """Modules imported at run time (``if TYPE_CHECKING:`` blocks only name types for annotations)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append(node.module)
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+    return out
+
+
+@pytest.mark.parametrize("room", LOW)
+def test_low_rooms_import_no_higher_room(room):
+    bad = [f"{p.relative_to(PKG)}: {m}" for p in _py(room) for m in _imports(p)
+           if m.startswith(HIGH) and m not in ALLOWED]
+    assert not bad, f"low room imports a higher one: {bad}"
+
+
+FAMILY = re.compile(r"""['"]qwen[0-9_.]*(vl|moe|omni)?[a-z_]*['"]""")
+CONFIG_PROBE = re.compile(r"""(getattr|hasattr)\((model_cfg|mc|cfg\.text|text|model\.cfg)\b""")
+
+
+@pytest.mark.parametrize("room", ["train", "parallel", "kernels"])
+def test_shared_rooms_ask_the_spec(room):
+    """The grep of the issue's acceptance check: no quoted family name, no getattr / hasattr probe of a model
+    config, outside comments."""
+    bad = []
+    for p in _py(room):
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if FAMILY.search(code) or CONFIG_PROBE.search(code):
+                bad.append(f"{p.relative_to(PKG)}:{i}: {line.strip()}")
+    assert not bad, "\n".join(bad)

@@ -1,0 +1,45 @@
+"""The Qwen3-VL / Qwen3-VL-MoE answers to the family contract (titan_mm.registry.ModelSpec): the text
+model's, plus the vision tower's shapes, M-RoPE positions and the visual tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titan_mm.models.qwen3 import spec as text_spec
+from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
+from titan_mm.registry import DataNeeds, KernelShapes, ModelDims, Runtime, VisionDims
+
+
+def dims(cfg: Qwen3VLConfig) -> ModelDims:
+    v = cfg.vision
+    vision = VisionDims(depth=v.depth, hidden_size=v.hidden_size, num_heads=v.num_heads,
+                        intermediate_size=v.intermediate_size, patch_dim=v.patch_dim, merge_size=v.spatial_merge_size,
+                        deepstack_layers=len(v.deepstack_visual_indexes))
+    return dataclasses.replace(text_spec.dims(cfg.text), vision=vision)
+
+
+def runtime(cfg: Qwen3VLConfig) -> Runtime:
+    return Runtime(attn_backend=cfg.attn_backend, kernels=cfg.kernels, sliding_window=None)
+
+
+def with_runtime(cfg: Qwen3VLConfig, attn_backend: str, kernels: bool | str) -> Qwen3VLConfig:
+    return dataclasses.replace(cfg, attn_backend=attn_backend, kernels=kernels)
+
+
+def data_needs(cfg: Qwen3VLConfig) -> DataNeeds:
+    v = cfg.vision
+    return DataNeeds(
+        positions="mrope", patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+        merge_size=v.spatial_merge_size, chat_template="qwen3_vl",
+        special_tokens={"image_pad": cfg.image_token_id, "video_pad": cfg.video_token_id,
+                        "vision_start": cfg.vision_start_token_id, "vision_end": cfg.vision_end_token_id},
+    )
+
+
+def kernel_shapes(cfg: Qwen3VLConfig, tp: int = 1, encoder_tp: bool = False) -> KernelShapes:
+    """The text model's, plus the ViT MLP's bias + tanh-GELU (sharded over tp only with encoder_tp)."""
+    s = text_spec.kernel_shapes(cfg.text, tp)
+    v = cfg.vision
+    if v.hidden_act != "gelu_pytorch_tanh":
+        return s
+    return dataclasses.replace(s, bias_gelu=(v.intermediate_size // (tp if encoder_tp else 1),))

@@ -1,0 +1,222 @@
+"""One ``setup(cfg)`` for the trainer and every bench script: device, process group, meshes, the model from the
+registry (built on meta, parallelized, materialized), the optimizer and schedule, and the step context.
+
+    run = setup(cfg)                       # cfg: titan_mm.config.JobConfig, read here and nowhere deeper
+    result = train_step(run.state, micro_batches, run.ctx)
+
+Everything a family decides comes from its ModelSpec (titan_mm.registry); nothing here names a family.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from titan_mm.config import ConfigError, JobConfig
+from titan_mm.data.packing import padded_seq_len
+from titan_mm.registry import ModelSpec, SpecError, resolve_model
+
+
+@dataclass
+class Run:
+    """What setup() built. ``state`` has no data loader yet: the trainer adds it (benches bring batches)."""
+
+    device: torch.device
+    rank: int
+    world: int
+    pd: Any
+    """titan_mm.parallel.mesh.ParallelDims with its meshes built."""
+    spec: ModelSpec
+    model_cfg: Any
+    model: torch.nn.Module
+    state: Any
+    """titan_mm.train.state.TrainState (model, optimizer, scheduler)."""
+    ctx: Any
+    """titan_mm.train.step.StepContext."""
+    dp_rank: int
+    dp_world: int
+    n_micro: int
+    """Micro-batches per optimizer step on this rank (gradient accumulation)."""
+
+
+def pick_device(cfg: JobConfig) -> torch.device:
+    want = cfg.job.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("job.device='cuda' but no CUDA device is visible; use --job.device auto or cpu")
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def setup_distributed(cfg: JobConfig, device: torch.device) -> tuple[int, int]:
+    """A process group for world > 1 (torchrun) and for CUDA (FSDP2 mixed precision on one GPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and device.type == "cpu":
+        return 0, 1
+    from titan_mm.parallel.mesh import init_distributed
+
+    backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
+    if backend is None and device.type == "cpu":
+        backend = "gloo"
+    return init_distributed(backend)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+def model_from_config(cfg: JobConfig, device: torch.device) -> tuple[ModelSpec, Any]:
+    """(spec, model config) for ``[model]`` with the runtime choices of ``[model]`` / ``[kernels]`` on ``device``:
+    attention backend (auto: flex on CUDA, sdpa elsewhere) and kernel ops (auto: on CUDA)."""
+    from titan_mm.kernels import resolve_ops
+
+    m = cfg.model
+    try:  # checked on every device, so a typo fails on the CPU too
+        resolve_ops(cfg.kernels.ops)
+    except ValueError as e:
+        raise ConfigError(f"kernels.ops={cfg.kernels.ops!r}: {e}") from None
+    on = cfg.kernels.mode == "triton" or (cfg.kernels.mode == "auto" and device.type == "cuda")
+    backend = m.attn_backend if m.attn_backend != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    try:
+        return resolve_model(m.name, m.flavor, m.hf_path, m.overrides, attn_backend=backend,
+                             kernels=cfg.kernels.ops if on else False)
+    except SpecError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_parallel(cfg: JobConfig, pd, spec: ModelSpec, model_cfg) -> None:
+    """Reject degrees the model's shapes cannot take (ParallelDims.check_model) before anything is built: tp vs
+    heads, ep on a dense model or not dividing the experts, the padded row length vs tp * 2 * cp, Ulysses heads
+    vs cp * tp."""
+    d = spec.dims(model_cfg)
+    try:
+        pd.check_model(num_heads=d.num_heads, num_kv_heads=d.num_kv_heads, num_experts=d.num_experts,
+                       seq_len=padded_seq_len(cfg.data), cp_ulysses=cfg.parallel.cp_mode == "ulysses")
+    except ValueError as e:
+        raise ConfigError(f"[parallel] {e}") from None
+
+
+def build_model(cfg: JobConfig, spec: ModelSpec, model_cfg, parallel_dims, device: torch.device):
+    """Meta build -> parallelize -> materialize (to_empty + init_weights), then HF weights if asked.
+
+    Random init gives the same weights for every world size and layout (CPU or CUDA): under
+    ``seeded_init`` each draw fills the full tensor from its own seeded generator and keeps the local shard
+    (titan_mm/models/common/init.py). HF weights are loaded by the registry's load_hf, which fills plain or
+    FSDP-sharded models."""
+    from titan_mm.models.common.init import seeded_init
+    from titan_mm.parallel.apply import parallelize
+
+    with torch.device("meta"):
+        model = spec.build(model_cfg)
+    model = parallelize(model, spec.plan(model_cfg), parallel_dims, cfg)
+    model.to_empty(device=device)
+    from_hf = bool(cfg.model.hf_path and cfg.model.init_from_hf)
+    torch.manual_seed(cfg.training.seed)
+    # with HF weights the random values are overwritten: a plain (local, sharding-dependent) draw is enough
+    with torch.no_grad(), (contextlib.nullcontext() if from_hf else seeded_init(cfg.training.seed)):
+        model.init_weights(buffer_device=device)
+    if from_hf:
+        spec.load_hf(model, cfg.model.hf_path)
+    torch.manual_seed(cfg.training.seed + 1)
+    return model
+
+
+def tune_kernels(cfg: JobConfig, spec: ModelSpec, model_cfg, pd, device: torch.device,
+                 vision_tokens: int | None = None) -> dict | None:
+    """Pick the Triton kernels' launch configs for this model's shapes once, before the first step.
+
+    The forward never tunes (timing synchronizes the GPU, and the forward must stay sync-free): a key it
+    meets untuned runs the kernel's first config. CUDA with kernels on only; TITAN_KERNELS_TUNE=0 skips the
+    timing. Every rank tunes its own shapes (heads and MLP width per tp rank), then takes rank 0's picks, so
+    replicated computations launch the same configs (and round alike) on every rank. None when skipped."""
+    kernels = spec.runtime(model_cfg).kernels
+    if device.type != "cuda" or not kernels:
+        return None
+    from titan_mm import kernels as K
+    from titan_mm.dtypes import torch_dtype
+
+    tokens = cfg.data.micro_batch_size * padded_seq_len(cfg.data) // max(1, pd.cp)  # this rank's rows of a micro-batch
+    shapes = spec.kernel_shapes(model_cfg, tp=pd.tp, encoder_tp=cfg.parallel.encoder_tp and pd.tp > 1)
+    report = K.tune_for_model(shapes, kernels, tokens, torch_dtype(cfg.training.param_dtype), device,
+                              vision_tokens=vision_tokens)
+    K.share_picks(src=0)  # a no-op in a single process
+    return report
+
+
+def data_parallel_groups(pd) -> tuple[int, int, Any, Any, int]:
+    """(dp_rank, dp_world, loss_group, count_group, loss_world) of this rank, building the meshes: the "batch"
+    mesh holds the ranks that read different rows (label counts are summed over it), the "loss" mesh the ranks
+    whose loss sums add up. Without a process group: one rank, no groups."""
+    if not pd.build_meshes():
+        return 0, 1, None, None, 1
+    batch_mesh, loss_mesh = pd.mesh("batch"), pd.mesh("loss")
+    return (batch_mesh.get_local_rank(), batch_mesh.size(), loss_mesh.get_group(), batch_mesh.get_group(),
+            loss_mesh.size())
+
+
+def grad_accum_steps(cfg: JobConfig, dp_world: int) -> int:
+    per_pass = cfg.data.micro_batch_size * dp_world
+    g = cfg.training.global_batch_size or per_pass
+    if g % per_pass:
+        raise ConfigError(
+            f"training.global_batch_size={g} is not a multiple of data.micro_batch_size "
+            f"({cfg.data.micro_batch_size}) x data-parallel degree ({dp_world}) = {per_pass}"
+        )
+    return g // per_pass
+
+
+def setup(cfg: JobConfig, model_fn=None) -> Run:
+    """Device, process group, meshes, model, optimizer, schedule and step context from ``cfg``.
+    ``model_fn(spec, model_cfg, pd, device) -> nn.Module`` replaces build_model (bench/mfu.py's hand-built
+    baseline); the rest is the same for it."""
+    from titan_mm.observe.health import NanGuard
+    from titan_mm.parallel.mesh import ParallelDims
+    from titan_mm.quant.float8 import float8_after_optimizer
+    from titan_mm.train.optim import build_lr_scheduler, build_optimizer
+    from titan_mm.train.state import TrainState
+    from titan_mm.train.step import StepContext
+
+    device = pick_device(cfg)
+    rank, world = setup_distributed(cfg, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    seed_everything(cfg.training.seed, cfg.training.deterministic)
+    try:
+        pd = ParallelDims.from_config(cfg.parallel, world)
+    except ValueError as e:
+        raise ConfigError(f"[parallel] {e}") from None
+    dp_rank, dp_world, loss_group, count_group, loss_world = data_parallel_groups(pd)
+    spec, model_cfg = model_from_config(cfg, device)
+    check_parallel(cfg, pd, spec, model_cfg)
+    n_micro = grad_accum_steps(cfg, dp_world)
+    model = (model_fn or functools.partial(build_model, cfg))(spec, model_cfg, pd, device)
+    split = functools.partial(spec.param_groups, model, model_cfg) if spec.param_groups else None
+    optimizer = build_optimizer(model, cfg, split=split)
+    state = TrainState(model=model, optimizer=optimizer, scheduler=build_lr_scheduler(optimizer, cfg))
+    rt = spec.runtime(model_cfg)
+    ctx = StepContext(
+        device=device, attn_backend=rt.attn_backend, sliding_window=rt.sliding_window,
+        max_norm=cfg.training.max_norm, loss_group=loss_group, count_group=count_group, dp_world=dp_world,
+        loss_world=loss_world, nan_guard=NanGuard(cfg.training.nan_policy, cfg.training.max_skipped_steps),
+        parallel_dims=pd, cp_mode=cfg.parallel.cp_mode,
+        prepare_batch=functools.partial(spec.prepare_batch, model_cfg) if spec.prepare_batch else None,
+        seq_keys=spec.seq_keys, after_optimizer=float8_after_optimizer(model, cfg.float8),
+    )
+    return Run(device=device, rank=rank, world=world, pd=pd, spec=spec, model_cfg=model_cfg, model=model,
+               state=state, ctx=ctx, dp_rank=dp_rank, dp_world=dp_world, n_micro=n_micro)
