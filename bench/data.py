@@ -24,6 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 BUDGET = 8192
+VL_MODEL = ("qwen3_vl", "debug")  # (registry model, flavor) whose data needs the --vl case's loader meets
 
 
 def peak_rss_mb() -> float:
@@ -31,18 +32,20 @@ def peak_rss_mb() -> float:
 
 
 def run_streaming(path: str, batches: int, vl: bool = False) -> dict:
+    from titan_mm.config import Data
     from titan_mm.data.loader import build_dataloader
+    from titan_mm.registry import DataNeeds, resolve_model
 
-    class Cfg:
-        dataset = path
-        seq_len = BUDGET
-        micro_batch_size = 1
-        num_workers = 0
-        mrope = vl
-        image_min_pixels = 65536  # 64x64 generated images -> 256x256 -> 64 tokens (Qwen3-VL default minimum)
+    # 64x64 generated images -> 256x256 -> 64 tokens (Qwen3-VL default minimum)
+    data = Data(dataset=path, seq_len=BUDGET, micro_batch_size=1, num_workers=0, image_min_pixels=65536)
+    if vl:  # the VL model's patch / merge sizes, M-RoPE positions and vision token ids
+        spec, mc = resolve_model(*VL_MODEL)
+        needs = spec.data_needs(mc)
+    else:
+        needs = DataNeeds()
 
     t0 = time.perf_counter()
-    dl = build_dataloader(Cfg(), seed=0)
+    dl = build_dataloader(data, needs=needs, seed=0)
     it = iter(dl)
     next(it)
     ttfb = time.perf_counter() - t0

@@ -34,15 +34,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.attention import bench as cuda_ms  # noqa: E402  (median CUDA-event ms of fn())
-from bench.mfu import CASES, model_config, text_cfg  # noqa: E402
+from bench.mfu import CASES, model_config  # noqa: E402
+
+from titan_mm.registry import ModelDims, spec_for_config  # noqa: E402
 
 PEAK_TFLOPS = 989.0
 
 
-def linears(t) -> dict[str, list[tuple[int, int]]]:
+def dims_of(m) -> ModelDims:
+    """The decoder's shapes: ``m`` itself (titan_mm.registry.ModelDims) or its family's spec.dims of a model config."""
+    return m if isinstance(m, ModelDims) else spec_for_config(m).dims(m)
+
+
+def linears(m) -> dict[str, list[tuple[int, int]]]:
     """Per decoder layer: group -> [(in, out)] of its linears, in two forms (separate and fused)."""
+    t = dims_of(m)
     d, f, hd = t.hidden_size, t.intermediate_size, t.head_dim
-    q, kv = t.num_attention_heads * hd, t.num_key_value_heads * hd
+    q, kv = t.num_heads * hd, t.num_kv_heads * hd
     return {
         "qkv": [(d, q), (d, kv), (d, kv)], "qkv_fused": [(d, q + 2 * kv)],
         "o": [(q, d)],
@@ -85,7 +93,7 @@ def time_ops(ops) -> float:
     return cuda_ms(run, iters=10)
 
 
-def gemm_floor(t, n: int, float8: bool) -> dict:
+def gemm_floor(t: ModelDims, n: int, float8: bool) -> dict:
     """ms per step of all GEMMs: per layer the faster of separate / fused qkv and gate_up, x layers, + head."""
     groups = linears(t)
     per_layer, detail = 0.0, {}
@@ -106,17 +114,17 @@ def gemm_floor(t, n: int, float8: bool) -> dict:
     head_ms = time_ops(ops)
     del ops
     torch.cuda.empty_cache()
-    L = t.num_hidden_layers
+    L = t.num_layers
     ms = per_layer * L + head_ms
     flops = layer_flops * L + head_flops
     return dict(ms=ms, tflops=flops / ms / 1e9, layer_ms=per_layer, head_ms=head_ms, per_form_ms=detail,
                 flops=flops)
 
 
-def attention_floor(t, batch: int, seq: int) -> dict:
+def attention_floor(t: ModelDims, batch: int, seq: int) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    h, g, hd = t.num_attention_heads, t.num_key_value_heads, t.head_dim
+    h, g, hd = t.num_heads, t.num_kv_heads, t.head_dim
     q = torch.randn(batch, h, seq, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(batch, g, seq, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(batch, g, seq, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -135,13 +143,13 @@ def attention_floor(t, batch: int, seq: int) -> dict:
     best = min(v for v in out.values() if v is not None)
     # causal: half the S x S score matrix; fwd 2 GEMMs, bwd 5 (FLOPs as docs/flops.md counts them: 3.5x fwd)
     flops = 3.5 * 2 * 2 * batch * h * seq * seq * hd / 2
-    L = t.num_hidden_layers
+    L = t.num_layers
     return dict(ms=best * L, layer_ms=best, per_backend_layer_ms=out, tflops=flops / best / 1e9)
 
 
-def adamw_floor(t) -> dict:
-    d, f, hd, L = t.hidden_size, t.intermediate_size, t.head_dim, t.num_hidden_layers
-    q, kv = t.num_attention_heads * hd, t.num_key_value_heads * hd
+def adamw_floor(t: ModelDims) -> dict:
+    d, f, hd, L = t.hidden_size, t.intermediate_size, t.head_dim, t.num_layers
+    q, kv = t.num_heads * hd, t.num_kv_heads * hd
     layer = [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f), (d,), (d,), (hd,), (hd,)]
     shapes = layer * L + [(t.vocab_size, d), (d,)] + ([] if t.tie_word_embeddings else [(t.vocab_size, d)])
     params = [torch.zeros(s, device="cuda", requires_grad=True) for s in shapes]
@@ -178,9 +186,9 @@ def main() -> int:
     rows = []
     for name in args.cases.split(","):
         case = CASES[name]
-        _, mc = model_config(case)
-        t = text_cfg(mc)
-        if t.num_experts:
+        spec, mc = model_config(case)
+        t = spec.dims(mc)
+        if t.is_moe:
             raise SystemExit(f"{name}: the floor covers dense models only")
         n = case["batch"] * case["seq"]
         t0 = time.time()

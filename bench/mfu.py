@@ -7,14 +7,16 @@ the same timing: ``--warmup`` steps (compilation) then ``--steps`` timed steps, 
 MFU is computed for every stack from titan_mm's FLOP counter (docs/flops.md) against 989 TFLOP/s.
 
 Stacks:
-  titan            titan_mm's trainer path (registry model -> parallelize -> train_step), compile per block,
-                   Triton kernels on (the trainer's kernels.ops: all)
+  titan            titan_mm's trainer path: titan_mm.train.setup.setup(cfg) (meshes, registry model -> parallelize
+                   -> materialize, optimizer, schedule, step context) -> train_step, on a JobConfig made from the
+                   case (titan_argv), compile per block, Triton kernels on (the trainer's kernels.ops: all)
   titan_f8         the same + torchao float8 linears (tensorwise scales)
   titan_f8_pre     titan_f8 + float8.precompute_scale (one batched scale computation after each optimizer step)
   titan_eager      no compile, kernels on
   titan_nokernels  compile, pure-PyTorch ops (the reference path)
   titan_plain      titan_mm's model and train_step, but compile + fully_shard applied by hand to the blocks
-                   and the root (no plan registry, no parallelize): the plan path must cost nothing against it
+                   and the root (setup(cfg, model_fn=...): no plan, no parallelize): the plan path must cost
+                   nothing against it
   torchtitan       torchtitan 0.2.2's Qwen3 with per-block compile, full-logit CE
   hf_liger         HF transformers (sdpa) + Liger 0.8.5 kernels
   hf               HF transformers (sdpa)
@@ -41,17 +43,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PEAK_TFLOPS = 989.0
 
-# name -> (registry model, flavor, overrides of the flavor's config, batch, seq)
+# name -> registry model, flavor, overrides of the flavor's config (JSON-able: --model.overrides; a dict reaches
+# into a nested config: Qwen3-VL's layer cuts apply to its text model), batch, seq; vl: image+text rows (vl_batch)
 CASES: dict[str, dict] = {
-    "debug": dict(model="qwen3", flavor="debug", over={}, batch=2, seq=64),  # CPU smoke tests (--cpu)
-    "debug_vl": dict(model="qwen3_vl", flavor="debug", over={}, batch=1, seq=1024, vl=True),
-    "qwen3_1.7b": dict(model="qwen3", flavor="1.7B", over={}, batch=4, seq=4096),
-    "qwen3_4b": dict(model="qwen3", flavor="4B", over={}, batch=2, seq=4096),
-    "qwen3_30b_a3b_4l": dict(model="qwen3_moe", flavor="30B-A3B", over={"num_hidden_layers": 4}, batch=4, seq=4096),
-    "qwen3_vl_2b": dict(model="qwen3_vl", flavor="2B", over={}, batch=1, seq=8192, vl=True),
-    "qwen3_vl_30b_a3b_4l": dict(model="qwen3_vl_moe", flavor="30B-A3B", over={"num_hidden_layers": 4},
+    "debug": dict(model="qwen3", flavor="debug", overrides={}, batch=2, seq=64),  # CPU smoke tests (--cpu)
+    "debug_vl": dict(model="qwen3_vl", flavor="debug", overrides={}, batch=1, seq=1024, vl=True),
+    "qwen3_1.7b": dict(model="qwen3", flavor="1.7B", overrides={}, batch=4, seq=4096),
+    "qwen3_4b": dict(model="qwen3", flavor="4B", overrides={}, batch=2, seq=4096),
+    "qwen3_30b_a3b_4l": dict(model="qwen3_moe", flavor="30B-A3B", overrides={"num_hidden_layers": 4}, batch=4,
+                             seq=4096),
+    "qwen3_vl_2b": dict(model="qwen3_vl", flavor="2B", overrides={}, batch=1, seq=8192, vl=True),
+    "qwen3_vl_30b_a3b_4l": dict(model="qwen3_vl_moe", flavor="30B-A3B", overrides={"text": {"num_hidden_layers": 4}},
                                 batch=1, seq=8192, vl=True),
 }
+# the module whose make_sample / pack build the VL cases' synthetic image+text samples (titan_mm's data contract)
+VL_SYNTHETIC = "titan_mm.models.qwen3_vl.synthetic"
 
 
 def parse_ac(ac: str) -> tuple[str, int]:
@@ -63,34 +69,25 @@ def parse_ac(ac: str) -> tuple[str, int]:
     return mode, int(n or 0)
 
 
-def text_cfg(mc):
-    """The text-model part of a (possibly VL) config (Qwen3-VL keeps it in ``.text``)."""
-    return getattr(mc, "text", mc)
+def model_config(case: dict, attn_backend: str = "sdpa", kernels: bool | str = False):
+    """(spec, model config) of a case: the registry flavor with the case's overrides and these runtime fields."""
+    from titan_mm.registry import resolve_model
+
+    return resolve_model(case["model"], case["flavor"], overrides=case.get("overrides") or {},
+                         attn_backend=attn_backend, kernels=kernels)
 
 
-def model_config(case: dict):
-    import dataclasses
-
-    from titan_mm.registry import get_model_spec
-
-    spec = get_model_spec(case["model"])
-    mc = spec.flavor(case["flavor"])
-    if case["over"]:  # layer cuts etc. apply to the text model
-        if hasattr(mc, "text"):
-            mc = dataclasses.replace(mc, text=dataclasses.replace(mc.text, **case["over"]))
-        else:
-            mc = dataclasses.replace(mc, **case["over"])
-    return spec, mc
-
-
-def shape_of(mc, seq: int) -> dict:
-    """Peer-facing shape dict from a titan Qwen3 config."""
-    t = text_cfg(mc)
+def shape_of(spec, mc, seq: int) -> dict:
+    """Peer-facing shape dict of a titan model config: the decoder's dims (spec.dims), RoPE theta from its HF
+    config.json dict (what the HF peers are built from)."""
+    d = spec.dims(mc)
+    hf = mc.to_hf_dict()
+    rope = hf.get("text_config", hf)["rope_parameters"]
     return dict(
-        vocab_size=t.vocab_size, dim=t.hidden_size, n_layers=t.num_hidden_layers, n_heads=t.num_attention_heads,
-        n_kv_heads=t.num_key_value_heads, head_dim=t.head_dim, ffn_dim=t.intermediate_size, rope_theta=t.rope_theta,
-        tied=t.tie_word_embeddings, seq_len=seq, num_experts=t.num_experts, top_k=t.num_experts_per_tok,
-        moe_ffn_dim=t.moe_intermediate_size,
+        vocab_size=d.vocab_size, dim=d.hidden_size, n_layers=d.num_layers, n_heads=d.num_heads,
+        n_kv_heads=d.num_kv_heads, head_dim=d.head_dim, ffn_dim=d.intermediate_size, rope_theta=rope["rope_theta"],
+        tied=d.tie_word_embeddings, seq_len=seq, num_experts=d.num_experts, top_k=d.experts_per_tok,
+        moe_ffn_dim=d.moe_intermediate_size,
     )
 
 
@@ -112,49 +109,45 @@ def text_batch(vocab: int, batch: int, seq: int, device, seed: int = 0) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ worker
-def _titan_builder(case, stack, args, device):
-    import dataclasses
-
-    import torch
-
-    from titan_mm.config import load_config
-    from titan_mm.parallel.apply import float8_after_optimizer
-    from titan_mm.parallel.mesh import ParallelDims
-    from titan_mm.train.optim import build_lr_scheduler, build_optimizer
-    from titan_mm.train.state import TrainState
-    from titan_mm.train.step import StepContext, train_step
-    from titan_mm.train.trainer import build_model
-
-    spec, mc = model_config(case)
+def titan_argv(case: dict, stack: str, args) -> list[str]:
+    """The trainer's command-line overrides for a titan stack on a case (JobConfig defaults + these)."""
     ac_mode, ac_layers = parse_ac(args.ac)
     argv = [
         "--model.name", case["model"], "--model.flavor", case["flavor"],
+        # auto: the trainer's choice (flex on CUDA, sdpa on the CPU)
+        "--model.attn_backend", args.attn,
+        "--job.device", "cpu" if args.cpu else "cuda",
+        "--data.seq_len", str(case["seq"]), "--data.micro_batch_size", str(case["batch"]),
         "--compile.enable", str(stack != "titan_eager"),
         "--float8.enable", str(stack in ("titan_f8", "titan_f8_pre")),
         "--float8.precompute_scale", str(stack == "titan_f8_pre"),
+        # kernels on CUDA: the trainer's default op set, or --kernel-ops (e.g. "all,-rope": which op helps or
+        # hurts end to end); titan_nokernels runs the PyTorch references
         "--kernels.mode", "reference" if stack == "titan_nokernels" else "auto",
         "--activation_checkpoint.mode", ac_mode, "--activation_checkpoint.num_layers", str(ac_layers),
-        "--training.param_dtype", "bfloat16", "--training.reduce_dtype", "float32",
+        "--training.param_dtype", "bfloat16", "--training.reduce_dtype", "float32", "--training.max_norm", "1.0",
         "--checkpoint.enable", "False",
         "--parallel.fsdp_reshard_after_forward", args.reshard,
     ]
-    cfg = load_config(argv)
-    attn = args.attn if args.attn != "auto" else "flex"
-    # runtime fields sit on the top-level config (Qwen3-VL pushes them into its text config)
-    # the trainer's default op set, or --kernel-ops (e.g. "all,-rope": which op helps or hurts end to end)
-    kernels = (args.kernel_ops or cfg.kernels.ops) if stack != "titan_nokernels" else False
-    kw = {k: v for k, v in (("attn_backend", attn), ("kernels", kernels)) if hasattr(mc, k)}
-    mc = dataclasses.replace(mc, **kw)
-    pd = ParallelDims.from_config(cfg.parallel, 1)
-    pd.build_meshes()
-    if stack == "titan_plain":
-        model = _plain_model(spec, mc, device)
-    else:
-        model = build_model(cfg, spec, mc, pd, device)
-    opt = build_optimizer(model, cfg)
-    state = TrainState(model=model, optimizer=opt, scheduler=build_lr_scheduler(opt, cfg))
-    ctx = StepContext(device=device, attn_backend=attn, max_norm=1.0,
-                      after_optimizer=float8_after_optimizer(model, cfg))  # as the trainer (None unless float8 + precompute)
+    if case.get("overrides"):
+        argv += ["--model.overrides", json.dumps(case["overrides"])]
+    if args.kernel_ops and stack != "titan_nokernels":
+        argv += ["--kernels.ops", args.kernel_ops]
+    return argv
+
+
+def _titan_builder(case, stack, args, device):
+    """The trainer's setup(cfg) (titan_mm.train.setup: meshes, registry model -> parallelize -> materialize,
+    optimizer, schedule, step context) for the case; titan_plain hands it its hand-built model."""
+    import torch
+
+    from titan_mm.config import load_config
+    from titan_mm.train.setup import setup, tune_kernels
+    from titan_mm.train.step import train_step
+
+    cfg = load_config(titan_argv(case, stack, args))
+    run = setup(cfg, model_fn=_plain_model if stack == "titan_plain" else None)
+    spec, mc, device = run.spec, run.model_cfg, run.device
     if case.get("vl"):
         batch = vl_batch(mc, case["batch"], case["seq"])
         if device.type == "cuda":  # host batches arrive pinned, as from the trainer's loader (data.pin_memory):
@@ -162,34 +155,25 @@ def _titan_builder(case, stack, args, device):
             batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) and k not in ("cu_seqlens", "max_seqlen")
                      else v for k, v in batch.items()}
     else:
-        batch = text_batch(text_cfg(mc).vocab_size, case["batch"], case["seq"], device)
-    tune_kernels(mc, case, batch, device)
+        batch = text_batch(spec.dims(mc).vocab_size, case["batch"], case["seq"], device)
+    # the kernels' launch configs, picked before the first step as the trainer does: the forward never tunes
+    # (it must not synchronize)
+    pv = batch.get("pixel_values")
+    rep = tune_kernels(cfg, spec, mc, run.pd, device, vision_tokens=int(pv.shape[0]) if pv is not None else None)
+    if rep is not None:
+        print(f"[worker] kernels: tuned {sum(len(v) for v in rep['tuned'].values())} launch configs in "
+              f"{rep['seconds']:.1f}s {'; '.join(rep['skipped'])}", file=sys.stderr, flush=True)
 
     def step():
-        return train_step(state, [batch], ctx).loss
+        return train_step(run.state, [batch], run.ctx).loss
 
     return spec, mc, batch, step
 
 
-def tune_kernels(mc, case, batch, device):
-    """Launch configs of the Triton kernels, picked before the first step as the trainer does
-    (titan_mm.train.trainer.tune_kernels): the forward never tunes (it must not synchronize)."""
-    import torch
-
-    if device.type != "cuda" or not getattr(mc, "kernels", False):
-        return
-    import titan_mm.kernels as K
-
-    pv = batch.get("pixel_values")
-    rep = K.tune_for_model(mc, case["batch"] * case["seq"], torch.bfloat16, device,
-                           vision_tokens=int(pv.shape[0]) if pv is not None else None)
-    print(f"[worker] kernels: tuned {sum(len(v) for v in rep['tuned'].values())} launch configs in "
-          f"{rep['seconds']:.1f}s {'; '.join(rep['skipped'])}", file=sys.stderr, flush=True)
-
-
-def _plain_model(spec, mc, device):
-    """The model prepared by hand, as a user without the plan registry would: per-block torch.compile, then
-    fully_shard (bf16 params, fp32 reduce) per block and on the root of a 1-GPU mesh. Text models only."""
+def _plain_model(spec, mc, pd, device):
+    """setup()'s model_fn for titan_plain: the model prepared by hand, as a user without the plan registry would:
+    per-block torch.compile, then fully_shard (bf16 params, fp32 reduce) per block and on the root of a 1-GPU mesh
+    of its own (``pd``'s meshes are left unused). Text models only."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -209,21 +193,25 @@ def _plain_model(spec, mc, device):
     return model
 
 
-def vl_batch(mc, batch: int, seq: int, seed: int = 0) -> dict:
+def vl_batch(mc, batch: int, seq: int, seed: int = 0, synthetic: str = VL_SYNTHETIC) -> dict:
     """One document per row: images of 32x32 patches (512x512 px) each followed by 512 text tokens, until
-    the row is full. One document per row gives HF (no packed-document masking) the same attention work."""
+    the row is full. One document per row gives HF (no packed-document masking) the same attention work.
+    ``synthetic``: the module whose make_sample / pack build the samples for ``mc``'s family."""
+    import importlib
+
     import torch
 
-    from titan_mm.models.qwen3_vl.synthetic import make_sample, pack
+    from titan_mm.registry import spec_for_config
 
+    syn = importlib.import_module(synthetic)
     g = torch.Generator().manual_seed(seed)
-    per = 32 * 32 // mc.vision.spatial_merge_size**2 + 2 + 512
+    per = 32 * 32 // spec_for_config(mc).data_needs(mc).merge_size**2 + 2 + 512
     samples = []
     for _ in range(batch):
         segs = [("image", (32, 32)), ("text", 512)] * (seq // per)
         segs.append(("text", seq - (seq // per) * per))
-        samples.append(make_sample(mc, segs, g))
-    return pack(samples, mc, seq_len=seq, rows=batch)
+        samples.append(syn.make_sample(mc, segs, g))
+    return syn.pack(samples, mc, seq_len=seq, rows=batch)
 
 
 def _peer_builder(case, stack, device):
@@ -233,9 +221,9 @@ def _peer_builder(case, stack, device):
 
     spec, mc = model_config(case)
     batch = vl_batch(mc, case["batch"], case["seq"]) if case.get("vl") else \
-        text_batch(text_cfg(mc).vocab_size, case["batch"], case["seq"], device)
+        text_batch(spec.dims(mc).vocab_size, case["batch"], case["seq"], device)
     if stack == "torchtitan":
-        model, fb = peers.build_torchtitan(shape_of(mc, case["seq"]), device)
+        model, fb = peers.build_torchtitan(shape_of(spec, mc, case["seq"]), device)
     else:
         model, fb = peers.build_hf(mc.to_hf_dict(), device, liger=stack == "hf_liger")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -274,15 +262,10 @@ def worker(args) -> dict:
         spec, mc, batch, step = _titan_builder(case, args.stack, args, device)
     else:
         spec, mc, batch, step = _peer_builder(case, args.stack, device)
-    from titan_mm.observe.mfu import doc_lens_from_batch
+    from bench.scaling import batch_flops
 
-    if case.get("vl"):
-        from titan_mm.models.qwen3_vl.flops import flops_of_batch
-
-        fb = flops_of_batch(mc, batch)
-        flops, flops_llm = fb["total"], fb["llm"]
-    else:
-        flops = flops_llm = spec.flops(mc, doc_lens_from_batch(batch))
+    # the registry's FLOPs of the batch's documents (vision tower included), and without the vision tower
+    flops, flops_llm = batch_flops(spec, mc, batch), batch_flops(spec, mc, batch, vision=False)
     n_tok = int(batch["input_ids"].numel())
     print(f"[worker] {args.case} {args.stack}: built in {time.perf_counter() - t_build:.1f}s", file=sys.stderr, flush=True)
     t_compile = time.perf_counter()
@@ -380,7 +363,8 @@ def main() -> int:
                     "(default: the config's, 'all'); the row records it and keys on it")
     ap.add_argument("--reshard", default="always", choices=("always", "never"),
                     help="titan parallel.fsdp_reshard_after_forward; a row other than always (the default) records it and keys on it")
-    ap.add_argument("--attn", default="auto", help="titan attention backend: auto (flex) | sdpa | flex | varlen")
+    ap.add_argument("--attn", default="auto", help="titan model.attn_backend: auto (the trainer's: flex on CUDA, "
+                    "sdpa on the CPU) | sdpa | flex | varlen")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=400, help="seconds per (case, stack) subprocess")

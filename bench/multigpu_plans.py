@@ -40,8 +40,8 @@ Part 2, MFU (``--mfu-cases``), all GPUs, ``--mfu-steps`` steps, median after ``-
   vl_moe_ep   Qwen3-VL-30B-A3B-shaped (same layer rule), EP = W + FSDP, synthetic packed image+text rows
               of 8192 tokens (512x512-pixel images + 512 text tokens per sample,
               titan_mm/models/qwen3_vl/synthetic.py), full AC. The trainer's synthetic source is text-only,
-              so this case runs a worker of this script under torchrun that drives the trainer's own
-              build_model / optimizer / train_step on those batches.
+              so this case runs a worker of this script under torchrun that builds its run with the trainer's
+              own setup(cfg) (titan_mm.train.setup) and drives train_step on those batches.
   cp_32k      Qwen3-8B, CP = W (Ulysses), one row of 32768 tokens, full AC.   Anchor: VeOmni 41-44% MFU
   cp_128k     the same at 131072 tokens.                                        at 32K-128K.
 TFLOP/s per GPU = registry FLOPs of the step's real documents (6 x active params + attention, vision tower
@@ -71,8 +71,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scaling import (  # noqa: E402
-    BOUNDS_CPU, BOUNDS_GPU, PEAK_TFLOPS, add_render_args, apply_noise_floor, compare, env_info, fmt, launch, merge_rows,
-    perf, read_metrics, render_into, step_flops, trainer_argv, verdict,
+    BOUNDS_CPU, BOUNDS_GPU, PEAK_TFLOPS, add_render_args, apply_noise_floor, batch_flops, case_model, compare, env_info,
+    fmt, launch, merge_rows, perf, read_metrics, render_into, step_flops, trainer_argv, verdict,
 )
 
 GPU_MODELS = {
@@ -103,15 +103,23 @@ CASES = {
 }
 
 
+# the module whose synthetic_vl_batch makes the VL MFU case's packed image+text rows
+VL_SYNTHETIC = "titan_mm.models.qwen3_vl.synthetic"
+
+
 def mfu_cases(cpu: bool, W: int) -> dict[str, dict]:
-    """MFU case -> model, parallel flags, seq, rows per GPU, AC, worker ('trainer' or 'vl')."""
+    """MFU case -> model (registry name, flavor, model.overrides: a dict reaches into a nested config, as the VL
+    text model's layer cut), parallel flags, seq, rows per GPU, AC, worker ('trainer' or 'vl': the latter with
+    image_hw, text tokens per sample and its synthetic module)."""
     if cpu:
         return {
             "moe_ep": dict(model=dict(name="qwen3_moe", flavor="debug_moe",
                                       overrides={"vocab_size": 512, "num_hidden_layers": 2}),
                            parallel={"ep": W}, seq=64, mb=2, ac="none", worker="trainer"),
-            "vl_moe_ep": dict(model=dict(name="qwen3_vl_moe", flavor="debug", text_layers=2),
-                              parallel={"ep": W}, seq=128, mb=1, ac="none", worker="vl", image_hw=(4, 4), text=26),
+            "vl_moe_ep": dict(model=dict(name="qwen3_vl_moe", flavor="debug",
+                                         overrides={"text": {"num_hidden_layers": 2}}),
+                              parallel={"ep": W}, seq=128, mb=1, ac="none", worker="vl", image_hw=(4, 4), text=26,
+                              synthetic=VL_SYNTHETIC),
             "cp_long": dict(model=dict(name="qwen3", flavor="debug",
                                        overrides={"vocab_size": 512, "num_hidden_layers": 2}),
                             parallel={"cp": W, "cp_mode": "ulysses"}, seq=512, mb=1, ac="none", worker="trainer"),
@@ -120,8 +128,10 @@ def mfu_cases(cpu: bool, W: int) -> dict[str, dict]:
     return {
         "moe_ep": dict(model=dict(name="qwen3_moe", flavor="30B-A3B", overrides={"num_hidden_layers": layers}),
                        parallel={"ep": W}, seq=4096, mb=2, ac="full", worker="trainer"),
-        "vl_moe_ep": dict(model=dict(name="qwen3_vl_moe", flavor="30B-A3B", text_layers=layers),
-                          parallel={"ep": W}, seq=8192, mb=1, ac="full", worker="vl", image_hw=(32, 32), text=512),
+        "vl_moe_ep": dict(model=dict(name="qwen3_vl_moe", flavor="30B-A3B",
+                                     overrides={"text": {"num_hidden_layers": layers}}),
+                          parallel={"ep": W}, seq=8192, mb=1, ac="full", worker="vl", image_hw=(32, 32), text=512,
+                          synthetic=VL_SYNTHETIC),
         "cp_32k": dict(model=dict(name="qwen3", flavor="8B", overrides={}),
                        parallel={"cp": W, "cp_mode": "ulysses"}, seq=32768, mb=1, ac="full", worker="trainer"),
         "cp_128k": dict(model=dict(name="qwen3", flavor="8B", overrides={}),
@@ -140,52 +150,35 @@ def dp_degree(parallel: dict, world: int) -> int:
 
 # ------------------------------------------------------------------------------------------------ VL worker
 def vl_worker(args) -> int:
-    """One rank of the VL MFU run (under torchrun): the trainer's model / optimizer / step on synthetic packed
-    image+text micro-batches; rank 0 writes <run>/metrics.jsonl like the trainer."""
-    import dataclasses
+    """One rank of the VL MFU run (under torchrun): the trainer's setup(cfg) (meshes, model, optimizer, step
+    context) and train_step on synthetic packed image+text micro-batches; rank 0 writes <run>/metrics.jsonl like
+    the trainer."""
+    import importlib
 
     import torch
     import torch.distributed as dist
 
     from titan_mm.config import load_config, run_dir
-    from titan_mm.models.qwen3_vl.flops import flops_of_batch
-    from titan_mm.models.qwen3_vl.synthetic import synthetic_vl_batch
     from titan_mm.observe.health import peak_memory_gb, reset_peak_memory
-    from titan_mm.parallel.mesh import ParallelDims
-    from titan_mm.train.optim import build_lr_scheduler, build_optimizer
-    from titan_mm.train.state import TrainState
-    from titan_mm.train.step import StepContext, train_step
-    from titan_mm.train.trainer import (build_model, data_parallel_groups, grad_accum_steps, pick_device,
-                                        resolve_model, seed_everything, setup_distributed, tune_kernels)
+    from titan_mm.train.setup import setup, tune_kernels
+    from titan_mm.train.step import train_step
 
     cfg = load_config(args.trainer_args)
-    device = pick_device(cfg)
-    rank, world = setup_distributed(cfg, device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    seed_everything(cfg.training.seed, cfg.training.deterministic)
-    pd = ParallelDims.from_config(cfg.parallel, world)
-    dp_rank, dp_world, loss_group, count_group, loss_world = data_parallel_groups(pd)
-    spec, mc = resolve_model(cfg, device)
-    if args.text_layers:
-        mc = dataclasses.replace(mc, text=dataclasses.replace(mc.text, num_hidden_layers=args.text_layers))
-    model = build_model(cfg, spec, mc, pd, device)
-    tune_kernels(cfg, mc, pd, device)  # the kernels' launch configs, before the first step (as the trainer)
-    opt = build_optimizer(model, cfg)
-    state = TrainState(model=model, optimizer=opt, scheduler=build_lr_scheduler(opt, cfg))
-    n_micro = grad_accum_steps(cfg, dp_world)
+    run = setup(cfg)
+    spec, mc, pd, device = run.spec, run.model_cfg, run.pd, run.device
+    state, ctx, n_micro = run.state, run.ctx, run.n_micro
     hw = tuple(int(x) for x in args.image_hw.split("x"))
+    make = importlib.import_module(args.synthetic).synthetic_vl_batch
     # two different packed micro-batches per rank, reused (random pixels are slow to make on the host)
-    batches = [synthetic_vl_batch(mc, num_tokens=cfg.data.seq_len, rows=cfg.data.micro_batch_size, image_hw=hw,
-                                  text_per_sample=args.text_per_sample, seed=1000 * i + dp_rank) for i in range(2)]
-    flops = [flops_of_batch(mc, b)["total"] for b in batches]
-    ctx = StepContext(device=device, attn_backend=getattr(mc, "attn_backend", "sdpa"),  # as the trainer does
-                      sliding_window=getattr(mc, "attn_sliding_window", None), max_norm=cfg.training.max_norm,
-                      loss_group=loss_group, count_group=count_group, dp_world=dp_world, loss_world=loss_world,
-                      parallel_dims=pd, cp_mode=cfg.parallel.cp_mode)
+    batches = [make(mc, num_tokens=cfg.data.seq_len, rows=cfg.data.micro_batch_size, image_hw=hw,
+                    text_per_sample=args.text_per_sample, seed=1000 * i + run.dp_rank) for i in range(2)]
+    flops = [batch_flops(spec, mc, b) for b in batches]
+    pv = batches[0].get("pixel_values")
+    # the kernels' launch configs, before the first step (as the trainer), at this batch's vision token count
+    tune_kernels(cfg, spec, mc, pd, device, vision_tokens=int(pv.shape[0]) if pv is not None else None)
     out = run_dir(cfg)
     f = None
-    if rank == 0:
+    if run.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         f = open(out / "metrics.jsonl", "a")
     for step in range(cfg.training.steps):
@@ -206,8 +199,9 @@ def vl_worker(args) -> int:
                   flush=True)
     if f is not None:
         f.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
@@ -306,13 +300,13 @@ def run_mfu(args, dump: Path, W: int) -> list[dict]:
         par = spec["parallel"]
         dp = dp_degree(par, W)
         model = spec["model"]
-        argv = trainer_argv(dict(model, overrides=model.get("overrides", {})), seq=spec["seq"], mb=spec["mb"],
+        argv = trainer_argv(model, seq=spec["seq"], mb=spec["mb"],
                             global_batch=0, steps=args.mfu_steps, name=name, dump=dump, cpu=args.cpu,
                             compile_=args.compile, float8=args.float8, ac=args.ac or spec["ac"], parallel=par)
         print(f"[plans] {name}: {W} processes, {par}, {spec['mb']} x {spec['seq']} tokens per data-parallel rank",
               flush=True)
         if spec["worker"] == "vl":
-            entry = [str(Path(__file__).resolve()), "--vl-worker", "--text-layers", str(model["text_layers"]),
+            entry = [str(Path(__file__).resolve()), "--vl-worker", "--synthetic", spec["synthetic"],
                      "--image-hw", "x".join(map(str, spec["image_hw"])), "--text-per-sample", str(spec["text"]), "--trainer-flags"]
         else:
             entry = ["-m", "titan_mm.train.trainer"]
@@ -321,8 +315,10 @@ def run_mfu(args, dump: Path, W: int) -> list[dict]:
         flops = None
         if spec["worker"] == "trainer" and m:
             flops = step_flops(model, spec["seq"], spec["mb"] * dp, sorted(m))
-        row = dict(case=c, model=model["name"], flavor=model["flavor"], layers=model.get("overrides", {}).get(
-            "num_hidden_layers", model.get("text_layers")), world=W, parallel=par, seq=spec["seq"], rows_per_dp_rank=spec["mb"],
+        mspec, mc = case_model(model)  # layers: the decoder depth of a cut model (None: the flavor's, uncut)
+        layers = mspec.dims(mc).num_layers if model.get("overrides") else None
+        row = dict(case=c, model=model["name"], flavor=model["flavor"], layers=layers, world=W, parallel=par,
+                   seq=spec["seq"], rows_per_dp_rank=spec["mb"],
             ac=args.ac or spec["ac"], float8=args.float8, compile=args.compile, steps_done=len(m), wall_s=res["seconds"])
         peak = None if args.cpu else args.peak_tflops
         row.update(perf(m, W, args.warmup, flops, peak))
@@ -366,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--vl-worker" in argv:  # torchrun entry: --vl-worker WORKER_FLAGS --trainer-flags TRAINER_FLAGS
         wp = argparse.ArgumentParser()
         wp.add_argument("--vl-worker", action="store_true")
-        wp.add_argument("--text-layers", type=int, default=0)
+        wp.add_argument("--synthetic", default=VL_SYNTHETIC, help="module with synthetic_vl_batch(model_cfg, ...)")
         wp.add_argument("--image-hw", default="32x32")
         wp.add_argument("--text-per-sample", type=int, default=512)
         cut = argv.index("--trainer-flags") if "--trainer-flags" in argv else len(argv)

@@ -177,23 +177,33 @@ def compare(run: dict[int, dict], ref: dict[int, dict], steps: list[int], bounds
                 grad_norm=[run[s]["grad_norm"] for s in steps], ref_grad_norm=[ref[s]["grad_norm"] for s in steps])
 
 
+def case_model(model: dict):
+    """(spec, model config) of a table entry (registry name, flavor, overrides: what the trainer's --model.name /
+    --model.flavor / --model.overrides resolve to)."""
+    from titan_mm.registry import resolve_model
+
+    return resolve_model(model["name"], model["flavor"], overrides=model.get("overrides") or {})
+
+
+def batch_flops(spec, mc, batch: dict, vision: bool = True) -> float:
+    """Training FLOPs of one host batch from the registry counter over its documents, as the trainer counts them
+    (the batch's vision grids let a vision family count its tower; ``vision=False``: the LLM alone)."""
+    from titan_mm.observe.mfu import doc_lens_from_batch
+
+    grids = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw") if vision and k in batch}
+    return float(spec.flops(mc, doc_lens_from_batch(batch), **grids))
+
+
 def step_flops(model: dict, seq: int, rows: int, steps: list[int], seed: int = 0) -> dict[int, float]:
     """Training FLOPs of each step's global batch (registry counter over its real documents), rebuilt from
     the synthetic loader (its rows depend on (seed, step, row) only)."""
-    import dataclasses
-
-    from titan_mm.observe.mfu import doc_lens_from_batch
-    from titan_mm.registry import get_model_spec
     from titan_mm.train.synthetic import SyntheticLoader
 
-    spec = get_model_spec(model["name"])
-    mc = spec.flavor(model["flavor"])
-    if model.get("overrides"):
-        mc = dataclasses.replace(mc, **model["overrides"])
-    vocab = getattr(mc, "vocab_size", None) or mc.text.vocab_size
-    loader = SyntheticLoader(vocab_size=vocab, seq_len=seq, micro_batch_size=rows, n_micro=1, seed=seed)
+    spec, mc = case_model(model)
+    loader = SyntheticLoader(vocab_size=spec.dims(mc).vocab_size, seq_len=seq, micro_batch_size=rows, n_micro=1,
+                             seed=seed)
     # metrics step s is the update made at state step s - 1
-    return {s: float(spec.flops(mc, doc_lens_from_batch(loader.batch(s - 1)))) for s in steps}
+    return {s: batch_flops(spec, mc, loader.batch(s - 1)) for s in steps}
 
 
 def perf(metrics: dict[int, dict], world: int, warmup: int, flops: dict[int, float] | None, peak: float | None) -> dict:
