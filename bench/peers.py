@@ -18,6 +18,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
+# the peers' table of cases: HF model_type -> (transformers class, Liger's SwiGLU patch on; its Qwen3-VL one is
+# off by default)
+HF_PEERS = {
+    "qwen3": ("Qwen3ForCausalLM", True),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", True),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", False),
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", True),
+}
+
 
 def _hf_modules(model):
     """Decoder layers (and vision blocks) of an HF Qwen3 / Qwen3-VL model, the FSDP units."""
@@ -34,6 +43,7 @@ def build_hf(hf_config: dict, device: torch.device, liger: bool, compile_blocks:
     from transformers import AutoConfig
 
     mt = hf_config["model_type"]
+    cls_name, liger_swiglu = HF_PEERS[mt]
     cfg = AutoConfig.for_model(**hf_config)
     cfg._attn_implementation = "sdpa"
     if liger:
@@ -41,14 +51,10 @@ def build_hf(hf_config: dict, device: torch.device, liger: bool, compile_blocks:
 
         patch = getattr(lk, f"apply_liger_kernel_to_{mt}")
         kw = dict(rope=True, rms_norm=True, fused_linear_cross_entropy=True)
-        if mt != "qwen3_vl":  # Liger's Qwen3-VL SwiGLU patch is off by default
+        if liger_swiglu:
             kw["swiglu"] = True
         patch(**kw)
-    cls = {
-        "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
-        "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
-    }[mt]
+    cls = getattr(transformers, cls_name)
     with torch.device(device):
         model = cls(cfg).float()
     for unit in _hf_modules(model):
