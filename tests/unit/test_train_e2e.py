@@ -46,7 +46,8 @@ def test_debug_config_trains_checkpoints_and_exports(tmp_path, name):
     config = f"debug_{name}"
     assert (ROOT / "train_configs" / f"{config}.toml").is_file(), f"family {name!r} ships no {config}.toml"
     r = run_sh(["--config", config, "--job.dump_folder", str(tmp_path), "--training.steps", "4",
-                "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "2", "--metrics.log_freq", "1"])
+                "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "2", "--metrics.log_freq", "1",
+                "--training.global_batch_size", "0"])  # one micro-batch per step: the mechanics, not the recipe
     assert r.returncode == 0, r.stderr[-3000:]
     run = tmp_path / config
     rows = read_metrics(run / "metrics.jsonl")
