@@ -29,6 +29,7 @@ paged decode kernels read the blocks in place later.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ class KVStep:
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
-class KVCache:
+class KVCache(abc.ABC):
     """Storage of every layer (``k[layer]``, ``v[layer]``) and the lengths of the sequences it holds."""
 
     k: tuple[torch.Tensor, ...]
@@ -68,12 +69,13 @@ class KVCache:
     step: KVStep | None = None
     """The planned step (plan_step); the forward reads only this."""
 
+    @abc.abstractmethod
     def _slots(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Slot of position ``pos`` of sequence ``rows`` (host tensors of one shape)."""
-        raise NotImplementedError
+        """Slot of position ``pos`` of sequence ``rows`` (host tensors of one shape): the layout's arithmetic."""
 
+    @abc.abstractmethod
     def _check_capacity(self, total: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Raise when ``total`` [B] tokens per sequence do not fit the layout."""
 
     def update(self, layer: int, k_BSGK: torch.Tensor, v_BSGK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's new k/v of ``layer`` into their slots; -> every cached k, v of each sequence
