@@ -33,31 +33,13 @@ def titan_to_hf(sd: dict[str, torch.Tensor], cfg: Qwen2Config | Qwen3Config) -> 
 
 def check_hf_dir(hf_dir: str | os.PathLike, cfg: Qwen2Config | Qwen3Config) -> None:
     """model_type "qwen2", then every tensor's name and shape from the safetensors headers (no data read)."""
-    mt = hf_io.read_hf_config(hf_dir).get("model_type")
-    if mt != MODEL_TYPE:
-        raise hf_io.HFCheckpointError(f"{hf_dir}/config.json has model_type={mt!r} but the model is {MODEL_TYPE!r}; "
-                                      "load it with the matching registry entry (titan_mm.registry.spec_for_hf_dir)")
-    dec = as_decoder(cfg)
-    meta = {k: torch.empty(s, device="meta") for k, s in hf_io.safetensors_shapes(hf_dir).items()}
-    got = {k: tuple(v.shape) for k, v in qwen3_hf.hf_to_titan(meta, dec).items()}
-    hf_io.check_tensors(got, qwen3_hf.expected_titan_shapes(dec), str(hf_dir), describe=qwen3_hf.describe,
-                        hint="check that config.json matches the weights (same flavor, tie_word_embeddings) "
-                        "and that the download is complete")
+    qwen3_hf.check_hf_dir(hf_dir, as_decoder(cfg), model_type=MODEL_TYPE)
 
 
 def load_hf(model, hf_dir: str | os.PathLike) -> None:
-    """Load a local HF Qwen2 directory into ``model`` (plain, meta-built, or FSDP / TP-sharded): names and
-    shapes checked first, then one decoder layer at a time into a sharded model (peak extra host memory: one
-    layer), or the whole state dict strictly into a plain / meta one."""
-    check_hf_dir(hf_dir, model.cfg)
-    parts = qwen3_hf.iter_hf_state_dict(hf_dir, model.cfg)
-    if hf_io.is_sharded(model):
-        for part in parts:
-            hf_io.load_full_state_dict(model, part, strict=False)
-    else:
-        hf_io.load_full_state_dict(model, {k: v for part in parts for k, v in part.items()})
-    if model.rope_inv_freq.is_meta:
-        model.init_buffers(model.tok_embeddings.weight.device)
+    """Load a local HF Qwen2 directory into ``model`` (plain, meta-built, or FSDP / TP-sharded): Qwen3's loader
+    with model_type "qwen2" expected."""
+    qwen3_hf.load_hf(model, hf_dir, model_type=MODEL_TYPE)
 
 
 def save_hf(model_or_sd, cfg: Qwen2Config, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,

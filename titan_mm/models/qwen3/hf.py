@@ -154,18 +154,20 @@ def describe(titan_name: str) -> str:
     return titan_name
 
 
-def _check_model_type(hf_cfg: dict, cfg: Qwen3Config, hf_dir) -> None:
+def _check_model_type(hf_cfg: dict, cfg: Qwen3Config, hf_dir, model_type: str | None = None) -> None:
+    want = model_type or cfg.model_type  # families built on this decoder (Qwen2) name their own
     mt = hf_cfg.get("model_type")
-    if mt != cfg.model_type:
+    if mt != want:
         raise hf_io.HFCheckpointError(
-            f"{hf_dir}/config.json has model_type={mt!r} but the model is {cfg.model_type!r}; "
+            f"{hf_dir}/config.json has model_type={mt!r} but the model is {want!r}; "
             f"load it with the matching registry entry / flavor (titan_mm.registry.get_model_spec)"
         )
 
 
-def check_hf_dir(hf_dir: str | os.PathLike, cfg: Qwen3Config) -> None:
-    """Check model_type and every tensor's name and shape without reading tensor data (header only)."""
-    _check_model_type(hf_io.read_hf_config(hf_dir), cfg, hf_dir)
+def check_hf_dir(hf_dir: str | os.PathLike, cfg: Qwen3Config, model_type: str | None = None) -> None:
+    """Check model_type (``model_type``: another family's, default the config's) and every tensor's name and
+    shape without reading tensor data (header only)."""
+    _check_model_type(hf_io.read_hf_config(hf_dir), cfg, hf_dir, model_type)
     # the same conversion as the real load, on meta tensors: names, expert stacking and shapes
     meta = {k: torch.empty(shape, device="meta") for k, shape in hf_io.safetensors_shapes(hf_dir).items()}
     got = {k: tuple(v.shape) for k, v in hf_to_titan(meta, cfg).items()}
@@ -189,28 +191,30 @@ def iter_hf_state_dict(hf_dir: str | os.PathLike, cfg: Qwen3Config):
         yield hf_to_titan(hf_io.read_safetensors(hf_dir, groups[layer]), cfg)
 
 
-def read_hf_state_dict(hf_dir: str | os.PathLike, cfg: Qwen3Config) -> dict[str, torch.Tensor]:
+def read_hf_state_dict(hf_dir: str | os.PathLike, cfg: Qwen3Config, model_type: str | None = None
+                       ) -> dict[str, torch.Tensor]:
     """Read a local HF dir into full CPU tensors with titan names, checking model_type, every name and shape."""
-    check_hf_dir(hf_dir, cfg)
+    check_hf_dir(hf_dir, cfg, model_type)
     sd: dict[str, torch.Tensor] = {}
     for part in iter_hf_state_dict(hf_dir, cfg):
         sd.update(part)
     return sd
 
 
-def load_hf(model, hf_dir: str | os.PathLike) -> None:
-    """Load a local HF directory into ``model`` (plain, meta-built, or FSDP-sharded).
+def load_hf(model, hf_dir: str | os.PathLike, model_type: str | None = None) -> None:
+    """Load a local HF directory into ``model`` (plain, meta-built, or FSDP-sharded); ``model_type``: the
+    config.json's expected one when another family builds this decoder (default: the model config's).
 
     Names and shapes are checked first from the safetensors headers. An FSDP-sharded model is filled one
     layer at a time through DCP's ``set_model_state_dict(full_state_dict=True)`` (every rank reads the
     files; peak extra memory is one layer); other models load the full state dict strictly."""
     cfg: Qwen3Config = model.cfg
     if hf_io.is_sharded(model):
-        check_hf_dir(hf_dir, cfg)
+        check_hf_dir(hf_dir, cfg, model_type)
         for part in iter_hf_state_dict(hf_dir, cfg):
             hf_io.load_full_state_dict(model, part, strict=False)
     else:
-        hf_io.load_full_state_dict(model, read_hf_state_dict(hf_dir, cfg))
+        hf_io.load_full_state_dict(model, read_hf_state_dict(hf_dir, cfg, model_type))
     if hasattr(model, "init_buffers") and model.rope_inv_freq.is_meta:
         model.init_buffers(model.tok_embeddings.weight.device)
 
