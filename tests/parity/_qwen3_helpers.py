@@ -38,8 +38,12 @@ def hf_model(moe: bool = False, tie: bool = False, seed: int = 0, **kw):
     torch.manual_seed(seed)
     cfg = hf_config(moe, tie, **kw)
     cfg._attn_implementation = "eager"
-    m = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(cfg).float().eval()
-    with torch.no_grad():  # HF inits norms to 1 and some weights to 0; randomize everything for a real test
+    return randomize_((Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(cfg).float().eval())
+
+
+def randomize_(m):
+    """HF inits norms to 1 and some weights to 0; randomize everything for a real test (in place, returns m)."""
+    with torch.no_grad():
         for n, p in m.named_parameters():
             if "norm" in n:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _qwen3_helpers import assert_grads_close, grads_by_titan_name, packed_batch
+from _qwen3_helpers import assert_grads_close, grads_by_titan_name, packed_batch, randomize_
 from titan_mm.models.common.attention import build_attn_meta
 from titan_mm.models.common.hf_io import HFCheckpointError
 from titan_mm.models.qwen2 import FLAVORS, Qwen2Config, build
@@ -32,14 +32,7 @@ def hf_model(tie: bool = False, seed: int = 0, attn: str = "eager", **kw):
         attention_dropout=0.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **kw)
     cfg._attn_implementation = attn
     torch.manual_seed(seed)
-    m = transformers.Qwen2ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.05)
-    return m
+    return randomize_(transformers.Qwen2ForCausalLM(cfg).float().eval())
 
 
 def titan_from_hf_dir(hf, path, **runtime):

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from titan_mm.models.common import init
 from titan_mm.models.common.norm import RMSNorm, rms_norm
 from titan_mm.models.common.rope import apply_rope
+from titan_mm.models.common.kv_cache import KVCache
 
 BACKENDS = ("sdpa", "flex", "varlen")
 KINDS = ("causal", "bidirectional", "block_causal", "prefix_lm")
@@ -88,7 +89,7 @@ class AttnMeta:
     cp: Any = None
     """Context-parallel attention set by titan_mm.parallel.cp.prepare_cp_batch (q/k/v are then local sequence
     shards); when set, attention() delegates to ``cp(q, k, v, window)``."""
-    kv_cache: Any = None
+    kv_cache: KVCache | None = None
     """A planned KVCache (titan_mm.models.common.kv_cache.plan_step) when decoding; None in training. Each
     Attention writes its layer's new k/v into it and attends to all cached keys of the sequence."""
 
@@ -177,7 +178,7 @@ def _whole_rows(cu: torch.Tensor | None, B: int, S: int) -> bool:
 
 def build_attn_meta(
     batch: dict[str, torch.Tensor], backend: str, device: torch.device | str, sliding_window: int | None = None,
-    dense_mask: bool = False, kind: str = "causal", block_size: int | None = None, kv_cache: Any = None,
+    dense_mask: bool = False, kind: str = "causal", block_size: int | None = None, kv_cache: KVCache | None = None,
 ) -> AttnMeta:
     """Turn a batch's ``doc_ids`` / ``cu_seqlens`` / ``max_seqlen`` (and ``prefix_mask`` for kind "prefix_lm")
     into backend metadata for mask ``kind`` (on ``device``).
@@ -248,12 +249,12 @@ def build_attn_meta(
     return meta
 
 
-def _cache_meta(cache, backend: str, kind: str, sliding_window: int | None, B: int, S: int) -> AttnMeta:
+def _cache_meta(cache: KVCache, backend: str, kind: str, sliding_window: int | None, B: int, S: int) -> AttnMeta:
     """Metadata of a decoding step: the planned cache; its masks were built on the host by plan_step."""
     if kind != "causal":
         raise ValueError(f"the KV-cache path attends causally; kind {kind!r} with a kv_cache is not supported, "
                          "use kind='causal'")
-    step = getattr(cache, "step", None)
+    step = cache.step
     if step is None:
         raise ValueError("kv_cache has no planned step; call titan_mm.models.common.kv_cache.plan_step(cache, "
                          "new_lens) before build_attn_meta")

@@ -1,11 +1,9 @@
 """The Qwen2 / Qwen2.5 answers to the family contract (titan_mm.registry.ModelSpec): Qwen3's
-(titan_mm/models/qwen3/spec.py) on the derived decoder config, with two differences:
-
-* no per-head RMSNorm (no qk-norm), so ``kernel_shapes`` lists no ``head_norm`` widths;
-* the chat template is "qwen3_vl" (titan_mm/data/processors.py): plain ChatML
-  (``<|im_start|>role\\n...<|im_end|>``) with no ``<think>`` block, which is Qwen2.5-Instruct's format. The
-  "qwen3" template adds Qwen3's hybrid-thinking block to the last assistant turn, which Qwen2.5 never saw.
-  (Qwen2.5's HF template also inserts a default system prompt when a chat has none; the data must carry it.)
+(titan_mm/models/qwen3/spec.py) on the derived decoder config (qk_norm=False: ``kernel_shapes`` lists no
+``head_norm`` widths), except the chat template: "qwen3_vl" (titan_mm/data/processors.py): plain ChatML
+(``<|im_start|>role\\n...<|im_end|>``) with no ``<think>`` block, which is Qwen2.5-Instruct's format. The
+"qwen3" template adds Qwen3's hybrid-thinking block to the last assistant turn, which Qwen2.5 never saw.
+(Qwen2.5's HF template also inserts a default system prompt when a chat has none; the data must carry it.)
 """
 
 from __future__ import annotations
@@ -34,4 +32,4 @@ def data_needs(cfg: Qwen2Config) -> DataNeeds:
 
 
 def kernel_shapes(cfg: Qwen2Config, tp: int = 1, encoder_tp: bool = False) -> KernelShapes:
-    return dataclasses.replace(qwen3_spec.kernel_shapes(as_decoder(cfg), tp, encoder_tp), head_norm=())
+    return qwen3_spec.kernel_shapes(as_decoder(cfg), tp, encoder_tp)
