@@ -1,0 +1,81 @@
+"""The serving engine on a GPU (run on the H200): the model step of every engine iteration runs under
+torch.cuda.set_sync_debug_mode("error") (a host sync raises), for Qwen3, Qwen3-MoE and Qwen3-VL with images, with
+chunked prefill, forced preemption and both speculative methods (the target's step; the draft's forwards run
+through the same runner), and the greedy tokens (fp32) equal transformers' generate on the CPU; the
+KV pool sized from the memory left after the weights fits in gpu_memory_utilization.
+
+Run: PYTHONPATH=$PWD python -m pytest -q -m gpu tests/gpu/test_serve_gpu.py
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.parity.test_serve_generate import CASES, MAX_NEW, draft_model, text_setup, vl_setup
+from titan_mm.serve.config import ServeConfig
+from titan_mm.serve.engine import Engine
+from titan_mm.serve.sampling import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+SETUPS = {"qwen3": lambda: text_setup(False), "qwen3_moe": lambda: text_setup(True), "qwen3_vl": lambda: vl_setup(False)}
+
+
+def _checked(runner) -> None:
+    """Run ``runner``'s model step (its inputs are built before, on the host) under set_sync_debug_mode("error")."""
+    forward = runner.forward
+
+    def checked(x):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return forward(x)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    runner.forward = checked
+
+
+def drive(engine: Engine, prompts, params, images) -> list[list[int]]:
+    """engine.generate with every model step, the draft model's too, checked for host syncs."""
+    _checked(engine.runner)
+    if engine.proposer is not None:
+        _checked(engine.proposer.runner)
+    return [o.outputs[0].token_ids for o in engine.generate(prompts, params, images=images)]
+
+
+@pytest.mark.parametrize("case", ["prefix_cache", "preemption", "chunked_prefill", "spec_ngram", "spec_draft"])
+@pytest.mark.parametrize("model", list(SETUPS))
+def test_engine_step_has_no_host_sync_and_matches_hf(model, case):
+    tm, spec, prompts, images, eos, refs, data = SETUPS[model]()
+    cfg = ServeConfig(max_model_len=256, dtype="float32", **CASES[case])
+    draft = None
+    if cfg.speculative_method == "draft":
+        d, d_spec, d_cfg = draft_model(tm.language_model if model == "qwen3_vl" else tm)
+        draft = (copy.deepcopy(d), d_spec, d_cfg)
+    engine = Engine(copy.deepcopy(tm), spec, tm.cfg, cfg, device="cuda", eos_token_ids=[eos], data=data, draft=draft)
+    got = drive(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), images)
+    assert got == refs
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_sampling_step_bf16_has_no_host_sync():
+    tm, spec, prompts, _, eos, _, data = text_setup(False)
+    engine = Engine(copy.deepcopy(tm), spec, tm.cfg, ServeConfig(max_model_len=256, block_size=16, num_blocks=64),
+                    device="cuda", eos_token_ids=[eos], data=data)
+    assert engine.dtype == torch.bfloat16
+    outs = drive(engine, prompts, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_NEW, seed=0), None)
+    assert all(1 <= len(o) <= MAX_NEW for o in outs)
+
+
+def test_pool_from_memory_fits_the_utilization():
+    tm, spec, *_ = text_setup(False)
+    torch.cuda.empty_cache()
+    engine = Engine(copy.deepcopy(tm), spec, tm.cfg, ServeConfig(max_model_len=256, gpu_memory_utilization=0.05),
+                    device="cuda", eos_token_ids=[])
+    free, total = torch.cuda.mem_get_info()
+    assert engine.blocks.num_blocks > 1000
+    assert total - free <= 0.05 * total + 512 * 2**20  # the allocator's slack

@@ -1,0 +1,80 @@
+"""The serving engine's settings: one dataclass, field docstrings as in titan_mm.config (``--help`` via tyro)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_mm.config import ConfigError
+
+
+@dataclass
+class ServeConfig:
+    block_size: int = 16
+    """Tokens per KV-cache block (the unit of allocation, sharing and prefix caching)."""
+    num_blocks: int = 0
+    """Blocks in the KV pool; 0: sized from the memory left after the weights (gpu_memory_utilization)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the device memory the engine may use in all (weights, activations, KV pool); on CPU, of the
+    available host memory, and the pool is capped at max_num_seqs sequences of max_model_len tokens."""
+    dtype: str = "auto"
+    """Weights and KV-cache dtype (titan_mm.dtypes names); auto: bfloat16 on CUDA, float32 on CPU."""
+    max_num_seqs: int = 64
+    """Most sequences decoded together in one step (n > 1 and beam search count every sequence)."""
+    max_num_batched_tokens: int = 2048
+    """Most tokens (prefill chunks + decode tokens) in one forward."""
+    max_model_len: int = 0
+    """Longest sequence (prompt + generated) a request may reach; 0: the model's max_position_embeddings."""
+    enable_prefix_caching: bool = True
+    """Share full KV blocks across requests by a chained hash of their tokens (and images)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts into chunks that run in the same step as other sequences' decode tokens; off: a
+    prompt is prefilled whole, so max_num_batched_tokens must hold max_model_len."""
+    max_queue_len: int = 1024
+    """Most requests waiting for admission; one more is refused with QueueFull (HTTP 429)."""
+    priority_levels: int = 3
+    """Priority classes 0 .. priority_levels-1; 0 is served first (then earliest deadline, then arrival)."""
+    preemptible_priority: int = 2
+    """Running requests of this priority or lower (number >= this) are preempted to admit a waiting request of a
+    higher class; priority_levels turns this off (blocks running out still preempts the lowest class first)."""
+    token_rate_limit: float = 0.0
+    """Admitted tokens per second (prompt + max_tokens x n), a token bucket; 0: no limit. Refused: QueueFull."""
+    token_rate_burst_s: float = 1.0
+    """Seconds of token_rate_limit the bucket holds (the burst a quiet engine admits at once)."""
+
+    speculative_method: str = ""
+    """Speculative decoding: "" off, "ngram" (prompt lookup), "draft" (a small model of the same vocabulary)."""
+    num_speculative_tokens: int = 4
+    """Guesses per decoding sequence and step."""
+    ngram_max: int = 3
+    """ngram: the longest tail of the sequence looked up in its earlier tokens."""
+    ngram_min: int = 1
+    """ngram: the shortest tail looked up."""
+    draft_model: str = ""
+    """draft: an HF folder or a titan_mm run / checkpoint of the draft model (Engine.from_pretrained)."""
+
+    def check(self) -> None:
+        """Raise ConfigError naming the first field out of range."""
+        ints = dict(block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+                    max_num_batched_tokens=self.max_num_batched_tokens, max_queue_len=self.max_queue_len,
+                    priority_levels=self.priority_levels)
+        for name, v in ints.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"serve.{name} must be a positive int, got {v!r}")
+        for name, v in dict(num_blocks=self.num_blocks, max_model_len=self.max_model_len).items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"serve.{name} must be an int >= 0 (0: automatic), got {v!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"serve.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 <= self.preemptible_priority <= self.priority_levels:
+            raise ConfigError(f"serve.preemptible_priority must be in 0 .. priority_levels={self.priority_levels}, "
+                              f"got {self.preemptible_priority}")
+        if self.speculative_method not in ("", "ngram", "draft"):
+            raise ConfigError(f"serve.speculative_method must be '', 'ngram' or 'draft', got {self.speculative_method!r}")
+        for name, v in dict(num_speculative_tokens=self.num_speculative_tokens, ngram_min=self.ngram_min).items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"serve.{name} must be a positive int, got {v!r}")
+        if self.ngram_max < self.ngram_min:
+            raise ConfigError(f"serve.ngram_max ({self.ngram_max}) must be >= ngram_min ({self.ngram_min})")
+        if self.token_rate_limit < 0 or self.token_rate_burst_s <= 0:
+            raise ConfigError(f"serve.token_rate_limit must be >= 0 and token_rate_burst_s > 0, got "
+                              f"{self.token_rate_limit}, {self.token_rate_burst_s}")

@@ -1,0 +1,520 @@
+"""The serving engine: requests in, one scheduler iteration per :meth:`Engine.step`, outputs out.
+
+    engine = Engine.from_pretrained("/path/to/hf_or_run", ServeConfig(), device="cuda")
+    engine.add_request("r1", engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.request_id, out.outputs[0].new_text, out.finished)
+
+A step: take the requests added / aborted since the last step (``add_request`` and ``abort`` are thread-safe:
+they queue, the step applies), drop requests past their deadline, schedule (titan_mm.serve.scheduler), run one
+forward (titan_mm.serve.runner), then per sequence that reached its last token: sample (or advance its beams),
+check stop conditions, and report. Prompts are checked in ``add_request`` (:class:`BadRequest`), admission there
+too (:class:`QueueFull`: the queue is full or the token rate is spent).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from titan_mm.config import ConfigError, Data
+from titan_mm.dtypes import torch_dtype
+from titan_mm.serve.beam import BeamState, beam_step
+from titan_mm.serve.block_manager import BlockManager
+from titan_mm.serve.config import ServeConfig
+from titan_mm.serve.errors import BadRequest, QueueFull
+from titan_mm.serve.load import load_model
+from titan_mm.serve.media import expand_images
+from titan_mm.serve.runner import ModelRunner, kv_bytes_per_block
+from titan_mm.serve.sampling import RowSampling, SamplingParams, sample
+from titan_mm.serve.scheduler import Row, Scheduler, sequence_keys
+from titan_mm.serve.spec_decode import DraftProposer, ngram_propose, verify
+from titan_mm.serve.sequence import (CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence as Seq,
+                                     Status, now)
+
+__all__ = ["Engine", "RequestOutput", "BadRequest", "QueueFull", "SamplingParams", "ServeConfig"]
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, spec, model_cfg, serve_cfg: ServeConfig | None = None, *,
+                 tokenizer=None, device: torch.device | str = "cpu", data: Data | None = None,
+                 eos_token_ids: Sequence[int] | None = None, clock: Callable[[], float] = now, draft=None):
+        """``model``: built by ``spec`` from ``model_cfg`` with its weights (moved to ``device`` and the serving
+        dtype here). ``data``: the [data] section the model trained with (image resize bounds). ``eos_token_ids``:
+        tokens that end a sequence (default: the tokenizer's <|im_end|> and <|endoftext|>). ``draft``: (model, spec,
+        config) of the draft model for speculative_method "draft" (from_pretrained loads serve.draft_model)."""
+        from titan_mm.data.tokenizer import load_tokenizer
+
+        cfg = serve_cfg or ServeConfig()
+        cfg.check()
+        self.cfg, self.spec, self.model_cfg = cfg, spec, model_cfg
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(cfg.dtype) if cfg.dtype != "auto" else (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dims = spec.dims(model_cfg)
+        self.needs = spec.data_needs(model_cfg)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
+        self.data = data or Data()
+        self.eos = frozenset(eos_token_ids if eos_token_ids is not None else
+                             (i for i in (self.tokenizer.eos_id, self.tokenizer.endoftext_id) if i is not None))
+        self.clock = clock
+        self.max_model_len = cfg.max_model_len or self.dims.max_position_embeddings
+        if not self.max_model_len:
+            raise ConfigError(f"{spec.name} does not name its context length; set serve.max_model_len")
+        if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(f"serve.enable_chunked_prefill=false needs max_num_batched_tokens >= max_model_len "
+                              f"({cfg.max_num_batched_tokens} < {self.max_model_len}); raise it, lower "
+                              "max_model_len, or enable chunked prefill")
+        if cfg.max_num_batched_tokens < cfg.max_num_seqs:
+            raise ConfigError(f"serve.max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
+                              f"({cfg.max_num_seqs}): every running sequence needs its decode token each step")
+        self.model = model.to(self.device, self.dtype).eval()
+        if (cfg.speculative_method == "draft") != (draft is not None):
+            raise ConfigError("serve.speculative_method='draft' needs a draft model (serve.draft_model), and a draft "
+                              "model needs speculative_method='draft'")
+        self.draft = None
+        if draft is not None:
+            d_model, d_spec, d_cfg = draft
+            if d_spec.dims(d_cfg).vocab_size != self.dims.vocab_size:
+                raise ConfigError(f"the draft model's vocabulary ({d_spec.dims(d_cfg).vocab_size}) differs from the "
+                                  f"target's ({self.dims.vocab_size}); pick a draft of the same tokenizer")
+            self.draft = (d_model.to(self.device, self.dtype).eval(), d_spec, d_cfg)
+        num_blocks = cfg.num_blocks or self._blocks_from_memory()
+        if num_blocks < 1:
+            raise ConfigError(f"no memory is left for the KV cache after the weights (serve.gpu_memory_utilization="
+                              f"{cfg.gpu_memory_utilization}); raise it, set serve.num_blocks, or lower "
+                              "max_num_batched_tokens")
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.blocks)
+        self.runner = ModelRunner(self.model, spec, model_cfg, self.device, self.dtype, cfg.block_size, num_blocks,
+                                  cfg.max_num_seqs)
+        self.proposer = None
+        if self.draft is not None:  # its own pool, the target's block layout and tables
+            self.proposer = DraftProposer(ModelRunner(self.draft[0], self.draft[1], self.draft[2], self.device,
+                                                      self.dtype, cfg.block_size, num_blocks, cfg.max_num_seqs))
+        if cfg.speculative_method:
+            self.scheduler.lookahead = self._lookahead
+        self._guesses: dict[int, list[int]] = {}
+        self.generator = torch.Generator(self.device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        self.requests: dict[str, Request] = {}
+        self._inbox: deque = deque()
+        self._lock = threading.Lock()  # guards requests and the inbox (add_request / abort from other threads)
+        self._step_lock = threading.Lock()  # held through a step
+        self._seq_ids = itertools.count()
+        self._bucket = cfg.token_rate_limit * cfg.token_rate_burst_s
+        self._bucket_t = clock()
+        self._aborted: list[Request] = []
+
+    # ---- construction ----
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, serve_cfg: ServeConfig | None = None,
+                        device: torch.device | str | None = None, **kw) -> Engine:
+        """An HF model folder (config.json + safetensors) or a titan_mm run / checkpoint folder; with
+        speculative_method "draft", serve.draft_model is loaded the same way."""
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model, spec, model_cfg, data, tok, eos = load_model(path, device)
+        cfg = serve_cfg or ServeConfig()
+        if cfg.speculative_method == "draft" and "draft" not in kw:
+            if not cfg.draft_model:
+                raise ConfigError("serve.speculative_method='draft' needs serve.draft_model (an HF folder or a run)")
+            d_model, d_spec, d_cfg, *_ = load_model(cfg.draft_model, device)
+            kw["draft"] = (d_model, d_spec, d_cfg)
+        kw.setdefault("eos_token_ids", eos)
+        return cls(model, spec, model_cfg, cfg, tokenizer=tok, device=device, data=data, **kw)
+
+    def _blocks_from_memory(self) -> int:
+        """KV blocks from the memory left after the weights and a profiling forward of max_num_batched_tokens."""
+        cfg = self.cfg
+        act = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            n = min(cfg.max_num_batched_tokens, self.max_model_len)
+            with torch.inference_mode():
+                self.model(torch.zeros(1, n, dtype=torch.long, device=self.device), logits_at=torch.tensor([n - 1],
+                           device=self.device))
+            act = torch.cuda.max_memory_allocated(self.device) - base
+            torch.cuda.empty_cache()
+        cap = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        per = kv_bytes_per_block(self.dims, cfg.block_size, self.dtype)
+        if self.draft is not None:
+            per += kv_bytes_per_block(self.draft[1].dims(self.draft[2]), cfg.block_size, self.dtype)
+        return ModelRunner.blocks_from_memory(per, self.device, cfg.gpu_memory_utilization, act, cap)
+
+    # ---- requests ----
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, images=None,
+                    priority: int = 0, deadline_s: float | None = None) -> None:
+        """Queue a request (thread-safe); raises :class:`BadRequest` for a request that can never run as given
+        and :class:`QueueFull` when it cannot be taken now. ``prompt_ids`` hold one image-pad token per image of
+        ``images`` (PIL images, encoded bytes, ``data:`` URIs, arrays, or titan_mm.data.vision.MediaItem); the
+        engine expands them with the family's processor, as in training."""
+        if not isinstance(request_id, str) or not request_id:
+            raise BadRequest("request_id", f"must be a non-empty string, got {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise BadRequest("params", f"must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        V = self.dims.vocab_size
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise BadRequest("prompt", "must be a non-empty list of token ids")
+        bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V]
+        if bad:
+            raise BadRequest("prompt", f"token ids must be ints in 0 .. {V - 1} (the model's vocabulary), got {bad[0]!r}")
+        bad = [t for t in params.stop_token_ids if t >= V]
+        if bad:
+            raise BadRequest("stop_token_ids", f"{bad[0]} is outside the vocabulary (0 .. {V - 1})")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority < self.cfg.priority_levels:
+            raise BadRequest("priority", f"must be an int in 0 .. {self.cfg.priority_levels - 1} (0 first), "
+                             f"got {priority!r}")
+        if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
+                                       or deadline_s <= 0):
+            raise BadRequest("deadline_s", f"must be a positive number of seconds, got {deadline_s!r}")
+        if images is not None and not isinstance(images, (list, tuple)):
+            raise BadRequest("images", f"must be a list of images, got {type(images).__name__}")
+        prompt, imgs, positions, delta = expand_images(list(prompt_ids), list(images or []), self.needs, self.data)
+        L, cap = len(prompt), self.max_model_len
+        if L >= cap:
+            raise BadRequest("prompt", f"has {L} tokens{' after expanding its images' if imgs else ''}; the engine "
+                             f"takes at most {cap - 1} (max_model_len {cap} includes the output)")
+        max_new = params.max_tokens if params.max_tokens is not None else cap - L
+        if L + max_new > cap:
+            raise BadRequest("max_tokens", f"prompt ({L}) + max_tokens ({max_new}) exceeds max_model_len ({cap}); "
+                             f"ask for at most {cap - L} tokens")
+        need = params.width * self.blocks.blocks_for(L + max_new)
+        if need > self.blocks.num_blocks:
+            raise BadRequest("max_tokens", f"{params.width} sequence(s) of {L + max_new} tokens need up to {need} KV "
+                             f"blocks but the pool holds {self.blocks.num_blocks}; lower max_tokens or n / best_of")
+        t = self.clock()
+        metrics = RequestMetrics(arrival=t)
+        seq = Seq(next(self._seq_ids), list(prompt), L, generator=self._generator(params, 0))
+        req = Request(request_id, prompt, params, priority, None if deadline_s is None else t + deadline_s, metrics,
+                      [seq], imgs, positions, delta)
+        if params.use_beam_search:
+            eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos))
+            req.beam = BeamState(params.width, frozenset(eos), L + max_new)
+        with self._lock:
+            if request_id in self.requests:
+                raise BadRequest("request_id", f"{request_id!r} is already in use by an unfinished request")
+            waiting = sum(1 for r in self.requests.values() if r.status is Status.WAITING)
+            if waiting >= self.cfg.max_queue_len:
+                raise QueueFull(f"{waiting} requests are waiting (serve.max_queue_len={self.cfg.max_queue_len}); "
+                                "retry later")
+            if self.cfg.token_rate_limit:
+                rate = self.cfg.token_rate_limit
+                self._bucket = min(rate * self.cfg.token_rate_burst_s, self._bucket + (t - self._bucket_t) * rate)
+                self._bucket_t = t
+                if self._bucket < 0:
+                    raise QueueFull(f"the token rate limit ({rate:g} tokens/s) is spent; retry in "
+                                    f"{-self._bucket / rate:.1f}s")
+                self._bucket -= L + max_new * params.width
+            self.requests[request_id] = req
+            self._inbox.append(("add", req))
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (thread-safe): its blocks are freed at once when no step runs, else when it ends; the
+        next step reports it with finish_reason "abort". An unknown or finished id is ignored."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._step_lock.release()
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self.requests) or bool(self._aborted)
+
+    def chat_prompt(self, messages: list[dict]) -> tuple[list[int], list]:
+        """(prompt ids, images) of OpenAI-style chat ``messages`` through the family's chat template (the
+        processors' renderer, as in training), ending with the assistant's turn opened."""
+        from titan_mm.data.processors import Processor, ProcessorConfig
+        from titan_mm.data.schema import parse_record
+        from titan_mm.data.sources import SkipSample
+
+        try:
+            sample = parse_record({"messages": messages})
+            text, _, media = Processor(self.tokenizer, ProcessorConfig(self.data, self.needs)).render(
+                sample, add_generation_prompt=True)
+        except SkipSample as e:
+            raise BadRequest("messages", str(e)) from None
+        if any(m.type != "image" for m in media):
+            raise BadRequest("messages", "only text and image parts are served (no video or audio yet)")
+        return self.tokenizer.encode(text), [m.ref for m in media]
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        return torch.Generator(self.device).manual_seed(params.seed + index)
+
+    # ---- the loop ----
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration; -> an output for every request that got tokens or finished."""
+        with self._step_lock:
+            self._drain()
+            touched: dict[str, Request] = {}
+            t = self.clock()
+            for req in [r for r in self.scheduler.running + self.scheduler.waiting if r.deadline is not None]:
+                if t > req.deadline:
+                    req.metrics.deadline_exceeded = True
+                    self._finish(req, "abort")
+                    touched[req.request_id] = req
+            for req in self._aborted:
+                touched[req.request_id] = req
+            self._aborted = []
+            sched = self.scheduler.schedule()
+            if sched.rows:
+                per_row = self._propose(sched) if self.cfg.speculative_method else 1
+                logits = self.runner.run(sched.rows, sched.copies, per_row)
+                self._advance(sched.rows, logits, touched)
+            return [self._output(r) for r in touched.values()]
+
+    def _drain(self) -> None:
+        with self._lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for kind, x in items:
+            if kind == "add":
+                if x.request_id in self.requests and self.requests[x.request_id] is x:
+                    self.scheduler.add(x)
+            else:
+                req = self.requests.get(x)
+                if req is not None and req.status is not Status.FINISHED:
+                    self._finish(req, "abort")
+                    self._aborted.append(req)
+
+    def _finish(self, req: Request, reason: str | None = None) -> None:
+        """End ``req``: every live sequence gets ``reason``; blocks are freed and the request forgotten."""
+        for s in req.live:
+            s.finish_reason = reason
+        self.scheduler.finish(req)
+        req.metrics.finished = self.clock()
+        with self._lock:
+            self.requests.pop(req.request_id, None)
+
+    # ---- speculative decoding ----
+    def _lookahead(self, req: Request, seq: Seq) -> int:
+        """Guess slots for a decoding sequence: the next token and every guess must fit max_tokens and the context.
+        ngram: as many as the lookup finds (kept for the step)."""
+        p = req.params
+        if req.beam is not None:
+            return 0
+        left = min((p.max_tokens or self.max_model_len) - len(seq.output), self.max_model_len - len(seq.tokens))
+        k = max(0, min(self.cfg.num_speculative_tokens, left - 1))
+        if k and self.cfg.speculative_method == "ngram":
+            self._guesses[seq.seq_id] = ngram_propose(seq.tokens, k, self.cfg.ngram_max, self.cfg.ngram_min)
+            k = len(self._guesses[seq.seq_id])
+        return k
+
+    def _propose(self, sched) -> int:
+        """Fill the decoding rows' guesses (they then feed 1 + guesses tokens); -> logits per row for the forward."""
+        rows = [r for r in sched.rows if r.lookahead]
+        if not rows:
+            self._guesses.clear()
+            return 1
+        if self.proposer is None:
+            for r in rows:
+                r.draft = self._guesses.pop(r.seq.seq_id, [])[: r.lookahead]
+                r.q = None
+        else:
+            samplings = [RowSampling(r.req.params, r.req.prompt, r.seq.output, r.seq.generator) for r in rows]
+            for r, (g, q) in zip(rows, self.proposer.propose(rows, samplings, sched.copies)):
+                r.draft, r.q = g, q
+        self._guesses.clear()
+        for r in rows:
+            r.n = 1 + len(r.draft)
+        return 1 + max(len(r.draft) for r in rows)
+
+    def _speculated(self, rows: list[tuple[Row, torch.Tensor]], touched: dict[str, Request]) -> None:
+        """Keep the guesses rejection sampling accepts, then the target's own token (stop conditions per token)."""
+        samplings = [RowSampling(r.req.params, r.req.prompt, r.seq.output, r.seq.generator) for r, _ in rows]
+        checked = verify(torch.stack([lg for _, lg in rows]), samplings, [r.draft for r, _ in rows],
+                         [r.q for r, _ in rows], self.generator)
+        for (r, _), v in zip(rows, checked):
+            seq, req = r.seq, r.req
+            T = r.start + 1  # the sequence's length before the step
+            seq.num_computed = T + v.accepted  # k/v of the guesses after the first rejection are stale
+            if self.proposer is not None:  # the draft pool holds the kept guesses but the last one
+                seq.draft_computed = T + min(v.accepted, max(len(r.draft) - 1, 0))
+            req.metrics.spec_proposed += len(r.draft)
+            req.metrics.spec_accepted += v.accepted
+            for got in v.emitted:
+                self._append(req, seq, got)
+                if seq.finished:
+                    break
+            if not seq.finished:
+                self._register(req, seq)
+            touched[req.request_id] = req
+            if not req.live:
+                self._finish(req)
+
+    def _register(self, req: Request, seq: Seq) -> None:
+        """Record the prefix keys of ``seq``'s newly computed full blocks."""
+        bs = self.blocks.block_size
+        if self.blocks.prefix_caching and seq.num_computed // bs > len(seq.table.keys):
+            parent = seq.table.keys[-1] if seq.table.keys else None
+            self.blocks.register(seq.table, sequence_keys(req, seq, seq.num_computed, bs, len(seq.table.keys), parent))
+
+    def _advance(self, rows: list[Row], logits: torch.Tensor, touched: dict[str, Request]) -> None:
+        todo: list[tuple[Seq, Request, torch.Tensor]] = []
+        spec: list[tuple[Row, torch.Tensor]] = []
+        for i, r in enumerate(rows):
+            seq, req = r.seq, r.req
+            if r.lookahead:
+                spec.append((r, logits[i]))
+                continue
+            seq.num_computed = r.start + r.n
+            self._register(req, seq)
+            if r.samples:
+                todo.append((seq, req, logits[i] if logits.dim() == 2 else logits[i, 0]))
+        if spec:
+            self._speculated(spec, touched)
+        rows_s: list[RowSampling] = []
+        row_logits: list[torch.Tensor] = []
+        targets: list[tuple[Seq, Request]] = []
+        for seq, req, lg in todo:
+            if req.beam is not None:
+                seq.pending = lg.log_softmax(-1)
+                if all(s.pending is not None for s in req.live):
+                    if req.metrics.first_token is None:
+                        req.metrics.first_token = self.clock()
+                    beam_step(req, lambda s, req=req: self._fork(req, s), lambda s, req=req: self._drop(req, s))
+                    touched[req.request_id] = req
+                    if req.beam.done:
+                        self._finish(req)
+                continue
+            group = [seq]
+            if not req.forked:  # the first token: n / best_of sequences share the prompt from here
+                req.forked = True
+                group += [self._fork(req, seq, i) for i in range(1, req.params.width)]
+            for s in group:
+                rows_s.append(RowSampling(req.params, req.prompt, s.output, s.generator))
+                row_logits.append(lg)
+                targets.append((s, req))
+        if rows_s:
+            for (s, req), got in zip(targets, sample(torch.stack(row_logits), rows_s, self.generator)):
+                self._append(req, s, got)
+                touched[req.request_id] = req
+        for req in {id(r): r for _, r in targets}.values():
+            if req.status is not Status.FINISHED and not req.live:
+                self._finish(req)
+
+    def _fork(self, req: Request, seq: Seq, index: int | None = None) -> Seq:
+        child = Seq(next(self._seq_ids), list(seq.tokens), seq.num_prompt, self.blocks.fork(seq.table),
+                    seq.num_computed, self._generator(req.params, len(req.seqs) if index is None else index),
+                    list(seq.logprobs), seq.cum_logprob, draft_computed=seq.draft_computed)
+        req.seqs.append(child)
+        return child
+
+    def _drop(self, req: Request, seq: Seq) -> None:
+        self.scheduler.free_seq(seq)
+        req.seqs.remove(seq)
+
+    def _append(self, req: Request, seq: Seq, got) -> None:
+        p = req.params
+        if req.metrics.first_token is None:
+            req.metrics.first_token = self.clock()
+        seq.tokens.append(got.token)
+        seq.cum_logprob += got.logprob
+        if p.logprobs is not None:
+            seq.logprobs.append(got.top)
+        out = seq.output
+        if got.token in p.stop_token_ids or (got.token in self.eos and not p.ignore_eos):
+            seq.finish_reason = "stop"
+        text = self.tokenizer.decode(out, skip_special_tokens=p.skip_special_tokens)
+        if p.stop and not seq.finished:
+            lo = max(0, len(seq.text) - max(map(len, p.stop)))
+            hits = [i for i in (text.find(s, lo) for s in p.stop) if i >= 0]
+            if hits:
+                text = text[: min(hits)]
+                seq.finish_reason = "stop"
+        seq.text = text
+        if not seq.finished and (len(out) >= (p.max_tokens or self.max_model_len) or
+                                 len(seq.tokens) >= self.max_model_len):
+            seq.finish_reason = "length"
+        if seq.finished:
+            self.scheduler.free_seq(seq)
+
+    # ---- outputs ----
+    def _output(self, req: Request) -> RequestOutput:
+        p = req.params
+        done = req.status is Status.FINISHED
+        if req.beam is not None or p.width > p.n:
+            comps = self._final(req) if done else []
+        else:
+            comps = [self._completion(i, s, done, p.stop) for i, s in enumerate(req.seqs)]
+        return RequestOutput(req.request_id, comps, req.prompt, done, req.metrics)
+
+    def _completion(self, index: int, s: Seq, done: bool, stops: list[str]) -> CompletionOutput:
+        out = s.output
+        hold = 0 if s.finished or done else _held_back(s.text, stops)
+        shown = s.text[: len(s.text) - hold]
+        comp = CompletionOutput(index, list(out), shown, out[s.sent_tokens:], shown[s.sent_text:],
+                                list(s.logprobs) if s.logprobs else None, s.finish_reason, s.cum_logprob)
+        s.sent_tokens, s.sent_text = len(out), max(s.sent_text, len(shown))
+        return comp
+
+    def _final(self, req: Request) -> list[CompletionOutput]:
+        """The n best of a beam search or of best_of samples (by cumulative logprob), once it finished."""
+        p = req.params
+        if req.beam is not None:
+            hyps = req.beam.finished[: p.n]
+            comps = []
+            for i, h in enumerate(hyps):
+                reason = "stop" if h.output and h.output[-1] in req.beam.eos else "length"
+                text = self.tokenizer.decode(h.output, skip_special_tokens=p.skip_special_tokens)
+                comps.append(CompletionOutput(i, h.output, text, h.output, text, None, reason, h.cum_logprob))
+            if not comps:  # aborted before any beam finished
+                comps = [CompletionOutput(0, [], "", [], "", None, "abort", 0.0)]
+            return comps
+        best = sorted(req.seqs, key=lambda s: -s.cum_logprob)[: p.n]
+        return [CompletionOutput(i, s.output, s.text, s.output, s.text, list(s.logprobs) or None, s.finish_reason,
+                                 s.cum_logprob) for i, s in enumerate(best)]
+
+    # ---- offline ----
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 images: list | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` to completion (``images[i]``: the images of prompt i); -> their final outputs in order."""
+        ps = params if isinstance(params, list) else [params] * len(prompts)
+        base = f"generate-{next(self._seq_ids)}-"
+        for i, ids in enumerate(prompts):
+            self.add_request(f"{base}{i}", ids, ps[i], images=images[i] if images else None)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(prompts):
+            for out in self.step():
+                if out.finished and out.request_id.startswith(base):
+                    final[out.request_id] = out
+        return [final[f"{base}{i}"] for i in range(len(prompts))]
+
+    def stats(self) -> dict[str, Any]:
+        b, s = self.blocks, self.scheduler
+        waiting = [r for r in self.requests.values() if r.status is Status.WAITING]
+        return {
+            "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.num_blocks,
+            "kv_usage": b.num_used / b.num_blocks, "kv_blocks_cached": len(b.cached),
+            "prefix_cache_hit_rate": b.hit_rate, "prefix_cache_hit_tokens": b.hit_tokens,
+            "prefix_cache_query_tokens": b.query_tokens, "num_preemptions": s.num_preemptions,
+            "num_evictions": b.num_evictions, "num_running": len(s.running), "num_waiting": len(waiting),
+            "num_running_seqs": s.num_running_seqs,
+            "waiting_by_priority": {p: sum(1 for r in waiting if r.priority == p)
+                                    for p in range(self.cfg.priority_levels)},
+            "block_size": b.block_size, "max_model_len": self.max_model_len,
+        }
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` not to show yet: an incomplete UTF-8 character, or the start of a stop
+    string."""
+    hold = len(text) - len(text.rstrip("\ufffd"))
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return hold

@@ -1,0 +1,162 @@
+"""One forward of the engine's step through the training model's KV-cache path.
+
+Host side, before the forward: the step's rows (one per sequence: its new tokens, right-padded), the paged cache
+step (titan_mm.models.common.kv_cache.plan_step: positions, slot mapping, gathered slots, masks), M-RoPE positions,
+and for a vision family its ``prepare_batch`` metadata over the whole images the rows hold. The forward itself
+does no host sync (tests/gpu/test_serve_gpu.py checks it). A decode-only step is padded to the next of a fixed set
+of batch sizes (rows of zero new tokens), the shapes CUDA graphs will be captured at.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from titan_mm.models.common.attention import build_attn_meta
+from titan_mm.models.common.kv_cache import alloc_paged_cache, plan_step
+from titan_mm.serve.scheduler import Row
+
+
+@dataclass
+class StepInputs:
+    """One forward's inputs, on the device: ids [B, S], positions, attention metadata (the planned cache),
+    logits_at [B] and the family's extra inputs; the first ``n_rows`` rows are real."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    meta: object
+    logits_at: torch.Tensor
+    extra: dict
+    n_rows: int
+
+
+def decode_sizes(max_num_seqs: int) -> list[int]:
+    """Padded decode batch sizes: 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs + 8, 8))
+    return sorted({min(s, max(max_num_seqs, 1)) for s in sizes} | {max_num_seqs})
+
+
+def kv_bytes_per_block(dims, block_size: int, dtype: torch.dtype) -> int:
+    """k and v of every layer for ``block_size`` tokens."""
+    return 2 * dims.num_layers * block_size * dims.num_kv_heads * dims.head_dim * torch.finfo(dtype).bits // 8
+
+
+def _host_available() -> int:
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info.get("MemAvailable", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+class ModelRunner:
+    def __init__(self, model, spec, model_cfg, device: torch.device, dtype: torch.dtype, block_size: int,
+                 num_blocks: int, max_num_seqs: int):
+        self.model, self.spec, self.cfg = model, spec, model_cfg
+        self.device, self.dtype = device, dtype
+        dims = spec.dims(model_cfg)
+        rt = spec.runtime(model_cfg)
+        self.backend, self.window = rt.attn_backend, rt.sliding_window
+        needs = spec.data_needs(model_cfg)
+        self.mrope = needs.positions == "mrope"
+        self.media_pads = [needs.special_tokens[k] for k in ("image_pad", "video_pad") if k in needs.special_tokens]
+        self.sizes = decode_sizes(max_num_seqs)
+        self.cache = alloc_paged_cache(dims.num_layers, num_blocks, block_size, dims.num_kv_heads, dims.head_dim,
+                                       dtype, device)
+
+    @staticmethod
+    def blocks_from_memory(per_block: int, device: torch.device, utilization: float, activation_bytes: int,
+                           cap_blocks: int) -> int:
+        """Blocks of ``per_block`` bytes that fit in ``utilization`` of the device's memory besides what is
+        allocated now (the weights) and ``activation_bytes`` (the peak of a profiling forward); on CPU, of the
+        available host memory, at most ``cap_blocks``."""
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            return int((total * utilization - (total - free) - activation_bytes) // per_block)
+        return min(int(_host_available() * utilization // per_block), cap_blocks)
+
+    # ---- one step ----
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst gets block src's k/v in every layer."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for store in self.cache.k + self.cache.v:
+            store.index_copy_(0, dst, store.index_select(0, src))
+
+    def run(self, rows: list[Row], copies: list[tuple[int, int]], per_row: int = 1) -> torch.Tensor:
+        """Forward the rows; -> fp32 logits [len(rows), V] at each row's last new token, or with ``per_row`` > 1
+        [len(rows), per_row, V] at its token before the guesses and after each guess (the last one repeated)."""
+        return self.forward(self.prepare(rows, copies, per_row))
+
+    @torch.inference_mode()
+    def prepare(self, rows: list[Row], copies: list[tuple[int, int]], per_row: int = 1) -> StepInputs:
+        """Everything the forward reads, built on the host and moved to the device (block copies done)."""
+        self.copy_blocks(copies)
+        n_rows = len(rows)
+        B = next((s for s in self.sizes if s >= n_rows), n_rows) if all(r.n == 1 for r in rows) else n_rows
+        S = max(r.n for r in rows)
+        width = max(len(r.seq.table.blocks) for r in rows)
+        ids = torch.zeros(B, S, dtype=torch.long)
+        tables = torch.zeros(B, width, dtype=torch.long)
+        new = [r.n for r in rows] + [0] * (B - n_rows)
+        cached = [r.start for r in rows] + [0] * (B - n_rows)
+        for i, r in enumerate(rows):
+            ids[i, : r.n] = torch.tensor(r.tokens)
+            tables[i, : len(r.seq.table.blocks)] = torch.tensor(r.seq.table.blocks)
+        cache = plan_step(self.cache, new, cached_lens=cached, block_tables=tables, sliding_window=self.window,
+                          width=S)
+        positions = self._mrope_positions(rows, B, S) if self.mrope else cache.step.positions
+        extra = self._media(rows, ids) if self.spec.prepare_batch is not None else {}
+        meta = build_attn_meta({"input_ids": ids}, self.backend, self.device, sliding_window=self.window,
+                               kv_cache=cache)
+        if per_row == 1:
+            at = torch.tensor([max(n - 1, 0) for n in new])
+        else:  # from the token before the guesses on
+            first = [r.n - 1 - len(r.draft) for r in rows] + [0] * (B - n_rows)
+            at = torch.minimum(torch.tensor(first)[:, None] + torch.arange(per_row)[None],
+                               torch.tensor([max(n - 1, 0) for n in new])[:, None])
+        at = at.to(self.device, non_blocking=True)
+        return StepInputs(ids.to(self.device, non_blocking=True), positions, meta, at, extra, n_rows)
+
+    @torch.inference_mode()
+    def forward(self, x: StepInputs) -> torch.Tensor:
+        """The model step: no host sync."""
+        out = self.model(x.ids, position_ids=x.positions, attn=x.meta, logits_at=x.logits_at, **x.extra)
+        return out.logits[: x.n_rows].float()
+
+    def _mrope_positions(self, rows: list[Row], B: int, S: int) -> torch.Tensor:
+        """[3, B, S]: the prompt's M-RoPE positions, then text positions p + rope_delta."""
+        pos = torch.zeros(3, B, S, dtype=torch.long)
+        for i, r in enumerate(rows):
+            req, a, b = r.req, r.start, r.start + r.n
+            L = len(req.prompt)
+            if a < L:
+                pos[:, i, : min(b, L) - a] = req.positions[:, a:min(b, L)]
+            if b > L:
+                lo = max(a, L)
+                pos[:, i, lo - a: b - a] = torch.arange(lo, b) + req.rope_delta
+        return pos.to(self.device, non_blocking=True)
+
+    def _media(self, rows: list[Row], ids: torch.Tensor) -> dict:
+        """The family's host-built inputs for the whole images inside the rows' chunks (the scheduler never cuts
+        one). Generated tokens that happen to be media pads are text: hidden from the placement."""
+        place = ids.clone()
+        pix, grids = [], []
+        for i, r in enumerate(rows):
+            L = len(r.req.prompt)
+            if r.start + r.n > L:
+                tail = place[i, max(L - r.start, 0): r.n]
+                for pad in self.media_pads:
+                    tail[tail == pad] = 0
+            for im in r.req.images:
+                if r.start <= im.start and im.end <= r.start + r.n:
+                    pix.append(im.pixel_values)
+                    grids.append(im.grid_thw)
+        if not pix:
+            return {}
+        batch = {"input_ids": place, "pixel_values": torch.cat(pix).to(self.device, self.dtype, non_blocking=True),
+                 "image_grid_thw": torch.cat(grids)}
+        batch = self.spec.prepare_batch(self.cfg, batch, self.device)
+        return {k: v for k, v in batch.items() if k != "input_ids"}

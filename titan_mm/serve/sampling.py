@@ -1,0 +1,227 @@
+"""What a request asks of decoding (:class:`SamplingParams`) and the batched sampler the engine runs on the
+step's logits, on the device.
+
+Order of the logits processing (HF's: penalties are logits processors, then the warpers):
+    repetition penalty (prompt and output tokens), presence / frequency penalties (output tokens)
+    -> greedy (temperature 0): argmax
+    -> temperature -> top-k -> top-p -> min-p -> one draw from the kept tokens
+A draw is ``argmax(p / E)`` with ``E ~ Exp(1)`` per token (the exponential race, exactly a draw from p). A request
+with a ``seed`` draws its noise from its own generator, so its output depends on its seed and its logits only,
+never on the batch around it. Logprobs are the model's (log-softmax of the raw logits), as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from titan_mm.serve.errors import BadRequest
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16
+    """Most tokens to generate; None: until max_model_len."""
+    temperature: float = 1.0
+    """0: greedy."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1: all."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p x the most likely one."""
+    repetition_penalty: float = 1.0
+    """Divide positive (multiply negative) logits of tokens already in the prompt or the output (HF's rule)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output already holds."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output holds it."""
+    seed: int | None = None
+    """Per-request seed: the same seed and prompt give the same output, whatever else runs (output i of n uses
+    seed + i)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: the output ends before the first one (finish_reason "stop")."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Tokens that end the output (kept in token_ids), besides the model's EOS tokens."""
+    ignore_eos: bool = False
+    """Keep generating past the model's EOS tokens."""
+    logprobs: int | None = None
+    """Per generated token, its logprob and the ``logprobs`` most likely tokens' (0: only its own)."""
+    n: int = 1
+    """Outputs returned."""
+    best_of: int | None = None
+    """Sequences generated (default n): beam search's width, or with sampling the n of best_of with the highest
+    cumulative logprob are returned."""
+    use_beam_search: bool = False
+    """Beam search over the model's logprobs (HF's algorithm; temperature, top-k/p, min-p and penalties do not
+    apply)."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam scores sum(logprobs) / generated_len ** length_penalty."""
+    early_stopping: bool = False
+    """Beam search: stop as soon as best_of beams finished (False: while a running beam could still win)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+
+    @property
+    def width(self) -> int:
+        """Sequences a request runs: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise :class:`BadRequest` naming the first field out of range (the engine checks vocabulary ids and
+        lengths against the model)."""
+
+        def num(name, v, lo=None, hi=None, lo_open=False, integer=False, none=False):
+            if v is None and none:
+                return
+            ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
+            if isinstance(v, bool) or not ok_type:
+                raise BadRequest(name, f"must be {'an integer' if integer else 'a number'}, got {v!r}")
+            if lo is not None and (v <= lo if lo_open else v < lo):
+                raise BadRequest(name, f"must be {'>' if lo_open else '>='} {lo}, got {v}")
+            if hi is not None and v > hi:
+                raise BadRequest(name, f"must be <= {hi}, got {v}")
+
+        num("max_tokens", self.max_tokens, 1, integer=True, none=True)
+        num("temperature", self.temperature, 0.0)
+        num("top_k", self.top_k, -1, integer=True)
+        num("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        num("min_p", self.min_p, 0.0, 1.0)
+        num("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
+        num("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        num("seed", self.seed, integer=True, none=True)
+        num("logprobs", self.logprobs, 0, MAX_LOGPROBS, integer=True, none=True)
+        num("n", self.n, 1, integer=True)
+        num("best_of", self.best_of, 1, integer=True, none=True)
+        num("length_penalty", self.length_penalty)
+        if self.best_of is not None and self.best_of < self.n:
+            raise BadRequest("best_of", f"must be >= n ({self.n}), got {self.best_of}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise BadRequest("stop", f"must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise BadRequest("stop_token_ids", f"must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        if self.use_beam_search:
+            if self.stop:
+                raise BadRequest("stop", "stop strings do not combine with beam search; use stop_token_ids")
+        elif self.greedy and self.width > 1:
+            raise BadRequest("n", f"greedy decoding (temperature 0) would give {self.width} identical outputs; "
+                             "use temperature > 0 or use_beam_search")
+
+
+@dataclass
+class RowSampling:
+    """One sequence to sample for: its params, its tokens so far and its generator (None: the engine's)."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Sampled:
+    token: int
+    logprob: float
+    """The model's logprob of ``token``."""
+    top: dict[int, float] | None = None
+    """The ``logprobs`` most likely tokens and the sampled one -> logprob (None when not asked)."""
+
+
+def _penalize(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties of the rows that ask for them (index tensors from the host)."""
+    todo = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0
+            or r.params.frequency_penalty != 0.0]
+    if not todo:
+        return logits
+    dev, V = logits.device, logits.shape[1]
+    logits = logits.clone()
+    idx = torch.as_tensor(todo, device=dev)
+    counts = torch.zeros(len(todo), V, device=dev)
+    seen = torch.zeros(len(todo), V, dtype=torch.bool, device=dev)
+    for j, i in enumerate(todo):
+        out = torch.as_tensor(rows[i].output_ids, dtype=torch.long, device=dev)
+        counts[j].index_add_(0, out, torch.ones(out.numel(), device=dev))
+        seen[j, torch.as_tensor(rows[i].prompt_ids + rows[i].output_ids, dtype=torch.long, device=dev)] = True
+    p = [rows[i].params for i in todo]
+    rep = torch.tensor([q.repetition_penalty for q in p], device=dev)[:, None]
+    pres = torch.tensor([q.presence_penalty for q in p], device=dev)[:, None]
+    freq = torch.tensor([q.frequency_penalty for q in p], device=dev)[:, None]
+    x = logits[idx]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - freq * counts - pres * (counts > 0)
+    logits[idx] = x
+    return logits
+
+
+def _warp(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p (each row its own settings; greedy rows: 1)."""
+    dev, V = logits.device, logits.shape[1]
+    p = [r.params for r in rows]
+    x = logits / torch.tensor([q.temperature or 1.0 for q in p], device=dev)[:, None]
+    if all(q.top_k in (0, -1) and q.top_p >= 1.0 for q in p):
+        probs = x.softmax(dim=1)
+    else:
+        x_sorted, order = x.sort(dim=1, descending=True)
+        rank = torch.arange(V, device=dev)[None]
+        k = torch.tensor([q.top_k if q.top_k > 0 else V for q in p], device=dev)[:, None]
+        x_sorted = x_sorted.masked_fill(rank >= k, float("-inf"))
+        probs = x_sorted.softmax(dim=1)
+        before = probs.cumsum(dim=1) - probs  # mass of the more likely tokens
+        top_p = torch.tensor([q.top_p if q.top_p < 1.0 else 2.0 for q in p], device=dev)[:, None]  # 1: off
+        x_sorted = x_sorted.masked_fill((before >= top_p) & (rank > 0), float("-inf"))
+        probs = torch.empty_like(x).scatter_(1, order, x_sorted.softmax(dim=1))
+    if any(q.min_p > 0.0 for q in p):
+        min_p = torch.tensor([q.min_p for q in p], device=dev)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=1, keepdim=True)
+    return probs
+
+
+def target_probs(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """[R, V] the distribution each row draws from (greedy rows: one-hot at the argmax) after every processor;
+    the sampler draws exactly from it (the statistical test compares against it)."""
+    x = _penalize(logits.float(), rows)
+    probs = _warp(x, rows)
+    greedy = torch.tensor([r.params.greedy for r in rows], device=x.device)
+    one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def sample(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None) -> list[Sampled]:
+    """One next token per row of ``logits`` [R, V]; one host transfer at the end."""
+    logits = logits.float()
+    dev, R, V = logits.device, logits.shape[0], logits.shape[1]
+    probs = target_probs(logits, rows)
+    noise = torch.empty(R, V, device=dev)
+    shared = [i for i, r in enumerate(rows) if r.generator is None and not r.params.greedy]
+    if shared:
+        noise[shared] = torch.empty(len(shared), V, device=dev).exponential_(generator=generator)
+    for i, r in enumerate(rows):
+        if r.generator is not None and not r.params.greedy:
+            noise[i] = torch.empty(V, device=dev).exponential_(generator=r.generator)
+    greedy = torch.tensor([r.params.greedy for r in rows], device=dev)
+    noise = noise.where(~greedy[:, None], 1.0).clamp_(min=1e-30)  # a 0 draw would make 0 / 0 = NaN win argmax
+    tokens = (probs / noise).argmax(1)
+    logp = logits.log_softmax(dim=1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    k = max((r.params.logprobs or 0) for r in rows)
+    top_v, top_i = logp.topk(k, dim=1) if k else (logp[:, :0], tokens[:, None][:, :0])
+    tok_l, lp_l, tv, ti = tokens.tolist(), chosen.tolist(), top_v.tolist(), top_i.tolist()
+    out = []
+    for i, r in enumerate(rows):
+        top = None
+        if r.params.logprobs is not None:
+            n = r.params.logprobs
+            top = dict(zip(ti[i][:n], tv[i][:n]))
+            top[tok_l[i]] = lp_l[i]
+        out.append(Sampled(tok_l[i], lp_l[i], top))
+    return out

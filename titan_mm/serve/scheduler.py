@@ -1,0 +1,242 @@
+"""Continuous batching: which sequences run in the next forward, and how many tokens each.
+
+One step mixes decode tokens and prefill chunks under ``max_num_batched_tokens``:
+  1. Running requests, in order (priority class, deadline, arrival), get their next tokens: one per decoding
+     sequence, a chunk of the prompt (or of a recompute) otherwise. When blocks run out, the last running request
+     (lowest class, latest) is preempted: its blocks are freed and it waits to be recomputed from its tokens.
+  2. If nothing was preempted, waiting requests are admitted in the same order while sequences
+     (``max_num_seqs``), tokens and blocks last. A new sequence first takes the longest cached prefix of its
+     tokens. A waiting request of a higher class may preempt running requests of a preemptible class
+     (``preemptible_priority``) to get in.
+A chunk never ends inside an image (the vision tower sees whole images), so an image may take a step past the
+token budget when it runs alone. No request can need more blocks than the pool holds (the engine refuses it at
+admission), so preempting the others always lets the first one run: there is no deadlock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from titan_mm.serve.block_manager import BlockManager, block_keys
+from titan_mm.serve.config import ServeConfig
+from titan_mm.serve.sequence import Request, Sequence, Status, now
+
+
+@dataclass
+class Row:
+    """One sequence of the step: ``n`` tokens from position ``start`` (its k/v up to ``start`` are cached)."""
+
+    req: Request
+    seq: Sequence
+    start: int
+    n: int
+    lookahead: int = 0
+    """Speculative decoding: slots allocated for up to this many guesses after the row's token."""
+    draft: list[int] = field(default_factory=list)
+    """The guesses that follow ``seq.tokens`` (fed after them; ``n`` counts them)."""
+    q: object = None
+    """The draft model's distributions of the guesses [k, V] (None: n-gram guesses, point masses)."""
+
+    @property
+    def tokens(self) -> list[int]:
+        return (self.seq.tokens + self.draft)[self.start:self.start + self.n]
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token: its logits give the next token."""
+        return self.start + self.n >= len(self.seq.tokens)
+
+
+@dataclass
+class Schedule:
+    rows: list[Row] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    """(src, dst) block copies (copy-on-write) to make before the forward."""
+    budget: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.n for r in self.rows)
+
+
+def media_extra(req: Request, n_blocks: int, block_size: int) -> list[tuple]:
+    """Per block, the keys of the images overlapping it (what its k/v depend on besides the tokens)."""
+    extra = [()] * n_blocks
+    for im in req.images:
+        for b in range(im.start // block_size, min(n_blocks, -(-im.end // block_size))):
+            extra[b] = extra[b] + (im.key,)
+    return extra
+
+
+def sequence_keys(req: Request, seq: Sequence, n_tokens: int, block_size: int, start: int = 0,
+                  parent: int | None = None) -> list[int]:
+    """Chained prefix keys of ``seq``'s full blocks within its first ``n_tokens`` tokens, from block ``start``."""
+    n_blocks = n_tokens // block_size
+    return block_keys(seq.tokens[:n_blocks * block_size], block_size, media_extra(req, n_blocks, block_size),
+                      parent, start)
+
+
+def _outside_images(req: Request, n_tokens: int, block_size: int) -> int:
+    """The longest whole-block prefix of ``n_tokens`` tokens that does not end inside an image."""
+    moved = True
+    while moved:
+        moved = False
+        for im in req.images:
+            if im.start < n_tokens < im.end:
+                n_tokens = im.start // block_size * block_size
+                moved = True
+    return n_tokens
+
+
+class Scheduler:
+    def __init__(self, cfg: ServeConfig, blocks: BlockManager):
+        self.cfg = cfg
+        self.blocks = blocks
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.lookahead: Callable[[Request, Sequence], int] = lambda req, seq: 0
+        """Speculative decoding: guess slots for a decoding sequence (set by the engine)."""
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(r.live) for r in self.running)
+
+    @property
+    def seats_taken(self) -> int:
+        return sum(r.seats for r in self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def finish(self, req: Request) -> None:
+        """Take ``req`` out of the queues and free every block it holds."""
+        for seq in req.seqs:
+            self.blocks.free(seq.table)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+
+    def free_seq(self, seq: Sequence) -> None:
+        self.blocks.free(seq.table)
+
+    # ---- one step ----
+    def schedule(self) -> Schedule:
+        out = Schedule(budget=self.cfg.max_num_batched_tokens)
+        self.running.sort(key=lambda r: r.sort_key)
+        preempted = False
+        i = 0
+        while i < len(self.running) and out.budget > 0:
+            req = self.running[i]
+            plan = self._plan(req, out, hits=False)
+            while self._cost(plan) > self.blocks.num_free:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                self._take(req, plan, out)
+                i += 1
+        if preempted:
+            return out
+        self.waiting.sort(key=lambda r: r.sort_key)
+        while self.waiting and out.budget > 0:
+            req = self.waiting[0]
+            while self.seats_taken + req.seats > self.cfg.max_num_seqs:
+                if not self._preempt_lower(req, out):
+                    return out
+            plan = self._plan(req, out, hits=True)
+            if plan is None or (plan and not any(n for *_, n, _ in plan)):
+                return out  # its prompt (or its next image) waits for a step with room for all of it
+            while self._cost(plan) > self.blocks.num_free:
+                if not self._preempt_lower(req, out):
+                    return out
+            self.waiting.pop(0)
+            self.running.append(req)
+            req.status = Status.RUNNING
+            if req.metrics.first_scheduled is None:  # prefix-cache statistics: once per request, its prompt
+                req.metrics.first_scheduled = now()
+                req.metrics.prefix_hit_tokens = len(plan[0][1]) * self.blocks.block_size if plan else 0
+                self.blocks.record_query(len(req.prompt), req.metrics.prefix_hit_tokens)
+            self._take(req, plan, out)
+        return out
+
+    def _plan(self, req: Request, out: Schedule, hits: bool):
+        """[(seq, prefix hit blocks, their keys, n new tokens)] for ``req``'s sequences with tokens to compute;
+        None when a waiting request's first prompt cannot be chunked and does not fit the budget."""
+        plan, budget, bs = [], out.budget, self.blocks.block_size
+        for seq in req.live:
+            if seq.pending is not None:  # a beam waiting for its siblings
+                continue
+            hit, keys = [], []
+            if hits and seq.num_computed == 0 and not seq.table.blocks:
+                limit = len(seq.tokens) - 1  # the last token is always computed: its logits are needed
+                keys = sequence_keys(req, seq, limit, bs) if self.blocks.prefix_caching else []
+                hit = self.blocks.match(keys, limit)
+                hit = hit[: _outside_images(req, len(hit) * bs, bs) // bs]
+                keys = keys[:len(hit)]
+            start = seq.num_computed + len(hit) * bs
+            n = len(seq.tokens) - start
+            if not self.cfg.enable_chunked_prefill and n > budget:
+                return None if hits and not plan else plan
+            n = self._clip(req, start, min(n, budget), alone=not out.rows and not plan)
+            k = 0
+            if n == 1 and seq.to_compute == 1 and len(seq.tokens) > seq.num_prompt:  # decoding
+                k = max(0, min(self.lookahead(req, seq), budget - 1))
+            plan.append((seq, hit, keys, n, k))
+            budget -= n + k
+        return plan
+
+    @staticmethod
+    def _clip(req: Request, start: int, n: int, alone: bool) -> int:
+        """``n`` cut so that the chunk from ``start`` ends at an image's edge, not inside it."""
+        end = start + n
+        for im in req.images:
+            if im.start < end < im.end:
+                if im.start > start:
+                    return im.start - start
+                return im.end - start if alone else 0  # the whole image, past the budget only when alone
+        return n
+
+    def _cost(self, plan) -> int:
+        return sum(self.blocks.cost(seq.table, seq.num_computed, n + k, hit) for seq, hit, _, n, k in plan) if plan else 0
+
+    def _take(self, req: Request, plan, out: Schedule) -> None:
+        for seq, hit, keys, n, k in plan:
+            start = seq.num_computed + len(hit) * self.blocks.block_size
+            out.copies += self.blocks.allocate(seq.table, seq.num_computed, n + k, hit)
+            seq.table.keys[:] = keys if hit else seq.table.keys
+            seq.num_computed = start
+            if n:
+                out.rows.append(Row(req, seq, start, n, lookahead=k))
+                out.budget -= n + k
+
+    def _preempt(self, victim: Request, out: Schedule) -> None:
+        """Free ``victim``'s blocks (dropping its rows of this step) and queue it for recompute."""
+        out.budget += sum(r.n + r.lookahead for r in out.rows if r.req is victim)
+        out.rows = [r for r in out.rows if r.req is not victim]
+        mine = {b for s in victim.seqs for b in s.table.blocks}
+        out.copies = [(s, d) for s, d in out.copies if d not in mine]
+        for seq in victim.seqs:
+            self.blocks.free(seq.table)
+            seq.num_computed = seq.draft_computed = 0
+            seq.pending = None
+        self.running.remove(victim)
+        self.waiting.append(victim)
+        victim.status = Status.WAITING
+        victim.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _preempt_lower(self, req: Request, out: Schedule) -> bool:
+        """Preempt the last running request if it is of a preemptible class below ``req``'s; False when none is."""
+        if not self.running:
+            return False
+        victim = max(self.running, key=lambda r: r.sort_key)
+        if victim.priority < self.cfg.preemptible_priority or victim.priority <= req.priority:
+            return False
+        self._preempt(victim, out)
+        return True

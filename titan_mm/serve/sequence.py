@@ -1,0 +1,172 @@
+"""Requests, their sequences and what the engine hands back (:class:`RequestOutput`).
+
+A request starts with one sequence (its prompt). At its first token it forks into ``params.width`` sequences
+(n > 1, best_of, beam search) that share the prompt's blocks. Each sequence keeps all its tokens, so a preempted
+request is recomputed from them (prefix caching finds what is still cached).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from titan_mm.serve.block_manager import BlockTable
+from titan_mm.serve.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Image:
+    """One image of a prompt, processed: where its pad tokens sit in the expanded prompt and its patches."""
+
+    start: int
+    end: int
+    """Pad tokens at prompt positions start .. end-1."""
+    pixel_values: torch.Tensor
+    """[patches, patch_dim] float32 (CPU)."""
+    grid_thw: torch.Tensor
+    """[1, 3] int64 (CPU)."""
+    key: int
+    """Content hash (pixels and grid): part of the prefix keys of the blocks it overlaps."""
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    tokens: list[int]
+    """Prompt then generated tokens."""
+    num_prompt: int
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0
+    """Tokens whose k/v are in the cache."""
+    generator: torch.Generator | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    finish_reason: str | None = None
+    text: str = ""
+    """Detokenized output, cut before a stop string."""
+    sent_text: int = 0
+    sent_tokens: int = 0
+    """How much of text / output the previous RequestOutput held (the deltas)."""
+    draft_computed: int = 0
+    """Speculative decoding with a draft model: tokens whose k/v the draft's pool holds."""
+    pending: torch.Tensor | None = None
+    """Beam search: the logprobs [V] at the end of this beam, waiting for the other beams of the step."""
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def to_compute(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+@dataclass
+class RequestMetrics:
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    deadline_exceeded: bool = False
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+
+    @property
+    def spec_acceptance(self) -> float | None:
+        """Accepted / proposed guesses of speculative decoding (None: nothing proposed)."""
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else None
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def prefill_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.first_scheduled
+
+    @property
+    def decode_s(self) -> float | None:
+        return None if self.finished is None or self.first_token is None else self.finished - self.first_token
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    """The expanded prompt (one pad token per merged visual token)."""
+    params: SamplingParams
+    priority: int
+    deadline: float | None
+    """Absolute time (the engine's clock) after which the request is dropped."""
+    metrics: RequestMetrics
+    seqs: list[Sequence]
+    images: list[Image] = field(default_factory=list)
+    positions: torch.Tensor | None = None
+    """[3, len(prompt)] M-RoPE positions of the prompt (None: 1-D positions)."""
+    rope_delta: int = 0
+    """M-RoPE: position of token p >= len(prompt) is p + rope_delta on every axis."""
+    status: Status = Status.WAITING
+    beam: object | None = None
+    """titan_mm.serve.beam.BeamState of a beam-search request."""
+    forked: bool = False
+    abort_reason: str | None = None
+
+    @property
+    def live(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def seats(self) -> int:
+        """Sequences it counts against max_num_seqs: all it will run (beam search: always its width)."""
+        return len(self.live) if self.forked and self.beam is None else self.params.width
+
+    @property
+    def sort_key(self) -> tuple:
+        """Served first: higher class (lower number), then earliest deadline, then arrival."""
+        return (self.priority, self.deadline if self.deadline is not None else float("inf"), self.metrics.arrival,
+                self.request_id)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    """Every generated token so far (a stop token included)."""
+    text: str
+    """The text so far (a stop string and what follows it left out)."""
+    new_token_ids: list[int]
+    """The tokens since this request's previous output."""
+    new_text: str
+    """The text since the previous output (text that may still turn out to start a stop string is held back)."""
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    """"stop" | "length" | "abort", None while running."""
+    cumulative_logprob: float
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionOutput]
+    prompt_token_ids: list[int]
+    finished: bool
+    metrics: RequestMetrics
+
+
+def now() -> float:
+    return time.monotonic()
