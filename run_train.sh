@@ -16,7 +16,7 @@ if [[ "${NPROC}" -gt 1 ]]; then
     export OMP_NUM_THREADS=1
   fi
   # shellcheck disable=SC2086
-  exec "${PYTHON}" -m torch.distributed.run --standalone --nproc_per_node "${NPROC}" ${TORCHRUN_ARGS:-} \
+  exec "${PYTHON}" -m titan_mm.train.torchrun --standalone --nproc_per_node "${NPROC}" ${TORCHRUN_ARGS:-} \
     -m titan_mm.train.trainer "$@"
 else
   exec "${PYTHON}" -m titan_mm.train.trainer "$@"

@@ -48,6 +48,7 @@ PEAK_TFLOPS = 989.0
 CASES: dict[str, dict] = {
     "debug": dict(model="qwen3", flavor="debug", overrides={}, batch=2, seq=64),  # CPU smoke tests (--cpu)
     "debug_vl": dict(model="qwen3_vl", flavor="debug", overrides={}, batch=1, seq=1024, vl=True),
+    "debug_qwen3_5": dict(model="qwen3_5", flavor="debug", overrides={}, batch=1, seq=1024, vl=True),
     "qwen3_1.7b": dict(model="qwen3", flavor="1.7B", overrides={}, batch=4, seq=4096),
     "qwen3_4b": dict(model="qwen3", flavor="4B", overrides={}, batch=2, seq=4096),
     "qwen3_30b_a3b_4l": dict(model="qwen3_moe", flavor="30B-A3B", overrides={"num_hidden_layers": 4}, batch=4,
@@ -55,6 +56,13 @@ CASES: dict[str, dict] = {
     "qwen3_vl_2b": dict(model="qwen3_vl", flavor="2B", overrides={}, batch=1, seq=8192, vl=True),
     "qwen3_vl_30b_a3b_4l": dict(model="qwen3_vl_moe", flavor="30B-A3B", overrides={"text": {"num_hidden_layers": 4}},
                                 batch=1, seq=8192, vl=True),
+    # Qwen3.5: both block kinds (3 Gated DeltaNet : 1 gated attention) and the ViT, cut to fit one H200
+    "qwen3_5_9b_8l": dict(model="qwen3_5", flavor="9B", overrides={"text": {
+        "num_hidden_layers": 8, "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
+        + ["full_attention"]}}, batch=1, seq=8192, vl=True),
+    "qwen3_5_35b_a3b_4l": dict(model="qwen3_5_moe", flavor="35B-A3B", overrides={"text": {
+        "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}}, batch=1, seq=8192,
+        vl=True),
 }
 # the module whose make_sample / pack build the VL cases' synthetic image+text samples (titan_mm's data contract)
 VL_SYNTHETIC = "titan_mm.models.qwen3_vl.synthetic"

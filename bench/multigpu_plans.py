@@ -17,8 +17,12 @@ same global batch (8 rows; 1 row per data-parallel rank per micro-batch, the res
   epW            moe     W       --parallel.ep W
   tp2_ep2        moe     W       --parallel.tp 2 --parallel.ep 2
   cp2_ep2        moe     W       --parallel.cp 2 --parallel.ep 2
+  pp2            dense_pp 2      --parallel.pp 2           (1F1B; likewise pp2_interleaved, pp2_zbv)
+  pp2_fsdp       dense_pp W      --parallel.pp 2           (dp_shard W/2 inside each stage; also pp2_tp2)
+  pp2_ep2        moe     W       --parallel.pp 2 --parallel.ep 2
 W = all GPUs (cases marked W need W >= 4). GPU models: dense = Qwen3-1.7B, moe = Qwen3-30B-A3B cut to 4
-layers (128 experts top-8), seq 4096, bf16 params / fp32 master + reductions, per-block compile.
+layers (128 experts top-8), dense_pp = Qwen3-1.7B untied and cut to 8 layers (pipeline stages cannot share a tied
+head), seq 4096, bf16 params / fp32 master + reductions, per-block compile.
 Bounds: those of bench/scaling.py (relative, loss step 1 <= 2e-3 and steps 1..20 <= 1e-2; grad norm
 step 1 <= 1e-2 and <= 5e-2; the reasoning is in its docstring). MoE routing adds one more source: a token
 whose top-8 router scores tie within bf16 rounding may pick another expert on another split; it changes
@@ -78,10 +82,15 @@ from bench.scaling import (  # noqa: E402
 GPU_MODELS = {
     "dense": dict(name="qwen3", flavor="1.7B", overrides={}, seq=4096),
     "moe": dict(name="qwen3_moe", flavor="30B-A3B", overrides={"num_hidden_layers": 4}, seq=4096),
+    # pipeline cases: an untied head (pp refuses tied embeddings), 8 blocks so that pp 2 x 2 stages get 2 each
+    "dense_pp": dict(name="qwen3", flavor="1.7B", overrides={"tie_word_embeddings": False, "num_hidden_layers": 8},
+                     seq=4096),
 }
 CPU_MODELS = {
     "dense": dict(name="qwen3", flavor="debug", overrides={"vocab_size": 512, "num_hidden_layers": 2}, seq=64),
     "moe": dict(name="qwen3_moe", flavor="debug_moe", overrides={"vocab_size": 512, "num_hidden_layers": 2}, seq=64),
+    "dense_pp": dict(name="qwen3", flavor="debug", overrides={"vocab_size": 512, "num_hidden_layers": 4,
+                                                              "tie_word_embeddings": False}, seq=64),
 }
 
 # name -> (model, parallel flags (W = all processes), world: an int or "W")
@@ -100,6 +109,14 @@ CASES = {
     "epW": ("moe", {"ep": "W"}, "W"),
     "tp2_ep2": ("moe", {"tp": 2, "ep": 2}, "W"),
     "cp2_ep2": ("moe", {"cp": 2, "cp_mode": "ulysses", "ep": 2}, "W"),
+    # pipeline parallelism (titan_mm/parallel/pipeline.py; docs/parallel.md): bf16 on GPU applies FSDP2, which the
+    # split-backward schedules need with its gathered parameters kept (fsdp_reshard_after_forward = never)
+    "pp2": ("dense_pp", {"pp": 2}, 2),
+    "pp2_interleaved": ("dense_pp", {"pp": 2, "pp_schedule": "Interleaved1F1B"}, 2),
+    "pp2_zbv": ("dense_pp", {"pp": 2, "pp_schedule": "ZBVZeroBubble", "fsdp_reshard_after_forward": "never"}, 2),
+    "pp2_fsdp": ("dense_pp", {"pp": 2}, "W"),
+    "pp2_tp2": ("dense_pp", {"pp": 2, "tp": 2}, "W"),
+    "pp2_ep2": ("moe", {"pp": 2, "ep": 2}, "W"),
 }
 
 
@@ -144,8 +161,8 @@ def _resolve(flags: dict, W: int) -> dict:
 
 
 def dp_degree(parallel: dict, world: int) -> int:
-    """Ranks that read different rows: world / (tp x cp) (ep borrows its ranks from dp x cp)."""
-    return world // (int(parallel.get("tp", 1)) * int(parallel.get("cp", 1)))  # dp_replicate x dp_shard
+    """Ranks that read different rows: world / (tp x cp x pp) (ep borrows its ranks from dp x cp)."""
+    return world // (int(parallel.get("tp", 1)) * int(parallel.get("cp", 1)) * int(parallel.get("pp", 1)))
 
 
 # ------------------------------------------------------------------------------------------------ VL worker

@@ -25,6 +25,8 @@ HF_PEERS = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", True),
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", False),
     "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", True),
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", False),  # Liger 0.8.5 has no Qwen3.5 patch: run "hf"
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", False),
 }
 
 

@@ -1,1 +1,5 @@
 """titan_mm: a functional trainer for multimodal LLMs on PyTorch."""
+
+from titan_mm import _quiet
+
+_quiet.install()

@@ -9,7 +9,8 @@ sections (``[training] steps = 100``); command-line flags override it (``--train
 Rules:
 - An unknown key (in TOML or on the command line) is an error that names the key and the closest
   valid ones; a value of the wrong type is an error that names the key, the value and the type.
-- Booleans take a value on the command line (``--compile.enable True``), like in TOML.
+- Booleans take a value on the command line (``--compile.enable True``; true/false/yes/no/on/off/1/0 in any
+  case too), like in TOML.
 - ``resolved_toml(cfg)`` renders the resolved config; the trainer saves it in the run folder, and the
   saved file can be fed back with ``--config``.
 
@@ -21,7 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
+import logging
+import math
 import os
 import sys
 import tomllib
@@ -33,6 +37,7 @@ from typing import Any, Literal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "train_configs"
+log = logging.getLogger("titan_mm.config")
 
 
 class ConfigError(ValueError):
@@ -65,8 +70,9 @@ class Model:
     flavor: str = "debug"
     """Named size in the family's flavors (for example debug, 0.6B, 1.7B). Ignored when hf_path is set."""
     hf_path: str | None = None
-    """Local HF model directory (config.json + *.safetensors). Set: the architecture comes from its
-    config.json and the weights are loaded from it (unless init_from_hf is False)."""
+    """Local HF model directory (config.json + *.safetensors), or a Hub repo id such as Qwen/Qwen3-1.7B
+    (downloaded into the huggingface-hub cache). Set: the architecture comes from its config.json and the
+    weights are loaded from it (unless init_from_hf is False)."""
     init_from_hf: bool = True
     """With hf_path: load the HF weights (True) or only take the architecture and init randomly (False)."""
     attn_backend: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
@@ -78,7 +84,8 @@ class Model:
 @dataclass
 class Data:
     dataset: str = "builtin"
-    """Dataset name or path understood by titan_mm.data (builtin = the small corpus inside the package)."""
+    """Dataset name or path understood by titan_mm.data (builtin = the small corpus inside the package).
+    Given on the command line, it replaces the TOML's [data.mixture] (the mixture is cleared)."""
     seq_len: int = 512
     """Tokens per packed row (rows are padded to the next multiple of 16: titan_mm.data.packing.padded_seq_len)."""
     micro_batch_size: int = 2
@@ -88,14 +95,15 @@ class Data:
     tokenizer_path: str | None = None
     """Folder with tokenizer.json; None: the model's HF dir if given, else the built-in Qwen3 tokenizer."""
     mixture: dict[str, float] = field(default_factory=dict)
-    """Weighted mixture of sources, {path-or-URL-or-builtin:name: weight}; replaces `dataset` when given.
-    TOML: [data.mixture] "data/a.jsonl" = 0.7  "s3://b/*.parquet" = 0.3"""
+    """Weighted mixture of sources, {path-or-URL-or-builtin:name: positive weight}; replaces `dataset` when
+    given. TOML: [data.mixture] "data/a.jsonl" = 0.7  "s3://b/*.parquet" = 0.3. Command line: one JSON
+    object that replaces the TOML's mixture whole, --data.mixture '{"a/*.jsonl": 0.7, "b.parquet": 0.3}'."""
     prefetch_factor: int = 2
     """Batches each worker prepares ahead (num_workers > 0)."""
     pin_memory: bool = True
     """Pin batch memory (only when CUDA is available)."""
     open_rows: int = 32
-    """Rows the best-fit packer keeps open per worker (more: denser packing, more memory in the state)."""
+    """Rows the best-fit packer keeps open per packed stream (more: denser packing, more memory in the state)."""
     max_patches_per_row: int = 0
     """Cap on vision patches per packed row (0: no cap)."""
     split_long_text: bool = False
@@ -124,8 +132,12 @@ class Data:
     error_min_samples: int = 200
     """Samples seen before max_error_rate is enforced."""
     shuffle_buffer: int = 256
-    """Per source and worker: samples read ahead and drawn from at random (saved as references in the
+    """Per source and packed stream: samples read ahead and drawn from at random (saved as references in the
     loader state); 0 or 1: stream order."""
+    streams_per_slot: int = 1
+    """Packed streams behind each micro-batch of the global batch, taking turns step by step (docs/data.md).
+    A stream is read by one worker, so a rank uses at most (its micro-batches per step) x streams_per_slot
+    workers. Part of the data order, like global_batch_size: changing it changes the samples."""
 
 
 @dataclass
@@ -134,17 +146,28 @@ class Training:
     """Optimizer steps to train for (counted from step 0, resumes included)."""
     global_batch_size: int = 0
     """Rows per optimizer step over all data-parallel ranks. 0: micro_batch_size x dp degree (no
-    gradient accumulation). Must be a multiple of micro_batch_size x dp degree."""
+    gradient accumulation). Must be a multiple of micro_batch_size x dp degree. It fixes the data stream
+    (global_batch_size / micro_batch_size micro-batch slots): set it for runs that must give the same samples,
+    or resume, on another number of ranks (0 ties it to the dp degree)."""
     max_norm: float = 1.0
     """Clip the global gradient norm (over every mesh axis) to this value; 0 disables clipping."""
     seed: int = 0
     """Seed for model init, data order and dropout-like randomness."""
     deterministic: bool = False
     """Use deterministic algorithms (bitwise-reproducible on CPU; slower on GPU)."""
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype parameters are computed in (FSDP mixed precision); master weights stay fp32."""
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of gradient reductions across data-parallel ranks."""
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype parameters are computed in (FSDP mixed precision); master weights stay fp32. float16 (GPUs without
+    bf16) turns on dynamic loss scaling (loss_scale_init, loss_scale_growth_interval). On CPU bfloat16 and float16
+    compute in float32; the float16 loss scaler still runs there."""
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of gradient reductions across data-parallel ranks (float16 only with param_dtype=float16, whose loss
+    scaler catches a reduction that overflows)."""
+    loss_scale_init: float = 65536.0
+    """param_dtype=float16: the first loss scale. The backward runs on loss x scale; a step whose gradients are
+    not finite on any rank is skipped (logged as skipped, not a NaN-policy event) and halves the scale. A power of
+    two keeps scaling exact."""
+    loss_scale_growth_interval: int = 2000
+    """param_dtype=float16: finite steps in a row after which the loss scale doubles."""
     nan_policy: Literal["skip", "stop"] = "stop"
     """A non-finite loss or grad norm: skip (drop the update, count it, go on) or stop with an error."""
     max_skipped_steps: int = 10
@@ -155,10 +178,11 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: Literal["adamw"] = "adamw"
-    """Optimizer."""
+    name: Literal["adamw", "muon"] = "adamw"
+    """Optimizer: adamw, or muon (Muon for the matrices inside the model's blocks, AdamW for embeddings, the
+    output head, norms and biases; one optimizer, one schedule; docs/optimizers.md)."""
     lr: float = 3e-4
-    """Peak learning rate."""
+    """Peak learning rate. Muon's too, scaled per matrix by muon_adjust_lr."""
     beta1: float = 0.9
     """Adam beta1."""
     beta2: float = 0.95
@@ -173,6 +197,19 @@ class Optimizer:
     """Also apply weight decay to the token embedding (and a tied output head)."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """AdamW kernel: auto = fused on CUDA, foreach on CPU."""
+    muon_momentum: float = 0.95
+    """Muon: momentum of the gradient buffer (0 <= m < 1)."""
+    muon_nesterov: bool = True
+    """Muon: orthogonalize the Nesterov direction g + m * buffer instead of the buffer."""
+    muon_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations (quintic, Keller Jordan's coefficients)."""
+    muon_adjust_lr: Literal["moonlight", "original", "none"] = "moonlight"
+    """Muon: per-matrix lr scale of the orthogonalized update of an A x B matrix: moonlight = 0.2 * sqrt(max(A, B))
+    (the update's RMS matches AdamW's, so AdamW's lr and weight decay carry over), original = sqrt(max(1, A / B))
+    (Keller Jordan's; wants a larger lr, ~0.02), none = 1."""
+    muon_split_fused: bool = True
+    """Muon: orthogonalize a fused weight (the family's fused q/k/v or gate/up, ModelSpec.fused_params) part by part,
+    as if the projections were separate; false: the fused matrix whole."""
 
 
 @dataclass
@@ -224,6 +261,28 @@ class Parallel:
     gathers nothing (ZeRO-2-like): one unsharded copy of the weights more at the peak, one all-gather (and,
     with float8, one weight cast) less per block and step. Qwen3-1.7B on one H200: float8 +2.2 to +2.8% tokens/s
     for +1.1 GiB; bf16 +1.7% for +2.5 GiB (docs/benchmarks.md)."""
+    pp: int = 1
+    """Pipeline-parallel degree: the trunk's blocks are cut into stages run on pp groups of ranks (the outermost
+    mesh axis; world = pp x dp_replicate x dp_shard x cp x tp). Stage 0 also runs the embedding (and the vision
+    tower), the last stage the final norm, head and loss (titan_mm/parallel/pipeline.py, docs/parallel.md)."""
+    pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                         "DualPipeV"] = "1F1B"
+    """torch.distributed.pipelining schedule. GPipe and 1F1B run one stage per rank; Interleaved1F1B, LoopedBFS and
+    InterleavedZeroBubble run pp_virtual_stages stages per rank (looped placement); ZBVZeroBubble and DualPipeV
+    run two stages per rank in a V (rank r holds stages r and 2 pp - 1 - r)."""
+    pp_microbatches: int = 0
+    """Micro-batches per step through the pipeline (the gradient-accumulation count under pp). 0: what
+    training.global_batch_size / (data.micro_batch_size x dp) gives; with training.global_batch_size = 0 a
+    value N sets the global batch to N x data.micro_batch_size x dp. At least pp (every stage busy)."""
+    pp_virtual_stages: int = 0
+    """Stages per rank; 0: the schedule's own (1 for GPipe / 1F1B, 2 for the others). The V schedules need 2."""
+    pp_layers_per_stage: list[int] = field(default_factory=list)
+    """Trunk blocks of each stage, in stage order (pp x pp_virtual_stages numbers summing to the block count;
+    the first and last stage may take 0: the embedding or the head alone). Empty: pp_split_points, or the
+    memory-balanced split (titan_mm.parallel.pipeline.balanced_split)."""
+    pp_split_points: list[int] = field(default_factory=list)
+    """Alternative to pp_layers_per_stage: the block index where each stage after the first begins
+    (pp x pp_virtual_stages - 1 increasing numbers)."""
 
 
 @dataclass
@@ -280,6 +339,10 @@ class Checkpoint:
     """Resume from this step's checkpoint; -1 = newest complete one."""
     resume: bool = True
     """Auto-resume when the run folder holds a checkpoint."""
+    save_on_signal: bool = True
+    """On SIGTERM / SIGINT (Slurm preemption, Ctrl-C): finish the current step, save a checkpoint (blocking),
+    exit with code 128 + signal (143 / 130). After it a SIGINT exits at once without saving; a repeated SIGTERM
+    is ignored (a preempted torchrun worker gets two)."""
 
 
 @dataclass
@@ -292,6 +355,21 @@ class Metrics:
     """Write one JSON line per step to <run>/metrics.jsonl."""
     peak_tflops: float = 0.0
     """Peak dense bf16 TFLOP/s of one device for MFU; 0 = look it up by device name (989 for H100/H200)."""
+    wandb: bool = False
+    """Also log the step metrics to Weights & Biases from rank 0 (needs `pip install wandb`); the resolved
+    config becomes the wandb run's config, and a resumed run continues the same wandb run (<run>/wandb_id)."""
+    wandb_project: str = "titan_mm"
+    """The wandb project of the run (the wandb run's name is job.name)."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """online: stream to the wandb server; offline: write <run>/wandb/ only (upload later with `wandb sync`)."""
+    prometheus_port: int = 0
+    """Serve the latest step metrics at http://<rank-0 host>:PORT/metrics for Prometheus (gauges
+    titan_mm_<metric>, names with / as _, plus titan_mm_step); 0 = off."""
+    profile_every: int = 0
+    """Every N steps, profile the last metrics.profile_steps steps of the N with torch.profiler and log
+    profile/comm_overlap_pct and profile/gpu_idle_pct (docs/training.md); 0 = off (no profiler cost)."""
+    profile_steps: int = 2
+    """Steps in each profiler window (must be < metrics.profile_every)."""
 
 
 @dataclass
@@ -301,6 +379,29 @@ class Kernels:
     ops: str = "all"
     """Which ops come from titan_mm.kernels when kernels are on: "all", "none", a comma list (rms_norm,
     add_rms_norm, swiglu, rope, linear_cross_entropy, bias_gelu) or "all,-op" (docs/kernels.md)."""
+
+
+@dataclass
+class Objective:
+    kind: Literal["causal", "masked_diffusion", "shifted_diffusion", "block_diffusion"] = "causal"
+    """What the model learns (docs/dllm.md). causal: the next token, causal attention. masked_diffusion (LLaDA):
+    per document t ~ U[eps, 1], each maskable token becomes objective.mask_token with probability t, attention is
+    bidirectional within the document, loss = sum over masked tokens of CE / t over the global count of maskable
+    tokens. shifted_diffusion (Dream): the same, but hidden state i predicts token i + 1 (an autoregressive HF
+    checkpoint is a good init). block_diffusion (SDAR / BD3-style): t per block of block_size tokens, block-causal
+    attention (autoregressive across blocks, diffusion within one)."""
+    eps: float = 1e-3
+    """Smallest mask probability: t = eps + (1 - eps) * u with u ~ U[0, 1) (LLaDA's eps); the loss weight is 1/t."""
+    block_size: int = 32
+    """block_diffusion: tokens per block; blocks restart at every document's first token."""
+    mask_token: str = "auto"
+    """The token masked positions become. auto: the tokenizer's <|mask|> (or <|MASK|>) when it has one, else the
+    first id after the tokenizer's last one when the embedding has that row (Qwen3: 151669 of 151936, SDAR's
+    choice), with synthetic data vocab_size - 1. Or a token of the tokenizer ("<|mask|>"), or a decimal id."""
+    sft: bool = False
+    """Diffusion SFT: only the tokens the data marks as targets (assistant turns) are masked and scored, prompts
+    stay clean, and the loss is normalized by the global count of target tokens. False: every token of a document
+    may be masked (pre-training)."""
 
 
 @dataclass
@@ -318,6 +419,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     kernels: Kernels = field(default_factory=Kernels)
+    objective: Objective = field(default_factory=Objective)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -424,6 +526,33 @@ def all_keys(cls=JobConfig, prefix: str = "") -> list[str]:
     return out
 
 
+def _leaf_type(key: str, cls=None) -> Any:
+    cls = cls or JobConfig
+    head, _, rest = key.partition(".")
+    tp = _hints(cls).get(head)
+    return _leaf_type(rest, tp) if rest and tp is not None and _is_section(tp) else tp
+
+
+_BOOL_WORDS = {"true": "True", "false": "False", "yes": "True", "no": "False", "on": "True", "off": "False",
+               "1": "True", "0": "False"}
+
+
+def _normalize_bools(argv: list[str]) -> list[str]:
+    """``--checkpoint.resume false`` as well as ``False`` (tyro takes only the capitalized spelling)."""
+    out = list(argv)
+    for i, a in enumerate(out):
+        if not a.startswith("--"):
+            continue
+        flag, eq, value = a[2:].partition("=")
+        if _leaf_type(flag.replace("-", "_")) is not bool:
+            continue
+        if eq:
+            out[i] = f"--{flag}={_BOOL_WORDS.get(value.lower(), value)}"
+        elif i + 1 < len(out) and not out[i + 1].startswith("--"):
+            out[i + 1] = _BOOL_WORDS.get(out[i + 1].lower(), out[i + 1])
+    return out
+
+
 def resolve_config_path(name_or_path: str) -> Path:
     """A name in train_configs/ (with or without .toml) or a path to a TOML file."""
     p = Path(name_or_path)
@@ -486,6 +615,67 @@ def _check_cli_keys(argv: list[str]) -> None:
             raise ConfigError(f"unknown command-line option --{a[2:].split('=', 1)[0]}: {_closest(key, valid)}")
 
 
+def _cli_values(argv: list[str]) -> dict[str, str | None]:
+    """{section.key: value} of the flags in ``argv`` (the last one wins, as in tyro); None: no value given."""
+    out: dict[str, str | None] = {}
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            flag, eq, value = a[2:].partition("=")
+            nxt = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
+            out[flag.replace("-", "_")] = value if eq else nxt
+    return out
+
+
+def _json_object(text: str, flag: str) -> dict:
+    """A dict-typed field's command-line value: one JSON object (mixtures: '{"a/*.jsonl": 0.7, "b": 0.3}')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} must be a JSON object like '{{\"a/*.jsonl\": 0.7, \"b.parquet\": 0.3}}', "
+                          f"got {text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object like '{{\"a/*.jsonl\": 0.7}}', got {text!r}")
+    return value
+
+
+def _cli_registry():
+    """tyro reads a dict-typed field (data.mixture) as one JSON-object flag, not one flag per default key."""
+    from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec
+
+    registry = ConstructorRegistry()
+
+    @registry.primitive_rule
+    def _dict_as_json(info):
+        if typing.get_origin(info.type) is not dict:
+            return None
+        return PrimitiveConstructorSpec(
+            nargs=1, metavar="JSON", instance_from_str=lambda args: _json_object(args[0], "the value"),
+            is_instance=lambda v: isinstance(v, dict), str_from_instance=lambda v: [json.dumps(v)])
+
+    return registry
+
+
+def _check_data_flags(given: dict[str, str | None]) -> None:
+    """--data.dataset and --data.mixture each replace the TOML's data source; both at once is ambiguous."""
+    if "data.dataset" in given and "data.mixture" in given:
+        raise ConfigError("--data.dataset and --data.mixture are both given: pass one (--data.dataset PATH for one "
+                          "source, or --data.mixture '{\"a/*.jsonl\": 0.7, \"b.parquet\": 0.3}')")
+    text = given.get("data.mixture")
+    if text is not None and not _json_object(text, "--data.mixture"):
+        raise ConfigError("--data.mixture '{}' names no source: give '{\"a/*.jsonl\": 0.7, ...}', or one source "
+                          "with --data.dataset PATH")
+
+
+def check_mixture(mixture: dict) -> None:
+    """Every data.mixture entry is a non-empty source name with a positive, finite weight."""
+    for src, w in mixture.items():
+        if not str(src).strip():
+            raise ConfigError(f"data.mixture has an empty source name (weight {w!r}): name a path, URL or builtin:NAME")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            raise ConfigError(f"data.mixture entry {src!r}: {w!r} is not a positive number (weights are relative "
+                              f"sampling rates, for example 0.3)")
+
+
 def load_config(argv: list[str] | None = None) -> JobConfig:
     """TOML (``--config NAME_OR_PATH``, optional) then command-line overrides through tyro.
 
@@ -503,6 +693,9 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     else:
         cfg = JobConfig()
     _check_cli_keys(rest)
+    rest = _normalize_bools(rest)
+    given = _cli_values(rest)
+    _check_data_flags(given)
     cfg = tyro.cli(
         JobConfig,
         default=cfg,
@@ -510,7 +703,12 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         prog="run_train.sh --config NAME_OR_PATH",
         description="titan_mm trainer. TOML values (--config) are overridden by these flags.",
         config=(tyro.conf.FlagConversionOff,),
+        registry=_cli_registry(),
     )
+    if "data.dataset" in given and cfg.data.mixture:
+        log.warning(f"--data.dataset {cfg.data.dataset!r} replaces the config file's [data.mixture] "
+                    f"({len(cfg.data.mixture)} sources)")
+        cfg.data.mixture = {}
     if not cfg.job.name:
         cfg.job.name = "run"
     validate(cfg)
@@ -526,12 +724,22 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"data.micro_batch_size must be >= 1, got {d.micro_batch_size}")
     if d.seq_len < 1:
         raise ConfigError(f"data.seq_len must be >= 1, got {d.seq_len}")
+    if d.streams_per_slot < 1:
+        raise ConfigError(f"data.streams_per_slot must be >= 1, got {d.streams_per_slot}")
     if t.global_batch_size < 0:
         raise ConfigError(f"training.global_batch_size must be >= 0, got {t.global_batch_size}")
     if cfg.checkpoint.interval < 1:
         raise ConfigError(f"checkpoint.interval must be >= 1, got {cfg.checkpoint.interval}")
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq must be >= 1, got {cfg.metrics.log_freq}")
+    if not 0 <= cfg.optimizer.muon_momentum < 1:
+        raise ConfigError(f"optimizer.muon_momentum must be in [0, 1), got {cfg.optimizer.muon_momentum}")
+    if cfg.optimizer.muon_ns_steps < 1:
+        raise ConfigError(f"optimizer.muon_ns_steps must be >= 1, got {cfg.optimizer.muon_ns_steps}")
+    check_mixture(d.mixture)
+    _validate_metrics(cfg.metrics)
+    _validate_precision(cfg)
+    _validate_objective(cfg.objective)
     if cfg.model.overrides:
         try:
             o = json.loads(cfg.model.overrides)
@@ -539,6 +747,43 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"model.overrides must be a JSON object, got {cfg.model.overrides!r}: {e}") from None
         if not isinstance(o, dict):
             raise ConfigError(f"model.overrides must be a JSON object, got {cfg.model.overrides!r}")
+
+
+def _validate_objective(o: Objective) -> None:
+    if not 0.0 < o.eps < 1.0:
+        raise ConfigError(f"objective.eps must be in (0, 1) (the smallest mask probability), got {o.eps}")
+    if o.block_size < 1:
+        raise ConfigError(f"objective.block_size must be >= 1 (tokens per diffusion block), got {o.block_size}")
+    if o.sft and o.kind == "causal":
+        raise ConfigError("objective.sft applies to the diffusion kinds; the causal objective already scores only "
+                          "the tokens the data labels: drop objective.sft or pick a diffusion objective.kind")
+
+
+def _validate_precision(cfg: JobConfig) -> None:
+    t = cfg.training
+    if t.param_dtype == "float16" and cfg.float8.enable:
+        raise ConfigError("training.param_dtype='float16' with float8.enable: float8 needs an SM>=89 GPU, which has "
+                          "bfloat16; use --training.param_dtype bfloat16 with float8")
+    if t.reduce_dtype == "float16" and t.param_dtype != "float16":
+        raise ConfigError(f"training.reduce_dtype='float16' needs training.param_dtype='float16' (its loss scaler "
+                          f"catches an overflowing reduction), got param_dtype={t.param_dtype!r}; use float32")
+    if not 0 < t.loss_scale_init < float("inf"):
+        raise ConfigError(f"training.loss_scale_init must be a positive finite number, got {t.loss_scale_init}")
+    if t.loss_scale_growth_interval < 1:
+        raise ConfigError(f"training.loss_scale_growth_interval must be >= 1, got {t.loss_scale_growth_interval}")
+
+
+def _validate_metrics(m: Metrics) -> None:
+    if m.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.wandb is on but wandb is not installed: pip install wandb "
+                          "(or pip install -e '.[wandb]'), or set --metrics.wandb False")
+    if not 0 <= m.prometheus_port <= 65535:
+        raise ConfigError(f"metrics.prometheus_port must be a TCP port (1-65535) or 0 for off, got {m.prometheus_port}")
+    if m.profile_every < 0:
+        raise ConfigError(f"metrics.profile_every must be >= 0 (0 = off), got {m.profile_every}")
+    if m.profile_every and not 1 <= m.profile_steps < m.profile_every:
+        raise ConfigError(f"metrics.profile_steps must be between 1 and metrics.profile_every - 1 "
+                          f"({m.profile_every - 1}), got {m.profile_steps}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -62,6 +62,8 @@ class ModelDims:
     moe_intermediate_size: int = 0
     tie_word_embeddings: bool = False
     vision: VisionDims | None = None
+    max_position_embeddings: int = 0
+    """Longest sequence the positions are built for (the serving engine's default max_model_len; 0: unknown)."""
 
     @property
     def is_moe(self) -> bool:
@@ -149,6 +151,17 @@ class MemoryTerms:
 
 
 @dataclass(frozen=True)
+class FusedRows:
+    """How a fused projection (several matrices in one weight, e.g. q/k/v) lays out its output rows (dim -2 of a
+    weight [..., rows, in]): rows = [groups, sum(sizes)], and part j is the ``sizes[j]`` rows of every group.
+    Concatenated q / k / v: ``FusedRows(1, (q_rows, k_rows, v_rows))``; head-major [H, 3, Dh]:
+    ``FusedRows(H, (Dh, Dh, Dh))``."""
+
+    groups: int
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Every extension point of a model family, as one typed value."""
 
@@ -191,6 +204,9 @@ class ModelSpec:
     splits them with input_ids."""
     param_groups: Callable[[torch.nn.Module, Any, list[dict], float], list[dict]] | None = None
     """param_groups(model, cfg, groups, base_lr) -> groups split per part with their lr (None: as built)."""
+    fused_params: Callable[[Any], dict[str, FusedRows]] | None = None
+    """fused_params(cfg) -> {fnmatch pattern over parameter FQNs: FusedRows} of the weights that fuse several
+    projections; Muon (optimizer.muon_split_fused) orthogonalizes their parts one by one. None: no fused weights."""
     hf_model_types: tuple[str, ...] = ()
     """HF config.json model_type values this spec reads."""
 
@@ -211,6 +227,8 @@ _BUILTIN = {
     "qwen3_moe": "titan_mm.models.qwen3",
     "qwen3_vl": "titan_mm.models.qwen3_vl",
     "qwen3_vl_moe": "titan_mm.models.qwen3_vl",
+    "qwen3_5": "titan_mm.models.qwen3_5",
+    "qwen3_5_moe": "titan_mm.models.qwen3_5",
 }
 
 
@@ -257,6 +275,13 @@ def spec_for_config(model_cfg: Any) -> ModelSpec:
     raise SpecError(f"no registered model family has the config class {type(model_cfg).__name__}")
 
 
+def hf_model_types() -> list[str]:
+    """Every config.json model_type a registered family reads."""
+    for n in _BUILTIN:
+        get_model_spec(n)
+    return sorted({t for spec in _REGISTRY.values() for t in spec.hf_model_types})
+
+
 def list_models() -> list[str]:
     return sorted(set(_REGISTRY) | set(_BUILTIN))
 
@@ -277,13 +302,24 @@ def resolve_model(name: str, flavor: str, hf_path: str | None = None, overrides:
     then the runtime fields. Every mistake is a :class:`SpecError` naming what to fix."""
     spec = get_model_spec(name)
     if hf_path:
-        p = Path(hf_path)
-        if not p.is_dir():
-            raise SpecError(f"model.hf_path {hf_path!r} is not a directory; give a local HF model folder "
-                            "(config.json + *.safetensors), or drop model.hf_path to use a flavor")
-        if not (p / "config.json").is_file():
-            raise SpecError(f"model.hf_path {hf_path!r} has no config.json; it must be an HF model folder")
-        model_cfg = spec.config_from_hf(str(p))
+        from titan_mm.models.common.hf_io import HFCheckpointError, local_hf_dir, read_hf_config
+
+        try:  # a local folder or a Hub repo id (config files only: the weights are fetched by their reader)
+            folder = local_hf_dir(hf_path)
+            mt = read_hf_config(folder).get("model_type")
+        except HFCheckpointError as e:
+            raise SpecError(str(e)) from None
+        except ValueError as e:  # json's decode error
+            raise SpecError(f"{Path(folder) / 'config.json'} is not valid JSON ({e}); re-download it") from None
+        cfg_file = Path(folder) / "config.json"
+        if not mt:
+            raise SpecError(f"{cfg_file} has no model_type; add one of the registered types "
+                            f"({', '.join(hf_model_types())}), or point model.hf_path at the original HF folder")
+        try:
+            model_cfg = spec.config_from_hf(folder)
+        except (ValueError, KeyError, TypeError) as e:  # the family's reader names what does not fit
+            why = f"the key {e} is missing" if isinstance(e, KeyError) else str(e)
+            raise SpecError(f"{cfg_file} (model.name {name!r}): {why}") from None
     else:
         model_cfg = spec.flavor(flavor)
     kw: dict[str, Any] = json.loads(overrides) if isinstance(overrides, str) and overrides else dict(overrides or {})

@@ -1,6 +1,6 @@
-"""Exact resume: save the loader state at batch k, rebuild everything in a new process, and the next 50
-batches equal the uninterrupted run bit for bit (num_workers 0 and 2, a 3-source mixture with images,
-open packer rows in the saved state)."""
+"""Exact resume: save the loader state at batch k (in the middle of a step of 2 micro-batches), rebuild
+everything in a new process, and the next 50 batches equal the uninterrupted run bit for bit (num_workers 0
+and 2, a 3-source mixture with images, open packer rows in the saved state)."""
 
 import hashlib
 import json
@@ -26,8 +26,8 @@ def _data(d, **kw) -> Data:
                    "open_rows": 8, "mixture": {"builtin:text": 0.5, f"{d}/txt": 0.3, f"{d}/img": 0.2}, **kw})
 
 
-def make(d, nw):
-    return build_dataloader(_data(d, num_workers=nw), needs=QWEN3_VL_NEEDS, seed=11)
+def make(d, nw):  # 2 micro-batches per step: two streams, one per worker with num_workers=2
+    return build_dataloader(_data(d, num_workers=nw), needs=QWEN3_VL_NEEDS, n_micro=2, seed=11)
 
 
 def digest(b) -> str:
@@ -46,6 +46,9 @@ def _find(obj, key):
                 yield v
             else:
                 yield from _find(v, key)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _find(v, key)
 
 
 _CHILD = """
@@ -105,10 +108,12 @@ def test_resume_rejects_other_layout(tmp_path):
     dl = make(d, 0)
     next(iter(dl))
     state = dl.state_dict()
-    other = build_dataloader(_data(d), needs=QWEN3_VL_NEEDS, seed=11, dp_rank=0, dp_world=2)
-    with pytest.raises(ValueError, match="same dp world size"):
+    other = build_dataloader(_data(d), needs=QWEN3_VL_NEEDS, seed=11, n_micro=4)  # another global batch
+    with pytest.raises(ValueError, match="for 2 micro-batch slots per global batch, this loader has 4"):
         other.load_state_dict(state)
-        next(iter(other))
+    fewer = build_dataloader(_data(d, mixture={f"{d}/txt": 1.0}), needs=QWEN3_VL_NEEDS, seed=11, n_micro=2)
+    with pytest.raises(ValueError, match="3 sources, the config 1"):
+        fewer.load_state_dict(state)
 
 
 def test_resume_rebuilds_buffered_docs_from_every_format(tmp_path):

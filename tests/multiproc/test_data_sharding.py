@@ -1,5 +1,7 @@
-"""Within an epoch no sample is seen twice or lost across 2 dp ranks x 2 workers (by global ids), over
-JSONL (fewer files than slots: strided), Parquet row groups (more units than slots) and tar shards."""
+"""Within an epoch no sample is seen twice or lost across 2 dp ranks x 2 workers (2 micro-batches per rank and
+step: 4 streams; by global ids), over JSONL (fewer files than streams: strided), Parquet row groups (more units
+than streams) and tar shards. The streams end at different batches: each rank reads on until all of its own
+have ended."""
 
 import collections
 
@@ -21,8 +23,9 @@ def test_no_dup_no_loss_2_ranks_2_workers(tmp_path):
     generate(f"{d}/t", 90, "tar", shards=2, seed=3)
     ids, seen_per_rank = [], []
     for rank in range(2):
-        dl = build_dataloader(_data(d), needs=DataNeeds(), dp_rank=rank, dp_world=2, seed=5, epochs=1,
+        dl = build_dataloader(_data(d), needs=DataNeeds(), dp_rank=rank, dp_world=2, n_micro=2, seed=5, epochs=1,
                               return_sample_ids=True)
+        assert dl.num_workers == 2
         rank_ids = []
         for _ in dl:
             rank_ids += dl.last_sample_ids

@@ -272,3 +272,45 @@ def test_kinds_on_cuda_without_host_sync(backend, kind):
     ref = reference_attention(*(t.detach().float() for t in (q, k, v)), reference_mask(batch, kind).cuda())
     torch.testing.assert_close(o.float(), ref, atol=2e-2, rtol=2e-2)
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def _diffusion_rows(lens_per_row, S_, block):
+    """Packed rows (the rest of each row is padding, one more document) and their mask written out per document:
+    bidirectional (block None) or block-causal with blocks of ``block`` from each document's first token."""
+    doc = torch.full((len(lens_per_row), S_), -1, dtype=torch.int32)
+    mask = torch.zeros(len(lens_per_row), S_, S_, dtype=torch.bool)
+    segs = []
+    for b, lens in enumerate(lens_per_row):
+        o = 0
+        for d, n in enumerate(list(lens) + [S_ - sum(lens)]):
+            if d < len(lens):
+                doc[b, o:o + n] = d
+            pos = torch.arange(n)
+            mask[b, o:o + n, o:o + n] = True if block is None else (pos[None, :] // block <= pos[:, None] // block)
+            segs.append(n)
+            o += n
+    cu = torch.tensor([0] + torch.tensor(segs).cumsum(0).tolist(), dtype=torch.int32)
+    batch = {"input_ids": torch.zeros(len(lens_per_row), S_, dtype=torch.long), "doc_ids": doc, "cu_seqlens": cu,
+             "max_seqlen": torch.tensor(max(segs))}
+    return batch, mask
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flex", "varlen"])
+@pytest.mark.parametrize("kind,block", [("bidirectional", None), ("block_causal", 4), ("block_causal", 32),
+                                        ("block_causal", 128)])
+def test_diffusion_kinds_on_cuda_over_many_tiles(backend, kind, block):
+    """The diffusion LM's kinds at its block sizes on rows of 640 tokens (five 128-token flex tiles) with documents
+    across tile edges: the compiled flex kernel (and varlen, bidirectional) equals the mask written out per
+    document, forward and gradients."""
+    if kind not in A.BACKEND_KINDS[backend]:
+        pytest.skip(f"{backend} refuses {kind} (test_varlen_refuses_kinds_it_cannot_do)")
+    batch, mask = _diffusion_rows(([300, 211], [129, 1, 400]), 640, block)
+    meta = build_attn_meta(batch, backend, "cuda", kind=kind, block_size=block)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 640, n, K, generator=g).cuda().requires_grad_() for n in (H, G, G))
+    w = torch.randn(2, 640, H, K, generator=g).cuda()
+    got = run_and_grads(lambda *t: attention(*(x.bfloat16() for x in t), meta, None).float(), q, k, v, w)
+    ref = run_and_grads(lambda *t: reference_attention(*t, mask.cuda()), q, k, v, w)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2, msg=lambda m: f"{kind} b={block} {backend} {name}: {m}")

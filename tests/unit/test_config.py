@@ -142,3 +142,81 @@ def test_kernel_ops_default_and_bad_name():
     cfg = load_config(["--model.name", "qwen3", "--model.flavor", "debug", "--kernels.ops", "all,-rmsnorm"])
     with pytest.raises(ConfigError, match=r"kernels.ops='all,-rmsnorm'.*unknown kernel op.*rms_norm"):
         model_from_config(cfg, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- data source on the command line
+def _mixture_toml(tmp_path):
+    return _write(tmp_path, '[data]\ndataset = "ignored"\n[data.mixture]\n"/d/llava_ov/*.jsonl" = 0.7\n'
+                            '"/d/doc_vqa.parquet" = 0.3\n', name="mix.toml")
+
+
+def test_cli_dataset_replaces_toml_mixture(tmp_path, caplog):
+    p = _mixture_toml(tmp_path)
+    assert load_config(["--config", str(p)]).data.mixture == {"/d/llava_ov/*.jsonl": 0.7, "/d/doc_vqa.parquet": 0.3}
+    with caplog.at_level("WARNING", logger="titan_mm.config"):
+        cfg = load_config(["--config", str(p), "--data.dataset", "builtin:digits"])
+    assert cfg.data.dataset == "builtin:digits" and cfg.data.mixture == {}
+    said = [r.getMessage() for r in caplog.records if r.name == "titan_mm.config"]
+    assert len(said) == 1 and "replaces the config file's [data.mixture] (2 sources)" in said[0]
+    # the saved config reads back as the one source
+    save_config(cfg, tmp_path / "resolved.toml")
+    again = load_config(["--config", str(tmp_path / "resolved.toml")])
+    assert again.data.dataset == "builtin:digits" and again.data.mixture == {}
+
+
+def test_cli_mixture_replaces_toml_mixture_whole(tmp_path):
+    p = _mixture_toml(tmp_path)
+    for args in (["--data.mixture", '{"a/*.jsonl": 0.7, "b.parquet": 0.3}'],
+                 ['--data.mixture={"a/*.jsonl": 0.7, "b.parquet": 0.3}']):
+        cfg = load_config(["--config", str(p), *args])
+        assert cfg.data.mixture == {"a/*.jsonl": 0.7, "b.parquet": 0.3}
+    from titan_mm.data.loader import resolve_sources
+
+    assert resolve_sources(cfg.data.dataset, cfg.data.mixture) == [("a/*.jsonl", 0.7), ("b.parquet", 0.3)]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--data.dataset", "x.jsonl", "--data.mixture", '{"a": 1}'], r"--data.dataset and --data.mixture are both given"),
+    (["--data.mixture", '{"a": 0.7, "b": 0.3'], r"--data.mixture must be a JSON object.*Expecting"),
+    (["--data.mixture", '["a", "b"]'], r"--data.mixture must be a JSON object"),
+    (["--data.mixture", "{}"], r"names no source"),
+    (["--data.mixture", '{"a": 0.7, "b": 0}'], r"data.mixture entry 'b': 0 is not a positive number"),
+    (["--data.mixture", '{"a": 0.7, "b": "0.3"}'], r"data.mixture entry 'b': '0.3' is not a positive number"),
+    (["--data.mixture", '{"a": -1}'], r"entry 'a': -1 is not a positive number"),
+    (["--data.mixture", '{"a": NaN}'], r"entry 'a': nan is not a positive number"),
+    (["--data.mixture", '{"a": true}'], r"entry 'a': True is not a positive number"),
+])
+def test_bad_data_source_flags_are_one_line_errors(tmp_path, args, msg):
+    with pytest.raises(ConfigError, match=msg) as e:
+        load_config(["--config", str(_mixture_toml(tmp_path)), *args])
+    assert "\n" not in str(e.value)
+
+
+def test_bad_toml_mixture_weight_names_the_entry(tmp_path):
+    p = _write(tmp_path, '[data.mixture]\n"a.jsonl" = 1\n"b.jsonl" = "half"\n')
+    with pytest.raises(ConfigError, match=r"data.mixture entry 'b.jsonl': 'half' is not a positive number"):
+        load_config(["--config", str(p)])
+
+
+def test_help_shows_exactly_the_accepted_flags():
+    """--help of a config with [data.mixture]: one --data.mixture flag taking JSON, no per-key flags, and
+    every flag it shows is one the parser accepts (and every key has its flag)."""
+    import re
+
+    from titan_mm.config import _check_cli_keys
+
+    r = subprocess.run([sys.executable, "-m", "titan_mm.config", "--config", "qwen3_vl_moe", "--help"],
+                       capture_output=True, text=True, cwd=ROOT, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert "--data.mixture JSON" in r.stdout and "--data.mixture." not in r.stdout
+    shown = set(re.findall(r"(?<![\w-])--[A-Za-z][^\s\[\]'\"(),]*", r.stdout)) - {"--config", "--help"}
+    for flag in shown:
+        _check_cli_keys([flag])  # raises ConfigError for a flag the parser rejects
+    assert {f[2:].replace("-", "_") for f in shown} == set(all_keys())
+
+
+@pytest.mark.parametrize("word,want", [("false", False), ("FALSE", False), ("no", False), ("0", False),
+                                       ("true", True), ("On", True), ("1", True)])
+def test_booleans_take_any_common_spelling(word, want):
+    cfg = load_config(["--config", "debug_qwen3", "--checkpoint.resume", word, f"--compile.enable={word}"])
+    assert cfg.checkpoint.resume is want and cfg.compile.enable is want

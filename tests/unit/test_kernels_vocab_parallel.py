@@ -56,13 +56,14 @@ CHILD_VP_CE = textwrap.dedent(
     h, w = torch.randn(N, D), torch.randn(V, D) * 0.5
     labels = torch.randint(0, V, (N,))
     labels[::4] = -100
-    for z, chunk in ((0.0, 0), (1e-2, 7)):
+    wts = 1.0 / (0.05 + torch.rand(N))  # per-token weights (a diffusion objective's 1/t)
+    for z, chunk, wt in ((0.0, 0, None), (1e-2, 7, None), (1e-2, 7, wts)):
         hr, wr = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        ref = chunked_cross_entropy(hr, wr, labels, chunk_size=5, z_loss_weight=z)
+        ref = chunked_cross_entropy(hr, wr, labels, chunk_size=5, z_loss_weight=z, weights_N=wt)
         ref.backward()
         hs, ws = h.clone().requires_grad_(True), w[rank * 40:(rank + 1) * 40].clone().requires_grad_(True)
         got = K.vocab_parallel_linear_cross_entropy(hs, ws, labels, rank * 40, dist.group.WORLD, z_loss=z,
-                                                    chunk_size=chunk)
+                                                    chunk_size=chunk, weights=wt)
         (got * 2.0).backward()
         torch.testing.assert_close(got.detach(), ref.detach(), msg=f"loss z={z}")
         torch.testing.assert_close(hs.grad, 2 * hr.grad, msg=f"grad h z={z}")
@@ -79,13 +80,15 @@ CHILD_VP_CE = textwrap.dedent(
     torch.testing.assert_close(hd.grad, hr.grad)
     torch.testing.assert_close(wd.grad.full_tensor(), wr.grad)
     # the PyTorch chunked CE over the vocabulary shards (group=): as the single-process CE, float64 and fp32
-    for dt, z, chunk in ((torch.float64, 0.0, 4), (torch.float64, 1e-2, 7), (torch.float32, 1e-3, 4096)):
+    for dt, z, chunk, wt in ((torch.float64, 0.0, 4, None), (torch.float64, 1e-2, 7, None),
+                             (torch.float64, 1e-2, 7, wts), (torch.float32, 1e-3, 4096, None)):
         hr, wr = h.to(dt, copy=True).requires_grad_(True), w.to(dt, copy=True).requires_grad_(True)
-        ref = chunked_cross_entropy(hr, wr, labels, chunk_size=chunk, z_loss_weight=z)
+        ref = chunked_cross_entropy(hr, wr, labels, chunk_size=chunk, z_loss_weight=z, weights_N=wt)
         ref.backward()
         hs = h.to(dt, copy=True).requires_grad_(True)
         ws = w[rank * 40:(rank + 1) * 40].to(dt, copy=True).requires_grad_(True)
-        got = chunked_cross_entropy(hs, ws, labels, chunk_size=chunk, z_loss_weight=z, group=dist.group.WORLD)
+        got = chunked_cross_entropy(hs, ws, labels, chunk_size=chunk, z_loss_weight=z, group=dist.group.WORLD,
+                                    weights_N=wt)
         (got * 3.0).backward()
         tol = dict(rtol=1e-12, atol=1e-12) if dt == torch.float64 else {}
         torch.testing.assert_close(got.detach(), ref.detach(), **tol, msg=f"group loss {dt} z={z}")

@@ -179,3 +179,29 @@ def test_decoder_without_qk_norm_drops_its_terms():
     without = decoder_block_bytes(cfg.replace(qk_norm=False), Topology(tp=2), 2, kernels=True)
     assert with_qk.full - without.full == (2 * (H + G) * K + 4 * (H + G)) / 2
     assert with_qk.bwd_tmp == without.bwd_tmp
+
+
+def test_cli_without_the_hf_folder_uses_the_flavor(tmp_path, capsys):
+    """A recipe whose model.hf_path is not there yet: one line says so and the flavor's estimate is printed, the
+    same as without hf_path; CLI overrides (--model.flavor here) apply as in the trainer."""
+    main(["--config", "qwen3_1.7b.toml", "--model.flavor", "0.6B"])
+    want = capsys.readouterr().out
+    main(["--config", "qwen3_1.7b.toml", "--model.hf_path", str(tmp_path / "Qwen3-0.6B"), "--model.flavor", "0.6B"])
+    first, rest = capsys.readouterr().out.split("\n", 1)
+    assert f"model.hf_path '{tmp_path / 'Qwen3-0.6B'}' is not a directory" in first
+    assert first.endswith("estimating qwen3/0.6B (model.name / model.flavor) instead")
+    assert rest == want
+
+
+def test_cli_reads_config_json_alone(tmp_path, capsys):
+    """An HF folder holding only config.json (no weights yet) is enough: the parameter count is its model's."""
+    import json
+
+    spec = get_model_spec("qwen3")
+    cfg = spec.flavors["0.6B"].replace(num_hidden_layers=3)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    main(["--config", "qwen3_1.7b.toml", "--model.hf_path", str(tmp_path / "hf")])
+    out = capsys.readouterr().out
+    n = count_params(cfg, spec.plan(cfg)).total
+    assert out.startswith(f"model {tmp_path / 'hf'}: {n / 1e9:.3f} B params")

@@ -140,11 +140,11 @@ def test_bad_input_messages(tmp_path, capsys):
     bad.write_text("[optimizer]\nlr = 'fast'\n")
     assert main(["--config", str(bad)]) == 2
     assert "'optimizer.lr' has the wrong type: got 'fast' (str), expected float" in capsys.readouterr().err
-    assert main(["--job.dump_folder", str(tmp_path), "--model.hf_path", str(tmp_path / "missing_hf")]) == 1
+    assert main(["--job.dump_folder", str(tmp_path), "--model.hf_path", str(tmp_path / "missing_hf")]) == 2
     assert "model.hf_path" in capsys.readouterr().err
-    assert main(["--model.flavor", "debgu", "--job.dump_folder", str(tmp_path)]) == 1
+    assert main(["--model.flavor", "debgu", "--job.dump_folder", str(tmp_path)]) == 2
     assert "did you mean 'debug'" in capsys.readouterr().err
-    assert main(["--model.overrides", '{"hiden_size": 8}', "--job.dump_folder", str(tmp_path)]) == 1
+    assert main(["--model.overrides", '{"hiden_size": 8}', "--job.dump_folder", str(tmp_path)]) == 2
     assert "hidden_size" in capsys.readouterr().err
 
 

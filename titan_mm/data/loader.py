@@ -1,24 +1,32 @@
 """The data loader: sources -> processor -> best-fit packer -> batches, behind one entry point.
 
     loader = build_dataloader(cfg.data, needs=spec.data_needs(model_cfg), dp_rank=r, dp_world=w,
-                              seed=cfg.training.seed)
+                              n_micro=grad_accum, seed=cfg.training.seed)
     for batch in loader:            # dict[str, Tensor] exactly as docs/architecture.md "Batch"
         ...; m = loader.metrics()   # data_wait_s, samples_per_s, packing_efficiency, skipped/<reason>, ...
-    state = loader.state_dict()     # every source's position + the packer's open rows, per worker
-    loader.load_state_dict(state)   # on a fresh loader: continues with exactly the same batches
+    state = loader.state_dict()     # per micro-batch slot: its streams' positions + the packers' open rows
+    loader.load_state_dict(state)   # on a fresh loader of any dp world with the same slots: the same batches
 
 The ``[data]`` section (titan_mm.config.Data) is the one source of the data settings; the model family's
 :class:`~titan_mm.registry.DataNeeds` adds its patch / merge sizes, positions kind and special tokens
-(``DataNeeds()``: text with 1-D positions). Each (dp rank, worker) slot runs its own stream: a weighted
-mixture over its share of every source, each sample parsed (schema.py), processed (processors.py), packed
-(packing.py) into rows of ``data.seq_len`` tokens padded to ``padded_seq_len(data)``; a batch is
-``data.micro_batch_size`` rows. Worker processes take turns (StatefulDataLoader's round-robin), so the order
-of batches is fixed by (seed, dp_world, dp_rank, num_workers).
+(``DataNeeds()``: text with 1-D positions).
+
+One global sample stream (:class:`StreamLayout`): a global batch is K = ``n_micro x dp_world`` micro-batch
+*slots* (training.global_batch_size / data.micro_batch_size), and slot k of every step is read from its own
+packed streams (``data.streams_per_slot`` of them, taking turns by step). A packed stream is a weighted
+mixture over its shard of every source, each sample parsed (schema.py), processed (processors.py), packed
+(packing.py) into rows of ``data.seq_len`` tokens padded to ``padded_seq_len(data)``; a micro-batch is
+``data.micro_batch_size`` rows. So the rows of every global batch are fixed by (seed, K, streams_per_slot, the
+data) alone: rank r of W computes slots r*K/W .. (r+1)*K/W-1, and neither W nor data.num_workers changes what a
+step trains on. Worker processes (StatefulDataLoader's, used for prefetching) each own whole streams and take
+the rank's positions in turn; the loader's state is each stream's state after the last micro-batch the
+trainer consumed, saved per slot, so any W with the same K resumes it.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +39,7 @@ from titan_mm.config import Data
 from titan_mm.data.packing import BestFitPacker, Doc, collate_rows, padded_seq_len
 from titan_mm.data.processors import Processor, ProcessorConfig
 from titan_mm.data.schema import parse_record
-from titan_mm.data.sources import SkipSample, SourceStream, hash_ints, list_units
+from titan_mm.data.sources import DataError, SkipSample, SourceStream, hash_ints, list_units
 from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.registry import DataNeeds
 
@@ -60,17 +68,112 @@ class StreamConfig:
     [data] section does not hold."""
     proc: ProcessorConfig
     sources: list[tuple[str, float]]
-    dp_rank: int
-    dp_world: int
+    layout: "StreamLayout"
     seed: int
     tokenizer_path: str | None
     epochs: int = 0  # 0: cycle forever; N: stop after N epochs of every source (last batch padded)
     return_sample_ids: bool = False
     units: list = field(default_factory=list)  # per source, filled by PackedDataset
+    start: dict = field(default_factory=dict)  # stream -> state to start from (None: fresh); set by the loader
+    start_pos: int = 0  # micro-batches the rank had read at ``start``
 
     @property
     def data(self) -> Data:
         return self.proc.data
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """Which packed streams a data-parallel rank reads, in which order: where the one global sample stream meets
+    the ranks (the data loader and the synthetic loader both follow it).
+
+    A global batch is ``slots`` = K micro-batches. Slot k of optimizer step t is the next micro-batch of stream
+    ``k * per_slot + t % per_slot`` of ``n_streams`` = K x per_slot (per_slot = data.streams_per_slot), so the
+    rows of a global batch depend on neither the dp world nor the workers. Rank r of W reads slots r*n ..
+    (r+1)*n-1 (n = ``n_micro`` = K / W) in slot order, one micro-batch of each per step: micro-batch q of its
+    reading comes from stream ``stream(q % period)``.
+
+    Loader state (what ``state()`` builds and ``unpack()`` reads): ``{"num_slots": K, "slots": {k: [state of
+    each of slot k's streams, None while fresh]}}`` over the rank's slots; each stream state holds ``turns``,
+    the micro-batches it has given."""
+
+    slots: int
+    per_slot: int = 1
+    dp_rank: int = 0
+    dp_world: int = 1
+
+    def __post_init__(self):
+        if self.slots < 1 or self.per_slot < 1 or self.slots % self.dp_world or not 0 <= self.dp_rank < self.dp_world:
+            raise ValueError(f"a global batch of {self.slots} micro-batches (x {self.per_slot} streams each) cannot "
+                             f"be split over data-parallel rank {self.dp_rank} of {self.dp_world}")
+
+    @property
+    def n_micro(self) -> int:
+        return self.slots // self.dp_world
+
+    @property
+    def n_streams(self) -> int:
+        return self.slots * self.per_slot
+
+    @property
+    def period(self) -> int:
+        """Micro-batches after which the rank's order of streams repeats (every stream once)."""
+        return self.n_micro * self.per_slot
+
+    @property
+    def owned_slots(self) -> range:
+        return range(self.dp_rank * self.n_micro, (self.dp_rank + 1) * self.n_micro)
+
+    def stream(self, r: int) -> int:
+        """The stream that position r (0 <= r < period) of the rank's reading comes from."""
+        return (self.dp_rank * self.n_micro + r % self.n_micro) * self.per_slot + r // self.n_micro
+
+    @property
+    def streams(self) -> list[int]:
+        return [self.stream(r) for r in range(self.period)]
+
+    def turns(self, q: int, r: int) -> int:
+        """Micro-batches stream ``stream(r)`` has given once the rank has read q."""
+        return q // self.period + (r < q % self.period)
+
+    def position(self, states: dict[int, Any]) -> int:
+        """Micro-batches the rank has read, from its streams' states (None: fresh); ValueError when the turns are not
+        those of one position (a state saved in the middle of a step, then loaded by another dp world)."""
+        turns = [states[v]["turns"] if states[v] is not None else 0 for v in self.streams]
+        q = sum(turns)
+        if turns != [self.turns(q, r) for r in range(self.period)]:
+            raise ValueError(f"data loader state: the streams of rank {self.dp_rank} of {self.dp_world} have given "
+                             f"{turns} micro-batches, which is no position of this rank's reading (saved in the middle "
+                             "of a step under another dp world?); save it at a step boundary")
+        return q
+
+    def state(self, states: dict[int, Any]) -> dict:
+        S = self.per_slot
+        return {"num_slots": self.slots, "slots": {k: [states[k * S + s] for s in range(S)] for k in self.owned_slots}}
+
+    def unpack(self, sd: Any) -> dict[int, Any]:
+        """The states of this rank's streams from a loader state: one saved by any dp world with the same slots, or
+        a merge of several ranks' (``slots`` may hold more than this rank's)."""
+        if not isinstance(sd, dict) or "num_slots" not in sd:
+            raise ValueError("not a data loader state of this titan_mm (no micro-batch slots); it was written by an "
+                             "older version or another loader")
+        if sd["num_slots"] != self.slots:
+            raise ValueError(f"data loader state is for {sd['num_slots']} micro-batch slots per global batch, this "
+                             f"loader has {self.slots}; resume with the saved training.global_batch_size and "
+                             "data.micro_batch_size")
+        missing = [k for k in self.owned_slots if k not in sd["slots"]]
+        if missing:
+            raise ValueError(f"data loader state has no micro-batch slots {missing} (it holds "
+                             f"{sorted(sd['slots'])}); load the states of every rank that saved them")
+        out = {}
+        for k in self.owned_slots:
+            got = sd["slots"][k]
+            if len(got) != self.per_slot:
+                raise ValueError(f"data loader state has {len(got)} streams per micro-batch slot, the config "
+                                 f"{self.per_slot}; resume with data.streams_per_slot = {len(got)}")
+            out.update({k * self.per_slot + s: st for s, st in enumerate(got)})
+        self.position(out)
+        return out
 
 
 class PackedDataset(IterableDataset):
@@ -80,21 +183,54 @@ class PackedDataset(IterableDataset):
         if not cfg.units:
             cfg.units = [list_units(spec) for spec, _ in cfg.sources]
 
-    def __iter__(self) -> "PackedStream":
+    def __iter__(self) -> "_Reader":
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        return PackedStream(self.cfg, wid, nw)
+        return _Reader(self.cfg, wid, nw)
+
+
+class _Reader:
+    """What one worker yields (the main process with num_workers=0): positions u0 + w, u0 + w + nw, ... of the
+    rank's reading, which is StatefulDataLoader's round robin over nw workers from u0. Each period of positions is
+    padded to a multiple of nw, so a worker always meets the same streams and no stream is read by two workers;
+    a padding position yields a placeholder that the loader drops. Every micro-batch carries the state of the
+    stream that gave it, taken right after it, so the loader's state never includes a prefetched batch."""
+
+    def __init__(self, cfg: StreamConfig, worker_id: int, num_workers: int):
+        L = cfg.layout
+        self.cfg, self.L, self.nw = cfg, L, num_workers
+        self.P = -(-L.period // num_workers) * num_workers
+        self.u = cfg.start_pos // L.period * self.P + cfg.start_pos % L.period + worker_id
+        self.tok = load_tokenizer(cfg.tokenizer_path)
+        self.proc = Processor(self.tok, cfg.proc)
+        self.streams: dict[int, PackedStream] = {}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        r = self.u % self.P
+        self.u += self.nw
+        if r >= self.L.period:
+            return {"_meta": {}}
+        v = self.L.stream(r)
+        if v not in self.streams:
+            self.streams[v] = PackedStream(self.cfg, v, self.tok, self.proc)
+            if self.cfg.start.get(v) is not None:
+                self.streams[v].load_state_dict(self.cfg.start[v])
+        s = self.streams[v]
+        batch = s.turn() or {"_meta": {}}
+        batch["_meta"].update(stream=v, state=s.state_dict())
+        return batch
 
 
 class PackedStream:
-    """The iterator of one (rank, worker) slot. Stateful: state_dict() after a batch resumes right after it."""
+    """Packed stream ``stream`` of the layout's ``n_streams`` (a shard of every source), one micro-batch per turn.
+    Stateful: state_dict() after a turn resumes right after it."""
 
-    def __init__(self, cfg: StreamConfig, worker_id: int, num_workers: int):
-        self.cfg, self.worker_id = cfg, worker_id
-        self.slot = cfg.dp_rank * num_workers + worker_id
-        self.n_slots = cfg.dp_world * num_workers
-        self.tok = load_tokenizer(cfg.tokenizer_path)
-        self.proc = Processor(self.tok, cfg.proc)
+    def __init__(self, cfg: StreamConfig, stream: int, tok, proc: Processor):
+        self.cfg, self.tok, self.proc = cfg, tok, proc
+        self.slot, self.n_slots = stream, cfg.layout.n_streams
         d = cfg.data
         self.streams = [SourceStream(u, cfg.seed, self.slot, self.n_slots, i, cfg.epochs,
                                      buffer_size=d.shuffle_buffer) for i, u in enumerate(cfg.units)]
@@ -103,6 +239,7 @@ class PackedStream:
         self.S = padded_seq_len(d)
         self.mix_n = 0
         self.done = False
+        self.turns, self.finished = 0, False
         self.counters: dict[str, int] = {"seen": 0, "samples": 0, "skipped": 0, "batches": 0}
         self._logged: set = set()
 
@@ -112,22 +249,27 @@ class PackedStream:
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
         return {"streams": [s.state_dict() for s in self.streams], "packer": self.packer.state_dict(self._encode),
-                "mix_n": self.mix_n, "done": self.done, "counters": dict(self.counters),
-                "slot": self.slot, "n_slots": self.n_slots}
+                "mix_n": self.mix_n, "done": self.done, "counters": dict(self.counters), "turns": self.turns,
+                "finished": self.finished, "stream": self.slot, "n_streams": self.n_slots}
 
     def load_state_dict(self, s: dict) -> None:
-        if (s["slot"], s["n_slots"]) != (self.slot, self.n_slots):
-            raise ValueError(
-                f"data loader state is for slot {s['slot']} of {s['n_slots']} but this loader is slot {self.slot} "
-                f"of {self.n_slots}; resume with the same dp world size and data.num_workers"
-            )
-        if len(s["streams"]) != len(self.streams):
-            raise ValueError(f"data loader state has {len(s['streams'])} sources, config has {len(self.streams)}; "
-                             "resume with the same data.dataset / data.mixture")
+        """A state of this stream (the loader checked its stream id and source count)."""
         for st, ss in zip(self.streams, s["streams"]):
             st.load_state_dict(ss)
         self.packer.load_state_dict(s["packer"], self._decode)
         self.mix_n, self.done, self.counters = s["mix_n"], s["done"], dict(s["counters"])
+        self.turns, self.finished = s["turns"], s["finished"]
+
+    def turn(self) -> dict | None:
+        """The next micro-batch, or None once a finite stream has ended (the turn still counts, so the rank's
+        positions keep mapping onto the same streams)."""
+        self.turns += 1
+        if not self.finished:
+            try:
+                return next(self)
+            except StopIteration:
+                self.finished = True
+        return None
 
     # ---------------------------------------------------------------- iteration
     def __next__(self) -> dict:
@@ -244,7 +386,7 @@ class PackedStream:
         d = self.cfg.data
         if c["seen"] >= d.error_min_samples and c["skipped"] > d.max_error_rate * c["seen"]:
             reasons = {k[8:]: v for k, v in c.items() if k.startswith("skipped/")}
-            raise RuntimeError(
+            raise DataError(
                 f"data: {c['skipped']} of {c['seen']} samples were skipped ({c['skipped'] / c['seen']:.1%} > "
                 f"data.max_error_rate = {d.max_error_rate:.1%}); by reason: {reasons}; last: {sid}: "
                 f"{detail[:300]}. Fix the data (see the warnings above) or raise data.max_error_rate."
@@ -254,7 +396,7 @@ class PackedStream:
         batch = collate_rows(rows, self.S, self.tok.pad_id, self.cfg.proc.mrope)
         n_docs = sum(len(r) for r in rows)
         self.counters["batches"] += 1
-        meta = {"worker": self.worker_id, "counters": dict(self.counters), "n_samples": n_docs,
+        meta = {"n_samples": n_docs,
                 "n_tokens": int(sum(len(d) for r in rows for d in r)), "n_slots": len(rows) * self.S}
         if self.cfg.return_sample_ids:
             meta["sample_ids"] = [d.sample_id for r in rows for d in r]
@@ -263,27 +405,60 @@ class PackedStream:
 
 
 class TitanDataLoader(StatefulDataLoader):
-    """A StatefulDataLoader that strips the per-batch metadata off each batch and keeps it as metrics."""
+    """The rank's micro-batches, with StatefulDataLoader's workers as the prefetching machinery. It strips the
+    per-batch metadata off each batch and keeps it: as metrics, and as the state of the stream that gave the batch.
+    So ``state_dict()`` is the state right after the last consumed micro-batch (prefetched ones are read again
+    after a load), laid out per micro-batch slot (:class:`StreamLayout`), and ``load_state_dict`` takes one saved
+    by any dp world with the same slots. Each ``iter()`` starts from the state reached so far (one at a time)."""
 
     def __init__(self, dataset: PackedDataset, **kw):
         super().__init__(dataset, batch_size=None, **kw)
-        self._worker_counters: dict[int, dict] = {}
+        self.layout: StreamLayout = dataset.cfg.layout
+        self._states: dict[int, dict | None] = dict.fromkeys(self.layout.streams)
         self._last: dict[str, Any] = {}
         self._t_prev: float | None = None
         self.last_sample_ids: list[str] = []
 
+    def state_dict(self) -> dict:
+        return self.layout.state(self._states)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Continue from ``state_dict`` at the next ``iter()``."""
+        states = self.layout.unpack(state_dict)
+        n_src = len(self.dataset.cfg.sources)
+        for v, st in states.items():
+            if st is None:
+                continue
+            if (st["stream"], st["n_streams"]) != (v, self.layout.n_streams):
+                raise ValueError(f"data loader state: slot entry for stream {v} of {self.layout.n_streams} holds "
+                                 f"stream {st['stream']} of {st['n_streams']}; the state is damaged")
+            if len(st["streams"]) != n_src:
+                raise ValueError(f"data loader state has {len(st['streams'])} sources, the config {n_src}; resume "
+                                 "with the same data.dataset / data.mixture")
+        self._states = states
+
+    def _finished(self) -> bool:
+        return all(s is not None and s["finished"] for s in self._states.values())
+
     def __iter__(self):
+        cfg = self.dataset.cfg  # read by the workers, which start in super().__iter__()
+        cfg.start, cfg.start_pos = dict(self._states), self.layout.position(self._states)
+        if self._finished():
+            return
         it = super().__iter__()
-        self._t_prev = time.perf_counter()
-        while True:
-            t0 = time.perf_counter()
+        self._t_prev = t0 = time.perf_counter()
+        while not self._finished():
             try:
                 batch = next(it)
             except StopIteration:
                 return
-            t1 = time.perf_counter()
             meta = batch.pop("_meta")
-            self._worker_counters[meta["worker"]] = meta["counters"]
+            if "stream" not in meta:  # a padding position of the workers' round robin
+                continue
+            self._states[meta["stream"]] = meta["state"]
+            if "n_tokens" not in meta:  # the turn of a finite stream that has ended
+                continue
+            t1 = time.perf_counter()
             dt = max(t1 - (self._t_prev or t0), 1e-9)
             self._t_prev = t1
             self.last_sample_ids = meta.get("sample_ids", [])
@@ -291,16 +466,17 @@ class TitanDataLoader(StatefulDataLoader):
                           "samples": meta["n_samples"], "tokens": meta["n_tokens"],
                           "packing_efficiency": meta["n_tokens"] / max(1, meta["n_slots"])}
             yield batch
+            t0 = time.perf_counter()
 
     def metrics(self) -> dict[str, float]:
-        """Metrics of the last batch plus running totals over this rank's workers: data_wait_s,
+        """Metrics of the last batch plus running totals over this rank's streams: data_wait_s,
         samples_per_s, samples, tokens, packing_efficiency (non-pad fraction), samples_seen,
         samples_packed, skipped (total) and skipped/<reason> (malformed_json, missing_media, corrupt_image, bad_image,
         bad_video, bad_audio, unreadable_shard, too_long, unknown_modality, bad_schema, empty, ...)."""
         out = dict(self._last)
         tot: dict[str, int] = {}
-        for c in self._worker_counters.values():
-            for k, v in c.items():
+        for st in self._states.values():
+            for k, v in (st["counters"] if st is not None else {}).items():
                 tot[k] = tot.get(k, 0) + v
         out["samples_seen"] = tot.get("seen", 0)
         out["samples_packed"] = tot.get("samples", 0)
@@ -309,25 +485,44 @@ class TitanDataLoader(StatefulDataLoader):
         return out
 
 
-def build_dataloader(data: Data, *, needs: DataNeeds, dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
-                     tokenizer_path: str | None = None, epochs: int = 0,
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """Loader workers leave SIGINT / SIGTERM to the trainer: a preemption signal sent to every process (Slurm,
+    Ctrl-C in a terminal) must let the trainer finish its step and save, which needs its workers alive. A worker
+    still exits when the trainer does (torch's parent watchdog)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def build_dataloader(data: Data, *, needs: DataNeeds, dp_rank: int = 0, dp_world: int = 1, n_micro: int = 1,
+                     seed: int = 0, tokenizer_path: str | None = None, epochs: int = 0,
                      return_sample_ids: bool = False) -> TitanDataLoader:
-    """The rank's loader for the ``[data]`` section and the model family's data needs (``DataNeeds()`` without a
-    model: text, 1-D positions). ``tokenizer_path`` replaces data.tokenizer_path (the trainer passes the model's HF
-    folder); ``epochs`` > 0 stops after that many passes; ``return_sample_ids`` keeps ``loader.last_sample_ids``."""
+    """Data-parallel rank ``dp_rank``'s loader for the ``[data]`` section and the model family's data needs
+    (``DataNeeds()`` without a model: text, 1-D positions). ``n_micro``: micro-batches per rank and optimizer step
+    (gradient accumulation), so the global batch is K = n_micro x dp_world micro-batch slots (the trainer: K =
+    training.global_batch_size / data.micro_batch_size). ``tokenizer_path`` replaces data.tokenizer_path (the
+    trainer passes the model's HF folder); ``epochs`` > 0 stops after that many passes; ``return_sample_ids`` keeps
+    ``loader.last_sample_ids``."""
     if not isinstance(data, Data):
         raise TypeError(f"build_dataloader needs the [data] section (titan_mm.config.Data), got {type(data).__name__}")
     if not 0 <= dp_rank < dp_world:
         raise ValueError(f"dp_rank must be in [0, dp_world), got rank {dp_rank} of {dp_world}")
+    if n_micro < 1:
+        raise ValueError(f"n_micro (micro-batches per rank and step) must be >= 1, got {n_micro}")
+    layout = StreamLayout(slots=n_micro * dp_world, per_slot=data.streams_per_slot, dp_rank=dp_rank, dp_world=dp_world)
     proc = ProcessorConfig(data=data, needs=needs, lazy_images=True)
     tok = tokenizer_path or data.tokenizer_path
     Processor(load_tokenizer(tok), proc)  # fail here, not inside a worker, on a tokenizer that misses the model's ids
-    ds = PackedDataset(StreamConfig(proc=proc, sources=resolve_sources(data.dataset, data.mixture), dp_rank=dp_rank,
-                                    dp_world=dp_world, seed=seed, tokenizer_path=tok, epochs=epochs,
+    ds = PackedDataset(StreamConfig(proc=proc, sources=resolve_sources(data.dataset, data.mixture), layout=layout,
+                                    seed=seed, tokenizer_path=tok, epochs=epochs,
                                     return_sample_ids=return_sample_ids))
-    nw = data.num_workers
+    nw = min(data.num_workers, layout.period)  # a stream is read by one worker: more would only pad
+    if nw < data.num_workers and dp_rank == 0:
+        log.warning("data: using %d of data.num_workers = %d loader workers: each stream is read by one worker, and "
+                    "a rank reads %d (micro-batches per step: %d, x data.streams_per_slot = %d); raise "
+                    "data.streams_per_slot for more workers (it changes the data order)",
+                    nw, data.num_workers, layout.period, layout.n_micro, layout.per_slot)
     kw: dict[str, Any] = dict(num_workers=nw, pin_memory=data.pin_memory and torch.cuda.is_available())
     if nw > 0:
-        kw.update(prefetch_factor=data.prefetch_factor, persistent_workers=False,
+        kw.update(prefetch_factor=data.prefetch_factor, persistent_workers=False, worker_init_fn=_ignore_stop_signals,
                   multiprocessing_context="spawn" if torch.cuda.is_initialized() else None)
     return TitanDataLoader(ds, **kw)

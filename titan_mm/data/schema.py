@@ -15,6 +15,9 @@ Accepted record layouts (one JSON object per JSONL line, Parquet row, or tar ``.
     {"conversations": [{"from": "human", "value": "<image>\\nWhat is it?"}, {"from": "gpt", "value": "A cat."}],
      "image": "imgs/0001.jpg"}                                            # LLaVA style
 
+``messages`` / ``conversations`` may also be a JSON string of the list (any format; lmms-engine accepts
+this); a string that is not JSON is skipped as ``malformed_json``, one that is not a list as ``bad_schema``.
+
 A media reference is a relative path (to ``media_root`` or the shard's folder), an absolute path or URL,
 a ``data:`` URI, raw bytes (Parquet binary column), ``{"bytes": ...}``, or the name of a member of the
 same tar shard. An unknown part type is skipped with reason ``unknown_modality``.
@@ -22,6 +25,7 @@ same tar shard. An unknown part type is skipped with reason ``unknown_modality``
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +130,18 @@ def _from_llava(rec: dict) -> list[Message]:
     return msgs
 
 
+def _json_list(value: Any, key: str) -> list:
+    """A record's turn list, given as a list or as a JSON string of one (lmms-engine datasets)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise SkipSample("malformed_json", f"'{key}' is a string but not valid JSON ({e})") from None
+    if not isinstance(value, list):
+        raise SkipSample("bad_schema", f"'{key}' must be a list (or a JSON string of one), got {type(value).__name__}")
+    return value
+
+
 def parse_record(rec: Any) -> Sample:
     """Normalize one record into a :class:`Sample`; raises SkipSample for unusable records."""
     if isinstance(rec, SkipSample):
@@ -135,9 +151,8 @@ def parse_record(rec: Any) -> Sample:
     rec = {k: v for k, v in rec.items() if v is not None}  # Parquet rows: null columns are absent
     if "messages" in rec:
         msgs = []
-        if not isinstance(rec["messages"], list):
-            raise SkipSample("bad_schema", "'messages' must be a list")
-        for i, m in enumerate(rec["messages"]):
+        messages = _json_list(rec["messages"], "messages")
+        for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise SkipSample("bad_schema", f"messages[{i}] must be an object")
             role = ROLES.get(str(m.get("role", "")).lower())
@@ -148,7 +163,7 @@ def parse_record(rec: Any) -> Sample:
             raise SkipSample("empty", "no messages")
         return Sample(messages=msgs)
     if "conversations" in rec:
-        return Sample(messages=_from_llava(rec))
+        return Sample(messages=_from_llava({**rec, "conversations": _json_list(rec["conversations"], "conversations")}))
     if "text" in rec:
         if not isinstance(rec["text"], str) or not rec["text"]:
             raise SkipSample("empty", "'text' is empty or not a string")

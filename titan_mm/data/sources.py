@@ -7,9 +7,11 @@ a JSONL/JSON file, one row group of a Parquet file, one tar shard (WebDataset la
 key, ``000123.json`` + ``000123.jpg``), or a slice of a built-in dataset.
 
 Order, the same on every machine:
-  (seed, epoch) -> permutation of the units -> (rank, worker) slot -> in-unit order (file order for
+  (seed, epoch) -> permutation of the units -> packed-stream slot -> in-unit order (file order for
   JSONL and tar; a (seed, epoch, unit)-keyed permutation for Parquet row groups, JSON files, built-ins).
-With at least as many units as slots (dp_world x num_workers), slot s reads units s, s+n, s+2n, ... of
+A slot is one packed stream of the global sample stream (loader.StreamLayout: n = the global batch's
+micro-batches x data.streams_per_slot, whatever the dp world and the workers).
+With at least as many units as slots, slot s reads units s, s+n, s+2n, ... of
 the permutation. With fewer units, every slot walks all units and keeps the samples whose
 (unit position + in-unit index) is congruent to s modulo n, so no sample is read by two slots and none
 is lost. Each sample gets a stable global id: ``<source>/<unit>:<index>``.
@@ -20,9 +22,12 @@ Parquet one row group at a time, tar shards member by member.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import logging
+import posixpath
+import re
 import tarfile
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -41,6 +46,20 @@ class SkipSample(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class DataError(RuntimeError):
+    """The data cannot feed the run (more samples skipped than data.max_error_rate allows). Raised inside a
+    loader worker too: torch re-raises it in the main process with the worker's traceback as the message, so
+    :attr:`reason` gives the one line that says why."""
+
+    @property
+    def reason(self) -> str:
+        msg = str(self)
+        prefix = f"{type(self).__module__}.{type(self).__qualname__}: "  # how the worker's traceback ends
+        if prefix in msg:
+            msg = msg.rsplit(prefix, 1)[1]
+        return " ".join(msg.split())
 
 
 @dataclass(frozen=True)
@@ -91,8 +110,13 @@ def list_units(spec: str, name: str | None = None) -> list[Unit]:
         elif fs.exists(p):
             files.append(p)
     if not files:
+        from titan_mm.data.builtin import NUM_PARTS
+
+        near = difflib.get_close_matches(spec, list(NUM_PARTS), n=1)
         raise FileNotFoundError(
-            f"data source {spec!r} matched no files; check the path/glob (formats: .jsonl .json .parquet .tar)"
+            f"data source {spec!r} matched no files ({_nearby(fs, spec)}); "
+            f"{f'did you mean builtin:{near[0]}? ' if near else ''}check the path / glob: files ending in "
+            f".jsonl .json .parquet .tar are read, or a built-in: {', '.join('builtin:' + n for n in NUM_PARTS)}"
         )
     units = []
     for f in files:
@@ -112,6 +136,19 @@ def list_units(spec: str, name: str | None = None) -> list[Unit]:
         else:
             units.append(Unit(name, url, fmt))
     return units
+
+
+def _nearby(fs, spec: str) -> str:
+    """What the nearest existing folder above a path / glob that matched nothing holds."""
+    d = fs._strip_protocol(re.split(r"[*?\[]", spec, maxsplit=1)[0]).rstrip("/")
+    while d not in ("", "/", ".") and not fs.isdir(d):
+        d = posixpath.dirname(d)
+    if d in ("", "/", "."):
+        return "no folder of that path exists"
+    names = sorted(n for p in fs.ls(d, detail=False) if not (n := posixpath.basename(p.rstrip("/"))).startswith("."))
+    if not names:
+        return f"{d} is empty"
+    return f"{d} holds {', '.join(names[:8])}{f' and {len(names) - 8} more' if len(names) > 8 else ''}"
 
 
 def _known(f: str) -> bool:
@@ -211,14 +248,7 @@ def _read_parquet(unit: Unit, start: int, token: Any, order: tuple | None = None
     perm = _shuffled(table.num_rows, order)
     for pos in range(start, table.num_rows):
         i = perm[pos]
-        rec = {c: data[c][i] for c in cols}
-        for c in ("messages", "conversations"):  # nested chats may be stored as JSON strings
-            if isinstance(rec.get(c), str):
-                try:
-                    rec[c] = json.loads(rec[c])
-                except ValueError as e:
-                    rec = SkipSample("malformed_json", f"{unit.url} row group {unit.part} row {i}: {c}: {e}")
-                    break
+        rec = {c: data[c][i] for c in cols}  # chats stored as JSON strings are decoded by schema.parse_record
         yield pos, i, None, rec
 
 
@@ -282,7 +312,7 @@ READERS = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet, "
 
 
 class SourceStream:
-    """The samples of one source assigned to one (rank, worker) slot, over epochs, resumable.
+    """The samples of one source assigned to one packed-stream slot, over epochs, resumable.
 
     State: epoch, position in this slot's unit list, in-unit index and resume token.
     """
@@ -364,8 +394,9 @@ class SourceStream:
                     return None
                 if not got_any:
                     raise RuntimeError(
-                        f"data source {self.units[0].source!r} gave no samples to slot {self.slot} of "
-                        f"{self.n_slots} (dp ranks x workers) in a whole epoch; use fewer workers or add data"
+                        f"data source {self.units[0].source!r} gave no samples to stream {self.slot} of "
+                        f"{self.n_slots} (micro-batches per global batch x data.streams_per_slot) in a whole "
+                        "epoch; use a smaller global batch or data.streams_per_slot, or add data"
                     )
                 continue
             u, stride_off = plan[self.upos]

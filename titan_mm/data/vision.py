@@ -1,9 +1,9 @@
 """Images and video the Qwen3-VL way, plus 3-D M-RoPE positions, on CPU with numpy / PIL / PyAV.
 
 Images (equal to transformers' Qwen2VLImageProcessor with Qwen3-VL's settings, see tests/parity):
-  RGB -> smart resize (both sides multiples of patch*merge = 32, area within [min_pixels, max_pixels],
-  aspect ratio kept) with PIL bicubic -> x/255 -> (x - 0.5)/0.5 -> patches of 16x16 repeated over a
-  temporal patch of 2 -> rows ordered by 2x2 merge blocks: ``pixel_values [t*h*w, 3*2*16*16]``,
+  RGB (transparency composited onto white) -> smart resize (both sides multiples of patch*merge = 32, area
+  within [min_pixels, max_pixels], aspect ratio kept) with PIL bicubic -> x/255 -> (x - 0.5)/0.5 -> patches
+  of 16x16 repeated over a temporal patch of 2 -> rows ordered by 2x2 merge blocks: ``pixel_values [t*h*w, 3*2*16*16]``,
   ``image_grid_thw [[1, h, w]]`` (h, w in patches), and h*w/4 ``<|image_pad|>`` tokens.
 Video: frames decoded with PyAV, sampled uniformly at ``video_fps`` (clamped to [min_frames, max_frames]),
   resized (one size for the whole clip, total volume within [video_min_pixels, video_max_pixels]) with
@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from einops import rearrange
 
 from titan_mm.data.sources import SkipSample
 
@@ -80,15 +81,13 @@ def video_smart_resize(n_frames: int, height: int, width: int, factor: int, temp
 
 def patchify(frames_TCHW: np.ndarray, patch: int, temporal: int, merge: int) -> tuple[np.ndarray, tuple]:
     """[T, C, H, W] float32 -> [T/tp * H/p * W/p, C*tp*p*p] rows in merge-block order, and (t, h, w)."""
-    T, C, H, W = frames_TCHW.shape
+    T, _, H, W = frames_TCHW.shape
     if T % temporal:
         frames_TCHW = np.concatenate([frames_TCHW, np.repeat(frames_TCHW[-1:], temporal - T % temporal, 0)], 0)
         T = frames_TCHW.shape[0]
-    gt, gh, gw = T // temporal, H // patch, W // patch
-    x = frames_TCHW.reshape(gt, temporal, C, gh // merge, merge, patch, gw // merge, merge, patch)
-    # -> (gt, gh/m, gw/m, m_h, m_w, C, tp, p_h, p_w)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return np.ascontiguousarray(x.reshape(gt * gh * gw, C * temporal * patch * patch)), (gt, gh, gw)
+    x = rearrange(frames_TCHW, "(gt t) c (gh mh p) (gw mw q) -> (gt gh gw mh mw) (c t p q)",
+                  t=temporal, mh=merge, p=patch, mw=merge, q=patch)  # a merge block's patches are adjacent rows
+    return np.ascontiguousarray(x), (T // temporal, H // patch, W // patch)
 
 
 def _load_pil(payload):
@@ -106,10 +105,21 @@ def _load_pil(payload):
         raise SkipSample("corrupt_image", f"cannot decode image ({type(e).__name__}: {e})") from None
 
 
+def to_rgb(img):
+    """RGB, with any transparency (RGBA, LA, PA, P or RGB with a transparent colour) composited onto white, as
+    transformers' image processors do (``convert_to_rgb``); a plain convert would keep the hidden colours."""
+    from PIL import Image
+
+    if "A" not in img.getbands() and img.info.get("transparency") is None:
+        return img.convert("RGB")
+    rgba = img.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+
 def _image_patches(img, h: int, w: int, patch: int, temporal: int, merge: int) -> np.ndarray:
     from PIL import Image
 
-    img = img.convert("RGB").resize((w, h), resample=Image.Resampling.BICUBIC)
+    img = to_rgb(img).resize((w, h), resample=Image.Resampling.BICUBIC)
     x = np.asarray(img).astype(np.float64) * (1 / 255)
     x = ((x.astype(np.float32) - MEAN) / STD).transpose(2, 0, 1)[None]  # [1, C, H, W]
     x = np.repeat(x, temporal, axis=0)

@@ -8,7 +8,8 @@ see docs/kernels.md):
     add_rms_norm(x, residual, w, eps) -> (normed, new_residual)
     swiglu(gate, up) -> silu(gate) * up
     apply_rope(q, k, cos, sin) -> (q, k)                       q/k [B, S, H, Dh]; cos/sin [S|B,S, Dh|Dh/2]
-    linear_cross_entropy(h, weight, labels, ignore_index=-100, z_loss=0.0) -> loss_sum (fp32)
+    linear_cross_entropy(h, weight, labels, ignore_index=-100, z_loss=0.0, weights=None) -> loss_sum (fp32)
+        (weights: optional per-token loss weights)
     vocab_parallel_linear_cross_entropy(h, weight_shard, labels, vocab_start, group, ...) -> loss_sum
         (loss parallel: the head's rows are split over the ranks of ``group``; Triton only; the PyTorch
         version is titan_mm.models.common.loss.chunked_cross_entropy(..., group=group))
@@ -152,20 +153,27 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     chunk_size: int = 0,
     grad_accum_fp32: bool = False,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum (fp32 scalar) over labels != ignore_index of CE(h @ weight.T, labels) + z_loss * lse^2, without
     materializing the [N, V] logits. h [..., D], weight [V, D], labels [...] (already shifted).
     The trainer divides the result by the global label-token count. chunk_size 0 = automatic.
     grad_accum_fp32: accumulate the weight gradient over chunks in fp32 (one rounding at the end instead of
-    one per chunk; costs V x D x 4 bytes more peak memory for a bf16 weight). Default off: Liger's memory."""
+    one per chunk; costs V x D x 4 bytes more peak memory for a bf16 weight). Default off: Liger's memory.
+    weights: per-token loss weights shaped like labels (None: 1), e.g. a diffusion objective's 1/t; each token's
+    loss and gradient are multiplied by its weight."""
+    if weights is not None:
+        weights = weights.detach()
     if use_triton(h, weight) and h.dtype == weight.dtype:
         compute_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-        args = (h, weight, labels, ignore_index, float(z_loss), compute_grad, chunk_size, bool(grad_accum_fp32))
+        args = (h, weight, labels, ignore_index, float(z_loss), compute_grad, chunk_size, bool(grad_accum_fp32),
+                weights)
         if not _dispatch.use_ops():
             return LinearCrossEntropyFunction.apply(*args)
         return linear_cross_entropy_op(*args)[0]
     return chunked_cross_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1),
-                                 chunk_size if chunk_size > 0 else 4096, z_loss, ignore_index=ignore_index)
+                                 chunk_size if chunk_size > 0 else 4096, z_loss, ignore_index=ignore_index,
+                                 weights_N=None if weights is None else weights.reshape(-1))
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -177,6 +185,7 @@ def vocab_parallel_linear_cross_entropy(
     ignore_index: int = -100,
     z_loss: float = 0.0,
     chunk_size: int = 0,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """linear_cross_entropy with the head split over the vocabulary (loss parallel): ``weight_shard`` holds
     rows [vocab_start, vocab_start + V_local) of the [V, D] head, the other rows live on the other ranks of
@@ -192,7 +201,8 @@ def vocab_parallel_linear_cross_entropy(
                            "TRITON_INTERPRET=1 on CPU) with h and the weight in one dtype; use "
                            "titan_mm.models.common.loss.chunked_cross_entropy(..., group=group) elsewhere.")
     return VocabParallelLinearCrossEntropyFunction.apply(h, weight_shard, labels, int(vocab_start), group,
-                                                         int(ignore_index), float(z_loss), int(chunk_size))
+                                                         int(ignore_index), float(z_loss), int(chunk_size),
+                                                         None if weights is None else weights.detach())
 
 
 def bias_gelu(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ the gradients for h and W are finished right away in the forward (grad_h_C = dlo
 grad_W += dlogits_C^T @ h_C), so the backward only scales them by the incoming gradient (in place in eager).
 Peak extra memory: one C x V logits chunk plus grad_W and grad_h.
 
-Loss (fp32, sum reduction): sum over labels != ignore_index of (lse - logit[label]) + z_loss * lse^2.
-Rows with an ignored label contribute 0 to the loss and get zero gradients.
+Loss (fp32, sum reduction): sum over labels != ignore_index of w * ((lse - logit[label]) + z_loss * lse^2), w the
+row's optional weight (1 without weights; a masked-diffusion objective's 1/t). Rows with an ignored label contribute
+0 to the loss and get zero gradients; a weighted row's gradient is w times the unweighted one.
 Legend: N tokens, D hidden, V vocabulary, C chunk rows.
 """
 
@@ -38,22 +39,23 @@ def _row_lse(base, V: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _write_row_grad(base, lse, scale, tgt, V: tl.constexpr, BLOCK: tl.constexpr):
-    """Overwrite the V logits at ``base`` with d(loss)/d(logits) = softmax(lse) * scale - onehot(tgt) (tgt < 0: none)."""
+def _write_row_grad(base, lse, scale, tgt, tscale, V: tl.constexpr, BLOCK: tl.constexpr):
+    """Overwrite the V logits at ``base`` with d(loss)/d(logits) = softmax(lse) * scale - tscale * onehot(tgt)
+    (tgt < 0: none; tscale is the row's weight)."""
     offs = tl.arange(0, BLOCK)
     for start in range(0, V, BLOCK):
         cols = start + offs
         msk = cols < V
         x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32)
         p = tl.exp(x - lse) * scale
-        p = tl.where(cols == tgt, p - 1.0, p)
+        p = tl.where(cols == tgt, p - tscale, p)
         tl.store(base + cols, p.to(base.dtype.element_ty), mask=msk)
 
 
 @triton.jit
 def _ce_row_kernel(
-    L, stride_l, LAB, LOSS, ignore_index, z_loss, n_rows, row_step,
-    V: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
+    L, stride_l, LAB, LOSS, WT, ignore_index, z_loss, n_rows, row_step,
+    V: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_Z: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Rows pid, pid + row_step, ... of the chunk (row_step = the grid size: one row per program when the grid
     covers the chunk, several per program with a persistent grid)."""
@@ -68,12 +70,15 @@ def _ce_row_kernel(
         loss = lse - x_t
         if HAS_Z:
             loss += z_loss * lse * lse
-        tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+        wt = tl.where(valid, 1.0, 0.0)
+        if HAS_W:
+            wt = wt * tl.load(WT + row).to(tl.float32)
+        tl.store(LOSS + row, tl.where(valid, loss * wt, 0.0))
         if WRITE_GRAD:
-            scale = tl.where(valid, 1.0, 0.0)
+            scale = wt
             if HAS_Z:
                 scale = scale * (1.0 + 2.0 * z_loss * lse)
-            _write_row_grad(base, lse, scale, tl.where(valid, lab, -1), V, BLOCK)
+            _write_row_grad(base, lse, scale, tl.where(valid, lab, -1), wt, V, BLOCK)
         row += row_step
 
 
@@ -94,9 +99,10 @@ def _row_configs(key):
 _ROWS = Tuner("linear_cross_entropy", _row_configs)
 
 
-def _ce_rows(logits, lab, loss_rows, ignore_index, z_loss, write_grad):
-    """The row kernel over a chunk's logits (in place with write_grad). Tuned per (V, dtype, write_grad) inside
-    `_utils.tuning()`: the candidates are timed on a copy of the chunk (the kernel overwrites its input)."""
+def _ce_rows(logits, lab, loss_rows, ignore_index, z_loss, write_grad, wt=None):
+    """The row kernel over a chunk's logits (in place with write_grad); ``wt``: the rows' weights (None: 1).
+    Tuned per (V, dtype, write_grad) inside `_utils.tuning()`: the candidates are timed on a copy of the chunk
+    (the kernel overwrites its input)."""
     n, v = logits.shape
     sms = sm_count(logits.device)
 
@@ -104,8 +110,9 @@ def _ce_rows(logits, lab, loss_rows, ignore_index, z_loss, write_grad):
         c = dict(c)
         pps = c.pop("PPS")
         grid = n if pps == 0 else min(n, pps * sms)
-        _ce_row_kernel[(grid,)](buf, buf.stride(0), lab, out, ignore_index, float(z_loss), n, grid,
-                                V=v, WRITE_GRAD=write_grad, HAS_Z=z_loss != 0.0, **c)
+        _ce_row_kernel[(grid,)](buf, buf.stride(0), lab, out, lab if wt is None else wt, ignore_index,
+                                float(z_loss), n, grid, V=v, WRITE_GRAD=write_grad, HAS_Z=z_loss != 0.0,
+                                HAS_W=wt is not None, **c)
 
     scratch = []
 
@@ -143,10 +150,11 @@ def default_chunk_size(n: int, d: int, v: int) -> int:
     return max(1, next_pow2(triton.cdiv(n, triton.cdiv(v, d))))
 
 
-def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32=False):
+def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32=False, weights=None):
     h2 = as_rows(h).contiguous()
     w = w.contiguous()
     lab = labels.reshape(-1).contiguous()
+    wt = None if weights is None else weights.reshape(-1).to(torch.float32).contiguous()
     n, d = h2.shape
     v = w.shape[0]
     c = chunk_size if chunk_size > 0 else default_chunk_size(n, d, v)
@@ -166,7 +174,7 @@ def lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum
         hc = h2[s:e]
         logits = logits_buf[: e - s]
         torch.mm(hc, w.t(), out=logits)
-        _ce_rows(logits, lab[s:e], loss_rows[s:e], ignore_index, z_loss, compute_grad)
+        _ce_rows(logits, lab[s:e], loss_rows[s:e], ignore_index, z_loss, compute_grad, None if wt is None else wt[s:e])
         if compute_grad:
             torch.mm(logits, w, out=grad_h[s:e])
             if acc32:
@@ -198,20 +206,21 @@ def _ce_shard_stats_kernel(L, stride_l, LOC, LSE, TGT, V: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def _ce_shard_grad_kernel(L, stride_l, LOC, LSE, SCALE, V: tl.constexpr, BLOCK: tl.constexpr):
-    """Overwrite this shard's logits with d(loss)/d(logits): softmax(global lse) * scale - onehot."""
+def _ce_shard_grad_kernel(L, stride_l, LOC, LSE, SCALE, WT, V: tl.constexpr, BLOCK: tl.constexpr):
+    """Overwrite this shard's logits with d(loss)/d(logits): softmax(global lse) * scale - weight * onehot."""
     row = tl.program_id(0).to(tl.int64)
     base = L + row * stride_l
-    _write_row_grad(base, tl.load(LSE + row), tl.load(SCALE + row), tl.load(LOC + row), V, BLOCK)
+    _write_row_grad(base, tl.load(LSE + row), tl.load(SCALE + row), tl.load(LOC + row), tl.load(WT + row), V, BLOCK)
 
 
-def lce_vocab_parallel_impl(h, w, labels, vocab_start, group, ignore_index, z_loss, compute_grad, chunk_size):
+def lce_vocab_parallel_impl(h, w, labels, vocab_start, group, ignore_index, z_loss, compute_grad, chunk_size,
+                            weights=None):
     """As :func:`lce_impl` with ``w`` = rows [vocab_start, vocab_start + V) of the head, the other rows on the
     other ranks of ``group``. Per chunk: this shard's logits (cuBLAS), a Triton pass for the shard's per-row
     log-sum-exp and target logit, one all-gather of those [2, C] pieces (combined to the global lse and target
     logit on every rank), a Triton pass writing the shard's d(loss)/d(logits) in place, then the gradient
     matmuls. grad_W is this shard's; grad_h is all-reduced over ``group`` once at the end. Same loss on every
-    rank."""
+    rank. ``weights``: per-token weights [N] (None: 1)."""
     import torch.distributed as dist
 
     h2 = as_rows(h).contiguous()
@@ -245,13 +254,15 @@ def lce_vocab_parallel_impl(h, w, labels, vocab_start, group, ignore_index, z_lo
         every = every.view(world, 2, e - s)
         lse = torch.logsumexp(every[:, 0], 0)
         tgt = every[:, 1].sum(0)
-        vf = valid[s:e].float()
+        vf = valid[s:e].float()  # the rows' weights, 0 on ignored rows
+        if weights is not None:
+            vf = vf * weights.reshape(-1)[s:e].float()
         row_loss = lse - tgt + (z_loss * lse * lse if z_loss else 0.0)
         loss_rows[s:e] = row_loss * vf
         if compute_grad:
             scale = vf * (1.0 + 2.0 * z_loss * lse) if z_loss else vf
-            _ce_shard_grad_kernel[(e - s,)](logits, logits.stride(0), loc[s:e], lse, scale.contiguous(), V=v,
-                                            BLOCK=block, num_warps=16 if block >= 8192 else 8)
+            _ce_shard_grad_kernel[(e - s,)](logits, logits.stride(0), loc[s:e], lse, scale.contiguous(),
+                                            vf.contiguous(), V=v, BLOCK=block, num_warps=16 if block >= 8192 else 8)
             torch.mm(logits, w, out=grad_h[s:e])
             grad_w.addmm_(logits.t(), hc)
     if compute_grad and n > 0:
@@ -267,10 +278,10 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
     loss is outside the compiled blocks)."""
 
     @staticmethod
-    def forward(ctx, h, w, labels, vocab_start, group, ignore_index, z_loss, chunk_size):
+    def forward(ctx, h, w, labels, vocab_start, group, ignore_index, z_loss, chunk_size, weights=None):
         compute_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         loss, grad_h, grad_w = lce_vocab_parallel_impl(h, w, labels, vocab_start, group, ignore_index, z_loss,
-                                                       compute_grad, chunk_size)
+                                                       compute_grad, chunk_size, weights)
         ctx.compute_grad = compute_grad
         ctx.save_for_backward(grad_h, grad_w)
         return loss
@@ -278,7 +289,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         gh, gw, *_ = _backward(ctx, dloss, None, None)
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
 
 def _addmm_fp32(acc, a, b, first: bool):
@@ -303,12 +314,13 @@ def linear_cross_entropy_op(
     compute_grad: bool,
     chunk_size: int,
     accum_fp32: bool = False,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32)
+    return lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32, weights)
 
 
 @linear_cross_entropy_op.register_fake
-def _(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32=False):
+def _(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32=False, weights=None):
     loss = h.new_empty((), dtype=torch.float32)
     if compute_grad:
         return loss, torch.empty_like(h, memory_format=torch.contiguous_format), torch.empty_like(w)
@@ -331,7 +343,7 @@ def _backward(ctx, dloss, _dgh, _dgw):
         gh, gw = scale_(grad_h, g), scale_(grad_w, g)
     else:  # traced (compile / export / AOT): functional, fp32 math as scale_; the compiler reuses the dead buffers
         gh, gw = (grad_h.float() * g).to(grad_h.dtype), (grad_w.float() * g).to(grad_w.dtype)
-    return gh, gw, None, None, None, None, None, None
+    return gh, gw, None, None, None, None, None, None, None
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
@@ -341,8 +353,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """The eager fast path (same kernels, without the custom-op dispatcher's overhead)."""
 
     @staticmethod
-    def forward(ctx, h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32):
-        loss, grad_h, grad_w = lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32)
+    def forward(ctx, h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32, weights=None):
+        loss, grad_h, grad_w = lce_impl(h, w, labels, ignore_index, z_loss, compute_grad, chunk_size, accum_fp32,
+                                        weights)
         ctx.compute_grad = compute_grad
         ctx.save_for_backward(grad_h, grad_w)
         return loss

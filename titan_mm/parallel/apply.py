@@ -14,6 +14,7 @@ That is also what makes FSDP2 work on gloo, which has neither ``PREMUL_SUM`` nor
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -28,8 +29,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["parallelize", "apply_ac", "apply_compile", "apply_fsdp"]
 
 
-def parallelize(model: nn.Module, plan: ParallelizePlan, parallel_dims: ParallelDims, cfg: JobConfig) -> nn.Module:
+def parallelize(model: nn.Module, plan: ParallelizePlan, parallel_dims: ParallelDims, cfg: JobConfig,
+                fsdp_roots: Callable[[nn.Module], list[nn.Module]] | None = None) -> nn.Module:
     """Shard, checkpoint, compile and wrap ``model`` as ``plan`` and ``cfg`` say; returns the same module.
+
+    ``fsdp_roots(model)``: the modules fully_shard-ed last, as the FSDP roots, instead of ``model`` (pipeline
+    stages: one root per stage, called after AC / compile so that it sees the final blocks; the model itself
+    then stays a plain container; titan_mm/parallel/pipeline.py).
 
     ``model`` may live on the meta device (the trainer builds it there and materialises after this call).
     ``cfg`` is the job's :class:`titan_mm.config.JobConfig` (``JobConfig()`` for the defaults: fp32, no AC /
@@ -61,23 +67,26 @@ def parallelize(model: nn.Module, plan: ParallelizePlan, parallel_dims: Parallel
 
         apply_cp(model, plan, pd, cfg.parallel)
 
+    # no units at all (a pipeline rank whose stages run no block: titan_mm.parallel.pipeline) is nothing to do
     ac = cfg.activation_checkpoint
-    if ac.mode != "none":
+    if ac.mode != "none" and plan.ac_units:
         apply_ac(model, plan.ac_units, ac.mode, ac.selective_option, ac.num_layers)
 
-    if cfg.compile.enable:
+    if cfg.compile.enable and plan.compile_units:
         apply_compile(model, plan.compile_units, fullgraph=cfg.compile.fullgraph)
 
     if pd.build_meshes():  # a process group exists (always for world > 1)
         param_dtype = torch_dtype(cfg.training.param_dtype)
         reduce_dtype = torch_dtype(cfg.training.reduce_dtype)
         if not on_cuda and param_dtype != torch.float32:
-            logger.warning("training.param_dtype=%s on CPU: computing in float32 instead (bf16 matmuls on CPU are "
-                           "slow and the CPU tests compare against fp32).", param_dtype)
+            # float16 keeps its loss scaler (titan_mm.train.step.LossScaler): the CPU runs the same scaling path
+            logger.warning("training.param_dtype=%s on CPU: computing in float32 instead (bf16 / fp16 matmuls on CPU "
+                           "are slow and the CPU tests compare against fp32).", param_dtype)
             param_dtype = torch.float32
         if pd.fsdp_enabled or param_dtype != torch.float32 or pd.ep_enabled:
             apply_fsdp(model, plan, pd, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                       reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward)
+                       reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
+                       roots=fsdp_roots(model) if fsdp_roots is not None else None)
     return model
 
 
@@ -170,8 +179,10 @@ def apply_fsdp(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: str = "always",
+    roots: list[nn.Module] | None = None,
 ) -> None:
-    """fully_shard the plan's expert modules (on the ep_fsdp mesh), then its FSDP units, then the root.
+    """fully_shard the plan's expert modules (on the ep_fsdp mesh), then its FSDP units, then the root (``roots``:
+    these modules, each one a root, instead of ``model``: pipeline stages).
 
     ``reshard_after_forward`` (``parallel.fsdp_reshard_after_forward``): "always" frees every module's gathered
     params after its forward and gathers them again for its backward; "never" keeps them from the forward
@@ -193,8 +204,8 @@ def apply_fsdp(
     units = _top_level(match_modules(model, plan.fsdp_units))
     for _, mod in units:
         wrapped.append(fully_shard(mod, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard))
-    root = fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    for mod in {id(m): m for m in wrapped + [root]}.values():
+    tops = [fully_shard(r, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard) for r in (roots or [model])]
+    for mod in {id(m): m for m in wrapped + tops}.values():
         _sum_reduction(mod)
 
 

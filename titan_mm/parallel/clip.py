@@ -6,6 +6,9 @@ on *different* meshes (dense params on the fsdp x tp mesh, experts on the ep_fsd
 (mesh, placements), let DTensor compute each group's norm (it reduces over the Shard / Partial axes and
 not over Replicate ones), materialise each group's norm with one all-reduce, and combine the groups on
 the host side of the graph (still tensors: no host sync).
+
+Pipeline parallelism (``pp_group``): each pp rank holds other parameters (its stages'), so the per-rank norms'
+``p``-th powers are summed over the pp ranks (max for the inf-norm); the result is the norm of the whole model.
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
 
 @torch.no_grad()
-def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0, foreach: bool | None = None) -> torch.Tensor:
-    """The norm of all ``grads`` taken together, as a plain (replicated) fp32 tensor."""
+def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0, foreach: bool | None = None,
+                    pp_group=None) -> torch.Tensor:
+    """The norm of all ``grads`` taken together, as a plain (replicated) fp32 tensor; ``pp_group``: also over the
+    pipeline stages (each rank's ``grads`` are its stages' parameters)."""
     norm_type = float(norm_type)
+    if pp_group is not None:
+        return _over_pp(total_grad_norm(grads, norm_type, foreach), norm_type, pp_group, grads)
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else ("local", g.device)
@@ -43,22 +50,38 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0, foreach: 
     return torch.stack(parts).pow(norm_type).sum().pow(1.0 / norm_type)
 
 
+def _over_pp(local: torch.Tensor, norm_type: float, group, grads: list[torch.Tensor]) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dev = next((g.device for g in grads), local.device)
+    comm = dev if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    if math.isinf(norm_type):
+        t = local.to(comm).reshape(1)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t[0].to(local.device)
+    t = local.to(comm).pow(norm_type).reshape(1)
+    dist.all_reduce(t, group=group)
+    return t[0].pow(1.0 / norm_type).to(local.device)
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     params: Iterable[torch.nn.Parameter] | torch.nn.Module,
     max_norm: float,
     norm_type: float = 2.0,
     foreach: bool | None = None,
+    pp_group=None,
 ) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before clipping.
 
     ``max_norm <= 0`` only measures. Non-finite norms are returned as they are (the caller's NaN policy
-    decides); the gradients are then scaled by NaN too, which a skipped step discards.
+    decides); the gradients are then scaled by NaN too, which a skipped step discards. ``pp_group``: the norm
+    covers the pipeline stages of the other pp ranks too (parallel.pp > 1).
     """
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
     grads = [p.grad for p in params if p.grad is not None]
-    total = total_grad_norm(grads, norm_type, foreach)
+    total = total_grad_norm(grads, norm_type, foreach, pp_group)
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)

@@ -1,13 +1,19 @@
 """Device meshes: one description of how the world is split, and the DTensor meshes that follow from it.
 
-Axes (outer to inner): ``dp_replicate`` (HSDP replicas), ``dp_shard`` (FSDP), ``cp`` (context parallel,
-sequence split), ``tp`` (tensor parallel). ``ep`` (expert parallel) is not an extra factor of the world:
-it *borrows* ranks from ``dp_shard x cp``; the remaining ``ep_fsdp = dp_shard * cp / ep`` ranks shard the
-experts FSDP-style, so experts live on ``[ep_fsdp, ep]`` and EP x FSDP need not equal the expert count.
+Axes (outer to inner): ``pp`` (pipeline stages), ``dp_replicate`` (HSDP replicas), ``dp_shard`` (FSDP),
+``cp`` (context parallel, sequence split), ``tp`` (tensor parallel). ``ep`` (expert parallel) is not an extra
+factor of the world: it *borrows* ranks from ``dp_shard x cp``; the remaining ``ep_fsdp = dp_shard * cp / ep``
+ranks shard the experts FSDP-style, so experts live on ``[ep_fsdp, ep]`` and EP x FSDP need not equal the
+expert count.
 
-    world = dp_replicate * dp_shard * cp * tp
-    dense  root mesh  [dp_replicate, dp_shard, cp, tp]     (+ flattened "dp_shard_cp", "batch", "loss")
-    sparse root mesh  [dp_replicate, ep_fsdp, ep, tp]      (only when ep > 1)
+    world = pp * dp_replicate * dp_shard * cp * tp
+    dense  mesh  [dp_replicate, dp_shard, cp, tp]     (+ flattened "dp_shard_cp", "batch", "loss")
+    sparse mesh  [dp_replicate, ep_fsdp, ep, tp]      (only when ep > 1)
+
+``pp`` is outermost, so one pipeline stage's ranks are contiguous and its neighbours differ by
+``world / pp``. With pp > 1 the meshes above are this rank's slice of a ``[pp, ...]`` root mesh: every other
+named mesh stays within one stage (FSDP, TP, CP, EP, the data and loss groups never cross stages), and "pp"
+holds the ranks of one pipeline (the stages' point-to-point group).
 
 Named meshes, by what uses them:
 
@@ -19,6 +25,7 @@ Named meshes, by what uses them:
     "ep_fsdp"  ep_fsdp                       FSDP2 of expert params (+ dp_replicate as "ep_hsdp")
     "batch"    dp_replicate x dp_shard       data loading: ranks that read different rows
     "loss"     dp_replicate x dp_shard x cp  ranks whose losses / token counts are summed
+    "pp"       pp                            pipeline stages' send / recv, the pp sum of the loss and grad norm
 
 World size 1: no process group is needed. ``ParallelDims(world_size=1).build_meshes()`` returns no
 meshes (``mesh(name)`` gives ``None``) and :func:`titan_mm.parallel.apply.parallelize` then applies only
@@ -82,6 +89,7 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     world_size: int = 1
+    pp: int = 1
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     _built: bool = field(default=False, repr=False)
 
@@ -90,24 +98,25 @@ class ParallelDims:
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> None:
-        for name in ("dp_replicate", "cp", "tp", "ep", "world_size"):
+        for name in ("dp_replicate", "cp", "tp", "ep", "pp", "world_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"parallel.{name} must be an integer >= 1, got {v!r}.")
+        pp = f"pp({self.pp}) * " if self.pp > 1 else ""
         if self.dp_shard == -1:
-            rest = self.dp_replicate * self.cp * self.tp
+            rest = self.pp * self.dp_replicate * self.cp * self.tp
             if self.world_size % rest:
                 raise ValueError(
-                    f"dp_replicate({self.dp_replicate}) * cp({self.cp}) * tp({self.tp}) = {rest} does not divide "
+                    f"{pp}dp_replicate({self.dp_replicate}) * cp({self.cp}) * tp({self.tp}) = {rest} does not divide "
                     f"world_size({self.world_size}); choose degrees whose product divides the number of processes."
                 )
             self.dp_shard = self.world_size // rest
         if not isinstance(self.dp_shard, int) or self.dp_shard < 1:
             raise ValueError(f"parallel.dp_shard must be -1 (infer) or an integer >= 1, got {self.dp_shard!r}.")
-        prod = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        prod = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if prod != self.world_size:
             raise ValueError(
-                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) * tp({self.tp}) = "
+                f"{pp}dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) * tp({self.tp}) = "
                 f"{prod} != world_size({self.world_size}); set dp_shard=-1 to infer it or fix the degrees."
             )
         if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
@@ -177,6 +186,10 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def seq_len_divisor(self) -> int:
         return self.tp * 2 * self.cp if self.cp > 1 else self.tp
 
@@ -199,34 +212,37 @@ class ParallelDims:
             )
         dev = device_type()
         ranks = torch.arange(self.world_size)
-        dense = DeviceMesh(
-            dev,
-            ranks.view(self.dp_replicate, self.dp_shard, self.cp, self.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
-        )
+        inner = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        names = ("dp_replicate", "dp_shard", "cp", "tp")
+        # pp > 1: a [pp, ...] root whose slices below are this rank's stage; pp == 1: the 4-D mesh itself
+        pp = self.pp > 1
+        root = DeviceMesh(dev, ranks.view(self.pp, *inner) if pp else ranks.view(*inner),
+                          mesh_dim_names=(("pp",) if pp else ()) + names)
         m = self._meshes
-        m["dense"] = dense
-        m["dp_replicate"] = dense["dp_replicate"]
-        m["dp_shard"] = dense["dp_shard"]
-        m["cp"] = dense["cp"]
-        m["tp"] = dense["tp"]
-        m["fsdp"] = dense["dp_shard", "cp"]._flatten("dp_shard_cp")
+        m["dense"] = root[names] if pp else root
+        if pp:
+            m["pp"] = root["pp"]
+            m["world"] = root
+        m["dp_replicate"] = root["dp_replicate"]
+        m["dp_shard"] = root["dp_shard"]
+        m["cp"] = root["cp"]
+        m["tp"] = root["tp"]
+        m["fsdp"] = root["dp_shard", "cp"]._flatten("dp_shard_cp")
         if self.dp_replicate > 1:
             import warnings
 
             with warnings.catch_warnings():  # torch>=2.11 warns about slicing a flattened dim; it still works
                 warnings.simplefilter("ignore", UserWarning)
-                m["hsdp"] = dense["dp_replicate", "dp_shard_cp"]
-        m["batch"] = dense["dp_replicate", "dp_shard"]._flatten("batch")
-        m["loss"] = dense["dp_replicate", "dp_shard", "cp"]._flatten("loss")
+                m["hsdp"] = root["dp_replicate", "dp_shard_cp"]
+        m["batch"] = root["dp_replicate", "dp_shard"]._flatten("batch")
+        m["loss"] = root["dp_replicate", "dp_shard", "cp"]._flatten("loss")
         if self.ep > 1:
             # the same ranks, regrouped: dp_shard x cp (flattened, row-major) = ep_fsdp x ep
-            sparse = DeviceMesh(
-                dev,
-                ranks.view(self.dp_replicate, self.ep_fsdp, self.ep, self.tp),
-                mesh_dim_names=("dp_replicate", "ep_fsdp", "ep", "tp"),
-            )
-            m["sparse"] = sparse
+            sp_inner = (self.dp_replicate, self.ep_fsdp, self.ep, self.tp)
+            sp_names = ("dp_replicate", "ep_fsdp", "ep", "tp")
+            sparse = DeviceMesh(dev, ranks.view(self.pp, *sp_inner) if pp else ranks.view(*sp_inner),
+                                mesh_dim_names=(("pp",) if pp else ()) + sp_names)
+            m["sparse"] = sparse[sp_names] if pp else sparse
             m["ep"] = sparse["ep"]
             m["ep_fsdp"] = sparse["ep_fsdp"]
             if self.dp_replicate > 1:
@@ -260,4 +276,4 @@ class ParallelDims:
         if world_size is None:
             world_size = dist.get_world_size() if dist.is_initialized() else 1
         return cls(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp, tp=par.tp, ep=par.ep,
-                   world_size=world_size)
+                   world_size=world_size, pp=par.pp)

@@ -40,12 +40,20 @@ class ParallelizePlan:
     (``parallel.loss_parallel``): the untied head (nn.Linear) or, for tied heads, the token embedding
     (nn.Embedding, then vocab-sharded as well). Its weight is split over the vocabulary and the ``ops`` of the
     nearest module above it (signature of ``cross_entropy``: ``(h_ND, w_VD, labels_N, chunk_size,
-    z_loss_weight) -> loss_sum``; of ``logits``: ``(h, w_VD) -> logits``) are swapped for the vocab-parallel
+    z_loss_weight, weights_N=None) -> loss_sum``; of ``logits``: ``(h, w_VD) -> logits``) are swapped for the vocab-parallel
     ones of titan_mm/parallel/tp.py. None: the head and the loss stay replicated."""
     ep: dict[str, str] = field(default_factory=dict)
     """Module pattern -> expert-parallel style over the ``ep`` mesh axis ("experts", ...)."""
     cp: dict[str, str] = field(default_factory=dict)
     """Module pattern -> context-parallel role ("attention", ...)."""
+    pp_blocks: str | None = None
+    """FQN of the container (an nn.ModuleDict keyed "0", "1", ...) that holds the trunk's blocks in order, the ones
+    ``trunk(stream, rope, attn, start, stop)`` runs: pipeline stages cut it (titan_mm/parallel/pipeline.py).
+    None: the model has no pipeline split."""
+    pp_first: tuple[str, ...] = ()
+    """FQNs of the modules only the first pipeline stage runs (``embed``: the token embedding, a vision tower)."""
+    pp_last: tuple[str, ...] = ()
+    """FQNs of the modules only the last pipeline stage runs (``head``: the final norm, the output head)."""
 
 
 def match_modules(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> list[tuple[str, nn.Module]]:

@@ -228,8 +228,8 @@ def vocab_parallel_logits(h, w_VD):
 
 
 def vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z_loss_weight: float = 0.0,
-                                 fused: bool = False):
-    """Sum of token CE over labels != -100 with ``w_VD`` a DTensor ``Shard(0)`` over the tp mesh; ``h_ND`` the
+                                 weights_N=None, fused: bool = False):
+    """Sum of token CE (times ``weights_N`` when given) over labels != -100 with ``w_VD`` a DTensor ``Shard(0)`` over the tp mesh; ``h_ND`` the
     full (replicated over tp) hidden states. Same value on every tp rank; fp32 scalar. ``fused``: the Triton
     kernels of titan_mm.kernels.vocab_parallel_linear_cross_entropy where they can run (CUDA), else (and by
     default) the chunked PyTorch version above."""
@@ -244,15 +244,16 @@ def vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z
 
         if K.use_triton(h_ND, w_local) and h_ND.dtype == w_local.dtype:
             return K.vocab_parallel_linear_cross_entropy(h_ND, w_local, labels_N, v0, mesh.get_group(),
-                                                         z_loss=float(z_loss_weight))
+                                                         z_loss=float(z_loss_weight), weights=weights_N)
     return chunked_cross_entropy(h_ND, w_local, labels_N, chunk_size, z_loss_weight, group=mesh.get_group(),
-                                 vocab_start=v0)
+                                 vocab_start=v0, weights_N=weights_N)
 
 
-def vocab_parallel_fused_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z_loss_weight: float = 0.0):
+def vocab_parallel_fused_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z_loss_weight: float = 0.0,
+                                       weights_N=None):
     """:func:`vocab_parallel_cross_entropy` with the fused Triton kernels (installed by loss parallel when the
     model used the fused linear-CE of titan_mm.kernels)."""
-    return vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size, z_loss_weight, fused=True)
+    return vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size, z_loss_weight, weights_N, fused=True)
 
 
 def _ops_owner(model: nn.Module, fqn: str) -> nn.Module:

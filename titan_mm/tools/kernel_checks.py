@@ -193,12 +193,15 @@ def check_linear_cross_entropy(device, dtype, big):
                 labels[torch.rand(N, device=device) < 0.25] = -100  # ignore-index rows
                 labels[0] = -100
                 acc32 = mode == "sliced"  # also covers the fp32 weight-gradient accumulator
+                # sliced: per-token weights as a diffusion objective's 1/t (>= 1, fp32)
+                wts = 1.0 / (0.05 + torch.rand(N, device=device)) if mode == "sliced" else None
                 loss = K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z, chunk_size=chunk,
-                                              grad_accum_fp32=acc32)
+                                              grad_accum_fp32=acc32, weights=wts)
                 hr, wr = _ref_leaves([h, w])
-                lr = chunked_cross_entropy(hr, wr, labels, 1024, z)
+                lr = chunked_cross_entropy(hr, wr, labels, 1024, z, weights_N=None if wts is None else wts.double())
                 scale = torch.tensor(0.37, device=device)  # like 1 / num_label_tokens
-                _compare(recs, "linear_cross_entropy", dtype, f"{(N, D, V, chunk)}/z={z}/{mode}/acc32={acc32}", [loss], [lr],
+                _compare(recs, "linear_cross_entropy", dtype,
+                         f"{(N, D, V, chunk)}/z={z}/{mode}/acc32={acc32}/weights={wts is not None}", [loss], [lr],
                          [h, w], [hr, wr], [scale.to(loss.dtype)])
     # all rows ignored: loss 0, zero grads, no NaN
     N, D, V = (64, 32, 300)
@@ -290,6 +293,8 @@ def check_opcheck(device, dtype, big):
         (rope_op, (t(2, 5, 3, 8), t(2, 5, 1, 8), cos, sin, False)),
         (linear_cross_entropy_op, (t(7, 16), t(30, 16), labels, -100, 1e-3, True, 3)),
         (linear_cross_entropy_op, (t(7, 16), t(30, 16), labels, -100, 0.0, True, 2, True)),
+        (linear_cross_entropy_op, (t(7, 16), t(30, 16), labels, -100, 1e-3, True, 3, False,
+                                   torch.rand(7, device=device) + 1.0)),
         (bias_gelu_op, (t(5, 9), t(9))),
     ]
     recs = []

@@ -5,18 +5,28 @@ Layout of a run folder::
     <run>/checkpoints/step-00000040/     DCP files (*.distcp, .metadata)
                                          config.toml   the run's resolved config
                                          commit.json   written LAST (tmp file + atomic rename): step,
-                                                       world size, parallel topology, time
+                                                       world size, parallel topology, time, and
+                                                       "files": {name: {"size", "crc32"}} of every file
 
 A checkpoint without commit.json is incomplete (a save interrupted by a crash): it is never loaded and is
-deleted at the next start. Resume takes the newest committed checkpoint; if it fails to load (corrupt
-files), the previous one is tried and the fallback is reported.
+deleted at the next start. Resume takes the newest committed checkpoint; if it fails to load (a file whose
+size or CRC-32 differs from commit.json, or unreadable files), the previous one is tried and the fallback
+is reported with the file and the reason.
+
+Checksums: each rank hashes the files it wrote (``__<rank>_<n>.distcp``; rank 0 also ``.metadata`` and
+config.toml) and rank 0 gathers them into commit.json. zlib.crc32 (stdlib, releases the GIL; the fastest stdlib
+hash here: 1.4-2x sha256, 4x blake2b, bench/results/checkpoint_verify.json) detects accidental corruption, not
+tampering.
+With async save the hashing runs in the background after the write, off the training thread. On load the
+ranks split the listed files between them, check size then CRC, and agree on the verdict before dcp.load.
 
 State-dict items (see titan_mm.train.state): ``model`` and ``optimizer`` through
 torch.distributed.checkpoint.state_dict (FSDP/TP shards are resharded on load: a checkpoint written by 2
 processes loads in 1 and vice versa), ``train`` (step, scheduler, RNG; rank-independent) and
-``data.dp<R>of<W>`` (the loader state of data-parallel rank R of W). When the data-parallel world changes
-between save and load, the loader state cannot be mapped rank for rank: the loader restarts from its
-seed position and a warning says so.
+``data.slot<k>of<K>``: the data stream, per micro-batch slot k of the K in a global batch (training.global_batch_size
+/ data.micro_batch_size), each written by the rank that reads it (titan_mm.data.loader.StreamLayout). A run with
+another data-parallel world loads the slots it reads and continues the same samples. A checkpoint whose K differs
+from the config's is refused (DataLayoutError, one line: resume with the saved batch sizes).
 
 Async: ``dcp.async_save`` stages the state to CPU memory, then writes in a background thread while
 training continues; on a multi-process run it uses its own gloo process group so its collectives never
@@ -31,7 +41,8 @@ import shutil
 import sys
 import time
 import warnings
-from concurrent.futures import Future
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +65,8 @@ from titan_mm.train.state import TrainState, from_bytes, to_bytes
 COMMIT_FILE = "commit.json"
 CONFIG_FILE = "config.toml"
 _PREFIX = "step-"
+_HASH = "crc32"
+_CHUNK = 8 << 20
 
 # DCP warns on every single-process call that it "assumes the intent is to save/load in a single process".
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
@@ -115,6 +128,82 @@ def read_commit(ckpt_dir: str | Path) -> dict[str, Any]:
     return json.loads((Path(ckpt_dir) / COMMIT_FILE).read_text())
 
 
+def committed_step(folder: str | Path, load_step: int = -1) -> int | None:
+    """The step a resume from ``folder`` would start at, from commit.json alone (no tensor is read):
+    ``load_step`` if that checkpoint is committed, else the newest committed one; None when there is none."""
+    cks = list_checkpoints(folder)
+    if load_step >= 0:
+        cks = [p for p in cks if _step_of(p) == load_step]
+    return read_commit(cks[-1])["step"] if cks else None
+
+
+def file_record(path: str | Path) -> dict[str, Any]:
+    """{"size": bytes, "crc32": hex} of one file, read in 8 MiB chunks."""
+    crc, size, buf = 0, 0, bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return {"size": size, _HASH: f"{crc:08x}"}
+
+
+def _file_problem(ckpt_dir: Path, name: str, want: dict[str, Any]) -> str | None:
+    p = ckpt_dir / name
+    try:
+        size = p.stat().st_size
+        if size != want["size"]:  # the cheap check first: a truncated or extended file
+            return f"{name}: size {size} != {want['size']} bytes recorded in {COMMIT_FILE}"
+        got = file_record(p)[_HASH]
+    except OSError as e:
+        return f"{name}: {type(e).__name__}: {e.strerror or e}"
+    if got != want[_HASH]:
+        return f"{name}: checksum mismatch ({_HASH} expected {want[_HASH]}, got {got})"
+    return None
+
+
+def verify_checkpoint(ckpt_dir: str | Path, group=None) -> None:
+    """Check every file listed in commit.json (size, then CRC-32); raise CheckpointError naming the first bad
+    one. With a process ``group`` the ranks split the files and all raise together (call it on every rank).
+    A checkpoint from before checksums were recorded is loaded unverified, with one warning line."""
+    ckpt_dir = Path(ckpt_dir)
+    files = read_commit(ckpt_dir).get("files")
+    if files is None:
+        _log(f"WARNING: {ckpt_dir} records no checksums (written by an older titan_mm): loading it unverified")
+        return
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    names = sorted(files, key=lambda n: (-files[n]["size"], n))[rank::world]  # big files spread over the ranks
+    problems = [m for m in (_file_problem(ckpt_dir, n, files[n]) for n in names) if m]
+    if world > 1:
+        every: list = [None] * world
+        dist.all_gather_object(every, problems, group=group)
+        problems = [m for r in every for m in r]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(problems[0] + more)
+
+
+def resolve_verified(path: str | Path) -> Path:
+    """resolve_checkpoint, then verify_checkpoint. A step folder that fails its check is an error; for a run or
+    checkpoints folder the newest checkpoint that passes is taken, and each skipped one is reported."""
+    ck = resolve_checkpoint(path)
+    if (Path(path) / COMMIT_FILE).is_file():
+        verify_checkpoint(ck)
+        return ck
+    failures = []
+    for cand in list_checkpoints(ck.parent)[::-1]:
+        try:
+            verify_checkpoint(cand)
+        except (CheckpointError, OSError, ValueError) as e:  # ValueError: an unreadable commit.json
+            failures.append(f"{cand.name}: {e}")
+            _log(f"WARNING: checkpoint {cand} is corrupt ({e}); falling back to the previous one")
+            continue
+        if failures:
+            _log(f"using {cand} after skipping {len(failures)} corrupt checkpoint(s)")
+        return cand
+    raise CheckpointError(f"every checkpoint under {ck.parent} failed its check: " + "; ".join(failures))
+
+
 class _ModelItem(Stateful):
     def __init__(self, model):
         self.model = model
@@ -148,15 +237,23 @@ class _TrainItem(Stateful):
         self.state.load_train_state_dict(sd)
 
 
+class DataLayoutError(CheckpointError):
+    """The checkpoint's data stream has another number of micro-batch slots than the config: a config mismatch,
+    not a damaged file, so resume does not fall back to an older checkpoint (it has the same layout)."""
+
+
 class _DataItem(Stateful):
-    def __init__(self, dataloader):
-        self.dataloader = dataloader
+    """Slot ``k`` of a loader state ``{"num_slots", "slots": {k: ...}}`` that the rank's data items share; after a
+    load the loader takes the whole filled-in state."""
+
+    def __init__(self, loader_state: dict, k: int):
+        self.loader_state, self.k = loader_state, k
 
     def state_dict(self):
-        return {"blob": to_bytes(self.dataloader.state_dict())}
+        return {"blob": to_bytes(self.loader_state["slots"][self.k])}
 
     def load_state_dict(self, sd):
-        self.dataloader.load_state_dict(from_bytes(sd["blob"]))
+        self.loader_state["slots"][self.k] = from_bytes(sd["blob"])
 
 
 @dataclass
@@ -187,11 +284,12 @@ class CheckpointManager:
     """Saves and restores a TrainState under ``<run>/<checkpoint.folder>``.
 
     ``config_toml`` (the resolved config) is written into every checkpoint; ``topology`` goes into
-    commit.json.
+    commit.json. ``checksums=False`` records no file checksums (the baseline of bench/checkpoint_verify.py).
     """
 
     def __init__(self, folder: str | Path, *, interval: int, keep_last: int = 2, async_mode: str = "async",
-                 topology: Topology | None = None, config_toml: str = "", enable: bool = True):
+                 topology: Topology | None = None, config_toml: str = "", enable: bool = True,
+                 checksums: bool = True):
         self.folder = Path(folder)
         self.interval = interval
         self.keep_last = keep_last
@@ -199,13 +297,18 @@ class CheckpointManager:
         self.topology = topology or Topology()
         self.config_toml = config_toml
         self.enable = enable
+        self.checksums = checksums
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pg = None
         if enable and dist.is_initialized():
             # a separate group: the background writer's collectives must not interleave with training's
             self._pg = dist.new_group(backend="gloo")
         self._pending: tuple[Future, int, Path] | None = None
+        self._background: ThreadPoolExecutor | None = None  # hashes an async save's files after the write
         self.last_saved_step: int | None = None
+        self.hash_seconds = 0.0  # this rank's hashing time for the last save (off the training thread if async)
+        # fault injection (tests): the async save of this step never finishes, as if its writer hung
+        self._hold_at = int(os.environ.get("TITAN_MM_FAULT_HOLD_SAVE_AT_STEP", "-1"))
 
     # ------------------------------------------------------------------ items
     def _items(self, state: TrainState) -> dict[str, Any]:
@@ -214,9 +317,9 @@ class CheckpointManager:
             "optimizer": _OptimItem(state.model, state.optimizer),
             "train": _TrainItem(state),
         }
-        if state.dataloader is not None and hasattr(state.dataloader, "state_dict"):
-            t = self.topology
-            items[f"data.dp{t.dp_rank}of{t.dp_world}"] = _DataItem(state.dataloader)
+        if state.dataloader is not None:
+            ls = state.dataloader.state_dict()  # taken now: the state after the last consumed micro-batch
+            items.update({f"data.slot{k}of{ls['num_slots']}": _DataItem(ls, k) for k in ls["slots"]})
         return items
 
     # ------------------------------------------------------------------ save
@@ -238,11 +341,43 @@ class CheckpointManager:
         blocking = (self.async_mode == "disabled") if blocking is None else blocking
         if blocking:
             dcp.save(items, checkpoint_id=str(path), process_group=self._pg)
-            self._commit(step, path)
+            self._commit(step, path, self._record_files(path))
         else:
             fut = dcp.async_save(items, checkpoint_id=str(path), process_group=self._pg)
-            self._pending = (fut, step, path)
+            if self._background is None:
+                self._background = ThreadPoolExecutor(1, thread_name_prefix="titan_mm_ckpt_hash")
+            self._pending = (self._background.submit(self._finish_async, fut, step, path), step, path)
         return path
+
+    def ensure_saved(self, state: TrainState) -> Path:
+        """Block until ``state.step`` is committed: wait for its pending save, or save it now (blocking)."""
+        self.wait()
+        if self.last_saved_step != state.step:
+            self.save(state, blocking=True)
+        return self.folder / step_dir_name(state.step)
+
+    def _finish_async(self, fut: Future, step: int, path: Path) -> dict | None:
+        fut.result()
+        if step == self._hold_at:
+            time.sleep(3600)
+        return self._record_files(path)
+
+    def _record_files(self, path: Path) -> dict | None:
+        """{name: file_record} of the whole checkpoint on rank 0 (None elsewhere, or without checksums): each
+        rank hashes what it wrote; collective over the manager's group, like the DCP write before it."""
+        if not self.checksums:
+            return None
+        t0 = time.perf_counter()
+        mine = sorted(path.glob(f"__{self.rank}_*.distcp"))  # DCP's FileSystemWriter names files __<rank>_<n>
+        if self.rank == 0:
+            mine += [path / ".metadata", path / CONFIG_FILE]
+        records = {p.name: file_record(p) for p in mine}
+        self.hash_seconds = time.perf_counter() - t0
+        if self._pg is None:
+            return records
+        every: list = [None] * dist.get_world_size(self._pg)
+        dist.all_gather_object(every, records, group=self._pg)
+        return {k: v for r in every for k, v in r.items()} if self.rank == 0 else None
 
     def poll(self) -> None:
         """Commit a finished async save (call once per step; cheap)."""
@@ -255,14 +390,14 @@ class CheckpointManager:
             return
         fut, step, path = self._pending
         self._pending = None
-        fut.result()  # re-raises a failed write
-        self._commit(step, path)
+        files = fut.result()  # re-raises a failed write
+        self._commit(step, path, files)
 
     def _barrier(self) -> None:
         if self._pg is not None:
             dist.barrier(group=self._pg)
 
-    def _commit(self, step: int, path: Path) -> None:
+    def _commit(self, step: int, path: Path, files: dict | None) -> None:
         # DCP's coordinator (rank 0) finishes only after every rank's data is written, so rank 0's
         # completion means the whole checkpoint is on disk.
         if self.rank == 0:
@@ -275,6 +410,8 @@ class CheckpointManager:
                 "time": time.time(),
                 "torch": torch.__version__,
             }
+            if files is not None:
+                meta["files"] = files
             tmp = path / (COMMIT_FILE + ".tmp")
             with open(tmp, "w") as f:
                 json.dump(meta, f, indent=1)
@@ -289,6 +426,7 @@ class CheckpointManager:
             return
         cks = list_checkpoints(self.folder)
         for old in cks[: -self.keep_last]:
+            (old / COMMIT_FILE).unlink(missing_ok=True)  # first: a half-deleted folder reads as incomplete
             shutil.rmtree(old, ignore_errors=True)
 
     def cleanup_incomplete(self) -> None:
@@ -299,6 +437,15 @@ class CheckpointManager:
                 if p not in committed:
                     _log(f"removing incomplete checkpoint {p} (no {COMMIT_FILE}: its save was interrupted)")
                     shutil.rmtree(p, ignore_errors=True)
+        self._barrier()
+
+    def set_aside(self) -> None:
+        """For checkpoint.resume=false: rename a folder holding checkpoints to ``<folder>.before-<time>`` (rank 0),
+        so a fresh run's saves neither mix with an earlier run's (higher) steps nor get pruned in their favour."""
+        if self.enable and self.rank == 0 and list_checkpoints(self.folder, committed_only=False):
+            dest = self.folder.with_name(f"{self.folder.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
+            self.folder.rename(dest)
+            _log(f"checkpoint.resume is false: moved the earlier checkpoints to {dest}; starting from step 0")
         self._barrier()
 
     # ------------------------------------------------------------------ load
@@ -319,29 +466,30 @@ class CheckpointManager:
             return [want]
         return cks[::-1]
 
-    def load_into(self, state: TrainState, ckpt_dir: Path) -> bool:
-        """Load one checkpoint folder into ``state`` (raises on any failure); False when the data-loader
-        state could not be restored (saved for another data-parallel world)."""
+    def load_into(self, state: TrainState, ckpt_dir: Path) -> None:
+        """Load one checkpoint folder into ``state`` (raises on any failure; DataLayoutError when its data stream
+        has another number of micro-batch slots)."""
+        verify_checkpoint(ckpt_dir, self._pg)
         metadata = dcp.FileSystemReader(str(ckpt_dir)).read_metadata()
         keys = set(metadata.state_dict_metadata)
         items = self._items(state)
-        data_ok = True
-        for name in [k for k in items if k.startswith("data.")]:
-            if not any(k == name or k.startswith(name + ".") for k in keys):
-                del items[name]
-                data_ok = False
-                saved = sorted({k.split(".")[1] for k in keys if k.startswith("data.")})
-                seek = hasattr(state.dataloader, "seek_step")
-                _log(
-                    f"the data-loader state in {ckpt_dir.name} was saved for data-parallel ranks {saved}, not for "
-                    f"{name.split('.')[1]}: "
-                    + ("the loader is positioned by step (its order does not depend on the world size)" if seek else
-                       "the data order restarts from the seed (the model and optimizer resume exactly)")
-                )
+        data = [n for n in items if n.startswith("data.")]
+        if any(not any(k.startswith(n + ".") for k in keys) for n in data):
+            saved = {k.split(".")[1] for k in keys if k.startswith("data.")}
+            slots = "/".join(sorted({n.split("of")[-1] for n in saved if n.startswith("slot")}))
+            here = f"this run has {data[0].split('of')[-1]} (training.global_batch_size / data.micro_batch_size)"
+            raise DataLayoutError(
+                f"{ckpt_dir}: its data stream has {slots} micro-batch slots per global batch, {here}; resume with "
+                f"the saved global_batch_size and micro_batch_size ({ckpt_dir / CONFIG_FILE}; global_batch_size = 0 "
+                "means micro_batch_size x dp degree, which changes with the world size)" if slots else
+                f"{ckpt_dir}: its data state ({', '.join(sorted(saved)) or 'none'}) is not kept per micro-batch slot "
+                f"(an older titan_mm), {here}; resume it with the titan_mm that wrote it, or start a new run folder")
         dcp.load(items, checkpoint_id=str(ckpt_dir), process_group=self._pg)
-        if not data_ok and hasattr(state.dataloader, "seek_step"):
-            state.dataloader.seek_step(state.step)
-        return data_ok
+        if data:
+            try:
+                state.dataloader.load_state_dict(items[data[0]].loader_state)
+            except ValueError as e:  # the loader's checks: other sources / streams_per_slot than the saved run
+                raise DataLayoutError(f"{ckpt_dir}: {e}") from None
 
     def resume(self, state: TrainState, load_step: int = -1) -> int | None:
         """Load the newest loadable committed checkpoint; returns its step, or None when there is none.
@@ -354,6 +502,8 @@ class CheckpointManager:
         for ck in self._candidates(load_step):
             try:
                 self.load_into(state, ck)
+            except DataLayoutError:
+                raise
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported, then an older one is tried
                 msg = _short_error(e)
                 failures.append((ck, msg))
@@ -378,6 +528,9 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+        if self._background is not None:
+            self._background.shutdown()
+            self._background = None
         if self._pg is not None:
             dist.destroy_process_group(self._pg)
             self._pg = None

@@ -5,10 +5,15 @@ per-part learning rates (ModelSpec.param_groups, e.g. vision tower vs LLM) split
 
 Weight decay: matrices decay; norm weights, biases and embeddings do not, unless
 ``optimizer.decay_norms_and_biases`` / ``optimizer.decay_embeddings`` say so.
+
+``optimizer.name = "muon"``: every group is split once more into its Muon part (:func:`muon_param_ids`: the
+matrices inside the model's blocks) and its AdamW part, all in one titan_mm.train.muon.MuonAdamW, so one
+LambdaLR, one clip and one checkpoint item cover both (docs/optimizers.md).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from titan_mm.config import JobConfig, LRScheduler
+from titan_mm.config import ConfigError, JobConfig, LRScheduler
 
 _EMBED_HINTS = ("embed", "tok_embeddings", "wte")
 
@@ -95,10 +100,85 @@ def split_dtensor_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # AC / compile wrappers inside parameter FQNs
+
+
+def _clean_fqn(name: str) -> str:
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def _in_modules(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether a module on the path of parameter ``name`` matches one of the fnmatch ``patterns``."""
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[:k]), pat) for k in range(1, len(parts)) for pat in patterns)
+
+
+def muon_param_ids(model: nn.Module, plan) -> set[int]:
+    """ids of the parameters Muon updates: matrices (ndim >= 2; 3-D expert weights are batches of matrices)
+    inside the model's blocks (the plan's ``fsdp_units``: the trunk's blocks, ViT blocks included), except
+    embeddings, norms, biases and the output head (the module the plan names in ``loss_parallel``). A tensor
+    under several names (tied weights) is Muon's only if every name is."""
+    head = (plan.loss_parallel,) if plan.loss_parallel else ()
+    names: dict[int, list[str]] = {}
+    params: dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    out = set()
+    for pid, ns in names.items():
+        p = params[pid]
+        if p.ndim < 2 or any(_is_embedding_param(model, n) or _is_norm_or_bias(n, p) for n in ns):
+            continue
+        clean = [_clean_fqn(n) for n in ns]
+        if all(_in_modules(n, plan.fsdp_units) and not _in_modules(n, head) for n in clean):
+            out.add(pid)
+    return out
+
+
+def fused_layouts(model: nn.Module, fused: dict[str, Any]) -> dict[int, Any]:
+    """{id(param): FusedRows} for the parameters whose FQN matches a pattern of ``fused`` (ModelSpec.fused_params)."""
+    out = {}
+    for name, p in model.named_parameters():
+        clean = _clean_fqn(name)
+        for pat, layout in fused.items():
+            if fnmatch.fnmatchcase(clean, pat):
+                out[id(p)] = layout
+    return out
+
+
+def split_muon_groups(groups: list[dict[str, Any]], muon_ids: set[int]) -> list[dict[str, Any]]:
+    """Each group -> its Muon part (``algo="muon"``, name + "/muon") and its AdamW part (``algo="adamw"``), with
+    the same options (lr, weight decay, initial_lr); empty parts are dropped."""
+    out = []
+    for g in groups:
+        muon = [p for p in g["params"] if id(p) in muon_ids]
+        rest = [p for p in g["params"] if id(p) not in muon_ids]
+        if muon:
+            out.append({**g, "params": muon, "algo": "muon", "name": f"{g.get('name', 'group')}/muon"})
+        if rest:
+            out.append({**g, "params": rest, "algo": "adamw"})
+    return out
+
+
 def build_optimizer(model: nn.Module, cfg: JobConfig, param_groups: list[dict] | None = None,
-                    split: Callable | None = None) -> torch.optim.Optimizer:
+                    split: Callable | None = None, plan=None, fused: dict[str, Any] | None = None
+                    ) -> torch.optim.Optimizer:
+    """torch.optim.AdamW (``optimizer.name = "adamw"``) or titan_mm.train.muon.MuonAdamW (``"muon"``), which needs
+    the model's ``plan`` (ParallelizePlan: its blocks and head) and takes the family's ``fused``
+    (ModelSpec.fused_params(cfg)) for ``optimizer.muon_split_fused``."""
     o = cfg.optimizer
+    if o.name not in ("adamw", "muon"):
+        raise ValueError(f"unknown optimizer.name {o.name!r}; available: adamw, muon")
     groups = param_groups if param_groups is not None else build_param_groups(model, cfg, split)
+    if o.name == "muon":
+        if plan is None:
+            raise ValueError("optimizer.name='muon' needs the model's plan: build_optimizer(..., plan=spec.plan(cfg))")
+        groups = split_muon_groups(groups, muon_param_ids(model, plan))
+        if not any(g["algo"] == "muon" for g in groups):
+            raise ConfigError("optimizer.name='muon' but the model has no trainable matrix inside its blocks "
+                              f"(plan.fsdp_units {plan.fsdp_units}); use --optimizer.name adamw")
     groups = split_dtensor_groups(groups)
     on_cuda = any(p.is_cuda for g in groups for p in g["params"])
     impl = o.implementation
@@ -111,9 +191,13 @@ def build_optimizer(model: nn.Module, cfg: JobConfig, param_groups: list[dict] |
         kwargs["fused"] = True
     else:
         kwargs["foreach"] = impl == "foreach"
-    if o.name != "adamw":
-        raise ValueError(f"unknown optimizer.name {o.name!r}; available: adamw")
-    return torch.optim.AdamW(groups, **kwargs)
+    if o.name == "adamw":
+        return torch.optim.AdamW(groups, **kwargs)
+    from titan_mm.train.muon import MuonAdamW
+
+    layouts = fused_layouts(model, fused) if (o.muon_split_fused and fused) else {}
+    return MuonAdamW(groups, momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,
+                     adjust_lr=o.muon_adjust_lr, layouts=layouts, **kwargs)
 
 
 def supports_found_inf(opt: Any) -> bool:

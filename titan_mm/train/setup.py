@@ -100,11 +100,24 @@ def model_from_config(cfg: JobConfig, device: torch.device) -> tuple[ModelSpec, 
         raise ConfigError(str(e)) from None
 
 
+def parallel_dims(cfg: JobConfig, world: int):
+    """titan_mm.parallel.mesh.ParallelDims of ``[parallel]`` for ``world`` processes (meshes not built yet)."""
+    from titan_mm.parallel.mesh import ParallelDims
+
+    try:
+        return ParallelDims.from_config(cfg.parallel, world)
+    except ValueError as e:
+        raise ConfigError(f"[parallel] {e}") from None
+
+
 def check_parallel(cfg: JobConfig, pd, spec: ModelSpec, model_cfg) -> None:
     """Reject degrees the model's shapes cannot take (ParallelDims.check_model) before anything is built: tp vs
     heads, ep on a dense model or not dividing the experts, the padded row length vs tp * 2 * cp, Ulysses heads
-    vs cp * tp."""
+    vs cp * tp, cp on a model whose plan declares no context-parallel attention."""
     d = spec.dims(model_cfg)
+    if pd.cp > 1 and not spec.plan(model_cfg).cp:
+        raise ConfigError(f"[parallel] cp={pd.cp}, but model {spec.name!r} does not support context parallelism "
+                          "(its plan declares no CP attention: see its docs page); set parallel.cp = 1")
     try:
         pd.check_model(num_heads=d.num_heads, num_kv_heads=d.num_kv_heads, num_experts=d.num_experts,
                        seq_len=padded_seq_len(cfg.data), cp_ulysses=cfg.parallel.cp_mode == "ulysses")
@@ -112,27 +125,39 @@ def check_parallel(cfg: JobConfig, pd, spec: ModelSpec, model_cfg) -> None:
         raise ConfigError(f"[parallel] {e}") from None
 
 
-def build_model(cfg: JobConfig, spec: ModelSpec, model_cfg, parallel_dims, device: torch.device):
+def build_model(cfg: JobConfig, spec: ModelSpec, model_cfg, parallel_dims, device: torch.device, stages=None):
     """Meta build -> parallelize -> materialize (to_empty + init_weights), then HF weights if asked.
 
     Random init gives the same weights for every world size and layout (CPU or CUDA): under
     ``seeded_init`` each draw fills the full tensor from its own seeded generator and keeps the local shard
     (titan_mm/models/common/init.py). HF weights are loaded by the registry's load_hf, which fills plain or
-    FSDP-sharded models."""
+    FSDP-sharded models. ``stages`` (parallel.pp > 1): the titan_mm.parallel.pipeline.StageBuilder that prunes the
+    meta model to this rank's pipeline stages, roots FSDP at them and draws the init in the full model's order."""
     from titan_mm.models.common.init import seeded_init
     from titan_mm.parallel.apply import parallelize
 
     with torch.device("meta"):
         model = spec.build(model_cfg)
-    model = parallelize(model, spec.plan(model_cfg), parallel_dims, cfg)
-    model.to_empty(device=device)
+    plan = spec.plan(model_cfg) if stages is None else stages.prune(model)  # pipeline: this rank's part of the plan
+    model = parallelize(model, plan, parallel_dims, cfg, fsdp_roots=stages.modules if stages is not None else None)
+    if stages is None:
+        model.to_empty(device=device)
+    else:
+        stages.materialize(device)
     from_hf = bool(cfg.model.hf_path and cfg.model.init_from_hf)
     torch.manual_seed(cfg.training.seed)
     # with HF weights the random values are overwritten: a plain (local, sharding-dependent) draw is enough
     with torch.no_grad(), (contextlib.nullcontext() if from_hf else seeded_init(cfg.training.seed)):
-        model.init_weights(buffer_device=device)
+        if stages is None:
+            model.init_weights(buffer_device=device)
+        else:
+            with torch.device("meta"):
+                full = spec.build(model_cfg)
+            stages.init_weights(full, device)
     if from_hf:
-        spec.load_hf(model, cfg.model.hf_path)
+        from titan_mm.models.common.hf_io import local_hf_dir
+
+        spec.load_hf(model, local_hf_dir(cfg.model.hf_path, weights=True))
     torch.manual_seed(cfg.training.seed + 1)
     return model
 
@@ -172,13 +197,34 @@ def data_parallel_groups(pd) -> tuple[int, int, Any, Any, int]:
 
 def grad_accum_steps(cfg: JobConfig, dp_world: int) -> int:
     per_pass = cfg.data.micro_batch_size * dp_world
-    g = cfg.training.global_batch_size or per_pass
+    pp_micro = cfg.parallel.pp_microbatches
+    g = cfg.training.global_batch_size or per_pass * max(1, pp_micro)
     if g % per_pass:
         raise ConfigError(
             f"training.global_batch_size={g} is not a multiple of data.micro_batch_size "
             f"({cfg.data.micro_batch_size}) x data-parallel degree ({dp_world}) = {per_pass}"
         )
+    if pp_micro and g // per_pass != pp_micro:
+        raise ConfigError(f"parallel.pp_microbatches={pp_micro} but training.global_batch_size={g} gives "
+                          f"{g // per_pass} micro-batches of {cfg.data.micro_batch_size} rows per dp rank; set one of "
+                          "them only.")
     return g // per_pass
+
+
+def pipeline_stages(cfg: JobConfig, spec: ModelSpec, model_cfg, pd, n_micro: int):
+    """This rank's titan_mm.parallel.pipeline.StageBuilder (parallel.pp > 1): the configured split, else the
+    memory-balanced one (titan_mm.parallel.memory.pp_balance)."""
+    from titan_mm.parallel.memory import pp_balance
+    from titan_mm.parallel.pipeline import StageBuilder, make_layout
+
+    dims = spec.dims(model_cfg)
+    try:
+        layout = make_layout(cfg.parallel, dims.num_layers, n_micro,
+                             balance=functools.partial(pp_balance, cfg, model_cfg, spec.plan(model_cfg), pd, n_micro),
+                             fsdp=pd.fsdp_enabled or pd.ep_enabled or cfg.training.param_dtype != "float32")
+        return StageBuilder(spec.plan(model_cfg), layout, pd.mesh("pp").get_local_rank(), dims)
+    except ValueError as e:
+        raise ConfigError(f"[parallel] {e}") from None
 
 
 def setup(cfg: JobConfig, model_fn=None) -> Run:
@@ -186,29 +232,34 @@ def setup(cfg: JobConfig, model_fn=None) -> Run:
     ``model_fn(spec, model_cfg, pd, device) -> nn.Module`` replaces build_model (bench/mfu.py's hand-built
     baseline); the rest is the same for it."""
     from titan_mm.observe.health import NanGuard
-    from titan_mm.parallel.mesh import ParallelDims
     from titan_mm.quant.float8 import float8_after_optimizer
+    from titan_mm.train.objective import build_objective
     from titan_mm.train.optim import build_lr_scheduler, build_optimizer
     from titan_mm.train.state import TrainState
-    from titan_mm.train.step import StepContext
+    from titan_mm.train.step import LossScaler, StepContext
 
     device = pick_device(cfg)
     rank, world = setup_distributed(cfg, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     seed_everything(cfg.training.seed, cfg.training.deterministic)
-    try:
-        pd = ParallelDims.from_config(cfg.parallel, world)
-    except ValueError as e:
-        raise ConfigError(f"[parallel] {e}") from None
+    pd = parallel_dims(cfg, world)
     dp_rank, dp_world, loss_group, count_group, loss_world = data_parallel_groups(pd)
     spec, model_cfg = model_from_config(cfg, device)
     check_parallel(cfg, pd, spec, model_cfg)
+    objective = build_objective(cfg, spec, model_cfg)  # None: causal LM; mask token and kind x backend checked here
     n_micro = grad_accum_steps(cfg, dp_world)
-    model = (model_fn or functools.partial(build_model, cfg))(spec, model_cfg, pd, device)
+    stages = pipeline_stages(cfg, spec, model_cfg, pd, n_micro) if pd.pp_enabled else None
+    if stages is not None and model_fn is not None:
+        raise ConfigError("parallel.pp > 1 builds the pipeline stages itself; run without model_fn (a hand-built "
+                          "model).")
+    model = (model_fn or functools.partial(build_model, cfg, stages=stages))(spec, model_cfg, pd, device)
     split = functools.partial(spec.param_groups, model, model_cfg) if spec.param_groups else None
-    optimizer = build_optimizer(model, cfg, split=split)
-    state = TrainState(model=model, optimizer=optimizer, scheduler=build_lr_scheduler(optimizer, cfg))
+    optimizer = build_optimizer(model, cfg, split=split, plan=spec.plan(model_cfg),
+                                fused=spec.fused_params(model_cfg) if spec.fused_params else None)
+    t = cfg.training
+    scaler = LossScaler(device, t.loss_scale_init, t.loss_scale_growth_interval) if t.param_dtype == "float16" else None
+    state = TrainState(model=model, optimizer=optimizer, scheduler=build_lr_scheduler(optimizer, cfg), scaler=scaler)
     rt = spec.runtime(model_cfg)
     ctx = StepContext(
         device=device, attn_backend=rt.attn_backend, sliding_window=rt.sliding_window,
@@ -216,7 +267,15 @@ def setup(cfg: JobConfig, model_fn=None) -> Run:
         loss_world=loss_world, nan_guard=NanGuard(cfg.training.nan_policy, cfg.training.max_skipped_steps),
         parallel_dims=pd, cp_mode=cfg.parallel.cp_mode,
         prepare_batch=functools.partial(spec.prepare_batch, model_cfg) if spec.prepare_batch else None,
-        seq_keys=spec.seq_keys, after_optimizer=float8_after_optimizer(model, cfg.float8),
+        seq_keys=spec.seq_keys + (objective.seq_keys if objective else ()),
+        after_optimizer=float8_after_optimizer(model, cfg.float8), objective=objective, dp_rank=dp_rank,
+        mask_kind=objective.mask_kind if objective else "causal",
+        block_size=objective.block_size if objective else None,
     )
+    if stages is not None:  # the step runs the schedule; the grad norm covers every stage
+        from titan_mm.parallel.clip import clip_grad_norm_
+
+        ctx.pipeline = stages.pipeline(pd.mesh("pp").get_group(), device)
+        ctx.clip_fn = functools.partial(clip_grad_norm_, pp_group=pd.mesh("pp").get_group())
     return Run(device=device, rank=rank, world=world, pd=pd, spec=spec, model_cfg=model_cfg, model=model,
                state=state, ctx=ctx, dp_rank=dp_rank, dp_world=dp_world, n_micro=n_micro)

@@ -5,8 +5,8 @@
 
 The checkpoint module turns a TrainState into DCP state-dict items:
 ``model`` / ``optimizer`` (through torch.distributed.checkpoint.state_dict, so FSDP/TP shards reshard on
-load), ``train`` (step, scheduler, RNG, NaN counters; the same on every rank) and ``data`` (the loader
-state of this data-parallel rank).
+load), ``train`` (step, scheduler, RNG, NaN counters, the float16 loss scale; the same on every rank) and
+``data.slot<k>of<K>`` (the loader state of each micro-batch slot this data-parallel rank reads).
 """
 
 from __future__ import annotations
@@ -52,16 +52,20 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     dataloader: Any = None
-    """An iterable of micro-batches with state_dict() / load_state_dict() (torchdata StatefulDataLoader)."""
+    """An iterable of micro-batches whose state_dict() / load_state_dict() use the per-slot loader state of
+    titan_mm.data.loader.StreamLayout (TitanDataLoader, SyntheticLoader)."""
     step: int = 0
     """Optimizer steps done (skipped non-finite steps count: they consumed their data)."""
     nan_count: int = 0
     """Non-finite steps seen over the whole run (resumes included)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Small picklable values that must survive a resume (saved with the ``train`` item)."""
+    scaler: Any = None
+    """titan_mm.train.step.LossScaler with training.param_dtype = "float16" (else None); its scale and growth
+    tracker are saved with the ``train`` item."""
 
     def train_state_dict(self) -> dict[str, Any]:
-        """The rank-independent part: step, scheduler, RNG, counters."""
+        """The rank-independent part: step, scheduler, RNG, counters, loss scale."""
         return {
             "step": self.step,
             "blob": to_bytes(
@@ -70,6 +74,7 @@ class TrainState:
                     "rng": get_rng_state(),
                     "nan_count": self.nan_count,
                     "extra": self.extra,
+                    "scaler": None if self.scaler is None else self.scaler.state_dict(),
                 }
             ),
         }
@@ -81,3 +86,6 @@ class TrainState:
         set_rng_state(blob["rng"])
         self.nan_count = int(blob["nan_count"])
         self.extra = dict(blob["extra"])
+        # a checkpoint without a scale (not float16, or older) leaves a float16 run at training.loss_scale_init
+        if self.scaler is not None and blob.get("scaler") is not None:
+            self.scaler.load_state_dict(blob["scaler"])

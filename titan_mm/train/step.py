@@ -12,6 +12,11 @@ micro-batches and the dp x cp ranks (gradients are summed; each rank adds aux / 
 Then: global grad-norm clip over every mesh axis (titan_mm.parallel.clip), a non-finite check (the same
 decision on every rank: the loss and norm are global), optimizer step, scheduler step.
 
+float16 (``TrainState.scaler``, a :class:`LossScaler`): each micro-batch's backward runs on loss x scale (the
+normalized loss, scaled once); the gradients are unscaled before the clip; gradients that are not finite anywhere
+(the global grad norm: every rank and mesh axis) with a finite loss are an overflow: the update is skipped, the
+scale halves, and it is not a NaN-policy event. A non-finite loss still goes to the NaN guard.
+
 Where the check is made. With torch's fused AdamW (CUDA; :func:`titan_mm.train.optim.supports_found_inf`)
 and a NaN guard, the check is computed on the device and handed to the optimizer as ``found_inf`` (the
 GradScaler mechanism: the fused kernel skips the update and restores ``state['step']``), so
@@ -24,16 +29,19 @@ optimizer, or ``StepContext.device_skip=False``, keeps the host-decided path: re
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titan_mm.models.common.attention import build_attn_meta
-from titan_mm.observe.health import NanGuard
+from titan_mm.observe.health import NanGuard, NonFiniteError
 from titan_mm.parallel.clip import clip_grad_norm_
 from titan_mm.train.optim import supports_found_inf
 from titan_mm.train.state import TrainState
@@ -63,6 +71,11 @@ class StepContext:
     cp_mode: str = "ulysses"
     mask_kind: str = "causal"
     """Attention mask kind the objective trains with (titan_mm/models/common/attention.py KINDS)."""
+    objective: Any = None
+    """titan_mm.train.objective.Objective (a diffusion objective: corrupts the micro-batches on the host before the
+    label count; it set mask_kind / block_size); None: the causal LM, batches as they come."""
+    dp_rank: int = 0
+    """This rank's index among the dp ranks (the objective's noise is seeded by the global micro-batch slot)."""
     block_size: int | None = None
     """Block size of the "block_causal" kind."""
     prepare_batch: Callable | None = None
@@ -77,6 +90,9 @@ class StepContext:
     after a skipped one; on the device-skip path (``device_skip``) it runs after every ``opt.step()``, skipped
     or not, because the skip is only known on the device then (the weights are unchanged by a skipped step,
     so a hook that derives state from them, like the float8 scale precompute, computes the same values)."""
+    pipeline: Any = None
+    """titan_mm.parallel.pipeline.Pipeline when parallel.pp > 1: the micro-batches' forward and backward run through
+    its schedule (:func:`_pp_forward_backward`); None: :func:`forward_backward`."""
     device_skip: bool = True
     """Decide the NaN skip on the device when the optimizer supports it (torch's fused AdamW, see
     titan_mm.train.optim.supports_found_inf) and a ``nan_guard`` is set: ``opt.step()`` is enqueued before
@@ -95,7 +111,56 @@ class StepResult:
     tokens: int
     """Input positions in the global batch (rows x seq_len over all micro-batches and dp ranks)."""
     skipped: bool
+    """The update was dropped: a NaN-policy skip, or a float16 overflow."""
     compute_s: float
+    loss_scale: float | None = None
+    """The loss scale this step's backward ran with (param_dtype float16), else None."""
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16 compute: the scale and its growth tracker are device tensors, moved by
+    torch's own GradScaler kernel (``torch._amp_update_scale_``: x0.5 and a skipped step on an overflow, x2 after
+    ``growth_interval`` finite steps in a row), so they cost no host sync.
+
+    Why not ``torch.amp.GradScaler`` / ``ShardedGradScaler`` whole (torch 2.13, gloo, tiny Qwen3): GradScaler's
+    ``unscale_`` runs one foreach op over every gradient of a device, which raises for a mix of DTensor and plain
+    gradients (tp without FSDP), and reduces found_inf only over the mesh of the first DTensor (ep experts sit on
+    another mesh); ShardedGradScaler adds a SUM all-reduce on top of DTensor's MAX (found_inf == 2.0 on 2 ranks, a
+    [1]-shaped flag that torch's fused AdamW rejects) and needs a process group. Here gradients are unscaled
+    shard by shard, and the inf check is the global grad norm (titan_mm.parallel.clip), so an inf on one rank
+    skips the step on every rank."""
+
+    growth_factor = 2.0
+    backoff_factor = 0.5
+
+    def __init__(self, device: torch.device, init_scale: float = 2.0**16, growth_interval: int = 2000):
+        self.scale = torch.full((), float(init_scale), dtype=torch.float32, device=device)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self.growth_interval = int(growth_interval)
+
+    @torch.no_grad()
+    def unscale_(self, params: Iterable[torch.Tensor]) -> None:
+        """grad /= scale in place, on each gradient's local shard."""
+        inv = self.scale.double().reciprocal().float()  # as GradScaler: exact for powers of two
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for p in params:
+            if p.grad is not None:
+                g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                by_device[g.device].append(g)
+        for dev, gs in by_device.items():
+            torch._foreach_mul_(gs, inv.to(dev))
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Back off (found_inf: 1-element tensor, nonzero = the gradients were not finite) or count a good step."""
+        torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf.to(self.scale.device, torch.float32),
+                                 self.growth_factor, self.backoff_factor, self.growth_interval)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": float(self.scale), "growth_tracker": int(self.growth_tracker)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.scale.fill_(sd["scale"])  # a float32 value held as a Python float: restored bitwise
+        self.growth_tracker.fill_(sd["growth_tracker"])
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -153,8 +218,10 @@ def sdpa_priority(device: torch.device):
     return sdpa_kernel(order, set_priority=True)
 
 
-def forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_global_labels: int):
-    """Accumulate gradients of (sum CE / n_global_labels + mean aux) over the micro-batches.
+def forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_global_labels: int,
+                     scaler: LossScaler | None = None):
+    """Accumulate gradients of (sum CE / n_global_labels + mean aux) over the micro-batches (times the loss
+    scale when ``scaler`` is given).
 
     Returns (local loss_sum, local aux sum) as device tensors (detached, fp32)."""
     denom = float(max(n_global_labels, 1))
@@ -175,9 +242,24 @@ def forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_globa
             aux_acc += out.aux_loss.detach().float()
         if ctx.inject_nan:
             loss = loss * float("nan")
-        loss.backward()
+        (loss if scaler is None else loss * scaler.scale).backward()
         loss_acc += out.loss_sum.detach().float() * (float("nan") if ctx.inject_nan else 1.0)
     return loss_acc, aux_acc
+
+
+def _pp_forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_global_labels: int,
+                         scaler: LossScaler | None = None):
+    """:func:`forward_backward` under pipeline parallelism: the same host preparation per micro-batch (family
+    metadata, attention metadata or the CP split) and the same loss (sum CE / n_global_labels + aux / (n_micro x
+    dp x cp), times the loss scale), run by ``ctx.pipeline``'s schedule; the last stage computes it. Returns
+    (local loss_sum, local aux sum), the same on every pp rank."""
+    pipe = ctx.pipeline
+    micros = []
+    for mb in micro_batches:
+        mb, attn = _prepare(mb, ctx)
+        micros.append(pipe.micro(_to_device(mb, ctx.device), attn, _NOT_MODEL_KWARGS))
+    return pipe.run(micros, float(max(n_global_labels, 1)), 1.0 / (len(micro_batches) * ctx.loss_world),
+                    None if scaler is None else scaler.scale, ctx.inject_nan)
 
 
 def _param_device(opt) -> torch.device:
@@ -190,11 +272,16 @@ def _param_device(opt) -> torch.device:
 def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -> StepResult:
     """Forward/backward over ``micro_batches``, clip, optimizer and scheduler step; advances ``state.step``."""
     t0 = time.perf_counter()
-    model, opt = state.model, state.optimizer
+    model, opt, scaler = state.model, state.optimizer, state.scaler
     model.train()
+    if ctx.objective is not None:  # noisy inputs, targets, 1/t weights, normalizer (titan_mm/train/objective.py)
+        micro_batches = ctx.objective.apply(micro_batches, state.step, ctx.dp_rank)
     n_labels = global_label_count(micro_batches, ctx)
     with sdpa_priority(ctx.device):
-        loss_sum, aux_sum = forward_backward(model, micro_batches, ctx, n_labels)
+        loss_sum, aux_sum = (forward_backward if ctx.pipeline is None else _pp_forward_backward)(
+            model, micro_batches, ctx, n_labels, scaler)
+    if scaler is not None:
+        scaler.unscale_(model.parameters())  # the clip and the optimizer see true gradients
 
     clip = ctx.clip_fn or clip_grad_norm_
     grad_norm = clip(model.parameters(), ctx.max_norm)
@@ -206,14 +293,19 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
         stats = _all_reduce_sum(stats.to(comm_dev), ctx.loss_group)
     gnorm_t = grad_norm.detach().float().reshape(1)
     lr = opt.param_groups[0]["lr"]
+    host_reads = [stats, gnorm_t]
+    if scaler is not None:
+        host_reads.append(scaler.scale.reshape(1).clone())  # the scale this step ran with
+        scaler.update(~torch.isfinite(gnorm_t))  # the grad norm is global: the same decision on every rank
 
     # Device-decided skip: enqueue opt.step() before the host read below (the read waits for the GPU).
     device_skip = ctx.device_skip and supports_found_inf(opt)
     if device_skip:
-        if ctx.nan_guard is not None:
-            # the guard's test (loss and grad norm finite) as a 0-dim float32 flag on the params' device (a
-            # plain tensor also for DTensor params: DTensor treats a 0-dim plain tensor as replicated; it must
-            # be 0-dim, as GradScaler's, since the optimizer subtracts it in place from the 0-dim step counts)
+        if ctx.nan_guard is not None or scaler is not None:
+            # the guard's / the scaler's test (loss and grad norm finite; an overflow makes the norm inf) as a
+            # 0-dim float32 flag on the params' device (a plain tensor also for DTensor params: DTensor treats a
+            # 0-dim plain tensor as replicated; it must be 0-dim, as GradScaler's, since the optimizer subtracts
+            # it in place from the 0-dim step counts)
             dev = _param_device(opt)
             finite = torch.isfinite(stats[0].to(dev)) & torch.isfinite(gnorm_t[0].to(dev))
             opt.found_inf = (~finite).to(torch.float32)
@@ -225,21 +317,31 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
         if ctx.after_optimizer is not None:
             ctx.after_optimizer()
 
-    host = torch.cat([stats.cpu(), gnorm_t.cpu()]).tolist()
+    host = torch.cat([t.cpu() for t in host_reads]).tolist()
     loss = host[0] / max(n_labels, 1)
     aux = host[1] / (len(micro_batches) * ctx.loss_world)
     gnorm = host[2]
+    loss_scale = host[3] if scaler is not None else None
 
-    ok = True
-    if ctx.nan_guard is not None:
-        # same test as found_inf above, on the same values: on the device-skip path the update was already
-        # skipped exactly when this returns False (or raises: policy "stop" / too many skips in a row)
+    # the same tests as found_inf above, on the same values: on the device-skip path the update was already
+    # skipped exactly when ok is False (or the guard raises: policy "stop" / too many skips in a row)
+    overflow = scaler is not None and math.isfinite(loss) and not math.isfinite(gnorm)
+    if overflow:
+        ok = False
+        if loss_scale <= 1.0:
+            raise NonFiniteError(
+                f"step {state.step + 1}: float16 gradients overflow even at loss scale {loss_scale:g}: the model "
+                "leaves float16's range; use --training.param_dtype float32 (or bfloat16 where the GPU has it), "
+                "or lower optimizer.lr; the last checkpoint is intact.")
+    elif ctx.nan_guard is not None:
         ok = ctx.nan_guard.check(state.step + 1, loss, gnorm)
+    else:  # no guard: only the loss scaler drops non-finite updates
+        ok = scaler is None or (math.isfinite(loss) and math.isfinite(gnorm))
     if ok and not device_skip:
         opt.step()
         if ctx.after_optimizer is not None:
             ctx.after_optimizer()
-    elif not ok:
+    elif not ok and not overflow:
         state.nan_count += 1
     opt.zero_grad(set_to_none=True)
     with warnings.catch_warnings():  # a skipped update makes LambdaLR warn about the call order
@@ -249,5 +351,5 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
     tokens = sum(int(mb["input_ids"].numel()) for mb in micro_batches) * ctx.dp_world
     return StepResult(
         loss=loss, aux_loss=aux, grad_norm=gnorm, lr=lr, label_tokens=n_labels, tokens=tokens,
-        skipped=not ok, compute_s=time.perf_counter() - t0,
+        skipped=not ok, compute_s=time.perf_counter() - t0, loss_scale=loss_scale,
     )

@@ -3,7 +3,9 @@
 ``data.dataset = "synthetic"`` selects it. Rows are random tokens cut into documents of random lengths.
 Row r of optimizer step t is generated from (seed, t, r) alone, where r counts rows over the whole global
 batch, so the global batch is the same for every data-parallel world size and gradient-accumulation split
-(what the multi-process equality tests need). State: the number of micro-batches served.
+(what the multi-process equality tests need): micro-batch slot k of a step is rows k*B .. k*B+B-1, and rank r
+of W serves slots r*n .. (r+1)*n-1 (titan_mm.data.loader.StreamLayout, the data loader's rule). State: the
+micro-batches each slot has served, in the loader-state layout of StreamLayout, so it resumes on any dp world.
 Batches come from the data pipeline's collator (titan_mm.data.packing.collate_rows).
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from titan_mm.data.loader import StreamLayout
 from titan_mm.data.packing import IGNORE_INDEX as IGNORE
 from titan_mm.data.packing import Doc, collate_rows
 
@@ -64,6 +67,7 @@ class SyntheticLoader:
                  dp_rank: int = 0, dp_world: int = 1, seed: int = 0):
         self.vocab_size, self.seq_len, self.mb = vocab_size, seq_len, micro_batch_size
         self.n_micro, self.dp_rank, self.dp_world, self.seed = n_micro, dp_rank, dp_world, seed
+        self.layout = StreamLayout(slots=n_micro * dp_world, dp_rank=dp_rank, dp_world=dp_world)
         self.served = 0
 
     def batch(self, j: int) -> dict:
@@ -82,15 +86,11 @@ class SyntheticLoader:
             yield b
 
     def state_dict(self) -> dict:
-        return {"served": self.served}
+        L = self.layout
+        return L.state({L.stream(r): {"turns": L.turns(self.served, r)} for r in range(L.period)})
 
     def load_state_dict(self, sd: dict) -> None:
-        self.served = int(sd["served"])
-
-    def seek_step(self, step: int) -> None:
-        """Position at optimizer step ``step`` (used when a checkpoint's data state was written for another
-        data-parallel world: this loader's order does not depend on the world, so the resume is still exact)."""
-        self.served = step * self.n_micro
+        self.served = self.layout.position(self.layout.unpack(sd))
 
     def metrics(self) -> dict:
         return {}

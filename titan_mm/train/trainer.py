@@ -5,10 +5,18 @@
     data loader -> resume from the newest complete checkpoint -> loop: train_step, metrics, async checkpoint.
 
 Run folder ``<job.dump_folder>/<job.name>/``: config.toml (resolved), metrics.jsonl, tb/, checkpoints/.
+A run whose folder is already at or past ``training.steps`` stops before anything is built or written.
+
+SIGTERM / SIGINT (Slurm preemption, Ctrl-C; torchrun forwards them to every worker): the current step finishes,
+a checkpoint is saved (``checkpoint.save_on_signal``), and the process exits with 128 + the signal number
+(143 / 130) after one line ``interrupted at step N; checkpoint step-N saved; rerun the same command to resume``.
+After it, Ctrl-C (SIGINT) ends the process at once (a save it cuts short stays uncommitted and the next start removes
+it); a repeated SIGTERM is ignored (Slurm and torchrun each deliver one to a preempted worker).
 
 Fault injection for tests (environment): ``TITAN_MM_FAULT_KILL_AT_STEP=k`` sends SIGKILL to this process in
 the middle of step k+1 (after its data is fetched, before its update) - a crash, not a clean exit;
-``TITAN_MM_FAULT_NAN_AT_STEP=k`` makes step k's loss NaN (exercises training.nan_policy).
+``TITAN_MM_FAULT_NAN_AT_STEP=k`` makes step k's loss NaN (exercises training.nan_policy);
+``TITAN_MM_FAULT_HOLD_SAVE_AT_STEP=k`` makes the async save of step k hang before its commit.
 """
 
 from __future__ import annotations
@@ -17,24 +25,30 @@ import gc
 import os
 import signal
 import sys
+import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from titan_mm.config import ConfigError, JobConfig, load_config, resolved_toml, run_dir, save_config
+from titan_mm.config import ConfigError, JobConfig, load_config, resolved_toml, run_dir, save_config, to_dict
+from titan_mm.data.sources import DataError
+from titan_mm.models.common.hf_io import HFCheckpointError
 from titan_mm.observe.health import NonFiniteError, StepTimes, peak_memory_gb, reset_peak_memory
-from titan_mm.observe.metrics import MetricsLogger
+from titan_mm.observe.metrics import build_logger
 from titan_mm.observe.mfu import doc_lens_from_batch, mfu, peak_tflops
-from titan_mm.train.checkpoint import CheckpointError, CheckpointManager, Topology
+from titan_mm.observe.profile import ProfileWindow
+from titan_mm.train.checkpoint import CheckpointError, CheckpointManager, Topology, committed_step, step_dir_name
+from titan_mm.train.preflight import preflight
 from titan_mm.train.setup import setup, tune_kernels
 from titan_mm.train.step import train_step
 
 
 # ------------------------------------------------------------------------------------------------ data
 def build_data(cfg: JobConfig, spec, model_cfg, dp_rank: int, dp_world: int, n_micro: int):
+    """This dp rank's loader of the one global stream: n_micro x dp_world micro-batch slots per step, of which
+    the rank reads its n_micro (titan_mm.data.loader.StreamLayout), so the steps' rows do not depend on the world."""
     if cfg.data.dataset == "synthetic":
         from titan_mm.train.synthetic import SyntheticLoader
 
@@ -42,12 +56,12 @@ def build_data(cfg: JobConfig, spec, model_cfg, dp_rank: int, dp_world: int, n_m
                                micro_batch_size=cfg.data.micro_batch_size, n_micro=n_micro,
                                dp_rank=dp_rank, dp_world=dp_world, seed=cfg.training.seed)
     from titan_mm.data.loader import build_dataloader
+    from titan_mm.data.tokenizer import tokenizer_for
+    from titan_mm.models.common.hf_io import local_hf_dir
 
-    tok = cfg.data.tokenizer_path
-    if tok is None and cfg.model.hf_path and (Path(cfg.model.hf_path) / "tokenizer.json").is_file():
-        tok = cfg.model.hf_path
+    tok = tokenizer_for(cfg.data.tokenizer_path, local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None)
     return build_dataloader(cfg.data, needs=spec.data_needs(model_cfg), dp_rank=dp_rank, dp_world=dp_world,
-                            seed=cfg.training.seed, tokenizer_path=tok)
+                            n_micro=n_micro, seed=cfg.training.seed, tokenizer_path=tok)
 
 
 class _Batches:
@@ -68,10 +82,85 @@ class _Batches:
         return out
 
 
+# ------------------------------------------------------------------------------------------------ signals
+class Interrupted(Exception):
+    """SIGTERM / SIGINT stopped the run after a step; ``code`` is the exit code (128 + the signal number)."""
+
+    def __init__(self, msg: str, code: int):
+        super().__init__(msg)
+        self.code = code
+
+
+class _StopSignals:
+    """SIGTERM / SIGINT while installed: the first only sets a flag the loop reads after the step. Then SIGINT
+    gets the default action: Ctrl-C again ends the process at once (even inside a hung save) and the save it cut
+    short stays uncommitted. A repeated SIGTERM is ignored: under Slurm a preempted torchrun worker gets it twice,
+    from Slurm and forwarded by torchrun, and must still save. Data-loader workers forked meanwhile inherit the
+    handler and ignore SIGINT (a Ctrl-C reaches the whole process group); torch gives its workers their own
+    SIGTERM handler (docs/training.md, "Checkpoint integrity, preemption, fresh starts")."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, rank: int):
+        self.rank, self.signum, self._old, self._pid = rank, 0, {}, os.getpid()
+        if threading.current_thread() is threading.main_thread():  # signal.signal works there only
+            self._old = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+
+    def _on_signal(self, signum, frame) -> None:
+        if os.getpid() != self._pid:  # a forked loader worker
+            return
+        self.signum = signum
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.rank == 0:  # os.write: print() may be mid-write on this thread
+            os.write(2, f"[titan_mm] {signal.Signals(signum).name}: finishing this step, then saving a checkpoint; "
+                        "Ctrl-C (SIGINT) again exits at once without saving\n".encode())
+
+    def requested(self, world: int, device: torch.device) -> int:
+        """The signal to stop for, the same on every rank (0: none): one tiny all-reduce per step when world > 1."""
+        if world == 1:
+            return self.signum
+        flag = torch.tensor([self.signum], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def _interrupt(signum: int, state, ckpt: CheckpointManager, cfg: JobConfig) -> Interrupted:
+    """Save (blocking) if configured, and the exception that carries the one closing line and the exit code."""
+    head = f"interrupted at step {state.step}"
+    if not cfg.checkpoint.enable:
+        msg = f"{head}; no checkpoint saved (checkpoint.enable is false)"
+    elif cfg.checkpoint.save_on_signal:
+        msg = f"{head}; checkpoint {ckpt.ensure_saved(state).name} saved; rerun the same command to resume"
+    else:
+        ckpt.wait()
+        prev = committed_step(ckpt.folder)
+        msg = (f"{head}; no checkpoint saved (checkpoint.save_on_signal is false); rerun the same command to resume "
+               + (f"from {step_dir_name(prev)}" if prev is not None else "from the start"))
+    return Interrupted(msg, 128 + signum)
+
+
+def check_resume_step(cfg: JobConfig, out_dir) -> None:
+    """A resume at or past training.steps would train nothing: refuse it from commit.json alone, before anything is
+    built or written (config.toml, tb/ and metrics.jsonl stay as they are)."""
+    if not (cfg.checkpoint.enable and cfg.checkpoint.resume):
+        return
+    step = committed_step(out_dir / cfg.checkpoint.folder, cfg.checkpoint.load_step)
+    if step is not None and step >= cfg.training.steps:
+        raise ConfigError(f"run folder {out_dir} is already at step {step} >= training.steps {cfg.training.steps}; "
+                          "raise --training.steps or use a new --job.name")
+
+
 # ------------------------------------------------------------------------------------------------ loop
 def train(cfg: JobConfig) -> dict[str, Any]:
     """Run the job; returns a summary (final step, last loss, run folder)."""
+    preflight(cfg)  # every cheap user-error check, before the process group, the model and the run folder
     out_dir = run_dir(cfg)
+    check_resume_step(cfg, out_dir)
     run = setup(cfg)
     device, rank, world, pd, spec, model_cfg = run.device, run.rank, run.world, run.pd, run.spec, run.model_cfg
     state, ctx, n_micro = run.state, run.ctx, run.n_micro
@@ -92,10 +181,11 @@ def train(cfg: JobConfig) -> dict[str, Any]:
                              topology=topo, config_toml=resolved_toml(cfg), enable=cfg.checkpoint.enable)
     if cfg.checkpoint.resume:
         ckpt.resume(state, cfg.checkpoint.load_step)
+    else:
+        ckpt.set_aside()
 
-    logger = MetricsLogger(out_dir, total_steps=cfg.training.steps, log_freq=cfg.metrics.log_freq,
-                           enable_jsonl=cfg.metrics.enable_jsonl, enable_tensorboard=cfg.metrics.enable_tensorboard,
-                           rank=rank)
+    logger = build_logger(cfg.metrics, out_dir, total_steps=cfg.training.steps, rank=rank, run_name=out_dir.name,
+                          run_config=to_dict(cfg))
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(f"model {cfg.model.name}/{cfg.model.flavor if not cfg.model.hf_path else cfg.model.hf_path}: "
                 f"{n_params / 1e6:.2f}M params; world {world} (dp {run.dp_world}, grad accum {n_micro}); "
@@ -110,8 +200,10 @@ def train(cfg: JobConfig) -> dict[str, Any]:
     guard = ctx.nan_guard
     guard.nan_count = state.nan_count
     peak = peak_tflops(device, cfg.metrics.peak_tflops)
+    # a diffusion objective adds the attention pairs its mask computes (bidirectional / block-causal)
+    count_flops = spec.flops if ctx.objective is None else (lambda *a, **k: ctx.objective.flops(spec, *a, **k))
     times = StepTimes()
-    batches = _Batches(loader)
+    window = ProfileWindow(cfg.metrics.profile_every, cfg.metrics.profile_steps, device)
     kill_at = int(os.environ.get("TITAN_MM_FAULT_KILL_AT_STEP", "-1"))
     inject_nan = int(os.environ.get("TITAN_MM_FAULT_NAN_AT_STEP", "-1"))
     if cfg.training.gc_freq > 0:
@@ -119,10 +211,13 @@ def train(cfg: JobConfig) -> dict[str, Any]:
         gc.collect()
 
     last: dict[str, Any] = {}
+    stop = _StopSignals(rank)
     try:
+        batches = _Batches(loader)  # after the handlers: loader workers forked from here on inherit (and ignore) them
         while state.step < cfg.training.steps:
             ckpt.poll()
             reset_peak_memory(device)
+            window.begin(state.step + 1)
             t0 = time.perf_counter()
             micro = batches.take(n_micro)
             data_wait = time.perf_counter() - t0
@@ -140,8 +235,8 @@ def train(cfg: JobConfig) -> dict[str, Any]:
                     logger.info(f"kernels: these launch-config keys ran untuned (first config): {untuned_keys()}")
             step_time = time.perf_counter() - t0
             times.add(step_time)
-            flops = sum(spec.flops(model_cfg, doc_lens_from_batch(mb),  # VL: grids let the vision tower count
-                                   **{k: mb[k] for k in ("image_grid_thw", "video_grid_thw") if k in mb})
+            flops = sum(count_flops(model_cfg, doc_lens_from_batch(mb),  # VL: grids let the vision tower count
+                                    **{k: mb[k] for k in ("image_grid_thw", "video_grid_thw") if k in mb})
                         for mb in micro)
             flops /= pd.tp * pd.cp  # this rank's rows are shared by its tp x cp group: per-GPU FLOPs
             m = {
@@ -153,6 +248,9 @@ def train(cfg: JobConfig) -> dict[str, Any]:
             }
             if res.aux_loss:
                 m["aux_loss"] = res.aux_loss
+            if res.loss_scale is not None:  # param_dtype float16
+                m["loss_scale"] = res.loss_scale
+            m.update(window.end(state.step))
             if hasattr(loader, "metrics"):
                 m.update({f"data/{k}": v for k, v in loader.metrics().items() if isinstance(v, (int, float))})
             state.nan_count = guard.nan_count
@@ -162,13 +260,18 @@ def train(cfg: JobConfig) -> dict[str, Any]:
                 ckpt.save(state)
             if cfg.training.gc_freq > 0 and state.step % cfg.training.gc_freq == 0:
                 gc.collect()
+            signum = stop.requested(world, device)
+            if signum and state.step < cfg.training.steps:
+                raise _interrupt(signum, state, ckpt, cfg)
     finally:
+        window.close()
         ckpt.close()
         logger.close()
         if cfg.training.gc_freq > 0:
             gc.enable()
-    logger.info(f"done: step {state.step}, loss {last.get('loss', float('nan')):.4f}, "
-                f"step time p50 {times.p50:.3f}s p90 {times.p90:.3f}s; run folder {out_dir}")
+        stop.restore()  # after close(): a signal during the last save's wait still gets the two-signal rule
+    logger.info(f"done: step {state.step}, " + (f"loss {last['loss']:.4f}, " if last else "no step run, ")
+                + f"step time p50 {times.p50:.3f}s p90 {times.p90:.3f}s; run folder {out_dir}")
     return {"step": state.step, "loss": last.get("loss"), "run_dir": str(out_dir)}
 
 
@@ -180,9 +283,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         train(cfg)
-    except (ConfigError, CheckpointError, NonFiniteError) as e:
+    except ConfigError as e:  # found before the first step (preflight, setup): nothing was written
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:  # the loader's error-rate stop (re-raised from a worker: its reason, one line)
+        print(f"data error: {e.reason}", file=sys.stderr)
+        return 1
+    except (CheckpointError, NonFiniteError, HFCheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(e, file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:  # Ctrl-C before the loop installed its handler
+        print("interrupted during start-up, before the first step; nothing was saved", file=sys.stderr)
+        return 128 + signal.SIGINT
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

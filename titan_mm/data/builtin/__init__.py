@@ -5,6 +5,8 @@
   "What digit is this?" -> "7". A deterministic split: every 5th image (index % 5 == 0) is held out in
   ``digits_test``; the rest is ``digits``. Records carry ``answer`` (the digit as a string) for scoring.
 - ``photos``: a few real photos from scikit-image's data module with short captions.
+- ``qa`` / ``qa_test``: text chats "What number comes after 347?" -> "348" (and "before"), three-digit answers
+  (:mod:`titan_mm.data.builtin.qa`); every 5th record is held out in ``qa_test``. Records carry ``answer``.
 
 Records are plain dicts in the same schema as files on disk (see :mod:`titan_mm.data.schema`).
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-NUM_PARTS = {"text": 16, "digits": 16, "digits_test": 4, "photos": 1}
+NUM_PARTS = {"text": 16, "digits": 16, "digits_test": 4, "photos": 1, "qa": 8, "qa_test": 2}
 
 
 def builtin_num_parts(name: str) -> int:
@@ -32,6 +34,10 @@ def builtin_records(name: str) -> list[dict]:
         from titan_mm.data.builtin.images import digits_records
 
         return digits_records(test=name == "digits_test")
+    if name in ("qa", "qa_test"):
+        from titan_mm.data.builtin.qa import qa_records
+
+        return qa_records(test=name == "qa_test")
     if name == "photos":
         from titan_mm.data.builtin.images import photo_records
 

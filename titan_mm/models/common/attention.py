@@ -127,7 +127,7 @@ def _block_mask(mask_mod, B: int | None, S: int, device):
     return create_block_mask(mask_mod, B, None, S, S, device=device, _compile=torch.device(device).type == "cuda")
 
 
-def _doc_positions(doc_BS: torch.Tensor | None, B: int, S: int) -> torch.Tensor:
+def doc_positions(doc_BS: torch.Tensor | None, B: int, S: int) -> torch.Tensor:
     """[B, S] position of every token within its document (a run of equal ``doc_ids``), where doc_ids live."""
     i = torch.arange(S, device=None if doc_BS is None else doc_BS.device).expand(B, S)
     if doc_BS is None:
@@ -200,7 +200,7 @@ def build_attn_meta(
     doc = batch.get("doc_ids")
     if doc is not None and sliding_window is None and _whole_rows(batch.get("cu_seqlens"), B, S):
         doc = None  # every row is one whole document: no document mask (fused SDPA kernels for causal)
-    blk = _doc_positions(doc, B, S) // block_size if kind == "block_causal" else None
+    blk = doc_positions(doc, B, S) // block_size if kind == "block_causal" else None
     prefix = _prefix_mask(batch, B, S) if kind == "prefix_lm" else None
     doc, blk, prefix = (None if t is None else t.to(device=device, non_blocking=True) for t in (doc, blk, prefix))
     meta = AttnMeta(backend=backend, packed=doc is not None, kind=kind, block_size=block_size,

@@ -1,4 +1,5 @@
-"""Generic HF safetensors IO: read a local HF directory, check names/shapes, write (sharded) safetensors.
+"""Generic HF safetensors IO: find the HF folder of ``model.hf_path`` (a local folder or a Hub repo id), read it,
+check names/shapes, write (sharded) safetensors.
 
 Model families provide pure name maps (``hf_to_titan(sd, cfg)`` / ``titan_to_hf(sd, cfg)``); this module
 does the files and the checks, so every family reports problems the same way.
@@ -6,8 +7,10 @@ does the files and the checks, so every family reports problems the same way.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -18,6 +21,52 @@ SINGLE_NAME = "model.safetensors"
 
 class HFCheckpointError(ValueError):
     """A local HF directory does not match the model (names, shapes, model_type, files)."""
+
+
+class HFPathNotFound(HFCheckpointError):
+    """``model.hf_path`` is neither a local folder nor a Hub repo that can be fetched now."""
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the Hub spells repo ids
+# what a model folder needs besides its weights: architecture, tokenizer, chat template, media processors
+_META_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
+               "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.json",
+               "chat_template.jinja", "preprocessor_config.json", "video_preprocessor_config.json"]
+_WEIGHT_FILES = ["*.safetensors", INDEX_NAME]
+
+
+@functools.lru_cache(maxsize=16)
+def local_hf_dir(hf_path: str, weights: bool = False) -> str:
+    """The local folder behind ``model.hf_path``: the path itself when it is a folder, else a Hub repo id
+    (``Qwen/Qwen3-1.7B``) fetched with huggingface_hub's ``snapshot_download`` into its cache (HF_HOME /
+    HF_HUB_CACHE): config and tokenizer files, and the safetensors too with ``weights``. Every reader of
+    ``model.hf_path`` goes through here. Raises :class:`HFPathNotFound` (one line) when neither works."""
+    if os.path.isdir(hf_path):
+        return hf_path
+    if os.path.exists(hf_path) or not _HUB_ID.match(hf_path):
+        raise HFPathNotFound(f"model.hf_path {hf_path!r} is not a directory nor a Hub repo id (org/name); give a "
+                             "local HF model folder (config.json + *.safetensors) or a Hub id such as "
+                             "Qwen/Qwen3-1.7B, or drop model.hf_path to use a flavor")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, \
+        RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        return snapshot_download(hf_path, allow_patterns=_META_FILES + (_WEIGHT_FILES if weights else []))
+    except LocalEntryNotFoundError:  # offline or no network, and not in the cache (or only part of it)
+        raise HFPathNotFound(
+            f"model.hf_path {hf_path!r} is a Hub repo id that is not in the cache ({constants.HF_HUB_CACHE}), "
+            f"and the Hub cannot be reached (HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE') or 'unset'}); fetch "
+            "it once with network access and HF_HUB_OFFLINE unset, or pass a local folder to --model.hf_path"
+        ) from None
+    except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError):  # gated repos are a subclass
+        raise HFPathNotFound(f"model.hf_path {hf_path!r} is not a local folder, and the Hub has no such model repo "
+                             "(or it is gated / private: log in with `hf auth login`); check the id, or pass a "
+                             "local folder to --model.hf_path") from None
+    except HfHubHTTPError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise HFPathNotFound(f"model.hf_path {hf_path!r}: the Hub download failed ({first}); retry, or pass a "
+                             "local folder to --model.hf_path") from None
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict:

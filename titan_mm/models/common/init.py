@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["seeded_init", "normal_", "trunc_normal_"]
+__all__ = ["seeded_init", "normal_", "trunc_normal_", "uniform_"]
 
 _state: dict | None = None  # {"seed": int, "draws": int} while a seeded_init context is open
 
@@ -45,9 +45,9 @@ def _draw(t: torch.Tensor, fill: Callable[[torch.Tensor, torch.Generator | None]
     k = _state["draws"]
     _state["draws"] += 1
     local = t.to_local() if isinstance(t, DTensor) else t
-    g = torch.Generator(device=local.device).manual_seed((_state["seed"] * 1_000_003 + k) % (2**63))
-    if local.device.type == "meta":
+    if local.device.type == "meta":  # counted, not filled (a pipeline rank draws the other stages' weights so)
         return t
+    g = torch.Generator(device=local.device).manual_seed((_state["seed"] * 1_000_003 + k) % (2**63))
     full = torch.empty(t.shape, dtype=t.dtype, device=local.device)
     fill(full, g)
     with torch.no_grad():
@@ -64,3 +64,7 @@ def normal_(t: torch.Tensor, mean: float = 0.0, std: float = 1.0) -> torch.Tenso
 
 def trunc_normal_(t: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> torch.Tensor:
     return _draw(t, lambda x, g: nn.init.trunc_normal_(x, mean=mean, std=std, a=a, b=b, generator=g))
+
+
+def uniform_(t: torch.Tensor, a: float = 0.0, b: float = 1.0) -> torch.Tensor:
+    return _draw(t, lambda x, g: nn.init.uniform_(x, a=a, b=b, generator=g))

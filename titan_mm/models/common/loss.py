@@ -7,7 +7,9 @@ Legend: N tokens, D hidden, V vocab (V/tp rows on each rank when vocab-parallel)
 in the weight's dtype and upcast to fp32 for the softmax (as HF does; float64 stays float64, which makes
 this the float64 reference of the Triton linear-CE in titan_mm.kernels); gradients for h and w are computed
 in the same pass (forward), so the backward only scales them: peak extra memory is one [C, V] fp32 chunk.
-Optional z-loss: ``z_loss_weight * sum(logsumexp^2)`` over the same tokens.
+Optional z-loss: ``z_loss_weight * sum(logsumexp^2)`` over the same tokens. Optional per-token weights
+``weights_N`` (fp32 [N], e.g. the 1/t of a masked-diffusion objective): each token's loss (z-loss included) and
+its gradient are multiplied by its weight, so the result is ``sum_i w_i * CE_i``; None means every weight is 1.
 
 Vocab-parallel (loss parallel, ``group=`` a process group): ``w_VD`` is this rank's rows
 [vocab_start, vocab_start + V/tp) of the head and ``h_ND`` / ``labels_N`` are the same on every rank. Per
@@ -27,7 +29,7 @@ IGNORE_INDEX = -100
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND, w_VD, labels_N, chunk_size: int, z_loss_weight: float, ignore_index: int, group,
-                vocab_start: int):
+                vocab_start: int, weights_N):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         N, V = h_ND.shape[0], w_VD.shape[0]
         acc = torch.promote_types(h_ND.dtype, torch.float32)
@@ -54,7 +56,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 loc = loc.clamp(0, max(V - 1, 0))
                 tgt_logit = torch.where(mine, logits.gather(1, loc[:, None]).squeeze(1), torch.zeros_like(lse))
                 dist.all_reduce(tgt_logit, group=group)
-            vf = valid.to(acc)
+            vf = valid.to(acc)  # the token's weight, 0 on ignored rows
+            if weights_N is not None:
+                vf = vf * weights_N[s : s + chunk_size].to(acc)
             total = total + ((lse - tgt_logit) * vf).sum()
             if z_loss_weight:
                 total = total + z_loss_weight * (lse.square() * vf).sum()
@@ -63,7 +67,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 p = torch.exp(logits - lse[:, None])
                 coef = vf if not z_loss_weight else vf * (1 + 2 * z_loss_weight * lse)
                 g = p * coef[:, None]
-                g.scatter_add_(1, loc[:, None], -mine.to(acc)[:, None])
+                g.scatter_add_(1, loc[:, None], -(mine.to(acc) * vf)[:, None])  # vf is 0 where not valid
                 g = g.to(h_ND.dtype)
                 if need_h:
                     grad_h[s : s + chunk_size] = g @ w_VD
@@ -80,7 +84,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return (
             grad_h * g_out.to(grad_h.dtype) if grad_h is not None else None,
             grad_w * g_out.to(grad_w.dtype) if grad_w is not None else None,
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )
 
 
@@ -94,8 +98,10 @@ def chunked_cross_entropy(
     group=None,
     vocab_start: int | None = None,
     ignore_index: int = IGNORE_INDEX,
+    weights_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sum over tokens with label != ignore_index of CE(h @ w.T, label) [+ z-loss]; fp32 scalar.
+    """Sum over tokens with label != ignore_index of CE(h @ w.T, label) [+ z-loss], each times its weight in
+    ``weights_N`` [N] (None: 1); fp32 scalar.
 
     ``group``: vocab-parallel over that process group, ``w_VD`` being this rank's rows starting at
     ``vocab_start`` (default: rank-in-group x rows, equal shards); see the module docstring."""
@@ -104,8 +110,11 @@ def chunked_cross_entropy(
     if isinstance(w_VD, DTensor):
         raise TypeError("chunked_cross_entropy takes plain tensors: pass a vocabulary-sharded head as "
                         "w.to_local() with group= and vocab_start=.")
+    if weights_N is not None and tuple(weights_N.shape) != tuple(labels_N.shape):
+        raise ValueError(f"weights_N has shape {tuple(weights_N.shape)}; it needs one weight per label, "
+                         f"{tuple(labels_N.shape)}")
     if group is not None and vocab_start is None:
         vocab_start = dist.get_rank(group) * w_VD.shape[0]
     return _ChunkedLinearCE.apply(h_ND, w_VD, labels_N, int(chunk_size), float(z_loss_weight), int(ignore_index),
-                                  group, int(vocab_start or 0))
+                                  group, int(vocab_start or 0), None if weights_N is None else weights_N.detach())
 

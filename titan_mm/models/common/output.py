@@ -27,7 +27,8 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor | None
     """[B, S, V] in the model dtype when no labels are given ([B, V] with ``logits_at``); None otherwise."""
     loss_sum: torch.Tensor | None
-    """fp32 scalar: sum of token CE over labels != -100 (the step divides by the global label count)."""
+    """fp32 scalar: sum of token CE over labels != -100, each token's CE times its weight when the head was given
+    ``loss_weights`` (a diffusion objective's 1/t); the step divides by the global label count."""
     aux_loss: torch.Tensor | None
     """fp32 scalar MoE load-balancing loss, already multiplied by the config's router_aux_loss_coef
     (the step adds it as is); 0 for dense models."""

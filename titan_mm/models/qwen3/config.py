@@ -26,6 +26,7 @@ _IGNORED_HF_KEYS = {
     "_name_or_path", "output_attentions", "output_hidden_states", "return_dict", "tie_word_embeddings",
     "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder",
     "tokenizer_class", "quantization_config", "use_return_dict", "partial_rotary_factor",
+    "titan_mm_objective",  # a diffusion LM's training objective (titan_mm.train.objective): same weights and shapes
 }
 
 

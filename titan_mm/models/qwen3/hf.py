@@ -213,8 +213,9 @@ def load_hf(model, hf_dir: str | os.PathLike, model_type: str | None = None) -> 
         check_hf_dir(hf_dir, cfg, model_type)
         for part in iter_hf_state_dict(hf_dir, cfg):
             hf_io.load_full_state_dict(model, part, strict=False)
-    else:
-        hf_io.load_full_state_dict(model, read_hf_state_dict(hf_dir, cfg, model_type))
+    else:  # names and shapes checked against the config; a model holding a part (a pipeline stage) takes its own
+        sd = read_hf_state_dict(hf_dir, cfg, model_type)
+        hf_io.load_full_state_dict(model, {k: sd[k] for k in model.state_dict()})
     if hasattr(model, "init_buffers") and model.rope_inv_freq.is_meta:
         model.init_buffers(model.tok_embeddings.weight.device)
 

@@ -42,13 +42,13 @@ class Ops:
     add_rms_norm: Callable = add_rms_norm  # (x, residual, w, eps) -> (rms_norm(residual + x), residual + x)
     act_mul: Callable = silu_mul
     apply_rope: Callable = apply_rope
-    cross_entropy: Callable = None  # (h_ND, w_VD, labels_N, chunk_size, z_loss_weight) -> loss_sum
+    cross_entropy: Callable = None  # (h_ND, w_VD, labels_N, chunk_size, z_loss_weight, weights_N=None) -> loss_sum
     bias_gelu: Callable | None = None  # (x, b) -> gelu_tanh(x + b) for the Qwen3-VL ViT MLP; None = nn.Linear + F.gelu
     logits: Callable = F.linear  # (h_*D, w_VD) -> logits [*, V] (no labels: eval / decoding)
 
 
-def _torch_ce(h, w, labels, chunk_size, z_loss_weight):
-    return chunked_cross_entropy(h, w, labels, chunk_size=chunk_size, z_loss_weight=z_loss_weight)
+def _torch_ce(h, w, labels, chunk_size, z_loss_weight, weights_N=None):
+    return chunked_cross_entropy(h, w, labels, chunk_size=chunk_size, z_loss_weight=z_loss_weight, weights_N=weights_N)
 
 
 def select_ops(use_kernels: bool | str) -> Ops:
@@ -62,8 +62,8 @@ def select_ops(use_kernels: bool | str) -> Ops:
         raise ImportError(f"kernels=True needs titan_mm.kernels, which failed to import ({e}); set kernels=false") from e
     on = K.resolve_ops(use_kernels)
 
-    def kernel_ce(h, w, labels, chunk_size, z_loss_weight):
-        return K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z_loss_weight)
+    def kernel_ce(h, w, labels, chunk_size, z_loss_weight, weights_N=None):
+        return K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z_loss_weight, weights=weights_N)
 
     kernel_ce.fused_linear_ce = True  # loss parallel keeps the fused kernel (per vocabulary shard); parallel/tp.py
     norm = K.rms_norm if "rms_norm" in on else rms_norm
@@ -184,9 +184,10 @@ class Qwen3Model(nn.Module):
         return Stream(h_BSD, stats_2E, stream.adds)
 
     def head(self, stream: Stream, attn: AttnMeta | None, labels: torch.Tensor | None = None,
-             logits_at: torch.Tensor | None = None) -> ModelOutput:
-        """Final norm, the MoE aux loss, then the loss sum over ``labels`` (already shifted, -100 = ignore) or,
-        without labels, logits ([B, V] at positions ``logits_at`` [B] when given)."""
+             logits_at: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None) -> ModelOutput:
+        """Final norm, the MoE aux loss, then the loss sum over ``labels`` (already shifted, -100 = ignore), each
+        token's loss times ``loss_weights`` [B, S] when given (a diffusion objective's 1/t), or, without labels,
+        logits ([B, V] at positions ``logits_at`` [B] when given; [B, K, V] for ``logits_at`` [B, K])."""
         h_BSD = self.norm(stream.h)
         B, S = h_BSD.shape[:2]
         aux = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
@@ -197,16 +198,20 @@ class Qwen3Model(nn.Module):
             aux = self.cfg.router_aux_loss_coef * load_balancing_loss(stream.moe_stats, rows, self.cfg.num_experts)
         if labels is None:
             if logits_at is not None:
-                h_BSD = h_BSD[torch.arange(B, device=h_BSD.device), logits_at]
+                rows = torch.arange(B, device=h_BSD.device).view(B, *([1] * (logits_at.dim() - 1)))
+                h_BSD = h_BSD[rows, logits_at]  # [B, D], or [B, K, D] (speculative decoding)
             return ModelOutput(logits=self.ops.logits(h_BSD, self.lm_head_weight), loss_sum=None, aux_loss=aux)
         h_ND, labels_N = h_BSD.reshape(B * S, -1), labels.reshape(-1)
+        w_N = None if loss_weights is None else loss_weights.reshape(-1)
         if h_ND.device.type == "cpu":
             # CPU only: drop unlabeled positions before the vocab projection (SFT labels few tokens; the
             # boolean index needs the count on the host, free on CPU but a sync on accelerators).
             keep_N = labels_N != -100
             h_ND, labels_N = h_ND[keep_N], labels_N[keep_N]
+            w_N = None if w_N is None else w_N[keep_N]
+        extra = () if w_N is None else (w_N,)  # ops without weights keep their 5-argument call
         loss_sum = self.ops.cross_entropy(h_ND, self.lm_head_weight, labels_N, self.cfg.loss_chunk_size,
-                                          self.cfg.z_loss_weight)
+                                          self.cfg.z_loss_weight, *extra)
         return ModelOutput(logits=None, loss_sum=loss_sum, aux_loss=aux)
 
     def forward(
@@ -216,16 +221,17 @@ class Qwen3Model(nn.Module):
         attn: AttnMeta | None = None,
         labels: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids [B, S]; position_ids [B, S] (restart per document; default arange); attn from
         build_attn_meta (None = plain causal rows; its ``kv_cache``, when set, is written and returned);
-        labels [B, S] already shifted, -100 = ignore."""
+        labels [B, S] already shifted, -100 = ignore; loss_weights [B, S] per-token loss weights (None: 1)."""
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
         stream = self.embed(input_ids)
         stream = self.trunk(stream, self.rope(position_ids, stream.h.dtype), attn)
-        out = self.head(stream, attn, labels, logits_at)
+        out = self.head(stream, attn, labels, logits_at, loss_weights)
         return out if attn is None else out._replace(kv_cache=attn.kv_cache)
 
 

@@ -50,4 +50,7 @@ def plan(cfg: Qwen3Config) -> ParallelizePlan:
         loss_parallel="tok_embeddings" if cfg.tie_word_embeddings else "output",
         ep=ep,
         cp={"layers.*.attn": "attention"},
+        pp_blocks="layers",
+        pp_first=("tok_embeddings",),
+        pp_last=("norm",) + (() if cfg.tie_word_embeddings else ("output",)),
     )

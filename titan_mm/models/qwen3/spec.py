@@ -16,7 +16,7 @@ def dims(cfg: Qwen3Config) -> ModelDims:
         intermediate_size=cfg.intermediate_size, dense_layers=cfg.num_hidden_layers - n_moe, moe_layers=n_moe,
         num_experts=cfg.num_experts, experts_per_tok=cfg.num_experts_per_tok if cfg.is_moe else 0,
         moe_intermediate_size=cfg.moe_intermediate_size if cfg.is_moe else 0,
-        tie_word_embeddings=cfg.tie_word_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_position_embeddings,
     )
 
 

@@ -25,6 +25,7 @@ import os
 import re
 
 import torch
+from einops import rearrange
 
 from titan_mm.models.common import hf_io
 from titan_mm.models.qwen3 import hf as qwen3_hf
@@ -39,7 +40,7 @@ _QKV_RE = re.compile(r"^blocks\.(\d+)\.attn\.(qkv|wqkv)\.(weight|bias)$")
 def _qkv_rows(v: torch.Tensor, heads: int, to_titan: bool) -> torch.Tensor:
     """Reorder the rows of the ViT's fused q/k/v weight / bias: HF (3, H, Dh) <-> titan (H, 3, Dh)."""
     a, b = (3, heads) if to_titan else (heads, 3)
-    return v.reshape(a, b, -1, *v.shape[1:]).transpose(0, 1).reshape(v.shape).contiguous()
+    return rearrange(v, "(a b dh) ... -> (b a dh) ...", a=a, b=b).contiguous()
 
 
 def _inmem_shape(kind: str, cfg: Qwen3VLConfig) -> tuple[int, int, int]:
@@ -153,8 +154,8 @@ def read_hf_state_dict(hf_dir: str | os.PathLike, cfg: Qwen3VLConfig) -> dict[st
 
 def load_hf(model, hf_dir: str | os.PathLike) -> None:
     """Load a local HF directory into ``model`` (plain, meta-built, or FSDP-sharded)."""
-    sd = read_hf_state_dict(hf_dir, model.cfg)
-    hf_io.load_full_state_dict(model, sd)
+    sd = read_hf_state_dict(hf_dir, model.cfg)  # every name and shape checked against the config
+    hf_io.load_full_state_dict(model, {k: sd[k] for k in model.state_dict()})  # a pipeline stage holds a part
     lm = model.language_model
     if lm.rope_inv_freq.is_meta:
         lm.init_buffers(lm.tok_embeddings.weight.device)

@@ -116,10 +116,12 @@ class Qwen3VLModel(nn.Module):
               vision_meta: VisionMeta | None = None, visual_index: torch.Tensor | None = None) -> Stream:
         """Token embeddings with the visual tokens placed by ``visual_index`` [B, S] (host-built by
         :func:`prepare_batch`, already cut to this rank's positions under context parallelism), and the
-        DeepStack additions as the stream's ``adds``."""
+        DeepStack additions as the stream's ``adds``; both pass ``embed_out`` (sequence parallel: from there on
+        [B, S/tp, D]), so the stream is what the trunk reads, as a first pipeline stage hands it on."""
         h_BSD = self.language_model.tok_embeddings(input_ids)
         pix = [p for p in (pixel_values, pixel_values_videos) if p is not None and p.numel()]
         if not pix:
+            h_BSD, _ = self.embed_out(h_BSD, [])
             return Stream(h_BSD)
         if vision_meta is None or visual_index is None:
             raise ValueError(
@@ -132,12 +134,23 @@ class Qwen3VLModel(nn.Module):
         m = (idx_N >= 0)[:, None]
         sel = idx_N.clamp(min=0)
         h_ND = torch.where(m, merged.to(h_BSD.dtype).index_select(0, sel), h_BSD.reshape(B * S, -1))
-        adds = tuple(torch.where(m, ds.to(h_ND.dtype).index_select(0, sel), 0.0).view(B, S, -1) for ds in deepstack)
-        return Stream(h_ND.view(B, S, -1), None, adds)
+        adds = [torch.where(m, ds.to(h_ND.dtype).index_select(0, sel), 0.0).view(B, S, -1) for ds in deepstack]
+        h_BSD, adds = self.embed_out(h_ND.view(B, S, -1), adds)
+        return Stream(h_BSD, None, tuple(adds))
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Interleaved M-RoPE cos / sin [B, S, K] from position_ids [3, B, S] (or [B, S] for text only)."""
         return mrope_cos_sin(position_ids, self.language_model.rope_inv_freq, self.cfg.mrope_section, dtype)
+
+    def trunk(self, stream: Stream, rope: tuple[torch.Tensor, torch.Tensor], attn: AttnMeta | None,
+              start: int = 0, stop: int | None = None) -> Stream:
+        """The text model's blocks ``start .. stop-1`` (DeepStack additions after their blocks)."""
+        return self.language_model.trunk(stream, rope, attn, start, stop)
+
+    def head(self, stream: Stream, attn: AttnMeta | None, labels: torch.Tensor | None = None,
+             logits_at: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None) -> ModelOutput:
+        """The text model's head: final norm, MoE aux loss, loss sum or logits."""
+        return self.language_model.head(stream, attn, labels, logits_at, loss_weights)
 
     def forward(
         self,
@@ -152,21 +165,20 @@ class Qwen3VLModel(nn.Module):
         visual_index: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids [B, S]; position_ids [3, B, S] M-RoPE positions (or [B, S] for text only; default
         arange); attn from build_attn_meta; labels [B, S] already shifted. ``vision_meta`` / ``visual_index``
         come from :func:`prepare_batch` (host); the grids are accepted for interface compatibility and not
         read (they were turned into vision_meta on the host). ``logits_at`` [B] (decoding): without labels,
-        logits only at these positions, [B, V]."""
+        logits only at these positions, [B, V]. ``loss_weights`` [B, S]: per-token loss weights (None: 1)."""
         lm = self.language_model
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
         stream = self.embed(input_ids, pixel_values, pixel_values_videos, vision_meta, visual_index)
-        h_BSD, adds = self.embed_out(stream.h, list(stream.adds))  # (sequence parallel: from here on [B, S/tp, D])
-        stream = Stream(h_BSD, None, tuple(adds))
-        stream = lm.trunk(stream, self.rope(position_ids, h_BSD.dtype), attn)
-        out = lm.head(stream, attn, labels, logits_at)
+        stream = lm.trunk(stream, self.rope(position_ids, stream.h.dtype), attn)
+        out = lm.head(stream, attn, labels, logits_at, loss_weights)
         return out if attn is None else out._replace(kv_cache=attn.kv_cache)
 
 

@@ -55,4 +55,7 @@ def plan(cfg: Qwen3VLConfig) -> ParallelizePlan:
         loss_parallel=LM + p.loss_parallel if p.loss_parallel else None,
         ep={LM + k: v for k, v in p.ep.items()},
         cp={LM + k: v for k, v in p.cp.items()},
+        pp_blocks=LM + p.pp_blocks,
+        pp_first=("visual", "embed_out") + pre(p.pp_first),
+        pp_last=pre(p.pp_last),
     )

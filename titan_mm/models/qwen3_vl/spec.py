@@ -7,7 +7,7 @@ import dataclasses
 
 from titan_mm.models.qwen3 import spec as text_spec
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
-from titan_mm.registry import DataNeeds, KernelShapes, ModelDims, Runtime, VisionDims
+from titan_mm.registry import DataNeeds, FusedRows, KernelShapes, ModelDims, Runtime, VisionDims
 
 
 def dims(cfg: Qwen3VLConfig) -> ModelDims:
@@ -43,3 +43,10 @@ def kernel_shapes(cfg: Qwen3VLConfig, tp: int = 1, encoder_tp: bool = False) -> 
     if v.hidden_act != "gelu_pytorch_tanh":
         return s
     return dataclasses.replace(s, bias_gelu=(v.intermediate_size // (tp if encoder_tp else 1),))
+
+
+def fused_params(cfg: Qwen3VLConfig) -> dict[str, FusedRows]:
+    """The ViT's fused q/k/v projection: head-major rows [H, 3, Dh] (vision.py, VisionAttention)."""
+    v = cfg.vision
+    dh = v.hidden_size // v.num_heads
+    return {"visual.blocks.*.attn.wqkv.weight": FusedRows(v.num_heads, (dh, dh, dh))}

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import repeat
 from torch.distributed.tensor import DTensor
 
 from titan_mm.models.common import init
@@ -54,10 +55,8 @@ class VisionMeta(NamedTuple):
 
 def _merge_order_rows_cols(t: int, h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, col) of each patch in the processor's order: frames, then merge blocks, then in-block."""
-    rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
-    cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
-    rows = rows.permute(0, 2, 1, 3).reshape(-1).repeat(t)
-    cols = cols.permute(0, 2, 1, 3).reshape(-1).repeat(t)
+    rows = repeat(torch.arange(h), "(hb mh) -> (t hb wb mh mw)", t=t, mh=merge, wb=w // merge, mw=merge)
+    cols = repeat(torch.arange(w), "(wb mw) -> (t hb wb mh mw)", t=t, hb=h // merge, mh=merge, mw=merge)
     return rows, cols
 
 

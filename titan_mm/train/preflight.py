@@ -1,0 +1,92 @@
+"""``preflight(cfg)``: every cheap user-error check of a job, run first by the trainer (``train()``): before the
+process group, the model build, the loader workers and the run folder. A mistake is one ConfigError line that
+names what is wrong and what to do (``main()`` prints ``config error: ...`` and exits 2); nothing is left behind.
+
+Checked, in order:
+- the device (``job.device``) and the kernel ops (``kernels.ops``);
+- the model: flavor, or ``model.hf_path`` (a local folder or a Hub repo id, fetched here) with its config.json
+  and model_type, then ``model.overrides``; the weight files when they will be loaded;
+- the parallel degrees against the world size and the model's shapes, and the global batch;
+- unless ``data.dataset = "synthetic"``: every source of ``data.dataset`` / ``data.mixture`` lists its files
+  (or built-in parts), and the tokenizer loads, gives the family's special tokens their ids and emits no id
+  at or above the model's vocab_size.
+
+Cheap means file listings, config.json, tokenizer.json and safetensors headers; a Hub id's files are downloaded
+here (the weights too when they will be loaded), which the run needs anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from titan_mm.config import ConfigError, Data, JobConfig
+from titan_mm.train.setup import check_parallel, grad_accum_steps, model_from_config, parallel_dims, pick_device
+
+
+def preflight(cfg: JobConfig) -> None:
+    """Raise ConfigError (one line) on the first user mistake in ``cfg``; build, start and write nothing."""
+    spec, model_cfg = model_from_config(cfg, pick_device(cfg))
+    if cfg.model.hf_path and cfg.model.init_from_hf:
+        _check_weights(cfg.model.hf_path)
+    pd = parallel_dims(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    check_parallel(cfg, pd, spec, model_cfg)
+    grad_accum_steps(cfg, pd.dp)
+    if cfg.data.dataset == "synthetic":  # the trainer's rule (build_data): random rows, no files, no tokenizer
+        return
+    _check_sources(cfg.data)
+    _check_tokenizer(cfg, spec, model_cfg)
+
+
+def _check_weights(hf_path: str) -> None:
+    from safetensors import SafetensorError
+
+    from titan_mm.models.common.hf_io import HFCheckpointError, local_hf_dir, safetensors_files
+
+    try:
+        safetensors_files(local_hf_dir(hf_path, weights=True))
+    except (HFCheckpointError, SafetensorError, OSError) as e:
+        raise ConfigError(f"{e}; or set --model.init_from_hf False to take only the architecture") from None
+
+
+def _check_sources(data: Data) -> None:
+    from titan_mm.data.loader import resolve_sources
+    from titan_mm.data.sources import list_units
+
+    key = "data.mixture" if data.mixture else "data.dataset"
+    try:
+        sources = resolve_sources(data.dataset, data.mixture)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not sources:
+        raise ConfigError(f"{key} is empty; give a path, glob or URL (.jsonl .json .parquet .tar), builtin:<name> "
+                          "or synthetic")
+    for source, _ in sources:
+        try:
+            list_units(source)
+        except (OSError, ValueError, ImportError) as e:  # ImportError: fsspec lacks the protocol's package
+            raise ConfigError(f"{key}: {e}") from None
+
+
+def _check_tokenizer(cfg: JobConfig, spec, model_cfg) -> None:
+    from titan_mm.data.processors import Processor, ProcessorConfig
+    from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
+    from titan_mm.models.common.hf_io import local_hf_dir
+
+    hf_dir = local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None
+    path = tokenizer_for(cfg.data.tokenizer_path, hf_dir)
+    try:
+        tok = load_tokenizer(path)
+        Processor(tok, ProcessorConfig(data=cfg.data, needs=spec.data_needs(model_cfg)))  # the special tokens
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    if hf_dir and path is None and os.environ.get("RANK", "0") == "0":
+        print(f"[titan_mm] model.hf_path {cfg.model.hf_path} has no tokenizer.json: the data is tokenized with "
+              f"the built-in Qwen3 tokenizer ({tok.path}); set data.tokenizer_path to use another", file=sys.stderr)
+    vocab = spec.dims(model_cfg).vocab_size
+    if tok.max_id >= vocab:
+        raise ConfigError(
+            f"the tokenizer {tok.path} emits ids up to {tok.max_id} ({tok.vocab_size} tokens), but the model's "
+            f"vocab_size is {vocab}: ids >= {vocab} have no embedding row; use the model's own tokenizer "
+            f"(data.tokenizer_path, or tokenizer.json in model.hf_path), or a model whose vocab_size is at least "
+            f"{tok.max_id + 1}")
