@@ -494,7 +494,8 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         b, s = self.blocks, self.scheduler
-        waiting = [r for r in self.requests.values() if r.status is Status.WAITING]
+        with self._lock:  # the server scrapes from another thread while add_request inserts
+            waiting = [r for r in self.requests.values() if r.status is Status.WAITING]
         return {
             "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.num_blocks,
             "kv_usage": b.num_used / b.num_blocks, "kv_blocks_cached": len(b.cached),
