@@ -35,7 +35,7 @@ def _rule_inputs(dtype, B=2, S=1024, H=4, HV=8, K=64, V=64):
     return {k: t.requires_grad_() for k, t in x.items()}
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 1.5e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-3), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 def test_fla_matches_reference_on_packed_rows(dtype, tol):
     meta = build_linear_meta({"input_ids": torch.zeros(2, 1024, dtype=torch.long), "cu_seqlens": CU}, "cuda")
     from fla.ops.utils.index import prepare_chunk_indices
