@@ -7,7 +7,42 @@ import torch
 torch.set_num_threads(int(os.environ.get("TITAN_TEST_THREADS", "1")))
 
 
+# The quick suite (`pytest -q tests`) stays under 10 minutes on 2 cores: these cases (10-100 s each on that
+# machine, `--durations`) run in the slow suite (`pytest -q -m slow tests`, also in CI). Each keeps a quicker
+# sibling in the quick suite where one exists (world 2 for world 4, one family's debug run for all).
+SLOW = (
+    "tests/unit/test_kernels_compile.py::",
+    "tests/unit/test_kernels_tuning.py::test_tuning_in_interpreter",
+    "tests/unit/test_kernels_model.py::",
+    "tests/multiproc/test_parallel_vl.py::test_vl_matches_world1[world4]",
+    "tests/multiproc/test_parallel_vl.py::test_vl_tp_modes_match_world1[dense-cp2xtp2-sp-lp]",
+    "tests/multiproc/test_parallel_vl.py::test_vl_tp_modes_match_world1[moe-tp2-",
+    "tests/multiproc/test_parallel_vl.py::test_vl_tp_modes_match_world1[dense-tp2-sp-lp-encodertp]",
+    "tests/multiproc/test_trainer_world_change.py::",
+    "tests/multiproc/test_trainer_multiproc.py::",
+    "tests/multiproc/test_bench_scripts.py::",
+    "tests/multiproc/test_parallel_checkpoint.py::test_resume_under_another_topology",
+    "tests/multiproc/test_parallel_cp.py::test_cp_matches_world1[world4]",
+    "tests/multiproc/test_parallel_tp_ep.py::test_matches_world1[world4]",
+    "tests/multiproc/test_parallel_tp_ep.py::test_matches_world1[world2-kernels]",
+    "tests/multiproc/test_muon_distributed.py::test_fsdp_x_tp_hsdp_ep_world4_matches_single_device",
+    "tests/multiproc/test_seeded_init.py::test_init_independent_of_world_size[tp2_fsdp2]",
+    "tests/multiproc/test_seeded_init.py::test_init_independent_of_world_size[ep2_fsdp2]",
+    "tests/multiproc/test_parallel_fsdp.py::test_fsdp_matches_world1[hsdp2x2-sac]",
+    "tests/multiproc/test_parallel_qwen3_5.py::",
+    "tests/unit/test_train_e2e.py::test_debug_config_trains_checkpoints_and_exports[qwen2]",
+    "tests/unit/test_train_e2e.py::test_debug_config_trains_checkpoints_and_exports[qwen3_",
+    "tests/unit/test_train_signals.py::test_sigterm_to_the_whole_process_group_with_loader_workers",
+    "tests/unit/test_train_signals.py::test_signal_saves_exits_with_one_line_and_resumes[2]",
+    "tests/unit/test_train_signals.py::test_second_signal_exits_at_once_and_keeps_the_last_checkpoint",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the H200 through the device tool")

@@ -26,7 +26,9 @@ trainer consumed, saved per slot, so any W with the same K resumes it.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -487,10 +489,18 @@ class TitanDataLoader(StatefulDataLoader):
 
 def _ignore_stop_signals(_worker_id: int) -> None:
     """Loader workers leave SIGINT / SIGTERM to the trainer: a preemption signal sent to every process (Slurm,
-    Ctrl-C in a terminal) must let the trainer finish its step and save, which needs its workers alive. A worker
-    still exits when the trainer does (torch's parent watchdog)."""
+    Ctrl-C in a terminal) must let the trainer finish its step and save, which needs its workers alive. A SIGTERM
+    from the trainer itself (torch's shutdown, multiprocessing's exit hook) still ends the worker at once: a
+    thread reads the sender of each SIGTERM (sigwaitinfo), as torch's own worker handler does in C."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit the mask
+    threading.Thread(target=_exit_on_parent_sigterm, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_on_parent_sigterm(parent: int) -> None:
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+        pass
+    os._exit(0)
 
 
 def build_dataloader(data: Data, *, needs: DataNeeds, dp_rank: int = 0, dp_world: int = 1, n_micro: int = 1,
