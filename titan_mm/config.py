@@ -405,6 +405,30 @@ class Objective:
 
 
 @dataclass
+class Eval:
+    interval: int = 0
+    """Evaluate every N training steps and at the last step (docs/eval.md); 0 = no online eval."""
+    dataset: str = ""
+    """Held-out loss source, in [data]'s syntax (path, glob, URL, builtin:<name>); empty with no mixture: none."""
+    mixture: dict[str, float] = field(default_factory=dict)
+    """Several held-out sources, {source: weight}; each is scored on its own (eval/<name>/loss) and eval/loss is
+    their weighted mean. Replaces ``dataset`` when given."""
+    max_batches: int = 4
+    """Global batches (training.global_batch_size rows) scored per source, the same ones at every eval."""
+    tasks: list[str] = field(default_factory=list)
+    """Generation tasks run through the serving engine on the live weights: digits (VL: held-out digit images),
+    qa (held-out text QA, exact match), or a JSONL file of {"messages" | "prompt", "reference"} lines, scored by
+    exact match or by "FILE.jsonl|pkg.module:function" (function(prediction, reference) -> float)."""
+    task_limit: int = 64
+    """Prompts per generation task (0: all)."""
+    max_new_tokens: int = 16
+    """Greedy tokens generated per prompt."""
+    tasks_every_checkpoints: int = 0
+    """Run the generation tasks at an eval only when this many checkpoints were saved since they last ran (and
+    always at the last step); 0 = at every eval."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -420,6 +444,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     kernels: Kernels = field(default_factory=Kernels)
     objective: Objective = field(default_factory=Objective)
+    eval: Eval = field(default_factory=Eval)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -656,23 +681,24 @@ def _cli_registry():
 
 
 def _check_data_flags(given: dict[str, str | None]) -> None:
-    """--data.dataset and --data.mixture each replace the TOML's data source; both at once is ambiguous."""
-    if "data.dataset" in given and "data.mixture" in given:
-        raise ConfigError("--data.dataset and --data.mixture are both given: pass one (--data.dataset PATH for one "
-                          "source, or --data.mixture '{\"a/*.jsonl\": 0.7, \"b.parquet\": 0.3}')")
-    text = given.get("data.mixture")
-    if text is not None and not _json_object(text, "--data.mixture"):
-        raise ConfigError("--data.mixture '{}' names no source: give '{\"a/*.jsonl\": 0.7, ...}', or one source "
-                          "with --data.dataset PATH")
+    """--S.dataset and --S.mixture (S: data, eval) each replace the TOML's source; both at once is ambiguous."""
+    for sec in ("data", "eval"):
+        if f"{sec}.dataset" in given and f"{sec}.mixture" in given:
+            raise ConfigError(f"--{sec}.dataset and --{sec}.mixture are both given: pass one (--{sec}.dataset PATH "
+                              f"for one source, or --{sec}.mixture '{{\"a/*.jsonl\": 0.7, \"b.parquet\": 0.3}}')")
+        text = given.get(f"{sec}.mixture")
+        if text is not None and not _json_object(text, f"--{sec}.mixture"):
+            raise ConfigError(f"--{sec}.mixture '{{}}' names no source: give '{{\"a/*.jsonl\": 0.7, ...}}', or one "
+                              f"source with --{sec}.dataset PATH")
 
 
-def check_mixture(mixture: dict) -> None:
-    """Every data.mixture entry is a non-empty source name with a positive, finite weight."""
+def check_mixture(mixture: dict, key: str = "data.mixture") -> None:
+    """Every ``key`` (a mixture) entry is a non-empty source name with a positive, finite weight."""
     for src, w in mixture.items():
         if not str(src).strip():
-            raise ConfigError(f"data.mixture has an empty source name (weight {w!r}): name a path, URL or builtin:NAME")
+            raise ConfigError(f"{key} has an empty source name (weight {w!r}): name a path, URL or builtin:NAME")
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-            raise ConfigError(f"data.mixture entry {src!r}: {w!r} is not a positive number (weights are relative "
+            raise ConfigError(f"{key} entry {src!r}: {w!r} is not a positive number (weights are relative "
                               f"sampling rates, for example 0.3)")
 
 
@@ -705,10 +731,12 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         config=(tyro.conf.FlagConversionOff,),
         registry=_cli_registry(),
     )
-    if "data.dataset" in given and cfg.data.mixture:
-        log.warning(f"--data.dataset {cfg.data.dataset!r} replaces the config file's [data.mixture] "
-                    f"({len(cfg.data.mixture)} sources)")
-        cfg.data.mixture = {}
+    for sec in (cfg.data, cfg.eval):
+        name = "data" if sec is cfg.data else "eval"
+        if f"{name}.dataset" in given and sec.mixture:
+            log.warning(f"--{name}.dataset {sec.dataset!r} replaces the config file's [{name}.mixture] "
+                        f"({len(sec.mixture)} sources)")
+            sec.mixture = {}
     if not cfg.job.name:
         cfg.job.name = "run"
     validate(cfg)
@@ -737,6 +765,7 @@ def validate(cfg: JobConfig) -> None:
     if cfg.optimizer.muon_ns_steps < 1:
         raise ConfigError(f"optimizer.muon_ns_steps must be >= 1, got {cfg.optimizer.muon_ns_steps}")
     check_mixture(d.mixture)
+    _validate_eval(cfg.eval)
     _validate_metrics(cfg.metrics)
     _validate_precision(cfg)
     _validate_objective(cfg.objective)
@@ -747,6 +776,18 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"model.overrides must be a JSON object, got {cfg.model.overrides!r}: {e}") from None
         if not isinstance(o, dict):
             raise ConfigError(f"model.overrides must be a JSON object, got {cfg.model.overrides!r}")
+
+
+def _validate_eval(e: Eval) -> None:
+    check_mixture(e.mixture, "eval.mixture")
+    for name in ("interval", "max_batches", "task_limit", "tasks_every_checkpoints"):
+        if getattr(e, name) < 0:
+            raise ConfigError(f"eval.{name} must be >= 0, got {getattr(e, name)}")
+    if e.max_new_tokens < 1:
+        raise ConfigError(f"eval.max_new_tokens must be >= 1, got {e.max_new_tokens}")
+    if (e.tasks or e.dataset or e.mixture) and not e.interval:
+        log.warning("[eval] names sources or tasks but eval.interval is 0: no online eval (python -m titan_mm.eval "
+                    "scores checkpoints)")
 
 
 def _validate_objective(o: Objective) -> None:

@@ -176,6 +176,10 @@ class ConsoleSink:
         if m.get("nan_count"):
             parts.append(f"nan {m['nan_count']}")
         parts.append(f"eta {_fmt_eta(eta)}")
+        scores = [f"{k[5:]} {v:.4g}" for k, v in m.items() if k.startswith("eval/") and k.count("/") == 2
+                  and k.rsplit("/", 1)[1] not in ("ppl", "tokens", "n", "skipped")]
+        if scores:  # an eval step (titan_mm.eval): its scores, the rest is in metrics.jsonl
+            parts.append(f"eval {', '.join(scores)} ({m.get('eval/time_s', 0.0):.1f}s)")
         return " | ".join(parts)
 
     def close(self) -> None:

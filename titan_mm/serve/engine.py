@@ -479,18 +479,26 @@ class Engine:
 
     # ---- offline ----
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 images: list | None = None) -> list[RequestOutput]:
-        """Run ``prompts`` to completion (``images[i]``: the images of prompt i); -> their final outputs in order."""
+                 images: list | None = None, *, skip_bad: bool = False) -> list[RequestOutput | None]:
+        """Run ``prompts`` to completion (``images[i]``: the images of prompt i); -> their final outputs in order.
+        ``skip_bad``: a prompt add_request refuses (BadRequest: too long, bad ids) gives None instead of raising."""
         ps = params if isinstance(params, list) else [params] * len(prompts)
         base = f"generate-{next(self._seq_ids)}-"
+        taken = []
         for i, ids in enumerate(prompts):
-            self.add_request(f"{base}{i}", ids, ps[i], images=images[i] if images else None)
+            try:
+                self.add_request(f"{base}{i}", ids, ps[i], images=images[i] if images else None)
+            except BadRequest:
+                if not skip_bad:
+                    raise
+                continue
+            taken.append(i)
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(prompts):
+        while len(final) < len(taken):
             for out in self.step():
                 if out.finished and out.request_id.startswith(base):
                     final[out.request_id] = out
-        return [final[f"{base}{i}"] for i in range(len(prompts))]
+        return [final.get(f"{base}{i}") for i in range(len(prompts))]
 
     def stats(self) -> dict[str, Any]:
         b, s = self.blocks, self.scheduler

@@ -215,6 +215,13 @@ class _ModelItem(Stateful):
         set_model_state_dict(self.model, sd, options=StateDictOptions(strict=True))
 
 
+def load_model_weights(model, ckpt_dir: str | Path) -> int:
+    """Only the model of a verified checkpoint folder into ``model`` (built as the run built it); -> its step."""
+    verify_checkpoint(ckpt_dir)
+    dcp.load({"model": _ModelItem(model)}, checkpoint_id=str(ckpt_dir))
+    return read_commit(ckpt_dir)["step"]
+
+
 class _OptimItem(Stateful):
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer

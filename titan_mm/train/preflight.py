@@ -7,6 +7,7 @@ Checked, in order:
 - the model: flavor, or ``model.hf_path`` (a local folder or a Hub repo id, fetched here) with its config.json
   and model_type, then ``model.overrides``; the weight files when they will be loaded;
 - the parallel degrees against the world size and the model's shapes, and the global batch;
+- [eval] when on: not under pp, tasks only with the causal objective, task files readable, sources listed;
 - unless ``data.dataset = "synthetic"``: every source of ``data.dataset`` / ``data.mixture`` lists its files
   (or built-in parts), and the tokenizer loads, gives the family's special tokens their ids and emits no id
   at or above the model's vocab_size.
@@ -32,10 +33,29 @@ def preflight(cfg: JobConfig) -> None:
     pd = parallel_dims(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_parallel(cfg, pd, spec, model_cfg)
     grad_accum_steps(cfg, pd.dp)
+    _check_eval(cfg, pd)
     if cfg.data.dataset == "synthetic":  # the trainer's rule (build_data): random rows, no files, no tokenizer
         return
     _check_sources(cfg.data)
     _check_tokenizer(cfg, spec, model_cfg)
+
+
+def _check_eval(cfg: JobConfig, pd) -> None:
+    from titan_mm.eval.tasks import load_task
+
+    e = cfg.eval
+    if not e.interval:
+        return
+    if pd.pp_enabled:
+        raise ConfigError("[eval] does not run under parallel.pp > 1 yet; set eval.interval 0 and score the "
+                          "checkpoints with python -m titan_mm.eval")
+    if e.tasks and cfg.objective.kind != "causal":
+        raise ConfigError(f"eval.tasks decode causally through the serving engine; objective.kind "
+                          f"{cfg.objective.kind!r} is scored by python -m titan_mm.tools.eval_dllm: drop eval.tasks")
+    for t in e.tasks:
+        load_task(t)
+    if (e.dataset or e.mixture) and e.dataset != "synthetic":
+        _check_sources(Data(dataset=e.dataset, mixture=e.mixture), "eval")
 
 
 def _check_weights(hf_path: str) -> None:
@@ -49,11 +69,11 @@ def _check_weights(hf_path: str) -> None:
         raise ConfigError(f"{e}; or set --model.init_from_hf False to take only the architecture") from None
 
 
-def _check_sources(data: Data) -> None:
+def _check_sources(data: Data, section: str = "data") -> None:
     from titan_mm.data.loader import resolve_sources
     from titan_mm.data.sources import list_units
 
-    key = "data.mixture" if data.mixture else "data.dataset"
+    key = f"{section}.mixture" if data.mixture else f"{section}.dataset"
     try:
         sources = resolve_sources(data.dataset, data.mixture)
     except ValueError as e:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from titan_mm.config import ConfigError, JobConfig
+from titan_mm.config import ConfigError, Data, JobConfig
 from titan_mm.data.packing import padded_seq_len
 from titan_mm.registry import ModelSpec, SpecError, resolve_model
 
@@ -225,6 +225,27 @@ def pipeline_stages(cfg: JobConfig, spec: ModelSpec, model_cfg, pd, n_micro: int
         return StageBuilder(spec.plan(model_cfg), layout, pd.mesh("pp").get_local_rank(), dims)
     except ValueError as e:
         raise ConfigError(f"[parallel] {e}") from None
+
+
+def build_data(cfg: JobConfig, spec: ModelSpec, model_cfg, dp_rank: int, dp_world: int, n_micro: int, *,
+               data: Data | None = None, epochs: int = 0):
+    """This dp rank's loader of the one global stream: n_micro x dp_world micro-batch slots per step, of which
+    the rank reads its n_micro (titan_mm.data.loader.StreamLayout), so the steps' rows do not depend on the world.
+    ``data``: another [data] section (held-out eval sources) in place of cfg.data; ``epochs`` > 0: a finite pass."""
+    data = data or cfg.data
+    if data.dataset == "synthetic":
+        from titan_mm.train.synthetic import SyntheticLoader
+
+        return SyntheticLoader(vocab_size=spec.dims(model_cfg).vocab_size, seq_len=data.seq_len,
+                               micro_batch_size=data.micro_batch_size, n_micro=n_micro,
+                               dp_rank=dp_rank, dp_world=dp_world, seed=cfg.training.seed)
+    from titan_mm.data.loader import build_dataloader
+    from titan_mm.data.tokenizer import tokenizer_for
+    from titan_mm.models.common.hf_io import local_hf_dir
+
+    tok = tokenizer_for(data.tokenizer_path, local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None)
+    return build_dataloader(data, needs=spec.data_needs(model_cfg), dp_rank=dp_rank, dp_world=dp_world,
+                            n_micro=n_micro, seed=cfg.training.seed, tokenizer_path=tok, epochs=epochs)
 
 
 def setup(cfg: JobConfig, model_fn=None) -> Run:

@@ -247,6 +247,28 @@ def forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_globa
     return loss_acc, aux_acc
 
 
+@torch.no_grad()
+def eval_loss_sums(model, micro_batches: list[dict], ctx: StepContext) -> tuple[float, int]:
+    """(summed CE, label tokens) of ``micro_batches`` over the whole global batch: the train step's forward, host
+    preparation and reductions without grads or the aux loss. A diffusion objective corrupts them as at step 0."""
+    if ctx.objective is not None:
+        micro_batches = ctx.objective.apply(micro_batches, 0, ctx.dp_rank)
+    n_labels = global_label_count(micro_batches, ctx)
+    model.eval()
+    loss_acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    with sdpa_priority(ctx.device):
+        for mb in micro_batches:
+            mb, attn = _prepare(mb, ctx)
+            b = _to_device(mb, ctx.device)
+            extra = {k: v for k, v in b.items() if k not in _NOT_MODEL_KWARGS}
+            out = model(b["input_ids"], position_ids=b.get("position_ids"), attn=attn, labels=b["labels"], **extra)
+            loss_acc += out.loss_sum.float()
+    if ctx.loss_group is not None:
+        comm_dev = ctx.device if dist.get_backend(ctx.loss_group) == "nccl" else torch.device("cpu")
+        loss_acc = _all_reduce_sum(loss_acc.to(comm_dev), ctx.loss_group)
+    return float(loss_acc), n_labels
+
+
 def _pp_forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_global_labels: int,
                          scaler: LossScaler | None = None):
     """:func:`forward_backward` under pipeline parallelism: the same host preparation per micro-batch (family

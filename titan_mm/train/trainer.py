@@ -41,27 +41,8 @@ from titan_mm.observe.mfu import doc_lens_from_batch, mfu, peak_tflops
 from titan_mm.observe.profile import ProfileWindow
 from titan_mm.train.checkpoint import CheckpointError, CheckpointManager, Topology, committed_step, step_dir_name
 from titan_mm.train.preflight import preflight
-from titan_mm.train.setup import setup, tune_kernels
+from titan_mm.train.setup import build_data, setup, tune_kernels
 from titan_mm.train.step import train_step
-
-
-# ------------------------------------------------------------------------------------------------ data
-def build_data(cfg: JobConfig, spec, model_cfg, dp_rank: int, dp_world: int, n_micro: int):
-    """This dp rank's loader of the one global stream: n_micro x dp_world micro-batch slots per step, of which
-    the rank reads its n_micro (titan_mm.data.loader.StreamLayout), so the steps' rows do not depend on the world."""
-    if cfg.data.dataset == "synthetic":
-        from titan_mm.train.synthetic import SyntheticLoader
-
-        return SyntheticLoader(vocab_size=spec.dims(model_cfg).vocab_size, seq_len=cfg.data.seq_len,
-                               micro_batch_size=cfg.data.micro_batch_size, n_micro=n_micro,
-                               dp_rank=dp_rank, dp_world=dp_world, seed=cfg.training.seed)
-    from titan_mm.data.loader import build_dataloader
-    from titan_mm.data.tokenizer import tokenizer_for
-    from titan_mm.models.common.hf_io import local_hf_dir
-
-    tok = tokenizer_for(cfg.data.tokenizer_path, local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None)
-    return build_dataloader(cfg.data, needs=spec.data_needs(model_cfg), dp_rank=dp_rank, dp_world=dp_world,
-                            n_micro=n_micro, seed=cfg.training.seed, tokenizer_path=tok)
 
 
 class _Batches:
@@ -197,6 +178,12 @@ def train(cfg: JobConfig) -> dict[str, Any]:
         logger.info(f"kernels: tuned {tuned} launch configs in {tune_report['seconds']:.1f}s"
                     + "".join(f"; {r}" for r in tune_report["skipped"]))
     check_untuned = bool(tune_report and tune_report["tuned"])
+    evaluator = None
+    if cfg.eval.interval:
+        from titan_mm.eval.evaluator import Evaluator
+
+        evaluator = Evaluator(cfg, run)
+    n_saved = 0
     guard = ctx.nan_guard
     guard.nan_count = state.nan_count
     peak = peak_tflops(device, cfg.metrics.peak_tflops)
@@ -251,6 +238,8 @@ def train(cfg: JobConfig) -> dict[str, Any]:
             if res.loss_scale is not None:  # param_dtype float16
                 m["loss_scale"] = res.loss_scale
             m.update(window.end(state.step))
+            if evaluator is not None and evaluator.due(state.step):  # before the save: the checkpoint's weights
+                m.update(evaluator(state.step, n_saved))
             if hasattr(loader, "metrics"):
                 m.update({f"data/{k}": v for k, v in loader.metrics().items() if isinstance(v, (int, float))})
             state.nan_count = guard.nan_count
@@ -258,6 +247,7 @@ def train(cfg: JobConfig) -> dict[str, Any]:
             last = m
             if ckpt.should_save(state.step, cfg.training.steps):
                 ckpt.save(state)
+                n_saved += 1
             if cfg.training.gc_freq > 0 and state.step % cfg.training.gc_freq == 0:
                 gc.collect()
             signum = stop.requested(world, device)

@@ -1,0 +1,171 @@
+"""One run's evaluation, online (the trainer, every eval.interval steps) and offline (python -m titan_mm.eval):
+held-out loss per source through the train step's forward, and generation tasks through the serving engine.
+
+Held-out loss: each source of [eval] is read by the trainer's data pipeline, one finite pass from the run's seed,
+with the training layout of micro-batch slots (so the rows do not depend on the world size); its first
+eval.max_batches global batches are kept and scored at every eval by titan_mm.train.step.eval_loss_sums (the
+mesh and plan as trained, no grads). Generation: the live parameters are gathered in memory
+(get_model_state_dict, full tensors on every rank; no disk), put into a model of the same family built on meta,
+and an Engine with a pool sized for this eval runs the tasks greedily, each rank taking every world-th prompt;
+the engine and the gathered tensors are freed before training goes on. RNG state is put back afterwards, so a
+run with eval trains the same steps as one without.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import math
+import re
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from titan_mm.config import JobConfig
+from titan_mm.eval.tasks import Task, load_task
+from titan_mm.observe.health import peak_memory_gb, reset_peak_memory
+from titan_mm.train.setup import Run, build_data
+from titan_mm.train.state import get_rng_state, set_rng_state
+from titan_mm.train.step import eval_loss_sums
+
+ENGINE_SEQS = 32  # sequences decoded together; the pool holds that many of <= 512 tokens, plus one of seq_len
+
+
+def source_name(source: str) -> str:
+    """A metric-safe name of a source: builtin:qa_test -> qa_test, data/val-*.jsonl -> val."""
+    base = source.split(":", 1)[1] if source.startswith("builtin:") else source.rstrip("/").rsplit("/", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "", base.split(".")[0].split("*")[0].rstrip("-_")) or "source"
+
+
+class Evaluator:
+    def __init__(self, cfg: JobConfig, run: Run):
+        from titan_mm.data.loader import resolve_sources
+
+        self.cfg, self.run, e = cfg, run, cfg.eval
+        sources = resolve_sources(e.dataset, e.mixture) if (e.dataset or e.mixture) else []
+        names = [source_name(s) for s, _ in sources]
+        self.sources = [(f"{n}{i}" if names.count(n) > 1 else n, s, w) for i, ((s, w), n) in
+                        enumerate(zip(sources, names))]
+        self.tasks: list[Task] = [load_task(t, e.task_limit) for t in e.tasks]
+        self._batches: dict[str, list[list[dict]]] = {}
+        self._tasks_at = 0  # checkpoints saved when the tasks last ran
+
+    def due(self, step: int) -> bool:
+        e = self.cfg.eval
+        return bool(e.interval) and (step % e.interval == 0 or step == self.cfg.training.steps)
+
+    def tasks_due(self, step: int, n_saved: int) -> bool:
+        """eval.tasks_every_checkpoints: the tasks run when that many checkpoints were saved since they last ran."""
+        k = self.cfg.eval.tasks_every_checkpoints
+        return bool(self.tasks) and (not k or n_saved - self._tasks_at >= k or step == self.cfg.training.steps)
+
+    def __call__(self, step: int, n_saved: int = 0, tasks: bool | None = None) -> dict[str, float]:
+        """eval/* metrics of the model as it is now; ``tasks`` None: as tasks_due says."""
+        run = self.run
+        rng = get_rng_state()
+        t0 = time.perf_counter()
+        reset_peak_memory(run.device)
+        m = self.heldout()
+        if tasks if tasks is not None else self.tasks_due(step, n_saved):
+            self._tasks_at = n_saved
+            m.update(self.generate())
+        m["eval/time_s"] = time.perf_counter() - t0
+        m["eval/peak_mem_gb"] = peak_memory_gb(run.device)
+        set_rng_state(rng)
+        return m
+
+    # ---- held-out loss ----
+    def _global_batches(self, name: str, source: str) -> list[list[dict]]:
+        if name not in self._batches:
+            run, cfg = self.run, self.cfg
+            data = dataclasses.replace(cfg.data, dataset=source, mixture={}, num_workers=0)
+            loader = build_data(cfg, run.spec, run.model_cfg, run.dp_rank, run.dp_world, run.n_micro, data=data,
+                                epochs=1)
+            micro = list(itertools.islice(loader, run.n_micro * cfg.eval.max_batches))
+            n = len(micro) // run.n_micro
+            if run.world > 1:  # every rank scores the same number of batches (a collective per batch)
+                t = torch.tensor([n], device=run.device if dist.get_backend() == "nccl" else "cpu")
+                dist.all_reduce(t, op=dist.ReduceOp.MIN)
+                n = int(t)
+            self._batches[name] = [micro[i * run.n_micro:(i + 1) * run.n_micro] for i in range(n)]
+        return self._batches[name]
+
+    def heldout(self) -> dict[str, float]:
+        m, total, weights = {}, 0.0, 0.0
+        for name, source, w in self.sources:
+            loss_sum, labels = 0.0, 0
+            for micro in self._global_batches(name, source):
+                s, n = eval_loss_sums(self.run.model, micro, self.run.ctx)
+                loss_sum, labels = loss_sum + s, labels + n
+            loss = loss_sum / max(labels, 1)
+            m[f"eval/{name}/loss"] = loss
+            m[f"eval/{name}/ppl"] = math.exp(min(loss, 80.0))
+            m[f"eval/{name}/tokens"] = labels
+            total, weights = total + w * loss, weights + w
+        if len(self.sources) > 1:
+            m["eval/loss"] = total / weights
+        return m
+
+    # ---- generation ----
+    def engine(self):
+        """An Engine on the live weights (gathered in memory) with a pool sized for the eval prompts."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
+        from titan_mm.models.common.hf_io import local_hf_dir
+        from titan_mm.serve.engine import Engine
+        from titan_mm.serve.config import ServeConfig
+
+        run, cfg = self.run, self.cfg
+        sd = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True))
+        gen_cfg = run.spec.with_runtime(run.model_cfg, attn_backend="sdpa", kernels=False)
+        with torch.device("meta"):
+            model = run.spec.build(gen_cfg)
+        model.load_state_dict(sd, strict=True, assign=True)  # shares the tensors (the engine casts a copy)
+        model.init_buffers(run.device)
+        del sd
+        hf = local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None
+        tok = load_tokenizer(tokenizer_for(cfg.data.tokenizer_path, hf))
+        max_len = cfg.data.seq_len
+        serve = ServeConfig(max_num_seqs=ENGINE_SEQS, max_model_len=max_len, max_num_batched_tokens=max(2048, max_len),
+                            max_queue_len=1 << 20)
+        serve.num_blocks = ENGINE_SEQS * -(-min(max_len, 512) // serve.block_size) + -(-max_len // serve.block_size)
+        return Engine(model, run.spec, gen_cfg, serve, tokenizer=tok, device=run.device, data=cfg.data)
+
+    def generate(self) -> dict[str, float]:
+        from titan_mm.serve.sampling import SamplingParams
+
+        run, e = self.run, self.cfg.eval
+        t0 = time.perf_counter()
+        engine = self.engine()
+        m: dict[str, Any] = {"eval/handoff_s": time.perf_counter() - t0}
+        params = SamplingParams(max_tokens=e.max_new_tokens, temperature=0.0)
+        for task in self.tasks:
+            mine = task.items[run.rank::run.world]
+            prompts, images = [], []
+            for it in mine:
+                ids, imgs = (engine.chat_prompt(it["messages"]) if "messages" in it else
+                             (engine.tokenizer.encode(it["prompt"]), []))
+                prompts.append(ids)
+                images.append(imgs)
+            outs = engine.generate(prompts, params, images, skip_bad=True)
+            score = sum(task.metric(o.outputs[0].text, it["reference"]) for o, it in zip(outs, mine) if o)
+            t = torch.tensor([score, sum(o is not None for o in outs), sum(o is None for o in outs)],
+                             dtype=torch.float64)
+            if run.world > 1:
+                t = t.to(run.device if dist.get_backend() == "nccl" else "cpu")
+                dist.all_reduce(t)
+            score, n, skipped = t.tolist()
+            m[f"eval/{task.name}/{task.metric_name}"] = score / max(n, 1)
+            m[f"eval/{task.name}/n"] = int(n)
+            if skipped:
+                m[f"eval/{task.name}/skipped"] = int(skipped)
+        del engine
+        gc.collect()
+        if run.device.type == "cuda":
+            torch.cuda.empty_cache()
+        m["eval/generate_s"] = time.perf_counter() - t0
+        return m
