@@ -209,6 +209,9 @@ class ModelSpec:
     projections; Muon (optimizer.muon_split_fused) orthogonalizes their parts one by one. None: no fused weights."""
     hf_model_types: tuple[str, ...] = ()
     """HF config.json model_type values this spec reads."""
+    kv_cache: bool = True
+    """The forward runs through the paged KV-cache path (attn.kv_cache), so the serving engine and eval tasks
+    decode it. False: a layer keeps state the cache does not hold; decode by re-running the sequence."""
 
     def flavor(self, name: str):
         if name not in self.flavors:

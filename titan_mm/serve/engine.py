@@ -54,6 +54,9 @@ class Engine:
 
         cfg = serve_cfg or ServeConfig()
         cfg.check()
+        if not spec.kv_cache:
+            raise ConfigError(f"model {spec.name!r} does not decode through the paged KV cache yet, so the engine "
+                              "cannot serve it; decode it by re-running the sequence (titan_mm.tools.eval_digits)")
         self.cfg, self.spec, self.model_cfg = cfg, spec, model_cfg
         self.device = torch.device(device)
         self.dtype = torch_dtype(cfg.dtype) if cfg.dtype != "auto" else (

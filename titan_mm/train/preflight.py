@@ -33,19 +33,22 @@ def preflight(cfg: JobConfig) -> None:
     pd = parallel_dims(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_parallel(cfg, pd, spec, model_cfg)
     grad_accum_steps(cfg, pd.dp)
-    _check_eval(cfg, pd)
+    _check_eval(cfg, spec, pd)
     if cfg.data.dataset == "synthetic":  # the trainer's rule (build_data): random rows, no files, no tokenizer
         return
     _check_sources(cfg.data)
     _check_tokenizer(cfg, spec, model_cfg)
 
 
-def _check_eval(cfg: JobConfig, pd) -> None:
+def _check_eval(cfg: JobConfig, spec, pd) -> None:
     from titan_mm.eval.tasks import load_task
 
     e = cfg.eval
     if not e.interval:
         return
+    if e.tasks and not spec.kv_cache:
+        raise ConfigError(f"eval.tasks decode through the serving engine, which cannot run {spec.name!r} yet (its "
+                          "layers keep state the KV cache does not hold); keep the held-out loss and drop eval.tasks")
     if pd.pp_enabled:
         raise ConfigError("[eval] does not run under parallel.pp > 1 yet; set eval.interval 0 and score the "
                           "checkpoints with python -m titan_mm.eval")

@@ -2,7 +2,8 @@
 
     config -> process group + ParallelDims meshes -> ModelSpec (registry) -> build on meta ->
     parallelize (AC / compile / float8 / FSDP2) -> materialize (init or HF weights) -> optimizer, schedule ->
-    data loader -> resume from the newest complete checkpoint -> loop: train_step, metrics, async checkpoint.
+    data loader -> resume from the newest complete checkpoint -> loop: train_step, [eval] (titan_mm.eval), metrics,
+    async checkpoint.
 
 Run folder ``<job.dump_folder>/<job.name>/``: config.toml (resolved), metrics.jsonl, tb/, checkpoints/.
 A run whose folder is already at or past ``training.steps`` stops before anything is built or written.
