@@ -125,3 +125,17 @@ def test_debug_vl_recipe_accuracy_rises_and_matches_the_eval_command(tmp_path, c
     assert off["eval/digits_test/loss"] == rows[100]["eval/digits_test/loss"]
     assert load_config(["--config", "debug_qwen3_vl"]).eval.tasks == ["digits"]
     assert Path(run / "checkpoints").is_dir()
+
+
+def test_tasks_run_at_most_every_k_checkpoints():
+    from titan_mm.eval.evaluator import Evaluator
+
+    cfg = load_config(["--eval.interval", "10", "--eval.tasks", "qa", "--eval.tasks_every_checkpoints", "2",
+                       "--training.steps", "100"])
+    ev = Evaluator(cfg, run=None)  # the schedule reads no model
+    assert [s for s in range(1, 101) if ev.due(s)] == list(range(10, 101, 10))
+    assert not ev.tasks_due(10, 1) and ev.tasks_due(20, 2)
+    ev._tasks_at = 2  # as __call__ records when the tasks ran at 2 saved checkpoints
+    assert not ev.tasks_due(30, 3) and ev.tasks_due(40, 4) and ev.tasks_due(100, 3)  # the last step always
+    cfg.eval.tasks_every_checkpoints = 0
+    assert ev.tasks_due(10, 0)
