@@ -61,6 +61,18 @@ def load_model_from_checkpoint(checkpoint: str | Path):
     return model, model_cfg, spec, ck
 
 
+def load_model_from_hf(folder: str | Path):
+    """(model on CPU with an HF folder's weights, model config, ModelSpec) of the family its config.json names."""
+    from titan_mm.registry import spec_for_hf_dir
+
+    spec = spec_for_hf_dir(str(folder))
+    model_cfg = spec.config_from_hf(str(folder))
+    model = spec.build(model_cfg)
+    model.init_weights()
+    spec.load_hf(model, str(folder))
+    return model, model_cfg, spec
+
+
 def hf_folder_files(cfg: JobConfig) -> dict[str, str | Path]:
     """The files of an HF folder besides the weights and config.json, for the run of ``cfg``: name -> text to
     write, or the Path of a file to copy. The tokenizer is the one the run trained with (data.tokenizer_path,

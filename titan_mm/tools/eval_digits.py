@@ -126,14 +126,10 @@ def main(argv=None) -> int:
         if not a.config:
             ap.error("--hf needs --config (the training TOML, for the image resize settings)")
         from titan_mm.config import load_config
-        from titan_mm.registry import spec_for_hf_dir
+        from titan_mm.export import load_model_from_hf
 
         job = load_config(["--config", a.config])
-        spec = spec_for_hf_dir(a.hf)
-        cfg = spec.config_from_hf(a.hf)
-        model = spec.build(cfg)
-        model.init_weights()
-        spec.load_hf(model, a.hf)
+        model, _, _ = load_model_from_hf(a.hf)
     res = evaluate(model.float(), job, a.limit, a.batch_size)
     print(f"digits held-out accuracy: {res['accuracy']:.3f} ({res['correct']}/{res['n']}) in {res['eval_s']:.1f}s; "
           f"examples (answer, generated): {res['examples']}")

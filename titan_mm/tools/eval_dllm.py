@@ -103,14 +103,10 @@ def main(argv=None) -> int:
         else:
             if not a.config:
                 ap.error("--hf needs --config (the training TOML, for the chat template)")
-            from titan_mm.registry import spec_for_hf_dir
+            from titan_mm.export import load_model_from_hf
 
             job = load_config(["--config", a.config])
-            spec = spec_for_hf_dir(a.hf)
-            model_cfg = spec.config_from_hf(a.hf)
-            model = spec.build(model_cfg)
-            model.init_weights()
-            spec.load_hf(model, a.hf)
+            model, model_cfg, spec = load_model_from_hf(a.hf)
             runs.append((a.hf, model, objective_from_hf(a.hf), job, spec, model_cfg))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
