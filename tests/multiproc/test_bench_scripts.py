@@ -120,7 +120,8 @@ def test_plans_cpu_all(tmp_path, request):
                                "--dump", str(tmp_path / "runs"), "--out", str(out)], timeout=1500)
     doc = json.loads(out.read_text())
     checks = {c["case"]: c for c in doc["checks"]}
-    assert set(checks) == {"tp2", "tp2_plain", "cp2_ulysses", "cp2_ring", "cp2_allgather", "ep2"}  # W cases need 4
+    assert set(checks) == {"tp2", "tp2_plain", "cp2_ulysses", "cp2_ring", "cp2_allgather", "ep2", "pp2", "pp2_interleaved",
+                           "pp2_zbv"}  # W cases need 4
     for c in checks.values():
         assert c["ok"], c
     mfu = {r["case"]: r for r in doc["mfu"]}
