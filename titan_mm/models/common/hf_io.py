@@ -265,6 +265,24 @@ def write_config(cfg_dict: dict, out_dir: str | os.PathLike) -> None:
         json.dump(cfg_dict, f, indent=2, sort_keys=True)
 
 
+def save_hf_folder(model_or_sd, cfg, out_dir: str | os.PathLike, to_hf, dtype: torch.dtype | None = None,
+                   max_shard_bytes: int = 5 * 1024**3) -> None:
+    """A family's save_hf in one piece: the full state dict (gathered: collective for a sharded model, every rank
+    calls it, rank 0 writes) mapped by ``to_hf(sd, cfg)`` to HF names, safetensors shards, and config.json from
+    ``cfg.to_hf_dict(dtype=...)``. ``dtype``: cast on export (default: keep)."""
+    import torch.distributed as dist
+
+    sd = full_state_dict(model_or_sd) if isinstance(model_or_sd, torch.nn.Module) else dict(model_or_sd)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    hf_sd = to_hf(sd, cfg)
+    dt = next(iter(hf_sd.values())).dtype
+    write_safetensors(hf_sd, out_dir, max_shard_bytes=max_shard_bytes)
+    write_config(cfg.to_hf_dict(dtype=str(dt).removeprefix("torch.")), out_dir)
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """True when the model holds DTensor parameters (FSDP2 / TP / EP)."""
     from torch.distributed.tensor import DTensor

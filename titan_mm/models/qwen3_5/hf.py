@@ -182,14 +182,4 @@ def save_hf(model_or_sd, cfg: Qwen3_5Config, out_dir: str | os.PathLike, dtype: 
     """Write safetensors + config.json that transformers' Qwen3_5(Moe)ForConditionalGeneration loads.
     ``model_or_sd``: a Qwen3_5Model (a sharded one too: collective, every rank calls it, rank 0 writes) or a full
     state dict with titan names."""
-    import torch.distributed as dist
-
-    sd = hf_io.full_state_dict(model_or_sd) if isinstance(model_or_sd, torch.nn.Module) else dict(model_or_sd)
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        return
-    if dtype is not None:
-        sd = {k: v.to(dtype) for k, v in sd.items()}
-    hf_sd = titan_to_hf(sd, cfg)
-    dt = next(iter(hf_sd.values())).dtype
-    hf_io.write_safetensors(hf_sd, out_dir, max_shard_bytes=max_shard_bytes)
-    hf_io.write_config(cfg.to_hf_dict(dtype=str(dt).removeprefix("torch.")), out_dir)
+    hf_io.save_hf_folder(model_or_sd, cfg, out_dir, titan_to_hf, dtype, max_shard_bytes)
