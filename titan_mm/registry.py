@@ -98,6 +98,9 @@ class DataNeeds:
     """Token ids the processors must place, by role (image_pad, video_pad, vision_start, vision_end, ...)."""
     chat_template: str = "qwen3"
     """The processors' chat template for this family (data.chat_template may override it)."""
+    video: bool = True
+    """The processors' video layout (Qwen3-VL's: per-frame timestamps) is this family's. False: video parts are
+    skipped and counted (unknown_modality) until the family's own layout exists."""
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,7 @@ _REGISTRY: dict[str, ModelSpec] = {}
 # name -> module whose import registers it (built-in families; others call register() themselves)
 _BUILTIN = {
     "qwen2": "titan_mm.models.qwen2",
+    "qwen2_5_vl": "titan_mm.models.qwen2_5_vl",
     "qwen3": "titan_mm.models.qwen3",
     "qwen3_moe": "titan_mm.models.qwen3",
     "qwen3_vl": "titan_mm.models.qwen3_vl",

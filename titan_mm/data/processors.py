@@ -127,6 +127,9 @@ class Processor:
                     if not self.cfg.patch_size:
                         raise SkipSample("unknown_modality", f"{p.type} part, but the model takes no vision input "
                                          "(its data needs have no patch size)")
+                    if p.type == "video" and not self.cfg.needs.video:
+                        raise SkipSample("unknown_modality", "video part, but this model family does not train on "
+                                         "video yet (its data needs say video=False)")
                     s.append(f"<|vision_start|><|{p.type}_pad|><|vision_end|>")
                     media.append(p)
                 elif p.type == "audio":

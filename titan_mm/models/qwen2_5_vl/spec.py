@@ -1,0 +1,46 @@
+"""The Qwen2.5-VL answers to the family contract (titan_mm.registry.ModelSpec): the Qwen2 decoder's
+(titan_mm/models/qwen2/spec.py), plus the vision tower's shapes, M-RoPE positions and the visual tokens
+(Qwen3-VL's tokens and chat template: <|vision_start|><|image_pad|><|vision_end|>)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titan_mm.models.qwen2 import spec as text_spec
+from titan_mm.models.qwen2_5_vl.config import Qwen2_5_VLConfig
+from titan_mm.models.qwen3_vl import spec as vl_spec
+from titan_mm.registry import DataNeeds, FusedRows, KernelShapes, ModelDims, Runtime, VisionDims
+
+
+def dims(cfg: Qwen2_5_VLConfig) -> ModelDims:
+    v = cfg.vision
+    vision = VisionDims(depth=v.depth, hidden_size=v.hidden_size, num_heads=v.num_heads,
+                        intermediate_size=v.intermediate_size, patch_dim=v.patch_dim, merge_size=v.spatial_merge_size)
+    return dataclasses.replace(text_spec.dims(cfg.text), vision=vision)
+
+
+def runtime(cfg: Qwen2_5_VLConfig) -> Runtime:
+    return Runtime(attn_backend=cfg.attn_backend, kernels=cfg.kernels, sliding_window=None)
+
+
+def with_runtime(cfg: Qwen2_5_VLConfig, attn_backend: str, kernels: bool | str) -> Qwen2_5_VLConfig:
+    return dataclasses.replace(cfg, attn_backend=attn_backend, kernels=kernels)
+
+
+def data_needs(cfg: Qwen2_5_VLConfig) -> DataNeeds:
+    # the patch / merge sizes and token ids are read as Qwen3-VL's; its per-frame video timestamps are not this
+    # family's layout (one run of video pads, time ids from second_per_grid_ts), so videos are skipped for now
+    return dataclasses.replace(vl_spec.data_needs(cfg), video=False)
+
+
+def kernel_shapes(cfg: Qwen2_5_VLConfig, tp: int = 1, encoder_tp: bool = False) -> KernelShapes:
+    """The decoder's, plus the ViT's RMSNorm and SwiGLU widths (SwiGLU sharded over tp only with encoder_tp)."""
+    s = text_spec.kernel_shapes(cfg.text, tp)
+    v = cfg.vision
+    return dataclasses.replace(s, rms_norm=tuple(sorted({*s.rms_norm, v.hidden_size})),
+                               swiglu=tuple(sorted({*s.swiglu, v.intermediate_size // (tp if encoder_tp else 1)})))
+
+
+def fused_params(cfg: Qwen2_5_VLConfig) -> dict[str, FusedRows]:
+    """The ViT's fused q/k/v projection: head-major rows [H, 3, Dh] (Qwen3-VL's VisionAttention)."""
+    return vl_spec.fused_params(cfg)
