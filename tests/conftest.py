@@ -12,6 +12,7 @@ torch.set_num_threads(int(os.environ.get("TITAN_TEST_THREADS", "1")))
 # sibling in the quick suite where one exists (world 2 for world 4, one family's debug run for all).
 SLOW = (
     "tests/unit/test_kernels_compile.py::",
+    "tests/unit/test_kernels_reference.py::test_matches_reference",
     "tests/unit/test_kernels_tuning.py::test_tuning_in_interpreter",
     "tests/unit/test_kernels_model.py::",
     "tests/multiproc/test_parallel_vl.py::test_vl_matches_world1[world4]",
