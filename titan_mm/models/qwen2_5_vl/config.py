@@ -19,6 +19,7 @@ from typing import Any
 
 from titan_mm.models.qwen2.config import Qwen2Config
 from titan_mm.models.qwen3.config import Qwen3Config
+from titan_mm.models.qwen3_vl.config import VLFields
 
 logger = logging.getLogger(__name__)
 
@@ -77,39 +78,16 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
-class Qwen2_5_VLConfig:
+class Qwen2_5_VLConfig(VLFields):
     text: Qwen2Config = field(default_factory=Qwen2Config)
     """The LLM (the Qwen2 decoder, HF Qwen2 field names)."""
     vision: VisionConfig = field(default_factory=VisionConfig)
     mrope_section: tuple[int, int, int] = (16, 24, 24)
     """Rotary frequency pairs per axis (t, h, w), in chunks: the first section[0] frequencies rotate by t, the
     next section[1] by h, the last section[2] by w (HF Qwen2.5-VL; Qwen3-VL interleaves them)."""
-    image_token_id: int = 151655
-    video_token_id: int = 151656
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
-    tie_word_embeddings: bool = False
-    """Pushed into ``text``."""
-    # ---- runtime (titan_mm only; pushed into ``text``; never exported) ----
-    attn_backend: str = "sdpa"
-    vision_attn_backend: str = "auto"
-    """auto (varlen on CUDA when torch has it, else flex; sdpa on CPU), sdpa, flex or varlen."""
-    kernels: bool | str = False
-    # ---- training modes (read by qwen3_vl.model.apply_freeze / param_groups) ----
-    freeze_vision: bool = False
-    freeze_merger: bool = False
-    freeze_llm: bool = False
-    vision_lr: float | None = None
-    merger_lr: float | None = None
-    llm_lr: float | None = None
-
-    RUNTIME_FIELDS = ("attn_backend", "vision_attn_backend", "kernels", "freeze_vision", "freeze_merger",
-                      "freeze_llm", "vision_lr", "merger_lr", "llm_lr")
 
     def __post_init__(self):
-        want = dict(attn_backend=self.attn_backend, kernels=self.kernels, tie_word_embeddings=self.tie_word_embeddings)
-        if any(getattr(self.text, k) != v for k, v in want.items()):
-            object.__setattr__(self, "text", dataclasses.replace(self.text, **want))
+        self._push_into_text()
         object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
         v = self.vision
         object.__setattr__(self, "vision", dataclasses.replace(v, fullatt_block_indexes=tuple(v.fullatt_block_indexes)))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from titan_mm.models.qwen3_vl.config import VisionConfig
+from titan_mm.models.qwen3_vl.config import VisionConfig, VLFields
 
 logger = logging.getLogger(__name__)
 
@@ -221,54 +221,24 @@ _VISION_HF_KEYS = ("depth", "hidden_size", "hidden_act", "intermediate_size", "n
 
 
 @dataclass(frozen=True)
-class Qwen3_5Config:
+class Qwen3_5Config(VLFields):
     text: Qwen3_5TextConfig = field(default_factory=Qwen3_5TextConfig)
     """The hybrid decoder (dense or MoE)."""
     vision: VisionConfig = field(default_factory=lambda: VisionConfig(deepstack_visual_indexes=()))
     """The vision tower: Qwen3-VL's (titan_mm/models/qwen3_vl/vision.py) without DeepStack."""
-    image_token_id: int = 248056
-    """<|image_pad|>: one per merged image token in input_ids."""
+    image_token_id: int = 248056  # Qwen3.5's tokenizer
     video_token_id: int = 248057
     vision_start_token_id: int = 248053
     vision_end_token_id: int = 248054
-    tie_word_embeddings: bool = False
-    """Output head shares the token embedding. Pushed into ``text``."""
-    # ---- runtime (titan_mm only; pushed into ``text``; never exported) ----
-    attn_backend: str = "sdpa"
-    """Full-attention layers' backend: "sdpa" | "flex" | "varlen" (the trainer sets it from model.attn_backend)."""
-    vision_attn_backend: str = "auto"
-    """Vision attention: auto (varlen on CUDA when torch has it, else flex; sdpa on CPU), sdpa, flex or varlen."""
-    kernels: bool | str = False
-    """titan_mm.kernels ops in the decoder and the ViT MLPs' bias + GELU."""
-    # ---- training modes (as Qwen3-VL's: titan_mm/models/qwen3_vl/model.py param_groups, apply_freeze) ----
-    freeze_vision: bool = False
-    """Freeze the ViT (patch embed, position embed, blocks); the merger follows freeze_merger."""
-    freeze_merger: bool = False
-    """Freeze the patch merger."""
-    freeze_llm: bool = False
-    """Freeze the language model."""
-    vision_lr: float | None = None
-    """Learning rate of the ViT (None: the optimizer's lr)."""
-    merger_lr: float | None = None
-    """Learning rate of the merger (None: vision_lr if set, else the optimizer's lr)."""
-    llm_lr: float | None = None
-    """Learning rate of the language model (None: the optimizer's lr)."""
-
-    RUNTIME_FIELDS = ("attn_backend", "vision_attn_backend", "kernels", "freeze_vision", "freeze_merger",
-                      "freeze_llm", "vision_lr", "merger_lr", "llm_lr")
 
     def __post_init__(self):
-        want = dict(attn_backend=self.attn_backend, kernels=self.kernels, tie_word_embeddings=self.tie_word_embeddings)
-        if any(getattr(self.text, k) != v for k, v in want.items()):
-            object.__setattr__(self, "text", dataclasses.replace(self.text, **want))
+        self._push_into_text()
         if self.vision.deepstack_visual_indexes:
             raise ValueError(f"vision deepstack_visual_indexes={self.vision.deepstack_visual_indexes}: Qwen3.5's "
                              "vision tower has no DeepStack mergers; set it to ()")
         if self.vision.out_hidden_size != self.text.hidden_size:
             raise ValueError(f"vision out_hidden_size={self.vision.out_hidden_size} must equal the text hidden_size "
                              f"{self.text.hidden_size}; fix one of them")
-        if self.vision_attn_backend not in ("auto", "sdpa", "flex", "varlen"):
-            raise ValueError(f"vision_attn_backend={self.vision_attn_backend!r}; choose auto, sdpa, flex or varlen")
 
     @property
     def is_moe(self) -> bool:

@@ -65,14 +65,12 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
-class Qwen3VLConfig:
-    text: Qwen3Config = field(default_factory=Qwen3Config)
-    """The LLM (dense or MoE Qwen3 text config); its rope is interleaved M-RoPE over ``mrope_section``."""
-    vision: VisionConfig = field(default_factory=VisionConfig)
-    """The vision tower."""
-    mrope_section: tuple[int, int, int] = (24, 20, 20)
-    """Rotary frequency pairs per axis (t, h, w); sums to head_dim / 2. Interleaved as in HF Qwen3-VL:
-    frequency j rotates by h if j % 3 == 1 and j < 3 * sec_h, by w if j % 3 == 2 and j < 3 * sec_w, else by t."""
+class VLFields:
+    """The fields of every Qwen vision-language config besides its text / vision parts and rope layout (Qwen3-VL,
+    Qwen3.5, Qwen2.5-VL): the visual token ids, the tied head, and the runtime and training-mode fields the trainer
+    sets (titan_mm only, never exported). A subclass holds ``text`` and calls :meth:`_push_into_text` first in its
+    ``__post_init__``."""
+
     image_token_id: int = 151655
     """<|image_pad|>: one per merged image token in input_ids."""
     video_token_id: int = 151656
@@ -82,19 +80,19 @@ class Qwen3VLConfig:
     vision_end_token_id: int = 151653
     """<|vision_end|>."""
     tie_word_embeddings: bool = False
-    """Output head shares the token embedding (2B/4B). Pushed into ``text``."""
-    # ---- runtime (titan_mm only; pushed into ``text``; never exported) ----
+    """Output head shares the token embedding. Pushed into ``text``."""
+    # ---- runtime (pushed into ``text``) ----
     attn_backend: str = "sdpa"
     """LLM attention backend: "sdpa" | "flex" | "varlen" (the trainer sets it from model.attn_backend)."""
     vision_attn_backend: str = "auto"
     """Vision attention: auto (varlen on CUDA when torch has it, else flex; sdpa on CPU), sdpa, flex or varlen."""
-    kernels: bool = False
-    """Use titan_mm.kernels Triton ops in the LLM (as Qwen3Config.kernels) and the ViT MLPs' bias + GELU."""
-    # ---- training modes ----
+    kernels: bool | str = False
+    """titan_mm.kernels Triton ops in the LLM (as the text config's kernels) and the ViT MLPs."""
+    # ---- training modes (titan_mm/models/qwen3_vl/model.py: apply_freeze, param_groups) ----
     freeze_vision: bool = False
     """Freeze the ViT (patch embed, position embed, blocks); the mergers follow freeze_merger."""
     freeze_merger: bool = False
-    """Freeze the patch merger and the DeepStack mergers."""
+    """Freeze the patch merger (and DeepStack's mergers where there are)."""
     freeze_llm: bool = False
     """Freeze the language model (embeddings, blocks, final norm, output head)."""
     vision_lr: float | None = None
@@ -107,11 +105,26 @@ class Qwen3VLConfig:
     RUNTIME_FIELDS = ("attn_backend", "vision_attn_backend", "kernels", "freeze_vision", "freeze_merger",
                       "freeze_llm", "vision_lr", "merger_lr", "llm_lr")
 
-    def __post_init__(self):
-        t = self.text
+    def _push_into_text(self) -> None:
         want = dict(attn_backend=self.attn_backend, kernels=self.kernels, tie_word_embeddings=self.tie_word_embeddings)
-        if any(getattr(t, k) != v for k, v in want.items()):
-            object.__setattr__(self, "text", dataclasses.replace(t, **want))
+        if any(getattr(self.text, k) != v for k, v in want.items()):
+            object.__setattr__(self, "text", dataclasses.replace(self.text, **want))
+        if self.vision_attn_backend not in ("auto", "sdpa", "flex", "varlen"):
+            raise ValueError(f"vision_attn_backend={self.vision_attn_backend!r}; choose auto, sdpa, flex or varlen.")
+
+
+@dataclass(frozen=True)
+class Qwen3VLConfig(VLFields):
+    text: Qwen3Config = field(default_factory=Qwen3Config)
+    """The LLM (dense or MoE Qwen3 text config); its rope is interleaved M-RoPE over ``mrope_section``."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """The vision tower."""
+    mrope_section: tuple[int, int, int] = (24, 20, 20)
+    """Rotary frequency pairs per axis (t, h, w); sums to head_dim / 2. Interleaved as in HF Qwen3-VL:
+    frequency j rotates by h if j % 3 == 1 and j < 3 * sec_h, by w if j % 3 == 2 and j < 3 * sec_w, else by t."""
+
+    def __post_init__(self):
+        self._push_into_text()
         object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
         hd = self.text.head_dim
         if sum(self.mrope_section) * 2 != hd:
@@ -124,8 +137,6 @@ class Qwen3VLConfig:
                 f"vision out_hidden_size={self.vision.out_hidden_size} must equal the LLM hidden_size "
                 f"{self.text.hidden_size}; fix one of them."
             )
-        if self.vision_attn_backend not in ("auto", "sdpa", "flex", "varlen"):
-            raise ValueError(f"vision_attn_backend={self.vision_attn_backend!r}; choose auto, sdpa, flex or varlen.")
         if self.text.use_sliding_window:
             raise ValueError("Qwen3-VL text models have no sliding window; set use_sliding_window=False.")
 
