@@ -39,6 +39,15 @@ SLOW = (
 )
 
 
+@pytest.fixture
+def all_threads():
+    """A slow single-process training run (the accuracy cases) takes every core; other tests keep one thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:

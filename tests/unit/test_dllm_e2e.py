@@ -63,7 +63,7 @@ def test_debug_dllm_config_trains_exports_and_samples(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_debug_dllm_config_learns_the_qa(tmp_path, capsys):
+def test_debug_dllm_config_learns_the_qa(tmp_path, capsys, all_threads):
     """The full debug run (300 steps; docs/dllm.md records its time): held-out exact match rises over training."""
     from titan_mm.tools.eval_dllm import main as eval_main
     from titan_mm.train.trainer import main

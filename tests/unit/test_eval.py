@@ -110,7 +110,7 @@ def test_eval_command_errors_are_one_line(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_debug_vl_recipe_accuracy_rises_and_matches_the_eval_command(tmp_path, capsys):
+def test_debug_vl_recipe_accuracy_rises_and_matches_the_eval_command(tmp_path, capsys, all_threads):
     """train_configs/debug_qwen3_vl.toml as shipped ([eval] every 25 steps, 64 held-out digits): the accuracy
     rises, and the last one equals python -m titan_mm.eval on the final checkpoint."""
     assert train_main(["--config", "debug_qwen3_vl", "--job.dump_folder", str(tmp_path),
