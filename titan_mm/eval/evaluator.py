@@ -63,13 +63,13 @@ class Evaluator:
         return bool(self.tasks) and (not k or n_saved - self._tasks_at >= k or step == self.cfg.training.steps)
 
     def __call__(self, step: int, n_saved: int = 0, tasks: bool | None = None) -> dict[str, float]:
-        """eval/* metrics of the model as it is now; ``tasks`` None: as tasks_due says."""
+        """eval/* metrics of the model as it is now; ``tasks`` None: as tasks_due says (True: whenever there are)."""
         run = self.run
         rng = get_rng_state()
         t0 = time.perf_counter()
         reset_peak_memory(run.device)
         m = self.heldout()
-        if tasks if tasks is not None else self.tasks_due(step, n_saved):
+        if self.tasks and (tasks if tasks is not None else self.tasks_due(step, n_saved)):
             self._tasks_at = n_saved
             m.update(self.generate())
         m["eval/time_s"] = time.perf_counter() - t0
@@ -116,8 +116,8 @@ class Evaluator:
 
         from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
         from titan_mm.models.common.hf_io import local_hf_dir
-        from titan_mm.serve.engine import Engine
         from titan_mm.serve.config import ServeConfig
+        from titan_mm.serve.engine import Engine
 
         run, cfg = self.run, self.cfg
         sd = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True))
