@@ -10,11 +10,8 @@ learning rates) are Qwen3-VL's, read by qwen3_vl.model.apply_freeze / param_grou
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from titan_mm.models.qwen2.config import Qwen2Config
@@ -119,12 +116,7 @@ class Qwen2_5_VLConfig(VLFields):
         """The Qwen3 decoder config the language model is built from (Qwen2's switches)."""
         return self.text.decoder()
 
-    @property
-    def attn_sliding_window(self) -> None:
-        return None
 
-    def replace(self, **kw) -> Qwen2_5_VLConfig:
-        return dataclasses.replace(self, **kw)
 
     # --- HF config.json ---
     @classmethod
@@ -167,18 +159,10 @@ class Qwen2_5_VLConfig(VLFields):
                            unknown)
         tie = d.get("tie_word_embeddings", (d.get("text_config") or {}).get("tie_word_embeddings", False))
         kw = dict(text=text, vision=VisionConfig(**vkw), mrope_section=mrope, tie_word_embeddings=bool(tie))
-        for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
-            if k in d:
-                kw[k] = d[k]
+        kw.update(cls.hf_token_ids(d))
         kw.update(runtime)
         return cls(**kw)
 
-    @classmethod
-    def from_hf(cls, hf_dir: str | os.PathLike, **runtime) -> Qwen2_5_VLConfig:
-        path = Path(hf_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: an HF model directory needs a config.json")
-        return cls.from_hf_dict(json.loads(path.read_text()), **runtime)
 
     def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
         td = self.text.to_hf_dict(dtype=dtype)

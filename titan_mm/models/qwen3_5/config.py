@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import logging
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from titan_mm.models.qwen3_vl.config import VisionConfig, VLFields
@@ -248,9 +245,6 @@ class Qwen3_5Config(VLFields):
     def model_type(self) -> str:
         return "qwen3_5_moe" if self.is_moe else "qwen3_5"
 
-    @property
-    def attn_sliding_window(self) -> None:
-        return None
 
     # --- HF config.json ---
     @classmethod
@@ -289,18 +283,10 @@ class Qwen3_5Config(VLFields):
         tie = d.get("tie_word_embeddings", d["text_config"].get("tie_word_embeddings", False))
         kw: dict[str, Any] = dict(text=text, vision=VisionConfig(**vkw, deepstack_visual_indexes=()),
                                   tie_word_embeddings=bool(tie))
-        for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
-            if k in d:
-                kw[k] = d[k]
+        kw.update(cls.hf_token_ids(d))
         kw.update(runtime)
         return cls(**kw)
 
-    @classmethod
-    def from_hf(cls, hf_dir: str | os.PathLike, **runtime) -> Qwen3_5Config:
-        path = Path(hf_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: an HF model directory needs a config.json")
-        return cls.from_hf_dict(json.loads(path.read_text()), **runtime)
 
     def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
         td = self.text.to_hf_dict()

@@ -105,6 +105,28 @@ class VLFields:
     RUNTIME_FIELDS = ("attn_backend", "vision_attn_backend", "kernels", "freeze_vision", "freeze_merger",
                       "freeze_llm", "vision_lr", "merger_lr", "llm_lr")
 
+    TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+    @property
+    def attn_sliding_window(self) -> None:
+        return None
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def from_hf(cls, hf_dir: str | os.PathLike, **runtime):
+        """The config of an HF folder's config.json (through the family's ``from_hf_dict``)."""
+        path = Path(hf_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: an HF model directory needs a config.json")
+        return cls.from_hf_dict(json.loads(path.read_text()), **runtime)
+
+    @classmethod
+    def hf_token_ids(cls, d: dict) -> dict[str, int]:
+        """The visual token ids an HF config.json sets (the rest keep the family's defaults)."""
+        return {k: d[k] for k in cls.TOKEN_FIELDS if k in d}
+
     def _push_into_text(self) -> None:
         want = dict(attn_backend=self.attn_backend, kernels=self.kernels, tie_word_embeddings=self.tie_word_embeddings)
         if any(getattr(self.text, k) != v for k, v in want.items()):
@@ -149,12 +171,7 @@ class Qwen3VLConfig(VLFields):
     def model_type(self) -> str:
         return "qwen3_vl_moe" if self.is_moe else "qwen3_vl"
 
-    @property
-    def attn_sliding_window(self) -> None:
-        return None
 
-    def replace(self, **kw) -> "Qwen3VLConfig":
-        return dataclasses.replace(self, **kw)
 
     # --- HF config.json ---
     @classmethod
@@ -209,18 +226,10 @@ class Qwen3VLConfig(VLFields):
                            unknown)
         top_tie = d.get("tie_word_embeddings", d["text_config"].get("tie_word_embeddings", False))
         kw = dict(text=text, vision=VisionConfig(**vkw), mrope_section=mrope, tie_word_embeddings=bool(top_tie))
-        for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
-            if k in d:
-                kw[k] = d[k]
+        kw.update(cls.hf_token_ids(d))
         kw.update(runtime)
         return cls(**kw)
 
-    @classmethod
-    def from_hf(cls, hf_dir: str | os.PathLike, **runtime) -> "Qwen3VLConfig":
-        path = Path(hf_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: an HF model directory needs a config.json")
-        return cls.from_hf_dict(json.loads(path.read_text()), **runtime)
 
     def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
         td = self.text.to_hf_dict(dtype=dtype)
