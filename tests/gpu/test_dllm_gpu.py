@@ -28,9 +28,16 @@ def _model(backend: str, kernels: bool, sd=None):
     return model.cuda()
 
 
-def _loss_and_grad(model, mb, obj, backend):
+def _on_device(mb, obj, backend):
+    """The batch and its attention metadata on the GPU, as the trainer moves them before the forward (the copies
+    from pageable host memory synchronize, so they stay outside the checked region)."""
     meta = build_attn_meta(mb, backend, "cuda", kind=obj.mask_kind, block_size=obj.block_size)
     b = {k: mb[k].cuda() for k in ("input_ids", "labels", "loss_weights", "position_ids")}
+    torch.cuda.synchronize()
+    return b, meta
+
+
+def _loss_and_grad(model, b, meta):
     model.zero_grad(set_to_none=True)
     out = model(b["input_ids"], position_ids=b["position_ids"], attn=meta, labels=b["labels"],
                 loss_weights=b["loss_weights"])
@@ -44,17 +51,17 @@ def test_diffusion_loss_is_the_same_on_every_backend_without_host_sync(kind):
     mb = obj.apply([SyntheticLoader(vocab_size=V - 1, seq_len=640, micro_batch_size=2, seed=0).batch(0)], 0)[0]
     assert (mb["labels"] != -100).sum() > 100
     sd = _model("sdpa", False).cpu().state_dict()
-    ref_loss, ref_grad = _loss_and_grad(_model("sdpa", False, sd), mb, obj, "sdpa")
+    ref_loss, ref_grad = _loss_and_grad(_model("sdpa", False, sd), *_on_device(mb, obj, "sdpa"))
     for backend in ("sdpa", "flex", "varlen"):
         if obj.mask_kind not in BACKEND_KINDS[backend]:
             continue
         for kernels in (False, True):
             model = _model(backend, kernels, sd)
             for check in (False, True):  # the first call compiles (flex) and tunes; the second must not sync
-                torch.cuda.synchronize()
+                b, meta = _on_device(mb, obj, backend)
                 torch.cuda.set_sync_debug_mode("error" if check else 0)
                 try:
-                    loss, grad = _loss_and_grad(model, mb, obj, backend)
+                    loss, grad = _loss_and_grad(model, b, meta)
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
             torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-3, msg=f"{backend} kernels={kernels} loss")

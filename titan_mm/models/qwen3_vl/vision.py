@@ -183,10 +183,16 @@ def apply_vision_rope(x_NHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 
 def vision_attention_core(q_NHD, k_NHD, v_NHD, meta: VisionMeta) -> torch.Tensor:
     """Bidirectional attention inside each image / frame. Returns [N, H, Dh]."""
+    mask = meta.mask
     if meta.backend == "varlen":
-        from titan_mm.models.common.attention import varlen_attention
+        if q_NHD.dtype in (torch.float16, torch.bfloat16):
+            from titan_mm.models.common.attention import varlen_attention
 
-        return varlen_attention(q_NHD, k_NHD, v_NHD, meta.cu_seqlens, meta.max_seqlen, causal=False)
+            return varlen_attention(q_NHD, k_NHD, v_NHD, meta.cu_seqlens, meta.max_seqlen, causal=False)
+        # float32 (a debug recipe on CUDA): varlen's flash kernels take half types only, so a dense
+        # block-diagonal mask from cu_seqlens, built on the device (no host sync)
+        doc = torch.searchsorted(meta.cu_seqlens[1:], torch.arange(q_NHD.shape[0], device=q_NHD.device), right=True)
+        mask = (doc[:, None] == doc[None, :])[None, None]
     if meta.backend == "sdpa" and meta.mask is None:  # equal-length segments (e.g. same-size images)
         n, H, Dh = q_NHD.shape
         L = meta.max_seqlen
@@ -196,7 +202,7 @@ def vision_attention_core(q_NHD, k_NHD, v_NHD, meta: VisionMeta) -> torch.Tensor
     if meta.backend == "flex":
         o = _flex_attention()(q, k, v, block_mask=meta.mask)
     else:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return o[0].transpose(0, 1)
 
 
