@@ -55,7 +55,7 @@ def measure(config: str, steps: int, every: int, interval: int, max_batches: int
         "heldout_s": last["eval/time_s"] - last["eval/generate_s"], "heldout_tokens": last["eval/qa_test/tokens"],
         "prompts": last["eval/qa/n"], "eval_peak_mem_gb": last["eval/peak_mem_gb"],
         "step_peak_mem_gb_before_eval": before, "step_peak_mem_gb_after_eval": after,
-        "interval": interval, "overhead_pct": 100.0 * eval_s / (interval * step),
+        "max_batches": max_batches, "interval": interval, "overhead_pct": 100.0 * eval_s / (interval * step),
     }
 
 

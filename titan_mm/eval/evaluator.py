@@ -121,6 +121,8 @@ class Evaluator:
 
         run, cfg = self.run, self.cfg
         sd = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True))
+        if run.ctx.pipeline is not None:  # this rank holds its stages only: the others' come from their pp ranks
+            sd = run.ctx.pipeline.gather_state_dict(sd)
         gen_cfg = run.spec.with_runtime(run.model_cfg, attn_backend="sdpa", kernels=False)
         with torch.device("meta"):
             model = run.spec.build(gen_cfg)

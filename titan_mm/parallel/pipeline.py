@@ -371,13 +371,39 @@ class Pipeline:
             inject_nan: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one step's micro-batches through the schedule; gradients accumulate in the
         parameters. Returns (sum of loss_sum, sum of aux) over the micro-batches, the same on every pp rank."""
+        return self._schedule(micros, self.schedule.step, denom, aux_scale, scale, inject_nan)
+
+    def eval(self, micros: list[Micro]) -> torch.Tensor:
+        """Forward only (the schedule's eval: no backward actions), under no_grad: the sum of loss_sum over the
+        micro-batches, the same on every pp rank."""
+        with torch.no_grad():
+            return self._schedule(micros, self.schedule.eval, 1.0, 0.0, None, False)[0]
+
+    def gather_state_dict(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on every pp rank, from each rank's own (``sd``: its stages, full tensors):
+        each tensor is broadcast by the one pp rank that holds it (the plan gives every parameter one owner)."""
+        me, n = dist.get_rank(self.pp_group), dist.get_world_size(self.pp_group)
+        held: list[dict] = [{} for _ in range(n)]
+        dist.all_gather_object(held, {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}, group=self.pp_group)
+        comm = self.device if dist.get_backend(self.pp_group) == "nccl" else torch.device("cpu")
+        out = {}
+        for k in sorted({k for h in held for k in h}):
+            owner = next(r for r in range(n) if k in held[r])
+            shape, dtype = held[owner][k]
+            t = sd[k].to(comm) if owner == me else torch.empty(shape, dtype=dtype, device=comm)
+            dist.broadcast(t, src=dist.get_global_rank(self.pp_group, owner), group=self.pp_group)
+            out[k] = t.to(self.device)
+        return out
+
+    def _schedule(self, micros: list[Micro], call, denom: float, aux_scale: float, scale: torch.Tensor | None,
+                  inject_nan: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if len(micros) != self.layout.n_micro:
             raise ValueError(f"the pipeline runs {self.layout.n_micro} micro-batches per step, got {len(micros)}.")
         self.book[:] = micros
         self._step = {"sums": {}, "denom": denom, "aux_scale": aux_scale, "scale": scale, "nan": inject_nan}
         idx = torch.arange(len(micros))
         try:
-            self.schedule.step(target=idx, mb=idx)
+            call(target=idx, mb=idx)
         finally:
             self.book.clear()
         sums = (torch.stack(list(self._step["sums"].values())).sum(0) if self.is_last

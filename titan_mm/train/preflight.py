@@ -7,7 +7,7 @@ Checked, in order:
 - the model: flavor, or ``model.hf_path`` (a local folder or a Hub repo id, fetched here) with its config.json
   and model_type, then ``model.overrides``; the weight files when they will be loaded;
 - the parallel degrees against the world size and the model's shapes, and the global batch;
-- [eval] when on: not under pp, tasks only with the causal objective, task files readable, sources listed;
+- [eval] when on: tasks only with the causal objective, task files readable, sources listed;
 - unless ``data.dataset = "synthetic"``: every source of ``data.dataset`` / ``data.mixture`` lists its files
   (or built-in parts), and the tokenizer loads, gives the family's special tokens their ids and emits no id
   at or above the model's vocab_size.
@@ -33,14 +33,14 @@ def preflight(cfg: JobConfig) -> None:
     pd = parallel_dims(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_parallel(cfg, pd, spec, model_cfg)
     grad_accum_steps(cfg, pd.dp)
-    _check_eval(cfg, spec, pd)
+    _check_eval(cfg, spec)
     if cfg.data.dataset == "synthetic":  # the trainer's rule (build_data): random rows, no files, no tokenizer
         return
     _check_sources(cfg.data)
     _check_tokenizer(cfg, spec, model_cfg)
 
 
-def _check_eval(cfg: JobConfig, spec, pd) -> None:
+def _check_eval(cfg: JobConfig, spec) -> None:
     from titan_mm.eval.tasks import load_task
 
     e = cfg.eval
@@ -49,9 +49,6 @@ def _check_eval(cfg: JobConfig, spec, pd) -> None:
     if e.tasks and not spec.kv_cache:
         raise ConfigError(f"eval.tasks decode through the serving engine, which cannot run {spec.name!r} yet (its "
                           "layers keep state the KV cache does not hold); keep the held-out loss and drop eval.tasks")
-    if pd.pp_enabled:
-        raise ConfigError("[eval] does not run under parallel.pp > 1 yet; set eval.interval 0 and score the "
-                          "checkpoints with python -m titan_mm.eval")
     if e.tasks and cfg.objective.kind != "causal":
         raise ConfigError(f"eval.tasks decode causally through the serving engine; objective.kind "
                           f"{cfg.objective.kind!r} is scored by python -m titan_mm.tools.eval_dllm: drop eval.tasks")

@@ -257,12 +257,16 @@ def eval_loss_sums(model, micro_batches: list[dict], ctx: StepContext) -> tuple[
     model.eval()
     loss_acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
     with sdpa_priority(ctx.device):
-        for mb in micro_batches:
-            mb, attn = _prepare(mb, ctx)
-            b = _to_device(mb, ctx.device)
-            extra = {k: v for k, v in b.items() if k not in _NOT_MODEL_KWARGS}
-            out = model(b["input_ids"], position_ids=b.get("position_ids"), attn=attn, labels=b["labels"], **extra)
-            loss_acc += out.loss_sum.float()
+        if ctx.pipeline is not None:  # the schedule's forward-only pass; every pp rank gets the sum
+            loss_acc += ctx.pipeline.eval(_pp_micros(micro_batches, ctx))
+        else:
+            for mb in micro_batches:
+                mb, attn = _prepare(mb, ctx)
+                b = _to_device(mb, ctx.device)
+                extra = {k: v for k, v in b.items() if k not in _NOT_MODEL_KWARGS}
+                out = model(b["input_ids"], position_ids=b.get("position_ids"), attn=attn, labels=b["labels"],
+                            **extra)
+                loss_acc += out.loss_sum.float()
     if ctx.loss_group is not None:
         comm_dev = ctx.device if dist.get_backend(ctx.loss_group) == "nccl" else torch.device("cpu")
         loss_acc = _all_reduce_sum(loss_acc.to(comm_dev), ctx.loss_group)
@@ -275,13 +279,18 @@ def _pp_forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_g
     metadata, attention metadata or the CP split) and the same loss (sum CE / n_global_labels + aux / (n_micro x
     dp x cp), times the loss scale), run by ``ctx.pipeline``'s schedule; the last stage computes it. Returns
     (local loss_sum, local aux sum), the same on every pp rank."""
-    pipe = ctx.pipeline
+    return ctx.pipeline.run(_pp_micros(micro_batches, ctx), float(max(n_global_labels, 1)),
+                            1.0 / (len(micro_batches) * ctx.loss_world), None if scaler is None else scaler.scale,
+                            ctx.inject_nan)
+
+
+def _pp_micros(micro_batches: list[dict], ctx: StepContext) -> list:
+    """The micro-batches as ``ctx.pipeline``'s stages read them, after the same host preparation as without it."""
     micros = []
     for mb in micro_batches:
         mb, attn = _prepare(mb, ctx)
-        micros.append(pipe.micro(_to_device(mb, ctx.device), attn, _NOT_MODEL_KWARGS))
-    return pipe.run(micros, float(max(n_global_labels, 1)), 1.0 / (len(micro_batches) * ctx.loss_world),
-                    None if scaler is None else scaler.scale, ctx.inject_nan)
+        micros.append(ctx.pipeline.micro(_to_device(mb, ctx.device), attn, _NOT_MODEL_KWARGS))
+    return micros
 
 
 def _param_device(opt) -> torch.device:
