@@ -3,7 +3,8 @@ optimizer.name differs (Muon's matrices take the AdamW lr through Moonlight's 0.
 lr serves both); the loss of every step from each run's metrics.jsonl.
 
     PYTHONPATH=$PWD python3 bench/optim_curve.py --out $OUT/optim_curve.json      # H200: Qwen3-1.7B shape, 8 layers
-    PYTHONPATH=$PWD python3 bench/optim_curve.py --cpu --out /tmp/c.json          # smoke: debug_qwen3, 6 steps
+    PYTHONPATH=$PWD python3 bench/optim_curve.py --cpu                            # debug_qwen3 on the CPU, 200 steps
+    PYTHONPATH=$PWD python3 bench/optim_curve.py --cpu --steps 6 --out /tmp/c.json  # smoke test
     python3 bench/optim_curve.py --plot bench/results/optim_curve.json            # docs/optim_curve.png + table
 """
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--layers", type=int, default=8, help="decoder layers kept (the recipe's widths)")
     ap.add_argument("--rows", type=int, default=4, help="global batch rows (of data.seq_len tokens)")
-    ap.add_argument("--cpu", action="store_true", help="smoke test: debug_qwen3 on the CPU, 6 steps")
+    ap.add_argument("--cpu", action="store_true", help="debug_qwen3 (its own batch) on the CPU")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "optim_curve.json"))
     ap.add_argument("--plot", help="results JSON to draw into --png (no runs)")
     ap.add_argument("--png", default=str(ROOT / "docs" / "optim_curve.png"))
@@ -81,10 +82,10 @@ def main(argv=None) -> int:
     if a.plot:
         plot(Path(a.plot), Path(a.png))
         return 0
+    config, steps = ("debug_qwen3" if a.cpu else a.config), a.steps
     if a.cpu:
-        config, steps, extra = "debug_qwen3", 6, ["--job.device", "cpu"]
+        extra = ["--job.device", "cpu"]
     else:
-        config, steps = a.config, a.steps
         extra = ["--model.overrides", json.dumps({"num_hidden_layers": a.layers}), "--training.global_batch_size",
                  str(a.rows), "--data.micro_batch_size", str(a.rows)]
     res = {"config": config, "steps": steps, "extra": extra,

@@ -52,6 +52,8 @@ class LinearMeta(NamedTuple):
     """[N + 1] int64: the segments over the flat B*S tokens (fla's varlen input)."""
     chunk_indices: torch.Tensor
     """[n_chunks, 2] int64: (segment, chunk of the segment) of every chunk of CHUNK tokens (fla's chunk table)."""
+    cu_seqlens_cpu: torch.Tensor
+    """``cu_seqlens`` on the host: fla-core 0.4 builds its chunk table from it (no device read)."""
 
 
 def segment_starts(batch: dict[str, Any]) -> torch.Tensor | None:
@@ -96,7 +98,7 @@ def build_linear_meta(batch: dict[str, Any], device: torch.device | str, chunk: 
     first = torch.repeat_interleave(n_chunks.cumsum(0) - n_chunks, n_chunks)
     chunks = torch.stack([seg, torch.arange(int(n_chunks.sum())) - first], 1)
     dev = torch.device(device)
-    return LinearMeta(*(t.to(dev, non_blocking=True) for t in (pos.view(B, S), cu, chunks)))
+    return LinearMeta(*(t.to(dev, non_blocking=True) for t in (pos.view(B, S), cu, chunks)), cu_seqlens_cpu=cu)
 
 
 # ------------------------------------------------------------------------------------------------ the convolution
@@ -213,14 +215,19 @@ _FLA: Any = None
 
 
 def _fla():
-    """fla's chunked gated delta rule (imported once), or None when fla-core is not installed."""
+    """(fla's chunked gated delta rule, whether it is fla-core >= 0.5) imported once, or None without fla-core.
+    fla-core >= 0.5 takes fewer q / k heads than v heads and our chunk table; 0.4 takes equal heads and builds the
+    table from the host's cu_seqlens. 0.4 is the one that runs the backward on Hopper with Triton < 3.7.1: 0.5+
+    refuses it there (fla #640, a Triton miscompile at key tiles of 64; 0.4 tiles head_dim 128 whole)."""
     global _FLA
     if _FLA is None:
         try:
+            import fla
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+
+            _FLA = (fn, tuple(int(x) for x in fla.__version__.split(".")[:2]) >= (0, 5))
         except ImportError:
-            fn = False
-        _FLA = fn
+            _FLA = False
     return _FLA or None
 
 
@@ -254,10 +261,13 @@ def gated_delta_rule(q, k, v, g, beta, meta: LinearMeta | None, impl: str = "aut
     (g in fp32); q and k are L2-normalized here. Returns o [B, S, HV, V] in q's dtype."""
     if resolve_impl(impl, q.device) == "torch":
         return chunk_gated_delta_rule(q, k, v, g, beta, doc_pos=None if meta is None else meta.doc_pos)[0]
-    fn = _fla()
+    fn, grouped = _fla()
+    if not grouped and v.shape[2] != q.shape[2]:  # fla-core 0.4: one q / k head per v head, as HF repeats them
+        q, k = (t.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for t in (q, k))
     if meta is None:
         return fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
     B, S = q.shape[:2]
     flat = [t.reshape(1, B * S, *t.shape[2:]) for t in (q, k, v, g, beta)]
-    o = fn(*flat, use_qk_l2norm_in_kernel=True, cu_seqlens=meta.cu_seqlens, chunk_indices=meta.chunk_indices)[0]
+    table = dict(chunk_indices=meta.chunk_indices) if grouped else dict(cu_seqlens_cpu=meta.cu_seqlens_cpu)
+    o = fn(*flat, use_qk_l2norm_in_kernel=True, cu_seqlens=meta.cu_seqlens, **table)[0]
     return o.view(B, S, *o.shape[2:])
