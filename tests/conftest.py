@@ -14,6 +14,7 @@ SLOW = (
     "tests/unit/test_kernels_compile.py::",
     "tests/unit/test_kernels_reference.py::test_matches_reference",
     "tests/unit/test_kernels_tuning.py::test_tuning_in_interpreter",
+    "tests/unit/test_paged_decode.py::test_triton_kernel_matches_the_reference_in_the_interpreter",
     "tests/unit/test_kernels_model.py::",
     "tests/multiproc/test_parallel_vl.py::test_vl_matches_world1[world4]",
     "tests/multiproc/test_parallel_vl.py::test_vl_tp_modes_match_world1[dense-cp2xtp2-sp-lp]",

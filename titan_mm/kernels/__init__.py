@@ -14,6 +14,8 @@ see docs/kernels.md):
         (loss parallel: the head's rows are split over the ranks of ``group``; Triton only; the PyTorch
         version is titan_mm.models.common.loss.chunked_cross_entropy(..., group=group))
     bias_gelu(x, b) -> gelu_tanh(x + b)
+    paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, window=None) -> o
+        (serving's one-token decode step over a paged KV pool, keys read in place; no backward)
 
 Launch configs (titan_mm.kernels._utils.Tuner): picked per key (width / head layout, dtype) outside the
 model's forward, which must not synchronize the GPU:
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from titan_mm.models.common.kv_cache import paged_decode_reference
 from titan_mm.models.common.loss import chunked_cross_entropy
 from titan_mm.models.common.mlp import bias_gelu as _bias_gelu_ref
 from titan_mm.models.common.mlp import silu_mul
@@ -56,6 +59,7 @@ __all__ = [
     "linear_cross_entropy",
     "vocab_parallel_linear_cross_entropy",
     "bias_gelu",
+    "paged_decode_attention",
     "HAS_TRITON",
     "use_triton",
     "KERNEL_OPS",
@@ -94,6 +98,7 @@ if HAS_TRITON:
     from .bias_gelu import BiasGeluFunction, bias_gelu_op
     from .cross_entropy import (LinearCrossEntropyFunction, VocabParallelLinearCrossEntropyFunction,
                                 linear_cross_entropy_op)
+    from .paged_decode import paged_decode
     from .rms_norm import AddRMSNormFunction, RMSNormFunction, add_rms_norm_op, rms_norm_op
     from .rms_norm import _fwd as _rms_fwd
     from .rope import RopeFunction, rope_op
@@ -210,3 +215,19 @@ def bias_gelu(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if use_triton(x, b):
         return bias_gelu_op(x, b) if _dispatch.use_ops() else BiasGeluFunction.apply(x, b)
     return _bias_gelu_ref(x, b)
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(K)) v of each sequence's one query token q [B, H, K] over its first ``seq_lens[b]``
+    keys (the last ``window`` of them with a sliding window), read from the pools [NB, BS, G, K] through
+    ``block_tables`` [B, MB] (device int32 / int64; see titan_mm/kernels/paged_decode.py). -> [B, H, K]."""
+    B, H, K = q.shape
+    if k_pool.shape[-1] != K or H % k_pool.shape[2] or v_pool.shape != k_pool.shape:
+        raise ValueError(f"paged decode: q [B, H, K] = {list(q.shape)} against pools {list(k_pool.shape)} / "
+                         f"{list(v_pool.shape)}: K must agree, H must be a multiple of G, k and v pools alike")
+    bs = k_pool.shape[1]
+    if use_triton(q, k_pool, v_pool) and bs >= 16 and not bs & (bs - 1):  # tl.dot tiles: a power of 2, >= 16
+        return paged_decode(q, k_pool, v_pool, block_tables, seq_lens, window)
+    return paged_decode_reference(q, k_pool, v_pool, block_tables, seq_lens, window)
+

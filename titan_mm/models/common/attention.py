@@ -322,6 +322,12 @@ def attention(
         )
     if meta is not None and meta.kv_cache is not None:
         cache = meta.kv_cache
+        st = cache.step
+        if st.decode_attention is not None:  # one token per sequence, paged: the keys are read in place
+            cache.write(layer_id, k_BSGK, v_BSGK)
+            o = st.decode_attention(q_BSHK[:, 0], cache.k[layer_id], cache.v[layer_id], st.block_tables, st.seq_lens,
+                                    window)
+            return o[:, None]
         k_all, v_all = cache.update(layer_id, k_BSGK, v_BSGK)  # [B, L, G, K]: every cached key of the sequence
         return _sdpa(q_BSHK, k_all, v_all, cache.step.mask_swa if window is not None else cache.step.mask, False)
     if meta is None and window is not None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +56,14 @@ class KVStep:
     mask_swa: torch.Tensor | None = None
     """``mask`` and the sliding window (query position - j < window); None when planned without a window."""
     sliding_window: int | None = None
+    decode_attention: Callable | None = None
+    """Set on a one-token step of a paged cache planned with ``decode_attention`` (titan_mm.kernels'
+    paged_decode_attention): attention reads the keys in place through ``block_tables`` / ``seq_lens`` below
+    instead of gathering them (``kv_slots`` and the masks are then unused)."""
+    block_tables: torch.Tensor | None = None
+    """[B, blocks of the longest sequence] int32 on the device, with ``decode_attention``."""
+    seq_lens: torch.Tensor | None = None
+    """[B] int32 on the device: keys per sequence after the step, with ``decode_attention``."""
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -80,6 +88,15 @@ class KVCache(abc.ABC):
     def update(self, layer: int, k_BSGK: torch.Tensor, v_BSGK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's new k/v of ``layer`` into their slots; -> every cached k, v of each sequence
         [B, L, G, K] (in the new k/v's dtype). Shape checks only: no host sync."""
+        self.write(layer, k_BSGK, v_BSGK)
+        B = k_BSGK.shape[0]
+        G, K = k_BSGK.shape[2:]
+        slots = self.step.kv_slots.reshape(-1)
+        return tuple(store.view(-1, G, K).index_select(0, slots).view(B, -1, G, K).to(new.dtype)
+                     for store, new in ((self.k[layer], k_BSGK), (self.v[layer], v_BSGK)))
+
+    def write(self, layer: int, k_BSGK: torch.Tensor, v_BSGK: torch.Tensor) -> None:
+        """Copy this step's new k/v of ``layer`` into their slots (in place)."""
         if not 0 <= layer < len(self.k):
             raise ValueError(f"layer {layer} has no KV cache: the cache holds {len(self.k)} layers; allocate it with "
                              "num_layers = the model's layer count and pass layer_id=i to Attention")
@@ -87,13 +104,10 @@ class KVCache(abc.ABC):
         if tuple(self.k[layer].shape[-2:]) != (G, K):
             raise ValueError(f"the cache stores [G, K] = {list(self.k[layer].shape[-2:])} per token but layer {layer} "
                              f"has {G} kv heads of dim {K}; allocate it with the model's num_key_value_heads, head_dim")
-        out = []
         for store, new in ((self.k[layer], k_BSGK), (self.v[layer], v_BSGK)):
             flat = store.view(-1, G, K)
             flat.index_copy_(0, self.step.slot_mapping,
                              new.reshape(B * S, G, K).index_select(0, self.step.new_tokens).to(flat.dtype))
-            out.append(flat.index_select(0, self.step.kv_slots.reshape(-1)).view(B, -1, G, K).to(new.dtype))
-        return out[0], out[1]
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -176,7 +190,8 @@ def alloc_paged_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 
 def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_lens: Sequence[int] | None = None,
               block_tables: torch.Tensor | Sequence[Sequence[int]] | None = None,
-              sliding_window: int | None = None, width: int | None = None) -> KVCache:
+              sliding_window: int | None = None, width: int | None = None,
+              decode_attention: Callable | None = None) -> KVCache:
     """Host side: -> ``cache`` with this step's :class:`KVStep` and the lengths after it (storage shared).
 
     ``new_lens`` [B]: new tokens per sequence this step (the batch's rows hold them first, then padding).
@@ -184,6 +199,8 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     ``block_tables`` [B, max_blocks]: paged layout only (default: the cache's current ones).
     ``sliding_window``: the model config's ``attn_sliding_window`` when any layer uses one.
     ``width``: S, the padded row length of the step's input_ids (default: max(new_lens)).
+    ``decode_attention``: paged_decode_attention(q [B, H, K], k_pool, v_pool, block_tables, seq_lens, window),
+    used when the step is one token per row of a paged cache (others gather, as without it).
     """
     new = torch.as_tensor(new_lens, dtype=torch.int64).reshape(-1).cpu()  # host metadata, whatever was passed
     B = new.numel()
@@ -228,6 +245,31 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     host = dict(positions=positions, valid=valid, new_tokens=new_tokens, slot_mapping=slot_mapping, kv_slots=kv_slots,
                 mask=mask[:, None], mask_swa=None if mask_swa is None else mask_swa[:, None])
     dev = cache.k[0].device
+    if decode_attention is not None and isinstance(cache, PagedKVCache) and S == 1:
+        width_blocks = -(-L // cache.block_size)  # the kernel loops over these columns: the longest sequence's
+        host.update(block_tables=cache.block_tables[:, :width_blocks].to(torch.int32), seq_lens=total.to(torch.int32))
+    else:
+        decode_attention = None
     step = KVStep(**{n: None if t is None else t.to(dev, non_blocking=True) for n, t in host.items()},
-                  sliding_window=sliding_window)
+                  sliding_window=sliding_window, decode_attention=decode_attention)
     return dataclasses.replace(cache, seq_lens=total, step=step)
+
+
+def paged_decode_reference(q_BHK: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """The reference of titan_mm.kernels.paged_decode_attention (device ops, no host sync): every key a table row
+    names, masked past ``seq_lens`` (and outside the window), fp32 softmax. A sequence of length 0 gets zeros."""
+    B, H, K = q_BHK.shape
+    NB, BS, G, _ = k_pool.shape
+    MB = block_tables.shape[1]
+    dev = q_BHK.device
+    slots = (block_tables.long().clamp(0, NB - 1)[:, :, None] * BS + torch.arange(BS, device=dev)).reshape(B, MB * BS)
+    k, v = (pool.reshape(NB * BS, G, K)[slots].float() for pool in (k_pool, v_pool))  # [B, L, G, K]
+    pos = torch.arange(MB * BS, device=dev)[None]
+    n = seq_lens.long()[:, None]
+    ok = pos < n
+    if window is not None:
+        ok = ok & (pos > n - 1 - window)
+    s = torch.einsum("bgjk,blgk->bgjl", q_BHK.float().view(B, G, H // G, K), k) * K ** -0.5
+    p = torch.softmax(s.masked_fill(~ok[:, None, None, :], float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("bgjl,blgk->bgjk", p, v).reshape(B, H, K).to(q_BHK.dtype)
