@@ -81,6 +81,28 @@ def build_hf(hf_config: dict, device: torch.device, liger: bool, compile_blocks:
     return model, step
 
 
+def hf_twin(model: torch.nn.Module, cfg, attn: str = "sdpa"):
+    """transformers' model over the very tensors of a titan_mm Qwen3 / Qwen3-MoE (its HF names from qwen3/hf.py;
+    nothing is copied), in eval mode: the serving peer of bench/serve.py."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.initialization import no_init_weights
+
+    from titan_mm.models.qwen3.hf import titan_to_hf
+
+    hf_config = cfg.to_hf_dict()
+    conf = AutoConfig.for_model(**hf_config)
+    conf._attn_implementation = attn
+    with torch.device(next(model.parameters()).device), no_init_weights():  # uninitialised: replaced below
+        hf = getattr(transformers, HF_PEERS[hf_config["model_type"]][0])(conf)
+    missing, unexpected = hf.load_state_dict(titan_to_hf(model.state_dict(), cfg), strict=False, assign=True)
+    tied = ["lm_head.weight"] if hf_config.get("tie_word_embeddings") else []
+    if unexpected or missing != tied:
+        raise KeyError(f"titan -> HF names do not cover the model: missing {missing}, unexpected {unexpected}")
+    hf.tie_weights()
+    return hf.eval().requires_grad_(False)
+
+
 def build_torchtitan(shape: dict, device: torch.device, compile_blocks: bool = True):
     from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 

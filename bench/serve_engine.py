@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,10 +34,10 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a quick check of the script itself")
     ap.add_argument("--out", default=str(ROOT / "bench/results/serve_engine.json"))
     a = ap.parse_args()
+    from bench.serve import random_model, run_titan, text_vocab
     from titan_mm.registry import get_model_spec
     from titan_mm.serve.config import ServeConfig
     from titan_mm.serve.engine import Engine
-    from titan_mm.serve.sampling import SamplingParams
 
     spec = get_model_spec("qwen3")
     cfg = spec.flavor(a.flavor)
@@ -47,38 +46,19 @@ def main() -> int:
     prefix = torch.randint(0, V, (a.prefix,), generator=g).tolist()
     prompts = [(prefix if i % 2 == 0 else []) + torch.randint(0, V, (a.prompt - (a.prefix if i % 2 == 0 else 0),),
                                                              generator=g).tolist() for i in range(a.n)]
-    params = SamplingParams(temperature=0.0, max_tokens=a.new, ignore_eos=True)
     rows = []
     for bs in [int(x) for x in a.blocks.split(",")]:
-        with torch.device("meta"):
-            model = spec.build(cfg)
-        model.to_empty(device=a.device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=a.device)
+        model = random_model(spec, a.flavor, a.device, 0)  # built once, shared by the block sizes
         engine = Engine(model, spec, cfg, ServeConfig(block_size=bs, max_num_seqs=a.max_num_seqs,
                                                       max_num_batched_tokens=a.max_num_batched_tokens,
                                                       max_model_len=a.prompt + a.new + 16,
                                                       num_blocks=0 if a.device == "cuda" else 512), device=a.device)
-        engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-        sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
-        sync()
-        steps = 0
-        t0 = time.perf_counter()
-        for i, p in enumerate(prompts):
-            engine.add_request(f"b{i}", p, params)
-        gen = 0
-        while engine.has_unfinished():
-            for o in engine.step():
-                gen += len(o.outputs[0].new_token_ids)
-            steps += 1
-        sync()
-        dt = time.perf_counter() - t0
-        st = engine.stats()
-        rows.append({"block_size": bs, "num_blocks": st["kv_blocks_total"], "seconds": round(dt, 3),
-                     "generated_tokens": gen, "tokens_per_s": round(gen / dt, 1), "steps": steps,
-                     "preemptions": st["num_preemptions"], "prefix_hit_rate": round(st["prefix_cache_hit_rate"], 3)})
+        r = run_titan(engine, prompts, [a.new] * a.n, float("inf"), text_vocab())  # warm-up, then all at t0
+        rows.append({"block_size": bs, "num_blocks": r["kv_blocks"], "seconds": r["seconds"],
+                     "generated_tokens": r["output_tokens"], "tokens_per_s": r["tokens_per_s"], "steps": r["steps"],
+                     "preemptions": r["preemptions"], "prefix_hit_rate": r["prefix_hit_rate"]})
         print(json.dumps(rows[-1]), flush=True)
-        del engine, model
+        del engine
         if a.device == "cuda":
             torch.cuda.empty_cache()
     out = {"flavor": a.flavor, "n": a.n, "prompt": a.prompt, "prefix": a.prefix, "new": a.new,

@@ -1,6 +1,7 @@
 """The multi-GPU bench scripts (bench/scaling.py, bench/multigpu_plans.py) in their --cpu mode: gloo processes,
 tiny flavors, 3-4 steps. They launch the real trainer (torchrun for world 2), so these are end-to-end checks of
-the scripts' launch / metrics / comparison / JSON logic, ready for the GPU machines.
+the scripts' launch / metrics / comparison / JSON logic, ready for the GPU machines. bench/serve.py's smoke (the
+serving engine against transformers) runs here too.
 
 Default suite (~1.5 min on 2 busy cores): the equality verdict against its bounds (no processes), scaling.py on
 worlds 1 and 2 (throughput rows, loss equality 2 vs 1, checkpoint written on 2 and resumed on 1) and
@@ -109,6 +110,27 @@ def test_plans_cpu_tp2(tmp_path):
     assert c["case"] == "tp2" and c["world"] == 2 and c["parallel"] == {"tp": 2} and c["dp"] == 1
     assert c["ok"], c
     assert c["steps"] == [1, 3] and len(c["loss"]) == 3 and c["loss_rel_max"] <= 1e-4
+
+
+def test_serve_cpu(tmp_path):
+    """bench/serve.py's smoke (~40 s, one process): every part on a tiny model, titan_mm's engine and transformers'
+    continuous batching over the same weights, the JSON and its tables."""
+    out = tmp_path / "serve.json"
+    _run("serve.py", ["--out", str(out)])
+    assert '"error"' not in out.read_text()  # no part, and no engine of a part, failed
+    doc = json.loads(out.read_text())
+    A, C = doc["parts"]["A"], doc["parts"]["C"]
+    a = A["debug"]
+    assert a["titan"]["output_tokens"] == a["hf"]["output_tokens"] == A["output_tokens"]  # EOS off, exact lengths
+    assert a["first_tokens_match"] == 1.0  # the same weights: the same greedy tokens
+    assert a["roofline"]["concurrency"] == A["requests"] and a["roofline"]["tokens_per_s"] > a["titan"]["tokens_per_s"]
+    assert doc["parts"]["B"]["on"]["prefix_hit_rate"] > 0 == doc["parts"]["B"]["off"]["prefix_hit_rate"]
+    assert C["draft"]["spec_acceptance"] == 1.0  # on CPU the target drafts for itself
+    assert C["ngram"]["greedy_same_start"] and C["draft"]["greedy_same_start"]
+    sys.path.insert(0, str(ROOT))
+    from bench.serve import table
+
+    assert "| debug | titan_mm |" in table(doc) and "draft debug" in table(doc)
 
 
 @pytest.mark.slow
