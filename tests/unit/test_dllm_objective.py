@@ -219,7 +219,7 @@ def test_config_mistakes_fail_before_the_model_is_built(tmp_path, capsys):
     from titan_mm.train.trainer import main
 
     cfg = load_config(["--config", "debug_dllm_qwen3", "--model.attn_backend", "varlen",
-                       "--objective.kind", "block_diffusion"])
+                       "--objective.kind", "block_diffusion", "--training.param_dtype", "bfloat16"])
     spec, mc = model_from_config(cfg, torch.device("cpu"))
     with pytest.raises(ConfigError, match="objective.kind='block_diffusion'.*cannot do kind 'block_causal'"):
         build_objective(cfg, spec, mc)
@@ -228,6 +228,8 @@ def test_config_mistakes_fail_before_the_model_is_built(tmp_path, capsys):
     assert not (tmp_path / "debug_dllm_qwen3").exists()  # refused before the run folder is written
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "objective.mask_token '<|nope|>' is not a token of" in err[0], err
+    with pytest.raises(ConfigError, match="attn_backend='varlen' runs flash kernels"):
+        load_config(["--config", "debug_dllm_qwen3", "--model.attn_backend", "varlen"])
     with pytest.raises(ConfigError, match="objective.eps must be in \\(0, 1\\)"):
         load_config(["--config", "debug_dllm_qwen3", "--objective.eps", "0"])
 

@@ -61,7 +61,7 @@ from titan_mm.kernels import paged_decode_attention
 from titan_mm.models.common.kv_cache import paged_decode_reference
 torch.manual_seed(0)
 bad = []
-for H, G, K, BS, dt, window in [(8, 2, 64, 16, torch.float32, None), (4, 4, 80, 32, torch.float32, 20),
+for H, G, K, BS, dt, window in [(8, 2, 64, 16, torch.float32, None), (4, 4, 80, 128, torch.float32, 20),
                                 (6, 2, 32, 16, torch.float16, None), (16, 2, 128, 16, torch.float16, 33)]:
     B, NB, MB = 3, 14, 4
     kp, vp = torch.randn(NB, BS, G, K).to(dt), torch.randn(NB, BS, G, K).to(dt)

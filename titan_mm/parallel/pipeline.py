@@ -107,6 +107,12 @@ def make_layout(par, n_blocks: int, n_micro: int, balance: Callable[[int, int], 
     n_stages) -> blocks per stage`` gives the split when the config names none (None: as even as possible).
     ``fsdp``: the stages are FSDP2-sharded. Every mistake is a one-line ValueError."""
     schedule_class(par.pp_schedule)
+    if par.pp_schedule in SPLIT_BACKWARD and torch.__version__ < "2.13":
+        # torch 2.11's weight-gradient pass (autograd.grad over stage outputs) reads _input_metadata, which custom
+        # autograd.Function nodes (the chunked cross-entropy) no longer expose: it raises there (2.13 runs it)
+        raise ValueError(f"parallel.pp_schedule={par.pp_schedule} splits the backward, which fails in torch "
+                         f"{torch.__version__} on the model's custom autograd functions; use torch >= 2.13, or "
+                         "1F1B / Interleaved1F1B.")
     if fsdp and par.pp_schedule in SPLIT_BACKWARD and par.fsdp_reshard_after_forward != "never":
         # the weight-gradient pass (W) runs after FSDP2 resharded the parameters the forward used: it would find
         # none of them in the graph and leave their gradients out
