@@ -138,6 +138,10 @@ class Data:
     """Packed streams behind each micro-batch of the global batch, taking turns step by step (docs/data.md).
     A stream is read by one worker, so a rank uses at most (its micro-batches per step) x streams_per_slot
     workers. Part of the data order, like global_batch_size: changing it changes the samples."""
+    balance: Literal["none", "lpt", "kk"] = "kk"
+    """Re-place each step's global batch across data-parallel ranks and micro-batches to even out the ranks'
+    predicted cost (titan_mm.data.balance; docs/data.md, "Workload balancing"): kk (balanced Karmarkar-Karp),
+    lpt, or none (the loader's order). Same rows and loss, only placement; a no-op with one dp rank."""
 
 
 @dataclass
@@ -249,6 +253,11 @@ class Parallel:
     encoder_tp: bool = False
     """With tp > 1: shard the modality encoders (Qwen3-VL: ViT attention / MLP, patch and DeepStack mergers)
     over tp as well; false: they are replicated over tp (every tp rank runs them on all images)."""
+    encoder_balance: bool = False
+    """Spread the vision tower's images over the data-parallel ranks by all-to-all (and send the features back)
+    so that each rank's ViT work is about equal when its rows' images are not; same loss and gradients
+    (titan_mm/parallel/encoder_balance.py, docs/parallel.md). Works with FSDP / HSDP and tp (also encoder_tp); not
+    with pp > 1 or cp > 1."""
     cp_mode: Literal["ulysses", "ring", "allgather"] = "ulysses"
     """Context-parallel attention: ulysses (all-to-all sequence<->heads; cp x tp must divide the heads), ring
     (k/v blocks passed around the cp ranks, online softmax; one remote block in memory) or allgather
@@ -754,6 +763,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"data.seq_len must be >= 1, got {d.seq_len}")
     if d.streams_per_slot < 1:
         raise ConfigError(f"data.streams_per_slot must be >= 1, got {d.streams_per_slot}")
+    if d.balance not in typing.get_args(_hints(Data)["balance"]):
+        raise ConfigError(f"data.balance must be one of 'none', 'lpt', 'kk', got {d.balance!r}")
     if t.global_batch_size < 0:
         raise ConfigError(f"training.global_batch_size must be >= 0, got {t.global_batch_size}")
     if cfg.checkpoint.interval < 1:
@@ -768,6 +779,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_eval(cfg.eval)
     _validate_metrics(cfg.metrics)
     _validate_precision(cfg)
+    _validate_parallel(cfg.parallel)
     _validate_objective(cfg.objective)
     if cfg.model.overrides:
         try:
@@ -800,8 +812,19 @@ def _validate_objective(o: Objective) -> None:
                           "the tokens the data labels: drop objective.sft or pick a diffusion objective.kind")
 
 
+def _validate_parallel(p: Parallel) -> None:
+    if p.encoder_balance:
+        for name in ("pp", "cp"):
+            if getattr(p, name) > 1:
+                raise ConfigError(f"parallel.encoder_balance is not supported with parallel.{name} > 1 (got "
+                                  f"{getattr(p, name)}): set parallel.encoder_balance = false")
+
+
 def _validate_precision(cfg: JobConfig) -> None:
     t = cfg.training
+    if cfg.model.attn_backend == "varlen" and t.param_dtype == "float32":
+        raise ConfigError("model.attn_backend='varlen' runs flash kernels, which take bfloat16 / float16 only; use "
+                          "--training.param_dtype bfloat16, or attn_backend flex / sdpa for float32")
     if t.param_dtype == "float16" and cfg.float8.enable:
         raise ConfigError("training.param_dtype='float16' with float8.enable: float8 needs an SM>=89 GPU, which has "
                           "bfloat16; use --training.param_dtype bfloat16 with float8")

@@ -157,3 +157,84 @@ def test_balance_sim_smoke(tmp_path):
         for r in res["mixes"][mix]["results"]:
             assert r["speedup"]["none"] == 1.0 and r["speedup"]["kk"] >= 1.0 and r["imbalance"]["kk"] >= 1.0
     assert set(res["timing"]["place_ms"]) == set(METHODS)
+
+
+# ------------------------------------------------------- the row dispatch (titan_mm/parallel/balance_dispatch.py)
+def _vl_batch():
+    """4 rows of a tiny Qwen3-VL config: images and videos in some rows, none in one, padding in all."""
+    from titan_mm.models.qwen3_vl.synthetic import make_sample, pack
+
+    spec = get_model_spec("qwen3_vl")
+    cfg = spec.flavor("debug")
+    g = torch.Generator().manual_seed(0)
+    segs = [[("text", 5), ("image", (4, 6)), ("text", 3)], [("text", 9), ("video", (2, 4, 4)), ("text", 2)],
+            [("text", 30)], [("image", (2, 2)), ("text", 4), ("image", (4, 4))], [("text", 6)],
+            [("video", (1, 2, 4)), ("image", (2, 4)), ("text", 3)]]
+    samples = [make_sample(cfg, s, g, text_vocab=150) for s in segs]
+    return pack(samples, cfg, seq_len=48, rows=4), spec.data_needs(cfg)
+
+
+def _text_batch():
+    from titan_mm.train.synthetic import collate, make_row
+
+    g = torch.Generator().manual_seed(0)
+    return collate([make_row(g, 64, 100) for _ in range(3)])
+
+
+def _same(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("kind", ["text", "vl"])
+def test_rows_split_and_join_round_trip(kind):
+    from titan_mm.parallel.balance_dispatch import join_rows, split_rows
+
+    batch, needs = _vl_batch() if kind == "vl" else (_text_batch(), None)
+    pads, merge = (needs.special_tokens, needs.merge_size) if needs else ({}, 1)
+    rows = split_rows(batch, pads, merge)
+    _same(join_rows(rows), batch)
+    # rows in another order: split again, each row comes back with its own pixels and grids
+    order = [rows[i] for i in (3, 1, 2, 0)] if kind == "vl" else [rows[i] for i in (2, 0, 1)]
+    again = split_rows(join_rows(order), pads, merge)
+    for r, o in zip(again, order):
+        assert sorted(r) == sorted(o)
+        assert all(np.array_equal(r[k], o[k]) for k in r)
+
+
+def test_row_cost_counts_documents_and_grids():
+    from titan_mm.parallel.balance_dispatch import row_cost, split_rows
+
+    batch, needs = _vl_batch()
+    rows = split_rows(batch, needs.special_tokens, needs.merge_size)
+    costs = [row_cost(r) for r in rows]
+    assert sum(c.tokens for c in costs) == int((batch["doc_ids"] >= 0).sum())
+    n_patches = len(batch["pixel_values"]) + len(batch["pixel_values_videos"])
+    assert sum(c.patches for c in costs) == n_patches
+    pads = list(needs.special_tokens.values())
+    for c, r in zip(costs, rows):  # a row without pad tokens has no patches
+        assert (c.patches == 0) == (not np.isin(r["input_ids"], pads).any())
+    assert any(c.patches == 0 for c in costs) and any(c.patches for c in costs)
+
+
+def test_row_split_refuses_what_it_cannot_cut():
+    from titan_mm.parallel.balance_dispatch import split_rows
+
+    batch, needs = _vl_batch()
+    with pytest.raises(ValueError, match="no row split"):
+        split_rows({**batch, "input_features": torch.zeros(3, 8)}, needs.special_tokens, needs.merge_size)
+    with pytest.raises(ValueError, match="does not match"):
+        split_rows({**batch, "image_grid_thw": batch["image_grid_thw"][1:]}, needs.special_tokens, needs.merge_size)
+
+
+def test_bad_balance_value_is_one_line():
+    from titan_mm.config import ConfigError, JobConfig, from_dict, validate
+
+    cfg = JobConfig()
+    assert cfg.data.balance == "kk"
+    cfg.data.balance = "greedy"
+    with pytest.raises(ConfigError, match="data.balance must be one of 'none', 'lpt', 'kk', got 'greedy'"):
+        validate(cfg)
+    with pytest.raises(ConfigError, match="data.balance"):
+        from_dict({"data": {"balance": "KK"}})

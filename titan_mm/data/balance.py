@@ -154,6 +154,15 @@ def coefficients_for(spec, cfg, flavor: str = "", path: Path | str = COEFFICIENT
     return load_coefficients(key, path) if key in entries else coefficients_from_flops(spec, cfg)
 
 
+def save_coefficients(entries: dict[str, CostCoefficients], out: Path | str,
+                      path: Path | str = COEFFICIENTS_FILE) -> None:
+    """Write the coefficient file ``path`` to ``out`` with ``entries`` (key -> coefficients, e.g. fitted by
+    bench/cost_model.py) put in; its other entries are kept."""
+    doc = json.loads(Path(path).read_text())
+    doc["entries"].update({k: dataclasses.asdict(c) for k, c in entries.items()})
+    Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+
+
 # ---------------------------------------------------------------- placement
 def _check(costs, n_ranks: int, n_micro: int) -> tuple[np.ndarray, int]:
     c = np.asarray(costs, dtype=np.float64)

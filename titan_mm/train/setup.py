@@ -115,6 +115,10 @@ def check_parallel(cfg: JobConfig, pd, spec: ModelSpec, model_cfg) -> None:
     heads, ep on a dense model or not dividing the experts, the padded row length vs tp * 2 * cp, Ulysses heads
     vs cp * tp, cp on a model whose plan declares no context-parallel attention."""
     d = spec.dims(model_cfg)
+    if cfg.parallel.encoder_balance:
+        from titan_mm.parallel.encoder_balance import check_family
+
+        check_family(spec, model_cfg)
     if pd.cp > 1 and not spec.plan(model_cfg).cp:
         raise ConfigError(f"[parallel] cp={pd.cp}, but model {spec.name!r} does not support context parallelism "
                           "(its plan declares no CP attention: see its docs page); set parallel.cp = 1")
@@ -258,6 +262,7 @@ def setup(cfg: JobConfig, model_fn=None) -> Run:
     from titan_mm.train.optim import build_lr_scheduler, build_optimizer
     from titan_mm.train.state import TrainState
     from titan_mm.train.step import LossScaler, StepContext
+    from titan_mm.parallel.encoder_balance import balance_group
 
     device = pick_device(cfg)
     rank, world = setup_distributed(cfg, device)
@@ -292,6 +297,7 @@ def setup(cfg: JobConfig, model_fn=None) -> Run:
         after_optimizer=float8_after_optimizer(model, cfg.float8), objective=objective, dp_rank=dp_rank,
         mask_kind=objective.mask_kind if objective else "causal",
         block_size=objective.block_size if objective else None,
+        encoder_balance=balance_group(pd) if cfg.parallel.encoder_balance else None,
     )
     if stages is not None:  # the step runs the schedule; the grad norm covers every stage
         from titan_mm.parallel.clip import clip_grad_norm_

@@ -83,6 +83,9 @@ class StepContext:
     bound to the model config), before the CP split."""
     seq_keys: tuple[str, ...] = ()
     """The family's sequence keys that the CP split cuts (ModelSpec.seq_keys)."""
+    encoder_balance: Any = None
+    """parallel.encoder_balance: the process group (the dp "batch" ranks) over which the family's prepare_batch plans
+    the vision tower's all-to-all (titan_mm/parallel/encoder_balance.py); None: off."""
     inject_nan: bool = False
     """Fault injection (tests): multiply this step's loss by NaN."""
     after_optimizer: Callable | None = None
@@ -194,7 +197,8 @@ def _prepare(mb: dict, ctx: StepContext):
     """(micro-batch for this rank, attention metadata), on the host: the family's metadata, then
     build_attn_meta, or the CP split of the sequence."""
     if ctx.prepare_batch is not None:
-        mb = ctx.prepare_batch(mb, ctx.device)
+        eb = {} if ctx.encoder_balance is None else {"encoder_balance": ctx.encoder_balance}
+        mb = ctx.prepare_batch(mb, ctx.device, **eb)
     pd = ctx.parallel_dims
     if pd is not None and pd.cp_enabled:
         from titan_mm.parallel.cp import prepare_cp_batch

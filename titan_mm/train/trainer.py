@@ -40,6 +40,7 @@ from titan_mm.observe.health import NonFiniteError, StepTimes, peak_memory_gb, r
 from titan_mm.observe.metrics import build_logger
 from titan_mm.observe.mfu import doc_lens_from_batch, mfu, peak_tflops
 from titan_mm.observe.profile import ProfileWindow
+from titan_mm.parallel.balance_dispatch import Rebalancer
 from titan_mm.train.checkpoint import CheckpointError, CheckpointManager, Topology, committed_step, step_dir_name
 from titan_mm.train.preflight import preflight
 from titan_mm.train.setup import build_data, setup, tune_kernels
@@ -153,6 +154,7 @@ def train(cfg: JobConfig) -> dict[str, Any]:
             print(resolved_toml(cfg))
     loader = build_data(cfg, spec, model_cfg, run.dp_rank, run.dp_world, n_micro)
     state.dataloader = loader
+    rebalance = Rebalancer.for_run(cfg.data.balance, run, cfg.model.flavor)  # after the loader: its state stays
     model = state.model
 
     topo = Topology(world_size=world, dp_rank=run.dp_rank, dp_world=run.dp_world,
@@ -208,6 +210,8 @@ def train(cfg: JobConfig) -> dict[str, Any]:
             window.begin(state.step + 1)
             t0 = time.perf_counter()
             micro = batches.take(n_micro)
+            if rebalance is not None:
+                micro = rebalance(micro)
             data_wait = time.perf_counter() - t0
             if state.step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -236,6 +240,8 @@ def train(cfg: JobConfig) -> dict[str, Any]:
             }
             if res.aux_loss:
                 m["aux_loss"] = res.aux_loss
+            if rebalance is not None:  # measured: the ranks' step times, gathered at log steps
+                m.update(rebalance.metrics(res.compute_s, measure=state.step % cfg.metrics.log_freq == 0))
             if res.loss_scale is not None:  # param_dtype float16
                 m["loss_scale"] = res.loss_scale
             m.update(window.end(state.step))

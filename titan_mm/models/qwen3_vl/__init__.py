@@ -13,7 +13,7 @@ def _register() -> None:
                   save_hf=hf.save_hf, flops=flops.flops, plan=plan.plan, dims=spec.dims, runtime=spec.runtime,
                   with_runtime=spec.with_runtime, data_needs=spec.data_needs, kernel_shapes=spec.kernel_shapes,
                   memory_terms=memory.memory_terms, prepare_batch=prepare_batch, seq_keys=("visual_index",),
-                  param_groups=param_groups, fused_params=spec.fused_params)
+                  param_groups=param_groups, fused_params=spec.fused_params, encoder_balance=True)
     register(ModelSpec(name="qwen3_vl", flavors=FLAVORS, hf_model_types=("qwen3_vl",), **common))
     register(ModelSpec(name="qwen3_vl_moe", flavors=MOE_FLAVORS, hf_model_types=("qwen3_vl_moe",), **common))
 

@@ -49,6 +49,7 @@ from titan_mm.models.common.output import ModelOutput, Stream
 from titan_mm.models.qwen3.model import Qwen3Model, select_ops
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
 from titan_mm.models.qwen3_vl.vision import VisionMeta, VisionTower, build_vision_meta
+from titan_mm.parallel.encoder_balance import EncoderBalance, plan_encoder_balance
 
 
 def mrope_cos_sin(position_ids_3BS: torch.Tensor, inv_freq_F: torch.Tensor, section: tuple[int, int, int],
@@ -113,14 +114,18 @@ class Qwen3VLModel(nn.Module):
 
     # ---- forward: embed -> trunk -> head (the trunk and head are the text model's) ----
     def embed(self, input_ids: torch.Tensor, pixel_values=None, pixel_values_videos=None,
-              vision_meta: VisionMeta | None = None, visual_index: torch.Tensor | None = None) -> Stream:
+              vision_meta: VisionMeta | None = None, visual_index: torch.Tensor | None = None,
+              vision_balance: EncoderBalance | None = None) -> Stream:
         """Token embeddings with the visual tokens placed by ``visual_index`` [B, S] (host-built by
         :func:`prepare_batch`, already cut to this rank's positions under context parallelism), and the
         DeepStack additions as the stream's ``adds``; both pass ``embed_out`` (sequence parallel: from there on
-        [B, S/tp, D]), so the stream is what the trunk reads, as a first pipeline stage hands it on."""
+        [B, S/tp, D]), so the stream is what the trunk reads, as a first pipeline stage hands it on.
+        ``vision_balance`` (parallel.encoder_balance): the tower runs on the images this plan assigns to the rank
+        (``vision_meta`` describes those), and their features come back to their owners
+        (titan_mm/parallel/encoder_balance.py); every rank takes part, with or without images of its own."""
         h_BSD = self.language_model.tok_embeddings(input_ids)
         pix = [p for p in (pixel_values, pixel_values_videos) if p is not None and p.numel()]
-        if not pix:
+        if not pix and vision_balance is None:
             h_BSD, _ = self.embed_out(h_BSD, [])
             return Stream(h_BSD)
         if vision_meta is None or visual_index is None:
@@ -129,7 +134,15 @@ class Qwen3VLModel(nn.Module):
                 "titan_mm.models.qwen3_vl.model.prepare_batch(cfg, batch, device) (the train step does this)."
             )
         B, S = input_ids.shape
-        merged, deepstack = self.visual(torch.cat(pix, 0) if len(pix) > 1 else pix[0], vision_meta)
+        if vision_balance is None:
+            merged, deepstack = self.visual(torch.cat(pix, 0) if len(pix) > 1 else pix[0], vision_meta)
+        else:  # one dtype on every rank for the all-to-all: the tower's (its first op casts to it anyway)
+            w = self.visual.patch_embed.weight
+            x = torch.cat(pix, 0).to(w.dtype) if pix else w.new_empty((0, w.shape[1]))
+            merged, deepstack = vision_balance.encode(self.visual, x, vision_meta)
+            if not pix:  # no images here: nothing to place, but the backward must reach the exchange
+                h_BSD, _ = self.embed_out(vision_balance.keep_in_graph(h_BSD, [merged, *deepstack]), [])
+                return Stream(h_BSD)
         idx_N = visual_index.reshape(-1)
         m = (idx_N >= 0)[:, None]
         sel = idx_N.clamp(min=0)
@@ -166,17 +179,19 @@ class Qwen3VLModel(nn.Module):
         image_grid_thw: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
+        vision_balance: EncoderBalance | None = None,
     ) -> ModelOutput:
         """input_ids [B, S]; position_ids [3, B, S] M-RoPE positions (or [B, S] for text only; default
         arange); attn from build_attn_meta; labels [B, S] already shifted. ``vision_meta`` / ``visual_index``
         come from :func:`prepare_batch` (host); the grids are accepted for interface compatibility and not
         read (they were turned into vision_meta on the host). ``logits_at`` [B] (decoding): without labels,
-        logits only at these positions, [B, V]. ``loss_weights`` [B, S]: per-token loss weights (None: 1)."""
+        logits only at these positions, [B, V]. ``loss_weights`` [B, S]: per-token loss weights (None: 1).
+        ``vision_balance``: the encoder-balance plan from :func:`prepare_batch` (see :meth:`embed`)."""
         lm = self.language_model
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
-        stream = self.embed(input_ids, pixel_values, pixel_values_videos, vision_meta, visual_index)
+        stream = self.embed(input_ids, pixel_values, pixel_values_videos, vision_meta, visual_index, vision_balance)
         stream = lm.trunk(stream, self.rope(position_ids, stream.h.dtype), attn)
         out = lm.head(stream, attn, labels, logits_at, loss_weights)
         return out if attn is None else out._replace(kv_cache=attn.kv_cache)
@@ -196,9 +211,13 @@ def _vision_backend(cfg: Qwen3VLConfig, device: torch.device) -> str:
         return "flex"
 
 
-def vision_inputs(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+def vision_inputs(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.device | str,
+                  encoder_balance=None) -> dict[str, Any]:
     """Host side: ``{"vision_meta", "visual_index"}`` for a batch with pixels ({} without): VisionMeta over the
-    images then the videos, from the CPU grids, and :func:`visual_index` [B, S], both on ``device``."""
+    images then the videos, from the CPU grids, and :func:`visual_index` [B, S], both on ``device``.
+    ``encoder_balance``: the process group of parallel.encoder_balance (collective: every rank calls this). Then
+    also ``"vision_balance"``, the exchange plan, and ``vision_meta`` describes the images this rank encodes;
+    {} only when no rank of the group has images."""
     device = torch.device(device)
     grids = []
     n_img = 0
@@ -212,17 +231,27 @@ def vision_inputs(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.devic
             grids.append(g)
             if pk == "pixel_values":
                 n_img = int((g.prod(-1) // m2).sum())
-    if not grids:
+    extra = {}
+    if encoder_balance is not None:
+        planned = plan_encoder_balance(torch.cat(grids) if grids else None, encoder_balance, m2, device)
+        if planned is None:
+            return {}
+        extra["vision_balance"], grids = planned[0], [planned[1]]
+    elif not grids:
         return {}
     meta = build_vision_meta(torch.cat(grids), cfg.vision, _vision_backend(cfg, device), device)
     idx = visual_index(batch["input_ids"].cpu(), cfg.image_token_id, cfg.video_token_id, n_img)
-    return {"vision_meta": meta._replace(n_image_tokens=n_img), "visual_index": idx.to(device, non_blocking=True)}
+    if not extra:  # with the exchange the tower's images are a mix of ranks' images and videos
+        meta = meta._replace(n_image_tokens=n_img)
+    return {"vision_meta": meta, "visual_index": idx.to(device, non_blocking=True), **extra}
 
 
-def prepare_batch(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+def prepare_batch(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.device | str,
+                  encoder_balance=None) -> dict[str, Any]:
     """The family's ModelSpec.prepare_batch: the batch plus :func:`vision_inputs`, on the host, before the batch
-    moves to the device and before any context-parallel split (``visual_index`` is a sequence key CP cuts)."""
-    return {**batch, **vision_inputs(cfg, batch, device)}
+    moves to the device and before any context-parallel split (``visual_index`` is a sequence key CP cuts).
+    ``encoder_balance``: parallel.encoder_balance's process group (the train step passes it when on)."""
+    return {**batch, **vision_inputs(cfg, batch, device, encoder_balance)}
 
 
 # ---- training modes ----

@@ -105,8 +105,10 @@ def build_vision_meta(
         wts.append((rw[:, :, None] * cw[:, None, :]).reshape(-1, 4).float())
         hw.append(torch.stack([rows, cols], -1))
         seg += [h * w] * t
-    if not seg:
-        raise ValueError("build_vision_meta got an empty grid_thw; call it only when there are images/videos.")
+    if not seg:  # no images (a rank the encoder balance gives none): zero-size metadata, the tower runs on nothing
+        z = torch.zeros(0, 4, dtype=torch.int64)
+        meta = VisionMeta(z, z.float(), z[:, :2], backend, None, torch.zeros(1, dtype=torch.int32), 0)
+        return meta if device is None else move_vision_meta(meta, device)
     seg_t = torch.tensor(seg, dtype=torch.int32)
     cu = F.pad(seg_t.cumsum(0, dtype=torch.int32), (1, 0))
     n = int(cu[-1])
@@ -169,7 +171,7 @@ def vision_rope(rope_hw: torch.Tensor, head_dim: int, theta: float) -> tuple[tor
     half = head_dim // 2  # each axis gets half of the rotated pairs: Dh/4 frequencies over a Dh/2 span
     inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float32, device=rope_hw.device) / half))
     freqs = rope_hw.float()[:, :, None] * inv_freq  # [N, 2, Dh/4]
-    freqs = freqs.reshape(rope_hw.shape[0], -1)  # [N, Dh/2]: rows' freqs then cols' freqs
+    freqs = freqs.flatten(1)  # [N, Dh/2]: rows' freqs then cols' freqs
     emb = torch.cat([freqs, freqs], -1)
     return emb.cos(), emb.sin()
 
@@ -183,6 +185,8 @@ def apply_vision_rope(x_NHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 
 def vision_attention_core(q_NHD, k_NHD, v_NHD, meta: VisionMeta) -> torch.Tensor:
     """Bidirectional attention inside each image / frame. Returns [N, H, Dh]."""
+    if q_NHD.shape[0] == 0:  # no patches on this rank (encoder balance); a host-known shape, no sync
+        return v_NHD
     mask = meta.mask
     if meta.backend == "varlen":
         if q_NHD.dtype in (torch.float16, torch.bfloat16):
@@ -236,11 +240,10 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
     def forward(self, x_ND, cos, sin, meta: VisionMeta):
-        n = x_ND.shape[0]
-        q, k, v = self.wqkv(x_ND).view(n, -1, 3, self.head_dim).unbind(2)
+        q, k, v = self.wqkv(x_ND).unflatten(1, (-1, 3, self.head_dim)).unbind(2)  # n = 0 too
         q, k = apply_vision_rope(q, cos, sin), apply_vision_rope(k, cos, sin)
         o = vision_attention_core(q, k, v, meta)
-        return self.proj(o.reshape(n, -1))
+        return self.proj(o.flatten(1))
 
 
 class VisionMLP(nn.Module):

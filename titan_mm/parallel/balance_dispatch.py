@@ -1,0 +1,185 @@
+"""Re-place each optimizer step's global batch across data-parallel ranks and micro-batches (``data.balance``;
+docs/data.md, "Workload balancing"). The rows move after the loader gave them, so the loader, its state and exact
+resume are untouched; the batch content and the loss normalization (the global label count) do not change.
+
+    rebalance = Rebalancer.for_run(cfg.data.balance, run, cfg.model.flavor)   # None: nothing to do
+    micro = rebalance(micro)                         # the same n_micro x B rows per rank, other rows
+    m.update(rebalance.metrics(step_seconds, measure=True))
+
+Each rank cuts its micro-batches into rows (:func:`split_rows`), prices them on the host
+(:func:`row_cost` -> titan_mm.data.balance), the costs are all-gathered, every rank computes the same
+placement (titan_mm.data.balance.place), and the rows travel in one ``all_to_all_single`` of pickled row
+slices (byte tensors: gloo on the CPU, NCCL on the GPU), then are re-collated into micro-batches of B rows
+(:func:`join_rows`). Only the ranks of one "batch" group (the ranks that read different rows) exchange; tp / cp /
+pp peers hold the same rows and do the same exchange in their own group.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from titan_mm.config import ConfigError
+from titan_mm.data.balance import RowCost, coefficients_for, place, rank_loads
+from titan_mm.data.packing import IGNORE_INDEX
+
+ROW_KEYS = ("input_ids", "labels", "doc_ids", "prefix_mask")  # [B, S]; position_ids is [B, S] or [3, B, S]
+DERIVED = ("cu_seqlens", "max_seqlen", "num_label_tokens")  # rebuilt from the rows
+MEDIA = (("pixel_values", "image_grid_thw", "image_pad"), ("pixel_values_videos", "video_grid_thw", "video_pad"))
+KNOWN = {*ROW_KEYS, "position_ids", *DERIVED, *(k for m in MEDIA for k in m[:2])}
+
+
+# ---------------------------------------------------------------- rows of a micro-batch
+def split_rows(batch: dict, pads: dict[str, int], merge: int) -> list[dict[str, np.ndarray]]:
+    """The B rows of a collated micro-batch (titan_mm.data.packing.collate_rows) as numpy slices: the [S] row
+    tensors, ``segments`` (the row's cu_seqlens lengths, its padding segment included) and the row's images /
+    videos (grids and patches; they are in row order, and a row holds as many as its pad tokens cover, one pad
+    per merged token). ``pads``: the pad token ids by role (DataNeeds.special_tokens); ``merge``: merge size."""
+    extra = sorted(set(batch) - KNOWN)
+    if extra:
+        raise ValueError(f"data.balance: micro-batch keys {extra} have no row split; set --data.balance none or "
+                         "teach titan_mm/parallel/balance_dispatch.py")
+    ids = batch["input_ids"].numpy()
+    B, S = ids.shape
+    rows: list[dict[str, np.ndarray]] = [{} for _ in range(B)]
+    for k in ROW_KEYS:
+        if k in batch:
+            for b in range(B):
+                rows[b][k] = batch[k].numpy()[b]
+    pos = batch["position_ids"].numpy()
+    for b in range(B):
+        rows[b]["position_ids"] = pos[..., b, :]
+    cu = batch["cu_seqlens"].numpy().astype(np.int64)
+    cuts = np.searchsorted(cu, np.arange(B + 1) * S)  # every row ends on a segment boundary
+    if (cu[cuts] != np.arange(B + 1) * S).any() or cuts[-1] != len(cu) - 1:
+        raise ValueError(f"data.balance: cu_seqlens {cu.tolist()} does not end a segment at every row end (S={S})")
+    for b in range(B):
+        rows[b]["segments"] = np.diff(cu[cuts[b]:cuts[b + 1] + 1])
+    for pix_key, grid_key, role in MEDIA:
+        if pix_key not in batch:
+            continue
+        if role not in pads:
+            raise ValueError(f"data.balance: the batch has {pix_key} but the family names no {role} token")
+        grids, pix = batch[grid_key].numpy(), batch[pix_key].numpy()
+        patches = grids.prod(-1)
+        tok_cum = np.concatenate([[0], np.cumsum(patches // merge**2)])
+        row_end = np.concatenate([[0], np.cumsum((ids == pads[role]).sum(1))])
+        g = np.searchsorted(tok_cum, row_end)  # first grid of each row, and the end
+        p = np.concatenate([[0], np.cumsum(patches)])[np.minimum(g, len(patches))]
+        if g[-1] != len(grids) or (tok_cum[g] != row_end).any() or p[-1] != len(pix):
+            raise ValueError(f"data.balance: {grid_key} ({len(grids)} items, {len(pix)} patches) does not match the "
+                             f"rows' {role} tokens {np.diff(row_end).tolist()}")
+        for b in range(B):
+            rows[b][grid_key], rows[b][pix_key] = grids[g[b]:g[b + 1]], pix[p[b]:p[b + 1]]
+    return rows
+
+
+def join_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """The micro-batch of these rows, as collate_rows builds it (media keys only where a row has media)."""
+    out = {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in ROW_KEYS if k in rows[0]}
+    pos = [r["position_ids"] for r in rows]
+    out["position_ids"] = torch.from_numpy(np.stack(pos, axis=pos[0].ndim - 1))
+    segs = np.concatenate([r["segments"] for r in rows])
+    out["cu_seqlens"] = torch.from_numpy(np.concatenate([[0], np.cumsum(segs)]).astype(np.int32))
+    out["max_seqlen"] = torch.tensor(int(segs.max()) if segs.size else 0, dtype=torch.int64)
+    out["num_label_tokens"] = torch.tensor(int((out["labels"] != IGNORE_INDEX).sum()), dtype=torch.int64)
+    for pix_key, grid_key, _ in MEDIA:
+        have = [r for r in rows if grid_key in r and len(r[grid_key])]
+        if have:
+            out[pix_key] = torch.from_numpy(np.concatenate([r[pix_key] for r in have]))
+            out[grid_key] = torch.from_numpy(np.concatenate([r[grid_key] for r in have]))
+    return out
+
+
+def row_cost(row: dict[str, np.ndarray]) -> RowCost:
+    """The row's cost terms: its documents (the segments before the padding, counted by doc_ids) and grids."""
+    n_docs = int(row["doc_ids"].max()) + 1 if row["doc_ids"].size else 0
+    return RowCost.from_grids(row["segments"][:n_docs].tolist(), row.get("image_grid_thw"),
+                              row.get("video_grid_thw"))
+
+
+# ---------------------------------------------------------------- the exchange
+class Rebalancer:
+    """One step's placement and row exchange over the data-parallel ``group`` (rank ``rank`` of ``world``)."""
+
+    def __init__(self, method: str, coeffs, pads: dict[str, int], merge: int, group, rank: int, world: int,
+                 comm_device: torch.device):
+        self.method, self.coeffs, self.pads, self.merge = method, coeffs, pads, merge
+        self.group, self.rank, self.world, self.comm = group, rank, world, comm_device
+        self.last: dict[str, float] = {}
+
+    @classmethod
+    def for_run(cls, method: str, run, flavor: str = "") -> "Rebalancer | None":
+        """From titan_mm.train.setup.Run; None where placement cannot gain (``"none"``, one dp rank)."""
+        if method == "none" or run.dp_world == 1:
+            return None
+        needs = run.spec.data_needs(run.model_cfg)
+        group = run.ctx.count_group  # the "batch" mesh: the ranks that read different rows
+        comm = run.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        try:
+            coeffs = coefficients_for(run.spec, run.model_cfg, flavor)
+        except ValueError as e:  # e.g. a FLOP counter the cost model cannot fit: say which flag turns it off
+            raise ConfigError(f"data.balance={method!r}: {e}; or run with --data.balance none") from None
+        return cls(method, coeffs, dict(needs.special_tokens), needs.merge_size or 1, group, run.dp_rank,
+                   run.dp_world, comm)
+
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        out = [torch.empty_like(x, device=self.comm) for _ in range(self.world)]
+        dist.all_gather(out, x.to(self.comm), group=self.group)
+        return torch.cat(out).cpu()
+
+    def __call__(self, micro: list[dict]) -> list[dict]:
+        """This rank's micro-batches after the placement: the same count and shapes, other rows."""
+        t0, n_micro = time.perf_counter(), len(micro)
+        rows = [r for mb in micro for r in split_rows(mb, self.pads, self.merge)]
+        local = torch.from_numpy(self.coeffs.costs([row_cost(r) for r in rows]))
+        costs = self._all_gather(local).numpy()
+        slots = place(costs, self.world, n_micro, self.method)  # [world, n_micro, B] global row indices
+        before = rank_loads(costs, place(costs, self.world, n_micro, "none"))
+        after = rank_loads(costs, slots)
+        self.last = {"balance/pred_imbalance_before": float(before.max() / max(before.mean(), 1e-30)),
+                     "balance/pred_imbalance_after": float(after.max() / max(after.mean(), 1e-30))}
+        mine = self._exchange(rows, slots.reshape(self.world, -1))
+        out = [join_rows([mine[int(i)] for i in slots[self.rank, m]]) for m in range(n_micro)]
+        self.last["balance/dispatch_s"] = time.perf_counter() - t0
+        return out
+
+    def _exchange(self, rows: list[dict], dest: np.ndarray) -> dict[int, dict]:
+        """Global row index -> row, for this rank's placed rows (``dest[d]``: rank d's rows in order)."""
+        n = len(rows)
+        lo = self.rank * n
+        mine = {int(i): rows[int(i) - lo] for i in dest[self.rank] if lo <= i < lo + n}
+        payload = [b"" if d == self.rank else
+                   pickle.dumps([rows[int(i) - lo] for i in dest[d] if lo <= i < lo + n], protocol=5)
+                   for d in range(self.world)]
+        send = [len(p) for p in payload]
+        recv = torch.empty(self.world, dtype=torch.int64, device=self.comm)
+        dist.all_to_all_single(recv, torch.tensor(send, device=self.comm), group=self.group)
+        recv_sizes = recv.tolist()
+        buf = torch.frombuffer(bytearray(b"".join(payload)) or bytearray(1), dtype=torch.uint8)[:sum(send)]
+        out = torch.empty(int(sum(recv_sizes)), dtype=torch.uint8, device=self.comm)
+        dist.all_to_all_single(out, buf.to(self.comm), output_split_sizes=recv_sizes,
+                               input_split_sizes=send, group=self.group)
+        data = out.cpu().numpy().tobytes()
+        off = 0
+        for s, size in enumerate(recv_sizes):
+            if s != self.rank and size:
+                got = pickle.loads(data[off:off + size])
+                ids = [int(i) for i in dest[self.rank] if s * n <= i < (s + 1) * n]
+                mine.update(zip(ids, got))
+            off += size
+        return mine
+
+    def metrics(self, seconds: float, measure: bool) -> dict[str, float]:
+        """The last placement's predicted max / mean rank cost, before and after; where ``measure`` (the same on
+        every rank: it is a collective), also the spread of the ranks' ``seconds`` (their step times)."""
+        out = dict(self.last)
+        if measure:
+            t = self._all_gather(torch.tensor([seconds], dtype=torch.float64))
+            out["balance/measured_max_over_mean"] = float(t.max() / max(float(t.mean()), 1e-30))
+            out["balance/straggler_wait_s"] = float(t.max() - t.min())
+        return out
