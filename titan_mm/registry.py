@@ -216,7 +216,7 @@ class ModelSpec:
     """The forward runs through the paged KV-cache path (attn.kv_cache), so the serving engine and eval tasks
     decode it. False: a layer keeps state the cache does not hold; decode by re-running the sequence."""
     encoder_balance: bool = False
-    """prepare_batch takes ``encoder_balance`` (a process group) and plans the vision tower's all-to-all
+    """prepare_batch takes ``encoder_balance`` (a planner from the train step) and plans the vision tower's all-to-all
     (titan_mm.parallel.encoder_balance; parallel.encoder_balance). False: the option is refused for this family."""
 
     def flavor(self, name: str):

@@ -60,7 +60,8 @@ def test_engine_step_has_no_host_sync_and_matches_hf(model, case):
     engine = Engine(copy.deepcopy(tm), spec, tm.cfg, cfg, device="cuda", eos_token_ids=[eos], data=data, draft=draft)
     # fp32 MoE runs its experts in a loop over host-read group sizes (torch._grouped_mm is bf16 on CUDA); its
     # sync-free step is the bf16 one, checked below
-    got = drive(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), images, check=model != "qwen3_moe")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    got = drive(engine, prompts, params, images, check=model != "qwen3_moe")
     assert got == refs
     assert engine.stats()["kv_blocks_used"] == 0
 

@@ -58,7 +58,7 @@ def _run_cell(world, dims, switches=None):
     from titan_mm.models.qwen3_vl.model import prepare_batch
     from titan_mm.models.qwen3_vl.plan import plan
     from titan_mm.parallel.apply import parallelize
-    from titan_mm.parallel.encoder_balance import balance_group
+    from titan_mm.parallel.encoder_balance import balance_group, balance_planner
     from titan_mm.parallel.mesh import ParallelDims
     from titan_mm.train.step import StepContext
 
@@ -66,7 +66,7 @@ def _run_cell(world, dims, switches=None):
     pd = ParallelDims(world_size=world, **dims)
     parallelize(model, plan(_cfg(False)), pd, JobConfig(parallel=Parallel(encoder_balance=True, **(switches or {}))))
     ctx = StepContext(device=torch.device("cpu"), prepare_batch=functools.partial(prepare_batch, model.cfg),
-                      encoder_balance=balance_group(pd))
+                      encoder_balance=balance_planner(balance_group(pd)))
     plans = []
     bm = pd.mesh("batch")
     run = train_steps(model, _batches(), functools.partial(_balanced_step, ctx=ctx, plans=plans),

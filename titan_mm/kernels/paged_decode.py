@@ -6,9 +6,9 @@ then runs SDPA, reading them twice and writing them once. This kernel walks each
 (vLLM's paged attention, flash-decoding's online softmax), so the pool is read once and nothing is written.
 
 One program per (sequence, kv head): it loads the group's H / G query heads once (padded to 16 rows for tl.dot),
-then for each block of the sequence's table, in tiles of up to 64 tokens: keys [TB, K] -> scores [heads, BS] (masked past the sequence's
-length and outside the sliding window) -> running max / sum -> values. fp32 accumulation; bf16 / fp16 pools
-are multiplied in their dtype, fp32 pools in IEEE fp32 (no TF32). The sequence's length, read by the program
+then for each block of the sequence's table, in tiles of up to 64 tokens: keys [TB, K] -> scores [heads, TB]
+(masked past the sequence's length and outside the sliding window) -> running max / sum -> values. fp32
+accumulation; bf16 / fp16 pools are multiplied in their dtype, fp32 pools in IEEE fp32 (no TF32). The sequence's length, read by the program
 from device memory, masks the blocks; the loop runs over the table's columns (the planner cuts them to the
 step's longest sequence, host-known), rounded up to a power of 2 so a growing batch compiles a few times only.
 No host sync.

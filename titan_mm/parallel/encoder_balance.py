@@ -180,6 +180,14 @@ def balance_group(pd) -> Any:
     return mesh.get_group() if mesh is not None and mesh.size() > 1 else None
 
 
+def balance_planner(group) -> Callable | None:
+    """What the train step hands the family's prepare_batch as ``encoder_balance`` (the models import nothing
+    from parallel/): ``planner(grid_thw, merge, device)`` -> :func:`plan_encoder_balance` over ``group``."""
+    if group is None:
+        return None
+    return lambda grid_thw, merge, device: plan_encoder_balance(grid_thw, group, merge, device)
+
+
 def check_family(spec, model_cfg) -> None:
     """Refuse ``parallel.encoder_balance`` for a model without a vision tower or whose family does not plan the
     exchange (ModelSpec.encoder_balance)."""

@@ -262,7 +262,7 @@ def setup(cfg: JobConfig, model_fn=None) -> Run:
     from titan_mm.train.optim import build_lr_scheduler, build_optimizer
     from titan_mm.train.state import TrainState
     from titan_mm.train.step import LossScaler, StepContext
-    from titan_mm.parallel.encoder_balance import balance_group
+    from titan_mm.parallel.encoder_balance import balance_group, balance_planner
 
     device = pick_device(cfg)
     rank, world = setup_distributed(cfg, device)
@@ -297,7 +297,7 @@ def setup(cfg: JobConfig, model_fn=None) -> Run:
         after_optimizer=float8_after_optimizer(model, cfg.float8), objective=objective, dp_rank=dp_rank,
         mask_kind=objective.mask_kind if objective else "causal",
         block_size=objective.block_size if objective else None,
-        encoder_balance=balance_group(pd) if cfg.parallel.encoder_balance else None,
+        encoder_balance=balance_planner(balance_group(pd)) if cfg.parallel.encoder_balance else None,
     )
     if stages is not None:  # the step runs the schedule; the grad norm covers every stage
         from titan_mm.parallel.clip import clip_grad_norm_

@@ -84,8 +84,8 @@ class StepContext:
     seq_keys: tuple[str, ...] = ()
     """The family's sequence keys that the CP split cuts (ModelSpec.seq_keys)."""
     encoder_balance: Any = None
-    """parallel.encoder_balance: the process group (the dp "batch" ranks) over which the family's prepare_batch plans
-    the vision tower's all-to-all (titan_mm/parallel/encoder_balance.py); None: off."""
+    """parallel.encoder_balance: the planner (titan_mm.parallel.encoder_balance.balance_planner, over the dp "batch"
+    ranks) with which the family's prepare_batch plans the vision tower's all-to-all; None: off."""
     inject_nan: bool = False
     """Fault injection (tests): multiply this step's loss by NaN."""
     after_optimizer: Callable | None = None

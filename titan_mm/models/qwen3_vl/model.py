@@ -39,7 +39,7 @@ swaps for vocab-parallel ones.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -49,7 +49,9 @@ from titan_mm.models.common.output import ModelOutput, Stream
 from titan_mm.models.qwen3.model import Qwen3Model, select_ops
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
 from titan_mm.models.qwen3_vl.vision import VisionMeta, VisionTower, build_vision_meta
-from titan_mm.parallel.encoder_balance import EncoderBalance, plan_encoder_balance
+
+if TYPE_CHECKING:  # the plan's type only: the models import nothing from parallel/
+    from titan_mm.parallel.encoder_balance import EncoderBalance
 
 
 def mrope_cos_sin(position_ids_3BS: torch.Tensor, inv_freq_F: torch.Tensor, section: tuple[int, int, int],
@@ -215,9 +217,10 @@ def vision_inputs(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.devic
                   encoder_balance=None) -> dict[str, Any]:
     """Host side: ``{"vision_meta", "visual_index"}`` for a batch with pixels ({} without): VisionMeta over the
     images then the videos, from the CPU grids, and :func:`visual_index` [B, S], both on ``device``.
-    ``encoder_balance``: the process group of parallel.encoder_balance (collective: every rank calls this). Then
-    also ``"vision_balance"``, the exchange plan, and ``vision_meta`` describes the images this rank encodes;
-    {} only when no rank of the group has images."""
+    ``encoder_balance``: parallel.encoder_balance's planner, ``(grid_thw, merge, device) -> (plan, grids)``
+    (titan_mm.parallel.encoder_balance.balance_planner; collective: every rank calls it). Then also
+    ``"vision_balance"``, the exchange plan, and ``vision_meta`` describes the images this rank encodes; {} only
+    when no rank of the group has images."""
     device = torch.device(device)
     grids = []
     n_img = 0
@@ -233,7 +236,7 @@ def vision_inputs(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.devic
                 n_img = int((g.prod(-1) // m2).sum())
     extra = {}
     if encoder_balance is not None:
-        planned = plan_encoder_balance(torch.cat(grids) if grids else None, encoder_balance, m2, device)
+        planned = encoder_balance(torch.cat(grids) if grids else None, m2, device)
         if planned is None:
             return {}
         extra["vision_balance"], grids = planned[0], [planned[1]]
@@ -250,7 +253,7 @@ def prepare_batch(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.devic
                   encoder_balance=None) -> dict[str, Any]:
     """The family's ModelSpec.prepare_batch: the batch plus :func:`vision_inputs`, on the host, before the batch
     moves to the device and before any context-parallel split (``visual_index`` is a sequence key CP cuts).
-    ``encoder_balance``: parallel.encoder_balance's process group (the train step passes it when on)."""
+    ``encoder_balance``: parallel.encoder_balance's planner (the train step passes it when on)."""
     return {**batch, **vision_inputs(cfg, batch, device, encoder_balance)}
 
 
