@@ -2,10 +2,12 @@
 
     python -m titan_mm.serve --model outputs/debug_qwen3 --port 8000 --device cpu
     python -m titan_mm.serve --model /models/Qwen3-0.6B --serve.max_model_len 4096 --serve.block_size 16
+    torchrun --nproc-per-node 2 -m titan_mm.serve --model /models/Qwen3-8B --tensor-parallel-size 2
 
 ``--model`` is an HF folder or a titan_mm run / checkpoint folder; the engine's settings are the
 ``--serve.FIELD`` flags (titan_mm/serve/config.py). The engine is loaded before the port opens, so a wrong path
-or setting is one line on stderr and exit code 2.
+or setting is one line on stderr and exit code 2. Under tensor parallelism rank 0 serves HTTP and the other ranks
+follow its engine steps (titan_mm/serve/tp.py).
 """
 
 from __future__ import annotations
@@ -51,11 +53,22 @@ def _check_flags(argv: list[str]) -> None:
         raise ConfigError("--model is required: an HF model folder or a titan_mm run / checkpoint folder")
 
 
+def _aliases(argv: list[str]) -> list[str]:
+    """vLLM's --tensor-parallel-size is --serve.tensor_parallel_size."""
+    out = []
+    for a in argv:
+        flag, eq, value = a.partition("=")
+        out.append("--serve.tensor_parallel_size" + eq + value if flag.replace("-", "_") == "__tensor_parallel_size"
+                   else a)
+    return out
+
+
 def parse_args(argv: list[str]) -> ServerArgs:
     import tyro
 
     from titan_mm.config import _normalize_bools
 
+    argv = _aliases(argv)
     _check_flags(argv)
     return tyro.cli(ServerArgs, args=_normalize_bools(argv), prog="python -m titan_mm.serve",
                     description="titan_mm's OpenAI-compatible server.", config=(tyro.conf.FlagConversionOff,))
@@ -84,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = a.served_model_name or Path(a.model).resolve().name
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(build_app(engine, name), host=a.host, port=a.port, log_level=a.log_level)
+    if engine.tp_rank:  # tensor parallel: rank 0 serves; this rank follows its steps until it shuts down
+        engine.run_worker()
+        return 0
+    try:
+        uvicorn.run(build_app(engine, name), host=a.host, port=a.port, log_level=a.log_level)
+    finally:
+        engine.shutdown()
     return 0
 
 

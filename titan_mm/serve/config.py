@@ -18,6 +18,9 @@ class ServeConfig:
     available host memory, and the pool is capped at max_num_seqs sequences of max_model_len tokens."""
     dtype: str = "auto"
     """Weights and KV-cache dtype (titan_mm.dtypes names); auto: bfloat16 on CUDA, float32 on CPU."""
+    paged_decode: bool = True
+    """One-token decode steps read the keys in place from the pool (titan_mm.kernels.paged_decode_attention:
+    Triton on CUDA, its PyTorch reference elsewhere); false: they gather every cached key first, as prefill does."""
     max_num_seqs: int = 64
     """Most sequences decoded together in one step (n > 1 and beam search count every sequence)."""
     max_num_batched_tokens: int = 2048
@@ -51,12 +54,15 @@ class ServeConfig:
     """ngram: the shortest tail looked up."""
     draft_model: str = ""
     """draft: an HF folder or a titan_mm run / checkpoint of the draft model (Engine.from_pretrained)."""
+    tensor_parallel_size: int = 1
+    """Processes the model is split over by its family's tensor-parallel plan (heads, kv heads and vocabulary must
+    divide); launch that many with torchrun. Rank 0 takes the requests and serves HTTP; the others follow its steps."""
 
     def check(self) -> None:
         """Raise ConfigError naming the first field out of range."""
         ints = dict(block_size=self.block_size, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens, max_queue_len=self.max_queue_len,
-                    priority_levels=self.priority_levels)
+                    priority_levels=self.priority_levels, tensor_parallel_size=self.tensor_parallel_size)
         for name, v in ints.items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"serve.{name} must be a positive int, got {v!r}")

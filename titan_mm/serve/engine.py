@@ -11,11 +11,16 @@ they queue, the step applies), drop requests past their deadline, schedule (tita
 forward (titan_mm.serve.runner), then per sequence that reached its last token: sample (or advance its beams),
 check stop conditions, and report. Prompts are checked in ``add_request`` (:class:`BadRequest`), admission there
 too (:class:`QueueFull`: the queue is full or the token rate is spent).
+
+Tensor parallel (``serve.tensor_parallel_size``, titan_mm/serve/tp.py): every rank runs this engine on its shards;
+rank 0 takes the requests, and each of its steps starts by broadcasting what the step applies, which the other
+ranks (:meth:`Engine.run_worker`) apply and step on in turn.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 from collections import deque
@@ -36,10 +41,13 @@ from titan_mm.serve.runner import ModelRunner, kv_bytes_per_block
 from titan_mm.serve.sampling import RowSampling, SamplingParams, sample
 from titan_mm.serve.scheduler import Row, Scheduler, sequence_keys
 from titan_mm.serve.spec_decode import DraftProposer, ngram_propose, verify
+from titan_mm.serve.tp import tensor_parallel
 from titan_mm.serve.sequence import (CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence as Seq,
                                      Status, now)
 
 __all__ = ["Engine", "RequestOutput", "BadRequest", "QueueFull", "SamplingParams", "ServeConfig"]
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -59,6 +67,10 @@ class Engine:
                               "cannot serve it; decode it by re-running the sequence (titan_mm.tools.eval_digits)")
         self.cfg, self.spec, self.model_cfg = cfg, spec, model_cfg
         self.device = torch.device(device)
+        # tensor parallel (titan_mm/serve/tp.py): rank 0 drives, the other ranks follow its steps (run_worker)
+        tp = cfg.tensor_parallel_size
+        self.tp = tensor_parallel(tp, self.device.type) if tp > 1 else None
+        self.tp_rank = self.tp.rank if self.tp is not None else 0
         self.dtype = torch_dtype(cfg.dtype) if cfg.dtype != "auto" else (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.dims = spec.dims(model_cfg)
@@ -78,7 +90,7 @@ class Engine:
         if cfg.max_num_batched_tokens < cfg.max_num_seqs:
             raise ConfigError(f"serve.max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
                               f"({cfg.max_num_seqs}): every running sequence needs its decode token each step")
-        self.model = model.to(self.device, self.dtype).eval()
+        self.model = self._shard(model, spec, model_cfg, "the model").to(self.device, self.dtype).eval()
         if (cfg.speculative_method == "draft") != (draft is not None):
             raise ConfigError("serve.speculative_method='draft' needs a draft model (serve.draft_model), and a draft "
                               "model needs speculative_method='draft'")
@@ -88,8 +100,11 @@ class Engine:
             if d_spec.dims(d_cfg).vocab_size != self.dims.vocab_size:
                 raise ConfigError(f"the draft model's vocabulary ({d_spec.dims(d_cfg).vocab_size}) differs from the "
                                   f"target's ({self.dims.vocab_size}); pick a draft of the same tokenizer")
+            d_model = self._shard(d_model, d_spec, d_cfg, "the draft model")
             self.draft = (d_model.to(self.device, self.dtype).eval(), d_spec, d_cfg)
         num_blocks = cfg.num_blocks or self._blocks_from_memory()
+        if self.tp is not None and not cfg.num_blocks:  # free memory differs per rank; the pools must not
+            num_blocks = self.tp.min(num_blocks)
         if num_blocks < 1:
             raise ConfigError(f"no memory is left for the KV cache after the weights (serve.gpu_memory_utilization="
                               f"{cfg.gpu_memory_utilization}); raise it, set serve.num_blocks, or lower "
@@ -97,15 +112,17 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
         self.runner = ModelRunner(self.model, spec, model_cfg, self.device, self.dtype, cfg.block_size, num_blocks,
-                                  cfg.max_num_seqs)
+                                  cfg.max_num_seqs, tp, cfg.paged_decode)
         self.proposer = None
         if self.draft is not None:  # its own pool, the target's block layout and tables
             self.proposer = DraftProposer(ModelRunner(self.draft[0], self.draft[1], self.draft[2], self.device,
-                                                      self.dtype, cfg.block_size, num_blocks, cfg.max_num_seqs))
+                                                      self.dtype, cfg.block_size, num_blocks, cfg.max_num_seqs, tp,
+                                                      cfg.paged_decode))
         if cfg.speculative_method:
             self.scheduler.lookahead = self._lookahead
         self._guesses: dict[int, list[int]] = {}
-        self.generator = torch.Generator(self.device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        seed = int.from_bytes(os.urandom(8), "little") >> 1
+        self.generator = torch.Generator(self.device).manual_seed(self.tp.broadcast(seed) if self.tp else seed)
         self.requests: dict[str, Request] = {}
         self._inbox: deque = deque()
         self._lock = threading.Lock()  # guards requests and the inbox (add_request / abort from other threads)
@@ -122,15 +139,27 @@ class Engine:
         """An HF model folder (config.json + safetensors) or a titan_mm run / checkpoint folder; with
         speculative_method "draft", serve.draft_model is loaded the same way."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model, spec, model_cfg, data, tok, eos = load_model(path, device)
         cfg = serve_cfg or ServeConfig()
+        cfg.check()
+        shard = None
+        if cfg.tensor_parallel_size > 1:  # each rank builds on meta and reads only its shards
+            shard = tensor_parallel(cfg.tensor_parallel_size, device.type).shard
+        model, spec, model_cfg, data, tok, eos = load_model(path, device, shard)
         if cfg.speculative_method == "draft" and "draft" not in kw:
             if not cfg.draft_model:
                 raise ConfigError("serve.speculative_method='draft' needs serve.draft_model (an HF folder or a run)")
-            d_model, d_spec, d_cfg, *_ = load_model(cfg.draft_model, device)
+            d_model, d_spec, d_cfg, *_ = load_model(cfg.draft_model, device, shard)
             kw["draft"] = (d_model, d_spec, d_cfg)
         kw.setdefault("eos_token_ids", eos)
         return cls(model, spec, model_cfg, cfg, tokenizer=tok, device=device, data=data, **kw)
+
+    def _shard(self, model, spec, model_cfg, what: str):
+        """Tensor parallel: ``model`` split by its family's plan, unless from_pretrained already did."""
+        from titan_mm.models.common.hf_io import is_sharded
+
+        if self.tp is None or is_sharded(model):
+            return model
+        return self.tp.shard(model.to(self.device), spec, model_cfg, what)
 
     def _blocks_from_memory(self) -> int:
         """KV blocks from the memory left after the weights and a profiling forward of max_num_batched_tokens."""
@@ -146,9 +175,10 @@ class Engine:
             act = torch.cuda.max_memory_allocated(self.device) - base
             torch.cuda.empty_cache()
         cap = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        per = kv_bytes_per_block(self.dims, cfg.block_size, self.dtype)
+        tp = cfg.tensor_parallel_size
+        per = kv_bytes_per_block(self.dims, cfg.block_size, self.dtype, tp)
         if self.draft is not None:
-            per += kv_bytes_per_block(self.draft[1].dims(self.draft[2]), cfg.block_size, self.dtype)
+            per += kv_bytes_per_block(self.draft[1].dims(self.draft[2]), cfg.block_size, self.dtype, tp)
         return ModelRunner.blocks_from_memory(per, self.device, cfg.gpu_memory_utilization, act, cap)
 
     # ---- requests ----
@@ -158,6 +188,32 @@ class Engine:
         and :class:`QueueFull` when it cannot be taken now. ``prompt_ids`` hold one image-pad token per image of
         ``images`` (PIL images, encoded bytes, ``data:`` URIs, arrays, or titan_mm.data.vision.MediaItem); the
         engine expands them with the family's processor, as in training."""
+        self._driver_only("add_request")
+        req, cost = self._new_request(request_id, prompt_ids, params, images, priority, deadline_s)
+        t = req.metrics.arrival
+        with self._lock:
+            if request_id in self.requests:
+                raise BadRequest("request_id", f"{request_id!r} is already in use by an unfinished request")
+            waiting = sum(1 for r in self.requests.values() if r.status is Status.WAITING)
+            if waiting >= self.cfg.max_queue_len:
+                raise QueueFull(f"{waiting} requests are waiting (serve.max_queue_len={self.cfg.max_queue_len}); "
+                                "retry later")
+            if self.cfg.token_rate_limit:
+                rate = self.cfg.token_rate_limit
+                self._bucket = min(rate * self.cfg.token_rate_burst_s, self._bucket + (t - self._bucket_t) * rate)
+                self._bucket_t = t
+                if self._bucket < 0:
+                    raise QueueFull(f"the token rate limit ({rate:g} tokens/s) is spent; retry in "
+                                    f"{-self._bucket / rate:.1f}s")
+                self._bucket -= cost
+            self.requests[request_id] = req
+            # what the other tp ranks rebuild it from: the arguments and the arrival time
+            self._inbox.append(("add", req, (request_id, prompt_ids, params, images, priority, deadline_s, t)))
+
+    def _new_request(self, request_id, prompt_ids, params, images, priority, deadline_s,
+                     t: float | None = None) -> tuple[Request, int]:
+        """(the checked, expanded request arriving at ``t`` (default: now, after its checks), its tokens: prompt +
+        max_tokens x width); BadRequest for one that can never run. The same on every tp rank."""
         if not isinstance(request_id, str) or not request_id:
             raise BadRequest("request_id", f"must be a non-empty string, got {request_id!r}")
         if not isinstance(params, SamplingParams):
@@ -193,7 +249,7 @@ class Engine:
         if need > self.blocks.num_blocks:
             raise BadRequest("max_tokens", f"{params.width} sequence(s) of {L + max_new} tokens need up to {need} KV "
                              f"blocks but the pool holds {self.blocks.num_blocks}; lower max_tokens or n / best_of")
-        t = self.clock()
+        t = self.clock() if t is None else t
         metrics = RequestMetrics(arrival=t)
         seq = Seq(next(self._seq_ids), list(prompt), L, generator=self._generator(params, 0))
         req = Request(request_id, prompt, params, priority, None if deadline_s is None else t + deadline_s, metrics,
@@ -201,29 +257,14 @@ class Engine:
         if params.use_beam_search:
             eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos))
             req.beam = BeamState(params.width, frozenset(eos), L + max_new)
-        with self._lock:
-            if request_id in self.requests:
-                raise BadRequest("request_id", f"{request_id!r} is already in use by an unfinished request")
-            waiting = sum(1 for r in self.requests.values() if r.status is Status.WAITING)
-            if waiting >= self.cfg.max_queue_len:
-                raise QueueFull(f"{waiting} requests are waiting (serve.max_queue_len={self.cfg.max_queue_len}); "
-                                "retry later")
-            if self.cfg.token_rate_limit:
-                rate = self.cfg.token_rate_limit
-                self._bucket = min(rate * self.cfg.token_rate_burst_s, self._bucket + (t - self._bucket_t) * rate)
-                self._bucket_t = t
-                if self._bucket < 0:
-                    raise QueueFull(f"the token rate limit ({rate:g} tokens/s) is spent; retry in "
-                                    f"{-self._bucket / rate:.1f}s")
-                self._bucket -= L + max_new * params.width
-            self.requests[request_id] = req
-            self._inbox.append(("add", req))
+        return req, L + max_new * params.width
 
     def abort(self, request_id: str) -> None:
         """Drop a request (thread-safe): its blocks are freed at once when no step runs, else when it ends; the
         next step reports it with finish_reason "abort". An unknown or finished id is ignored."""
+        self._driver_only("abort")
         with self._lock:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(("abort", request_id, request_id))
         if self._step_lock.acquire(blocking=False):
             try:
                 self._drain()
@@ -259,29 +300,40 @@ class Engine:
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration; -> an output for every request that got tokens or finished."""
+        self._driver_only("step")
         with self._step_lock:
-            self._drain()
-            touched: dict[str, Request] = {}
-            t = self.clock()
-            for req in [r for r in self.scheduler.running + self.scheduler.waiting if r.deadline is not None]:
-                if t > req.deadline:
-                    req.metrics.deadline_exceeded = True
-                    self._finish(req, "abort")
-                    touched[req.request_id] = req
-            for req in self._aborted:
-                touched[req.request_id] = req
-            self._aborted = []
-            sched = self.scheduler.schedule()
-            if sched.rows:
-                per_row = self._propose(sched) if self.cfg.speculative_method else 1
-                logits = self.runner.run(sched.rows, sched.copies, per_row)
-                self._advance(sched.rows, logits, touched)
-            return [self._output(r) for r in touched.values()]
+            return self._step_at(self._drain("step"))
 
-    def _drain(self) -> None:
+    def _step_at(self, t: float) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        for req in [r for r in self.scheduler.running + self.scheduler.waiting if r.deadline is not None]:
+            if t > req.deadline:
+                req.metrics.deadline_exceeded = True
+                self._finish(req, "abort")
+                touched[req.request_id] = req
+        for req in self._aborted:
+            touched[req.request_id] = req
+        self._aborted = []
+        sched = self.scheduler.schedule()
+        if sched.rows:
+            per_row = self._propose(sched) if self.cfg.speculative_method else 1
+            logits = self.runner.run(sched.rows, sched.copies, per_row)
+            self._advance(sched.rows, logits, touched)
+        return [self._output(r) for r in touched.values()]
+
+    def _drain(self, kind: str = "drain") -> float:
+        """Apply the requests added / aborted since the last call; -> the clock for the step. Tensor parallel: rank
+        0 first sends them, the clock and ``kind`` ("step": a step follows) to the other ranks (:meth:`run_worker`)."""
         with self._lock:
             items = list(self._inbox)
             self._inbox.clear()
+        t = self.clock()
+        if self.tp is not None:
+            self.tp.broadcast((kind, t, [(k, wire) for k, _, wire in items]))
+        self._apply([(k, x) for k, x, _ in items])
+        return t
+
+    def _apply(self, items: list[tuple[str, Any]]) -> None:
         for kind, x in items:
             if kind == "add":
                 if x.request_id in self.requests and self.requests[x.request_id] is x:
@@ -291,6 +343,51 @@ class Engine:
                 if req is not None and req.status is not Status.FINISHED:
                     self._finish(req, "abort")
                     self._aborted.append(req)
+
+    # ---- tensor parallel: the ranks other than 0 ----
+    def run_worker(self, until: str = "stop") -> None:
+        """Follow rank 0's steps on a rank > 0 until rank 0 sends ``until``: "stop" (:meth:`shutdown`: the server's
+        ranks) or "release" (the end of a ``generate`` call). A step that raises is logged; at a release the
+        first such error is raised again, as rank 0's ``generate`` raises it."""
+        err = None
+        while True:
+            kind, t, wire = self.tp.broadcast()
+            if kind in (until, "stop"):
+                break
+            if kind == "release":  # a generate on rank 0 ended; the server's ranks go on
+                continue
+            with self._step_lock:
+                try:
+                    items = [(k, self._remote_request(w) if k == "add" else w) for k, w in wire]
+                    self._apply(items)
+                    if kind == "step":
+                        self._step_at(t)
+                except Exception as e:  # rank 0 met the same (same inputs) and carries on, or raises in generate
+                    log.exception("tensor-parallel rank %d: a step failed", self.tp_rank)
+                    err = err or e
+        if err is not None and until == "release":
+            raise err
+
+    def _remote_request(self, args: tuple) -> Request:
+        """Rank 0's request, rebuilt here from its add_request arguments and arrival time."""
+        req, _ = self._new_request(*args)
+        with self._lock:
+            self.requests[req.request_id] = req
+        return req
+
+    def _send(self, kind: str) -> None:
+        if self.tp is not None and self.tp_rank == 0:
+            with self._step_lock:
+                self.tp.broadcast((kind, 0.0, []))
+
+    def shutdown(self) -> None:
+        """Tensor parallel, rank 0: let the other ranks leave :meth:`run_worker` (call once, when done serving)."""
+        self._send("stop")
+
+    def _driver_only(self, what: str) -> None:
+        if self.tp_rank:
+            raise RuntimeError(f"Engine.{what} on tensor-parallel rank {self.tp_rank}: only rank 0 takes requests and "
+                               "steps; the other ranks call run_worker() (or generate(), which follows rank 0's)")
 
     def _finish(self, req: Request, reason: str | None = None) -> None:
         """End ``req``: every live sequence gets ``reason``; blocks are freed and the request forgotten."""
@@ -485,6 +582,15 @@ class Engine:
                  images: list | None = None, *, skip_bad: bool = False) -> list[RequestOutput | None]:
         """Run ``prompts`` to completion (``images[i]``: the images of prompt i); -> their final outputs in order.
         ``skip_bad``: a prompt add_request refuses (BadRequest: too long, bad ids) gives None instead of raising."""
+        if self.tp_rank:  # follow rank 0's generate: same prompts, so the same steps; rank 0 has the outputs
+            self.run_worker(until="release")
+            return [None] * len(prompts)
+        try:
+            return self._generate(prompts, params, images, skip_bad)
+        finally:
+            self._send("release")
+
+    def _generate(self, prompts, params, images, skip_bad) -> list[RequestOutput | None]:
         ps = params if isinstance(params, list) else [params] * len(prompts)
         base = f"generate-{next(self._seq_ids)}-"
         taken = []

@@ -11,8 +11,10 @@ import torch
 from titan_mm.config import ConfigError, Data
 
 
-def load_model(path: str | os.PathLike, device: torch.device):
-    """(model, spec, config, [data], tokenizer, EOS ids or None) of an HF folder or a titan_mm run / checkpoint."""
+def load_model(path: str | os.PathLike, device: torch.device, shard=None):
+    """(model, spec, config, [data], tokenizer, EOS ids or None) of an HF folder or a titan_mm run / checkpoint.
+    ``shard(model, spec, config)``: tensor parallel (titan_mm.serve.tp), applied to the meta-built model of an HF
+    folder, so that each rank materialises and reads only its shards; a run / checkpoint loads whole first."""
     from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
 
     p = Path(path)
@@ -23,6 +25,8 @@ def load_model(path: str | os.PathLike, device: torch.device):
         model_cfg = spec.with_runtime(spec.config_from_hf(str(p)), attn_backend="sdpa", kernels=False)
         with torch.device("meta"):
             model = spec.build(model_cfg)
+        if shard is not None:
+            model = shard(model, spec, model_cfg)
         model.to_empty(device=device)
         with torch.no_grad():
             model.init_weights(buffer_device=device)
@@ -38,6 +42,8 @@ def load_model(path: str | os.PathLike, device: torch.device):
             raise ConfigError(f"{p} does not exist; pass an HF model folder (with config.json) or a titan_mm run "
                               "or checkpoint folder")
         model, model_cfg, spec, ck = load_model_from_checkpoint(p)
+        if shard is not None:
+            model = shard(model.to(device), spec, model_cfg)
         job = checkpoint_config(ck)
         data = job.data
         hf = local_hf_dir(job.model.hf_path) if job.model.hf_path else None

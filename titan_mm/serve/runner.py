@@ -38,9 +38,9 @@ def decode_sizes(max_num_seqs: int) -> list[int]:
     return sorted({min(s, max(max_num_seqs, 1)) for s in sizes} | {max_num_seqs})
 
 
-def kv_bytes_per_block(dims, block_size: int, dtype: torch.dtype) -> int:
-    """k and v of every layer for ``block_size`` tokens."""
-    return 2 * dims.num_layers * block_size * dims.num_kv_heads * dims.head_dim * torch.finfo(dtype).bits // 8
+def kv_bytes_per_block(dims, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """k and v of every layer for ``block_size`` tokens, of the kv heads one of ``tp`` ranks holds."""
+    return 2 * dims.num_layers * block_size * dims.num_kv_heads // tp * dims.head_dim * torch.finfo(dtype).bits // 8
 
 
 def _host_available() -> int:
@@ -51,8 +51,11 @@ def _host_available() -> int:
 
 class ModelRunner:
     def __init__(self, model, spec, model_cfg, device: torch.device, dtype: torch.dtype, block_size: int,
-                 num_blocks: int, max_num_seqs: int):
+                 num_blocks: int, max_num_seqs: int, tp: int = 1, paged_decode: bool = True):
+        from titan_mm.kernels import paged_decode_attention
+
         self.model, self.spec, self.cfg = model, spec, model_cfg
+        self.decode_attention = paged_decode_attention if paged_decode else None
         self.device, self.dtype = device, dtype
         dims = spec.dims(model_cfg)
         rt = spec.runtime(model_cfg)
@@ -61,8 +64,9 @@ class ModelRunner:
         self.mrope = needs.positions == "mrope"
         self.media_pads = [needs.special_tokens[k] for k in ("image_pad", "video_pad") if k in needs.special_tokens]
         self.sizes = decode_sizes(max_num_seqs)
-        self.cache = alloc_paged_cache(dims.num_layers, num_blocks, block_size, dims.num_kv_heads, dims.head_dim,
-                                       dtype, device)
+        # tensor parallel: each rank's attention writes only its local kv heads (the plan splits wk / wv by heads)
+        self.cache = alloc_paged_cache(dims.num_layers, num_blocks, block_size, dims.num_kv_heads // tp,
+                                       dims.head_dim, dtype, device)
 
     @staticmethod
     def blocks_from_memory(per_block: int, device: torch.device, utilization: float, activation_bytes: int,
@@ -106,7 +110,7 @@ class ModelRunner:
             ids[i, : r.n] = torch.tensor(r.tokens)
             tables[i, : len(r.seq.table.blocks)] = torch.tensor(r.seq.table.blocks)
         cache = plan_step(self.cache, new, cached_lens=cached, block_tables=tables, sliding_window=self.window,
-                          width=S)
+                          width=S, decode_attention=self.decode_attention)
         positions = self._mrope_positions(rows, B, S) if self.mrope else cache.step.positions
         extra = self._media(rows, ids) if self.spec.prepare_batch is not None else {}
         meta = build_attn_meta({"input_ids": ids}, self.backend, self.device, sliding_window=self.window,
