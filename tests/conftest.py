@@ -18,7 +18,7 @@ SLOW = (
     "tests/multiproc/test_balance_world4.py::test_placement_keeps_losses_and_grads[vl]",
     "tests/multiproc/test_balance_world4.py::test_trainer_logs_balance_metrics",
     "tests/multiproc/test_balance_world4.py::test_placement_keeps_losses_and_grads[text]",
-    "tests/multiproc/test_encoder_balance.py::",
+    "tests/multiproc/test_encoder_balance_world.py::",
     "tests/unit/test_kernels_model.py::",
     "tests/multiproc/test_parallel_vl.py::test_vl_matches_world1[world4]",
     "tests/multiproc/test_parallel_vl.py::test_vl_tp_modes_match_world1[dense-cp2xtp2-sp-lp]",
