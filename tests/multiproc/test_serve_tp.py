@@ -14,13 +14,11 @@ Run: OMP_NUM_THREADS=1 pytest -q tests/multiproc/test_serve_tp.py   (-m slow: th
 from __future__ import annotations
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
 from _harness import run_multiproc  # noqa: E402
-from tests.parity._qwen3_helpers import hf_model, titan_twin  # noqa: E402
-from tests.parity.test_serve_generate import MAX_NEW, draft_model, left_padded, text_prompts, with_eos  # noqa: E402
+from tests.parity.test_serve_generate import MAX_NEW, draft_model, text_reference  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
 
 # name -> (ServeConfig fields, SamplingParams fields, compared with: "hf" (and one process), "one" process, or
@@ -37,25 +35,6 @@ CASES = {
     "beam": (POOL, dict(use_beam_search=True, best_of=4, n=2), "one"),
 }
 FAST = ("prefix_cache", "preemption", "sampled")
-_REF: dict = {}
-
-
-def _reference(moe: bool):
-    """(HF model, titan twin, prompts, eos, HF greedy outputs cut after eos)."""
-    if moe in _REF:
-        return _REF[moe]
-    hf = hf_model(moe=moe)
-    hf.config.output_router_logits = False
-    prompts = text_prompts(hf.config.vocab_size)
-    ids, mask = left_padded(prompts)
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    eos, refs = with_eos(out[:, ids.shape[1]:].tolist())
-    _REF[moe] = hf, titan_twin(hf), prompts, eos, refs
-    return _REF[moe]
-
-
 def _run_cases(cases, make_engine, prompts, draft):
     """{case: (token ids per prompt on this rank, stats)}; a rank > 0 records the outputs its steps produced."""
     from titan_mm.serve.config import ServeConfig
@@ -154,7 +133,7 @@ def test_tp2_matches_one_process_and_transformers(tmp_path, cases):
     refs, prompts, single = {}, {}, {}
     folder = tmp_path / "qwen3"
     for name, moe in (("qwen3", False), ("qwen3_moe", True)):
-        hf, tm, ps, eos, ref = _reference(moe)
+        hf, tm, ps, eos, ref = text_reference(moe)
         refs[name], prompts[name] = ref, (ps, eos)
         if not moe:
             hf.save_pretrained(folder)
@@ -203,7 +182,7 @@ def test_tp_needs_its_processes():
 
     with pytest.raises(ConfigError, match="must be a positive int"):
         ServeConfig(tensor_parallel_size=0).check()
-    _, tm, *_ = _reference(False)
+    _, tm, *_ = text_reference(False)
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 needs 2 processes; launch with torchrun"):
         Engine(tm, get_model_spec("qwen3"), tm.cfg, ServeConfig(tensor_parallel_size=2))
 
@@ -224,7 +203,7 @@ def test_torchrun_server_answers_as_one_process(tmp_path):
     from titan_mm.serve.engine import Engine
     from titan_mm.serve.sampling import SamplingParams
 
-    hf, *_ = _reference(False)
+    hf, *_ = text_reference(False)
     hf.save_pretrained(tmp_path)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     one = Engine.from_pretrained(tmp_path, ServeConfig(max_model_len=256, num_blocks=64), device="cpu")

@@ -92,20 +92,24 @@ def with_eos(refs: list[list[int]]) -> tuple[int, list[list[int]]]:
 _REF: dict = {}
 
 
+def text_reference(moe: bool):
+    """(HF model, titan twin, prompts, eos, HF greedy outputs cut after eos), built once per kind."""
+    if ("hf", moe) not in _REF:
+        hf = hf_model(moe=moe)
+        hf.config.output_router_logits = False  # batched generate: no aux loss over padded rows
+        prompts = text_prompts(hf.config.vocab_size)
+        ids, mask = left_padded(prompts)
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        eos, refs = with_eos(out[:, ids.shape[1]:].tolist())
+        _REF["hf", moe] = hf, titan_twin(hf), prompts, eos, refs
+    return _REF["hf", moe]
+
+
 def text_setup(moe: bool):
-    if moe in _REF:
-        return _REF[moe]
-    hf = hf_model(moe=moe)
-    hf.config.output_router_logits = False  # batched generate: no aux loss over padded rows
-    tm = titan_twin(hf)
-    prompts = text_prompts(hf.config.vocab_size)
-    ids, mask = left_padded(prompts)
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    eos, refs = with_eos(out[:, ids.shape[1]:].tolist())
-    _REF[moe] = (tm, get_model_spec("qwen3"), prompts, None, eos, refs, Data())
-    return _REF[moe]
+    _, tm, prompts, eos, refs = text_reference(moe)
+    return tm, get_model_spec("qwen3"), prompts, None, eos, refs, Data()
 
 
 def _image(h: int, w: int, seed: int):
