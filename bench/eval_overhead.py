@@ -25,20 +25,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def measure(config: str, steps: int, every: int, interval: int, max_batches: int, task_limit: int,
-            extra: list[str]) -> dict:
+def trainer_metrics(args: list[str], what: str = "the run") -> dict[int, dict]:
+    """The metrics.jsonl rows, by step, of one ``titan_mm.train.trainer`` run with ``args`` (a temporary run
+    folder; no checkpoints, no TensorBoard). A failed run stops the bench with its stderr."""
     from titan_mm.observe.metrics import read_metrics
 
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "-m", "titan_mm.train.trainer", "--config", config, "--job.dump_folder", d,
-               "--training.steps", str(steps), "--checkpoint.enable", "False", "--metrics.enable_tensorboard",
-               "False", "--eval.interval", str(every), "--eval.dataset", "builtin:qa_test", "--eval.max_batches",
-               str(max_batches), "--eval.tasks", "qa", "--eval.task_limit", str(task_limit),
-               "--eval.max_new_tokens", "4", *extra]
+        cmd = [sys.executable, "-m", "titan_mm.train.trainer", *args, "--job.dump_folder", d,
+               "--checkpoint.enable", "False", "--metrics.enable_tensorboard", "False"]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if r.returncode:
-            raise SystemExit(f"the run failed:\n{r.stderr[-3000:]}")
-        rows = read_metrics(next(Path(d).iterdir()) / "metrics.jsonl")
+            raise SystemExit(f"{what} failed:\n{r.stderr[-3000:]}")
+        return read_metrics(next(Path(d).iterdir()) / "metrics.jsonl")
+
+
+def measure(config: str, steps: int, every: int, interval: int, max_batches: int, task_limit: int,
+            extra: list[str]) -> dict:
+    rows = trainer_metrics(["--config", config, "--training.steps", str(steps), "--eval.interval", str(every),
+                            "--eval.dataset", "builtin:qa_test", "--eval.max_batches", str(max_batches),
+                            "--eval.tasks", "qa", "--eval.task_limit", str(task_limit), "--eval.max_new_tokens",
+                            "4", *extra])
     evals = {s: m for s, m in rows.items() if "eval/time_s" in m}
     first = min(evals)
     plain = [m["step_time_s"] for s, m in rows.items() if s not in evals and s > 2]  # past compile / warm-up

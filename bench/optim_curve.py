@@ -12,29 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.eval_overhead import trainer_metrics  # noqa: E402  (one trainer run -> its metrics rows)
 OPTIMIZERS = ("adamw", "muon")
 TABLE_STEPS = (1, 10, 25, 50, 100, 150, 200)
 
 
 def losses(config: str, optimizer: str, steps: int, extra: list[str]) -> dict[int, float]:
-    from titan_mm.observe.metrics import read_metrics
-
-    with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "-m", "titan_mm.train.trainer", "--config", config, "--job.dump_folder", d,
-               "--job.name", optimizer, "--optimizer.name", optimizer, "--training.steps", str(steps),
-               "--checkpoint.enable", "False", "--metrics.enable_tensorboard", "False", "--metrics.log_freq", "1",
-               "--lr_scheduler.warmup_steps", str(max(1, steps // 10)), *extra]
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        if r.returncode:
-            raise SystemExit(f"the {optimizer} run failed:\n{r.stderr[-3000:]}")
-        return {s: m["loss"] for s, m in read_metrics(Path(d) / optimizer / "metrics.jsonl").items()}
+    rows = trainer_metrics(["--config", config, "--job.name", optimizer, "--optimizer.name", optimizer,
+                            "--training.steps", str(steps), "--metrics.log_freq", "1",
+                            "--lr_scheduler.warmup_steps", str(max(1, steps // 10)), *extra], f"the {optimizer} run")
+    return {s: m["loss"] for s, m in rows.items()}
 
 
 def table(res: dict) -> str:
