@@ -1,7 +1,8 @@
 """Paged decode attention (titan_mm.kernels.paged_decode_attention): a one-token step that reads the keys in
 place from the KV pool equals the gather path of titan_mm.models.common.kv_cache (through plan_step and
 attention, on the CPU reference), and the Triton kernel equals the reference through TRITON_INTERPRET=1
-(GQA and MHA, block sizes 16 / 32, a sliding window, a head dim that is not a power of 2, an empty row; fp32 and
+(GQA and MHA, block sizes 8 / 16 / 128, a sliding window, a head dim that is not a power of 2, an empty row, one
+split and several (flash-decoding); fp32 and
 fp16: the interpreter of Triton 3.6 miscomputes bf16 tl.dot, so bf16 is checked on the GPU, in
 tests/gpu/test_paged_decode_gpu.py)."""
 
@@ -57,23 +58,37 @@ def test_prefill_steps_keep_the_gather_path():
 
 _INTERP = r"""
 import torch
-from titan_mm.kernels import paged_decode_attention
+import triton.runtime.interpreter as interp
+
+# Triton 3.6's interpreter turns a loaded scalar (a 1-element array there) into a loop bound with int(), which
+# numpy >= 2.3 refuses; the kernel's loops run to each sequence's own length, so they need it
+_patch = interp._patch_lang_tensor
+
+
+def _patched(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+interp._patch_lang_tensor = _patched
+from titan_mm.kernels.paged_decode import paged_decode
 from titan_mm.models.common.kv_cache import paged_decode_reference
 torch.manual_seed(0)
 bad = []
-for H, G, K, BS, dt, window in [(8, 2, 64, 16, torch.float32, None), (4, 4, 80, 128, torch.float32, 20),
-                                (6, 2, 32, 16, torch.float16, None), (16, 2, 128, 16, torch.float16, 33)]:
-    B, NB, MB = 3, 14, 4
+for H, G, K, BS, dt, window, P in [(8, 2, 64, 16, torch.float32, None, 1), (8, 2, 64, 16, torch.float32, None, 3),
+                                   (4, 4, 80, 128, torch.float32, 20, 2), (6, 2, 32, 8, torch.float16, None, 5),
+                                   (16, 2, 128, 16, torch.float16, 33, 1), (16, 2, 128, 16, torch.float16, 70, 4)]:
+    B, NB, MB = 3, 40, 4 if BS > 8 else 12
     kp, vp = torch.randn(NB, BS, G, K).to(dt), torch.randn(NB, BS, G, K).to(dt)
     q = torch.randn(B, H, K).to(dt)
     tables = torch.randperm(NB)[: B * MB].view(B, MB).to(torch.int32)
     lens = torch.tensor([MB * BS - 3, 0, BS + 1], dtype=torch.int32)
-    got = paged_decode_attention(q, kp, vp, tables, lens, window)
+    got = paged_decode(q, kp, vp, tables, lens, window, splits=P)
     want = paged_decode_reference(q, kp, vp, tables, lens, window)
     err = float((got.float() - want.float()).abs().max())
     tol = 5e-3 if dt == torch.float16 else 1e-5
     if got.dtype != dt or got.shape != q.shape or not err <= tol or bool(got[1].abs().max() != 0):
-        bad.append(f"H={H} G={G} K={K} BS={BS} {dt} window={window}: max err {err}")
+        bad.append(f"H={H} G={G} K={K} BS={BS} {dt} window={window} splits={P}: max err {err}")
 print("BAD" if bad else "OK", bad)
 """
 

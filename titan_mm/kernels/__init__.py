@@ -226,8 +226,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if k_pool.shape[-1] != K or H % k_pool.shape[2] or v_pool.shape != k_pool.shape:
         raise ValueError(f"paged decode: q [B, H, K] = {list(q.shape)} against pools {list(k_pool.shape)} / "
                          f"{list(v_pool.shape)}: K must agree, H must be a multiple of G, k and v pools alike")
-    bs = k_pool.shape[1]
-    if use_triton(q, k_pool, v_pool) and bs >= 16 and not bs & (bs - 1):  # tl.dot tiles: a power of 2, >= 16
+    if use_triton(q, k_pool, v_pool):  # any block size: tiles of 64 tokens look up each token's block
         return paged_decode(q, k_pool, v_pool, block_tables, seq_lens, window)
     return paged_decode_reference(q, k_pool, v_pool, block_tables, seq_lens, window)
 

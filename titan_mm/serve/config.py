@@ -21,6 +21,9 @@ class ServeConfig:
     paged_decode: bool = True
     """One-token decode steps read the keys in place from the pool (titan_mm.kernels.paged_decode_attention:
     Triton on CUDA, its PyTorch reference elsewhere); false: they gather every cached key first, as prefill does."""
+    cuda_graphs: bool = True
+    """Decode steps replay a CUDA graph captured per padded batch size on its first use (CUDA, bf16, with
+    paged_decode; elsewhere they run eagerly through the same static buffers)."""
     max_num_seqs: int = 64
     """Most sequences decoded together in one step (n > 1 and beam search count every sequence)."""
     max_num_batched_tokens: int = 2048

@@ -111,13 +111,12 @@ class Engine:
                               "max_num_batched_tokens")
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
-        self.runner = ModelRunner(self.model, spec, model_cfg, self.device, self.dtype, cfg.block_size, num_blocks,
-                                  cfg.max_num_seqs, tp, cfg.paged_decode)
+        runner = dict(block_size=cfg.block_size, num_blocks=num_blocks, max_num_seqs=cfg.max_num_seqs, tp=tp,
+                      paged_decode=cfg.paged_decode, max_model_len=self.max_model_len, cuda_graphs=cfg.cuda_graphs)
+        self.runner = ModelRunner(self.model, spec, model_cfg, self.device, self.dtype, **runner)
         self.proposer = None
         if self.draft is not None:  # its own pool, the target's block layout and tables
-            self.proposer = DraftProposer(ModelRunner(self.draft[0], self.draft[1], self.draft[2], self.device,
-                                                      self.dtype, cfg.block_size, num_blocks, cfg.max_num_seqs, tp,
-                                                      cfg.paged_decode))
+            self.proposer = DraftProposer(ModelRunner(*self.draft, self.device, self.dtype, **runner))
         if cfg.speculative_method:
             self.scheduler.lookahead = self._lookahead
         self._guesses: dict[int, list[int]] = {}
@@ -462,7 +461,7 @@ class Engine:
             self.blocks.register(seq.table, sequence_keys(req, seq, seq.num_computed, bs, len(seq.table.keys), parent))
 
     def _advance(self, rows: list[Row], logits: torch.Tensor, touched: dict[str, Request]) -> None:
-        todo: list[tuple[Seq, Request, torch.Tensor]] = []
+        todo: list[tuple[Seq, Request, int]] = []
         spec: list[tuple[Row, torch.Tensor]] = []
         for i, r in enumerate(rows):
             seq, req = r.seq, r.req
@@ -472,15 +471,17 @@ class Engine:
             seq.num_computed = r.start + r.n
             self._register(req, seq)
             if r.samples:
-                todo.append((seq, req, logits[i] if logits.dim() == 2 else logits[i, 0]))
+                todo.append((seq, req, i))
         if spec:
             self._speculated(spec, touched)
+        if logits.dim() == 3:
+            logits = logits[:, 0]
         rows_s: list[RowSampling] = []
-        row_logits: list[torch.Tensor] = []
+        row_index: list[int] = []
         targets: list[tuple[Seq, Request]] = []
-        for seq, req, lg in todo:
+        for seq, req, i in todo:
             if req.beam is not None:
-                seq.pending = lg.log_softmax(-1)
+                seq.pending = logits[i].log_softmax(-1)
                 if all(s.pending is not None for s in req.live):
                     if req.metrics.first_token is None:
                         req.metrics.first_token = self.clock()
@@ -495,10 +496,12 @@ class Engine:
                 group += [self._fork(req, seq, i) for i in range(1, req.params.width)]
             for s in group:
                 rows_s.append(RowSampling(req.params, req.prompt, s.output, s.generator))
-                row_logits.append(lg)
+                row_index.append(i)
                 targets.append((s, req))
-        if rows_s:
-            for (s, req), got in zip(targets, sample(torch.stack(row_logits), rows_s, self.generator)):
+        if rows_s:  # one gather (rows in order: the logits themselves)
+            same = row_index == list(range(len(logits)))
+            picked = logits if same else logits[torch.tensor(row_index, device=logits.device)]
+            for (s, req), got in zip(targets, sample(picked, rows_s, self.generator)):
                 self._append(req, s, got)
                 touched[req.request_id] = req
         for req in {id(r): r for _, r in targets}.values():
@@ -508,7 +511,8 @@ class Engine:
     def _fork(self, req: Request, seq: Seq, index: int | None = None) -> Seq:
         child = Seq(next(self._seq_ids), list(seq.tokens), seq.num_prompt, self.blocks.fork(seq.table),
                     seq.num_computed, self._generator(req.params, len(req.seqs) if index is None else index),
-                    list(seq.logprobs), seq.cum_logprob, draft_computed=seq.draft_computed)
+                    list(seq.logprobs), seq.cum_logprob, text=seq.text, detok_offsets=seq.detok_offsets,
+                    draft_computed=seq.draft_computed)
         req.seqs.append(child)
         return child
 
@@ -527,7 +531,8 @@ class Engine:
         out = seq.output
         if got.token in p.stop_token_ids or (got.token in self.eos and not p.ignore_eos):
             seq.finish_reason = "stop"
-        text = self.tokenizer.decode(out, skip_special_tokens=p.skip_special_tokens)
+        length = len(out) >= (p.max_tokens or self.max_model_len) or len(seq.tokens) >= self.max_model_len
+        text = seq.text + self._new_text(seq, out, p.skip_special_tokens, final=seq.finished or length)
         if p.stop and not seq.finished:
             lo = max(0, len(seq.text) - max(map(len, p.stop)))
             hits = [i for i in (text.find(s, lo) for s in p.stop) if i >= 0]
@@ -535,11 +540,22 @@ class Engine:
                 text = text[: min(hits)]
                 seq.finish_reason = "stop"
         seq.text = text
-        if not seq.finished and (len(out) >= (p.max_tokens or self.max_model_len) or
-                                 len(seq.tokens) >= self.max_model_len):
+        if not seq.finished and length:
             seq.finish_reason = "length"
         if seq.finished:
             self.scheduler.free_seq(seq)
+
+    def _new_text(self, seq: Seq, out: list[int], skip: bool, final: bool) -> str:
+        """The text the newest tokens add (vLLM's incremental detokenization): they are decoded after the tokens
+        since the previous emission, as context, and held back while they end inside a UTF-8 character (until
+        the ``final`` token). Decoding the whole output each step would cost O(length) per token."""
+        a, b = seq.detok_offsets
+        before = self.tokenizer.decode(out[a:b], skip_special_tokens=skip)
+        now = self.tokenizer.decode(out[a:], skip_special_tokens=skip)
+        if len(now) <= len(before) or (now.endswith("\ufffd") and not final):
+            return ""
+        seq.detok_offsets = (b, len(out))
+        return now[len(before):]
 
     # ---- outputs ----
     def _output(self, req: Request) -> RequestOutput:

@@ -3,20 +3,30 @@
 Host side, before the forward: the step's rows (one per sequence: its new tokens, right-padded), the paged cache
 step (titan_mm.models.common.kv_cache.plan_step: positions, slot mapping, gathered slots, masks), M-RoPE positions,
 and for a vision family its ``prepare_batch`` metadata over the whole images the rows hold. The forward itself
-does no host sync (tests/gpu/test_serve_gpu.py checks it). A decode-only step is padded to the next of a fixed set
-of batch sizes (rows of zero new tokens), the shapes CUDA graphs will be captured at.
+does no host sync (tests/gpu/test_serve_gpu.py checks it).
+
+A step's one-token rows (decode, and one-token prefill chunks without media) run apart from its longer rows, so a
+long prefill chunk never pads hundreds of decode rows to its length. With the paged decode kernel they run as a
+*decode step*: padded to the next of a fixed set of batch sizes, their inputs written into static device buffers
+(pad rows write their k/v to a scratch block no sequence owns), and on CUDA replayed from a graph captured per
+size on its first use, which removes the step's hundreds of kernel launches from the host's critical path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 
 from titan_mm.models.common.attention import build_attn_meta
-from titan_mm.models.common.kv_cache import alloc_paged_cache, plan_step
+from titan_mm.models.common.kv_cache import KVStep, alloc_paged_cache, plan_step
 from titan_mm.serve.scheduler import Row
+
+
+_ROW_FIELDS = ("positions", "valid", "new_tokens", "slot_mapping", "block_tables", "seq_lens")
+"""The KVStep fields of a decode step, one row per sequence."""
 
 
 @dataclass
@@ -30,6 +40,18 @@ class StepInputs:
     logits_at: torch.Tensor
     extra: dict
     n_rows: int
+
+
+@dataclass
+class _DecodeStep:
+    """A decode batch size's static inputs (views of the runner's buffers), its graph and the graph's logits."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    step: KVStep
+    inputs: StepInputs
+    graph: object = None
+    out: torch.Tensor | None = None
 
 
 def decode_sizes(max_num_seqs: int) -> list[int]:
@@ -51,7 +73,8 @@ def _host_available() -> int:
 
 class ModelRunner:
     def __init__(self, model, spec, model_cfg, device: torch.device, dtype: torch.dtype, block_size: int,
-                 num_blocks: int, max_num_seqs: int, tp: int = 1, paged_decode: bool = True):
+                 num_blocks: int, max_num_seqs: int, tp: int = 1, paged_decode: bool = True, max_model_len: int = 0,
+                 cuda_graphs: bool = True):
         from titan_mm.kernels import paged_decode_attention
 
         self.model, self.spec, self.cfg = model, spec, model_cfg
@@ -64,9 +87,16 @@ class ModelRunner:
         self.mrope = needs.positions == "mrope"
         self.media_pads = [needs.special_tokens[k] for k in ("image_pad", "video_pad") if k in needs.special_tokens]
         self.sizes = decode_sizes(max_num_seqs)
-        # tensor parallel: each rank's attention writes only its local kv heads (the plan splits wk / wv by heads)
-        self.cache = alloc_paged_cache(dims.num_layers, num_blocks, block_size, dims.num_kv_heads // tp,
+        # tensor parallel: each rank's attention writes only its local kv heads (the plan splits wk / wv by heads);
+        # one block more than the block manager hands out: the scratch block of a decode step's pad rows
+        self.cache = alloc_paged_cache(dims.num_layers, num_blocks + 1, block_size, dims.num_kv_heads // tp,
                                        dims.head_dim, dtype, device)
+        self.scratch_block = num_blocks
+        self.max_table = -(-max(max_model_len, block_size) // block_size) + 1  # + a lookahead block
+        # bf16 only: every family's bf16 step is sync-free (fp32 MoE reads its group sizes on the host)
+        self.graphs = cuda_graphs and device.type == "cuda" and paged_decode and dtype == torch.bfloat16
+        self._decode: dict[int, _DecodeStep] = {}
+        self._static: dict | None = None
 
     @staticmethod
     def blocks_from_memory(per_block: int, device: torch.device, utilization: float, activation_bytes: int,
@@ -92,14 +122,90 @@ class ModelRunner:
     def run(self, rows: list[Row], copies: list[tuple[int, int]], per_row: int = 1) -> torch.Tensor:
         """Forward the rows; -> fp32 logits [len(rows), V] at each row's last new token, or with ``per_row`` > 1
         [len(rows), per_row, V] at its token before the guesses and after each guess (the last one repeated)."""
-        return self.forward(self.prepare(rows, copies, per_row))
+        self.copy_blocks(copies)
+        one = [] if per_row > 1 or self.decode_attention is None else \
+            [i for i, r in enumerate(rows) if r.n == 1 and not self._has_media(r)
+             and len(r.seq.table.blocks) <= self.max_table]
+        if not one:
+            return self.forward(self.prepare(rows, per_row))
+        if len(one) == len(rows):
+            return self.decode(rows)
+        rest = sorted(set(range(len(rows))) - set(one))
+        out = torch.cat([self.decode([rows[i] for i in one]), self.forward(self.prepare([rows[i] for i in rest]))])
+        order = torch.tensor(one + rest).argsort()
+        return out[order.to(out.device, non_blocking=True)]
+
+    def _has_media(self, r: Row) -> bool:
+        return any(r.start <= im.start and im.end <= r.start + r.n for im in r.req.images)
+
+    # ---- decode steps: static buffers, CUDA graphs ----
+    @torch.inference_mode()
+    def decode(self, rows: list[Row]) -> torch.Tensor:
+        """One token per row through the paged kernel, the rows padded to the next decode size; -> [len(rows), V]."""
+        n = len(rows)
+        B = next((s for s in self.sizes if s >= n), n)
+        st = self._decode_step(B)
+        width = max(len(r.seq.table.blocks) for r in rows)
+        tables = torch.full((B, width), self.scratch_block, dtype=torch.long)
+        for i, r in enumerate(rows):
+            tables[i, : len(r.seq.table.blocks)] = torch.tensor(r.seq.table.blocks)
+        cached = [r.start for r in rows] + [0] * (B - n)
+        plan_step(self.cache, [1] * B, cached_lens=cached, block_tables=tables, sliding_window=self.window, width=1,
+                  decode_attention=self.decode_attention, into=st.step)
+        st.ids.copy_(torch.tensor([r.tokens for r in rows] + [[0]] * (B - n)), non_blocking=True)
+        if self.mrope:
+            st.positions.copy_(self._mrope_positions(rows, B, 1))
+        if st.graph is not None:
+            st.graph.replay()
+            return st.out[:n]
+        logits = self.forward(st.inputs)
+        if self.graphs:  # this size's first step ran eagerly (compiling what it needed): capture it
+            st.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(st.graph, pool=self._pool()):
+                st.out = self._model_step(st.inputs)
+        return logits[:n]
+
+    def _pool(self):
+        if self._static.get("pool") is None:
+            self._static["pool"] = torch.cuda.graph_pool_handle()  # one pool: the sizes never run at once
+        return self._static["pool"]
+
+    def _decode_step(self, B: int) -> _DecodeStep:
+        """The static inputs of a decode step of B rows: views of buffers sized for the largest decode step."""
+        if B in self._decode:
+            return self._decode[B]
+        if self._static is None or self._static["rows"] < B:
+            R, dev = max(B, self.sizes[-1]), self.device
+            self._static = dict(
+                rows=R, pool=None if self._static is None else self._static["pool"],
+                ids=torch.zeros(R, 1, dtype=torch.long, device=dev),
+                positions=torch.zeros(3, R, 1, dtype=torch.long, device=dev) if self.mrope else None,
+                at=torch.zeros(R, dtype=torch.long, device=dev),
+                step=KVStep(positions=torch.zeros(R, 1, dtype=torch.long, device=dev),
+                            valid=torch.ones(R, 1, dtype=torch.bool, device=dev),
+                            new_tokens=torch.arange(R, device=dev), slot_mapping=torch.zeros(R, dtype=torch.long,
+                                                                                             device=dev),
+                            sliding_window=self.window, decode_attention=self.decode_attention,
+                            block_tables=torch.zeros(R, self.max_table, dtype=torch.int32, device=dev),
+                            seq_lens=torch.zeros(R, dtype=torch.int32, device=dev)))
+            self._decode.clear()
+        s = self._static
+        full = s["step"]
+        step = dataclasses.replace(full, **{f: getattr(full, f)[:B] for f in _ROW_FIELDS})
+        ids = s["ids"][:B]
+        cache = dataclasses.replace(self.cache, step=step)
+        meta = build_attn_meta({"input_ids": ids}, self.backend, self.device, sliding_window=self.window,
+                               kv_cache=cache)
+        positions = s["positions"][:, :B] if self.mrope else step.positions
+        st = _DecodeStep(ids, positions, step, StepInputs(ids, positions, meta, s["at"][:B], {}, B))
+        self._decode[B] = st
+        return st
 
     @torch.inference_mode()
-    def prepare(self, rows: list[Row], copies: list[tuple[int, int]], per_row: int = 1) -> StepInputs:
-        """Everything the forward reads, built on the host and moved to the device (block copies done)."""
-        self.copy_blocks(copies)
+    def prepare(self, rows: list[Row], per_row: int = 1) -> StepInputs:
+        """Everything the forward reads, built on the host and moved to the device."""
         n_rows = len(rows)
-        B = next((s for s in self.sizes if s >= n_rows), n_rows) if all(r.n == 1 for r in rows) else n_rows
+        B = n_rows
         S = max(r.n for r in rows)
         width = max(len(r.seq.table.blocks) for r in rows)
         ids = torch.zeros(B, S, dtype=torch.long)
@@ -127,6 +233,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, x: StepInputs) -> torch.Tensor:
         """The model step: no host sync."""
+        return self._model_step(x)
+
+    def _model_step(self, x: StepInputs) -> torch.Tensor:
         out = self.model(x.ids, position_ids=x.positions, attn=x.meta, logits_at=x.logits_at, **x.extra)
         return out.logits[: x.n_rows].float()
 

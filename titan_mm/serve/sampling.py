@@ -136,10 +136,13 @@ class Sampled:
     """The ``logprobs`` most likely tokens and the sampled one -> logprob (None when not asked)."""
 
 
+def _penalized(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 def _penalize(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     """Repetition, presence and frequency penalties of the rows that ask for them (index tensors from the host)."""
-    todo = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0
-            or r.params.frequency_penalty != 0.0]
+    todo = [i for i, r in enumerate(rows) if _penalized(r.params)]
     if not todo:
         return logits
     dev, V = logits.device, logits.shape[1]
@@ -199,6 +202,11 @@ def target_probs(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
 def sample(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None) -> list[Sampled]:
     """One next token per row of ``logits`` [R, V]; one host transfer at the end."""
     logits = logits.float()
+    if all(r.params.greedy and r.params.logprobs is None and not _penalized(r.params) for r in rows):
+        # plain greedy (the common serving case): the argmax and its logprob, without the [R, V] draw
+        tokens = logits.argmax(1)
+        chosen = logits.gather(1, tokens[:, None])[:, 0] - logits.logsumexp(1)
+        return [Sampled(t, lp) for t, lp in zip(tokens.tolist(), chosen.tolist())]
     dev, R, V = logits.device, logits.shape[0], logits.shape[1]
     probs = target_probs(logits, rows)
     noise = torch.empty(R, V, device=dev)

@@ -40,6 +40,8 @@ class Row:
 
     @property
     def tokens(self) -> list[int]:
+        if not self.draft:  # no copy of the whole sequence (a decode step asks this of every row)
+            return self.seq.tokens[self.start:self.start + self.n]
         return (self.seq.tokens + self.draft)[self.start:self.start + self.n]
 
     @property

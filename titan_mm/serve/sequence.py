@@ -53,6 +53,9 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""
     """Detokenized output, cut before a stop string."""
+    detok_offsets: tuple[int, int] = (0, 0)
+    """Incremental detokenization: output tokens [a, b) are the context of the next tokens' text, and text holds
+    the decoding of output[:b]."""
     sent_text: int = 0
     sent_tokens: int = 0
     """How much of text / output the previous RequestOutput held (the deltas)."""

@@ -49,10 +49,12 @@ class KVStep:
     """[N] int64 indices into the step's flattened B*S tokens of the real new tokens."""
     slot_mapping: torch.Tensor
     """[N] int64 slot each of them is written to."""
-    kv_slots: torch.Tensor
-    """[B, L] int64 slots of positions 0 .. L-1 of every sequence (past its length: slot 0, masked)."""
-    mask: torch.Tensor
-    """[B, 1, S, L] bool, True = attend: key j <= the query's position and j < the sequence's length."""
+    kv_slots: torch.Tensor | None = None
+    """[B, L] int64 slots of positions 0 .. L-1 of every sequence (past its length: slot 0, masked); None on a
+    ``decode_attention`` step, which reads the blocks in place."""
+    mask: torch.Tensor | None = None
+    """[B, 1, S, L] bool, True = attend: key j <= the query's position and j < the sequence's length (None with
+    ``decode_attention``)."""
     mask_swa: torch.Tensor | None = None
     """``mask`` and the sliding window (query position - j < window); None when planned without a window."""
     sliding_window: int | None = None
@@ -191,7 +193,7 @@ def alloc_paged_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_lens: Sequence[int] | None = None,
               block_tables: torch.Tensor | Sequence[Sequence[int]] | None = None,
               sliding_window: int | None = None, width: int | None = None,
-              decode_attention: Callable | None = None) -> KVCache:
+              decode_attention: Callable | None = None, into: KVStep | None = None) -> KVCache:
     """Host side: -> ``cache`` with this step's :class:`KVStep` and the lengths after it (storage shared).
 
     ``new_lens`` [B]: new tokens per sequence this step (the batch's rows hold them first, then padding).
@@ -201,6 +203,8 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     ``width``: S, the padded row length of the step's input_ids (default: max(new_lens)).
     ``decode_attention``: paged_decode_attention(q [B, H, K], k_pool, v_pool, block_tables, seq_lens, window),
     used when the step is one token per row of a paged cache (others gather, as without it).
+    ``into``: a decode step's device tensors to fill instead of allocating new ones (CUDA graphs replay fixed
+    addresses); its block_tables may be wider than this step's tables (the kernel reads the used columns only).
     """
     new = torch.as_tensor(new_lens, dtype=torch.int64).reshape(-1).cpu()  # host metadata, whatever was passed
     B = new.numel()
@@ -234,6 +238,22 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     new_tokens = valid.reshape(-1).nonzero().squeeze(1)
     slot_mapping = cache._slots(rows.reshape(-1)[new_tokens], positions.reshape(-1)[new_tokens])
     L = int(total.max())
+    dev = cache.k[0].device
+    if decode_attention is not None and isinstance(cache, PagedKVCache) and S == 1:
+        width_blocks = -(-L // cache.block_size)  # the kernel loops over these columns: the longest sequence's
+        host = dict(positions=positions, valid=valid, new_tokens=new_tokens, slot_mapping=slot_mapping,
+                    block_tables=cache.block_tables[:, :width_blocks].to(torch.int32), seq_lens=total.to(torch.int32))
+        if into is None:
+            step = KVStep(**{n: t.to(dev, non_blocking=True) for n, t in host.items()},
+                          sliding_window=sliding_window, decode_attention=decode_attention)
+        else:
+            for n, t in host.items():
+                dst = getattr(into, n)
+                (dst[:, : t.shape[1]] if n == "block_tables" else dst).copy_(t, non_blocking=True)
+            step = into
+        return dataclasses.replace(cache, seq_lens=total, step=step)
+    if into is not None:
+        raise ValueError("plan_step(into=...) fills a one-token paged step with decode_attention only")
     j = torch.arange(L)
     has = j[None] < total[:, None]  # [B, L]: key j exists in sequence b
     kv_slots = torch.where(has, cache._slots(torch.arange(B)[:, None].expand(B, L), torch.where(has, j, 0)), 0)
@@ -244,14 +264,8 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     mask_swa = None if sliding_window is None else mask & (qpos - j < sliding_window)
     host = dict(positions=positions, valid=valid, new_tokens=new_tokens, slot_mapping=slot_mapping, kv_slots=kv_slots,
                 mask=mask[:, None], mask_swa=None if mask_swa is None else mask_swa[:, None])
-    dev = cache.k[0].device
-    if decode_attention is not None and isinstance(cache, PagedKVCache) and S == 1:
-        width_blocks = -(-L // cache.block_size)  # the kernel loops over these columns: the longest sequence's
-        host.update(block_tables=cache.block_tables[:, :width_blocks].to(torch.int32), seq_lens=total.to(torch.int32))
-    else:
-        decode_attention = None
     step = KVStep(**{n: None if t is None else t.to(dev, non_blocking=True) for n, t in host.items()},
-                  sliding_window=sliding_window, decode_attention=decode_attention)
+                  sliding_window=sliding_window)
     return dataclasses.replace(cache, seq_lens=total, step=step)
 
 

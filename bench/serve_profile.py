@@ -1,0 +1,103 @@
+"""Where a serving step's time goes (issue 20): the engine on nano-vllm's workload (bench/serve.py part A), with
+each phase of ``Engine._step_at`` timed behind a device sync, then a torch.profiler trace of a few decode steps.
+
+    source scripts/gpu_setup.sh && python3 bench/serve_profile.py --out $OUT/serve_profile.json
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python bench/serve_profile.py --cpu          # smoke, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import serve as sb  # noqa: E402
+
+
+def timed(obj, name: str, acc: dict, device) -> None:
+    """Wrap ``obj.name`` so that each call adds its synced wall time to ``acc[name]``."""
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **kw):
+        sb.sync(device)
+        t = time.perf_counter()
+        out = fn(*a, **kw)
+        sb.sync(device)
+        acc[name] += time.perf_counter() - t
+        return out
+
+    setattr(obj, name, wrapper)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--flavor", default="")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    from titan_mm.registry import get_model_spec
+
+    device = torch.device("cpu" if a.cpu else "cuda")
+    shape = sb.SHAPES["cpu" if a.cpu else "gpu"]
+    flavor = a.flavor or shape["flavors"][0]
+    spec = get_model_spec("qwen3")
+    cfg = spec.flavor(flavor)
+    s = shape["A"]
+    g = torch.Generator().manual_seed(0)
+    vocab = sb.text_vocab()
+    plens, news = sb.uniform(g, s["n"], s["lo"], s["hi"]), sb.uniform(g, s["n"], s["lo"], s["hi"])
+    prompts = [sb.random_ids(g, n, vocab) for n in plens]
+    model = sb.random_model(spec, flavor, device, 0)
+    engine = sb.titan_engine(model, spec, cfg, prompts, news, device, shape)
+    from titan_mm.serve.sampling import SamplingParams
+
+    engine.generate([sb.random_ids(g, 16, vocab) for _ in range(2)], SamplingParams(temperature=0.0, max_tokens=4))
+    acc: dict = defaultdict(float)
+    for name in ("schedule",):
+        timed(engine.scheduler, name, acc, device)
+    for name in ("prepare", "decode", "forward"):  # decode: the one-token rows (its eager forward inside)
+        timed(engine.runner, name, acc, device)
+    for name in ("_advance", "_output"):
+        timed(engine, name, acc, device)
+    for i, (p, n) in enumerate(zip(prompts, news)):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    rows = []
+    for step in range(a.steps):
+        before = dict(acc)
+        sb.sync(device)
+        t = time.perf_counter()
+        outs = engine.step()
+        sb.sync(device)
+        wall = time.perf_counter() - t
+        st = engine.stats()
+        rows.append(dict(step=step, wall_ms=round(wall * 1e3, 2), running=st["num_running_seqs"],
+                         tokens=sum(len(o.outputs[0].new_token_ids) for o in outs),
+                         **{k: round((acc[k] - before.get(k, 0.0)) * 1e3, 2) for k in acc}))
+        print(json.dumps(rows[-1]), flush=True)
+    trace = None
+    if not a.cpu:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.step()
+            sb.sync(device)
+        trace = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+        print(trace)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    if a.out:
+        Path(a.out).write_text(json.dumps(dict(flavor=flavor, rows=rows, trace=trace), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
