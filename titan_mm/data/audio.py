@@ -1,11 +1,21 @@
-"""Audio for Omni-style models: decode (PyAV), resample to 16 kHz mono, Whisper-style log-mel features.
+"""Audio for the Qwen Omni thinkers: decode (PyAV) or take an in-memory waveform, 16 kHz mono, Whisper log-mel.
 
 Features: STFT (n_fft 400, hop 160, Hann window) power -> Slaney mel filterbank (``audio_n_mels`` bins,
-0-8 kHz) -> log10(max(x, 1e-10)) -> clamp to (max - 8) -> (x + 4) / 4, equal to transformers'
-WhisperFeatureExtractor (tests/parity/test_processor_audio.py). ``input_features [n_mels, frames]``
-per clip; the placeholder count follows Qwen2-Audio's encoder (conv stride 2, then pool 2).
-Audio needs a tokenizer with <|audio_pad|> (Omni); with the plain Qwen3 tokenizer audio parts are
-skipped as ``unknown_modality``.
+0-8 kHz) -> log10(max(x, 1e-10)) -> clamp to (max - 8) -> (x + 4) / 4, transformers' WhisperFeatureExtractor
+bit for bit. How a clip is padded and counted follows the HF processor of ``ProcessorConfig.audio_encoder``
+(tests/parity/test_processor_audio.py checks both against transformers):
+
+- ``qwen2_5_omni`` (Qwen2_5OmniProcessor): every clip is padded with zeros to 30 s and truncated there
+  (``padding="max_length"``, Whisper's default truncation), so a clip's last frames see zeros, not the STFT's
+  reflection, and audio past 30 s is dropped. Frames = ceil(samples / 160) (``feature_attention_mask.sum()``);
+  tokens = ((frames - 1) // 2 + 1 - 2) // 2 + 1 (conv stride 2, then pool 2).
+- ``qwen3_omni`` (Qwen3OmniMoeProcessor, one clip per call): no padding, no truncation. Frames = samples // 160;
+  tokens = 13 per whole window of 100 frames plus three stride-2 convs over the rest (``n_window`` 50).
+
+Per clip the processor keeps ``input_features [frames, n_mels]`` (the padding frames dropped, as the HF thinker
+drops them with ``feature_attention_mask``) and ``audio_feature_lengths [1]``; the collator puts a batch's clips
+side by side as ``[n_mels, sum frames]``. Audio needs a tokenizer with <|audio_pad|> (Omni); with the plain
+Qwen3 tokenizer audio parts are skipped as ``unknown_modality``.
 """
 
 from __future__ import annotations
@@ -18,6 +28,9 @@ from titan_mm.data.sources import SkipSample
 from titan_mm.data.vision import MediaItem
 
 N_FFT, HOP = 400, 160
+MAX_SECONDS = 30  # Whisper's window: Qwen2.5-Omni pads and truncates every clip to it
+ENCODERS = ("qwen2_5_omni", "qwen3_omni")
+QWEN3_WINDOW = 100  # frames per Qwen3-Omni audio window (2 x n_window), 13 tokens each
 
 
 def decode_audio(payload, rate: int = 16000) -> np.ndarray:
@@ -40,6 +53,17 @@ def decode_audio(payload, rate: int = 16000) -> np.ndarray:
     if not out:
         raise SkipSample("bad_audio", "audio has no samples")
     return np.concatenate(out).astype(np.float32)
+
+
+def waveform(payload, rate: int = 16000) -> np.ndarray:
+    """Mono float32 samples at ``rate`` Hz from encoded bytes (any PyAV format) or an in-memory waveform
+    (a 1-D float numpy array, already at ``rate``)."""
+    if not isinstance(payload, np.ndarray):
+        return decode_audio(payload, rate)
+    if payload.ndim != 1 or payload.dtype.kind != "f" or payload.size == 0 or not np.isfinite(payload).all():
+        raise SkipSample("bad_audio", f"a waveform must be a non-empty 1-D float array of finite samples at {rate} "
+                         f"Hz, got {payload.dtype} of shape {payload.shape}")
+    return payload.astype(np.float32, copy=False)
 
 
 def _hz_to_mel(f):
@@ -69,23 +93,46 @@ def mel_filters(n_mels: int, sr: int = 16000, n_fft: int = N_FFT) -> np.ndarray:
 
 
 def log_mel(wave: np.ndarray, n_mels: int = 128) -> np.ndarray:
+    """[n_mels, len(wave) // 160] Whisper log-mel of the whole waveform (its max sets the floor)."""
     import torch
 
     x = torch.from_numpy(wave)
     spec = torch.stft(x, N_FFT, HOP, window=torch.hann_window(N_FFT), return_complex=True)
-    power = spec[..., :-1].abs() ** 2
+    power = (spec[..., :-1].abs() ** 2).contiguous()  # contiguous as HF's: the strided matmul rounds otherwise
     mel = torch.from_numpy(mel_filters(n_mels)) @ power
     logm = torch.clamp(mel, min=1e-10).log10()
     logm = torch.maximum(logm, logm.max() - 8.0)
     return ((logm + 4.0) / 4.0).numpy().astype(np.float32)
 
 
+def clip_features(wave: np.ndarray, n_mels: int, encoder: str, rate: int = 16000) -> np.ndarray:
+    """[n_mels, frames]: the frames HF's processor of ``encoder`` gives this clip, without its padding frames."""
+    if encoder == "qwen3_omni":
+        return log_mel(wave, n_mels)
+    wave = wave[: MAX_SECONDS * rate]
+    n = wave.shape[0]
+    # Zeros up to a window past the end stand in for the 30 s padding: later frames are all log10(1e-10),
+    # which changes neither the kept frames nor the max that sets the floor.
+    padded = np.zeros(min(MAX_SECONDS * rate, n + N_FFT), dtype=np.float32)
+    padded[:n] = wave
+    return log_mel(padded, n_mels)[:, : -(-n // HOP)]
+
+
+def audio_tokens(frames: int, encoder: str) -> int:
+    """Placeholder tokens of a clip of ``frames`` mel frames: the length of the HF audio tower's output
+    (``_get_feat_extract_output_lengths`` of modeling_qwen2_5_omni / modeling_qwen3_omni_moe)."""
+    if encoder == "qwen2_5_omni":
+        return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+    feat = (frames % QWEN3_WINDOW - 1) // 2 + 1
+    return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + frames // QWEN3_WINDOW * 13
+
+
 def process_audio(payload, cfg) -> MediaItem:
-    wave = payload if isinstance(payload, np.ndarray) else decode_audio(payload, cfg.audio_sample_rate)
-    feats = log_mel(wave, cfg.audio_n_mels)
+    wave = waveform(payload, cfg.audio_sample_rate)
+    feats = clip_features(wave, cfg.audio_n_mels, cfg.audio_encoder, cfg.audio_sample_rate)
     frames = feats.shape[1]
-    n_tokens = ((frames - 1) // 2 + 1 - 2) // 2 + 1
+    n_tokens = audio_tokens(frames, cfg.audio_encoder)
     if n_tokens < 1:
-        raise SkipSample("bad_audio", f"audio too short ({wave.shape[0]} samples)")
+        raise SkipSample("bad_audio", f"audio too short ({wave.shape[0]} samples give {n_tokens} tokens)")
     return MediaItem("audio", {"input_features": feats.T.copy(), "audio_feature_lengths": np.asarray([frames])},
                      (1, 1, frames), 0, n_tokens)

@@ -25,6 +25,9 @@ import torch
 
 IGNORE_INDEX = -100
 PAD_MULTIPLE = 16
+# Docs keep audio frames first ([frames, n_mels] per clip) so every media key joins on axis 0; the batch gives
+# them mels first, [n_mels, sum frames], the layout HF's Omni audio towers take.
+MELS_FIRST = ("input_features",)
 
 
 def round_up(x: int, m: int = PAD_MULTIPLE) -> int:
@@ -151,7 +154,9 @@ def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool,
     Rows are padded to ``S = round_up(seq_len, multiple)`` (16 by default; the synthetic loaders pass 1 to
     keep their exact row length). ``cu_seqlens`` runs over the flattened B*S tokens:
     every doc is a segment, and each row's padding is one more trailing segment. ``max_seqlen`` is the
-    longest segment (docs and padding alike), so varlen kernels given it never under-size a tile.
+    longest segment (docs and padding alike), so varlen kernels given it never under-size a tile. Media keys
+    join their items in token order: images ``pixel_values`` / ``image_grid_thw``, videos, and audio
+    ``input_features [n_mels, sum frames]`` (clips side by side) with ``audio_feature_lengths [n_clips]``.
     """
     B, S = len(rows), round_up(seq_len, multiple)
     ids = np.full((B, S), pad_id, dtype=np.int64)
@@ -195,5 +200,6 @@ def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool,
         "num_label_tokens": torch.tensor(int((labels != IGNORE_INDEX).sum()), dtype=torch.int64),
     }
     for key, arrs in media.items():
-        batch[key] = torch.from_numpy(np.concatenate(arrs, axis=0))
+        x = np.concatenate(arrs, axis=0)
+        batch[key] = torch.from_numpy(np.ascontiguousarray(x.T) if key in MELS_FIRST else x)
     return batch

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from titan_mm.config import Data
+from titan_mm.data import audio
 from titan_mm.data.packing import IGNORE_INDEX, Doc
 from titan_mm.data.schema import Sample
 from titan_mm.data.sources import SkipSample, Unit, media_bytes
@@ -41,6 +42,9 @@ class ProcessorConfig:
     lazy_images: bool = False  # image patches computed at collate time (the loader turns this on)
     audio_sample_rate: int = 16000
     audio_n_mels: int = 128
+    audio_encoder: str = "qwen2_5_omni"
+    """Whose audio front end the clips follow: "qwen2_5_omni" (padded and truncated to 30 s, conv + pool token
+    count) or "qwen3_omni" (no padding, 13 tokens per 100-frame window); see titan_mm.data.audio."""
 
     def __post_init__(self):
         if self.needs.positions not in POSITIONS:
@@ -48,6 +52,9 @@ class ProcessorConfig:
         if self.chat_template not in CHAT_TEMPLATES:
             raise ValueError(f"data.chat_template must be empty (the model's), 'qwen3' or 'qwen3_vl', "
                              f"got {self.chat_template!r}")
+        if self.audio_encoder not in audio.ENCODERS:
+            raise ValueError(f"ProcessorConfig.audio_encoder must be one of {audio.ENCODERS}, "
+                             f"got {self.audio_encoder!r}")
 
     # the family's sizes, by the names vision.py reads
     @property
@@ -199,7 +206,9 @@ class Processor:
         for w, part in zip(where, media):
             pieces_ids.append(ids[prev:w])
             pieces_tgt.append(target[prev:w])
-            payload = media_bytes(part.ref, rec, unit, self.cfg.data.media_root) if unit is not None else part.ref
+            # an in-memory waveform (built-in audio) needs no resolving
+            resolve = unit is not None and not isinstance(part.ref, np.ndarray)
+            payload = media_bytes(part.ref, rec, unit, self.cfg.data.media_root) if resolve else part.ref
             if part.type == "image":
                 item = vision.process_image(payload, self.cfg, lazy=self.cfg.lazy_images)
                 tok = np.full(item.n_tokens, self.tok.image_pad_id, dtype=np.int64)
@@ -209,8 +218,6 @@ class Processor:
                 # <|vision_start|> / <|vision_end|> around it stay)
                 tok = vision.video_placeholder_ids(item, self.tok)
             else:
-                from titan_mm.data import audio
-
                 item = audio.process_audio(payload, self.cfg)
                 tok = np.full(item.n_tokens, self.tok.audio_pad_id, dtype=np.int64)
             items.append(item)

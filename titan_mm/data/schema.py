@@ -10,6 +10,7 @@ Accepted record layouts (one JSON object per JSONL line, Parquet row, or tar ``.
             {"type": "image", "image": "https://.../a.png"},                 # HF processor style
             {"type": "video_url", "video_url": {"url": "clips/a.mp4"}},
             {"type": "audio_url", "audio_url": {"url": "a.wav"}},
+            {"type": "input_audio", "input_audio": {"data": "<base64 of a.wav>", "format": "wav"}},  # OpenAI
             {"type": "text", "text": "What is shown?"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
     {"conversations": [{"from": "human", "value": "<image>\\nWhat is it?"}, {"from": "gpt", "value": "A cat."}],
@@ -20,11 +21,15 @@ this); a string that is not JSON is skipped as ``malformed_json``, one that is n
 
 A media reference is a relative path (to ``media_root`` or the shard's folder), an absolute path or URL,
 a ``data:`` URI, raw bytes (Parquet binary column), ``{"bytes": ...}``, or the name of a member of the
-same tar shard. An unknown part type is skipped with reason ``unknown_modality``.
+same tar shard; audio may also be an in-memory waveform (a 1-D float numpy array at 16 kHz, as the built-in
+DTMF data gives it: ``{"type": "audio", "audio": wave}``). An unknown part type is skipped with reason
+``unknown_modality``.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,12 +68,25 @@ class Sample:
         return {p.type for m in self.messages or [] for p in m.parts}
 
 
+def _input_audio(v: dict) -> Any:
+    """OpenAI's ``{"data": <base64 of the file>, "format": "wav"}``; bytes, a data: URI or a waveform array pass."""
+    data = v.get("data")
+    if data is None:
+        raise SkipSample("bad_schema", f"input_audio without data: {v!r}"[:300])
+    if not isinstance(data, str) or data.startswith("data:"):
+        return data
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error as e:
+        raise SkipSample("bad_audio", f"input_audio data is not base64 ({e})") from None
+
+
 def _media_ref(part: dict, kind: str) -> Any:
     for key in (part["type"], kind, f"{kind}_url", "url", "path", "data", "bytes"):
         v = part.get(key)
         if v is not None:
             if isinstance(v, dict) and key == "input_audio":
-                return v.get("data")
+                return _input_audio(v)
             return v
     raise SkipSample("bad_schema", f"{kind} part without a reference: {part!r}"[:300])
 

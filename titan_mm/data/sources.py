@@ -2,9 +2,10 @@
 
 A *source* is one dataset given by a path or URL (a file, a folder, or a glob; local or any fsspec
 URL such as s3://, gs://, https://, memory://) or a built-in name (``builtin:text``, ``builtin:digits``,
-``builtin:digits_test``, ``builtin:photos``). It is split into *units* that can be read independently:
-a JSONL/JSON file, one row group of a Parquet file, one tar shard (WebDataset layout: members grouped by
-key, ``000123.json`` + ``000123.jpg``), or a slice of a built-in dataset.
+``builtin:digits_test``, ``builtin:photos``, ``builtin:dtmf``, ...: titan_mm.data.builtin.NUM_PARTS). It is
+split into *units* that can be read independently: a JSONL/JSON file, one row group of a Parquet file, one tar
+shard (WebDataset layout: members grouped by key, ``000123.json`` + ``000123.jpg``), or a slice of a built-in
+dataset.
 
 Order, the same on every machine:
   (seed, epoch) -> permutation of the units -> packed-stream slot -> in-unit order (file order for

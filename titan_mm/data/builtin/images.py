@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from functools import lru_cache
 
 import numpy as np
 
@@ -10,7 +11,7 @@ DIGIT_QUESTION = "What digit is this?"
 DIGIT_SIZE = 64  # the 8x8 digits are upscaled 8x (nearest) to 64x64 RGB
 
 
-def _png(arr: np.ndarray) -> bytes:
+def png(arr: np.ndarray) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
@@ -25,21 +26,28 @@ def digit_image(x8x8: np.ndarray) -> np.ndarray:
     return np.stack([g, g, g], axis=-1)
 
 
+@lru_cache(maxsize=1)
+def digits_data() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits: images [1797, 8, 8] in [0, 16] and their labels [1797]."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return d.images, d.target
+
+
 def digits_records(test: bool = False) -> list[dict]:
     """Chats "<image> What digit is this?" -> "7". Held out: index % 5 == 0 (360 images); train: the
     other 1437. Each record also has ``answer`` (the digit as a string) and ``index`` (in load_digits),
     so an evaluator can prompt with the user turn only and compare the greedy answer to ``answer``."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
+    images, target = digits_data()
     out = []
-    for i in range(len(d.target)):
+    for i in range(len(target)):
         if (i % 5 == 0) != test:
             continue
-        ans = str(int(d.target[i]))
+        ans = str(int(target[i]))
         out.append({
             "messages": [
-                {"role": "user", "content": [{"type": "image", "image": _png(digit_image(d.images[i]))},
+                {"role": "user", "content": [{"type": "image", "image": png(digit_image(images[i]))},
                                              {"type": "text", "text": DIGIT_QUESTION}]},
                 {"role": "assistant", "content": [{"type": "text", "text": ans}]},
             ],
@@ -72,7 +80,7 @@ def photo_records() -> list[dict]:
             img = np.stack([img] * 3, axis=-1)
         out.append({
             "messages": [
-                {"role": "user", "content": [{"type": "image", "image": _png(img[..., :3].astype(np.uint8))},
+                {"role": "user", "content": [{"type": "image", "image": png(img[..., :3].astype(np.uint8))},
                                              {"type": "text", "text": "Describe this image."}]},
                 {"role": "assistant", "content": caption},
             ],
