@@ -233,6 +233,7 @@ _REGISTRY: dict[str, ModelSpec] = {}
 _BUILTIN = {
     "qwen2": "titan_mm.models.qwen2",
     "qwen2_5_vl": "titan_mm.models.qwen2_5_vl",
+    "qwen2_5_omni": "titan_mm.models.qwen2_5_omni",
     "qwen3": "titan_mm.models.qwen3",
     "qwen3_moe": "titan_mm.models.qwen3",
     "qwen3_vl": "titan_mm.models.qwen3_vl",

@@ -81,7 +81,7 @@ def test_hf_config_without_model_type(tmp_path, capsys):
     (hf / "config.json").write_text(json.dumps(d))
     line = _fails(tmp_path, capsys, "--model.hf_path", str(hf))
     assert f"{hf}/config.json has no model_type" in line
-    assert ", ".join(registry.list_models()) in line
+    assert ", ".join(registry.hf_model_types()) in line
 
 
 def test_hf_folder_without_weights(tmp_path, capsys):

@@ -1,0 +1,34 @@
+"""The Qwen2.5-Omni thinker's answers to the family contract (titan_mm.registry.ModelSpec): Qwen2.5-VL's
+(titan_mm/models/qwen2_5_vl/spec.py: the Qwen2 decoder, the ViT's shapes, the visual tokens, ChatML) plus the
+audio tokens and the audio encoder's LayerNorm / MLP widths. Videos stay off in DataNeeds (the pipeline lays them
+out the Qwen3-VL way), and positions are TMRoPE, which this family's prepare_batch builds itself."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titan_mm.models.qwen2_5_omni.config import Qwen2_5OmniConfig
+from titan_mm.models.qwen2_5_vl import spec as vl_spec
+from titan_mm.registry import DataNeeds, FusedRows, Runtime
+
+dims = vl_spec.dims
+kernel_shapes = vl_spec.kernel_shapes  # the audio encoder calls no titan_mm.kernels op (LayerNorm, exact GELU)
+
+
+def runtime(cfg: Qwen2_5OmniConfig) -> Runtime:
+    return vl_spec.runtime(cfg)
+
+
+def with_runtime(cfg: Qwen2_5OmniConfig, attn_backend: str, kernels: bool | str) -> Qwen2_5OmniConfig:
+    return dataclasses.replace(cfg, attn_backend=attn_backend, kernels=kernels)
+
+
+def data_needs(cfg: Qwen2_5OmniConfig) -> DataNeeds:
+    needs = vl_spec.data_needs(cfg)
+    audio = {"audio_pad": cfg.audio_token_id, "audio_start": cfg.audio_start_token_id,
+             "audio_end": cfg.audio_end_token_id}
+    return dataclasses.replace(needs, special_tokens={**needs.special_tokens, **audio})
+
+
+def fused_params(cfg: Qwen2_5OmniConfig) -> dict[str, FusedRows]:
+    return vl_spec.fused_params(cfg)
