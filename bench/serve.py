@@ -315,8 +315,10 @@ def titan_vs_hf(spec, flavor, prompts, news, device, shape, cap_s, cpu, seed) ->
     if "error" not in t and "error" not in h:
         out["titan_over_hf"] = round(t["tokens_per_s"] / h["tokens_per_s"], 2)
         both = [k for k in t["first_tokens"] if k in h["first_tokens"]]  # the same weights: the same greedy start
+        # None when a capped run finished no request of the other's (nothing to compare, not a mismatch)
+        out["first_tokens_compared"] = len(both)
         out["first_tokens_match"] = round(sum(t["first_tokens"][k] == h["first_tokens"][k] for k in both)
-                                          / max(len(both), 1), 3)
+                                          / len(both), 3) if both else None
     for r in (t, h):
         r.pop("first_tokens", None)
     dims = spec.dims(cfg)

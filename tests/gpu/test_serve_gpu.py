@@ -93,7 +93,8 @@ def test_cuda_graph_decode_equals_eager(moe):
     tm, spec, prompts, _, eos, _, data = text_setup(moe)
     outs = []
     for graphs in (False, True):
-        engine = Engine(copy.deepcopy(tm), spec, tm.cfg, ServeConfig(max_model_len=256, cuda_graphs=graphs),
+        engine = Engine(copy.deepcopy(tm), spec, tm.cfg, ServeConfig(max_model_len=256, num_blocks=64,
+                                                                     cuda_graphs=graphs),
                         device="cuda", eos_token_ids=[eos], data=data)
         assert engine.runner.graphs == graphs
         outs.append(drive(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), None, check=False))
