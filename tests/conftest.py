@@ -36,6 +36,7 @@ SLOW = (
     "tests/multiproc/test_seeded_init.py::test_init_independent_of_world_size[ep2_fsdp2]",
     "tests/multiproc/test_parallel_fsdp.py::test_fsdp_matches_world1[hsdp2x2-sac]",
     "tests/multiproc/test_parallel_qwen3_5.py::",
+    "tests/multiproc/test_parallel_omni.py::",
     "tests/unit/test_train_e2e.py::test_debug_config_trains_checkpoints_and_exports[qwen2",
     "tests/unit/test_train_e2e.py::test_debug_config_trains_checkpoints_and_exports[qwen3_",
     "tests/unit/test_train_signals.py::test_sigterm_to_the_whole_process_group_with_loader_workers",

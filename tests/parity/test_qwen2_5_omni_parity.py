@@ -25,7 +25,7 @@ from titan_mm.models.qwen2_5_omni import FLAVORS, Qwen2_5OmniConfig, hf as omni_
 from titan_mm.models.qwen2_5_omni.audio import conv_lengths  # noqa: E402
 from titan_mm.registry import get_model_spec, spec_for_hf_dir  # noqa: E402
 
-from test_qwen3_vl_parity import randomize_  # noqa: E402
+from tests.parity.test_qwen3_vl_parity import randomize_  # noqa: E402
 
 TOK = dict(audio_token_index=150, image_token_index=151, video_token_index=152, audio_start_token_id=153,
            audio_end_token_id=154, vision_start_token_id=155, vision_end_token_id=156)
