@@ -15,6 +15,7 @@ SLOW = (
     "tests/unit/test_kernels_reference.py::test_matches_reference",
     "tests/unit/test_kernels_tuning.py::test_tuning_in_interpreter",
     "tests/unit/test_paged_decode.py::test_triton_kernel_matches_the_reference_in_the_interpreter",
+    "tests/unit/test_grouped_mm.py::test_triton_grouped_mm_matches_the_loop_in_the_interpreter",
     "tests/multiproc/test_balance_world4.py::test_placement_keeps_losses_and_grads[vl]",
     "tests/multiproc/test_balance_world4.py::test_trainer_logs_balance_metrics",
     "tests/multiproc/test_balance_world4.py::test_placement_keeps_losses_and_grads[text]",

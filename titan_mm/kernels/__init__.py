@@ -16,6 +16,8 @@ see docs/kernels.md):
     bias_gelu(x, b) -> gelu_tanh(x + b)
     paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, window=None) -> o
         (serving's one-token decode step over a paged KV pool, keys read in place; no backward)
+    grouped_mm(x, w, counts) -> y     x [A, K] rows sorted by expert, w [E, N, K], counts [E] on the device
+        (the MoE experts in the dtypes torch._grouped_mm lacks on CUDA, no host sync; eager autograd)
 
 Launch configs (titan_mm.kernels._utils.Tuner): picked per key (width / head layout, dtype) outside the
 model's forward, which must not synchronize the GPU:
@@ -40,6 +42,7 @@ import torch
 
 from titan_mm.models.common.kv_cache import paged_decode_reference
 from titan_mm.models.common.loss import chunked_cross_entropy
+from titan_mm.models.common.moe import grouped_linear as _grouped_linear_ref
 from titan_mm.models.common.mlp import bias_gelu as _bias_gelu_ref
 from titan_mm.models.common.mlp import silu_mul
 from titan_mm.models.common.norm import add_rms_norm as _add_rms_norm_ref
@@ -60,6 +63,7 @@ __all__ = [
     "vocab_parallel_linear_cross_entropy",
     "bias_gelu",
     "paged_decode_attention",
+    "grouped_mm",
     "HAS_TRITON",
     "use_triton",
     "KERNEL_OPS",
@@ -230,3 +234,15 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         return paged_decode(q, k_pool, v_pool, block_tables, seq_lens, window)
     return paged_decode_reference(q, k_pool, v_pool, block_tables, seq_lens, window)
 
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] @ w[e]^T for x [A, K] (rows sorted by expert), w [E, N, K] and the group sizes
+    ``counts_E`` [E] (on x's device: never read on the host by the Triton path). -> [A, N] in x's dtype."""
+    if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or counts_E.numel() != w.shape[0]:
+        raise ValueError(f"grouped_mm: x [A, K] = {list(x.shape)}, w [E, N, K] = {list(w.shape)} and counts [E] = "
+                         f"{list(counts_E.shape)} must agree on K and E")
+    if use_triton(x, w):
+        from .grouped_mm import GroupedMMFunction
+
+        return GroupedMMFunction.apply(x, w, counts_E)
+    return _grouped_linear_ref(x, w.to(x.dtype), counts_E)

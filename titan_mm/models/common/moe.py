@@ -5,8 +5,9 @@ A = N*K token->expert assignments (sorted by expert).
 
 Expert weights are stacked (torchtitan layout, nn.Linear [out, in] per expert):
   w1 [E, F, D] (gate), w3 [E, F, D] (up), w2 [E, D, F] (down).
-On CUDA with bf16 the experts run as two/three ``torch._grouped_mm`` calls with group offsets computed on
-device (no host sync). Elsewhere (CPU, fp32) a loop over experts is used, exact in fp32.
+On CUDA with bf16 the experts run as three ``torch._grouped_mm`` calls with group offsets computed on device
+(no host sync); in other dtypes on CUDA as titan_mm.kernels.grouped_mm (a Triton grouped GEMM whose tile
+schedule is built on the device: no host sync either). On CPU a loop over experts runs, exact in fp32.
 """
 
 from __future__ import annotations
@@ -49,11 +50,22 @@ def grouped_swiglu(
         h1 = torch._grouped_mm(x_AD, w1.transpose(-2, -1), offs=offs)
         h3 = torch._grouped_mm(x_AD, w3.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(F.silu(h1) * h3, w2.transpose(-2, -1), offs=offs).to(x_AD.dtype)
-    # Fallback (CPU / fp32): a loop over experts; reads the group sizes on the host.
+    from titan_mm.kernels import grouped_mm, use_triton  # imported here: titan_mm.kernels imports this module
+
+    if use_triton(x_AD, w1_EFD):
+        h = F.silu(grouped_mm(x_AD, w1_EFD, counts_E)) * grouped_mm(x_AD, w3_EFD, counts_E)
+        return grouped_mm(h, w2_EDF, counts_E)
+    # CPU: a loop over experts; reads the group sizes on the host
     outs = []
     for e, x_e in enumerate(torch.split(x_AD, counts_E.tolist(), dim=0)):
         outs.append(F.linear(F.silu(F.linear(x_e, w1_EFD[e])) * F.linear(x_e, w3_EFD[e]), w2_EDF[e]))
     return torch.cat(outs, dim=0)
+
+
+def grouped_linear(x_AD: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """x's rows of expert e times w[e]^T (rows sorted by expert, ``counts_E`` per group): the reference of
+    titan_mm.kernels.grouped_mm (a loop over experts; reads the group sizes on the host)."""
+    return torch.cat([F.linear(x_e, w_ENK[e]) for e, x_e in enumerate(torch.split(x_AD, counts_E.tolist(), dim=0))])
 
 
 class GroupedExperts(nn.Module):
