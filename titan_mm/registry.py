@@ -43,6 +43,26 @@ class VisionDims:
 
 
 @dataclass(frozen=True)
+class LinearDims:
+    """The fixed-size per-sequence state of a decoder's linear-attention layers (Gated DeltaNet), which the
+    serving engine keeps in state slots instead of KV blocks."""
+
+    layers: tuple[int, ...]
+    """Decoder layer ids of the linear-attention blocks (the others are full attention, with KV blocks)."""
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    """Width W of the causal short convolution; its state is the last W - 1 inputs."""
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the convolution: q and k of every key head, v of every value head."""
+        return self.num_key_heads * 2 * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class ModelDims:
     """The decoder's shapes. MoE fields are 0 for dense models."""
 
@@ -64,6 +84,8 @@ class ModelDims:
     vision: VisionDims | None = None
     max_position_embeddings: int = 0
     """Longest sequence the positions are built for (the serving engine's default max_model_len; 0: unknown)."""
+    linear: LinearDims | None = None
+    """The linear-attention layers' state (None: every layer is full attention, cached in KV blocks only)."""
 
     @property
     def is_moe(self) -> bool:

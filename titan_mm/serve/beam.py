@@ -66,16 +66,17 @@ def beam_step(req: Request, fork, free) -> None:
 
     # the next running beams: the best W continuations that do not end
     keep = [(s, b, t) for (s, b, t), e in zip(cands, ends) if not e][: st.width]
-    claimed: dict[int, Sequence] = {}
-    nxt: list[tuple[Sequence, int, float]] = []
-    for s, b, t in keep:
-        seq = beams[b] if b not in claimed else fork(beams[b])  # forks copy the parent before it moves on
-        claimed.setdefault(b, beams[b])
-        nxt.append((seq, t, s))
-    for b, seq in enumerate(beams):
+    claimed = {b for _, b, _ in keep}
+    for b, seq in enumerate(beams):  # dropped beams go first: live beams never exceed the width (state slots)
         seq.pending = None
         if b not in claimed:
             free(seq)
+    moved: set[int] = set()
+    nxt: list[tuple[Sequence, int, float]] = []
+    for s, b, t in keep:
+        seq = beams[b] if b not in moved else fork(beams[b])  # forks copy the parent before it moves on
+        moved.add(b)
+        nxt.append((seq, t, s))
     for seq, t, s in nxt:
         seq.tokens.append(t)
         seq.cum_logprob = s

@@ -159,3 +159,28 @@ class BlockManager:
                     self.clean.append(b)
         table.blocks.clear()
         table.keys.clear()
+
+
+class StateSlots:
+    """Slots of the fixed-size per-sequence state of linear-attention layers (titan_mm.models.common.kv_cache
+    StatePool): a sequence takes one when it is scheduled and gives it back when it finishes, is dropped or is
+    preempted; a fork takes its own (the runner copies the parent's state into it). The scheduler's seats
+    (max_num_seqs) bound the live sequences, so the pool has one slot per seat."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.free_slots: deque[int] = deque(range(num_slots))
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self.free_slots)
+
+    def take(self) -> int:
+        if not self.free_slots:
+            raise RuntimeError(f"all {self.num_slots} state slots are taken: more sequences are live than "
+                               "serve.max_num_seqs seats")
+        return self.free_slots.popleft()
+
+    def free(self, slot: int | None) -> None:
+        if slot is not None:
+            self.free_slots.append(slot)

@@ -32,12 +32,12 @@ import torch
 from titan_mm.config import ConfigError, Data
 from titan_mm.dtypes import torch_dtype
 from titan_mm.serve.beam import BeamState, beam_step
-from titan_mm.serve.block_manager import BlockManager
+from titan_mm.serve.block_manager import BlockManager, StateSlots
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.errors import BadRequest, QueueFull
 from titan_mm.serve.load import load_model
 from titan_mm.serve.media import expand_images
-from titan_mm.serve.runner import ModelRunner, kv_bytes_per_block
+from titan_mm.serve.runner import ModelRunner, kv_bytes_per_block, state_bytes
 from titan_mm.serve.sampling import RowSampling, SamplingParams, sample
 from titan_mm.serve.scheduler import Row, Scheduler, sequence_keys
 from titan_mm.serve.spec_decode import DraftProposer, ngram_propose, verify
@@ -90,6 +90,10 @@ class Engine:
         if cfg.max_num_batched_tokens < cfg.max_num_seqs:
             raise ConfigError(f"serve.max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
                               f"({cfg.max_num_seqs}): every running sequence needs its decode token each step")
+        if cfg.speculative_method and self.dims.linear is not None:
+            raise ConfigError(f"serve.speculative_method={cfg.speculative_method!r}: model {spec.name!r} has "
+                              "linear-attention layers, whose recurrent state cannot be rolled back past rejected "
+                              "guesses; set serve.speculative_method = ''")
         self.model = self._shard(model, spec, model_cfg, "the model").to(self.device, self.dtype).eval()
         if (cfg.speculative_method == "draft") != (draft is not None):
             raise ConfigError("serve.speculative_method='draft' needs a draft model (serve.draft_model), and a draft "
@@ -100,6 +104,9 @@ class Engine:
             if d_spec.dims(d_cfg).vocab_size != self.dims.vocab_size:
                 raise ConfigError(f"the draft model's vocabulary ({d_spec.dims(d_cfg).vocab_size}) differs from the "
                                   f"target's ({self.dims.vocab_size}); pick a draft of the same tokenizer")
+            if d_spec.dims(d_cfg).linear is not None:
+                raise ConfigError(f"the draft model {d_spec.name!r} has linear-attention layers, whose state cannot "
+                                  "be rolled back past rejected guesses; pick a draft of full-attention layers only")
             d_model = self._shard(d_model, d_spec, d_cfg, "the draft model")
             self.draft = (d_model.to(self.device, self.dtype).eval(), d_spec, d_cfg)
         num_blocks = cfg.num_blocks or self._blocks_from_memory()
@@ -109,8 +116,11 @@ class Engine:
             raise ConfigError(f"no memory is left for the KV cache after the weights (serve.gpu_memory_utilization="
                               f"{cfg.gpu_memory_utilization}); raise it, set serve.num_blocks, or lower "
                               "max_num_batched_tokens")
-        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg, self.blocks)
+        # a hybrid model's cached KV blocks are useless without the linear layers' state at their end: no prefix
+        # caching for families with linear-attention layers (their states live in one slot per sequence)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching and self.dims.linear is None)
+        self.slots = StateSlots(cfg.max_num_seqs) if self.dims.linear is not None else None
+        self.scheduler = Scheduler(cfg, self.blocks, self.slots)
         runner = dict(block_size=cfg.block_size, num_blocks=num_blocks, max_num_seqs=cfg.max_num_seqs, tp=tp,
                       paged_decode=cfg.paged_decode, max_model_len=self.max_model_len, cuda_graphs=cfg.cuda_graphs)
         self.runner = ModelRunner(self.model, spec, model_cfg, self.device, self.dtype, **runner)
@@ -173,6 +183,7 @@ class Engine:
                            device=self.device))
             act = torch.cuda.max_memory_allocated(self.device) - base
             torch.cuda.empty_cache()
+        act += state_bytes(self.dims, cfg.max_num_seqs + 1, self.dtype, cfg.tensor_parallel_size)
         cap = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
         tp = cfg.tensor_parallel_size
         per = kv_bytes_per_block(self.dims, cfg.block_size, self.dtype, tp)
@@ -513,6 +524,9 @@ class Engine:
                     seq.num_computed, self._generator(req.params, len(req.seqs) if index is None else index),
                     list(seq.logprobs), seq.cum_logprob, text=seq.text, detok_offsets=seq.detok_offsets,
                     draft_computed=seq.draft_computed)
+        if self.slots is not None:  # the child goes on from the parent's linear-attention state
+            child.state_slot = self.slots.take()
+            self.runner.copy_state(seq.state_slot, child.state_slot)
         req.seqs.append(child)
         return child
 
@@ -639,6 +653,8 @@ class Engine:
             "waiting_by_priority": {p: sum(1 for r in waiting if r.priority == p)
                                     for p in range(self.cfg.priority_levels)},
             "block_size": b.block_size, "max_model_len": self.max_model_len,
+            "state_slots_used": self.slots.num_used if self.slots is not None else 0,
+            "state_slots_total": self.slots.num_slots if self.slots is not None else 0,
         }
 
 

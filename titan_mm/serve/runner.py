@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from titan_mm.models.common.attention import build_attn_meta
-from titan_mm.models.common.kv_cache import KVStep, alloc_paged_cache, plan_step
+from titan_mm.models.common.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, plan_step, state_shapes
 from titan_mm.serve.scheduler import Row
 
 
-_ROW_FIELDS = ("positions", "valid", "new_tokens", "slot_mapping", "block_tables", "seq_lens")
+_ROW_FIELDS = ("positions", "valid", "new_tokens", "slot_mapping", "block_tables", "seq_lens", "state_slots")
 """The KVStep fields of a decode step, one row per sequence."""
 
 
@@ -61,8 +61,24 @@ def decode_sizes(max_num_seqs: int) -> list[int]:
 
 
 def kv_bytes_per_block(dims, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
-    """k and v of every layer for ``block_size`` tokens, of the kv heads one of ``tp`` ranks holds."""
-    return 2 * dims.num_layers * block_size * dims.num_kv_heads // tp * dims.head_dim * torch.finfo(dtype).bits // 8
+    """k and v of every full-attention layer for ``block_size`` tokens, of the kv heads one of ``tp`` ranks holds."""
+    layers = dims.num_layers - (len(dims.linear.layers) if dims.linear is not None else 0)
+    return 2 * layers * block_size * dims.num_kv_heads // tp * dims.head_dim * torch.finfo(dtype).bits // 8
+
+
+def _state_shapes(lin, tp: int):
+    """One rank's conv and recurrent state shapes per slot and layer (tensor parallel splits the heads)."""
+    return state_shapes(lin.conv_channels // tp, lin.conv_kernel, lin.num_value_heads // tp, lin.key_head_dim,
+                        lin.value_head_dim)
+
+
+def state_bytes(dims, num_slots: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """The linear-attention state pool of ``num_slots`` slots (0 without linear layers): conv in ``dtype``, fp32."""
+    if dims.linear is None:
+        return 0
+    conv, rec = _state_shapes(dims.linear, tp)
+    per = conv[0] * conv[1] * torch.finfo(dtype).bits // 8 + rec[0] * rec[1] * rec[2] * 4
+    return num_slots * len(dims.linear.layers) * per
 
 
 def _host_available() -> int:
@@ -88,9 +104,14 @@ class ModelRunner:
         self.media_pads = [needs.special_tokens[k] for k in ("image_pad", "video_pad") if k in needs.special_tokens]
         self.sizes = decode_sizes(max_num_seqs)
         # tensor parallel: each rank's attention writes only its local kv heads (the plan splits wk / wv by heads);
-        # one block more than the block manager hands out: the scratch block of a decode step's pad rows
+        # one block more than the block manager hands out: the scratch block of a decode step's pad rows (and
+        # one state slot more than the seats: their scratch slot)
+        lin = dims.linear
+        state = None if lin is None else alloc_state_pool(lin.layers, max_num_seqs + 1, *_state_shapes(lin, tp),
+                                                          dtype, device)
+        self.scratch_slot = None if lin is None else max_num_seqs
         self.cache = alloc_paged_cache(dims.num_layers, num_blocks + 1, block_size, dims.num_kv_heads // tp,
-                                       dims.head_dim, dtype, device)
+                                       dims.head_dim, dtype, device, state=state)
         self.scratch_block = num_blocks
         self.max_table = -(-max(max_model_len, block_size) // block_size) + 1  # + a lookahead block
         # bf16 only: every family's bf16 step is sync-free (fp32 MoE reads its group sizes on the host)
@@ -118,6 +139,10 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for store in self.cache.k + self.cache.v:
             store.index_copy_(0, dst, store.index_select(0, src))
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """A forked sequence (slot ``dst``) starts from its parent's linear-attention state (slot ``src``)."""
+        self.cache.state.copy(torch.tensor([src], device=self.device), torch.tensor([dst], device=self.device))
 
     def run(self, rows: list[Row], copies: list[tuple[int, int]], per_row: int = 1) -> torch.Tensor:
         """Forward the rows; -> fp32 logits [len(rows), V] at each row's last new token, or with ``per_row`` > 1
@@ -151,7 +176,7 @@ class ModelRunner:
             tables[i, : len(r.seq.table.blocks)] = torch.tensor(r.seq.table.blocks)
         cached = [r.start for r in rows] + [0] * (B - n)
         plan_step(self.cache, [1] * B, cached_lens=cached, block_tables=tables, sliding_window=self.window, width=1,
-                  decode_attention=self.decode_attention, into=st.step)
+                  decode_attention=self.decode_attention, into=st.step, state_slots=self._slots(rows, B))
         st.ids.copy_(torch.tensor([r.tokens for r in rows] + [[0]] * (B - n)), non_blocking=True)
         if self.mrope:
             st.positions.copy_(self._mrope_positions(rows, B, 1))
@@ -187,11 +212,14 @@ class ModelRunner:
                                                                                              device=dev),
                             sliding_window=self.window, decode_attention=self.decode_attention,
                             block_tables=torch.zeros(R, self.max_table, dtype=torch.int32, device=dev),
-                            seq_lens=torch.zeros(R, dtype=torch.int32, device=dev)))
+                            seq_lens=torch.zeros(R, dtype=torch.int32, device=dev),
+                            state_slots=None if self.cache.state is None else
+                            torch.zeros(R, dtype=torch.long, device=dev)))
             self._decode.clear()
         s = self._static
         full = s["step"]
-        step = dataclasses.replace(full, **{f: getattr(full, f)[:B] for f in _ROW_FIELDS})
+        step = dataclasses.replace(full, **{f: getattr(full, f)[:B] for f in _ROW_FIELDS
+                                            if getattr(full, f) is not None})
         ids = s["ids"][:B]
         cache = dataclasses.replace(self.cache, step=step)
         meta = build_attn_meta({"input_ids": ids}, self.backend, self.device, sliding_window=self.window,
@@ -216,7 +244,7 @@ class ModelRunner:
             ids[i, : r.n] = torch.tensor(r.tokens)
             tables[i, : len(r.seq.table.blocks)] = torch.tensor(r.seq.table.blocks)
         cache = plan_step(self.cache, new, cached_lens=cached, block_tables=tables, sliding_window=self.window,
-                          width=S, decode_attention=self.decode_attention)
+                          width=S, decode_attention=self.decode_attention, state_slots=self._slots(rows, B))
         positions = self._mrope_positions(rows, B, S) if self.mrope else cache.step.positions
         extra = self._media(rows, ids) if self.spec.prepare_batch is not None else {}
         meta = build_attn_meta({"input_ids": ids}, self.backend, self.device, sliding_window=self.window,
@@ -229,6 +257,12 @@ class ModelRunner:
                                torch.tensor([max(n - 1, 0) for n in new])[:, None])
         at = at.to(self.device, non_blocking=True)
         return StepInputs(ids.to(self.device, non_blocking=True), positions, meta, at, extra, n_rows)
+
+    def _slots(self, rows: list[Row], B: int) -> list[int] | None:
+        """Each row's state slot, pad rows in the scratch slot (None without linear-attention layers)."""
+        if self.cache.state is None:
+            return None
+        return [r.seq.state_slot for r in rows] + [self.scratch_slot] * (B - len(rows))
 
     @torch.inference_mode()
     def forward(self, x: StepInputs) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from titan_mm.serve.block_manager import BlockManager, block_keys
+from titan_mm.serve.block_manager import BlockManager, StateSlots, block_keys
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.sequence import Request, Sequence, Status, now
 
@@ -92,9 +92,11 @@ def _outside_images(req: Request, n_tokens: int, block_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, cfg: ServeConfig, blocks: BlockManager):
+    def __init__(self, cfg: ServeConfig, blocks: BlockManager, slots: StateSlots | None = None):
         self.cfg = cfg
         self.blocks = blocks
+        self.slots = slots
+        """Linear-attention families: a state slot per running sequence (None: KV blocks only)."""
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -113,9 +115,9 @@ class Scheduler:
         self.waiting.append(req)
 
     def finish(self, req: Request) -> None:
-        """Take ``req`` out of the queues and free every block it holds."""
+        """Take ``req`` out of the queues and free every block (and state slot) it holds."""
         for seq in req.seqs:
-            self.blocks.free(seq.table)
+            self.free_seq(seq)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -124,6 +126,9 @@ class Scheduler:
 
     def free_seq(self, seq: Sequence) -> None:
         self.blocks.free(seq.table)
+        if self.slots is not None:
+            self.slots.free(seq.state_slot)
+            seq.state_slot = None
 
     # ---- one step ----
     def schedule(self) -> Schedule:
@@ -213,6 +218,8 @@ class Scheduler:
             out.copies += self.blocks.allocate(seq.table, seq.num_computed, n + k, hit)
             seq.table.keys[:] = keys if hit else seq.table.keys
             seq.num_computed = start
+            if self.slots is not None and seq.state_slot is None:
+                seq.state_slot = self.slots.take()
             if n:
                 out.rows.append(Row(req, seq, start, n, lookahead=k))
                 out.budget -= n + k
@@ -224,7 +231,7 @@ class Scheduler:
         mine = {b for s in victim.seqs for b in s.table.blocks}
         out.copies = [(s, d) for s, d in out.copies if d not in mine]
         for seq in victim.seqs:
-            self.blocks.free(seq.table)
+            self.free_seq(seq)  # recomputed from its tokens: its state starts again from zero
             seq.num_computed = seq.draft_computed = 0
             seq.pending = None
         self.running.remove(victim)

@@ -63,6 +63,8 @@ class Sequence:
     """Speculative decoding with a draft model: tokens whose k/v the draft's pool holds."""
     pending: torch.Tensor | None = None
     """Beam search: the logprobs [V] at the end of this beam, waiting for the other beams of the step."""
+    state_slot: int | None = None
+    """Linear-attention families: the sequence's slot of the state pool while it runs (None: none taken)."""
 
     @property
     def output(self) -> list[int]:

@@ -19,6 +19,13 @@ A step (prefill of a prompt, a chunk of it, or one decode token per sequence: th
     out = model(ids, position_ids=cache.step.positions, attn=meta)  # out.kv_cache is cache, now holding k/v
     cache = plan_step(out.kv_cache, new_lens=[1, 1], block_tables=tables)  # next step: one token each
 
+Linear-attention layers (Gated DeltaNet) keep no k/v but a fixed-size state per sequence: the last W - 1 inputs
+of their causal conv and the delta rule's [HV, K, V] matrix. A paged cache then also holds a :class:`StatePool`
+(one *state slot* per running sequence, ``alloc_state_pool``), its k/v pools of those layers are zero-width, and a
+step names each row's slot (``plan_step(..., state_slots=)``). A row whose first position is 0 starts from a zero
+state; every row writes its state after its last real token back to its slot (:meth:`KVCache.linear_state`,
+:meth:`KVCache.write_linear_state`).
+
 The forward (``KVCache.update``, called by titan_mm.models.common.attention) copies the new k/v into their slots
 (``index_copy_``, in place: the storage is donated to the step) and gathers every cached key of each sequence
 (``index_select``); the mask built here says which of them each new query sees (causal by absolute position,
@@ -66,6 +73,26 @@ class KVStep:
     """[B, blocks of the longest sequence] int32 on the device, with ``decode_attention``."""
     seq_lens: torch.Tensor | None = None
     """[B] int32 on the device: keys per sequence after the step, with ``decode_attention``."""
+    state_slots: torch.Tensor | None = None
+    """[B] int64: each row's slot in the cache's :class:`StatePool` (linear-attention layers); None without one."""
+
+
+@dataclass(frozen=True, eq=False)
+class StatePool:
+    """The linear-attention layers' per-sequence state, one slot per sequence: per such layer ``conv[layer]``
+    [slots, W-1, C] (the conv's last inputs, in the model dtype) and ``rec[layer]`` [slots, HV, K, V] (fp32)."""
+
+    conv: dict[int, torch.Tensor]
+    rec: dict[int, torch.Tensor]
+
+    @property
+    def num_slots(self) -> int:
+        return next(iter(self.rec.values())).shape[0]
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slots ``dst`` get the states of slots ``src`` in every layer (a forked sequence's)."""
+        for store in (*self.conv.values(), *self.rec.values()):
+            store.index_copy_(0, dst, store.index_select(0, src))
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -78,6 +105,8 @@ class KVCache(abc.ABC):
     """[B] int64 (host): tokens cached per sequence, the planned step included; None: nothing cached yet."""
     step: KVStep | None = None
     """The planned step (plan_step); the forward reads only this."""
+    state: StatePool | None = None
+    """The linear-attention layers' state slots (None: every layer keeps k/v)."""
 
     @abc.abstractmethod
     def _slots(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -96,6 +125,22 @@ class KVCache(abc.ABC):
         slots = self.step.kv_slots.reshape(-1)
         return tuple(store.view(-1, G, K).index_select(0, slots).view(B, -1, G, K).to(new.dtype)
                      for store, new in ((self.k[layer], k_BSGK), (self.v[layer], v_BSGK)))
+
+    def linear_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv state [B, W-1, C] and recurrent state [B, HV, K, V] of the step's rows at linear-attention
+        ``layer``; zeros for a row that starts at position 0 (device ops only)."""
+        st = self.step
+        if self.state is None or layer not in self.state.rec or st.state_slots is None:
+            raise ValueError(f"layer {layer} keeps a linear-attention state but the cache has no state slot for it; "
+                             "allocate it with alloc_state_pool(linear layers, ...) and plan_step(..., state_slots=)")
+        fresh = st.positions[:, 0] == 0
+        return tuple(torch.where(fresh.view(-1, *[1] * (store.dim() - 1)), 0, store.index_select(0, st.state_slots))
+                     for store in (self.state.conv[layer], self.state.rec[layer]))
+
+    def write_linear_state(self, layer: int, conv: torch.Tensor, rec: torch.Tensor) -> None:
+        """Store the rows' states after the step into their slots (in place)."""
+        for store, new in ((self.state.conv[layer], conv), (self.state.rec[layer], rec)):
+            store.index_copy_(0, self.step.state_slots, new.to(store.dtype))
 
     def write(self, layer: int, k_BSGK: torch.Tensor, v_BSGK: torch.Tensor) -> None:
         """Copy this step's new k/v of ``layer`` into their slots (in place)."""
@@ -168,12 +213,14 @@ class PagedKVCache(KVCache):
                              "blocks the step uses; allocate more blocks or fix the table")
 
 
-def _storage(num_layers: int, shape: tuple[int, ...], dtype, device) -> tuple[tuple, tuple]:
+def _storage(num_layers: int, shape: tuple[int, ...], dtype, device, stateful=()) -> tuple[tuple, tuple]:
     if num_layers < 1 or min(shape) < 1:
         raise ValueError(f"a KV cache needs num_layers >= 1 and positive sizes, got num_layers={num_layers}, "
                          f"per-layer shape {list(shape)}")
-    # zeros: slots never written are still finite where a mask lets a query read them (an empty row's slot 0)
-    return tuple(tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)) for _ in "kv")
+    # zeros: slots never written are still finite where a mask lets a query read them (an empty row's slot 0);
+    # the layers of ``stateful`` keep no k/v: zero-width pools keep every layer's index (and copies) uniform
+    return tuple(tuple(torch.zeros((*shape[:-1], 0) if i in stateful else shape, dtype=dtype, device=device)
+                       for i in range(num_layers)) for _ in "kv")
 
 
 def alloc_contiguous_cache(num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
@@ -184,16 +231,38 @@ def alloc_contiguous_cache(num_layers: int, batch_size: int, max_len: int, num_k
 
 
 def alloc_paged_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> PagedKVCache:
-    """An empty paged cache: per layer k and v pools of ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
-    k, v = _storage(num_layers, (num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
-    return PagedKVCache(k=k, v=v)
+                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                      state: StatePool | None = None) -> PagedKVCache:
+    """An empty paged cache: per layer k and v pools of ``[num_blocks, block_size, num_kv_heads, head_dim]``
+    (zero-width for the linear-attention layers of ``state``, which keep their state there instead)."""
+    stateful = () if state is None else tuple(state.rec)
+    k, v = _storage(num_layers, (num_blocks, block_size, num_kv_heads, head_dim), dtype, device, stateful)
+    return PagedKVCache(k=k, v=v, state=state)
+
+
+def state_shapes(conv_channels: int, conv_kernel: int, value_heads: int, key_dim: int,
+                 value_dim: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """Per slot and layer: the conv state [W-1, C] and the recurrent state [HV, K, V]."""
+    return (conv_kernel - 1, conv_channels), (value_heads, key_dim, value_dim)
+
+
+def alloc_state_pool(layers: Sequence[int], num_slots: int, conv_shape: tuple[int, int],
+                     rec_shape: tuple[int, int, int], dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = "cpu") -> StatePool:
+    """Zeroed state slots of the linear-attention ``layers`` (shapes per slot from :func:`state_shapes`): conv
+    states in ``dtype``, recurrent states in fp32."""
+    if not layers or num_slots < 1 or min(conv_shape + rec_shape) < 1:
+        raise ValueError(f"a state pool needs linear layers, num_slots >= 1 and positive shapes, got {list(layers)}, "
+                         f"{num_slots}, {list(conv_shape)}, {list(rec_shape)}")
+    return StatePool(conv={i: torch.zeros(num_slots, *conv_shape, dtype=dtype, device=device) for i in layers},
+                     rec={i: torch.zeros(num_slots, *rec_shape, dtype=torch.float32, device=device) for i in layers})
 
 
 def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_lens: Sequence[int] | None = None,
               block_tables: torch.Tensor | Sequence[Sequence[int]] | None = None,
               sliding_window: int | None = None, width: int | None = None,
-              decode_attention: Callable | None = None, into: KVStep | None = None) -> KVCache:
+              decode_attention: Callable | None = None, into: KVStep | None = None,
+              state_slots: Sequence[int] | None = None) -> KVCache:
     """Host side: -> ``cache`` with this step's :class:`KVStep` and the lengths after it (storage shared).
 
     ``new_lens`` [B]: new tokens per sequence this step (the batch's rows hold them first, then padding).
@@ -205,6 +274,7 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     used when the step is one token per row of a paged cache (others gather, as without it).
     ``into``: a decode step's device tensors to fill instead of allocating new ones (CUDA graphs replay fixed
     addresses); its block_tables may be wider than this step's tables (the kernel reads the used columns only).
+    ``state_slots`` [B]: each row's slot of ``cache.state`` (needed when the cache has one).
     """
     new = torch.as_tensor(new_lens, dtype=torch.int64).reshape(-1).cpu()  # host metadata, whatever was passed
     B = new.numel()
@@ -230,6 +300,14 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
         raise ValueError("block_tables apply to a PagedKVCache only; a contiguous cache maps rows to sequences")
     total = cached + new
     cache._check_capacity(total)
+    slots = None
+    if cache.state is not None:
+        if state_slots is None or len(state_slots) != B:
+            raise ValueError(f"the cache holds linear-attention states: pass state_slots, one slot per sequence "
+                             f"({B}), to plan_step")
+        slots = torch.as_tensor(state_slots, dtype=torch.int64).cpu()
+        if bool(((slots < 0) | (slots >= cache.state.num_slots)).any()):
+            raise ValueError(f"state_slots {slots.tolist()} name a slot outside the pool of {cache.state.num_slots}")
 
     i = torch.arange(S)
     positions = cached[:, None] + i[None]  # [B, S]
@@ -243,6 +321,8 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
         width_blocks = -(-L // cache.block_size)  # the kernel loops over these columns: the longest sequence's
         host = dict(positions=positions, valid=valid, new_tokens=new_tokens, slot_mapping=slot_mapping,
                     block_tables=cache.block_tables[:, :width_blocks].to(torch.int32), seq_lens=total.to(torch.int32))
+        if slots is not None:
+            host["state_slots"] = slots
         if into is None:
             step = KVStep(**{n: t.to(dev, non_blocking=True) for n, t in host.items()},
                           sliding_window=sliding_window, decode_attention=decode_attention)
@@ -263,7 +343,7 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     mask = (j <= qpos) & (has | (j == 0))[:, None, :]
     mask_swa = None if sliding_window is None else mask & (qpos - j < sliding_window)
     host = dict(positions=positions, valid=valid, new_tokens=new_tokens, slot_mapping=slot_mapping, kv_slots=kv_slots,
-                mask=mask[:, None], mask_swa=None if mask_swa is None else mask_swa[:, None])
+                mask=mask[:, None], mask_swa=None if mask_swa is None else mask_swa[:, None], state_slots=slots)
     step = KVStep(**{n: None if t is None else t.to(dev, non_blocking=True) for n, t in host.items()},
                   sliding_window=sliding_window)
     return dataclasses.replace(cache, seq_lens=total, step=step)

@@ -118,6 +118,18 @@ def causal_conv1d(x_BSC: torch.Tensor, w_CW: torch.Tensor, doc_pos_BS: torch.Ten
     return y.to(x_BSC.dtype)
 
 
+def causal_conv1d_cached(x_BSC: torch.Tensor, w_CW: torch.Tensor, state_BWC: torch.Tensor,
+                         n_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The convolution continuing a sequence (serving): ``state`` [B, W-1, C] holds the inputs before the row's
+    first token (zeros at a sequence start), ``n_new`` [B] (device) the row's real tokens (the rest is padding).
+    Returns (y [B, S, C], the new state: the last W-1 inputs up to the row's last real token)."""
+    W = w_CW.shape[-1]
+    xs = torch.cat([state_BWC.to(x_BSC.dtype), x_BSC], 1)  # [B, W-1+S, C]
+    y = causal_conv1d(xs, w_CW)[:, W - 1:]
+    idx = n_new[:, None] + torch.arange(W - 1, device=x_BSC.device)  # xs rows n .. n+W-2: the inputs before n
+    return y, xs.gather(1, idx[..., None].expand(-1, -1, xs.shape[-1]))
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (fla's and HF's)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -271,3 +283,22 @@ def gated_delta_rule(q, k, v, g, beta, meta: LinearMeta | None, impl: str = "aut
     table = dict(chunk_indices=meta.chunk_indices) if grouped else dict(cu_seqlens_cpu=meta.cu_seqlens_cpu)
     o = fn(*flat, use_qk_l2norm_in_kernel=True, cu_seqlens=meta.cu_seqlens, **table)[0]
     return o.view(B, S, *o.shape[2:])
+
+
+def gated_delta_rule_cached(q, k, v, g, beta, valid: torch.Tensor, state: torch.Tensor,
+                            impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule continuing each row's sequence from ``state`` [B, HV, K, V] (serving: a prefill chunk or a decode
+    token per row); ``valid`` [B, S] marks the real tokens (rows are right-padded). Padding gets beta = 0 and
+    g = 0, so it leaves the state as the row's last real token left it. One token per row runs the recurrence;
+    longer rows the chunked rule (fla's kernel on CUDA). Returns (o [B, S, HV, V], final state fp32)."""
+    g = torch.where(valid[..., None], g, 0.0)
+    beta = torch.where(valid[..., None], beta, 0.0)
+    impl = resolve_impl(impl, q.device)
+    if q.shape[1] == 1 or impl == "torch":
+        fn = recurrent_gated_delta_rule if q.shape[1] == 1 else chunk_gated_delta_rule
+        return fn(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    fn, grouped = _fla()
+    if not grouped and v.shape[2] != q.shape[2]:
+        q, k = (t.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for t in (q, k))
+    o, final = fn(q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return o, final.float()

@@ -14,8 +14,7 @@ def _register() -> None:
                   save_hf=hf.save_hf, flops=flops.flops, plan=plan.plan, dims=spec.dims, runtime=spec.runtime,
                   with_runtime=spec.with_runtime, data_needs=spec.data_needs, kernel_shapes=spec.kernel_shapes,
                   memory_terms=memory.memory_terms, prepare_batch=prepare_batch, seq_keys=("visual_index",),
-                  param_groups=param_groups, fused_params=spec.fused_params,
-                  kv_cache=False)  # the Gated DeltaNet state is not in the paged cache yet
+                  param_groups=param_groups, fused_params=spec.fused_params)
     register(ModelSpec(name="qwen3_5", flavors=FLAVORS, hf_model_types=("qwen3_5",), **common))
     register(ModelSpec(name="qwen3_5_moe", flavors=MOE_FLAVORS, hf_model_types=("qwen3_5_moe",), **common))
 

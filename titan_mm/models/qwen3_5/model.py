@@ -46,8 +46,9 @@ from torch.distributed.tensor import DTensor
 
 from titan_mm.models.common import init
 from titan_mm.models.common.attention import AttnMeta, attention
-from titan_mm.models.common.linear_attention import (LinearMeta, build_linear_meta, causal_conv1d, gated_delta_rule,
-                                                     prefetch)
+from titan_mm.models.common.kv_cache import KVCache
+from titan_mm.models.common.linear_attention import (LinearMeta, build_linear_meta, causal_conv1d, causal_conv1d_cached,
+                                                     gated_delta_rule, gated_delta_rule_cached, prefetch)
 from titan_mm.models.common.mlp import SwiGLU
 from titan_mm.models.common.moe import MoE
 from titan_mm.models.common.norm import RMSNorm, rms_norm
@@ -176,11 +177,17 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.dv, cfg.rms_norm_eps, ops.rms_norm)
         self.out_proj = nn.Linear(Hv * self.dv, D, bias=False)
 
-    def forward(self, x_BSD, meta: LinearMeta | None):
+    def forward(self, x_BSD, meta: LinearMeta | None, cache: KVCache | None = None):
+        """``cache`` (serving): each row continues its sequence from the cache's state slot and writes the state
+        after its last real token back; ``meta`` is then None (one sequence per row)."""
         B, S, _ = x_BSD.shape
         dk, dv = self.dk, self.dv
-        doc_pos = None if meta is None else meta.doc_pos
-        qkv = causal_conv1d(self.in_proj_qkv(x_BSD), _local(self.in_proj_qkv.conv_weight), doc_pos)
+        x_qkv, w = self.in_proj_qkv(x_BSD), _local(self.in_proj_qkv.conv_weight)
+        if cache is None:
+            qkv = causal_conv1d(x_qkv, w, None if meta is None else meta.doc_pos)
+        else:
+            conv0, rec0 = cache.linear_state(self.layer_id)
+            qkv, conv1 = causal_conv1d_cached(x_qkv, w, conv0, cache.step.valid.sum(1))
         qkv = F.silu(qkv.float()).to(qkv.dtype).view(B, S, -1, 2 * dk + self.r * dv)  # [B, S, Hk (local), .]
         q, k = qkv[..., :dk], qkv[..., dk : 2 * dk]
         v = qkv[..., 2 * dk :].reshape(B, S, -1, dv)
@@ -188,7 +195,11 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x_BSD).sigmoid()
         a = self.in_proj_a(x_BSD)
         g = -_local(self.in_proj_a.A_log).float().exp() * F.softplus(a.float() + _local(self.in_proj_a.dt_bias))
-        o = gated_delta_rule(q, k, v, g, beta, meta, self.impl)
+        if cache is None:
+            o = gated_delta_rule(q, k, v, g, beta, meta, self.impl)
+        else:
+            o, rec1 = gated_delta_rule_cached(q, k, v, g, beta, cache.step.valid, rec0, self.impl)
+            cache.write_linear_state(self.layer_id, conv1, rec1)
         o = (self.norm(o) * F.silu(z.float())).to(o.dtype)
         return self.out_proj(o.reshape(B, S, -1))
 
@@ -242,11 +253,8 @@ def with_linear(attn: AttnMeta | None, linear: LinearMeta | None) -> AttnMeta | 
 
 def _linear_meta(attn: AttnMeta | None) -> LinearMeta | None:
     """The documents a Gated DeltaNet block reads (None: every row one document); refuses what it cannot run."""
-    if attn is None:
+    if attn is None or attn.kv_cache is not None:  # decoding: one sequence per row, its state in the cache
         return None
-    if attn.kv_cache is not None:
-        raise ValueError("Qwen3.5's Gated DeltaNet layers keep a recurrent state, which the KV-cache path does not "
-                         "hold yet; decode by re-running the sequence (attn=None), as titan_mm.tools.eval_digits does")
     if attn.cp is not None:
         raise ValueError("Qwen3.5's Gated DeltaNet layers do not run under context parallelism (no state passing "
                          "between ranks); set parallel.cp = 1")
@@ -275,7 +283,7 @@ class Qwen3_5Block(nn.Module):
     def forward(self, h_BSD: torch.Tensor, cos_BSR: torch.Tensor, sin_BSR: torch.Tensor, attn: AttnMeta | None):
         x_BSD = self.attn_norm(h_BSD)
         if self.linear_attn is not None:
-            a_BSD = self.linear_attn(x_BSD, _linear_meta(attn))
+            a_BSD = self.linear_attn(x_BSD, _linear_meta(attn), None if attn is None else attn.kv_cache)
         else:
             a_BSD = self.attn(x_BSD, cos_BSR, sin_BSR, attn)
         # ffn_norm's weight is read here (not by calling the module) so the fused add + norm can take it; the TP

@@ -6,13 +6,14 @@ import dataclasses
 
 from titan_mm.models.qwen3_5.config import Qwen3_5Config
 from titan_mm.models.qwen3_vl import spec as vl_spec
-from titan_mm.registry import DataNeeds, FusedRows, KernelShapes, ModelDims, Runtime, VisionDims
+from titan_mm.registry import DataNeeds, FusedRows, KernelShapes, LinearDims, ModelDims, Runtime, VisionDims
 
 
 def dims(cfg: Qwen3_5Config) -> ModelDims:
     """Heads and kv heads are the full-attention layers'; the Gated DeltaNet heads (linear_num_key_heads /
     linear_num_value_heads) are multiples of them in every released config, so tensor-parallel checks on the kv
-    heads cover both kinds."""
+    heads cover both kinds. ``linear`` names the Gated DeltaNet layers and their state (the serving engine's
+    state slots)."""
     t, v = cfg.text, cfg.vision
     L = t.num_hidden_layers
     return ModelDims(
@@ -24,6 +25,10 @@ def dims(cfg: Qwen3_5Config) -> ModelDims:
         vision=VisionDims(depth=v.depth, hidden_size=v.hidden_size, num_heads=v.num_heads,
                           intermediate_size=v.intermediate_size, patch_dim=v.patch_dim,
                           merge_size=v.spatial_merge_size, deepstack_layers=0),
+        max_position_embeddings=t.max_position_embeddings,
+        linear=LinearDims(layers=tuple(i for i in range(L) if t.is_linear(i)), num_key_heads=t.linear_num_key_heads,
+                          num_value_heads=t.linear_num_value_heads, key_head_dim=t.linear_key_head_dim,
+                          value_head_dim=t.linear_value_head_dim, conv_kernel=t.linear_conv_kernel_dim),
     )
 
 
