@@ -258,6 +258,7 @@ _BUILTIN = {
     "qwen2_5_omni": "titan_mm.models.qwen2_5_omni",
     "qwen3": "titan_mm.models.qwen3",
     "qwen3_moe": "titan_mm.models.qwen3",
+    "qwen3_omni_moe": "titan_mm.models.qwen3_omni_moe",
     "qwen3_vl": "titan_mm.models.qwen3_vl",
     "qwen3_vl_moe": "titan_mm.models.qwen3_vl",
     "qwen3_5": "titan_mm.models.qwen3_5",

@@ -1,0 +1,25 @@
+"""The Qwen3-Omni-MoE thinker's answers to the family contract (titan_mm.registry.ModelSpec): Qwen3-VL-MoE's
+(titan_mm/models/qwen3_vl/spec.py: the Qwen3-MoE decoder, the ViT's shapes, the visual tokens, ChatML) plus the
+audio tokens. Videos stay off in DataNeeds (the pipeline lays them out the Qwen3-VL way, with timestamps; the
+Omni thinker's videos have none), and positions are built by this family's prepare_batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titan_mm.models.qwen3_omni_moe.config import Qwen3OmniMoeConfig
+from titan_mm.models.qwen3_vl import spec as vl_spec
+from titan_mm.registry import DataNeeds
+
+dims = vl_spec.dims
+runtime = vl_spec.runtime
+with_runtime = vl_spec.with_runtime
+kernel_shapes = vl_spec.kernel_shapes  # the audio encoder calls no titan_mm.kernels op (LayerNorm, exact GELU)
+fused_params = vl_spec.fused_params
+
+
+def data_needs(cfg: Qwen3OmniMoeConfig) -> DataNeeds:
+    needs = vl_spec.data_needs(cfg)
+    audio = {"audio_pad": cfg.audio_token_id, "audio_start": cfg.audio_start_token_id,
+             "audio_end": cfg.audio_end_token_id}
+    return dataclasses.replace(needs, special_tokens={**needs.special_tokens, **audio}, video=False)
