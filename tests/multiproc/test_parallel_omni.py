@@ -1,7 +1,8 @@
-"""The Qwen2.5-Omni thinker (a tiny config) over gloo with FSDP2 on 2 ranks, where rank 0's rows carry an image and
-two audio clips and rank 1's rows are text only: rank 1 runs both encoders on their stand-in inputs, so every
-FSDP collective of the towers has its partner (a hang here would time the test out), and three SGD-momentum
-steps give the world-1 losses, grad norms and every gradient (both towers included; fp32, 1e-5)."""
+"""The Omni thinkers (tiny configs) over gloo with FSDP2 on 2 ranks, where rank 0's row carries an image and two
+audio clips and rank 1's row is text only: rank 1 runs both encoders on their stand-in inputs, so every FSDP
+collective of the towers has its partner (a hang here would time the test out), and three SGD-momentum steps give
+the world-1 losses, grad norms and every gradient (both towers included; fp32, 1e-5). Qwen2.5-Omni and
+Qwen3-Omni-MoE, in the same 2 processes."""
 
 import functools
 
@@ -10,43 +11,60 @@ import torch
 from _harness import run_multiproc
 from _parallel_common import check_cells, run_cells, train_steps
 
-from tests.parity.test_qwen2_5_omni_parity import TOK, hf_config, make_sample, titan_batch
-
-SEQ = 48
+from tests.parity import test_qwen2_5_omni_parity as q25
+from tests.parity import test_qwen3_omni_moe_parity as q3
 
 
 @functools.lru_cache(maxsize=None)
-def _cfg():
+def _cfg(family):
     import tempfile
 
     from titan_mm.registry import get_model_spec
 
     with tempfile.TemporaryDirectory() as d:
-        hf_config().save_pretrained(d)
-        return get_model_spec("qwen2_5_omni").config_from_hf(d, vision_attn_backend="sdpa")
+        (q25 if family == "qwen2_5_omni" else q3).hf_config().save_pretrained(d)
+        return get_model_spec(family).config_from_hf(d, vision_attn_backend="sdpa")
 
 
-def _row(cfg, segments, seed):
-    """One row of SEQ tokens (text padded at the end), labels = next token, media and pads not predicted."""
-    s = make_sample(cfg, segments, torch.Generator().manual_seed(seed))
-    b = titan_batch(s)
-    ids = b["input_ids"][0]
-    pad = SEQ - ids.numel()
-    assert pad >= 0, ids.numel()
-    ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)])
+def _labels(ids, special):
+    """Next token, media and special tokens not predicted, nor the padding (id 0 past the text)."""
     labels = torch.cat([ids[1:], torch.tensor([-100])])
-    labels[torch.isin(labels, torch.tensor(list(TOK.values())))] = -100
-    labels[SEQ - 1 - pad:] = -100
-    return {**b, "input_ids": ids[None], "labels": labels[None]}
+    labels[torch.isin(labels, torch.tensor(special))] = -100
+    return labels
 
 
-MEDIA = [("text", 3), ("image", (4, 4)), ("text", 2), ("audio", 13), ("text", 2), ("audio", 9), ("text", 4)]
-TEXT = [("text", SEQ)]
+def _rows_qwen2_5_omni(seed):
+    """(media row, text row) of 48 tokens each: the parity test's samples, the text row padded."""
+    cfg, out = _cfg("qwen2_5_omni"), []
+    for segments in ([("text", 3), ("image", (4, 4)), ("text", 2), ("audio", 13), ("text", 2), ("audio", 9),
+                      ("text", 4)], [("text", 48)]):
+        b = q25.titan_batch(q25.make_sample(cfg, segments, torch.Generator().manual_seed(seed)))
+        ids = b["input_ids"][0]
+        pad = 48 - ids.numel()
+        ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)])
+        labels = _labels(ids, list(q25.TOK.values()))
+        labels[47 - pad:] = -100
+        out.append({**b, "input_ids": ids[None], "labels": labels[None]})
+        seed += 1
+    return out
 
 
-def _batches():
-    cfg = _cfg()
-    return [[_row(cfg, MEDIA, 10 * s), _row(cfg, TEXT, 10 * s + 1)] for s in range(3)]
+def _rows_qwen3_omni_moe(seed):
+    """(media row, text row) of 60 tokens each, by the parity test's batch maker."""
+    out = []
+    for parts in ([3, "image", 2, "audio60", 2, "audio130", 18], [60]):
+        b, _ = q3.make_batch([parts], seed)
+        out.append({**b, "labels": _labels(b["input_ids"][0], [q3.AUD, q3.AS, q3.AE, q3.IMG, q3.VID, q3.VS,
+                                                                q3.VE])[None]})
+        seed += 1
+    return out
+
+
+ROWS = {"qwen2_5_omni": _rows_qwen2_5_omni, "qwen3_omni_moe": _rows_qwen3_omni_moe}
+
+
+def _batches(family):
+    return [ROWS[family](10 * s) for s in range(3)]
 
 
 def _merge(rows):
@@ -65,52 +83,53 @@ def _select(gb, dp_rank, dp_size):
     return _merge(gb[dp_rank::dp_size]), ntok
 
 
-def _build():
+def _build(family):
     from titan_mm.registry import get_model_spec
 
     torch.manual_seed(0)
-    model = get_model_spec("qwen2_5_omni").build(_cfg())
+    model = get_model_spec(family).build(_cfg(family))
     model.init_weights(buffer_device="cpu")
     return model
 
 
-def _step(model, b):
+def _step(family, model, b):
     from titan_mm.models.common.attention import build_attn_meta
     from titan_mm.registry import get_model_spec
 
-    b = get_model_spec("qwen2_5_omni").prepare_batch(model.cfg, b, "cpu")
+    b = get_model_spec(family).prepare_batch(model.cfg, b, "cpu")
     extra = {k: v for k, v in b.items() if k not in ("input_ids", "position_ids", "labels")}
     return model(b["input_ids"], position_ids=b["position_ids"], attn=build_attn_meta(b, "sdpa", "cpu"),
                  labels=b["labels"], **extra).loss_sum
 
 
 @functools.lru_cache(maxsize=None)
-def _reference():
-    return train_steps(_build(), _batches(), _step, select=_select)
+def _reference(family):
+    return train_steps(_build(family), _batches(family), functools.partial(_step, family), select=_select)
 
 
-def _run_cell(world, dims):
+def _run_cell(world, family, dims):
     from titan_mm.config import JobConfig
     from titan_mm.parallel.apply import parallelize
     from titan_mm.parallel.mesh import ParallelDims
     from titan_mm.registry import get_model_spec
 
-    model = _build()
+    model = _build(family)
     pd = ParallelDims(world_size=world, **dims)
-    parallelize(model, get_model_spec("qwen2_5_omni").plan(model.cfg), pd, JobConfig())
+    parallelize(model, get_model_spec(family).plan(model.cfg), pd, JobConfig())
     bm = pd.mesh("batch")
-    return train_steps(model, _batches(), _step, dp_rank=bm.get_local_rank(), dp_size=bm.size(),
-                       loss_group=bm.get_group(), select=_select)
+    return train_steps(model, _batches(family), functools.partial(_step, family), dp_rank=bm.get_local_rank(),
+                       dp_size=bm.size(), loss_group=bm.get_group(), select=_select)
 
 
 def _worker(rank, world, cells):
     return run_cells(cells, functools.partial(_run_cell, world))
 
 
-CELLS = (("fsdp2-text-only-rank", dict(dp_shard=2)),)
+# (name, family, parallel dims): both run in the same 2 processes
+CELLS = tuple((f"{family}-fsdp2-text-only-rank", family, dict(dp_shard=2)) for family in ROWS)
 
 
 @pytest.mark.parametrize("world,cells", [(2, CELLS)], ids=["world2"])
 def test_omni_fsdp_with_a_text_only_rank_matches_world1(world, cells):
     got = run_multiproc(_worker, world, args=(cells,))
-    check_cells(cells, got, lambda cell: _reference())
+    check_cells(cells, got, lambda cell: _reference(cell[1]))
