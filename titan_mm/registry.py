@@ -121,8 +121,16 @@ class DataNeeds:
     chat_template: str = "qwen3"
     """The processors' chat template for this family (data.chat_template may override it)."""
     video: bool = True
-    """The processors' video layout (Qwen3-VL's: per-frame timestamps) is this family's. False: video parts are
-    skipped and counted (unknown_modality) until the family's own layout exists."""
+    """The family trains on video parts. False: they are skipped and counted (unknown_modality)."""
+    vision_layout: str = "qwen3_vl"
+    """Whose HF image / video processor the processors follow (titan_mm.data.vision): "qwen3_vl" (mean / std 0.5;
+    a video's frames sampled by linspace, its total volume within the video pixel bounds, one
+    ``<t seconds><|vision_start|><|video_pad|>*n<|vision_end|>`` group per temporal patch, Qwen3-VL positions) or
+    "qwen2_5_vl" (Qwen2-VL / Qwen2.5-VL: OpenAI CLIP mean / std; frames sampled as Qwen2VLVideoProcessor does, each
+    frame within the pixel bounds, one run of t*h*w/merge**2 pads per video, ``video_second_per_grid`` in the batch
+    and temporal positions int(k * video_tokens_per_second * second_per_grid))."""
+    video_tokens_per_second: float = 0.0
+    """"qwen2_5_vl" layout: temporal M-RoPE positions per second of video (HF vision_config.tokens_per_second)."""
 
 
 @dataclass(frozen=True)

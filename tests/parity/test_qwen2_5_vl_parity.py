@@ -230,23 +230,3 @@ def test_config_reader_flavors_and_spec():
     assert fl > spec.flops(dbg, [100])
     p = spec.plan(dbg)
     assert "visual.blocks.?" in p.fsdp_units and "language_model.layers.*.attn.wq" in p.tp
-
-
-def test_video_samples_are_skipped_until_the_family_has_its_video_layout():
-    """The processors' video layout is Qwen3-VL's (per-frame timestamps); Qwen2.5-VL's data needs say video=False,
-    so a video sample is skipped with its reason instead of training on the wrong positions."""
-    import numpy as np
-
-    from titan_mm.data.processors import Processor, ProcessorConfig
-    from titan_mm.data.schema import parse_record
-    from titan_mm.data.sources import SkipSample
-    from titan_mm.data.tokenizer import load_tokenizer
-    from titan_mm.registry import get_model_spec
-
-    spec = get_model_spec("qwen2_5_vl")
-    proc = Processor(load_tokenizer(None), ProcessorConfig(needs=spec.data_needs(spec.flavor("debug"))))
-    frames = [np.zeros((56, 56, 3), dtype=np.uint8)] * 4
-    rec = {"messages": [{"role": "user", "content": [{"type": "video", "video": frames}, {"type": "text", "text": "?"}]},
-                        {"role": "assistant", "content": "ok"}]}
-    with pytest.raises(SkipSample, match="does not train on video yet"):
-        proc(parse_record(rec))

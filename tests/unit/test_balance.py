@@ -187,16 +187,18 @@ def _same(a: dict, b: dict) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("kind", ["text", "vl"])
+@pytest.mark.parametrize("kind", ["text", "vl", "vl_timed"])
 def test_rows_split_and_join_round_trip(kind):
     from titan_mm.parallel.balance_dispatch import join_rows, split_rows
 
-    batch, needs = _vl_batch() if kind == "vl" else (_text_batch(), None)
+    batch, needs = _vl_batch() if kind.startswith("vl") else (_text_batch(), None)
+    if kind == "vl_timed":  # Qwen2.5-VL's layout: seconds per temporal patch travel with each video
+        batch["video_second_per_grid"] = torch.tensor([0.5, 2.0], dtype=torch.float32)[: len(batch["video_grid_thw"])]
     pads, merge = (needs.special_tokens, needs.merge_size) if needs else ({}, 1)
     rows = split_rows(batch, pads, merge)
     _same(join_rows(rows), batch)
     # rows in another order: split again, each row comes back with its own pixels and grids
-    order = [rows[i] for i in (3, 1, 2, 0)] if kind == "vl" else [rows[i] for i in (2, 0, 1)]
+    order = [rows[i] for i in (3, 1, 2, 0)] if kind != "text" else [rows[i] for i in (2, 0, 1)]
     again = split_rows(join_rows(order), pads, merge)
     for r, o in zip(again, order):
         assert sorted(r) == sorted(o)

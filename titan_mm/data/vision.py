@@ -1,18 +1,25 @@
-"""Images and video the Qwen3-VL way, plus 3-D M-RoPE positions, on CPU with numpy / PIL / PyAV.
+"""Images and video as the family's HF processor makes them (DataNeeds.vision_layout: "qwen3_vl" or
+"qwen2_5_vl"), plus 3-D M-RoPE positions, on CPU with numpy / PIL / PyAV.
 
-Images (equal to transformers' Qwen2VLImageProcessor with Qwen3-VL's settings, see tests/parity):
-  RGB (transparency composited onto white) -> smart resize (both sides multiples of patch*merge = 32, area
-  within [min_pixels, max_pixels], aspect ratio kept) with PIL bicubic -> x/255 -> (x - 0.5)/0.5 -> patches
-  of 16x16 repeated over a temporal patch of 2 -> rows ordered by 2x2 merge blocks: ``pixel_values [t*h*w, 3*2*16*16]``,
-  ``image_grid_thw [[1, h, w]]`` (h, w in patches), and h*w/4 ``<|image_pad|>`` tokens.
-Video: frames decoded with PyAV, sampled uniformly at ``video_fps`` (clamped to [min_frames, max_frames]),
-  resized (one size for the whole clip, total volume within [video_min_pixels, video_max_pixels]) with
-  torch bicubic antialias (as torchvision does), patched with temporal patch 2 (last frame repeated to
-  an even count). Each temporal group becomes ``<{t:.1f} seconds><|vision_start|><|video_pad|>*n<|vision_end|>``
-  at the place of the template's ``<|video_pad|>``, with t the mean timestamp of the group's frames.
-M-RoPE (Qwen3-VL get_rope_index): text advances all three axes by one; a run of vision tokens starting
-  at position p gets (p + t, p + row, p + col) over its merged grid (each video frame group is its own run
-  with t = 0), and the next token starts at p + max(rows, cols).
+Images (equal to transformers' Qwen2VLImageProcessor with the family's settings, see tests/parity):
+  RGB (transparency composited onto white) -> smart resize (both sides multiples of patch*merge, 32 or 28, area
+  within [min_pixels, max_pixels], aspect ratio kept) with PIL bicubic -> x/255 -> (x - mean)/std (0.5 / 0.5 for
+  Qwen3-VL, OpenAI CLIP's for Qwen2.5-VL) -> patches repeated over a temporal patch of 2 -> rows ordered by 2x2
+  merge blocks: ``pixel_values [t*h*w, 3*2*p*p]``, ``image_grid_thw [[1, h, w]]`` (h, w in patches), and
+  h*w/4 ``<|image_pad|>`` tokens.
+Video: frames decoded with PyAV, resized with torch bicubic antialias (as torchvision does), patched with
+  temporal patch 2 (last frame repeated to an even count).
+  - "qwen3_vl": frames sampled uniformly at ``video_fps`` (clamped to [min_frames, max_frames]), one size for
+    the clip with its total volume within [video_min_pixels, video_max_pixels]. Each temporal group becomes
+    ``<{t:.1f} seconds><|vision_start|><|video_pad|>*n<|vision_end|>`` at the place of the template's
+    ``<|video_pad|>``, with t the mean timestamp of the group's frames.
+  - "qwen2_5_vl" (Qwen2VLVideoProcessor + Qwen2_5_VLProcessor): a multiple of 2 frames sampled at ``video_fps``,
+    each frame's area within [video_min_pixels, video_max_pixels]; the template's ``<|video_pad|>`` becomes
+    t*h*w/4 of them, and ``video_second_per_grid`` = 2 / (the sampled fps).
+M-RoPE (get_rope_index): text advances all three axes by one; a run of vision tokens starting at position p
+  gets (p + t, p + row, p + col) over its merged grid, and the next token starts at p + max(rows, cols).
+  Qwen3-VL: each video frame group is its own run with t = 0. Qwen2.5-VL: a video is one run and temporal
+  patch k has t = int(k * tokens_per_second * second_per_grid).
 """
 
 from __future__ import annotations
@@ -26,8 +33,16 @@ from einops import rearrange
 
 from titan_mm.data.sources import SkipSample
 
-MEAN = np.asarray([0.5, 0.5, 0.5], dtype=np.float32)
-STD = np.asarray([0.5, 0.5, 0.5], dtype=np.float32)
+# (mean, std) of each layout's HF processor: Qwen3-VL's, and Qwen2-VL's OPENAI_CLIP_MEAN / OPENAI_CLIP_STD
+NORM = {"qwen3_vl": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+        "qwen2_5_vl": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))}
+LAYOUTS = tuple(NORM)
+
+
+def normalize(x_CHW: np.ndarray, layout: str) -> np.ndarray:
+    """float32 pixels in [0, 1] (channels first) -> (x - mean) / std of the layout."""
+    mean, std = (np.asarray(v, dtype=np.float32)[:, None, None] for v in NORM[layout])
+    return (x_CHW.astype(np.float32) - mean) / std
 
 
 @dataclass
@@ -38,12 +53,14 @@ class MediaItem:
     n_patches: int = 0
     n_tokens: int = 0
     timestamps: list = field(default_factory=list)  # video: seconds per temporal group
+    layout: str = "qwen3_vl"  # DataNeeds.vision_layout it was made for
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
+                 reason: str = "bad_image") -> tuple[int, int]:
     """(h, w) multiples of ``factor``, area in [min_pixels, max_pixels], aspect ratio kept (Qwen-VL rule)."""
     if max(height, width) / min(height, width) > 200:
-        raise SkipSample("bad_image", f"aspect ratio {max(height, width) / min(height, width):.0f} > 200")
+        raise SkipSample(reason, f"aspect ratio {max(height, width) / min(height, width):.0f} > 200")
     h = round(height / factor) * factor
     w = round(width / factor) * factor
     if h * w > max_pixels:
@@ -116,12 +133,13 @@ def to_rgb(img):
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
-def _image_patches(img, h: int, w: int, patch: int, temporal: int, merge: int) -> np.ndarray:
+def _image_patches(img, h: int, w: int, patch: int, temporal: int, merge: int,
+                   layout: str = "qwen3_vl") -> np.ndarray:
     from PIL import Image
 
     img = to_rgb(img).resize((w, h), resample=Image.Resampling.BICUBIC)
     x = np.asarray(img).astype(np.float64) * (1 / 255)
-    x = ((x.astype(np.float32) - MEAN) / STD).transpose(2, 0, 1)[None]  # [1, C, H, W]
+    x = normalize(x.transpose(2, 0, 1), layout)[None]  # [1, C, H, W]
     x = np.repeat(x, temporal, axis=0)
     return patchify(x, patch, temporal, merge)[0]
 
@@ -136,9 +154,11 @@ class LazyImage:
     patch: int
     temporal: int
     merge: int
+    layout: str
 
     def materialize(self) -> dict[str, np.ndarray]:
-        pv = _image_patches(_load_pil(self.payload), self.h, self.w, self.patch, self.temporal, self.merge)
+        pv = _image_patches(_load_pil(self.payload), self.h, self.w, self.patch, self.temporal, self.merge,
+                            self.layout)
         g = (1, self.h // self.patch, self.w // self.patch)
         return {"pixel_values": pv, "image_grid_thw": np.asarray([g], dtype=np.int64)}
 
@@ -150,12 +170,13 @@ def process_image(payload, cfg, lazy: bool = False) -> MediaItem:
     h, w = smart_resize(img.height, img.width, factor, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
     grid = (1, h // cfg.patch_size, w // cfg.patch_size)
     n = grid[1] * grid[2]
+    layout = cfg.needs.vision_layout
     if lazy:
         keep = payload if isinstance(payload, (bytes, bytearray)) else img
         item = MediaItem("image", {"_lazy_image": LazyImage(keep, h, w, cfg.patch_size, cfg.temporal_patch_size,
-                                                              cfg.merge_size)}, grid, n, n // cfg.merge_size**2)
+                                                              cfg.merge_size, layout)}, grid, n, n // cfg.merge_size**2)
         return item
-    pv = _image_patches(img, h, w, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size)
+    pv = _image_patches(img, h, w, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size, layout)
     return MediaItem("image", {"pixel_values": pv, "image_grid_thw": np.asarray([grid], dtype=np.int64)},
                      grid, n, n // cfg.merge_size**2)
 
@@ -211,6 +232,20 @@ def sample_frame_indices(total: int, video_fps: float, fps: float, min_frames: i
     return np.linspace(0, total - 1, n).round().astype(int)
 
 
+def sample_frame_indices_qwen2_5_vl(total: int, video_fps: float, fps: float, min_frames: int, max_frames: int,
+                                    temporal: int) -> np.ndarray:
+    """Qwen2VLVideoProcessor.sample_frames at ``fps``: a multiple of ``temporal`` frames, at int(k * total / n)
+    (float32, as torch.arange gives them). A clip shorter than one temporal patch is taken whole (HF's sampling
+    would divide by zero; its unsampled path takes every frame)."""
+    import torch
+
+    top = math.floor(min(max_frames, total) / temporal) * temporal
+    n = math.floor(min(max(total / video_fps * fps, min_frames), top, total) / temporal) * temporal
+    if n == 0:
+        return np.arange(total)
+    return torch.arange(0, total, total / n).int().numpy()
+
+
 def frame_timestamps(indices, video_fps: float, temporal: int) -> list[float]:
     idx = list(indices)
     if len(idx) % temporal:
@@ -233,42 +268,52 @@ def resize_frames(frames_THWC: np.ndarray, h: int, w: int) -> np.ndarray:
 
 def process_video(payload, cfg, frames: list[np.ndarray] | None = None, video_fps: float | None = None) -> MediaItem:
     """``payload`` (bytes / file) is decoded keeping only the sampled frames; or pass all ``frames`` + fps."""
+    layout, d, tp = cfg.needs.vision_layout, cfg.data, cfg.temporal_patch_size
+    box = {}
+
+    def pick(total, fps):
+        if layout == "qwen2_5_vl":
+            idx = sample_frame_indices_qwen2_5_vl(total, fps, d.video_fps, d.video_min_frames, d.video_max_frames, tp)
+        else:
+            idx = sample_frame_indices(total, fps, d.video_fps, d.video_min_frames, d.video_max_frames)
+        box.update(total=total, idx=idx)
+        return idx
+
     if frames is None:
-        box = {}
-
-        def pick(total, fps):
-            box["idx"] = sample_frame_indices(total, fps, cfg.data.video_fps, cfg.data.video_min_frames,
-                                              cfg.data.video_max_frames)
-            return box["idx"]
-
         clip_frames, video_fps = decode_video(payload, pick)
-        idx = box["idx"]
-        frames = dict(zip(idx.tolist(), clip_frames))
+        frames = dict(zip(box["idx"].tolist(), clip_frames))
     else:
-        idx = sample_frame_indices(len(frames), video_fps, cfg.data.video_fps, cfg.data.video_min_frames,
-                                   cfg.data.video_max_frames)
+        pick(len(frames), video_fps)
+    idx = box["idx"]
     if len(idx) < 1:
         raise SkipSample("bad_video", "no frames sampled")
     clip = np.stack([frames[i] for i in idx])  # [T, H, W, 3]
     factor = cfg.patch_size * cfg.merge_size
     n_frames = len(idx)
-    if n_frames < cfg.temporal_patch_size:
-        clip = np.concatenate([clip, np.repeat(clip[-1:], cfg.temporal_patch_size - n_frames, 0)])
-    h, w = video_smart_resize(clip.shape[0], clip.shape[1], clip.shape[2], factor, cfg.temporal_patch_size,
-                              cfg.data.video_min_pixels, cfg.data.video_max_pixels)
-    x = resize_frames(clip, h, w)
-    x = (x * np.float32(1 / 255) - MEAN[:, None, None]) / STD[:, None, None]
-    pv, grid = patchify(x.astype(np.float32), cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size)
+    if n_frames < tp:
+        clip = np.concatenate([clip, np.repeat(clip[-1:], tp - n_frames, 0)])
+    if layout == "qwen2_5_vl":  # the pixel bounds are per frame
+        h, w = smart_resize(clip.shape[1], clip.shape[2], factor, d.video_min_pixels, d.video_max_pixels, "bad_video")
+    else:
+        h, w = video_smart_resize(clip.shape[0], clip.shape[1], clip.shape[2], factor, tp, d.video_min_pixels,
+                                  d.video_max_pixels)
+    x = normalize(resize_frames(clip, h, w) * np.float32(1 / 255), layout)
+    pv, grid = patchify(x, cfg.patch_size, tp, cfg.merge_size)
     n = grid[0] * grid[1] * grid[2]
-    item = MediaItem("video", {"pixel_values_videos": pv, "video_grid_thw": np.asarray([grid], dtype=np.int64)},
-                     grid, n, n // cfg.merge_size**2)
-    item.timestamps = frame_timestamps(idx, video_fps, cfg.temporal_patch_size)
+    tensors = {"pixel_values_videos": pv, "video_grid_thw": np.asarray([grid], dtype=np.int64)}
+    if layout == "qwen2_5_vl":  # Qwen2_5_VLProcessor: temporal patch / the sampled fps
+        tensors["video_second_per_grid"] = np.asarray([tp / (n_frames / box["total"] * video_fps)], np.float32)
+    item = MediaItem("video", tensors, grid, n, n // cfg.merge_size**2, layout=layout)
+    if layout == "qwen3_vl":
+        item.timestamps = frame_timestamps(idx, video_fps, tp)
     return item
 
 
 def video_placeholder_ids(item: MediaItem, tok) -> np.ndarray:
-    """Token ids replacing the template's single <|video_pad|>: per temporal group a timestamp and a
-    <|vision_start|> <|video_pad|>*n <|vision_end|> block (Qwen3-VL)."""
+    """Token ids replacing the template's single <|video_pad|>. Qwen2.5-VL: t*h*w/4 <|video_pad|>. Qwen3-VL:
+    per temporal group a timestamp and a <|vision_start|> <|video_pad|>*n <|vision_end|> block."""
+    if item.layout == "qwen2_5_vl":
+        return np.full(item.n_tokens, tok.video_pad_id, dtype=np.int64)
     t, h, w = item.grid
     per = h * w // 4
     out: list[int] = []
@@ -279,18 +324,28 @@ def video_placeholder_ids(item: MediaItem, tok) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------ M-RoPE
-def mrope_index(kinds_L, image_grids, video_grids, merge: int) -> np.ndarray:
-    """[3, L] int64 (t, h, w) positions of one document (starting at 0), as Qwen3-VL's get_rope_index.
+def mrope_index(kinds_L, image_grids, video_grids, merge: int, second_per_grid=None,
+                tokens_per_second: float = 0.0) -> np.ndarray:
+    """[3, L] int64 (t, h, w) positions of one document (starting at 0), as get_rope_index.
 
     ``kinds_L``: per token 0 text, 1 image pad, 2 video pad (HF's mm_token_type_ids); ``image_grids`` /
     ``video_grids``: the (t, h, w) patch grids in document order (arrays, tensors or lists). A run of pad
-    tokens is one image or one video frame (each video is t runs of (1, h, w)). Raises ValueError when the
-    runs do not match the grids."""
+    tokens is one image, and one video frame group (Qwen3-VL: a video is t runs of (1, h, w), given
+    ``second_per_grid=None``) or one video (Qwen2.5-VL: ``second_per_grid`` holds each video's seconds per
+    temporal patch, and temporal patch k has t = int(k * tokens_per_second * second_per_grid), in float32 as HF
+    computes it). Raises ValueError when the runs do not match the grids."""
     kinds = np.asarray(kinds_L).reshape(-1)
     L = kinds.shape[0]
-    frames = [(1, h, w) for t, h, w in np.asarray(video_grids, dtype=np.int64).reshape(-1, 3).tolist()
-              for _ in range(t)]
-    grids = {1: iter(np.asarray(image_grids, dtype=np.int64).reshape(-1, 3).tolist()), 2: iter(frames)}
+    vgrids = np.asarray(video_grids, dtype=np.int64).reshape(-1, 3).tolist()
+    if second_per_grid is None:
+        videos = [((1, h, w), 0.0) for t, h, w in vgrids for _ in range(t)]
+    else:
+        secs = np.asarray(second_per_grid, dtype=np.float32).reshape(-1)
+        if len(secs) != len(vgrids):
+            raise ValueError(f"{len(vgrids)} video grids but {len(secs)} second_per_grid values")
+        videos = [(g, np.float32(tokens_per_second) * sec) for g, sec in zip(vgrids, secs)]
+    images = [(g, 0.0) for g in np.asarray(image_grids, dtype=np.int64).reshape(-1, 3).tolist()]
+    runs = {1: iter(images), 2: iter(videos)}
     pos = np.zeros((3, L), dtype=np.int64)
     cur, i = 0, 0
     while i < L:
@@ -300,14 +355,15 @@ def mrope_index(kinds_L, image_grids, video_grids, merge: int) -> np.ndarray:
             j += 1
         if k in (1, 2):
             try:
-                gt, gh, gw = next(grids[k])
+                (gt, gh, gw), step = next(runs[k])
             except StopIteration:
                 raise ValueError(f"more {('image', 'video')[k - 1]} pad runs than grids") from None
             lt, lh, lw = gt, gh // merge, gw // merge
             if lt * lh * lw != j - i:
                 raise ValueError(f"a vision run of {j - i} tokens does not match its grid {(gt, gh, gw)} "
                                  f"(merge {merge})")
-            tt, hh, ww = np.meshgrid(np.arange(lt), np.arange(lh), np.arange(lw), indexing="ij")
+            t_pos = (np.arange(lt, dtype=np.float32) * np.float32(step)).astype(np.int64)
+            tt, hh, ww = np.meshgrid(t_pos, np.arange(lh), np.arange(lw), indexing="ij")
             pos[0, i:j] = tt.reshape(-1) + cur
             pos[1, i:j] = hh.reshape(-1) + cur
             pos[2, i:j] = ww.reshape(-1) + cur
@@ -325,8 +381,12 @@ def mrope_positions(ids: np.ndarray, items: list[MediaItem], tok, cfg) -> np.nda
     for k, pad in ((1, tok.image_pad_id), (2, tok.video_pad_id)):
         if pad is not None:
             kinds[ids == pad] = k
+    videos = [it for it in items if it.kind == "video"]
+    secs = None
+    if cfg.needs.vision_layout == "qwen2_5_vl":
+        secs = [s for it in videos for s in it.tensors["video_second_per_grid"]]
     try:
-        return mrope_index(kinds, [it.grid for it in items if it.kind == "image"],
-                           [it.grid for it in items if it.kind == "video"], cfg.merge_size)
+        return mrope_index(kinds, [it.grid for it in items if it.kind == "image"], [it.grid for it in videos],
+                           cfg.merge_size, secs, cfg.needs.video_tokens_per_second)
     except ValueError as e:
         raise SkipSample("bad_schema", str(e)) from None

@@ -29,8 +29,10 @@ from titan_mm.data.packing import IGNORE_INDEX
 
 ROW_KEYS = ("input_ids", "labels", "doc_ids", "prefix_mask")  # [B, S]; position_ids is [B, S] or [3, B, S]
 DERIVED = ("cu_seqlens", "max_seqlen", "num_label_tokens")  # rebuilt from the rows
-MEDIA = (("pixel_values", "image_grid_thw", "image_pad"), ("pixel_values_videos", "video_grid_thw", "video_pad"))
-KNOWN = {*ROW_KEYS, "position_ids", *DERIVED, *(k for m in MEDIA for k in m[:2])}
+# (patches, grids, pad role, per-item keys split with the grids)
+MEDIA = (("pixel_values", "image_grid_thw", "image_pad", ()),
+         ("pixel_values_videos", "video_grid_thw", "video_pad", ("video_second_per_grid",)))
+KNOWN = {*ROW_KEYS, "position_ids", *DERIVED, *(k for m in MEDIA for k in (*m[:2], *m[3]))}
 
 
 # ---------------------------------------------------------------- rows of a micro-batch
@@ -59,7 +61,7 @@ def split_rows(batch: dict, pads: dict[str, int], merge: int) -> list[dict[str, 
         raise ValueError(f"data.balance: cu_seqlens {cu.tolist()} does not end a segment at every row end (S={S})")
     for b in range(B):
         rows[b]["segments"] = np.diff(cu[cuts[b]:cuts[b + 1] + 1])
-    for pix_key, grid_key, role in MEDIA:
+    for pix_key, grid_key, role, per_item in MEDIA:
         if pix_key not in batch:
             continue
         if role not in pads:
@@ -75,6 +77,9 @@ def split_rows(batch: dict, pads: dict[str, int], merge: int) -> list[dict[str, 
                              f"rows' {role} tokens {np.diff(row_end).tolist()}")
         for b in range(B):
             rows[b][grid_key], rows[b][pix_key] = grids[g[b]:g[b + 1]], pix[p[b]:p[b + 1]]
+            for k in per_item:
+                if k in batch:
+                    rows[b][k] = batch[k].numpy()[g[b]:g[b + 1]]
     return rows
 
 
@@ -87,11 +92,11 @@ def join_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
     out["cu_seqlens"] = torch.from_numpy(np.concatenate([[0], np.cumsum(segs)]).astype(np.int32))
     out["max_seqlen"] = torch.tensor(int(segs.max()) if segs.size else 0, dtype=torch.int64)
     out["num_label_tokens"] = torch.tensor(int((out["labels"] != IGNORE_INDEX).sum()), dtype=torch.int64)
-    for pix_key, grid_key, _ in MEDIA:
+    for pix_key, grid_key, _, per_item in MEDIA:
         have = [r for r in rows if grid_key in r and len(r[grid_key])]
         if have:
-            out[pix_key] = torch.from_numpy(np.concatenate([r[pix_key] for r in have]))
-            out[grid_key] = torch.from_numpy(np.concatenate([r[grid_key] for r in have]))
+            for k in (pix_key, grid_key, *(k for k in per_item if k in have[0])):
+                out[k] = torch.from_numpy(np.concatenate([r[k] for r in have]))
     return out
 
 

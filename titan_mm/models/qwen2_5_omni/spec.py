@@ -27,7 +27,8 @@ def data_needs(cfg: Qwen2_5OmniConfig) -> DataNeeds:
     needs = vl_spec.data_needs(cfg)
     audio = {"audio_pad": cfg.audio_token_id, "audio_start": cfg.audio_start_token_id,
              "audio_end": cfg.audio_end_token_id}
-    return dataclasses.replace(needs, special_tokens={**needs.special_tokens, **audio})
+    # video stays off: HF's Omni processor times a temporal patch by the requested fps, not the sampled one
+    return dataclasses.replace(needs, special_tokens={**needs.special_tokens, **audio}, video=False)
 
 
 def fused_params(cfg: Qwen2_5OmniConfig) -> dict[str, FusedRows]:

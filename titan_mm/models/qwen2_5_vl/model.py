@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from titan_mm.data.vision import mrope_index
 from titan_mm.models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from titan_mm.models.qwen2_5_vl.vision import VisionTower, build_window_meta
 from titan_mm.models.qwen3.model import Qwen3Model
@@ -59,34 +60,11 @@ def rope_index(kinds_L, image_grids, video_grids, cfg: Qwen2_5_VLConfig, second_
     """Host side: [3, L] int64 (t, h, w) positions of one document, as HF Qwen2.5-VL's get_rope_index.
     ``kinds_L``: per token 0 text, 1 image pad, 2 video pad; one run of pads per image / video (a video is one
     run of t * h * w / merge**2 pads); ``second_per_grid_ts``: seconds per temporal patch of each video
-    (default 1)."""
-    kinds = np.asarray(kinds_L).reshape(-1)
-    merge, tps = cfg.vision.spatial_merge_size, cfg.vision.tokens_per_second
-    grids = {1: iter(np.asarray(image_grids, dtype=np.int64).reshape(-1, 3).tolist()),
-             2: iter(np.asarray(video_grids, dtype=np.int64).reshape(-1, 3).tolist())}
-    secs = iter([] if second_per_grid_ts is None else np.asarray(second_per_grid_ts, np.float64).reshape(-1).tolist())
-    pos = np.zeros((3, kinds.shape[0]), dtype=np.int64)
-    cur, i, L = 0, 0, kinds.shape[0]
-    while i < L:
-        k = int(kinds[i])
-        j = i
-        while j < L and kinds[j] == k:
-            j += 1
-        if k in (1, 2):
-            t, h, w = next(grids[k])
-            lh, lw = h // merge, w // merge
-            if t * lh * lw != j - i:
-                raise ValueError(f"a vision run of {j - i} tokens does not match its grid {(t, h, w)} (merge {merge})")
-            step = tps * next(secs, 1.0) if k == 2 else 1.0
-            tt, hh, ww = np.meshgrid((np.arange(t) * step).astype(np.int64), np.arange(lh), np.arange(lw),
-                                     indexing="ij")
-            pos[:, i:j] = np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + cur
-            cur += max(lh, lw)
-        else:
-            pos[:, i:j] = np.arange(j - i) + cur
-            cur += j - i
-        i = j
-    return pos
+    (default 1). The data pipeline's rule (titan_mm.data.vision.mrope_index), with this config's numbers."""
+    n_videos = len(np.asarray(video_grids, dtype=np.int64).reshape(-1, 3))
+    secs = np.ones(n_videos) if second_per_grid_ts is None else second_per_grid_ts
+    return mrope_index(kinds_L, image_grids, video_grids, cfg.vision.spatial_merge_size, secs,
+                       cfg.vision.tokens_per_second)
 
 
 def vision_inputs(cfg: Qwen2_5_VLConfig, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
@@ -111,8 +89,10 @@ def vision_inputs(cfg: Qwen2_5_VLConfig, batch: dict[str, Any], device: torch.de
 
 def prepare_batch(cfg: Qwen2_5_VLConfig, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
     """The family's ModelSpec.prepare_batch: the batch plus :func:`vision_inputs`, on the host, before the batch
-    moves to the device and before any context-parallel split."""
-    return {**batch, **vision_inputs(cfg, batch, device)}
+    moves to the device and before any context-parallel split. ``video_second_per_grid`` is dropped: the data
+    pipeline's ``position_ids`` already hold it (:func:`rope_index`), and the forward does not read it."""
+    rest = {k: v for k, v in batch.items() if k != "video_second_per_grid"}
+    return {**rest, **vision_inputs(cfg, batch, device)}
 
 
 def build(cfg: Qwen2_5_VLConfig) -> Qwen2_5_VLModel:

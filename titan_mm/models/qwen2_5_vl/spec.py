@@ -1,6 +1,7 @@
 """The Qwen2.5-VL answers to the family contract (titan_mm.registry.ModelSpec): the Qwen2 decoder's
 (titan_mm/models/qwen2/spec.py), plus the vision tower's shapes, M-RoPE positions and the visual tokens
-(Qwen3-VL's tokens and chat template: <|vision_start|><|image_pad|><|vision_end|>)."""
+(Qwen3-VL's tokens and chat template: <|vision_start|><|image_pad|><|vision_end|>; Qwen2.5-VL's image and video
+processing, DataNeeds.vision_layout "qwen2_5_vl")."""
 
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ def with_runtime(cfg: Qwen2_5_VLConfig, attn_backend: str, kernels: bool | str) 
 
 
 def data_needs(cfg: Qwen2_5_VLConfig) -> DataNeeds:
-    # the patch / merge sizes and token ids are read as Qwen3-VL's; its per-frame video timestamps are not this
-    # family's layout (one run of video pads, time ids from second_per_grid_ts), so videos are skipped for now
-    return dataclasses.replace(vl_spec.data_needs(cfg), video=False)
+    # the patch / merge sizes and token ids are read as Qwen3-VL's; the processing is Qwen2.5-VL's (CLIP mean /
+    # std, one run of video pads per video, time ids from second_per_grid_ts)
+    return dataclasses.replace(vl_spec.data_needs(cfg), vision_layout="qwen2_5_vl",
+                               video_tokens_per_second=cfg.vision.tokens_per_second)
 
 
 def kernel_shapes(cfg: Qwen2_5_VLConfig, tp: int = 1, encoder_tp: bool = False) -> KernelShapes:
