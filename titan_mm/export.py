@@ -113,12 +113,13 @@ def hf_folder_files(cfg: JobConfig) -> dict[str, str | Path]:
     if isinstance(conf.get("bos_token"), str):
         gen["bos_token_id"] = tok.token_to_id(conf["bos_token"])
     files["generation_config.json"] = json.dumps(gen, indent=2)
-    if needs.patch_size:  # titan_mm.data.vision: RGB, PIL bicubic resize, x / 255, (x - MEAN) / STD
+    if needs.patch_size:  # titan_mm.data.vision: RGB, PIL bicubic resize, x / 255, (x - mean) / std of the layout
         from PIL import Image
 
         d = cfg.data
+        mean, std = vision.NORM[needs.vision_layout]
         common = dict(patch_size=needs.patch_size, temporal_patch_size=needs.temporal_patch_size,
-                      merge_size=needs.merge_size, image_mean=vision.MEAN.tolist(), image_std=vision.STD.tolist(),
+                      merge_size=needs.merge_size, image_mean=list(mean), image_std=list(std),
                       do_resize=True, resample=int(Image.Resampling.BICUBIC), do_rescale=True,
                       rescale_factor=1 / 255, do_normalize=True, do_convert_rgb=True)
         image = dict(common, size={"shortest_edge": d.image_min_pixels, "longest_edge": d.image_max_pixels})
