@@ -93,7 +93,8 @@ class Data:
     num_workers: int = 0
     """DataLoader worker processes (0 = load in the main process)."""
     tokenizer_path: str | None = None
-    """Folder with tokenizer.json; None: the model's HF dir if given, else the built-in Qwen3 tokenizer."""
+    """Folder with tokenizer.json, or builtin:NAME (builtin:qwen3, builtin:qwen2_5_omni: Qwen3's with Qwen2.5-Omni's
+    audio / vision token names); None: the model's HF dir if given, else the built-in Qwen3 tokenizer."""
     mixture: dict[str, float] = field(default_factory=dict)
     """Weighted mixture of sources, {path-or-URL-or-builtin:name: positive weight}; replaces `dataset` when
     given. TOML: [data.mixture] "data/a.jsonl" = 0.7  "s3://b/*.parquet" = 0.3. Command line: one JSON
@@ -426,8 +427,9 @@ class Eval:
     """Global batches (training.global_batch_size rows) scored per source, the same ones at every eval."""
     tasks: list[str] = field(default_factory=list)
     """Generation tasks run through the serving engine on the live weights: digits (VL: held-out digit images),
-    qa (held-out text QA, exact match), or a JSONL file of {"messages" | "prompt", "reference"} lines, scored by
-    exact match or by "FILE.jsonl|pkg.module:function" (function(prediction, reference) -> float)."""
+    qa (held-out text QA, exact match), dtmf / dtmf_digits (Omni: held-out key tones, with a digits image; decoded
+    through the training forward, which takes audio), or a JSONL file of {"messages" | "prompt", "reference"}
+    lines, scored by exact match or by "FILE.jsonl|pkg.module:function" (function(prediction, reference) -> float)."""
     task_limit: int = 64
     """Prompts per generation task (0: all)."""
     max_new_tokens: int = 16

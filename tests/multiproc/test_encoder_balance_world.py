@@ -45,11 +45,11 @@ def _reference():
 def _balanced_step(model, b, ctx, plans):
     """As titan_mm.train.step.forward_backward: _prepare (the family's prepare_batch with the exchange plan, then the
     attention metadata), every other batch key as a model input."""
-    from titan_mm.train.step import _NOT_MODEL_KWARGS, _prepare
+    from titan_mm.train.step import NOT_MODEL_KWARGS, _prepare
 
     b, meta = _prepare(b, ctx)
     plans.append(b.get("vision_balance"))
-    extra = {k: v for k, v in b.items() if k not in _NOT_MODEL_KWARGS}
+    extra = {k: v for k, v in b.items() if k not in NOT_MODEL_KWARGS}
     return model(b["input_ids"], position_ids=b["position_ids"], attn=meta, labels=b["labels"], **extra).loss_sum
 
 

@@ -64,11 +64,11 @@ def _step(model, b):
     """As titan_mm.train.step: the family's prepare_batch on the host, build_attn_meta, the rest as model inputs."""
     from titan_mm.models.common.attention import build_attn_meta
     from titan_mm.models.qwen3_5.model import prepare_batch
-    from titan_mm.train.step import _NOT_MODEL_KWARGS
+    from titan_mm.train.step import NOT_MODEL_KWARGS
 
     b = prepare_batch(model.cfg, b, "cpu")
     meta = build_attn_meta(b, "sdpa", "cpu")
-    extra = {k: v for k, v in b.items() if k not in _NOT_MODEL_KWARGS}
+    extra = {k: v for k, v in b.items() if k not in NOT_MODEL_KWARGS}
     return model(b["input_ids"], position_ids=b["position_ids"], attn=meta, labels=b["labels"], **extra).loss_sum
 
 

@@ -71,14 +71,14 @@ def _step(model, b, pd=None, mode=None):
     from titan_mm.models.common.attention import build_attn_meta
     from titan_mm.models.qwen3_vl.model import prepare_batch
     from titan_mm.parallel.cp import prepare_cp_batch
-    from titan_mm.train.step import _NOT_MODEL_KWARGS
+    from titan_mm.train.step import NOT_MODEL_KWARGS
 
     b = prepare_batch(model.cfg, b, "cpu")
     if pd is not None and pd.cp_enabled:
         b, meta = prepare_cp_batch(b, pd, "sdpa", "cpu", mode=mode, seq_keys=("visual_index",))
     else:
         meta = build_attn_meta(b, "sdpa", "cpu")
-    extra = {k: v for k, v in b.items() if k not in _NOT_MODEL_KWARGS}
+    extra = {k: v for k, v in b.items() if k not in NOT_MODEL_KWARGS}
     return model(b["input_ids"], position_ids=b["position_ids"], attn=meta, labels=b["labels"], **extra).loss_sum
 
 

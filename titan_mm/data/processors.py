@@ -2,14 +2,17 @@
 
 Text: ``tokens + <|endoftext|>``, every token a target. Chat: the Qwen3 chat template, labels only on
 assistant turns (their content and the closing ``<|im_end|>``). Media: see :mod:`titan_mm.data.vision`
-(images and video the Qwen3-VL way) and :mod:`titan_mm.data.audio` (16 kHz log-mel).
+(images and video as the family's HF processor makes them: DataNeeds.vision_layout) and
+:mod:`titan_mm.data.audio` (16 kHz log-mel).
 
 Sizes (patch, temporal patch, merge), the positions kind (1-D or M-RoPE) and the special token ids come from
 the model family's :class:`~titan_mm.registry.DataNeeds`; every other setting from the ``[data]`` section.
 
 Two chat templates (the family's, unless ``data.chat_template`` names one):
 - ``qwen3_vl``: Qwen3-VL Instruct's template; media parts render as
-  ``<|vision_start|><|image_pad|><|vision_end|>`` (one pad per merged patch after expansion).
+  ``<|vision_start|><|image_pad|><|vision_end|>`` (one pad per merged patch after expansion), audio parts as
+  ``<|audio_start|><|audio_pad|><|audio_end|>``. Each token is written by the tokenizer's own name for its role
+  (Tokenizer.names: Qwen2.5-Omni's ``<|vision_bos|><|IMAGE|><|vision_eos|>``, ``<|audio_bos|><|AUDIO|><|audio_eos|>``).
 - ``qwen3``: Qwen3's hybrid-thinking template; the last assistant turn after the last user query gets
   an (empty unless given) ``<think>...</think>`` block, exactly as HF's ``apply_chat_template`` renders it.
 """
@@ -49,6 +52,10 @@ class ProcessorConfig:
     def __post_init__(self):
         if self.needs.positions not in POSITIONS:
             raise ValueError(f"DataNeeds.positions must be one of {POSITIONS}, got {self.needs.positions!r}")
+        from titan_mm.data.vision import LAYOUTS
+
+        if self.needs.vision_layout not in LAYOUTS:
+            raise ValueError(f"DataNeeds.vision_layout must be one of {LAYOUTS}, got {self.needs.vision_layout!r}")
         if self.chat_template not in CHAT_TEMPLATES:
             raise ValueError(f"data.chat_template must be empty (the model's), 'qwen3' or 'qwen3_vl', "
                              f"got {self.chat_template!r}")
@@ -79,6 +86,15 @@ class ProcessorConfig:
         return self.data.chat_template or self.needs.chat_template
 
 
+def _builtin_hint(needs: DataNeeds) -> str:
+    """ " (or builtin:NAME, ...)" for the built-in tokenizers that give every role the family's id."""
+    from titan_mm.data.tokenizer import BUILTIN, load_tokenizer
+
+    fits = [f"builtin:{name}" for name in BUILTIN if all(
+        getattr(load_tokenizer(f"builtin:{name}"), f"{role}_id") == i for role, i in needs.special_tokens.items())]
+    return f" (or {' / '.join(fits)}, a built-in one with these ids)" if fits else ""
+
+
 def check_special_tokens(tok: Tokenizer, needs: DataNeeds) -> None:
     """The tokenizer must give every special token the family names the id the model was trained with."""
     for role, want in needs.special_tokens.items():
@@ -88,7 +104,7 @@ def check_special_tokens(tok: Tokenizer, needs: DataNeeds) -> None:
         got = getattr(tok, f"{role}_id")
         if got != want:
             raise ValueError(f"the tokenizer ({tok.path}) gives {role} the id {got}, the model expects {want}; "
-                             "set data.tokenizer_path to the model's tokenizer")
+                             f"set data.tokenizer_path to the model's tokenizer{_builtin_hint(needs)}")
 
 
 def shift_labels(ids: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -136,14 +152,16 @@ class Processor:
                                          "(its data needs have no patch size)")
                     if p.type == "video" and not self.cfg.needs.video:
                         raise SkipSample("unknown_modality", "video part, but this model family does not train on "
-                                         "video yet (its data needs say video=False)")
-                    s.append(f"<|vision_start|><|{p.type}_pad|><|vision_end|>")
+                                         "video (its data needs say video=False)")
+                    n = self.tok.names
+                    s.append(n["vision_start"] + n[f"{p.type}_pad"] + n["vision_end"])
                     media.append(p)
                 elif p.type == "audio":
-                    if self.tok.audio_pad_id is None:
-                        raise SkipSample("unknown_modality", "audio part, but the tokenizer has no <|audio_pad|> "
-                                         "token (audio needs an Omni tokenizer)")
-                    s.append("<|audio_start|><|audio_pad|><|audio_end|>")
+                    n = self.tok.names
+                    if None in (n["audio_start"], n["audio_pad"], n["audio_end"]):
+                        raise SkipSample("unknown_modality", "audio part, but the tokenizer has no <|audio_pad|> / "
+                                         "<|AUDIO|> tokens (audio needs an Omni tokenizer)")
+                    s.append(n["audio_start"] + n["audio_pad"] + n["audio_end"])
                     media.append(p)
                 else:
                     raise SkipSample("unknown_modality", f"part type {p.type!r}")
@@ -192,6 +210,13 @@ class Processor:
             target |= (starts >= a) & (starts < b)
         return self._expand_media(ids, target, media, rec or {}, unit, sample_id)
 
+    def prompt_doc(self, sample: Sample) -> Doc:
+        """The prompt of a chat for generation: its messages with the assistant's turn opened, media expanded as in
+        training (in-memory or inline media only: no record to resolve paths against), no labels."""
+        text, _, media = self.render(sample, add_generation_prompt=True)
+        ids = np.asarray(self.tok.encode(text), dtype=np.int64)
+        return self._expand_media(ids, np.zeros(ids.shape[0], dtype=bool), media, {}, None, "")
+
     def _expand_media(self, ids, target, media, rec, unit, sample_id) -> Doc:
         if not media:
             return self._finish(ids, target, sample_id, [], [])
@@ -200,7 +225,7 @@ class Processor:
         pad_ids = {self.tok.image_pad_id, self.tok.video_pad_id, self.tok.audio_pad_id} - {None}
         where = [i for i, t in enumerate(ids.tolist()) if t in pad_ids]
         if len(where) != len(media):
-            raise SkipSample("bad_schema", "the text itself contains <|image_pad|>/<|video_pad|> tokens")
+            raise SkipSample("bad_schema", "the text itself contains image / video / audio pad tokens")
         pieces_ids, pieces_tgt, items = [], [], []
         prev = 0
         for w, part in zip(where, media):

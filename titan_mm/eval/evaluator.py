@@ -6,7 +6,8 @@ with the training layout of micro-batch slots (so the rows do not depend on the 
 eval.max_batches global batches are kept and scored at every eval by titan_mm.train.step.eval_loss_sums (the
 mesh and plan as trained, no grads). Generation: the live parameters are gathered in memory
 (get_model_state_dict, full tensors on every rank; no disk), put into a model of the same family built on meta,
-and an Engine with a pool sized for this eval runs the tasks greedily, each rank taking every world-th prompt;
+and an Engine with a pool sized for this eval runs the tasks greedily, each rank taking every world-th prompt (tasks
+with audio, which the engine does not serve yet, decode through that model's forward: titan_mm.eval.forward_decode);
 the engine and the gathered tensors are freed before training goes on. RNG state is put back afterwards, so a
 run with eval trains the same steps as one without.
 """
@@ -110,16 +111,11 @@ class Evaluator:
         return m
 
     # ---- generation ----
-    def engine(self):
-        """An Engine on the live weights (gathered in memory) with a pool sized for the eval prompts."""
+    def gathered_model(self):
+        """(a model of the run's family on the live weights, gathered in memory; its config for generation)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
-        from titan_mm.models.common.hf_io import local_hf_dir
-        from titan_mm.serve.config import ServeConfig
-        from titan_mm.serve.engine import Engine
-
-        run, cfg = self.run, self.cfg
+        run = self.run
         sd = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True))
         if run.ctx.pipeline is not None:  # this rank holds its stages only: the others' come from their pp ranks
             sd = run.ctx.pipeline.gather_state_dict(sd)
@@ -128,34 +124,56 @@ class Evaluator:
             model = run.spec.build(gen_cfg)
         model.load_state_dict(sd, strict=True, assign=True)  # shares the tensors (the engine casts a copy)
         model.init_buffers(run.device)
-        del sd
+        return model, gen_cfg
+
+    def tokenizer(self):
+        from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
+        from titan_mm.models.common.hf_io import local_hf_dir
+
+        cfg = self.cfg
         hf = local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None
-        tok = load_tokenizer(tokenizer_for(cfg.data.tokenizer_path, hf))
-        max_len = cfg.data.seq_len
+        return load_tokenizer(tokenizer_for(cfg.data.tokenizer_path, hf))
+
+    def engine(self, model, gen_cfg):
+        """An Engine on ``model`` (:meth:`gathered_model`) with a pool sized for the eval prompts."""
+        from titan_mm.serve.config import ServeConfig
+        from titan_mm.serve.engine import Engine
+
+        max_len = self.cfg.data.seq_len
         serve = ServeConfig(max_num_seqs=ENGINE_SEQS, max_model_len=max_len, max_num_batched_tokens=max(2048, max_len),
                             max_queue_len=1 << 20)
         serve.num_blocks = ENGINE_SEQS * -(-min(max_len, 512) // serve.block_size) + -(-max_len // serve.block_size)
-        return Engine(model, run.spec, gen_cfg, serve, tokenizer=tok, device=run.device, data=cfg.data)
+        return Engine(model, self.run.spec, gen_cfg, serve, tokenizer=self.tokenizer(), device=self.run.device,
+                      data=self.cfg.data)
 
     def generate(self) -> dict[str, float]:
+        from titan_mm.data.processors import Processor, ProcessorConfig
+        from titan_mm.eval.forward_decode import greedy_texts
         from titan_mm.serve.sampling import SamplingParams
 
         run, e = self.run, self.cfg.eval
         t0 = time.perf_counter()
-        engine = self.engine()
+        model, gen_cfg = self.gathered_model()
+        engine = self.engine(model, gen_cfg) if any(t.engine for t in self.tasks) else None
         m: dict[str, Any] = {"eval/handoff_s": time.perf_counter() - t0}
         params = SamplingParams(max_tokens=e.max_new_tokens, temperature=0.0)
         for task in self.tasks:
             mine = task.items[run.rank::run.world]
-            prompts, images = [], []
-            for it in mine:
-                ids, imgs = (engine.chat_prompt(it["messages"]) if "messages" in it else
-                             (engine.tokenizer.encode(it["prompt"]), []))
-                prompts.append(ids)
-                images.append(imgs)
-            outs = engine.generate(prompts, params, images, skip_bad=True)
-            score = sum(task.metric(o.outputs[0].text, it["reference"]) for o, it in zip(outs, mine) if o)
-            t = torch.tensor([score, sum(o is not None for o in outs), sum(o is None for o in outs)],
+            if task.engine:
+                prompts, images = [], []
+                for it in mine:
+                    ids, imgs = (engine.chat_prompt(it["messages"]) if "messages" in it else
+                                 (engine.tokenizer.encode(it["prompt"]), []))
+                    prompts.append(ids)
+                    images.append(imgs)
+                texts = [o.outputs[0].text if o else None for o in engine.generate(prompts, params, images,
+                                                                                    skip_bad=True)]
+            else:
+                proc = Processor(self.tokenizer(), ProcessorConfig(self.cfg.data, run.spec.data_needs(gen_cfg)))
+                texts = greedy_texts(model, run.spec, gen_cfg, proc, [it["messages"] for it in mine],
+                                     e.max_new_tokens, run.device)
+            score = sum(task.metric(x, it["reference"]) for x, it in zip(texts, mine) if x is not None)
+            t = torch.tensor([score, sum(x is not None for x in texts), sum(x is None for x in texts)],
                              dtype=torch.float64)
             if run.world > 1:
                 t = t.to(run.device if dist.get_backend() == "nccl" else "cpu")
@@ -165,7 +183,7 @@ class Evaluator:
             m[f"eval/{task.name}/n"] = int(n)
             if skipped:
                 m[f"eval/{task.name}/skipped"] = int(skipped)
-        del engine
+        del engine, model
         gc.collect()
         if run.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,7 +1,8 @@
 """Generation tasks: prompts with references and a metric, run through the serving engine.
 
 A task is a name from ``[eval] tasks``: ``digits`` (the built-in held-out digit images, VL families), ``qa`` (the
-built-in held-out text QA), or a JSONL file, one ``{"messages": [...], "reference": "..."}`` or
+built-in held-out text QA), ``dtmf`` / ``dtmf_digits`` (the built-in held-out key tones, alone or with a digit
+image, Omni families; the whole answer must match), or a JSONL file, one ``{"messages": [...], "reference": "..."}`` or
 ``{"prompt": "raw text", "reference": "..."}`` per line (``answer`` is read as ``reference`` too). A file is scored
 by exact match, or by ``FILE.jsonl|pkg.module:function`` with function(prediction, reference) -> float. Messages
 are rendered by the family's chat template and end with the assistant turn opened; a raw prompt is tokenized as is.
@@ -17,7 +18,10 @@ from pathlib import Path
 
 from titan_mm.config import ConfigError
 
-BUILTIN = {"digits": ("digits_test", "accuracy"), "qa": ("qa_test", "exact_match")}
+# name -> (built-in source, metric name, decoded by the serving engine; False: through the training forward,
+# titan_mm.eval.forward_decode, for media the engine does not serve yet)
+BUILTIN = {"digits": ("digits_test", "accuracy", True), "qa": ("qa_test", "exact_match", True),
+           "dtmf": ("dtmf_test", "accuracy", False), "dtmf_digits": ("dtmf_digits_test", "accuracy", False)}
 
 
 def exact_match(prediction: str, reference: str) -> float:
@@ -32,6 +36,8 @@ class Task:
     metric: Callable[[str, str], float]
     items: list[dict]
     """{"messages": [...] | "prompt": str, "reference": str}, in file order."""
+    engine: bool = True
+    """Decoded by the serving engine; False: by titan_mm.eval.forward_decode (chat prompts only)."""
 
 
 def _callable(path: str, task: str) -> Callable[[str, str], float]:
@@ -70,9 +76,12 @@ def load_task(spec: str, limit: int = 0) -> Task:
     if spec in BUILTIN:
         from titan_mm.data.builtin import builtin_records
 
-        name, metric = BUILTIN[spec]
-        items = [{"messages": r["messages"][:-1], "reference": r["answer"]} for r in builtin_records(name)]
-        task = Task(spec, metric, exact_match, items)
+        name, metric, engine = BUILTIN[spec]
+        records = builtin_records(name)
+        if limit:  # the dtmf records are made when read: take the first ``limit`` before reading them
+            records = records[:limit]
+        items = [{"messages": r["messages"][:-1], "reference": r["answer"]} for r in records]
+        task = Task(spec, metric, exact_match, items, engine)
     else:
         file, _, fn = spec.partition("|")
         path = Path(file)

@@ -47,7 +47,7 @@ from titan_mm.train.optim import supports_found_inf
 from titan_mm.train.state import TrainState
 
 # Batch keys consumed by the step / attention metadata, not passed to the model as keyword arguments.
-_NOT_MODEL_KWARGS = {"input_ids", "labels", "position_ids", "doc_ids", "cu_seqlens", "max_seqlen", "num_label_tokens"}
+NOT_MODEL_KWARGS = {"input_ids", "labels", "position_ids", "doc_ids", "cu_seqlens", "max_seqlen", "num_label_tokens"}
 
 
 @dataclass
@@ -166,7 +166,7 @@ class LossScaler:
         self.growth_tracker.fill_(sd["growth_tracker"])
 
 
-def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     out = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor) and k not in ("cu_seqlens", "max_seqlen", "num_label_tokens"):
@@ -235,8 +235,8 @@ def forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_globa
     aux_acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
     for mb in micro_batches:
         mb, attn = _prepare(mb, ctx)
-        b = _to_device(mb, ctx.device)
-        extra = {k: v for k, v in b.items() if k not in _NOT_MODEL_KWARGS}
+        b = to_device(mb, ctx.device)
+        extra = {k: v for k, v in b.items() if k not in NOT_MODEL_KWARGS}
         out = model(b["input_ids"], position_ids=b.get("position_ids"), attn=attn, labels=b["labels"], **extra)
         if out.loss_sum is None:
             raise RuntimeError("the model returned loss_sum=None although labels were given (see ModelOutput contract)")
@@ -266,8 +266,8 @@ def eval_loss_sums(model, micro_batches: list[dict], ctx: StepContext) -> tuple[
         else:
             for mb in micro_batches:
                 mb, attn = _prepare(mb, ctx)
-                b = _to_device(mb, ctx.device)
-                extra = {k: v for k, v in b.items() if k not in _NOT_MODEL_KWARGS}
+                b = to_device(mb, ctx.device)
+                extra = {k: v for k, v in b.items() if k not in NOT_MODEL_KWARGS}
                 out = model(b["input_ids"], position_ids=b.get("position_ids"), attn=attn, labels=b["labels"],
                             **extra)
                 loss_acc += out.loss_sum.float()
@@ -293,7 +293,7 @@ def _pp_micros(micro_batches: list[dict], ctx: StepContext) -> list:
     micros = []
     for mb in micro_batches:
         mb, attn = _prepare(mb, ctx)
-        micros.append(ctx.pipeline.micro(_to_device(mb, ctx.device), attn, _NOT_MODEL_KWARGS))
+        micros.append(ctx.pipeline.micro(to_device(mb, ctx.device), attn, NOT_MODEL_KWARGS))
     return micros
 
 
