@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from titan_mm.models.qwen2_5_omni.audio import conv_lengths
-from titan_mm.models.qwen2_5_omni.config import AudioConfig, Qwen2_5OmniConfig
+from titan_mm.models.qwen2_5_omni.config import AudioConfig
 from titan_mm.models.qwen2_5_vl import flops as vl_flops
 from titan_mm.models.qwen3 import flops as qwen3_flops
 
@@ -33,19 +33,24 @@ def audio_flops(acfg: AudioConfig, audio_feature_lengths) -> float:
     return 6.0 * mm + 12.0 * acfg.encoder_layers * D * float((tok.astype(np.float64) ** 2).sum())
 
 
-def flops_breakdown(cfg: Qwen2_5OmniConfig, doc_lens, image_grid_thw=None, video_grid_thw=None,
-                    audio_feature_lengths=None) -> dict:
-    """{"llm", "vision", "audio", "total"} training FLOPs of one batch."""
-    out = vl_flops.flops_breakdown(cfg, doc_lens, image_grid_thw, video_grid_thw)
-    audio = audio_flops(cfg.audio, audio_feature_lengths)
-    return {**out, "audio": audio, "total": out["total"] + audio}
+def thinker_flops(vl_breakdown, audio_flops):
+    """(flops_breakdown, flops) of an Omni thinker: its vision-language model's FLOPs plus its audio encoder's."""
+
+    def flops_breakdown(cfg, doc_lens, image_grid_thw=None, video_grid_thw=None, audio_feature_lengths=None) -> dict:
+        """{"llm", "vision", "audio", "total"} training FLOPs of one batch."""
+        out = vl_breakdown(cfg, doc_lens, image_grid_thw, video_grid_thw)
+        audio = audio_flops(cfg.audio, audio_feature_lengths)
+        return {**out, "audio": audio, "total": out["total"] + audio}
+
+    def flops(cfg, doc_lens, image_grid_thw=None, video_grid_thw=None, audio_feature_lengths=None) -> float:
+        """Total training FLOPs (LLM + ViT + audio encoder); ``doc_lens`` may also be a batch dict."""
+        if isinstance(doc_lens, dict):
+            b = doc_lens
+            return flops_breakdown(cfg, qwen3_flops.doc_lens_from_batch(b), b.get("image_grid_thw"),
+                                   b.get("video_grid_thw"), b.get("audio_feature_lengths"))["total"]
+        return flops_breakdown(cfg, doc_lens, image_grid_thw, video_grid_thw, audio_feature_lengths)["total"]
+
+    return flops_breakdown, flops
 
 
-def flops(cfg: Qwen2_5OmniConfig, doc_lens, image_grid_thw=None, video_grid_thw=None,
-          audio_feature_lengths=None) -> float:
-    """Total training FLOPs (LLM + ViT + audio encoder); ``doc_lens`` may also be a batch dict."""
-    if isinstance(doc_lens, dict):
-        b = doc_lens
-        return flops_breakdown(cfg, qwen3_flops.doc_lens_from_batch(b), b.get("image_grid_thw"),
-                               b.get("video_grid_thw"), b.get("audio_feature_lengths"))["total"]
-    return flops_breakdown(cfg, doc_lens, image_grid_thw, video_grid_thw, audio_feature_lengths)["total"]
+flops_breakdown, flops = thinker_flops(vl_flops.flops_breakdown, audio_flops)

@@ -17,7 +17,11 @@ AUDIO_BLOCKS = ("audio_tower.blocks.?", "audio_tower.blocks.??")
 
 
 def plan(cfg: Qwen2_5OmniConfig) -> ParallelizePlan:
-    p = vl_plan.plan(cfg)
+    return with_audio_tower(vl_plan.plan(cfg))
+
+
+def with_audio_tower(p: ParallelizePlan) -> ParallelizePlan:
+    """A vision-language plan plus the audio encoder's units and encoder-TP entries (both Omni thinkers)."""
     audio_tp = {
         "audio_tower.blocks.*.self_attn.q_proj": "colwise",
         "audio_tower.blocks.*.self_attn.k_proj": "colwise",

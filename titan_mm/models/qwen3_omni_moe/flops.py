@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from titan_mm.models.qwen3 import flops as qwen3_flops
+from titan_mm.models.qwen2_5_omni.flops import thinker_flops
 from titan_mm.models.qwen3_omni_moe.audio import build_audio_meta
-from titan_mm.models.qwen3_omni_moe.config import AudioConfig, Qwen3OmniMoeConfig
+from titan_mm.models.qwen3_omni_moe.config import AudioConfig
 from titan_mm.models.qwen3_vl import flops as vl_flops
 
 
@@ -41,19 +41,4 @@ def audio_flops(acfg: AudioConfig, audio_feature_lengths) -> float:
     return 6.0 * mm + 12.0 * acfg.encoder_layers * D * float((seg**2).sum())
 
 
-def flops_breakdown(cfg: Qwen3OmniMoeConfig, doc_lens, image_grid_thw=None, video_grid_thw=None,
-                    audio_feature_lengths=None) -> dict:
-    """{"llm", "vision", "audio", "total"} training FLOPs of one batch."""
-    out = vl_flops.flops_breakdown(cfg, doc_lens, image_grid_thw, video_grid_thw)
-    audio = audio_flops(cfg.audio, audio_feature_lengths)
-    return {**out, "audio": audio, "total": out["total"] + audio}
-
-
-def flops(cfg: Qwen3OmniMoeConfig, doc_lens, image_grid_thw=None, video_grid_thw=None,
-          audio_feature_lengths=None) -> float:
-    """Total training FLOPs (LLM + ViT + audio encoder); ``doc_lens`` may also be a batch dict."""
-    if isinstance(doc_lens, dict):
-        b = doc_lens
-        return flops_breakdown(cfg, qwen3_flops.doc_lens_from_batch(b), b.get("image_grid_thw"),
-                               b.get("video_grid_thw"), b.get("audio_feature_lengths"))["total"]
-    return flops_breakdown(cfg, doc_lens, image_grid_thw, video_grid_thw, audio_feature_lengths)["total"]
+flops_breakdown, flops = thinker_flops(vl_flops.flops_breakdown, audio_flops)

@@ -8,25 +8,11 @@ their FSDP collectives always match."""
 
 from __future__ import annotations
 
-import dataclasses
-
+from titan_mm.models.qwen2_5_omni.plan import with_audio_tower
 from titan_mm.models.qwen3_omni_moe.config import Qwen3OmniMoeConfig
 from titan_mm.models.qwen3_vl import plan as vl_plan
 from titan_mm.parallel.plan import ParallelizePlan
 
-AUDIO_BLOCKS = ("audio_tower.blocks.?", "audio_tower.blocks.??")
-
 
 def plan(cfg: Qwen3OmniMoeConfig) -> ParallelizePlan:
-    p = vl_plan.plan(cfg)
-    audio_tp = {
-        "audio_tower.blocks.*.self_attn.q_proj": "colwise",
-        "audio_tower.blocks.*.self_attn.k_proj": "colwise",
-        "audio_tower.blocks.*.self_attn.v_proj": "colwise",
-        "audio_tower.blocks.*.self_attn.out_proj": "rowwise",
-        "audio_tower.blocks.*.fc1": "colwise",
-        "audio_tower.blocks.*.fc2": "rowwise",
-    }
-    return dataclasses.replace(p, fsdp_units=AUDIO_BLOCKS + p.fsdp_units, ac_units=AUDIO_BLOCKS + p.ac_units,
-                               compile_units=AUDIO_BLOCKS + p.compile_units, encoder_tp={**p.encoder_tp, **audio_tp},
-                               pp_first=("audio_tower",) + p.pp_first)
+    return with_audio_tower(vl_plan.plan(cfg))
