@@ -123,6 +123,19 @@ def read_safetensors(hf_dir: str | os.PathLike, names: Iterable[str] | None = No
     return out
 
 
+def read_thinker(hf_dir: str | os.PathLike, other_parts: tuple[str, ...], log) -> dict[str, torch.Tensor]:
+    """The thinker's tensors of an Omni folder, thinker-only or a full checkpoint (``thinker.`` stripped); the
+    speech parts' tensors (names starting with ``other_parts``) are skipped and listed in one ``log`` line."""
+    names = list(safetensors_files(hf_dir))
+    skipped = [k for k in names if k.startswith(other_parts)]
+    if skipped:
+        prefixes = sorted({p for p in other_parts if any(k.startswith(p) for k in skipped)})
+        log.info("%s: skipped %d tensors of the Omni speech parts (%s*): only the thinker is loaded", hf_dir,
+                 len(skipped), "*, ".join(prefixes))
+    keep = [k for k in names if not k.startswith(other_parts)]
+    return {k.removeprefix("thinker."): v for k, v in read_safetensors(hf_dir, keep).items()}
+
+
 def safetensors_shapes(hf_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """tensor name -> shape without reading the data."""
     from safetensors import safe_open

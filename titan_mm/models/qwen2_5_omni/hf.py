@@ -87,15 +87,7 @@ def read_hf_state_dict(hf_dir: str | os.PathLike, cfg: Qwen2_5OmniConfig) -> dic
         raise hf_io.HFCheckpointError(f"{hf_dir}/config.json has model_type={mt!r} but the model is a Qwen2.5-Omni "
                                       f"thinker ({MODEL_TYPE!r} or {FULL_MODEL_TYPE!r}); use the registry entry for it "
                                       "(spec_for_hf_dir).")
-    names = list(hf_io.safetensors_files(hf_dir))
-    skipped = [k for k in names if k.startswith(_OTHER_PARTS)]
-    if skipped:
-        prefixes = sorted({p for p in _OTHER_PARTS if any(k.startswith(p) for k in skipped)})
-        logger.info("%s: skipped %d tensors of the Omni speech parts (%s*): only the thinker is loaded", hf_dir,
-                    len(skipped), "*, ".join(prefixes))
-    keep = [k for k in names if not k.startswith(_OTHER_PARTS)]
-    sd = {k.removeprefix("thinker."): v for k, v in hf_io.read_safetensors(hf_dir, keep).items()}
-    sd = hf_to_titan(sd, cfg)
+    sd = hf_to_titan(hf_io.read_thinker(hf_dir, _OTHER_PARTS, logger), cfg)
     hf_io.check_tensors({k: tuple(v.shape) for k, v in sd.items()}, expected_titan_shapes(cfg), str(hf_dir),
                         describe=describe,
                         hint="check that config.json matches the weights (same flavor, tie_word_embeddings, vision "
