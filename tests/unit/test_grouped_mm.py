@@ -5,30 +5,15 @@ with no rows, partial tiles, fp32 (IEEE) and fp16. On CUDA the same kernel runs 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+
+from tests.triton_interp import run_interpreted
 
 from titan_mm.kernels import grouped_mm
 
 _INTERP = r"""
 import torch
-import triton.runtime.interpreter as interp
-
-# Triton 3.6's interpreter turns a loaded scalar (a 1-element array there) into a loop bound with int(), which
-# numpy >= 2.3 refuses; the weight-gradient kernel loops to each expert's own row count, so it needs it
-_patch = interp._patch_lang_tensor
-
-
-def _patched(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-interp._patch_lang_tensor = _patched
 from titan_mm.kernels import grouped_mm
 from titan_mm.models.common.moe import grouped_linear
 
@@ -53,9 +38,7 @@ print("BAD" if bad else "OK", bad)
 
 
 def test_triton_grouped_mm_matches_the_loop_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _INTERP], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.startswith("OK"), out.stdout + out.stderr[-3000:]
+    run_interpreted(_INTERP)
 
 
 def test_bad_shapes_are_one_line():

@@ -8,11 +8,9 @@ tests/gpu/test_paged_decode_gpu.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import torch
+
+from tests.triton_interp import run_interpreted
 
 from titan_mm.kernels import paged_decode_attention
 from titan_mm.models.common.attention import attention, build_attn_meta
@@ -58,19 +56,6 @@ def test_prefill_steps_keep_the_gather_path():
 
 _INTERP = r"""
 import torch
-import triton.runtime.interpreter as interp
-
-# Triton 3.6's interpreter turns a loaded scalar (a 1-element array there) into a loop bound with int(), which
-# numpy >= 2.3 refuses; the kernel's loops run to each sequence's own length, so they need it
-_patch = interp._patch_lang_tensor
-
-
-def _patched(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-interp._patch_lang_tensor = _patched
 from titan_mm.kernels.paged_decode import paged_decode
 from titan_mm.models.common.kv_cache import paged_decode_reference
 torch.manual_seed(0)
@@ -94,6 +79,4 @@ print("BAD" if bad else "OK", bad)
 
 
 def test_triton_kernel_matches_the_reference_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _INTERP], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.startswith("OK"), out.stdout + out.stderr[-3000:]
+    run_interpreted(_INTERP)
