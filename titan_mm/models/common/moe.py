@@ -52,7 +52,7 @@ def grouped_swiglu(
         return torch._grouped_mm(F.silu(h1) * h3, w2.transpose(-2, -1), offs=offs).to(x_AD.dtype)
     from titan_mm.kernels import grouped_mm, use_triton  # imported here: titan_mm.kernels imports this module
 
-    if use_triton(x_AD, w1_EFD):
+    if x_AD.is_cuda and use_triton(x_AD, w1_EFD):  # not in the CPU interpreter: the loop is its reference
         h = F.silu(grouped_mm(x_AD, w1_EFD, counts_E)) * grouped_mm(x_AD, w3_EFD, counts_E)
         return grouped_mm(h, w2_EDF, counts_E)
     # CPU: a loop over experts; reads the group sizes on the host
