@@ -1,4 +1,4 @@
-"""titan_mm.kernels.grouped_mm (the MoE experts' grouped GEMM without host syncs, for dtypes torch._grouped_mm
+"""titan_mm.kernels.grouped_mm (kernels/grouped_gemm.py: the MoE experts' grouped GEMM without host syncs, for dtypes torch._grouped_mm
 lacks on CUDA) equals the loop over experts, forward and both gradients, through TRITON_INTERPRET=1: experts
 with no rows, partial tiles, fp32 (IEEE) and fp16. On CUDA the same kernel runs for fp32 / fp16 MoE
 (tests/gpu/test_qwen3_gpu.py checks the forward for host syncs)."""
@@ -44,3 +44,17 @@ def test_triton_grouped_mm_matches_the_loop_in_the_interpreter():
 def test_bad_shapes_are_one_line():
     with pytest.raises(ValueError, match="must agree on K and E"):
         grouped_mm(torch.zeros(4, 8), torch.zeros(2, 3, 7), torch.tensor([2, 2]))
+
+
+def test_kernel_submodules_do_not_shadow_the_public_functions():
+    # a lazily imported submodule named like a public function replaces it on the package (the H200 caught
+    # `grouped_mm` turning into a module after its first call)
+    import importlib
+    import pkgutil
+
+    import titan_mm.kernels as kernels
+
+    for m in pkgutil.iter_modules(kernels.__path__):
+        importlib.import_module(f"titan_mm.kernels.{m.name}")
+    shadowed = [n for n in kernels.__all__ if type(getattr(kernels, n)).__name__ == "module"]
+    assert not shadowed, f"titan_mm.kernels.{shadowed} are modules, not the functions __all__ promises"

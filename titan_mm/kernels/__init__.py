@@ -242,7 +242,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts_E: torch.Tensor) -> torc
         raise ValueError(f"grouped_mm: x [A, K] = {list(x.shape)}, w [E, N, K] = {list(w.shape)} and counts [E] = "
                          f"{list(counts_E.shape)} must agree on K and E")
     if use_triton(x, w):
-        from .grouped_mm import GroupedMMFunction
+        from .grouped_gemm import GroupedMMFunction
 
         return GroupedMMFunction.apply(x, w, counts_E)
     return _grouped_linear_ref(x, w.to(x.dtype), counts_E)
