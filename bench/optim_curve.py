@@ -2,7 +2,7 @@
 optimizer.name differs (Muon's matrices take the AdamW lr through Moonlight's 0.2 * sqrt(max(A, B)) scale, so one
 lr serves both); the loss of every step from each run's metrics.jsonl.
 
-    PYTHONPATH=$PWD python3 bench/optim_curve.py --out $OUT/optim_curve.json      # H200: Qwen3-1.7B shape, 8 layers
+    PYTHONPATH=$PWD python3 bench/optim_curve.py --out $OUT/optim_curve.json      # H200: Qwen3-1.7B shape, 4 layers (~3 min)
     PYTHONPATH=$PWD python3 bench/optim_curve.py --cpu                            # debug_qwen3 on the CPU, 200 steps
     PYTHONPATH=$PWD python3 bench/optim_curve.py --cpu --steps 6 --out /tmp/c.json  # smoke test
     python3 bench/optim_curve.py --plot bench/results/optim_curve.json            # docs/optim_curve.png + table
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="qwen3_1.7b")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--layers", type=int, default=8, help="decoder layers kept (the recipe's widths)")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers kept (the recipe's widths)")
     ap.add_argument("--rows", type=int, default=4, help="global batch rows (of data.seq_len tokens)")
     ap.add_argument("--cpu", action="store_true", help="debug_qwen3 (its own batch) on the CPU")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "optim_curve.json"))
