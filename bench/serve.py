@@ -67,19 +67,21 @@ PARTS = tuple(EXPECT_S)
 _MODELS: dict = {}
 
 
-def random_model(spec, flavor: str, device, seed: int) -> torch.nn.Module:
-    """The flavor with seeded random weights, built once per (flavor, seed) and shared by the parts (fp32 until an
-    engine casts it to its dtype in place)."""
-    if (flavor, seed) in _MODELS:
-        return _MODELS[flavor, seed]
+def random_model(spec, flavor: str, device, seed: int, kernels: bool = False) -> torch.nn.Module:
+    """The flavor with seeded random weights, built once per (flavor, seed, kernels) and shared by the parts (fp32
+    until an engine casts it to its dtype in place). ``kernels``: the fused titan_mm.kernels ops, as the engine's
+    from_pretrained serves a model on CUDA (serve.kernels); the weights are the same either way."""
+    if (flavor, seed, kernels) in _MODELS:
+        return _MODELS[flavor, seed, kernels]
     cfg = spec.flavor(flavor)
+    cfg = spec.with_runtime(cfg, attn_backend=cfg.attn_backend, kernels=kernels)
     with torch.device("meta"):
         model = spec.build(cfg)
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
-    _MODELS[flavor, seed] = model
+    _MODELS[flavor, seed, kernels] = model
     return model
 
 
@@ -296,7 +298,7 @@ def titan_vs_hf(spec, flavor, prompts, news, device, shape, cap_s, cpu, seed) ->
     from bench.peers import hf_twin
 
     cfg = spec.flavor(flavor)
-    model = random_model(spec, flavor, device, seed)
+    model = random_model(spec, flavor, device, seed, shape["kernels"])
     out: dict = {}
 
     def titan():
@@ -374,7 +376,7 @@ def part_B(spec, shape, device, cap_s, cpu, seed, vocab) -> dict:
     prefix = random_ids(g, s["prefix"], vocab)
     prompts = [prefix + random_ids(g, n, vocab) for n in uniform(g, s["n"], s["lo"], s["hi"])]
     news = [s["new"]] * s["n"]
-    model = random_model(spec, flavor, device, seed)
+    model = random_model(spec, flavor, device, seed, shape["kernels"])
     res = {"flavor": flavor, "requests": s["n"], "prefix": s["prefix"], "suffix": [s["lo"], s["hi"]], "new": s["new"]}
     for on in (False, True):
         engine = titan_engine(model, spec, cfg, prompts, news, device, shape, enable_prefix_caching=on)
@@ -396,14 +398,14 @@ def part_C(spec, shape, device, cap_s, cpu, seed, vocab) -> dict:
                for _ in range(s["n"])]
     news = [s["new"]] * s["n"]
     cfg, dcfg = spec.flavor(target), spec.flavor(draft)
-    model = random_model(spec, target, device, seed)
+    model = random_model(spec, target, device, seed, shape["kernels"])
     res = {"target": target, "draft_flavor": draft, "requests": s["n"], "prompt": s["prompt"], "snippet": s["snippet"],
            "new": s["new"], "num_speculative_tokens": 4}
     runs = {"off": {}, "ngram": dict(speculative_method="ngram"), "draft": dict(speculative_method="draft")}
     for name, kw in runs.items():
         def one():
             # the same flavor: the target itself drafts (every guess kept, the path's check); else another model
-            d = (random_model(spec, draft, device, seed), spec, dcfg) if name == "draft" else None
+            d = (random_model(spec, draft, device, seed, shape["kernels"]), spec, dcfg) if name == "draft" else None
             engine = titan_engine(model, spec, cfg, prompts, news, device, shape, draft=d, **kw)
             return run_titan(engine, prompts, news, cap_s, vocab)
 
@@ -519,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cap_s", type=float, default=0.0, help="stop each engine run after this long (default 50; "
                     "--cpu 30); tokens made so far count")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kernels", type=int, default=1, help="1: titan's models run the fused titan_mm.kernels ops "
+                    "(what Engine.from_pretrained serves on CUDA); 0: the plain PyTorch ops")
     ap.add_argument("--out", default=str(ROOT / "bench/results/serve.json"))
     ap.add_argument("--table", metavar="JSON", help="print the markdown tables of a results file and stop")
     a = ap.parse_args(argv)
@@ -532,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = dict(SHAPES["cpu" if a.cpu else "gpu"])
     if a.flavors:
         shape["flavors"] = tuple(a.flavors.split(","))
+    shape["kernels"] = bool(a.kernels)
     parts = a.parts.split(",")
     bad = [p for p in parts if p not in RUN]
     if bad:

@@ -37,17 +37,60 @@ def timed(obj, name: str, acc: dict, device) -> None:
     setattr(obj, name, wrapper)
 
 
+def launch_floor(device, n: int = 1000, reps: int = 20) -> float:
+    """Microseconds per kernel of a replayed CUDA graph of ``n`` one-element adds: the least a decode step's
+    kernel costs, whatever it computes (the floor under batch-1 TPOT = kernels per step x this)."""
+    x = torch.zeros(1, device=device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            x.add_(1)
+    g.replay()
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t) / reps / n * 1e6
+
+
+def batch1_kernels(spec, cfg, model, device, shape, vocab, steps: int = 20) -> dict:
+    """One 512-token request decoding alone: kernels launched and GPU busy time per decode step (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from titan_mm.serve.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    prompt = [sb.random_ids(g, 512, vocab)]
+    engine = sb.titan_engine(model, spec, cfg, prompt, [steps + 8], device, shape)
+    engine.add_request("b1", prompt[0], SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(4):  # the prefill and a few decode steps
+        engine.step()
+    sb.sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sb.sync(device)
+        wall = (time.perf_counter() - t) / steps
+    kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kern) / steps  # us
+    return dict(kernels_per_step=round(len(kern) / steps, 1), gpu_busy_us_per_step=round(busy, 1),
+                wall_ms_per_step=round(wall * 1e3, 3))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--flavor", default="")
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--kernels", type=int, default=1, help="the fused titan_mm.kernels ops (as bench/serve.py)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     from titan_mm.registry import get_model_spec
 
     device = torch.device("cpu" if a.cpu else "cuda")
-    shape = sb.SHAPES["cpu" if a.cpu else "gpu"]
+    shape = dict(sb.SHAPES["cpu" if a.cpu else "gpu"], kernels=bool(a.kernels))
     flavor = a.flavor or shape["flavors"][0]
     spec = get_model_spec("qwen3")
     cfg = spec.flavor(flavor)
@@ -56,7 +99,7 @@ def main(argv=None) -> int:
     vocab = sb.text_vocab()
     plens, news = sb.uniform(g, s["n"], s["lo"], s["hi"]), sb.uniform(g, s["n"], s["lo"], s["hi"])
     prompts = [sb.random_ids(g, n, vocab) for n in plens]
-    model = sb.random_model(spec, flavor, device, 0)
+    model = sb.random_model(spec, flavor, device, 0, shape["kernels"])
     engine = sb.titan_engine(model, spec, cfg, prompts, news, device, shape)
     from titan_mm.serve.sampling import SamplingParams
 
@@ -83,8 +126,11 @@ def main(argv=None) -> int:
                          tokens=sum(len(o.outputs[0].new_token_ids) for o in outs),
                          **{k: round((acc[k] - before.get(k, 0.0)) * 1e3, 2) for k in acc}))
         print(json.dumps(rows[-1]), flush=True)
-    trace = None
+    trace = floor = b1 = None
     if not a.cpu:
+        floor = round(launch_floor(device), 3)
+        b1 = batch1_kernels(spec, cfg, model, device, shape, vocab)
+        print(json.dumps(dict(launch_floor_us=floor, batch1=b1)), flush=True)
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -95,7 +141,8 @@ def main(argv=None) -> int:
         print(trace)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     if a.out:
-        Path(a.out).write_text(json.dumps(dict(flavor=flavor, rows=rows, trace=trace), indent=1))
+        Path(a.out).write_text(json.dumps(dict(flavor=flavor, kernels=shape["kernels"], launch_floor_us=floor,
+                                               batch1=b1, rows=rows, trace=trace), indent=1))
     return 0
 
 

@@ -14,7 +14,8 @@ import copy
 import pytest
 import torch
 
-from tests.parity.test_serve_generate import CASES, MAX_NEW, draft_model, text_setup, vl_setup
+from tests.parity._qwen3_helpers import titan_twin
+from tests.parity.test_serve_generate import CASES, MAX_NEW, draft_model, text_reference, text_setup, vl_setup
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.engine import Engine
 from titan_mm.serve.sampling import SamplingParams
@@ -85,19 +86,24 @@ def test_pool_from_memory_fits_the_utilization():
     assert total - free <= 0.05 * total + 512 * 2**20  # the allocator's slack
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch_ops", "kernels"])
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
-def test_cuda_graph_decode_equals_eager(moe):
-    """bf16 greedy tokens with decode steps replayed from CUDA graphs equal the eager engine's (the same kernels;
-    pad rows of each captured size write to the scratch block only)."""
+def test_cuda_graph_decode_equals_eager(moe, kernels):
+    """bf16 greedy tokens with decode steps replayed from CUDA graphs (every size captured at start-up) equal the
+    eager engine's (the same kernels; pad rows of each captured size write to the scratch block only), with the
+    model's plain ops and with the fused titan_mm.kernels ops that from_pretrained serves with."""
     tm, spec, prompts, _, eos, _, data = text_setup(moe)
+    if kernels:
+        tm = titan_twin(text_reference(moe)[0], kernels=True)
     outs = []
     for graphs in (False, True):
         engine = Engine(copy.deepcopy(tm), spec, tm.cfg, ServeConfig(max_model_len=256, num_blocks=64,
                                                                      cuda_graphs=graphs),
                         device="cuda", eos_token_ids=[eos], data=data)
         assert engine.runner.graphs == graphs
+        assert all((st.graph is not None) == graphs for st in engine.runner._decode.values())
+        if graphs:
+            assert sorted(engine.runner._decode) == engine.runner.sizes
         outs.append(drive(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), None, check=False))
         assert engine.stats()["kv_blocks_used"] == 0
-        if graphs:
-            assert any(st.graph is not None for st in engine.runner._decode.values())
     assert outs[0] == outs[1]

@@ -22,8 +22,12 @@ class ServeConfig:
     """One-token decode steps read the keys in place from the pool (titan_mm.kernels.paged_decode_attention:
     Triton on CUDA, its PyTorch reference elsewhere); false: they gather every cached key first, as prefill does."""
     cuda_graphs: bool = True
-    """Decode steps replay a CUDA graph captured per padded batch size on its first use (CUDA, bf16, with
-    paged_decode; elsewhere they run eagerly through the same static buffers)."""
+    """Decode steps replay a CUDA graph per padded batch size, all captured when the engine starts (CUDA, bf16,
+    with paged_decode; elsewhere they run eagerly through the same static buffers)."""
+    kernels: bool = True
+    """Models loaded by the engine (from_pretrained) run the fused titan_mm.kernels ops (RMSNorm, residual add +
+    RMSNorm, RoPE, SwiGLU: one Triton kernel each instead of several elementwise ones) on CUDA; on CPU they keep
+    the PyTorch ops. A model passed to Engine() keeps the ops it was built with (its config's kernels)."""
     max_num_seqs: int = 64
     """Most sequences decoded together in one step (n > 1 and beam search count every sequence)."""
     max_num_batched_tokens: int = 2048

@@ -127,6 +127,8 @@ class Engine:
         self.proposer = None
         if self.draft is not None:  # its own pool, the target's block layout and tables
             self.proposer = DraftProposer(ModelRunner(*self.draft, self.device, self.dtype, **runner))
+        for r in [self.runner] + ([self.proposer.runner] if self.proposer is not None else []):
+            r.capture_graphs()  # at start-up, as vLLM does: no request waits for a capture
         if cfg.speculative_method:
             self.scheduler.lookahead = self._lookahead
         self._guesses: dict[int, list[int]] = {}
@@ -153,11 +155,11 @@ class Engine:
         shard = None
         if cfg.tensor_parallel_size > 1:  # each rank builds on meta and reads only its shards
             shard = tensor_parallel(cfg.tensor_parallel_size, device.type).shard
-        model, spec, model_cfg, data, tok, eos = load_model(path, device, shard)
+        model, spec, model_cfg, data, tok, eos = load_model(path, device, shard, cfg.kernels)
         if cfg.speculative_method == "draft" and "draft" not in kw:
             if not cfg.draft_model:
                 raise ConfigError("serve.speculative_method='draft' needs serve.draft_model (an HF folder or a run)")
-            d_model, d_spec, d_cfg, *_ = load_model(cfg.draft_model, device, shard)
+            d_model, d_spec, d_cfg, *_ = load_model(cfg.draft_model, device, shard, cfg.kernels)
             kw["draft"] = (d_model, d_spec, d_cfg)
         kw.setdefault("eos_token_ids", eos)
         return cls(model, spec, model_cfg, cfg, tokenizer=tok, device=device, data=data, **kw)

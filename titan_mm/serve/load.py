@@ -11,10 +11,11 @@ import torch
 from titan_mm.config import ConfigError, Data
 
 
-def load_model(path: str | os.PathLike, device: torch.device, shard=None):
+def load_model(path: str | os.PathLike, device: torch.device, shard=None, kernels: bool = False):
     """(model, spec, config, [data], tokenizer, EOS ids or None) of an HF folder or a titan_mm run / checkpoint.
     ``shard(model, spec, config)``: tensor parallel (titan_mm.serve.tp), applied to the meta-built model of an HF
-    folder, so that each rank materialises and reads only its shards; a run / checkpoint loads whole first."""
+    folder, so that each rank materialises and reads only its shards; a run / checkpoint loads whole first.
+    ``kernels``: an HF folder's model runs the fused titan_mm.kernels ops on CUDA (a run keeps its recipe's)."""
     from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
 
     p = Path(path)
@@ -22,7 +23,8 @@ def load_model(path: str | os.PathLike, device: torch.device, shard=None):
         from titan_mm.registry import spec_for_hf_dir
 
         spec = spec_for_hf_dir(str(p))
-        model_cfg = spec.with_runtime(spec.config_from_hf(str(p)), attn_backend="sdpa", kernels=False)
+        model_cfg = spec.with_runtime(spec.config_from_hf(str(p)), attn_backend="sdpa",
+                                      kernels=kernels and device.type == "cuda")
         with torch.device("meta"):
             model = spec.build(model_cfg)
         if shard is not None:

@@ -9,7 +9,8 @@ A step's one-token rows (decode, and one-token prefill chunks without media) run
 long prefill chunk never pads hundreds of decode rows to its length. With the paged decode kernel they run as a
 *decode step*: padded to the next of a fixed set of batch sizes, their inputs written into static device buffers
 (pad rows write their k/v to a scratch block no sequence owns), and on CUDA replayed from a graph captured per
-size on its first use, which removes the step's hundreds of kernel launches from the host's critical path.
+size when the engine starts, which removes the step's hundreds of kernel launches from the host's critical
+path.
 """
 
 from __future__ import annotations
@@ -166,15 +167,16 @@ class ModelRunner:
 
     # ---- decode steps: static buffers, CUDA graphs ----
     @torch.inference_mode()
-    def decode(self, rows: list[Row]) -> torch.Tensor:
-        """One token per row through the paged kernel, the rows padded to the next decode size; -> [len(rows), V]."""
+    def decode(self, rows: list[Row], B: int = 0) -> torch.Tensor:
+        """One token per row through the paged kernel, the rows padded to the next decode size (or to ``B``);
+        -> [len(rows), V]."""
         n = len(rows)
-        B = next((s for s in self.sizes if s >= n), n)
+        B = B or next((s for s in self.sizes if s >= n), n)
         st = self._decode_step(B)
-        width = max(len(r.seq.table.blocks) for r in rows)
-        tables = torch.full((B, width), self.scratch_block, dtype=torch.long)
-        for i, r in enumerate(rows):
-            tables[i, : len(r.seq.table.blocks)] = torch.tensor(r.seq.table.blocks)
+        width = max((len(r.seq.table.blocks) for r in rows), default=1)
+        pad = self.scratch_block
+        tables = torch.tensor([r.seq.table.blocks + [pad] * (width - len(r.seq.table.blocks)) for r in rows]
+                              + [[pad] * width] * (B - n), dtype=torch.long)
         cached = [r.start for r in rows] + [0] * (B - n)
         plan_step(self.cache, [1] * B, cached_lens=cached, block_tables=tables, sliding_window=self.window, width=1,
                   decode_attention=self.decode_attention, into=st.step, state_slots=self._slots(rows, B))
@@ -190,6 +192,15 @@ class ModelRunner:
             with torch.cuda.graph(st.graph, pool=self._pool()):
                 st.out = self._model_step(st.inputs)
         return logits[:n]
+
+    def capture_graphs(self) -> None:
+        """Capture every decode size's graph now (largest first, so the sizes share one pool's blocks), from
+        steps of pad rows only, so that serving never pays a capture; a no-op without CUDA graphs."""
+        if self.graphs:
+            for B in reversed(self.sizes):
+                if self._decode_step(B).graph is None:
+                    self.decode([], B)
+            torch.cuda.synchronize(self.device)
 
     def _pool(self):
         if self._static.get("pool") is None:
