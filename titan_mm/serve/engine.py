@@ -606,8 +606,8 @@ class Engine:
                 comps = [CompletionOutput(0, [], "", [], "", None, "abort", 0.0)]
             return comps
         best = sorted(req.seqs, key=lambda s: -s.cum_logprob)[: p.n]
-        return [CompletionOutput(i, s.output, s.text, s.output, s.text, list(s.logprobs) or None, s.finish_reason,
-                                 s.cum_logprob) for i, s in enumerate(best)]
+        return [CompletionOutput(i, list(s.output), s.text, list(s.output), s.text, list(s.logprobs) or None,
+                                 s.finish_reason, s.cum_logprob) for i, s in enumerate(best)]
 
     # ---- offline ----
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

@@ -65,10 +65,16 @@ class Sequence:
     """Beam search: the logprobs [V] at the end of this beam, waiting for the other beams of the step."""
     state_slot: int | None = None
     """Linear-attention families: the sequence's slot of the state pool while it runs (None: none taken)."""
+    _output: list[int] = field(default_factory=list, repr=False)
 
     @property
     def output(self) -> list[int]:
-        return self.tokens[self.num_prompt:]
+        """The generated tokens: one list, extended as ``tokens`` grows (tokens are only appended), so a step
+        costs O(new tokens), not a slice of the whole output per use. Read it; never mutate it."""
+        o, n = self._output, len(self.tokens) - self.num_prompt
+        if len(o) != n:
+            o.extend(self.tokens[self.num_prompt + len(o):])
+        return o
 
     @property
     def finished(self) -> bool:
