@@ -115,8 +115,7 @@ class ModelRunner:
                                        dims.head_dim, dtype, device, state=state)
         self.scratch_block = num_blocks
         self.max_table = -(-max(max_model_len, block_size) // block_size) + 1  # + a lookahead block
-        # bf16 only: the step shown sync-free on the GPU (fp32 / fp16 MoE now take the Triton grouped GEMM,
-        # titan_mm.kernels.grouped_mm, whose GPU no-sync check is pending)
+        # bf16 only: the serving dtype; fp32 runs eagerly (its steps are checked sync-free too, on the H200)
         self.graphs = cuda_graphs and device.type == "cuda" and paged_decode and dtype == torch.bfloat16
         self._decode: dict[int, _DecodeStep] = {}
         self._static: dict | None = None
