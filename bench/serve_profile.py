@@ -3,6 +3,7 @@ each phase of ``Engine._step_at`` timed behind a device sync, then a torch.profi
 
     source scripts/gpu_setup.sh && python3 bench/serve_profile.py --out $OUT/serve_profile.json
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python bench/serve_profile.py --cpu          # smoke, tiny model
+    PYTHONPATH=$PWD python bench/serve_profile.py --host --out bench/results/serve_host_cpu.json  # host side, CPU
 """
 
 from __future__ import annotations
@@ -79,14 +80,66 @@ def batch1_kernels(spec, cfg, model, device, shape, vocab, steps: int = 20) -> d
                 wall_ms_per_step=round(wall * 1e3, 3))
 
 
+def host_cost(rows: int = 256, new: int = 600, warm: int = 400, steps: int = 30) -> dict:
+    """The host side of an engine step at ``rows`` decoding sequences, on the CPU: a 1-layer debug model with a
+    1024-token vocabulary (so the model step is small) and its time subtracted; what is left is scheduling,
+    planning, sampling bookkeeping, detokenization and outputs, measured after ``warm`` steps (outputs that long)."""
+    import dataclasses
+
+    from titan_mm.registry import get_model_spec
+    from titan_mm.serve.sampling import SamplingParams
+
+    spec = get_model_spec("qwen3")
+    cfg = dataclasses.replace(spec.flavor("debug"), vocab_size=1024, num_hidden_layers=1)
+    with torch.device("meta"):
+        model = spec.build(cfg)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [sb.random_ids(g, 8, 1000) for _ in range(rows)]
+    engine = sb.titan_engine(model, spec, cfg, prompts, [new] * rows, torch.device("cpu"),
+                             dict(sb.SHAPES["gpu"], max_num_seqs=rows))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"h{i}", p, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+    model_s = [0.0]
+    step = engine.runner._model_step
+
+    def timed_step(x):
+        t = time.perf_counter()
+        out = step(x)
+        model_s[0] += time.perf_counter() - t
+        return out
+
+    engine.runner._model_step = timed_step
+    for _ in range(warm):
+        engine.step()
+    model_s[0] = 0.0
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - t) / steps
+    return dict(rows=rows, output_tokens=warm + steps, wall_ms=round(wall * 1e3, 2),
+                model_ms=round(model_s[0] / steps * 1e3, 2), host_ms=round((wall - model_s[0] / steps) * 1e3, 2))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--flavor", default="")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kernels", type=int, default=1, help="the fused titan_mm.kernels ops (as bench/serve.py)")
+    ap.add_argument("--host", action="store_true", help="only the host side of a 256-row step, on the CPU")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
+    if a.host:
+        torch.set_num_threads(1)
+        res = host_cost()
+        print(json.dumps(res))
+        if a.out:
+            Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        return 0
     from titan_mm.registry import get_model_spec
 
     device = torch.device("cpu" if a.cpu else "cuda")
