@@ -74,14 +74,19 @@ def random_model(spec, flavor: str, device, seed: int, kernels: bool = False) ->
     if (flavor, seed, kernels) in _MODELS:
         return _MODELS[flavor, seed, kernels]
     cfg = spec.flavor(flavor)
-    cfg = spec.with_runtime(cfg, attn_backend=cfg.attn_backend, kernels=kernels)
+    model = random_weights(spec, spec.with_runtime(cfg, attn_backend=cfg.attn_backend, kernels=kernels), device, seed)
+    _MODELS[flavor, seed, kernels] = model
+    return model
+
+
+def random_weights(spec, cfg, device, seed: int) -> torch.nn.Module:
+    """``spec.build(cfg)`` on meta, materialized on ``device`` with the family's init from ``seed``."""
     with torch.device("meta"):
         model = spec.build(cfg)
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
-        model.init_weights(buffer_device=device)
-    _MODELS[flavor, seed, kernels] = model
+        model.init_weights(buffer_device=torch.device(device))
     return model
 
 

@@ -89,39 +89,26 @@ def host_cost(rows: int = 256, new: int = 600, warm: int = 400, steps: int = 30)
     from titan_mm.registry import get_model_spec
     from titan_mm.serve.sampling import SamplingParams
 
+    cpu = torch.device("cpu")
     spec = get_model_spec("qwen3")
     cfg = dataclasses.replace(spec.flavor("debug"), vocab_size=1024, num_hidden_layers=1)
-    with torch.device("meta"):
-        model = spec.build(cfg)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
+    model = sb.random_weights(spec, cfg, cpu, 0)
     g = torch.Generator().manual_seed(0)
     prompts = [sb.random_ids(g, 8, 1000) for _ in range(rows)]
-    engine = sb.titan_engine(model, spec, cfg, prompts, [new] * rows, torch.device("cpu"),
-                             dict(sb.SHAPES["gpu"], max_num_seqs=rows))
+    engine = sb.titan_engine(model, spec, cfg, prompts, [new] * rows, cpu, dict(sb.SHAPES["gpu"], max_num_seqs=rows))
     for i, p in enumerate(prompts):
         engine.add_request(f"h{i}", p, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
-    model_s = [0.0]
-    step = engine.runner._model_step
-
-    def timed_step(x):
-        t = time.perf_counter()
-        out = step(x)
-        model_s[0] += time.perf_counter() - t
-        return out
-
-    engine.runner._model_step = timed_step
+    acc: dict = defaultdict(float)
+    timed(engine.runner, "_model_step", acc, cpu)
     for _ in range(warm):
         engine.step()
-    model_s[0] = 0.0
+    acc.clear()
     t = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    wall = (time.perf_counter() - t) / steps
-    return dict(rows=rows, output_tokens=warm + steps, wall_ms=round(wall * 1e3, 2),
-                model_ms=round(model_s[0] / steps * 1e3, 2), host_ms=round((wall - model_s[0] / steps) * 1e3, 2))
+    wall, model = (time.perf_counter() - t) / steps, acc["_model_step"] / steps
+    return dict(rows=rows, output_tokens=warm + steps, wall_ms=round(wall * 1e3, 2), model_ms=round(model * 1e3, 2),
+                host_ms=round((wall - model) * 1e3, 2))
 
 
 def main(argv=None) -> int:

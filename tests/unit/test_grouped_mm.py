@@ -1,5 +1,5 @@
-"""titan_mm.kernels.grouped_mm (kernels/grouped_gemm.py: the MoE experts' grouped GEMM without host syncs, for dtypes torch._grouped_mm
-lacks on CUDA) equals the loop over experts, forward and both gradients, through TRITON_INTERPRET=1: experts
+"""titan_mm.kernels.grouped_mm (kernels/grouped_gemm.py: the MoE experts' grouped GEMM without host syncs, for
+dtypes torch._grouped_mm lacks on CUDA) equals the loop over experts, forward and both gradients, through TRITON_INTERPRET=1: experts
 with no rows, partial tiles, fp32 (IEEE) and fp16. On CUDA the same kernel runs for fp32 / fp16 MoE
 (tests/gpu/test_qwen3_gpu.py checks the forward for host syncs)."""
 
