@@ -16,7 +16,22 @@ Timed per step, at the case's shape (tokens = batch x seq):
   attention   causal GQA SDPA forward + backward (cuDNN backend, as titan_mm's and the peers' runs pick)
   adamw       one fused AdamW step over fp32 parameters of the model's shapes (tied embeddings counted once)
 
+For an MoE case, the rows are those of one MoE layer instead (``moe_floor``), forward + backward in bf16, at the
+case's tokens and at two routings: ``router`` (titan_mm's router, random weights, on random hidden states: near
+uniform) and ``skewed`` (each token's experts drawn without replacement from a Zipf prior, s = 1, about what a
+router with a weak balancing loss keeps):
+  gemms       the nine grouped GEMMs alone (torch._grouped_mm: gate / up / down forward, their input and weight
+              gradients) at that routing's tokens per expert, and one dense GEMM of the same FLOPs (what grouping
+              costs)
+  permute     titan_mm's gather of each token's rows into expert order (``x[tok_A]``) and its backward, against
+              the bytes it moves at the H200's copy rate (4.23 TB/s, docs GPU.md)
+  combine     the weighted scatter back to tokens (``index_add_``) and its backward, against its bytes
+  route       router logits, softmax, top-k, renormalization and the aux statistics, forward + backward
+  layer       titan_mm's whole MoE layer (titan_mm.models.common.moe.MoE), forward + backward; the parts above
+              do not add up to it exactly (the SwiGLU between the GEMMs is in ``layer`` only)
+
   PYTHONPATH=$PWD python3 bench/floor.py --cases qwen3_1.7b --out bench/results/floor.json
+  PYTHONPATH=$PWD python3 bench/floor.py --cases qwen3_30b_a3b_4l --out bench/results/floor_moe.json
 """
 
 from __future__ import annotations
@@ -163,6 +178,117 @@ def adamw_floor(t: ModelDims) -> dict:
     return dict(ms=ms, params=n, gb_per_s=n * 4 * 7 / ms / 1e6)  # read p g m v, write p m v (fp32)
 
 
+COPY_TBS = 4.23  # the H200's device-to-device copy rate (docs GPU.md)
+
+
+def routing(n: int, t: ModelDims, kind: str, device, seed: int = 0) -> torch.Tensor:
+    """top_i [n, K] of one MoE layer: ``router`` (titan_mm's router, random weights, on random hidden states) or
+    ``skewed`` (experts drawn without replacement from a Zipf prior over a random order of the experts)."""
+    from titan_mm.models.common.moe import route
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    E, K, D = t.num_experts, t.experts_per_tok, t.hidden_size
+    if kind == "router":
+        x = torch.randn(n, D, device=device, generator=g)
+        w = torch.randn(E, D, device=device, generator=g) * D**-0.5
+        return route(x, w, K, True)[2]
+    if kind == "skewed":
+        prior = 1.0 / torch.arange(1, E + 1, device=device, dtype=torch.float32)
+        prior = prior[torch.randperm(E, device=device, generator=g)]
+        return torch.multinomial(prior.expand(n, E), K, replacement=False, generator=g)
+    raise ValueError(f"routing kind {kind!r}: router | skewed")
+
+
+def _timer(device):
+    """Median ms of fn(): CUDA events on a GPU, wall time elsewhere (the CPU smoke test)."""
+    if device.type == "cuda":
+        return lambda fn, iters=10: cuda_ms(fn, iters=iters)
+
+    def wall(fn, iters=3):
+        fn()
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return sorted(ts)[len(ts) // 2]
+    return wall
+
+
+def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16) -> dict:
+    """One MoE layer's parts and their floors at ``n`` tokens and ``kind`` routing (the module docstring)."""
+    from titan_mm.models.common import moe
+
+    device = device or torch.device("cuda")
+    ms_of = _timer(device)
+    E, K, D, F_ = t.num_experts, t.experts_per_tok, t.hidden_size, t.moe_intermediate_size
+    A = n * K
+    top_i = routing(n, t, kind, device)
+    counts = torch.bincount(top_i.reshape(-1), minlength=E)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    mk = lambda *s: (torch.randn(*s, device=device) * 0.02).to(dtype)  # noqa: E731
+    # the experts' GEMMs as titan_mm's grouped path calls them (weights [E, out, in]), on leaves: no SwiGLU
+    x_AD, h_AF = mk(A, D).requires_grad_(), mk(A, F_).requires_grad_()
+    w1, w3, w2 = (mk(E, F_, D).requires_grad_(), mk(E, F_, D).requires_grad_(), mk(E, D, F_).requires_grad_())
+    dh_AF, dy_AD = mk(A, F_), mk(A, D)
+    gm = torch._grouped_mm
+
+    def gemms():  # forward gate, up, down; backward: their input and weight gradients (autograd's layouts)
+        for leaf in (x_AD, h_AF, w1, w3, w2):
+            leaf.grad = None
+        outs = [gm(x_AD, w1.transpose(-2, -1), offs=offs), gm(x_AD, w3.transpose(-2, -1), offs=offs),
+                gm(h_AF, w2.transpose(-2, -1), offs=offs)]
+        torch.autograd.backward(outs, [dh_AF, dh_AF, dy_AD])
+    gemm_flops = 2 * A * D * F_ * 9
+    a_AD, b_DF = mk(A, D), mk(D, 3 * F_)  # one dense GEMM of the same FLOPs, three times (fwd, dgrad, wgrad)
+    dense = lambda: [a_AD @ b_DF for _ in range(3)]  # noqa: E731
+
+    x_ND = mk(n, D).requires_grad_()
+    order = torch.argsort(top_i.reshape(-1), stable=True)
+    tok_A = order // K
+
+    def permute():
+        x_ND.grad = None
+        x_ND[tok_A].backward(dy_AD)
+    y_AD = mk(A, D).requires_grad_()
+    w_A = torch.rand(A, 1, device=device).to(dtype).requires_grad_()
+    dy_ND = mk(n, D)
+
+    def combine():
+        y_AD.grad = w_A.grad = None
+        torch.zeros(n, D, device=device, dtype=dtype).index_add_(0, tok_A, y_AD * w_A).backward(dy_ND)
+    elt = torch.finfo(dtype).bits // 8
+    # lower bounds, each tensor touched once a pass: permute's forward reads and writes A rows, its backward reads
+    # A rows and writes N (accumulating K each); combine the same, plus the weighted rows written and read again
+    permute_bytes = elt * D * (2 * A + A + n)
+    combine_bytes = elt * D * (2 * A + A + n) + elt * D * 4 * A
+
+    layer = moe.MoE(D, F_, E, K, norm_topk_prob=True).to(device=device, dtype=dtype)
+    layer.reset_parameters(0.02)
+    xl = mk(1, n, D).requires_grad_()
+
+    def route_part():
+        probs, w, i = moe.route(xl[0], layer.router.weight, K, True)
+        (w.float().sum() + moe.aux_stats(probs, i, None).sum()).backward()
+
+    def whole():  # the layer's own route, then its experts at this routing's choices
+        probs, w, i = moe.route(xl[0], layer.router.weight, K, True)
+        y = layer.experts(xl[0], w, top_i)
+        (y.float().pow(2).mean() + moe.aux_stats(probs, i, None).sum()).backward()
+    forced, moe.GROUPED_MM = moe.GROUPED_MM, True  # the grouped path on the CPU smoke test as well
+    try:
+        res = dict(kind=kind, tokens=n, assignments=A, max_over_mean=float(counts.max() * E / A),
+                   gemms_ms=ms_of(gemms), dense_same_flops_ms=ms_of(dense), permute_ms=ms_of(permute),
+                   combine_ms=ms_of(combine), route_ms=ms_of(route_part), layer_ms=ms_of(whole))
+    finally:
+        moe.GROUPED_MM = forced
+    res.update(gemm_flops=gemm_flops, gemms_tflops=gemm_flops / res["gemms_ms"] / 1e9,
+               dense_tflops=gemm_flops / res["dense_same_flops_ms"] / 1e9,
+               permute_floor_ms=permute_bytes / COPY_TBS / 1e9, combine_floor_ms=combine_bytes / COPY_TBS / 1e9)
+    res["layer_tflops"] = gemm_flops / res["layer_ms"] / 1e9
+    return res
+
+
 def peers(case: str, mfu_json: Path) -> dict:
     """The latest rows of bench/results/mfu.json for the case: titan stacks and the peers."""
     if not mfu_json.exists():
@@ -188,10 +314,19 @@ def main() -> int:
         case = CASES[name]
         spec, mc = model_config(case)
         t = spec.dims(mc)
-        if t.is_moe:
-            raise SystemExit(f"{name}: the floor covers dense models only")
         n = case["batch"] * case["seq"]
         t0 = time.time()
+        if t.is_moe:  # one MoE layer's parts against their floors, at two routings
+            rows.append(dict(case=name, tokens=n, moe=[moe_floor(t, n, kind) for kind in ("router", "skewed")],
+                             gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                             seconds=round(time.time() - t0, 1)))
+            for m in rows[-1]["moe"]:
+                print(f"{name} {m['kind']} (max/mean {m['max_over_mean']:.2f}): gemms {m['gemms_ms']:.2f} ms "
+                      f"({m['gemms_tflops']:.0f} TFLOP/s; dense same FLOPs {m['dense_tflops']:.0f}), permute "
+                      f"{m['permute_ms']:.2f} ms (floor {m['permute_floor_ms']:.2f}), combine {m['combine_ms']:.2f} "
+                      f"(floor {m['combine_floor_ms']:.2f}), route {m['route_ms']:.2f}, layer {m['layer_ms']:.2f} ms",
+                      flush=True)
+            continue
         gemm = gemm_floor(t, n, False)
         gemm8 = gemm_floor(t, n, True)
         attn = attention_floor(t, case["batch"], case["seq"])
@@ -216,7 +351,8 @@ def main() -> int:
               f"(float8 {row['floor_f8_tok_s']:,.0f}); best peer {best_peer}; targets "
               f"{row['target_bf16_tok_s']} / {row['target_f8_tok_s']}", flush=True)
     Path(args.out).write_text(json.dumps(dict(
-        note="per-step floor: GEMMs + attention + fused AdamW, each timed alone (bench/floor.py docstring)",
+        note="per-step floor: GEMMs + attention + fused AdamW, each timed alone; MoE cases: one MoE layer's parts "
+             "(bench/floor.py docstring)",
         rows=rows), indent=1) + "\n")
     return 0
 

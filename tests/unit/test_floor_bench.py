@@ -25,3 +25,24 @@ def test_floor_flops_match_the_flop_counter():
     # the fused forms are the same FLOPs as the separate ones
     for g in ("qkv", "gate_up"):
         assert sum(i * o for i, o in groups[g]) == sum(i * o for i, o in groups[g + "_fused"])
+
+
+def test_moe_floor_runs_and_counts_the_experts_flops():
+    """The MoE rows run end to end (on the CPU here, in fp32) and count the experts' nine GEMMs as the FLOP
+    counter does: 6 FLOPs per token per active expert weight."""
+    import math
+
+    import torch
+
+    from titan_mm.registry import get_model_spec
+
+    spec = get_model_spec("qwen3_moe")
+    t = spec.dims(spec.flavor("debug_moe"))
+    n = 64
+    for kind in ("router", "skewed"):
+        r = floor.moe_floor(t, n, kind, device=torch.device("cpu"), dtype=torch.float32)
+        assert r["gemm_flops"] == 6 * n * t.experts_per_tok * 3 * t.hidden_size * t.moe_intermediate_size
+        assert r["assignments"] == n * t.experts_per_tok and r["max_over_mean"] >= 1.0
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("gemms_ms", "permute_ms", "combine_ms", "layer_ms"))
+    with pytest.raises(ValueError, match="router | skewed"):
+        floor.routing(n, t, "uniform", torch.device("cpu"))
