@@ -1,8 +1,11 @@
-"""The Omni thinkers (tiny configs) over gloo with FSDP2 on 2 ranks, where rank 0's row carries an image and two
-audio clips and rank 1's row is text only: rank 1 runs both encoders on their stand-in inputs, so every FSDP
-collective of the towers has its partner (a hang here would time the test out), and three SGD-momentum steps give
-the world-1 losses, grad norms and every gradient (both towers included; fp32, 1e-5). Qwen2.5-Omni and
-Qwen3-Omni-MoE, in the same 2 processes."""
+"""The Omni thinkers (tiny configs) over gloo on 2 ranks: three SGD-momentum steps give the world-1 losses, grad
+norms and every gradient (both towers included; fp32, 1e-5) under FSDP2, TP 2 (the decoder split by the family's
+plan, sequence + loss parallel on; with parallel.encoder_tp also the audio encoder and the ViT) and, for
+Qwen3-Omni-MoE, EP 2 (the experts over ep, FSDP2 over the rest). Where the ranks read different rows (FSDP2, EP),
+rank 0's row carries an image and two audio clips and rank 1's row is text only: rank 1 runs both encoders on
+their stand-in inputs, so every FSDP collective of the towers has its partner (a hang here would time the test
+out). Under TP both ranks read the same rows. Qwen2.5-Omni and Qwen3-Omni-MoE, all cells in the same 2
+processes."""
 
 import functools
 
@@ -107,29 +110,38 @@ def _reference(family):
     return train_steps(_build(family), _batches(family), functools.partial(_step, family), select=_select)
 
 
-def _run_cell(world, family, dims):
-    from titan_mm.config import JobConfig
+def _run_cell(world, family, dims, switches):
+    from titan_mm.config import JobConfig, Parallel
     from titan_mm.parallel.apply import parallelize
     from titan_mm.parallel.mesh import ParallelDims
     from titan_mm.registry import get_model_spec
 
     model = _build(family)
     pd = ParallelDims(world_size=world, **dims)
-    parallelize(model, get_model_spec(family).plan(model.cfg), pd, JobConfig())
+    parallelize(model, get_model_spec(family).plan(model.cfg), pd, JobConfig(parallel=Parallel(**switches)))
     bm = pd.mesh("batch")
     return train_steps(model, _batches(family), functools.partial(_step, family), dp_rank=bm.get_local_rank(),
-                       dp_size=bm.size(), loss_group=bm.get_group(), select=_select)
+                       dp_size=bm.size(), loss_group=pd.mesh("loss").get_group(), select=_select)
 
 
 def _worker(rank, world, cells):
     return run_cells(cells, functools.partial(_run_cell, world))
 
 
-# (name, family, parallel dims): both run in the same 2 processes
-CELLS = tuple((f"{family}-fsdp2-text-only-rank", family, dict(dp_shard=2)) for family in ROWS)
+_OFF = dict(sequence_parallel=False, loss_parallel=False)
+# (name, family, parallel dims, [parallel] switches); all run one after another in the same 2 processes. "text-only
+# rank": the batch mesh has 2 ranks and rank 1 reads the text row; under tp (batch mesh 1) both read both rows.
+CELLS = tuple(c for family in ROWS for c in (
+    (f"{family}-fsdp2-text-only-rank", family, dict(dp_shard=2), {}),
+    (f"{family}-tp2-sp-lp", family, dict(dp_shard=1, tp=2), {}),
+    (f"{family}-tp2", family, dict(dp_shard=1, tp=2), _OFF),
+    (f"{family}-tp2-sp-lp-encodertp", family, dict(dp_shard=1, tp=2), dict(encoder_tp=True)),
+)) + (
+    ("qwen3_omni_moe-ep2-text-only-rank", "qwen3_omni_moe", dict(dp_shard=2, ep=2), {}),
+)
 
 
 @pytest.mark.parametrize("world,cells", [(2, CELLS)], ids=["world2"])
-def test_omni_fsdp_with_a_text_only_rank_matches_world1(world, cells):
-    got = run_multiproc(_worker, world, args=(cells,))
+def test_omni_parallel_with_a_text_only_rank_matches_world1(world, cells):
+    got = run_multiproc(_worker, world, args=(cells,), timeout_s=600)
     check_cells(cells, got, lambda cell: _reference(cell[1]))
