@@ -131,6 +131,12 @@ class DataNeeds:
     and temporal positions int(k * video_tokens_per_second * second_per_grid))."""
     video_tokens_per_second: float = 0.0
     """"qwen2_5_vl" layout: temporal M-RoPE positions per second of video (HF vision_config.tokens_per_second)."""
+    audio_encoder: str = ""
+    """Whose HF audio processor the clips follow (titan_mm.data.audio.ENCODERS): "qwen2_5_omni"
+    (Qwen2_5OmniProcessor: every clip padded and truncated to 30 s, ceil(samples / 160) frames, conv + pool token
+    count) or "qwen3_omni" (Qwen3OmniMoeProcessor: no padding or truncation, samples // 160 frames, 13 tokens per
+    100-frame window plus three stride-2 convs over the rest). "": the family takes no audio (a clip that comes
+    anyway, with an Omni tokenizer, follows "qwen2_5_omni")."""
 
 
 @dataclass(frozen=True)
@@ -308,12 +314,16 @@ def spec_for_hf_dir(hf_dir: str) -> ModelSpec:
 
 
 def spec_for_config(model_cfg: Any) -> ModelSpec:
-    """The registered spec whose config class ``model_cfg`` is (tools that are handed a bare config)."""
+    """The registered spec whose config class ``model_cfg`` is (tools that are handed a bare config). A family's
+    config may subclass another's (Qwen2.5-Omni's subclasses Qwen2.5-VL's): the most derived class wins."""
     for n in _BUILTIN:
         get_model_spec(n)
-    for spec in _REGISTRY.values():
-        if isinstance(model_cfg, spec.config_cls):
-            return spec
+    by_cls: dict[type, ModelSpec] = {}
+    for spec in _REGISTRY.values():  # families that share a class (qwen3 / qwen3_moe): the first registered
+        by_cls.setdefault(spec.config_cls, spec)
+    for cls in type(model_cfg).__mro__:
+        if cls in by_cls:
+            return by_cls[cls]
     raise SpecError(f"no registered model family has the config class {type(model_cfg).__name__}")
 
 

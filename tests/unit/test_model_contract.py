@@ -72,6 +72,19 @@ def test_vl_stages_carry_the_deepstack_additions():
 
 
 @pytest.mark.parametrize("spec", families(), ids=lambda s: s.name)
+def test_a_bare_config_finds_its_own_family(spec):
+    """spec_for_config (tools handed a bare config) picks the family whose config class the config is, not a
+    family whose class it subclasses (Qwen2.5-Omni's config is a Qwen2.5-VL config); families that share one
+    class (qwen3 / qwen3_moe) share the answers that depend on it."""
+    from titan_mm.registry import spec_for_config
+
+    cfg = spec.flavor("debug")
+    found = spec_for_config(cfg)
+    assert found.config_cls is spec.config_cls
+    assert found.data_needs(cfg) == spec.data_needs(cfg)
+
+
+@pytest.mark.parametrize("spec", families(), ids=lambda s: s.name)
 def test_every_family_answers_the_contract(spec):
     """Every registered family's debug flavor: dims match the built model, the plan's units exist, the data needs
     and kernel shapes are consistent, runtime round-trips through with_runtime."""
