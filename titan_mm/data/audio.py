@@ -2,8 +2,8 @@
 
 Features: STFT (n_fft 400, hop 160, Hann window) power -> Slaney mel filterbank (``audio_n_mels`` bins,
 0-8 kHz) -> log10(max(x, 1e-10)) -> clamp to (max - 8) -> (x + 4) / 4, transformers' WhisperFeatureExtractor
-bit for bit. How a clip is padded and counted follows the HF processor of ``ProcessorConfig.audio_encoder``
-(tests/parity/test_processor_audio.py checks both against transformers):
+bit for bit. How a clip is padded and counted follows the HF processor of ``ProcessorConfig.audio_encoder``, the
+model family's ``DataNeeds.audio_encoder`` (tests/parity/test_processor_audio.py checks both against transformers):
 
 - ``qwen2_5_omni`` (Qwen2_5OmniProcessor): every clip is padded with zeros to 30 s and truncated there
   (``padding="max_length"``, Whisper's default truncation), so a clip's last frames see zeros, not the STFT's

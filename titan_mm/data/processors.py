@@ -3,7 +3,7 @@
 Text: ``tokens + <|endoftext|>``, every token a target. Chat: the Qwen3 chat template, labels only on
 assistant turns (their content and the closing ``<|im_end|>``). Media: see :mod:`titan_mm.data.vision`
 (images and video as the family's HF processor makes them: DataNeeds.vision_layout) and
-:mod:`titan_mm.data.audio` (16 kHz log-mel).
+:mod:`titan_mm.data.audio` (16 kHz log-mel, clips padded and counted as DataNeeds.audio_encoder says).
 
 Sizes (patch, temporal patch, merge), the positions kind (1-D or M-RoPE) and the special token ids come from
 the model family's :class:`~titan_mm.registry.DataNeeds`; every other setting from the ``[data]`` section.
@@ -45,9 +45,6 @@ class ProcessorConfig:
     lazy_images: bool = False  # image patches computed at collate time (the loader turns this on)
     audio_sample_rate: int = 16000
     audio_n_mels: int = 128
-    audio_encoder: str = "qwen2_5_omni"
-    """Whose audio front end the clips follow: "qwen2_5_omni" (padded and truncated to 30 s, conv + pool token
-    count) or "qwen3_omni" (no padding, 13 tokens per 100-frame window); see titan_mm.data.audio."""
 
     def __post_init__(self):
         if self.needs.positions not in POSITIONS:
@@ -59,9 +56,9 @@ class ProcessorConfig:
         if self.chat_template not in CHAT_TEMPLATES:
             raise ValueError(f"data.chat_template must be empty (the model's), 'qwen3' or 'qwen3_vl', "
                              f"got {self.chat_template!r}")
-        if self.audio_encoder not in audio.ENCODERS:
-            raise ValueError(f"ProcessorConfig.audio_encoder must be one of {audio.ENCODERS}, "
-                             f"got {self.audio_encoder!r}")
+        if self.needs.audio_encoder not in ("", *audio.ENCODERS):
+            raise ValueError(f"DataNeeds.audio_encoder must be empty (no audio) or one of {audio.ENCODERS}, "
+                             f"got {self.needs.audio_encoder!r}")
 
     # the family's sizes, by the names vision.py reads
     @property
@@ -80,6 +77,12 @@ class ProcessorConfig:
     def mrope(self) -> bool:
         """3-D M-RoPE positions per doc (the family's positions kind)."""
         return self.needs.positions == "mrope"
+
+    @property
+    def audio_encoder(self) -> str:
+        """Whose audio front end the clips follow (titan_mm.data.audio): the family's DataNeeds.audio_encoder;
+        "qwen2_5_omni" for a family without audio."""
+        return self.needs.audio_encoder or "qwen2_5_omni"
 
     @property
     def chat_template(self) -> str:

@@ -1,6 +1,7 @@
 """The Qwen3-Omni-MoE thinker's answers to the family contract (titan_mm.registry.ModelSpec): Qwen3-VL-MoE's
 (titan_mm/models/qwen3_vl/spec.py: the Qwen3-MoE decoder, the ViT's shapes, the visual tokens, ChatML) plus the
-audio tokens. Videos stay off in DataNeeds (the pipeline lays them out the Qwen3-VL way, with timestamps; the
+audio tokens and the audio front end (DataNeeds.audio_encoder "qwen3_omni": clips unpadded, 13 tokens per 100-frame
+window). Videos stay off in DataNeeds (the pipeline lays them out the Qwen3-VL way, with timestamps; the
 Omni thinker's videos have none), and positions are built by this family's prepare_batch."""
 
 from __future__ import annotations
@@ -22,4 +23,5 @@ def data_needs(cfg: Qwen3OmniMoeConfig) -> DataNeeds:
     needs = vl_spec.data_needs(cfg)
     audio = {"audio_pad": cfg.audio_token_id, "audio_start": cfg.audio_start_token_id,
              "audio_end": cfg.audio_end_token_id}
-    return dataclasses.replace(needs, special_tokens={**needs.special_tokens, **audio}, video=False)
+    return dataclasses.replace(needs, special_tokens={**needs.special_tokens, **audio}, video=False,
+                               audio_encoder="qwen3_omni")
