@@ -20,9 +20,11 @@ Stacks:
   torchtitan       torchtitan 0.2.2's Qwen3 with per-block compile, full-logit CE
   hf_liger         HF transformers (sdpa) + Liger 0.8.5 kernels
   hf               HF transformers (sdpa)
-Cases set the model shape, batch and sequence; ``--ac`` switches activation checkpointing for titan and
-``--reshard`` its ``parallel.fsdp_reshard_after_forward`` (a row run with ``never`` records it). With
-TITAN_BENCH_SKIP_GUARD_EVAL=1 in the environment the timed steps run under
+Cases set the model shape, batch and sequence; the VL ones (``vl``) build image+text rows through their family's
+synthetic module (``synthetic``; the Omni thinkers': image + 10-30 s audio clip + text groups, vl_batch), and their
+MFU counts the ViT and the audio encoder ("MFU (LLM only)": the decoder alone). ``--ac`` switches activation
+checkpointing for titan and ``--reshard`` its ``parallel.fsdp_reshard_after_forward`` (a row run with ``never``
+records it). With TITAN_BENCH_SKIP_GUARD_EVAL=1 in the environment the timed steps run under
 ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (an experiment: the row records it; the trainer never
 does this).
 
@@ -64,8 +66,27 @@ CASES: dict[str, dict] = {
         "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}}, batch=1, seq=8192,
         vl=True),
 }
-# the module whose make_sample / pack build the VL cases' synthetic image+text samples (titan_mm's data contract)
+# the module whose make_sample / pack build the VL cases' synthetic image+text samples (titan_mm's data contract);
+# a case's ``synthetic`` entry names another (the Omni thinkers': image + audio + text)
 VL_SYNTHETIC = "titan_mm.models.qwen3_vl.synthetic"
+OMNI_SYNTHETIC = "titan_mm.models.qwen2_5_omni.synthetic"
+# what each group of a VL row holds (vl_batch): an image of h x w patches, an audio clip of lo..hi seconds (random
+# per clip, 100 mel frames a second; only with audio_s), then text tokens
+VL_MEDIA = dict(image=(32, 32), audio_s=None, text=512)
+OMNI_MEDIA = dict(image=(32, 32), audio_s=(10, 30), text=512)
+# Omni thinkers, measured against transformers on the same packed image + audio + text batches (no Liger: 0.8.5 has
+# no Omni patch, bench/peers.py): full ViT and audio tower, the decoder cut to 4 layers
+CASES.update({
+    "debug_qwen2_5_omni": dict(model="qwen2_5_omni", flavor="debug", overrides={}, batch=1, seq=1024, vl=True,
+                               synthetic=OMNI_SYNTHETIC, media=dict(image=(16, 16), audio_s=(10, 12), text=128)),
+    "debug_qwen3_omni_moe": dict(model="qwen3_omni_moe", flavor="debug", overrides={}, batch=1, seq=1024, vl=True,
+                                 synthetic=OMNI_SYNTHETIC, media=dict(image=(16, 16), audio_s=(10, 12), text=128)),
+    "qwen2_5_omni_7b_4l": dict(model="qwen2_5_omni", flavor="7B", overrides={"text": {"num_hidden_layers": 4}},
+                               batch=1, seq=8192, vl=True, synthetic=OMNI_SYNTHETIC, media=OMNI_MEDIA),
+    "qwen3_omni_30b_a3b_4l": dict(model="qwen3_omni_moe", flavor="30B-A3B",
+                                  overrides={"text": {"num_hidden_layers": 4}}, batch=1, seq=8192, vl=True,
+                                  synthetic=OMNI_SYNTHETIC, media=OMNI_MEDIA),
+})
 
 
 def parse_ac(ac: str) -> tuple[str, int]:
@@ -156,14 +177,12 @@ def _titan_builder(case, stack, args, device):
     cfg = load_config(titan_argv(case, stack, args))
     run = setup(cfg, model_fn=_plain_model if stack == "titan_plain" else None)
     spec, mc, device = run.spec, run.model_cfg, run.device
-    if case.get("vl"):
-        batch = vl_batch(mc, case["batch"], case["seq"])
-        if device.type == "cuda":  # host batches arrive pinned, as from the trainer's loader (data.pin_memory):
-            # a pageable copy of the pixels each step would block the host (the peers' batch stays on the GPU)
-            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) and k not in ("cu_seqlens", "max_seqlen")
-                     else v for k, v in batch.items()}
-    else:
-        batch = text_batch(spec.dims(mc).vocab_size, case["batch"], case["seq"], device)
+    batch = case_batch(case, spec, mc, device)
+    if case.get("vl") and device.type == "cuda":  # host batches arrive pinned, as from the trainer's loader
+        # (data.pin_memory): a pageable copy of the pixels each step would block the host (the peers' batch stays
+        # on the GPU)
+        batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) and k not in ("cu_seqlens", "max_seqlen")
+                 else v for k, v in batch.items()}
     # the kernels' launch configs, picked before the first step as the trainer does: the forward never tunes
     # (it must not synchronize)
     pv = batch.get("pixel_values")
@@ -201,25 +220,50 @@ def _plain_model(spec, mc, pd, device):
     return model
 
 
-def vl_batch(mc, batch: int, seq: int, seed: int = 0, synthetic: str = VL_SYNTHETIC) -> dict:
-    """One document per row: images of 32x32 patches (512x512 px) each followed by 512 text tokens, until
-    the row is full. One document per row gives HF (no packed-document masking) the same attention work.
-    ``synthetic``: the module whose make_sample / pack build the samples for ``mc``'s family."""
+def vl_batch(mc, batch: int, seq: int, seed: int = 0, synthetic: str = VL_SYNTHETIC,
+             media: dict | None = None) -> dict:
+    """One document per row: groups of an image of ``media["image"]`` patches (default 32x32 = 512x512 px at patch
+    16), an audio clip of ``media["audio_s"]`` = (lo, hi) seconds when given (the Omni cases: lo..hi s, random per
+    clip), then ``media["text"]`` text tokens, while a whole group fits; the rest of the row is text. One document
+    per row gives HF (no packed-document masking) the same attention work. ``synthetic``: the module whose
+    make_sample / pack build the samples for ``mc``'s family (an audio one also has audio_tokens(mc, frames))."""
     import importlib
 
     import torch
 
     from titan_mm.registry import spec_for_config
 
+    media = {**VL_MEDIA, **(media or {})}
     syn = importlib.import_module(synthetic)
     g = torch.Generator().manual_seed(seed)
-    per = 32 * 32 // spec_for_config(mc).data_needs(mc).merge_size**2 + 2 + 512
+    (h, w), n_text, audio_s = media["image"], media["text"], media["audio_s"]
+    n_image = h * w // spec_for_config(mc).data_needs(mc).merge_size**2 + 2
     samples = []
     for _ in range(batch):
-        segs = [("image", (32, 32)), ("text", 512)] * (seq // per)
-        segs.append(("text", seq - (seq // per) * per))
+        segs, left = [], seq
+        while True:
+            group, n = [("image", (h, w))], n_image
+            if audio_s:
+                frames = int(torch.randint(int(audio_s[0] * 100), int(audio_s[1] * 100) + 1, (1,), generator=g))
+                group.append(("audio", frames))
+                n += syn.audio_tokens(mc, frames) + 2
+            group.append(("text", n_text))
+            n += n_text
+            if n > left:
+                break
+            segs += group
+            left -= n
+        segs.append(("text", left))
         samples.append(syn.make_sample(mc, segs, g))
     return syn.pack(samples, mc, seq_len=seq, rows=batch)
+
+
+def case_batch(case: dict, spec, mc, device) -> dict:
+    """The case's host batch: vl_batch through its synthetic module, or text rows."""
+    if case.get("vl"):
+        return vl_batch(mc, case["batch"], case["seq"], synthetic=case.get("synthetic", VL_SYNTHETIC),
+                        media=case.get("media"))
+    return text_batch(spec.dims(mc).vocab_size, case["batch"], case["seq"], device)
 
 
 def _peer_builder(case, stack, device):
@@ -228,14 +272,15 @@ def _peer_builder(case, stack, device):
     from bench import peers
 
     spec, mc = model_config(case)
-    batch = vl_batch(mc, case["batch"], case["seq"]) if case.get("vl") else \
-        text_batch(spec.dims(mc).vocab_size, case["batch"], case["seq"], device)
+    batch = case_batch(case, spec, mc, device)
     if stack == "torchtitan":
         model, fb = peers.build_torchtitan(shape_of(spec, mc, case["seq"]), device)
     else:
         model, fb = peers.build_hf(mc.to_hf_dict(), device, liger=stack == "hf_liger")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    dev_batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    # HF takes the audio as its processor gives it (padded clips + feature_attention_mask), built once here
+    dev_batch = {k: v.to(device) for k, v in {**batch, **peers.hf_audio_inputs(batch)}.items()
+                 if isinstance(v, torch.Tensor)}
 
     def step():
         loss = fb(dev_batch)
@@ -272,7 +317,7 @@ def worker(args) -> dict:
         spec, mc, batch, step = _peer_builder(case, args.stack, device)
     from bench.scaling import batch_flops
 
-    # the registry's FLOPs of the batch's documents (vision tower included), and without the vision tower
+    # the registry's FLOPs of the batch's documents (vision tower and audio encoder included), and of the LLM alone
     flops, flops_llm = batch_flops(spec, mc, batch), batch_flops(spec, mc, batch, vision=False)
     n_tok = int(batch["input_ids"].numel())
     print(f"[worker] {args.case} {args.stack}: built in {time.perf_counter() - t_build:.1f}s", file=sys.stderr, flush=True)

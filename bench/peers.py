@@ -4,7 +4,9 @@
   fp32 reduce, full-logit cross-entropy (what torchtitan's trainer does).
 - ``hf`` / ``hf_liger``: HF transformers' Qwen3 (sdpa attention), optionally with Liger 0.8.5's kernels
   (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) applied through its monkey-patch API, FSDP2 per
-  decoder layer with the same mixed-precision policy.
+  decoder layer (and per vision / audio encoder block) with the same mixed-precision policy. The Omni thinkers
+  take the audio as HF's processor gives it (:func:`hf_audio_inputs`: clips padded to one length plus
+  ``feature_attention_mask``) and an all-ones ``attention_mask``, without which HF builds no TMRoPE positions.
 
 Every builder returns ``(model, step_fn)`` where ``step_fn(batch) -> loss`` (batch on the device) runs forward and
 backward; the caller owns the optimizer step and timing so all stacks are measured the same way.
@@ -25,18 +27,45 @@ HF_PEERS = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", True),
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", False),
     "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", True),
-    "qwen3_5": ("Qwen3_5ForConditionalGeneration", False),  # Liger 0.8.5 has no Qwen3.5 patch: run "hf"
+    # Liger 0.8.5 patches Qwen3.5 (apply_liger_kernel_to_qwen3_5 / _moe); issue 27's peer is transformers alone ("hf")
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", False),
     "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", False),
+    # Liger 0.8.5 has no Omni patch (no apply_liger_kernel_to_qwen2_5_omni / _qwen3_omni_moe, none in its
+    # MODEL_TYPE_TO_APPLY_LIGER_FN): run "hf"
+    "qwen2_5_omni_thinker": ("Qwen2_5OmniThinkerForConditionalGeneration", False),
+    "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerForConditionalGeneration", False),
 }
 
 
 def _hf_modules(model):
-    """Decoder layers (and vision blocks) of an HF Qwen3 / Qwen3-VL model, the FSDP units."""
+    """Decoder layers (and vision blocks, audio encoder layers) of an HF Qwen3 / Qwen3-VL / Omni thinker model, the
+    FSDP units. The towers sit on ``model.model`` (transformers 5.2x) or on the thinker itself (older layouts)."""
     inner = model.model
     units = list(getattr(inner, "language_model", inner).layers)
-    if hasattr(inner, "visual"):
-        units += list(inner.visual.blocks)
+    for tower, blocks in (("visual", "blocks"), ("audio_tower", "layers")):
+        t = getattr(inner, tower, None)
+        t = getattr(model, tower, None) if t is None else t
+        if t is not None:
+            units += list(getattr(t, blocks))
     return units
+
+
+def hf_audio_inputs(batch: dict) -> dict:
+    """HF's audio inputs of a titan batch (clips side by side, ``input_features [n_mels, sum frames]`` with
+    ``audio_feature_lengths``): ``input_features [n_clips, n_mels, max frames]`` (zero-padded) and
+    ``feature_attention_mask [n_clips, max frames]``, as the Omni processors give them; {} without audio."""
+    if "audio_feature_lengths" not in batch:
+        return {}
+    lens = [int(n) for n in batch["audio_feature_lengths"].tolist()]
+    feats = batch["input_features"]
+    padded = feats.new_zeros(len(lens), feats.shape[0], max(lens))
+    mask = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    off = 0
+    for i, n in enumerate(lens):
+        padded[i, :, :n] = feats[:, off : off + n]
+        mask[i, :n] = 1
+        off += n
+    return {"input_features": padded, "feature_attention_mask": mask}
 
 
 def build_hf(hf_config: dict, device: torch.device, liger: bool, compile_blocks: bool = False):
@@ -51,7 +80,10 @@ def build_hf(hf_config: dict, device: torch.device, liger: bool, compile_blocks:
     if liger:
         import liger_kernel.transformers as lk
 
-        patch = getattr(lk, f"apply_liger_kernel_to_{mt}")
+        patch = getattr(lk, f"apply_liger_kernel_to_{mt}", None)
+        if patch is None:
+            raise SystemExit(f"liger_kernel {getattr(lk, '__version__', '')} has no apply_liger_kernel_to_{mt}: "
+                             f"run the hf stack for {mt}")
         kw = dict(rope=True, rms_norm=True, fused_linear_cross_entropy=True)
         if liger_swiglu:
             kw["swiglu"] = True
@@ -67,10 +99,15 @@ def build_hf(hf_config: dict, device: torch.device, liger: bool, compile_blocks:
 
     import inspect
 
-    wants_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+    params = inspect.signature(model.forward).parameters
+    wants_types = "mm_token_type_ids" in params
+    omni = "feature_attention_mask" in params
 
     def step(batch):
         kw = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
+        if omni:  # batch: hf_audio_inputs' keys; the all-ones mask lets HF build its TMRoPE positions
+            kw.update({k: batch[k] for k in ("input_features", "feature_attention_mask") if k in batch})
+            kw["attention_mask"] = torch.ones_like(batch["input_ids"])
         if wants_types and "image_grid_thw" in batch:  # transformers >= 5.2x: 0 text, 1 image, 2 video
             ids = batch["input_ids"]
             kw["mm_token_type_ids"] = (ids == cfg.image_token_id).long() + 2 * (ids == cfg.video_token_id).long()

@@ -186,12 +186,12 @@ def case_model(model: dict):
 
 
 def batch_flops(spec, mc, batch: dict, vision: bool = True) -> float:
-    """Training FLOPs of one host batch from the registry counter over its documents, as the trainer counts them
-    (the batch's vision grids let a vision family count its tower; ``vision=False``: the LLM alone)."""
-    from titan_mm.observe.mfu import doc_lens_from_batch
+    """Training FLOPs of one host batch from the registry counter over its documents (the batch's vision grids let a
+    vision family count its tower, its ``audio_feature_lengths`` an Omni family its audio encoder; ``vision=False``:
+    the LLM alone, no encoder)."""
+    from titan_mm.observe.mfu import doc_lens_from_batch, encoder_inputs
 
-    grids = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw") if vision and k in batch}
-    return float(spec.flops(mc, doc_lens_from_batch(batch), **grids))
+    return float(spec.flops(mc, doc_lens_from_batch(batch), **(encoder_inputs(batch) if vision else {})))
 
 
 def step_flops(model: dict, seq: int, rows: int, steps: list[int], seed: int = 0) -> dict[int, float]:

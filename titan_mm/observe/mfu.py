@@ -40,6 +40,12 @@ def doc_lens_from_batch(batch: dict) -> list[int]:
     return [b - a for a, b in zip(cu[:-1], cu[1:]) if b > a]
 
 
+def encoder_inputs(batch: dict) -> dict:
+    """The batch's keys that let a family's FLOP counter count its encoders: the vision grids (ViT) and the audio
+    clips' frame counts (the Omni audio encoder)."""
+    return {k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "audio_feature_lengths") if k in batch}
+
+
 def mfu(flops: float, seconds: float, peak_tflops_per_device: float) -> float:
     """Fraction (0..1) of peak for ``flops`` done by one device in ``seconds``."""
     if seconds <= 0 or peak_tflops_per_device <= 0:

@@ -38,7 +38,7 @@ from titan_mm.data.sources import DataError
 from titan_mm.models.common.hf_io import HFCheckpointError
 from titan_mm.observe.health import NonFiniteError, StepTimes, peak_memory_gb, reset_peak_memory
 from titan_mm.observe.metrics import build_logger
-from titan_mm.observe.mfu import doc_lens_from_batch, mfu, peak_tflops
+from titan_mm.observe.mfu import doc_lens_from_batch, encoder_inputs, mfu, peak_tflops
 from titan_mm.observe.profile import ProfileWindow
 from titan_mm.parallel.balance_dispatch import Rebalancer
 from titan_mm.train.checkpoint import CheckpointError, CheckpointManager, Topology, committed_step, step_dir_name
@@ -227,9 +227,7 @@ def train(cfg: JobConfig) -> dict[str, Any]:
                     logger.info(f"kernels: these launch-config keys ran untuned (first config): {untuned_keys()}")
             step_time = time.perf_counter() - t0
             times.add(step_time)
-            flops = sum(count_flops(model_cfg, doc_lens_from_batch(mb),  # VL: grids let the vision tower count
-                                    **{k: mb[k] for k in ("image_grid_thw", "video_grid_thw") if k in mb})
-                        for mb in micro)
+            flops = sum(count_flops(model_cfg, doc_lens_from_batch(mb), **encoder_inputs(mb)) for mb in micro)
             flops /= pd.tp * pd.cp  # this rank's rows are shared by its tp x cp group: per-GPU FLOPs
             m = {
                 "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "tokens": res.tokens,
