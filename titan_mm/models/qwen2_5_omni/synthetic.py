@@ -20,6 +20,7 @@ import torch
 
 from titan_mm.data.audio import audio_tokens as _audio_tokens
 from titan_mm.data.packing import Doc, collate_rows
+from titan_mm.models.qwen3_vl.synthetic import next_token_labels, place
 
 FRAMES_PER_SECOND = 100  # log-mel hop 160 at 16 kHz
 
@@ -84,32 +85,19 @@ def pack(samples: list[Sample], cfg, seq_len: int | None = None, rows: int = 1,
          labels: bool = True) -> dict[str, torch.Tensor]:
     """Pack samples greedily into ``rows`` rows of ``seq_len`` tokens (default: all in one row, padded to a
     multiple of 16). Labels are next-token targets within each sample, -100 on media placeholders and padding."""
-    lens = [len(s.input_ids) for s in samples]
-    if seq_len is None:
-        seq_len = -(-sum(lens) // 16) * 16
     pads = torch.tensor([cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id])
-    placed: list[list[Doc]] = [[] for _ in range(rows)]
-    r, off = 0, 0
-    for s in samples:
-        n = len(s.input_ids)
-        if off + n > seq_len:
-            r, off = r + 1, 0
-            if r >= rows or n > seq_len:
-                raise ValueError(f"samples ({lens}) do not fit in {rows} rows of {seq_len} tokens")
-        lab = torch.full((n,), -100, dtype=torch.long)
-        if labels and n > 1:
-            tgt = s.input_ids[1:].clone()
-            tgt[torch.isin(tgt, pads)] = -100
-            lab[: n - 1] = tgt
+
+    def doc(s: Sample) -> Doc:
+        lab = next_token_labels(s.input_ids, pads) if labels else torch.full((len(s.input_ids),), -100)
         media = {}
         if len(s.image_grid_thw):
             media.update(pixel_values=[s.pixel_values.numpy()], image_grid_thw=[s.image_grid_thw.numpy()])
         if s.audio:  # docs keep frames first; the collator gives the batch mels first (MELS_FIRST)
             media.update(input_features=[a.T.numpy() for a in s.audio],
                          audio_feature_lengths=[torch.tensor([a.shape[1]]).numpy() for a in s.audio])
-        placed[r].append(Doc(s.input_ids.numpy(), lab.numpy(), media=media,
-                             n_patches=int(s.image_grid_thw.prod(-1).sum())))
-        off += n
+        return Doc(s.input_ids.numpy(), lab.numpy(), media=media, n_patches=int(s.image_grid_thw.prod(-1).sum()))
+
+    placed, seq_len = place(samples, rows, seq_len, doc)
     batch = collate_rows(placed, seq_len, pad_id=0, mrope=True, multiple=1)
     batch["position_ids"] = positions(cfg, batch)
     return batch

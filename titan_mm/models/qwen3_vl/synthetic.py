@@ -80,10 +80,9 @@ def make_sample(cfg: Qwen3VLConfig, segments, generator: torch.Generator | None 
     )
 
 
-def pack(samples: list[Sample], cfg: Qwen3VLConfig, seq_len: int | None = None, rows: int = 1,
-         labels: bool = True) -> dict[str, torch.Tensor]:
-    """Pack samples greedily into ``rows`` rows of ``seq_len`` tokens (default: all in one row, padded to
-    a multiple of 16). Labels are next-token targets within each sample, -100 on visual pads and padding."""
+def place(samples, rows: int, seq_len: int | None, doc) -> tuple[list[list[Doc]], int]:
+    """Samples placed greedily into ``rows`` rows of ``seq_len`` tokens (default: all in one row, padded to a
+    multiple of 16), each as ``doc(sample)`` (a Doc); -> (rows of docs, seq_len)."""
     lens = [len(s.input_ids) for s in samples]
     if seq_len is None:
         seq_len = -(-sum(lens) // 16) * 16
@@ -95,20 +94,41 @@ def pack(samples: list[Sample], cfg: Qwen3VLConfig, seq_len: int | None = None, 
             r, off = r + 1, 0
             if r >= rows or n > seq_len:
                 raise ValueError(f"samples ({lens}) do not fit in {rows} rows of {seq_len} tokens")
-        lab = torch.full((n,), -100, dtype=torch.long)
+        placed[r].append(doc(s))
+        off += n
+    return placed, seq_len
+
+
+def next_token_labels(ids: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """Next-token targets within one sample, -100 where the target is one of the ``masked`` ids and at the end."""
+    lab = torch.full((len(ids),), -100, dtype=torch.long)
+    if len(ids) > 1:
+        tgt = ids[1:].clone()
+        tgt[torch.isin(tgt, masked)] = -100
+        lab[:-1] = tgt
+    return lab
+
+
+def pack(samples: list[Sample], cfg: Qwen3VLConfig, seq_len: int | None = None, rows: int = 1,
+         labels: bool = True) -> dict[str, torch.Tensor]:
+    """Pack samples greedily into ``rows`` rows of ``seq_len`` tokens (default: all in one row, padded to
+    a multiple of 16). Labels are next-token targets within each sample, -100 on visual pads and padding."""
+    pads = torch.tensor([cfg.image_token_id, cfg.video_token_id])
+
+    def doc(s: Sample) -> Doc:
+        lab = torch.full((len(s.input_ids),), -100, dtype=torch.long)
         if labels:
-            tgt = s.input_ids[1:].clone()
-            tgt[(tgt == cfg.image_token_id) | (tgt == cfg.video_token_id)] = -100
-            tgt[(s.mm_type[1:] != 0)] = -100
-            lab[: n - 1] = tgt
+            lab = next_token_labels(s.input_ids, pads)
+            lab[:-1][s.mm_type[1:] != 0] = -100
         media = {}
         if len(s.image_grid_thw):
             media.update(pixel_values=[s.pixel_values.numpy()], image_grid_thw=[s.image_grid_thw.numpy()])
         if len(s.video_grid_thw):
             media.update(pixel_values_videos=[s.pixel_values_videos.numpy()], video_grid_thw=[s.video_grid_thw.numpy()])
         pos = mrope_index(s.mm_type.numpy(), s.image_grid_thw, s.video_grid_thw, cfg.vision.spatial_merge_size)
-        placed[r].append(Doc(s.input_ids.numpy(), lab.numpy(), positions=pos, media=media))
-        off += n
+        return Doc(s.input_ids.numpy(), lab.numpy(), positions=pos, media=media)
+
+    placed, seq_len = place(samples, rows, seq_len, doc)
     return collate_rows(placed, seq_len, pad_id=0, mrope=True, multiple=1)
 
 
