@@ -135,8 +135,8 @@ class DataNeeds:
     """Whose HF audio processor the clips follow (titan_mm.data.audio.ENCODERS): "qwen2_5_omni"
     (Qwen2_5OmniProcessor: every clip padded and truncated to 30 s, ceil(samples / 160) frames, conv + pool token
     count) or "qwen3_omni" (Qwen3OmniMoeProcessor: no padding or truncation, samples // 160 frames, 13 tokens per
-    100-frame window plus three stride-2 convs over the rest). "": the family takes no audio (a clip that comes
-    anyway, with an Omni tokenizer, follows "qwen2_5_omni")."""
+    100-frame window plus three stride-2 convs over the rest). "": the family takes no audio (its samples with audio
+    parts are skipped and counted, unknown_modality)."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.data_needs import QWEN3_VL_NEEDS
+from tests.data_needs import OMNI_NEEDS, QWEN3_VL_NEEDS
 from titan_mm.config import Data
 from titan_mm.data.builtin import builtin_records
 from titan_mm.data.builtin.dtmf import KEYS, RATE, dtmf_clip, dtmf_record, key_freqs
@@ -89,7 +89,7 @@ def _wav_b64(secs: float = 0.5) -> str:
 
 def test_pack_text_audio_and_audio_image(omni_tok):
     data = Data(image_min_pixels=1024, image_max_pixels=4096)  # the 64x64 digit stays 64x64
-    proc = Processor(omni_tok, ProcessorConfig(data=data, needs=QWEN3_VL_NEEDS))
+    proc = Processor(omni_tok, ProcessorConfig(data=data, needs=OMNI_NEEDS))
     recs = [{"text": "a plain document"}, builtin_records("dtmf")[0], builtin_records("dtmf_digits")[0]]
     docs = [proc(parse_record(r)) for r in recs]
     packer = BestFitPacker(2048, open_rows=1)
@@ -112,7 +112,7 @@ def test_pack_text_audio_and_audio_image(omni_tok):
 
 
 def test_bad_audio_is_skipped_and_counted(omni_dir, omni_tok, tmp_path):
-    proc = Processor(omni_tok, ProcessorConfig(needs=QWEN3_VL_NEEDS))
+    proc = Processor(omni_tok, ProcessorConfig(needs=OMNI_NEEDS))
     for bad in (np.zeros((2, 100), np.float32), np.array([np.nan] * 1000, np.float32), np.zeros(100, np.int16)):
         with pytest.raises(SkipSample) as e:
             proc(parse_record(_chat({"type": "audio", "audio": bad})))
@@ -125,12 +125,21 @@ def test_bad_audio_is_skipped_and_counted(omni_dir, omni_tok, tmp_path):
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     data = Data(dataset=str(tmp_path / "a.jsonl"), seq_len=256, micro_batch_size=1, tokenizer_path=omni_dir,
                 error_min_samples=1000)
-    dl = build_dataloader(data, needs=QWEN3_VL_NEEDS, epochs=1, return_sample_ids=True)
+    dl = build_dataloader(data, needs=OMNI_NEEDS, epochs=1, return_sample_ids=True)
     batches = list(dl)
     m = dl.metrics()
     assert m["skipped/bad_audio"] == 2 and m["skipped"] == 2, m
     audio = [b for b in batches if "input_features" in b]
     assert len(audio) == 1 and audio[0]["audio_feature_lengths"].tolist() == [50]  # 0.5 s at 8 kHz -> 16 kHz
+
+
+def test_a_family_without_audio_skips_audio_parts(omni_tok):
+    """Qwen3-VL's data needs name no audio encoder: a clip, even through an Omni tokenizer, skips its sample as
+    unknown_modality rather than being counted as some other family's audio."""
+    proc = Processor(omni_tok, ProcessorConfig(needs=QWEN3_VL_NEEDS))
+    with pytest.raises(SkipSample, match="takes no audio") as e:
+        proc(parse_record(builtin_records("dtmf")[0]))
+    assert e.value.reason == "unknown_modality"
 
 
 def _chat(part) -> dict:
@@ -141,7 +150,7 @@ def _chat(part) -> dict:
 def test_loader_reads_builtin_dtmf_digits(omni_dir):
     data = Data(dataset="builtin:dtmf_digits", seq_len=512, micro_batch_size=2, tokenizer_path=omni_dir,
                 image_min_pixels=1024, image_max_pixels=4096)
-    batch = next(iter(build_dataloader(data, needs=QWEN3_VL_NEEDS)))
+    batch = next(iter(build_dataloader(data, needs=OMNI_NEEDS)))
     n_clips = batch["audio_feature_lengths"].shape[0]
     assert n_clips >= 2 and batch["image_grid_thw"].shape == (n_clips, 3)  # one image and one clip per sample
     assert batch["input_features"].shape == (128, int(batch["audio_feature_lengths"].sum()))

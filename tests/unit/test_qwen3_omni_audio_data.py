@@ -40,8 +40,7 @@ def test_each_family_names_its_audio_front_end():
         needs = spec.data_needs(spec.flavor("debug"))
         want = FAMILIES.get(spec.name, ("",))[0]
         assert needs.audio_encoder == want, spec.name
-        # a family without audio keeps the processors' default (Whisper's 30 s window, Qwen2.5-Omni's count)
-        assert ProcessorConfig(needs=needs).audio_encoder == (want or "qwen2_5_omni")
+        assert ProcessorConfig(needs=needs).audio_encoder == want  # "": the family's audio parts are skipped
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -81,8 +81,8 @@ class ProcessorConfig:
     @property
     def audio_encoder(self) -> str:
         """Whose audio front end the clips follow (titan_mm.data.audio): the family's DataNeeds.audio_encoder;
-        "qwen2_5_omni" for a family without audio."""
-        return self.needs.audio_encoder or "qwen2_5_omni"
+        "" for a family without audio, whose audio parts are skipped."""
+        return self.needs.audio_encoder
 
     @property
     def chat_template(self) -> str:
@@ -160,6 +160,9 @@ class Processor:
                     s.append(n["vision_start"] + n[f"{p.type}_pad"] + n["vision_end"])
                     media.append(p)
                 elif p.type == "audio":
+                    if not self.cfg.audio_encoder:
+                        raise SkipSample("unknown_modality", "audio part, but this model family takes no audio "
+                                         "(its data needs name no audio encoder)")
                     n = self.tok.names
                     if None in (n["audio_start"], n["audio_pad"], n["audio_end"]):
                         raise SkipSample("unknown_modality", "audio part, but the tokenizer has no <|audio_pad|> / "
