@@ -199,28 +199,15 @@ def routing(n: int, t: ModelDims, kind: str, device, seed: int = 0) -> torch.Ten
     raise ValueError(f"routing kind {kind!r}: router | skewed")
 
 
-def _timer(device):
-    """Median ms of fn(): CUDA events on a GPU, wall time elsewhere (the CPU smoke test)."""
-    if device.type == "cuda":
-        return lambda fn, iters=10: cuda_ms(fn, iters=iters)
-
-    def wall(fn, iters=3):
-        fn()
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return sorted(ts)[len(ts) // 2]
-    return wall
-
-
 def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16) -> dict:
     """One MoE layer's parts and their floors at ``n`` tokens and ``kind`` routing (the module docstring)."""
     from titan_mm.models.common import moe
 
     device = device or torch.device("cuda")
-    ms_of = _timer(device)
+    from bench.optim_step import timed
+
+    gpu = device.type == "cuda"
+    ms_of = lambda fn: timed(fn, device, iters=10 if gpu else 3, warmup=3 if gpu else 1)  # noqa: E731
     E, K, D, F_ = t.num_experts, t.experts_per_tok, t.hidden_size, t.moe_intermediate_size
     A = n * K
     top_i = routing(n, t, kind, device)
