@@ -164,6 +164,21 @@ def test_flex_vision_attention_forward():
     assert (a - b).abs().max() <= 1e-5
 
 
+def test_flex_window_meta_is_built_where_it_runs():
+    """A BlockMask's mask_mod holds its document ids on the device it was built for: moving one would leave them
+    behind (on CUDA inductor fails to lower it), so the window meta builds its masks on the device and moving a
+    built mask elsewhere is refused in one line."""
+    from titan_mm.models.qwen3_vl.vision import move_vision_meta
+
+    _, _, cfg = models()
+    grid = torch.tensor([[1, 4, 6], [2, 6, 6]])
+    meta = build_window_meta(grid, cfg.vision, "flex", "cpu")
+    assert meta.full.mask.kv_num_blocks.device.type == meta.window.mask.kv_num_blocks.device.type == "cpu"
+    assert move_vision_meta(meta.window, "cpu").mask is meta.window.mask
+    with pytest.raises(ValueError, match="cannot move to meta; build the metadata on its device"):
+        move_vision_meta(meta.window, "meta")
+
+
 def test_window_order_matches_hf():
     from transformers.vision_utils import get_vision_window_index
 

@@ -75,14 +75,15 @@ def build_window_meta(grid_thw: torch.Tensor, cfg: VisionConfig, backend: str = 
     patches, in the order of their patches in the pixel values). Raises when a grid is not a multiple of the
     merge size (as build_vision_meta does)."""
     m2 = cfg.spatial_merge_size**2
-    full = build_vision_meta(grid_thw, _segments_config(cfg.spatial_merge_size), backend)  # checks the grids
+    # the inner metas are built on ``device``: a flex mask cannot move after it is built (see move_vision_meta)
+    full = build_vision_meta(grid_thw, _segments_config(cfg.spatial_merge_size), backend, device)  # checks grids
     units, lens = window_order(grid_thw, cfg)
     order = (units[:, None] * m2 + torch.arange(m2)).reshape(-1)
     seg = torch.tensor([[1, 1, n] for n in lens])
-    window = build_vision_meta(seg, _segments_config(1), backend)
+    window = build_vision_meta(seg, _segments_config(1), backend, device)
     empty = torch.zeros(0, 4, dtype=torch.int64)
     strip = dict(pos_idx=empty, pos_w=empty.float(), rope_hw=empty[:, :2])  # Qwen2.5-VL has no position table
-    meta = WindowMeta(order=order, inverse=torch.argsort(units), rope_hw=full.rope_hw[order],
+    meta = WindowMeta(order=order, inverse=torch.argsort(units), rope_hw=full.rope_hw[order.to(full.rope_hw.device)],
                       full=full._replace(**strip), window=window._replace(**strip))
     return meta if device is None else move_window_meta(meta, device)
 

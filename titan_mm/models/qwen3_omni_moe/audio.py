@@ -83,7 +83,8 @@ def build_audio_meta(lengths, cfg: AudioConfig, backend: str = "sdpa",
     seg = []
     for n in output_lengths(lens).tolist():
         seg += [window] * (n // window) + ([n % window] if n % window else [])
-    attn = build_vision_meta(torch.tensor([[1, 1, s] for s in seg]), _segments_config(1), backend)
+    seg_t = torch.tensor([[1, 1, s] for s in seg])
+    attn = build_vision_meta(seg_t, _segments_config(1), backend, device)  # on device: flex masks do not move
     empty = torch.zeros(0, 4, dtype=torch.int64)
     attn = attn._replace(pos_idx=empty, pos_w=empty.float(), rope_hw=empty[:, :2])  # no ViT tables here
     meta = AudioMeta(torch.from_numpy(frame_index), torch.from_numpy(valid.astype(np.int64)), attn)

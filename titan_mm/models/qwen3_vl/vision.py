@@ -148,6 +148,10 @@ def build_vision_meta(
     return meta if device is None else move_vision_meta(meta, device)
 
 
+def _on(have: torch.device, want: torch.device) -> bool:
+    return have.type == want.type and want.index in (None, have.index)
+
+
 def move_vision_meta(meta: VisionMeta, device: torch.device | str) -> VisionMeta:
     """The same metadata with its tensors on ``device`` (non-blocking host-to-device copies)."""
     def mv(x):
@@ -156,8 +160,10 @@ def move_vision_meta(meta: VisionMeta, device: torch.device | str) -> VisionMeta
     mask = meta.mask
     if isinstance(mask, torch.Tensor):
         mask = mv(mask)
-    elif mask is not None and hasattr(mask, "to"):
-        mask = mask.to(device)
+    elif mask is not None and not _on(mask.kv_num_blocks.device, torch.device(device)):
+        # a BlockMask's mask_mod closes over the document ids on the device it was built for
+        raise ValueError(f"a flex vision mask built on {mask.kv_num_blocks.device} cannot move to {device}; build "
+                         f"the metadata on its device: build_vision_meta(..., device={str(device)!r}).")
     return meta._replace(pos_idx=mv(meta.pos_idx), pos_w=mv(meta.pos_w), rope_hw=mv(meta.rope_hw),
                          cu_seqlens=mv(meta.cu_seqlens), mask=mask)
 
