@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from bench.mfu import CASES, PEAK_TFLOPS, render  # noqa: E402
 
 RESULTS = ("mfu.json", "mfu_qwen3_5.json", "mfu_kernels.json", "mfu_reshard.json", "mfu_ac_layers.json",
-           "mfu_syncfree.json")
+           "mfu_syncfree.json", "mfu_omni.json", "mfu_omni_moe.json")
 DLLM = "dllm.json"  # bench/dllm.py: one row per training objective, MFU of the objective's FLOPs
 # not read: mfu_contract.json (before/after ratios, no MFU), mfu_tritonop_probe.json (a branch probe, not main)
 
