@@ -149,6 +149,7 @@ def build_vision_meta(
 
 
 def _on(have: torch.device, want: torch.device) -> bool:
+    """``want`` without an index ("cuda") accepts any index of its type: the mask then stays where it is."""
     return have.type == want.type and want.index in (None, have.index)
 
 
