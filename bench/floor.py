@@ -23,12 +23,16 @@ router with a weak balancing loss keeps):
   gemms       the nine grouped GEMMs alone (torch._grouped_mm: gate / up / down forward, their input and weight
               gradients) at that routing's tokens per expert, and one dense GEMM of the same FLOPs (what grouping
               costs)
-  permute     titan_mm's gather of each token's rows into expert order (``x[tok_A]``) and its backward, against
-              the bytes it moves at the H200's copy rate (4.23 TB/s, docs GPU.md)
-  combine     the weighted scatter back to tokens (``index_add_``) and its backward, against its bytes
+  permute     titan_mm's gather of each token's rows into expert order (``moe.expand_rows``: its backward sums
+              each token's rows by a gather) and its backward, against the bytes it moves at the H200's copy rate
+              (4.23 TB/s, docs GPU.md); ``permute_autograd`` is plain ``x[tok_A]``, whose backward is index_put
+              with accumulation (titan_mm's form before 2026-12-02)
+  combine     the weighted sum back to tokens (``moe.combine``, a gather in both directions) and its backward,
+              against its bytes; ``combine_index_add`` is the scatter with ``index_add_`` (the form before)
   route       router logits, softmax, top-k, renormalization and the aux statistics, forward + backward
   layer       titan_mm's whole MoE layer (titan_mm.models.common.moe.MoE), forward + backward; the parts above
-              do not add up to it exactly (the SwiGLU between the GEMMs is in ``layer`` only)
+              do not add up to it exactly (the SwiGLU between the GEMMs is in ``layer`` only);
+              ``layer_compiled`` the same under torch.compile, as the trainer runs its blocks
 
   PYTHONPATH=$PWD python3 bench/floor.py --cases qwen3_1.7b --out bench/results/floor.json
   PYTHONPATH=$PWD python3 bench/floor.py --cases qwen3_30b_a3b_4l --out bench/results/floor_moe.json
@@ -231,19 +235,27 @@ def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16
     dense = lambda: [a_AD @ b_DF for _ in range(3)]  # noqa: E731
 
     x_ND = mk(n, D).requires_grad_()
-    order = torch.argsort(top_i.reshape(-1), stable=True)
-    tok_A = order // K
+    r = moe.sort_by_expert(top_i, E)
 
     def permute():
         x_ND.grad = None
-        x_ND[tok_A].backward(dy_AD)
+        moe.expand_rows(x_ND, r.src_A, r.inv_NK).backward(dy_AD)
+
+    def permute_autograd():
+        x_ND.grad = None
+        x_ND[r.src_A].backward(dy_AD)
     y_AD = mk(A, D).requires_grad_()
-    w_A = torch.rand(A, 1, device=device).to(dtype).requires_grad_()
+    w_NK = torch.rand(n, K, device=device).to(dtype).requires_grad_()
     dy_ND = mk(n, D)
 
     def combine():
-        y_AD.grad = w_A.grad = None
-        torch.zeros(n, D, device=device, dtype=dtype).index_add_(0, tok_A, y_AD * w_A).backward(dy_ND)
+        y_AD.grad = w_NK.grad = None
+        moe.combine(y_AD, w_NK, r, dtype).backward(dy_ND)
+
+    def combine_index_add():
+        y_AD.grad = w_NK.grad = None
+        w_A = w_NK.reshape(-1)[r.order_A, None]
+        torch.zeros(n, D, device=device, dtype=dtype).index_add_(0, r.src_A, y_AD * w_A).backward(dy_ND)
     elt = torch.finfo(dtype).bits // 8
     # lower bounds, each tensor touched once a pass: permute's forward reads and writes A rows, its backward reads
     # A rows and writes N (accumulating K each); combine the same, plus the weighted rows written and read again
@@ -258,15 +270,20 @@ def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16
         probs, w, i = moe.route(xl[0], layer.router.weight, K, True)
         (w.float().sum() + moe.aux_stats(probs, i, None).sum()).backward()
 
-    def whole():  # the layer's own route, then its experts at this routing's choices
-        probs, w, i = moe.route(xl[0], layer.router.weight, K, True)
-        y = layer.experts(xl[0], w, top_i)
-        (y.float().pow(2).mean() + moe.aux_stats(probs, i, None).sum()).backward()
+    def layer_loss(x):  # the layer's own route, then its experts at this routing's choices
+        probs, w, i = moe.route(x, layer.router.weight, K, True)
+        y = layer.experts(x, w, top_i)
+        return y.float().pow(2).mean() + moe.aux_stats(probs, i, None).sum()
+    compiled_loss = torch.compile(layer_loss)
+    whole = lambda: layer_loss(xl[0]).backward()  # noqa: E731
+    whole_compiled = lambda: compiled_loss(xl[0]).backward()  # noqa: E731
     forced, moe.GROUPED_MM = moe.GROUPED_MM, True  # the grouped path on the CPU smoke test as well
     try:
         res = dict(kind=kind, tokens=n, assignments=A, max_over_mean=float(counts.max() * E / A),
                    gemms_ms=ms_of(gemms), dense_same_flops_ms=ms_of(dense), permute_ms=ms_of(permute),
-                   combine_ms=ms_of(combine), route_ms=ms_of(route_part), layer_ms=ms_of(whole))
+                   permute_autograd_ms=ms_of(permute_autograd), combine_ms=ms_of(combine),
+                   combine_index_add_ms=ms_of(combine_index_add), route_ms=ms_of(route_part), layer_ms=ms_of(whole),
+                   layer_compiled_ms=ms_of(whole_compiled) if gpu else None)
     finally:
         moe.GROUPED_MM = forced
     res.update(gemm_flops=gemm_flops, gemms_tflops=gemm_flops / res["gemms_ms"] / 1e9,
@@ -310,8 +327,10 @@ def main() -> int:
             for m in rows[-1]["moe"]:
                 print(f"{name} {m['kind']} (max/mean {m['max_over_mean']:.2f}): gemms {m['gemms_ms']:.2f} ms "
                       f"({m['gemms_tflops']:.0f} TFLOP/s; dense same FLOPs {m['dense_tflops']:.0f}), permute "
-                      f"{m['permute_ms']:.2f} ms (floor {m['permute_floor_ms']:.2f}), combine {m['combine_ms']:.2f} "
-                      f"(floor {m['combine_floor_ms']:.2f}), route {m['route_ms']:.2f}, layer {m['layer_ms']:.2f} ms",
+                      f"{m['permute_ms']:.2f} ms (x[tok] {m['permute_autograd_ms']:.2f}, floor {m['permute_floor_ms']:.2f}), "
+                      f"combine {m['combine_ms']:.2f} (index_add {m['combine_index_add_ms']:.2f}, floor "
+                      f"{m['combine_floor_ms']:.2f}), route {m['route_ms']:.2f}, layer {m['layer_ms']:.2f} ms "
+                      f"(compiled {m['layer_compiled_ms']:.2f})",
                       flush=True)
             continue
         gemm = gemm_floor(t, n, False)

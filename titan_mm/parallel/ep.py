@@ -14,7 +14,8 @@ Forward (dropless; every routed token reaches its expert):
   3. all-to-all the token rows to the ranks that own their experts (autograd-aware collective);
   4. regroup the received rows from (source rank, expert) to (expert, source rank) order, on device;
   5. grouped SwiGLU over the local experts (``torch._grouped_mm`` on CUDA bf16, a loop elsewhere);
-  6. undo 4, all-to-all back, weight by the router probabilities and sum per token (``index_add``).
+  6. undo 4, all-to-all back, weight by the router probabilities and sum per token (moe.combine: gathers,
+     as on one rank).
 
 Expert weights are not split over ``tp`` (the MoE input is replicated over tp, each tp rank runs the same
 expert computation, so expert gradients are already identical over tp).
@@ -29,6 +30,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titan_mm.models.common import init
+from titan_mm.models.common.moe import combine, expand_rows, grouped_swiglu, permute_rows, sort_by_expert
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
@@ -50,51 +52,38 @@ class ExpertParallelExperts(nn.Module):
             # every rank holds the same full tensor (or meta): take the local slice, no communication
             d = distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)
             setattr(self, name, nn.Parameter(d, requires_grad=p.requires_grad))
-        self._grouped = _grouped_fn()
 
     def reset_parameters(self, std: float) -> None:
         for name in _WEIGHTS:
             init.normal_(getattr(self, name), mean=0.0, std=std)
 
     def forward(self, x_ND: torch.Tensor, top_w_NK: torch.Tensor, top_i_NK: torch.Tensor) -> torch.Tensor:
-        N, K = top_i_NK.shape
         E, P = self.num_experts, self.ep
         EL = E // P
         group = self.ep_mesh.get_group()
         dev = x_ND.device
-
-        flat_e_A = top_i_NK.reshape(-1)
-        order_A = torch.argsort(flat_e_A, stable=True)
-        tok_A = order_A // K
-        counts_E = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat_e_A, torch.ones_like(flat_e_A))
-        recv_E = torch.empty_like(counts_E)  # recv_E[src*EL + e] = rows rank src sends to my local expert e
-        dist.all_to_all_single(recv_E, counts_E, group=group)
+        r = sort_by_expert(top_i_NK, E)
+        recv_E = torch.empty_like(r.counts_E)  # recv_E[src*EL + e] = rows rank src sends to my local expert e
+        dist.all_to_all_single(recv_E, r.counts_E, group=group)
         # The one host sync of EP: split sizes of the token all-to-all (Python ints).
-        splits = torch.stack([counts_E.view(P, EL).sum(1), recv_E.view(P, EL).sum(1)]).cpu()
+        splits = torch.stack([r.counts_E.view(P, EL).sum(1), recv_E.view(P, EL).sum(1)]).cpu()
         in_splits, out_splits = splits[0].tolist(), splits[1].tolist()
         n_recv = sum(out_splits)
 
-        x_recv = all_to_all_single_autograd(x_ND[tok_A], out_splits, in_splits, group)
+        x_recv = all_to_all_single_autograd(expand_rows(x_ND, r.src_A, r.inv_NK), out_splits, in_splits, group)
         # (src, expert) order -> (expert, src) order, computed on device from recv_E (no sync)
         seg = torch.repeat_interleave(torch.arange(P * EL, device=dev), recv_E, output_size=n_recv)
         perm = torch.argsort((seg % EL) * P + seg // EL, stable=True)
         local_counts = recv_E.view(P, EL).sum(0)
         w1, w3, w2 = (_local(getattr(self, n)) for n in _WEIGHTS)
-        y_local = self._grouped(x_recv[perm], local_counts, w1, w3, w2)
-        y_recv = y_local[torch.argsort(perm)]
+        y_local = grouped_swiglu(permute_rows(x_recv, perm), local_counts, w1, w3, w2)
+        y_recv = permute_rows(y_local, torch.argsort(perm))
         y_AD = all_to_all_single_autograd(y_recv, in_splits, out_splits, group)
-        y_AD = y_AD * top_w_NK.reshape(-1)[order_A, None]
-        return torch.zeros_like(x_ND).index_add_(0, tok_A, y_AD.to(x_ND.dtype))
+        return combine(y_AD, top_w_NK, r, x_ND.dtype)
 
 
 def _local(w):
     return w.to_local() if isinstance(w, DTensor) else w
-
-
-def _grouped_fn():
-    from titan_mm.models.common.moe import grouped_swiglu
-
-    return grouped_swiglu
 
 
 def apply_ep(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims) -> None:

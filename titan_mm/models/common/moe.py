@@ -8,9 +8,12 @@ Expert weights are stacked (torchtitan layout, nn.Linear [out, in] per expert):
 On CUDA with bf16 the experts run as three ``torch._grouped_mm`` calls with group offsets computed on device
 (no host sync); in other dtypes on CUDA as titan_mm.kernels.grouped_mm (a Triton grouped GEMM whose tile
 schedule is built on the device: no host sync either). On CPU a loop over experts runs, exact in fp32.
+Tokens move to expert order and back by gathers in both directions (expand_rows / combine): no index_add.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -68,6 +71,73 @@ def grouped_linear(x_AD: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tens
     return torch.cat([F.linear(x_e, w_ENK[e]) for e, x_e in enumerate(torch.split(x_AD, counts_E.tolist(), dim=0))])
 
 
+class Routing(NamedTuple):
+    """The N*K assignments sorted by expert (stable): ``src_A`` the token of each sorted assignment, ``inv_NK``
+    the sorted positions of each token's K assignments (ascending, so in increasing expert id), ``order_A`` the
+    flat (token, slot) index of each sorted assignment, ``counts_E`` assignments per expert (all on the device)."""
+
+    src_A: torch.Tensor
+    inv_NK: torch.Tensor
+    order_A: torch.Tensor
+    counts_E: torch.Tensor
+
+
+def sort_by_expert(top_i_NK: torch.Tensor, num_experts: int) -> Routing:
+    N, K = top_i_NK.shape
+    flat_e_A = top_i_NK.reshape(-1)
+    order_A = torch.argsort(flat_e_A, stable=True)
+    pos_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(N * K, device=order_A.device))
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_e_A.device).scatter_add_(
+        0, flat_e_A, torch.ones_like(flat_e_A))
+    return Routing(order_A // K, pos_A.view(N, K).sort(dim=1).values, order_A, counts_E)
+
+
+class _ExpandRows(torch.autograd.Function):
+    """out[a] = x[src_A[a]], each row of x taken by the rows ``inv_NK`` lists for it. Its backward sums those
+    rows back by a gather: plain indexing's backward scatters with atomics (bench/floor.py's permute rows)."""
+
+    @staticmethod
+    def forward(ctx, x, src_A, inv_NK):
+        ctx.save_for_backward(src_A, inv_NK)
+        return x[src_A]
+
+    @staticmethod
+    def backward(ctx, g):
+        src_A, inv_NK = ctx.saved_tensors
+        return g[inv_NK].sum(1), None, None
+
+
+class _ReduceRows(torch.autograd.Function):
+    """The adjoint of _ExpandRows: out[n] = sum of y's rows ``inv_NK[n]``, in that order; backward g[src_A]."""
+
+    @staticmethod
+    def forward(ctx, y, inv_NK, src_A):
+        ctx.save_for_backward(src_A, inv_NK)
+        return y[inv_NK].sum(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        src_A, inv_NK = ctx.saved_tensors
+        return g[src_A], None, None
+
+
+def expand_rows(x: torch.Tensor, src_A: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
+    """x[src_A] with a gather backward; ``inv_NK`` lists, for each row of x, the output rows that copy it."""
+    return _ExpandRows.apply(x, src_A, inv_NK)
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """x[perm] for a permutation ``perm``, with a gather backward."""
+    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    return _ExpandRows.apply(x, perm, inv[:, None])
+
+
+def combine(y_AD: torch.Tensor, top_w_NK: torch.Tensor, r: Routing, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's expert outputs weighted by its router weights and summed in increasing expert id (as HF)."""
+    y_AD = y_AD * top_w_NK.reshape(-1)[r.order_A, None]
+    return _ReduceRows.apply(y_AD.to(dtype), r.inv_NK, r.src_A)
+
+
 class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
@@ -77,18 +147,9 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
     def forward(self, x_ND: torch.Tensor, top_w_NK: torch.Tensor, top_i_NK: torch.Tensor) -> torch.Tensor:
-        N, K = top_i_NK.shape
-        E = self.num_experts
-        flat_e_A = top_i_NK.reshape(-1)
-        order_A = torch.argsort(flat_e_A, stable=True)
-        tok_A = order_A // K
-        counts_E = torch.zeros(E, dtype=torch.int64, device=x_ND.device).scatter_add_(
-            0, flat_e_A, torch.ones_like(flat_e_A)
-        )
-        y_AD = grouped_swiglu(x_ND[tok_A], counts_E, self.w1, self.w3, self.w2)
-        y_AD = y_AD * top_w_NK.reshape(-1)[order_A, None]
-        # index_add in expert order: per token, contributions are summed in increasing expert id (as HF).
-        return torch.zeros_like(x_ND).index_add_(0, tok_A, y_AD.to(x_ND.dtype))
+        r = sort_by_expert(top_i_NK, self.num_experts)
+        y_AD = grouped_swiglu(expand_rows(x_ND, r.src_A, r.inv_NK), r.counts_E, self.w1, self.w3, self.w2)
+        return combine(y_AD, top_w_NK, r, x_ND.dtype)
 
     def reset_parameters(self, std: float) -> None:
         for w in (self.w1, self.w3, self.w2):
