@@ -53,6 +53,7 @@ CASES: dict[str, dict] = {
     "debug_qwen3_5": dict(model="qwen3_5", flavor="debug", overrides={}, batch=1, seq=1024, vl=True),
     "qwen3_1.7b": dict(model="qwen3", flavor="1.7B", overrides={}, batch=4, seq=4096),
     "qwen3_4b": dict(model="qwen3", flavor="4B", overrides={}, batch=2, seq=4096),
+    "qwen3_8b_12l": dict(model="qwen3", flavor="8B", overrides={"num_hidden_layers": 12}, batch=2, seq=4096),
     "qwen3_30b_a3b_4l": dict(model="qwen3_moe", flavor="30B-A3B", overrides={"num_hidden_layers": 4}, batch=4,
                              seq=4096),
     "qwen3_vl_2b": dict(model="qwen3_vl", flavor="2B", overrides={}, batch=1, seq=8192, vl=True),
@@ -138,6 +139,14 @@ def text_batch(vocab: int, batch: int, seq: int, device, seed: int = 0) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ worker
+def merge_overrides(base: dict, extra: dict) -> dict:
+    """``extra`` over ``base``, nested dicts merged key by key (a VL case's {"text": {...}} keeps its layer cut)."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge_overrides(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def titan_argv(case: dict, stack: str, args) -> list[str]:
     """The trainer's command-line overrides for a titan stack on a case (JobConfig defaults + these)."""
     ac_mode, ac_layers = parse_ac(args.ac)
@@ -158,8 +167,9 @@ def titan_argv(case: dict, stack: str, args) -> list[str]:
         "--checkpoint.enable", "False",
         "--parallel.fsdp_reshard_after_forward", args.reshard,
     ]
-    if case.get("overrides"):
-        argv += ["--model.overrides", json.dumps(case["overrides"])]
+    overrides = merge_overrides(case.get("overrides") or {}, json.loads(args.model_overrides or "{}"))
+    if overrides:
+        argv += ["--model.overrides", json.dumps(overrides)]
     if args.kernel_ops and stack != "titan_nokernels":
         argv += ["--kernels.ops", args.kernel_ops]
     return argv
@@ -385,7 +395,8 @@ def _row_order(r: dict):
     """Table order: case (as in CASES), AC none first, stack, the default kernel ops before variants."""
     case = list(CASES).index(r["case"]) if r["case"] in CASES else len(CASES)
     stack = STACK_ORDER.index(r["stack"]) if r["stack"] in STACK_ORDER else len(STACK_ORDER)
-    return case, r.get("ac") != "none", r.get("ac") or "", stack, r.get("kernel_ops") or "", r.get("reshard") or ""
+    return (case, r.get("ac") != "none", r.get("ac") or "", stack, r.get("kernel_ops") or "", r.get("reshard") or "",
+            r.get("model_overrides") or "")
 
 
 def render(rows: list[dict]) -> str:
@@ -399,6 +410,7 @@ def render(rows: list[dict]) -> str:
                  and not p["stack"].startswith("titan")]
         ratio = f"{r['tokens_per_s'] / max(peers):.2f}x" if peers else ""
         stack = r["stack"] + (f" (ops {r['kernel_ops']})" if r.get("kernel_ops") else "") \
+            + (f" ({r['model_overrides']})" if r.get("model_overrides") else "") \
             + (f" (reshard {r['reshard']})" if r.get("reshard") else "") \
             + (" (guards skipped)" if r.get("skip_guard_eval_unsafe") else "")
         out.append(f"| {r['case']} | {stack} | {r['ac']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
@@ -416,6 +428,8 @@ def main() -> int:
                     "(default: the config's, 'all'); the row records it and keys on it")
     ap.add_argument("--reshard", default="always", choices=("always", "never"),
                     help="titan parallel.fsdp_reshard_after_forward; a row other than always (the default) records it and keys on it")
+    ap.add_argument("--model-overrides", default="", help="JSON merged into the case's model overrides for the "
+                    "titan stacks, e.g. '{\"loss_chunk_size\": 2048}' (an ablation); the row records it and keys on it")
     ap.add_argument("--attn", default="auto", help="titan model.attn_backend: auto (the trainer's: flex on CUDA, "
                     "sdpa on the CPU) | sdpa | flex | varlen")
     ap.add_argument("--warmup", type=int, default=4)
@@ -454,6 +468,7 @@ def main() -> int:
             prof = str(Path(args.profile) / f"profile_{case}_{stack}.txt") if args.profile else ""
             cmd = [sys.executable, __file__, "--worker", "--case", case, "--stack", stack, "--ac", args.ac,
                    "--profile", prof, "--kernel-ops", args.kernel_ops, "--reshard", args.reshard,
+                   "--model-overrides", args.model_overrides,
                    *(["--trace-file", str(Path(args.profile) / f"trace_{case}_{stack}.json")] if args.trace and prof else []),
                    "--attn", args.attn, *(["--cpu"] if args.cpu else []), "--warmup", str(args.warmup), "--steps", str(args.steps)]
             t0 = time.time()
@@ -474,6 +489,8 @@ def main() -> int:
             r = rows[-1]
             if args.kernel_ops and stack.startswith("titan") and stack != "titan_nokernels":
                 r["kernel_ops"] = args.kernel_ops
+            if args.model_overrides and stack.startswith("titan") and stack != "titan_plain":
+                r["model_overrides"] = args.model_overrides
             if args.reshard != "always" and stack.startswith("titan") and stack != "titan_plain":
                 r["reshard"] = args.reshard
             print(f"[{time.time() - t0:5.0f}s] {case} {stack}: "
@@ -491,6 +508,7 @@ def _write(out: Path, rows: list[dict]) -> list[dict]:
     keep = [r for r in prev.get("rows", []) if not any(
         r["case"] == n["case"] and r["stack"] == n["stack"] and r.get("ac") == n.get("ac")
         and r.get("kernel_ops") == n.get("kernel_ops") and r.get("reshard") == n.get("reshard")
+        and r.get("model_overrides") == n.get("model_overrides")
         and r.get("skip_guard_eval_unsafe") == n.get("skip_guard_eval_unsafe") for n in rows)]
     out.write_text(json.dumps({"peak_tflops": PEAK_TFLOPS, "rows": keep + rows}, indent=1))
     return keep + rows

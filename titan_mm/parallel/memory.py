@@ -217,7 +217,7 @@ def memory_terms(model_cfg, topo: Topology, act_bytes: int = 2, *, kernels: bool
 def loss_bytes(model_cfg, plan, topo: Topology, tokens: float, act_bytes: int = 2, *,
                kernels: bool | None = None, loss_chunk: int | None = None) -> tuple[float, float]:
     """(working set of the loss in the forward, what it keeps for the backward: grad_h and grad_W).
-    ``loss_chunk``: tokens per chunk of the PyTorch chunked CE (None: the family's ``MemoryTerms``)."""
+    ``loss_chunk``: tokens per chunk of the CE, fused or PyTorch (None: the family's ``MemoryTerms``)."""
     spec = spec_for_config(model_cfg)
     dims = spec.dims(model_cfg)
     a = act_bytes
@@ -226,17 +226,15 @@ def loss_bytes(model_cfg, plan, topo: Topology, tokens: float, act_bytes: int = 
     kernels = _kernels(spec, model_cfg, kernels)
     vt = topo.tp if (topo.tp > 1 and plan is not None and plan.loss_parallel) else 1
     keep = (a * V * D) / vt + a * N * D  # grad_W (weight dtype) and grad_h (kept until the backward)
-    if kernels and N > 0:
-        # titan_mm.kernels.linear_cross_entropy (loss parallel: its vocab-parallel form on the V/tp shard): one
-        # [C, V/vt] logits buffer in h.dtype, C from default_chunk_size over the shard
-        Vl = math.ceil(V / vt)
-        chunk = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(N / math.ceil(Vl / D))))))
-        work = keep + a * min(chunk, N) * Vl + 4 * N
-        return work, keep
-    # titan_mm.models.common.loss.chunked_cross_entropy (fp32 grad_W accumulator, fp32 chunk buffers)
     if loss_chunk is None:
         loss_chunk = memory_terms(model_cfg, topo, a, kernels=kernels).loss_chunk
     C = min(int(loss_chunk or 4096), max(N, 1))
+    if kernels and N > 0:
+        # titan_mm.kernels.linear_cross_entropy (loss parallel: its vocab-parallel form on the V/tp shard): one
+        # [C, V/vt] logits buffer in h.dtype
+        work = keep + a * C * math.ceil(V / vt) + 4 * N
+        return work, keep
+    # titan_mm.models.common.loss.chunked_cross_entropy (fp32 grad_W accumulator, fp32 chunk buffers)
     sizes = [min(C, N - s) for s in range(0, N, C)] or [0]
     chunk_peak = (12 + a) * sizes[0]
     for prev, cur in zip(sizes, sizes[1:]):

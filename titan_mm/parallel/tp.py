@@ -244,7 +244,8 @@ def vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z
 
         if K.use_triton(h_ND, w_local) and h_ND.dtype == w_local.dtype:
             return K.vocab_parallel_linear_cross_entropy(h_ND, w_local, labels_N, v0, mesh.get_group(),
-                                                         z_loss=float(z_loss_weight), weights=weights_N)
+                                                         z_loss=float(z_loss_weight), chunk_size=chunk_size,
+                                                         weights=weights_N)
     return chunked_cross_entropy(h_ND, w_local, labels_N, chunk_size, z_loss_weight, group=mesh.get_group(),
                                  vocab_start=v0, weights_N=weights_N)
 

@@ -63,7 +63,8 @@ def select_ops(use_kernels: bool | str) -> Ops:
     on = K.resolve_ops(use_kernels)
 
     def kernel_ce(h, w, labels, chunk_size, z_loss_weight, weights_N=None):
-        return K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z_loss_weight, weights=weights_N)
+        return K.linear_cross_entropy(h, w, labels, ignore_index=-100, z_loss=z_loss_weight, chunk_size=chunk_size,
+                                      weights=weights_N)
 
     kernel_ce.fused_linear_ce = True  # loss parallel keeps the fused kernel (per vocabulary shard); parallel/tp.py
     norm = K.rms_norm if "rms_norm" in on else rms_norm

@@ -79,7 +79,8 @@ class Qwen3_5TextConfig:
     linear_attn_backend: str = "auto"
     """Gated DeltaNet layers: "auto" (fla-core's Triton kernel on CUDA, the PyTorch reference elsewhere), "fla" or
     "torch" (titan_mm/models/common/linear_attention.py)."""
-    loss_chunk_size: int = 4096
+    loss_chunk_size: int = 2048
+    """Tokens per cross-entropy chunk (as Qwen3Config.loss_chunk_size)."""
     z_loss_weight: float = 0.0
     kernels: bool | str = False
     """titan_mm.kernels ops (as Qwen3Config.kernels)."""
