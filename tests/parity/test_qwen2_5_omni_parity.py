@@ -270,7 +270,7 @@ def test_config_reader_flavors_and_spec():
     spec = get_model_spec("qwen2_5_omni")
     dbg = spec.flavor("debug")
     needs = spec.data_needs(dbg)
-    assert needs.special_tokens["audio_pad"] == dbg.audio_token_id and needs.positions == "mrope" and not needs.video
+    assert needs.special_tokens["audio_pad"] == dbg.audio_token_id and needs.positions == "mrope" and needs.video
     assert spec.flops(dbg, [100], audio_feature_lengths=[300, 45]) > spec.flops(dbg, [100])
     p = spec.plan(dbg)
     assert {"audio_tower.blocks.?", "visual.blocks.?"} <= set(p.fsdp_units)

@@ -34,13 +34,16 @@ QWEN3_WINDOW = 100  # frames per Qwen3-Omni audio window (2 x n_window), 13 toke
 
 
 def decode_audio(payload, rate: int = 16000) -> np.ndarray:
-    """Mono float32 samples at ``rate`` Hz."""
+    """Mono float32 samples at ``rate`` Hz of the first audio stream of any container (a video's own track too)."""
     import av
 
     try:
         src = io.BytesIO(payload) if isinstance(payload, (bytes, bytearray)) else payload
         out = []
         with av.open(src) as c:
+            if not c.streams.audio:
+                raise SkipSample("no_audio_track", "the file has no audio stream (a video part with "
+                                 "use_audio_in_video needs one: drop the flag or give a video with sound)")
             st = c.streams.audio[0]
             rs = av.AudioResampler(format="flt", layout="mono", rate=rate)
             for fr in c.decode(st):
@@ -48,6 +51,8 @@ def decode_audio(payload, rate: int = 16000) -> np.ndarray:
                     out.append(o.to_ndarray().reshape(-1))
             for o in rs.resample(None):
                 out.append(o.to_ndarray().reshape(-1))
+    except SkipSample:
+        raise
     except Exception as e:
         raise SkipSample("bad_audio", f"cannot decode audio ({type(e).__name__}: {e})") from None
     if not out:
@@ -125,6 +130,15 @@ def audio_tokens(frames: int, encoder: str) -> int:
         return ((frames - 1) // 2 + 1 - 2) // 2 + 1
     feat = (frames % QWEN3_WINDOW - 1) // 2 + 1
     return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + frames // QWEN3_WINDOW * 13
+
+
+def add_video_audio(video: MediaItem, payload, cfg) -> MediaItem:
+    """use_audio_in_video: the video item with its own audio track (decoded from the same payload) added, features
+    and token count as an audio part's; the clip's keys join the item's, so its clip keeps its placeholder order."""
+    clip = process_audio(payload, cfg)
+    video.tensors.update(clip.tensors)
+    video.audio_tokens = clip.n_tokens
+    return video
 
 
 def process_audio(payload, cfg) -> MediaItem:

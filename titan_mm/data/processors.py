@@ -144,6 +144,17 @@ class Processor:
             out.append(s)
             pos += len(s)
 
+        def audio_tokens() -> dict:
+            """The tokenizer's names, once audio is known to be usable (an audio part, or a video's own track)."""
+            if not self.cfg.audio_encoder:
+                raise SkipSample("unknown_modality", "audio part, but this model family takes no audio "
+                                 "(its data needs name no audio encoder)")
+            n = self.tok.names
+            if None in (n["audio_start"], n["audio_pad"], n["audio_end"]):
+                raise SkipSample("unknown_modality", "audio part, but the tokenizer has no <|audio_pad|> / "
+                                 "<|AUDIO|> tokens (audio needs an Omni tokenizer)")
+            return n
+
         def content_str(parts) -> str:
             s = []
             for p in parts:
@@ -156,17 +167,16 @@ class Processor:
                     if p.type == "video" and not self.cfg.needs.video:
                         raise SkipSample("unknown_modality", "video part, but this model family does not train on "
                                          "video (its data needs say video=False)")
+                    if p.use_audio_in_video:
+                        if not self.cfg.needs.seconds_per_chunk:
+                            raise SkipSample("unknown_modality", "video part with use_audio_in_video, but this model "
+                                             "family does not interleave audio with video (no seconds_per_chunk)")
+                        audio_tokens()
                     n = self.tok.names
                     s.append(n["vision_start"] + n[f"{p.type}_pad"] + n["vision_end"])
                     media.append(p)
                 elif p.type == "audio":
-                    if not self.cfg.audio_encoder:
-                        raise SkipSample("unknown_modality", "audio part, but this model family takes no audio "
-                                         "(its data needs name no audio encoder)")
-                    n = self.tok.names
-                    if None in (n["audio_start"], n["audio_pad"], n["audio_end"]):
-                        raise SkipSample("unknown_modality", "audio part, but the tokenizer has no <|audio_pad|> / "
-                                         "<|AUDIO|> tokens (audio needs an Omni tokenizer)")
+                    n = audio_tokens()
                     s.append(n["audio_start"] + n["audio_pad"] + n["audio_end"])
                     media.append(p)
                 else:
@@ -245,9 +255,13 @@ class Processor:
                 tok = np.full(item.n_tokens, self.tok.image_pad_id, dtype=np.int64)
             elif part.type == "video":
                 item = vision.process_video(payload, self.cfg)
-                # like HF's Qwen3VLProcessor, only the <|video_pad|> is replaced (the template's
+                # like HF's processors, only the <|video_pad|> is replaced (the template's
                 # <|vision_start|> / <|vision_end|> around it stay)
-                tok = vision.video_placeholder_ids(item, self.tok)
+                if part.use_audio_in_video:
+                    item = audio.add_video_audio(item, payload, self.cfg)
+                    tok = vision.audio_in_video_ids(item, self.tok, self.cfg)
+                else:
+                    tok = vision.video_placeholder_ids(item, self.tok)
             else:
                 item = audio.process_audio(payload, self.cfg)
                 tok = np.full(item.n_tokens, self.tok.audio_pad_id, dtype=np.int64)

@@ -9,6 +9,7 @@ Accepted record layouts (one JSON object per JSONL line, Parquet row, or tar ``.
             {"type": "image_url", "image_url": {"url": "imgs/0001.jpg"}},   # OpenAI / lmms-engine
             {"type": "image", "image": "https://.../a.png"},                 # HF processor style
             {"type": "video_url", "video_url": {"url": "clips/a.mp4"}},
+            {"type": "video", "video": "clips/b.mp4", "use_audio_in_video": true},  # with its own audio track
             {"type": "audio_url", "audio_url": {"url": "a.wav"}},
             {"type": "input_audio", "input_audio": {"data": "<base64 of a.wav>", "format": "wav"}},  # OpenAI
             {"type": "text", "text": "What is shown?"}]},
@@ -24,6 +25,10 @@ a ``data:`` URI, raw bytes (Parquet binary column), ``{"bytes": ...}``, or the n
 same tar shard; audio may also be an in-memory waveform (a 1-D float numpy array at 16 kHz, as the built-in
 DTMF data gives it: ``{"type": "audio", "audio": wave}``). An unknown part type is skipped with reason
 ``unknown_modality``.
+
+``"use_audio_in_video": true`` on a video part (HF Qwen2.5-Omni's flag, per video): the video's own audio track is
+decoded from the same file and interleaved with its frames (families whose DataNeeds.seconds_per_chunk is set;
+elsewhere the sample is skipped, ``unknown_modality``; a video without an audio track is ``no_audio_track``).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class Part:
     type: str  # "text" | "image" | "video" | "audio"
     text: str = ""
     ref: Any = None  # media reference (path / URL / bytes / dict)
+    use_audio_in_video: bool = False  # video: its own audio track is interleaved with it
 
 
 @dataclass
@@ -91,6 +97,16 @@ def _media_ref(part: dict, kind: str) -> Any:
     raise SkipSample("bad_schema", f"{kind} part without a reference: {part!r}"[:300])
 
 
+def _audio_in_video(part: dict, kind: str, where: str) -> bool:
+    flag = part.get("use_audio_in_video", False)
+    if not isinstance(flag, bool):
+        raise SkipSample("bad_schema", f"{where}: use_audio_in_video must be true or false, got {flag!r}"[:300])
+    if flag and kind != "video":
+        raise SkipSample("bad_schema", f"{where}: use_audio_in_video is set on a {kind} part; it belongs on a video "
+                         "part (whose own audio track is used)")
+    return flag
+
+
 def _parse_content(content: Any, where: str) -> list[Part]:
     if content is None:
         return []
@@ -110,7 +126,7 @@ def _parse_content(content: Any, where: str) -> list[Part]:
             parts.append(Part("text", str(p.get("text", ""))))
         elif t in MEDIA_TYPES:
             kind = MEDIA_TYPES[t]
-            parts.append(Part(kind, ref=_media_ref(p, kind)))
+            parts.append(Part(kind, ref=_media_ref(p, kind), use_audio_in_video=_audio_in_video(p, kind, where)))
         else:
             raise SkipSample("unknown_modality", f"{where}: part type {t!r} (known: text, {', '.join(MEDIA_TYPES)})")
     return parts

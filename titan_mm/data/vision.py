@@ -1,5 +1,5 @@
-"""Images and video as the family's HF processor makes them (DataNeeds.vision_layout: "qwen3_vl" or
-"qwen2_5_vl"), plus 3-D M-RoPE positions, on CPU with numpy / PIL / PyAV.
+"""Images and video as the family's HF processor makes them (DataNeeds.vision_layout: "qwen3_vl", "qwen2_5_vl" or
+"qwen2_5_omni"), plus 3-D M-RoPE positions, on CPU with numpy / PIL / PyAV.
 
 Images (equal to transformers' Qwen2VLImageProcessor with the family's settings, see tests/parity):
   RGB (transparency composited onto white) -> smart resize (both sides multiples of patch*merge, 32 or 28, area
@@ -16,6 +16,10 @@ Video: frames decoded with PyAV, resized with torch bicubic antialias (as torchv
   - "qwen2_5_vl" (Qwen2VLVideoProcessor + Qwen2_5_VLProcessor): a multiple of 2 frames sampled at ``video_fps``,
     each frame's area within [video_min_pixels, video_max_pixels]; the template's ``<|video_pad|>`` becomes
     t*h*w/4 of them, and ``video_second_per_grid`` = 2 / (the sampled fps).
+  - "qwen2_5_omni" (Qwen2VLVideoProcessor + Qwen2_5OmniProcessor): Qwen2.5-VL's, but ``video_second_per_grid`` =
+    2 / ``video_fps`` (HF times a temporal patch by the requested fps, not the sampled one). With
+    ``use_audio_in_video`` the pad becomes ``<|audio_bos|>``, then per chunk of ``seconds_per_chunk`` seconds the
+    video's pads then its audio's, then ``<|audio_eos|>`` (:func:`audio_in_video_ids`).
 M-RoPE (get_rope_index): text advances all three axes by one; a run of vision tokens starting at position p
   gets (p + t, p + row, p + col) over its merged grid, and the next token starts at p + max(rows, cols).
   Qwen3-VL: each video frame group is its own run with t = 0. Qwen2.5-VL: a video is one run and temporal
@@ -36,7 +40,9 @@ from titan_mm.data.sources import SkipSample
 # (mean, std) of each layout's HF processor: Qwen3-VL's, and Qwen2-VL's OPENAI_CLIP_MEAN / OPENAI_CLIP_STD
 NORM = {"qwen3_vl": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
         "qwen2_5_vl": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))}
+NORM["qwen2_5_omni"] = NORM["qwen2_5_vl"]
 LAYOUTS = tuple(NORM)
+QWEN2_5 = ("qwen2_5_vl", "qwen2_5_omni")  # Qwen2VLVideoProcessor's sampling and sizes, one pad run per video
 
 
 def normalize(x_CHW: np.ndarray, layout: str) -> np.ndarray:
@@ -52,8 +58,9 @@ class MediaItem:
     grid: tuple = (1, 1, 1)  # (t, h, w) in patches
     n_patches: int = 0
     n_tokens: int = 0
-    timestamps: list = field(default_factory=list)  # video: seconds per temporal group
+    timestamps: list = field(default_factory=list)  # video: seconds per temporal group (its mean / start time)
     layout: str = "qwen3_vl"  # DataNeeds.vision_layout it was made for
+    audio_tokens: int = 0  # a video with its audio track interleaved (use_audio_in_video): the audio's tokens
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
@@ -272,7 +279,7 @@ def process_video(payload, cfg, frames: list[np.ndarray] | None = None, video_fp
     box = {}
 
     def pick(total, fps):
-        if layout == "qwen2_5_vl":
+        if layout in QWEN2_5:
             idx = sample_frame_indices_qwen2_5_vl(total, fps, d.video_fps, d.video_min_frames, d.video_max_frames, tp)
         else:
             idx = sample_frame_indices(total, fps, d.video_fps, d.video_min_frames, d.video_max_frames)
@@ -292,7 +299,7 @@ def process_video(payload, cfg, frames: list[np.ndarray] | None = None, video_fp
     n_frames = len(idx)
     if n_frames < tp:
         clip = np.concatenate([clip, np.repeat(clip[-1:], tp - n_frames, 0)])
-    if layout == "qwen2_5_vl":  # the pixel bounds are per frame
+    if layout in QWEN2_5:  # the pixel bounds are per frame
         h, w = smart_resize(clip.shape[1], clip.shape[2], factor, d.video_min_pixels, d.video_max_pixels, "bad_video")
     else:
         h, w = video_smart_resize(clip.shape[0], clip.shape[1], clip.shape[2], factor, tp, d.video_min_pixels,
@@ -301,18 +308,49 @@ def process_video(payload, cfg, frames: list[np.ndarray] | None = None, video_fp
     pv, grid = patchify(x, cfg.patch_size, tp, cfg.merge_size)
     n = grid[0] * grid[1] * grid[2]
     tensors = {"pixel_values_videos": pv, "video_grid_thw": np.asarray([grid], dtype=np.int64)}
-    if layout == "qwen2_5_vl":  # Qwen2_5_VLProcessor: temporal patch / the sampled fps
-        tensors["video_second_per_grid"] = np.asarray([tp / (n_frames / box["total"] * video_fps)], np.float32)
     item = MediaItem("video", tensors, grid, n, n // cfg.merge_size**2, layout=layout)
-    if layout == "qwen3_vl":
+    if layout in QWEN2_5:
+        # Qwen2_5_VLProcessor: temporal patch / the sampled fps; Qwen2_5OmniProcessor: / the requested fps
+        sec = tp / (d.video_fps if layout == "qwen2_5_omni" else n_frames / box["total"] * video_fps)
+        tensors["video_second_per_grid"] = np.asarray([sec], np.float32)
+        item.timestamps = [k * sec for k in range(grid[0])]  # float64, as HF's processor chunks them
+    else:
         item.timestamps = frame_timestamps(idx, video_fps, tp)
     return item
 
 
+def chunk_bounds(values, per_chunk: int) -> list[tuple[int, int]]:
+    """HF Qwen2.5-Omni's get_chunked_index (processor and model alike): (start, end) runs of increasing ``values``,
+    cut wherever a value reaches the next multiple of ``per_chunk`` (one cut per value at most, as HF does)."""
+    out, a, k = [], 0, 1
+    for i, v in enumerate(np.asarray(values).tolist()):
+        if v >= k * per_chunk:
+            out.append((a, i))
+            a, k = i, k + 1
+    return out + [(a, len(values))]
+
+
+def audio_in_video_ids(item: MediaItem, tok, cfg) -> np.ndarray:
+    """Qwen2_5OmniProcessor.replace_video_with_audio_token: <|audio_bos|>, then per chunk of seconds_per_chunk
+    seconds the video's pads (frame k at k * second_per_grid * position_id_per_seconds) then the audio's (token i
+    at i), then <|audio_eos|>."""
+    per = int(cfg.needs.video_tokens_per_second * cfg.needs.seconds_per_chunk)
+    _, h, w = item.grid
+    frame_t = np.repeat(np.asarray(item.timestamps) * cfg.needs.video_tokens_per_second, h * w // cfg.merge_size**2)
+    vc, ac = chunk_bounds(frame_t, per), chunk_bounds(np.arange(item.audio_tokens), per)
+    out = [tok.audio_start_id]
+    for j in range(max(len(vc), len(ac))):  # one list may run out of chunks before the other
+        for chunks, pad in ((vc, tok.video_pad_id), (ac, tok.audio_pad_id)):
+            if j < len(chunks):
+                out += [pad] * (chunks[j][1] - chunks[j][0])
+    return np.asarray(out + [tok.audio_end_id], dtype=np.int64)
+
+
 def video_placeholder_ids(item: MediaItem, tok) -> np.ndarray:
-    """Token ids replacing the template's single <|video_pad|>. Qwen2.5-VL: t*h*w/4 <|video_pad|>. Qwen3-VL:
-    per temporal group a timestamp and a <|vision_start|> <|video_pad|>*n <|vision_end|> block."""
-    if item.layout == "qwen2_5_vl":
+    """Token ids replacing the template's single <|video_pad|> (a video alone; with its audio track see
+    :func:`audio_in_video_ids`). Qwen2.5-VL / Omni: t*h*w/4 <|video_pad|>. Qwen3-VL: per temporal group a timestamp
+    and a <|vision_start|> <|video_pad|>*n <|vision_end|> block."""
+    if item.layout in QWEN2_5:
         return np.full(item.n_tokens, tok.video_pad_id, dtype=np.int64)
     t, h, w = item.grid
     per = h * w // 4
@@ -381,9 +419,13 @@ def mrope_positions(ids: np.ndarray, items: list[MediaItem], tok, cfg) -> np.nda
     for k, pad in ((1, tok.image_pad_id), (2, tok.video_pad_id)):
         if pad is not None:
             kinds[ids == pad] = k
-    videos = [it for it in items if it.kind == "video"]
+    videos = [it for it in items if it.kind == "video" and not it.audio_tokens]
+    if len(videos) < sum(it.kind == "video" for it in items):
+        # audio in video has no M-RoPE layout: its pads count as text here (the family's TMRoPE replaces these)
+        inside = np.cumsum(ids == tok.audio_start_id) - np.cumsum(ids == tok.audio_end_id) > 0
+        kinds[inside] = 0
     secs = None
-    if cfg.needs.vision_layout == "qwen2_5_vl":
+    if cfg.needs.vision_layout in QWEN2_5:
         secs = [s for it in videos for s in it.tensors["video_second_per_grid"]]
     try:
         return mrope_index(kinds, [it.grid for it in items if it.kind == "image"], [it.grid for it in videos],

@@ -11,7 +11,7 @@ Batch keys (what :func:`prepare_batch` and the forward read):
   pixel_values_videos [Nv, P], video_grid_thw [n_videos, 3], video_second_per_grid [n_videos] (float, host)
   input_features [n_mels, T] float: every clip's log-mel frames concatenated along T (as HF flattens them)
   audio_feature_lengths [n_clips] long (host): frames per clip, in the order of ``input_features``
-  use_audio_in_video (bool, optional, host): every video's audio track is interleaved with it (HF's flag)
+  use_audio_in_video (bool, optional, host): HF's flag, accepted and not read (each video's tokens say it)
   doc_ids [B, S] (optional): packed documents; positions restart per document
 Media of each kind are numbered row-major over the batch, in the order of their placeholders.
 
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from titan_mm.data.vision import chunk_bounds
 from titan_mm.models.common.attention import AttnMeta
 from titan_mm.models.common.output import ModelOutput, Stream
 from titan_mm.models.qwen2_5_omni.audio import DUMMY_FRAMES, AudioEncoder, AudioMeta, build_audio_meta, conv_lengths
@@ -182,29 +183,20 @@ def _vision_pos(start: int, t_index: torch.Tensor, lh: int, lw: int) -> np.ndarr
     return np.stack([t, h, w]) + start
 
 
-def _chunk_bounds(pos_t: np.ndarray, per_chunk: int, start: int) -> list[tuple[int, int]]:
-    """HF's get_chunked_index: cut a run of temporal positions wherever it reaches the next multiple of
-    ``per_chunk`` (one cut per token at most, as HF does)."""
-    out, a, k = [], 0, 1
-    for i, p in enumerate(pos_t.tolist()):
-        if p - start >= k * per_chunk:
-            out.append((a, i))
-            a, k = i, k + 1
-    return out + [(a, len(pos_t))]
-
-
-def rope_index(ids_L, cfg: Qwen2_5OmniConfig, images: Iterator, videos: Iterator, audios: Iterator,
-               use_audio_in_video: bool = False) -> np.ndarray:
+def rope_index(ids_L, cfg: Qwen2_5OmniConfig, images: Iterator, videos: Iterator, audios: Iterator) -> np.ndarray:
     """Host side: [3, L] int64 TMRoPE positions of one document, as HF Qwen2.5-Omni's get_rope_index (its
     rules, quirks included: the next part starts after the max of the *last* part, audio-in-video's two start
     and two end tokens share a position). The media iterators yield, in placeholder order, image grids (t, h, w),
-    video (grid, seconds per temporal patch) and audio clip frame counts; the batch shares them across documents."""
+    video (grid, seconds per temporal patch) and audio clip frame counts; the batch shares them across documents.
+    HF's use_audio_in_video is read per video, from the tokens: a video whose <vision_start> is followed by
+    <audio_start> has its audio interleaved (the data pipeline's flag is per video part). Where HF's one flag fits
+    the document, the positions are HF's."""
     toks = np.asarray(ids_L).reshape(-1).tolist()
     L, merge, pps = len(toks), cfg.vision.spatial_merge_size, cfg.position_id_per_seconds
     img, vid, aud, a_start = cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id, cfg.audio_start_token_id
     after_vs = [toks[i + 1] for i, t in enumerate(toks[:-1]) if t == cfg.vision_start_token_id]
     n_img, n_aud = after_vs.count(img), toks.count(a_start)
-    n_vid = after_vs.count(a_start if use_audio_in_video else vid)
+    n_alone, n_vid = after_vs.count(vid), after_vs.count(vid) + after_vs.count(a_start)
     parts: list[np.ndarray] = []
 
     def nxt() -> int:
@@ -218,7 +210,7 @@ def rope_index(ids_L, cfg: Qwen2_5OmniConfig, images: Iterator, videos: Iterator
         return toks.index(tok, st) if left > 0 and tok in toks else L + 1
 
     st = 0
-    for _ in range(n_img + n_aud if use_audio_in_video else n_img + n_vid + n_aud):
+    for _ in range(n_img + n_alone + n_aud):  # an audio-in-video group counts once, by its <audio_start>
         ei, ev, ea = first(img, n_img, st), first(vid, n_vid, st), first(aud, n_aud, st)
         e = min(ei, ev, ea)
         if e == ea:
@@ -228,7 +220,7 @@ def rope_index(ids_L, cfg: Qwen2_5OmniConfig, images: Iterator, videos: Iterator
             text(n)
             text(1)
             st, n_aud = st + (e - st - 1) + n + 2, n_aud - 1
-        elif e == ei or not use_audio_in_video:  # an image (t index 0) or a video alone
+        elif e == ei or toks[e - 1] != a_start:  # an image (t index 0) or a video alone
             text(e - st - 1)
             text(1)
             (t, h, w), sec = (next(images), 1) if e == ei else next(videos)
@@ -246,7 +238,7 @@ def rope_index(ids_L, cfg: Qwen2_5OmniConfig, images: Iterator, videos: Iterator
             grid, sec = next(videos)
             v_pos = _vision_pos(s1, (torch.arange(grid[0]) * sec * pps).long(), grid[1] // merge, grid[2] // merge)
             per = int(pps * cfg.seconds_per_chunk)
-            vc, ac = _chunk_bounds(v_pos[0], per, s1), _chunk_bounds(a_pos[0], per, s1)
+            vc, ac = chunk_bounds(v_pos[0] - s1, per), chunk_bounds(a_pos[0] - s1, per)
             for j in range(max(len(vc), len(ac))):
                 parts += [v_pos[:, a:b] for a, b in vc[j:j + 1]] + [a_pos[:, a:b] for a, b in ac[j:j + 1]]
             s2 = nxt()
@@ -288,10 +280,9 @@ def tmrope_positions(cfg: Qwen2_5OmniConfig, batch: dict[str, Any]) -> torch.Ten
     lens = batch.get("audio_feature_lengths")
     images, audios = iter(grids["image_grid_thw"]), iter([] if lens is None else lens.cpu().tolist())
     videos = iter(zip(grids["video_grid_thw"], secs))
-    uaiv = bool(batch.get("use_audio_in_video", False))
     pos = torch.zeros((3, *ids.shape), dtype=torch.int64)
     for b, a, e in _documents(batch):
-        pos[:, b, a:e] = torch.from_numpy(rope_index(ids[b, a:e], cfg, images, videos, audios, uaiv))
+        pos[:, b, a:e] = torch.from_numpy(rope_index(ids[b, a:e], cfg, images, videos, audios))
     return pos
 
 

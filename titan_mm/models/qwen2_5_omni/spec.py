@@ -1,8 +1,9 @@
 """The Qwen2.5-Omni thinker's answers to the family contract (titan_mm.registry.ModelSpec): Qwen2.5-VL's
 (titan_mm/models/qwen2_5_vl/spec.py: the Qwen2 decoder, the ViT's shapes, the visual tokens, ChatML) plus the
 audio tokens, the audio front end (DataNeeds.audio_encoder "qwen2_5_omni": clips padded to 30 s) and the audio
-encoder's LayerNorm / MLP widths. Videos stay off in DataNeeds (the pipeline lays them
-out the Qwen3-VL way), and positions are TMRoPE, which this family's prepare_batch builds itself."""
+encoder's LayerNorm / MLP widths. Videos follow Qwen2_5OmniProcessor (DataNeeds.vision_layout "qwen2_5_omni"),
+a video part may interleave its own audio track (use_audio_in_video), and positions are TMRoPE, which this family's
+prepare_batch builds itself."""
 
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ def data_needs(cfg: Qwen2_5OmniConfig) -> DataNeeds:
     needs = vl_spec.data_needs(cfg)
     audio = {"audio_pad": cfg.audio_token_id, "audio_start": cfg.audio_start_token_id,
              "audio_end": cfg.audio_end_token_id}
-    # video stays off: HF's Omni processor times a temporal patch by the requested fps, not the sampled one
-    return dataclasses.replace(needs, special_tokens={**needs.special_tokens, **audio}, video=False,
-                               audio_encoder="qwen2_5_omni")
+    # video time in TMRoPE's units: position_id_per_seconds, not the ViT's tokens_per_second
+    return dataclasses.replace(needs, special_tokens={**needs.special_tokens, **audio}, video=True,
+                               vision_layout="qwen2_5_omni", video_tokens_per_second=cfg.position_id_per_seconds,
+                               seconds_per_chunk=cfg.seconds_per_chunk, audio_encoder="qwen2_5_omni")
 
 
 def fused_params(cfg: Qwen2_5OmniConfig) -> dict[str, FusedRows]:
