@@ -114,8 +114,9 @@ class BlockManager:
         """Free blocks needed to write ``n_new`` tokens after the ``computed`` ones of ``table`` and the prefix
         ``hit`` blocks it takes first."""
         need = max(0, self.blocks_for(computed + len(hit) * self.block_size + n_new) - len(table.blocks) - len(hit))
-        need += sum(1 for b in hit if self.ref[b] == 0)  # an evictable hit leaves the free pool
-        return need + (1 if self._shared_tail(table, computed, n_new) else 0)  # copy-on-write
+        if hit:
+            need += sum(1 for b in hit if self.ref[b] == 0)  # an evictable hit leaves the free pool
+        return need + self._shared_tail(table, computed, n_new)  # copy-on-write
 
     def _shared_tail(self, table: BlockTable, computed: int, n_new: int) -> bool:
         """The first new token lands in a block ``table`` shares (a forked sequence's partial block)."""
@@ -138,7 +139,7 @@ class BlockManager:
                 del self.cached[b]
             self.ref[b] += 1
             table.blocks.append(b)
-        while len(table.blocks) < self.blocks_for(computed + len(hit) * self.block_size + n_new):
+        for _ in range(self.blocks_for(computed + len(hit) * self.block_size + n_new) - len(table.blocks)):
             table.blocks.append(self._take_free())
         return copies
 

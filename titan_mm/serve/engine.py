@@ -76,6 +76,7 @@ class Engine:
         self.dims = spec.dims(model_cfg)
         self.needs = spec.data_needs(model_cfg)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
+        self.detok = Detokenizer(self.tokenizer)
         self.data = data or Data()
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else
                              (i for i in (self.tokenizer.eos_id, self.tokenizer.endoftext_id) if i is not None))
@@ -264,11 +265,11 @@ class Engine:
         t = self.clock() if t is None else t
         metrics = RequestMetrics(arrival=t)
         seq = Seq(next(self._seq_ids), list(prompt), L, generator=self._generator(params, 0))
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
         req = Request(request_id, prompt, params, priority, None if deadline_s is None else t + deadline_s, metrics,
-                      [seq], imgs, positions, delta)
+                      [seq], imgs, positions, delta, stop_ids=stop_ids)
         if params.use_beam_search:
-            eos = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos))
-            req.beam = BeamState(params.width, frozenset(eos), L + max_new)
+            req.beam = BeamState(params.width, stop_ids, L + max_new)
         return req, L + max_new * params.width
 
     def abort(self, request_id: str) -> None:
@@ -492,6 +493,7 @@ class Engine:
         rows_s: list[RowSampling] = []
         row_index: list[int] = []
         targets: list[tuple[Seq, Request]] = []
+        ended: dict[str, Request] = {}
         for seq, req, i in todo:
             if req.beam is not None:
                 seq.pending = logits[i].log_softmax(-1)
@@ -503,10 +505,10 @@ class Engine:
                     if req.beam.done:
                         self._finish(req)
                 continue
-            group = [seq]
+            group = (seq,)
             if not req.forked:  # the first token: n / best_of sequences share the prompt from here
                 req.forked = True
-                group += [self._fork(req, seq, i) for i in range(1, req.params.width)]
+                group += tuple(self._fork(req, seq, i) for i in range(1, req.params.width))
             for s in group:
                 rows_s.append(RowSampling(req.params, req.prompt, s.output, s.generator))
                 row_index.append(i)
@@ -517,7 +519,9 @@ class Engine:
             for (s, req), got in zip(targets, sample(picked, rows_s, self.generator)):
                 self._append(req, s, got)
                 touched[req.request_id] = req
-        for req in {id(r): r for _, r in targets}.values():
+                if s.finish_reason is not None:  # only such a request can have run out of live sequences
+                    ended[req.request_id] = req
+        for req in ended.values():
             if req.status is not Status.FINISHED and not req.live:
                 self._finish(req)
 
@@ -545,33 +549,19 @@ class Engine:
         if p.logprobs is not None:
             seq.logprobs.append(got.top)
         out = seq.output
-        if got.token in p.stop_token_ids or (got.token in self.eos and not p.ignore_eos):
-            seq.finish_reason = "stop"
+        stop = got.token in req.stop_ids
         length = len(out) >= (p.max_tokens or self.max_model_len) or len(seq.tokens) >= self.max_model_len
-        text = seq.text + self._new_text(seq, out, p.skip_special_tokens, final=seq.finished or length)
-        if p.stop and not seq.finished:
+        text = seq.text + self.detok.new_text(seq, out, p.skip_special_tokens, final=stop or length)
+        if p.stop and not stop:
             lo = max(0, len(seq.text) - max(map(len, p.stop)))
             hits = [i for i in (text.find(s, lo) for s in p.stop) if i >= 0]
             if hits:
                 text = text[: min(hits)]
-                seq.finish_reason = "stop"
+                stop = True
         seq.text = text
-        if not seq.finished and length:
-            seq.finish_reason = "length"
-        if seq.finished:
+        if stop or length:
+            seq.finish_reason = "stop" if stop else "length"
             self.scheduler.free_seq(seq)
-
-    def _new_text(self, seq: Seq, out: list[int], skip: bool, final: bool) -> str:
-        """The text the newest tokens add (vLLM's incremental detokenization): they are decoded after the tokens
-        since the previous emission, as context, and held back while they end inside a UTF-8 character (until
-        the ``final`` token). Decoding the whole output each step would cost O(length) per token."""
-        a, b = seq.detok_offsets
-        before = self.tokenizer.decode(out[a:b], skip_special_tokens=skip)
-        now = self.tokenizer.decode(out[a:], skip_special_tokens=skip)
-        if len(now) <= len(before) or (now.endswith("\ufffd") and not final):
-            return ""
-        seq.detok_offsets = (b, len(out))
-        return now[len(before):]
 
     # ---- outputs ----
     def _output(self, req: Request) -> RequestOutput:
@@ -587,8 +577,8 @@ class Engine:
         out = s.output
         hold = 0 if s.finished or done else _held_back(s.text, stops)
         shown = s.text[: len(s.text) - hold]
-        comp = CompletionOutput(index, list(out), shown, out[s.sent_tokens:], shown[s.sent_text:],
-                                list(s.logprobs) if s.logprobs else None, s.finish_reason, s.cum_logprob)
+        comp = CompletionOutput(index, out, shown, out[s.sent_tokens:], shown[s.sent_text:], s.logprobs or None,
+                                s.finish_reason, s.cum_logprob)  # token_ids and logprobs: copied when read
         s.sent_tokens, s.sent_text = len(out), max(s.sent_text, len(shown))
         return comp
 
@@ -606,8 +596,8 @@ class Engine:
                 comps = [CompletionOutput(0, [], "", [], "", None, "abort", 0.0)]
             return comps
         best = sorted(req.seqs, key=lambda s: -s.cum_logprob)[: p.n]
-        return [CompletionOutput(i, list(s.output), s.text, list(s.output), s.text, list(s.logprobs) or None,
-                                 s.finish_reason, s.cum_logprob) for i, s in enumerate(best)]
+        return [CompletionOutput(i, s.output, s.text, list(s.output), s.text, s.logprobs or None, s.finish_reason,
+                                 s.cum_logprob) for i, s in enumerate(best)]
 
     # ---- offline ----
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -658,6 +648,36 @@ class Engine:
             "state_slots_used": self.slots.num_used if self.slots is not None else 0,
             "state_slots_total": self.slots.num_slots if self.slots is not None else 0,
         }
+
+
+class Detokenizer:
+    """Incremental detokenization (vLLM's): the newest tokens are decoded after the tokens since the previous
+    emission, as context, and held back while they end inside a UTF-8 character (until the ``final`` token).
+    Decoding the whole output each step would cost O(length) per token. The context is usually the one token
+    emitted last, whose text is cached per token: one tokenizer call per sequence and step instead of two."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._one: dict[tuple[int, bool], str] = {}  # (token, skip_special_tokens) -> decode([token])
+
+    def decode(self, ids: list[int], skip: bool) -> str:
+        if len(ids) != 1:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip)
+        key = (ids[0], skip)
+        text = self._one.get(key)
+        if text is None:
+            text = self._one[key] = self.tokenizer.decode(ids, skip_special_tokens=skip)
+        return text
+
+    def new_text(self, seq: Seq, out: list[int], skip: bool, final: bool) -> str:
+        """The text ``seq``'s newest tokens add (``out``: its output); moves its offsets when there is some."""
+        a, b = seq.detok_offsets
+        before = self.decode(out[a:b], skip)
+        now = self.decode(out[a:], skip)
+        if len(now) <= len(before) or (now.endswith("\ufffd") and not final):
+            return ""
+        seq.detok_offsets = (b, len(out))
+        return now[len(before):]
 
 
 def _held_back(text: str, stops: list[str]) -> int:

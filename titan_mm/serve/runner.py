@@ -19,6 +19,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from titan_mm.models.common.attention import build_attn_meta
@@ -150,8 +151,8 @@ class ModelRunner:
         [len(rows), per_row, V] at its token before the guesses and after each guess (the last one repeated)."""
         self.copy_blocks(copies)
         one = [] if per_row > 1 or self.decode_attention is None else \
-            [i for i, r in enumerate(rows) if r.n == 1 and not self._has_media(r)
-             and len(r.seq.table.blocks) <= self.max_table]
+            [i for i, r in enumerate(rows) if r.n == 1 and len(r.seq.table.blocks) <= self.max_table
+             and not (r.req.images and self._has_media(r))]
         if not one:
             return self.forward(self.prepare(rows, per_row))
         if len(one) == len(rows):
@@ -174,12 +175,18 @@ class ModelRunner:
         st = self._decode_step(B)
         width = max((len(r.seq.table.blocks) for r in rows), default=1)
         pad = self.scratch_block
-        tables = torch.tensor([r.seq.table.blocks + [pad] * (width - len(r.seq.table.blocks)) for r in rows]
-                              + [[pad] * width] * (B - n), dtype=torch.long)
-        cached = [r.start for r in rows] + [0] * (B - n)
-        plan_step(self.cache, [1] * B, cached_lens=cached, block_tables=tables, sliding_window=self.window, width=1,
+        # lists through numpy: torch.tensor converts a nested list element by element, ~2x slower
+        tables = np.full((B, width), pad, dtype=np.int64)
+        if n:
+            tables[:n] = [r.seq.table.blocks + [pad] * (width - len(r.seq.table.blocks)) for r in rows]
+        cached = np.zeros(B, dtype=np.int64)
+        cached[:n] = [r.start for r in rows]
+        plan_step(self.cache, torch.ones(B, dtype=torch.long), cached_lens=torch.from_numpy(cached),
+                  block_tables=torch.from_numpy(tables), sliding_window=self.window, width=1,
                   decode_attention=self.decode_attention, into=st.step, state_slots=self._slots(rows, B))
-        st.ids.copy_(torch.tensor([r.tokens for r in rows] + [[0]] * (B - n)), non_blocking=True)
+        ids = np.zeros((B, 1), dtype=np.int64)
+        ids[:n, 0] = [r.tokens[0] for r in rows]
+        st.ids.copy_(torch.from_numpy(ids), non_blocking=True)
         if self.mrope:
             st.positions.copy_(self._mrope_positions(rows, B, 1))
         if st.graph is not None:

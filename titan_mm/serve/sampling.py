@@ -117,7 +117,7 @@ class SamplingParams:
                              "use temperature > 0 or use_beam_search")
 
 
-@dataclass
+@dataclass(slots=True)  # one per row and step
 class RowSampling:
     """One sequence to sample for: its params, its tokens so far and its generator (None: the engine's)."""
 
@@ -127,7 +127,7 @@ class RowSampling:
     generator: torch.Generator | None = None
 
 
-@dataclass
+@dataclass(slots=True)  # one per row and step
 class Sampled:
     token: int
     logprob: float

@@ -23,7 +23,7 @@ from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.sequence import Request, Sequence, Status, now
 
 
-@dataclass
+@dataclass(slots=True)  # one per row and step
 class Row:
     """One sequence of the step: ``n`` tokens from position ``start`` (its k/v up to ``start`` are cached)."""
 
@@ -100,8 +100,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.lookahead: Callable[[Request, Sequence], int] = lambda req, seq: 0
-        """Speculative decoding: guess slots for a decoding sequence (set by the engine)."""
+        self.lookahead: Callable[[Request, Sequence], int] | None = None
+        """Speculative decoding: guess slots for a decoding sequence (set by the engine; None: no guesses)."""
 
     @property
     def num_running_seqs(self) -> int:
@@ -139,14 +139,14 @@ class Scheduler:
         while i < len(self.running) and out.budget > 0:
             req = self.running[i]
             plan = self._plan(req, out, hits=False)
-            while self._cost(plan) > self.blocks.num_free:
+            while (cost := self._cost(plan)) > self.blocks.num_free:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 preempted = True
                 if victim is req:
                     break
             else:
-                self._take(req, plan, out)
+                self._take(req, plan, out, cost)
                 i += 1
         if preempted:
             return out
@@ -159,7 +159,7 @@ class Scheduler:
             plan = self._plan(req, out, hits=True)
             if plan is None or (plan and not any(n for *_, n, _ in plan)):
                 return out  # its prompt (or its next image) waits for a step with room for all of it
-            while self._cost(plan) > self.blocks.num_free:
+            while (cost := self._cost(plan)) > self.blocks.num_free:
                 if not self._preempt_lower(req, out):
                     return out
             self.waiting.pop(0)
@@ -169,17 +169,17 @@ class Scheduler:
                 req.metrics.first_scheduled = now()
                 req.metrics.prefix_hit_tokens = len(plan[0][1]) * self.blocks.block_size if plan else 0
                 self.blocks.record_query(len(req.prompt), req.metrics.prefix_hit_tokens)
-            self._take(req, plan, out)
+            self._take(req, plan, out, cost)
         return out
 
     def _plan(self, req: Request, out: Schedule, hits: bool):
         """[(seq, prefix hit blocks, their keys, n new tokens)] for ``req``'s sequences with tokens to compute;
         None when a waiting request's first prompt cannot be chunked and does not fit the budget."""
         plan, budget, bs = [], out.budget, self.blocks.block_size
-        for seq in req.live:
-            if seq.pending is not None:  # a beam waiting for its siblings
+        for seq in req.seqs:
+            if seq.finished or seq.pending is not None:  # done, or a beam waiting for its siblings
                 continue
-            hit, keys = [], []
+            hit, keys = (), ()
             if hits and seq.num_computed == 0 and not seq.table.blocks:
                 limit = len(seq.tokens) - 1  # the last token is always computed: its logits are needed
                 keys = sequence_keys(req, seq, limit, bs) if self.blocks.prefix_caching else []
@@ -190,10 +190,12 @@ class Scheduler:
             n = len(seq.tokens) - start
             if not self.cfg.enable_chunked_prefill and n > budget:
                 return None if hits and not plan else plan
-            n = self._clip(req, start, min(n, budget), alone=not out.rows and not plan)
+            n = min(n, budget)
+            if req.images:
+                n = self._clip(req, start, n, alone=not out.rows and not plan)
             k = 0
-            if n == 1 and seq.to_compute == 1 and len(seq.tokens) > seq.num_prompt:  # decoding
-                k = max(0, min(self.lookahead(req, seq), budget - 1))
+            if self.lookahead is not None and n == 1 and seq.to_compute == 1 and len(seq.tokens) > seq.num_prompt:
+                k = max(0, min(self.lookahead(req, seq), budget - 1))  # decoding
             plan.append((seq, hit, keys, n, k))
             budget -= n + k
         return plan
@@ -210,18 +212,24 @@ class Scheduler:
         return n
 
     def _cost(self, plan) -> int:
-        return sum(self.blocks.cost(seq.table, seq.num_computed, n + k, hit) for seq, hit, _, n, k in plan) if plan else 0
+        total = 0
+        for seq, hit, _, n, k in plan:
+            total += self.blocks.cost(seq.table, seq.num_computed, n + k, hit)
+        return total
 
-    def _take(self, req: Request, plan, out: Schedule) -> None:
+    def _take(self, req: Request, plan, out: Schedule, cost: int) -> None:
+        """Allocate ``plan`` (of ``cost`` free blocks; 0: no sequence needs a block or a copy, so only prefix hits
+        have anything to allocate) and add its rows to ``out``."""
         for seq, hit, keys, n, k in plan:
-            start = seq.num_computed + len(hit) * self.blocks.block_size
-            out.copies += self.blocks.allocate(seq.table, seq.num_computed, n + k, hit)
-            seq.table.keys[:] = keys if hit else seq.table.keys
-            seq.num_computed = start
+            if cost or hit:
+                out.copies += self.blocks.allocate(seq.table, seq.num_computed, n + k, hit)
+            if hit:
+                seq.table.keys[:] = keys
+                seq.num_computed += len(hit) * self.blocks.block_size
             if self.slots is not None and seq.state_slot is None:
                 seq.state_slot = self.slots.take()
             if n:
-                out.rows.append(Row(req, seq, start, n, lookahead=k))
+                out.rows.append(Row(req, seq, seq.num_computed, n, lookahead=k))
                 out.budget -= n + k
 
     def _preempt(self, victim: Request, out: Schedule) -> None:

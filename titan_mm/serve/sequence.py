@@ -136,6 +136,8 @@ class Request:
     """titan_mm.serve.beam.BeamState of a beam-search request."""
     forked: bool = False
     abort_reason: str | None = None
+    stop_ids: frozenset[int] = frozenset()
+    """Tokens that end a sequence: params.stop_token_ids, and the model's EOS tokens unless ignore_eos."""
 
     @property
     def live(self) -> list[Sequence]:
@@ -153,21 +155,50 @@ class Request:
                 self.request_id)
 
 
-@dataclass
 class CompletionOutput:
-    index: int
-    token_ids: list[int]
-    """Every generated token so far (a stop token included)."""
-    text: str
-    """The text so far (a stop string and what follows it left out)."""
-    new_token_ids: list[int]
-    """The tokens since this request's previous output."""
-    new_text: str
-    """The text since the previous output (text that may still turn out to start a stop string is held back)."""
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    """"stop" | "length" | "abort", None while running."""
-    cumulative_logprob: float
+    """One sequence's output so far. ``token_ids`` and ``logprobs`` hold the sequence's own lists (which only grow)
+    and the lengths they had, and copy that prefix when first read: a streamed output is mostly read for its
+    deltas only, and copying the whole output into each one costs O(length) per token (and the garbage
+    collector's walks over those copies)."""
+
+    __slots__ = ("index", "text", "new_token_ids", "new_text", "finish_reason", "cumulative_logprob", "_ids", "_lps",
+                 "_lens")
+
+    def __init__(self, index: int, token_ids: list[int], text: str, new_token_ids: list[int], new_text: str,
+                 logprobs: list[dict[int, float]] | None, finish_reason: str | None, cumulative_logprob: float):
+        self.index = index
+        self.text = text
+        """The text so far (a stop string and what follows it left out)."""
+        self.new_token_ids = new_token_ids
+        """The tokens since this request's previous output."""
+        self.new_text = new_text
+        """The text since the previous output (text that may still turn out to start a stop string is held back)."""
+        self.finish_reason = finish_reason
+        """"stop" | "length" | "abort", None while running."""
+        self.cumulative_logprob = cumulative_logprob
+        self._ids, self._lps = token_ids, logprobs
+        self._lens = (len(token_ids), len(logprobs) if logprobs is not None else 0)  # None: copied
+
+    def _copy(self) -> None:
+        if self._lens is not None:
+            n, k = self._lens
+            self._ids, self._lps, self._lens = self._ids[:n], None if self._lps is None else self._lps[:k], None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every generated token so far (a stop token included)."""
+        self._copy()
+        return self._ids
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        self._copy()
+        return self._lps
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, token_ids={self.token_ids}, text={self.text!r}, "
+                f"new_token_ids={self.new_token_ids}, new_text={self.new_text!r}, logprobs={self.logprobs}, "
+                f"finish_reason={self.finish_reason!r}, cumulative_logprob={self.cumulative_logprob})")
 
 
 @dataclass
