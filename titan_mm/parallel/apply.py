@@ -8,7 +8,8 @@ Gradient reduction contract (read this if you write a train step): the step divi
 number of label tokens of the *global* batch, so each rank's loss is already its share of the global mean.
 Data-parallel gradients must therefore be **summed**, not averaged: FSDP2 is set to a divide factor of 1
 with SUM-only collectives (``set_gradient_divide_factor(1.0)`` + ``set_force_sum_reduction_for_comms``).
-That is also what makes FSDP2 work on gloo, which has neither ``PREMUL_SUM`` nor ``AVG``.
+That is also what makes FSDP2 work on gloo, which has neither ``PREMUL_SUM`` nor ``AVG``. On a one-rank mesh FSDP2
+keeps its defaults (it reduces nothing there).
 """
 
 from __future__ import annotations
@@ -162,8 +163,12 @@ def apply_compile(model: nn.Module, units: tuple[str, ...], fullgraph: bool = Fa
 
 
 # ----------------------------------------------------------------------------------------------- FSDP2
-def _sum_reduction(mod) -> None:
-    """Sum DP gradients (divide factor 1, SUM-only collectives); see the module docstring."""
+def _sum_reduction(mod, mesh) -> None:
+    """Sum DP gradients (divide factor 1, SUM-only collectives); see the module docstring. A one-rank mesh keeps
+    FSDP2's defaults: it reduces nothing then, and a set factor makes it divide every gradient by it (one fp32 pass
+    over each unit's gradients a step: 6.7 ms of a Qwen3-8B 12-layer step on the H200)."""
+    if mesh.size() == 1:
+        return
     if hasattr(mod, "set_gradient_divide_factor"):
         mod.set_gradient_divide_factor(1.0)
     else:  # older torch
@@ -195,18 +200,17 @@ def apply_fsdp(
     reshard = reshard_after_forward == "always"
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     mesh = pd.fsdp_mesh()
-    wrapped = []
+    wrapped = []  # (module, its mesh)
     if pd.ep_enabled:
         ep_mesh = pd.ep_fsdp_mesh()
         experts = _top_level(match_modules(model, tuple(k for k, v in plan.ep.items() if v == "experts")))
         for _, mod in experts:
-            wrapped.append(fully_shard(mod, mesh=ep_mesh, mp_policy=mp, reshard_after_forward=reshard))
+            wrapped.append((fully_shard(mod, mesh=ep_mesh, mp_policy=mp, reshard_after_forward=reshard), ep_mesh))
     units = _top_level(match_modules(model, plan.fsdp_units))
-    for _, mod in units:
-        wrapped.append(fully_shard(mod, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard))
-    tops = [fully_shard(r, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard) for r in (roots or [model])]
-    for mod in {id(m): m for m in wrapped + tops}.values():
-        _sum_reduction(mod)
+    for _, mod in units + [("", r) for r in (roots or [model])]:
+        wrapped.append((fully_shard(mod, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard), mesh))
+    for mod, m in {id(mod): (mod, m) for mod, m in wrapped}.values():
+        _sum_reduction(mod, m)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
