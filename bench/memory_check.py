@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -91,12 +92,24 @@ def load_measured(path: str | Path, reshard: str = "always") -> dict[tuple[str, 
     return out
 
 
-def titan_model_config(case_name: str, stack: str):
-    """(spec, model config) as bench/mfu.py's _titan_builder makes them (flex attention, kernels unless
-    titan_nokernels)."""
-    from mfu import CASES, model_config
+def liger_chunk(spec, mc, tokens: int) -> int:
+    """The fused CE's chunk rows before 2026-12-02 (Liger's rule), with which the measured peaks were taken."""
+    d = spec.dims(mc)
+    return 1 << max(0, math.ceil(math.log2(math.ceil(tokens / math.ceil(d.vocab_size / d.hidden_size)))))
 
-    spec, mc = model_config(CASES[case_name])
+
+def titan_model_config(case_name: str, stack: str):
+    """(spec, model config) as bench/mfu.py's _titan_builder made them for the measured rows (flex attention,
+    kernels unless titan_nokernels). Those rows ran before 2026-12-02, when the fused CE chunked by Liger's rule
+    (next_pow2(N / ceil(V / D)) rows) instead of the model's loss_chunk_size: they are estimated with that chunk."""
+    from mfu import CASES, merge_overrides, model_config
+
+    case = CASES[case_name]
+    spec, mc = model_config(case)
+    chunk = {"loss_chunk_size": liger_chunk(spec, mc, case["batch"] * case["seq"])}
+    top = "loss_chunk_size" in {f.name for f in dataclasses.fields(mc)}  # Qwen3's; VL families keep it in .text
+    spec, mc = model_config(dict(case, overrides=merge_overrides(case.get("overrides") or {},
+                                                                 chunk if top else {"text": chunk})))
     return spec, spec.with_runtime(mc, attn_backend="flex", kernels=stack != "titan_nokernels")
 
 
@@ -162,7 +175,9 @@ def estimate_multi_gpu(row: dict) -> dict:
 
     name, flavor, over = row["model"]
     spec = get_model_spec(name)
-    mc = spec.with_runtime(dataclasses.replace(spec.flavor(flavor), **over), attn_backend="flex", kernels=True)
+    mc = dataclasses.replace(spec.flavor(flavor), **over)
+    mc = spec.with_runtime(dataclasses.replace(mc, loss_chunk_size=liger_chunk(spec, mc, row["mb"] * row["seq"])),
+                           attn_backend="flex", kernels=True)
     plan = dataclasses.replace(spec.plan(mc), **row.get("plan_over", {}))
     topo = Topology(ac=row["ac"], **row["topo"])
     phases = estimate_phases(mc, plan, topo, row["seq"], row["mb"], 2, count_params(mc, plan), kernels=True,

@@ -57,7 +57,7 @@ def test_chunked_ce_working_set_counts_fp32_chunks():
     spec = get_model_spec("qwen3_vl")
     cfg = spec.flavor("2B")
     work, keep = loss_bytes(cfg, spec.plan(cfg), Topology(), 8192, 2)
-    C, V, D = 4096, cfg.text.vocab_size, cfg.text.hidden_size
+    C, V, D = cfg.text.loss_chunk_size, cfg.text.vocab_size, cfg.text.hidden_size
     assert work == 4 * V * D + 2 * 8192 * D + (16 + 2) * C * V
     assert keep == 2 * V * D + 2 * 8192 * D
 
