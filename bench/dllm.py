@@ -106,6 +106,7 @@ def main() -> int:
     ap.add_argument("--ac", default="none")
     ap.add_argument("--reshard", default="always", choices=("always", "never"))
     ap.add_argument("--kernel-ops", default="")
+    ap.add_argument("--model-overrides", default="", help="JSON merged into the case's model overrides (bench/mfu.py's)")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--cpu", action="store_true")
