@@ -51,6 +51,11 @@ def test_permute_rows_and_its_gradient():
     moe.permute_rows(x, perm).backward(dy)
     assert torch.equal(moe.permute_rows(x, perm), x[perm])
     assert torch.equal(x.grad, torch.zeros(11, 4).index_add_(0, perm, dy))
+    x.grad = None
+    back = moe.permute_rows(x, perm, inverse=True)
+    back.backward(dy)
+    assert torch.equal(back, x[torch.argsort(perm)]) and torch.equal(moe.permute_rows(back, perm), x)
+    assert torch.equal(x.grad, dy[perm])
 
 
 class _Ops(TorchDispatchMode):

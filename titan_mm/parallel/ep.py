@@ -77,7 +77,7 @@ class ExpertParallelExperts(nn.Module):
         local_counts = recv_E.view(P, EL).sum(0)
         w1, w3, w2 = (_local(getattr(self, n)) for n in _WEIGHTS)
         y_local = grouped_swiglu(permute_rows(x_recv, perm), local_counts, w1, w3, w2)
-        y_recv = permute_rows(y_local, torch.argsort(perm))
+        y_recv = permute_rows(y_local, perm, inverse=True)
         y_AD = all_to_all_single_autograd(y_recv, in_splits, out_splits, group)
         return combine(y_AD, top_w_NK, r, x_ND.dtype)
 

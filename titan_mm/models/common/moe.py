@@ -126,10 +126,10 @@ def expand_rows(x: torch.Tensor, src_A: torch.Tensor, inv_NK: torch.Tensor) -> t
     return _ExpandRows.apply(x, src_A, inv_NK)
 
 
-def permute_rows(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """x[perm] for a permutation ``perm``, with a gather backward."""
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x[perm] for a permutation ``perm`` (``inverse``: the rows put back, x[perm^-1]), with a gather backward."""
     inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-    return _ExpandRows.apply(x, perm, inv[:, None])
+    return _ExpandRows.apply(x, inv, perm[:, None]) if inverse else _ExpandRows.apply(x, perm, inv[:, None])
 
 
 def combine(y_AD: torch.Tensor, top_w_NK: torch.Tensor, r: Routing, dtype: torch.dtype) -> torch.Tensor:
