@@ -448,6 +448,11 @@ def main() -> int:
     ap.add_argument("--stack", help=argparse.SUPPRESS)
     ap.add_argument("--trace-file", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    try:
+        if not isinstance(json.loads(args.model_overrides or "{}"), dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        ap.error(f"--model-overrides {args.model_overrides!r}: {e}; give a JSON object, e.g. '{{\"loss_chunk_size\": 2048}}'")
     if args.trace and not args.profile:
         ap.error("--trace writes its timeline next to the kernel tables: give --profile DIR too")
     if args.render:
