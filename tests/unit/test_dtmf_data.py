@@ -63,12 +63,16 @@ def test_records_are_deterministic_and_split():
     for r in list(train[:40]) + list(test[:10]):
         wave = r["messages"][0]["content"][0]["audio"]
         assert wave.dtype == np.float32 and wave.ndim == 1 and 0.1 <= wave.shape[0] / RATE <= 2.1
-        assert 1 <= len(r["keys"]) <= 6 and set(r["keys"]) <= set(KEYS)
+        assert len(r["keys"]) == 1 and r["keys"] in KEYS
         assert r["messages"][1]["content"][0]["text"] == r["answer"] == r["keys"]
+        assert r["messages"][0]["content"][1]["text"] == "Which key was pressed?"
     mixed = builtin_records("dtmf_digits_test")[3]
     assert [p["type"] for p in mixed["messages"][0]["content"]] == ["image", "audio", "text"]
-    assert mixed["answer"].startswith(f"keys {mixed['keys']}, digit ")
+    assert mixed["answer"].startswith(f"key {mixed['keys']}, digit ")
     assert len(list_units("builtin:dtmf_digits")) == 16
+    seqs = builtin_records("dtmf_seq_test")[:40]
+    assert {len(r["keys"]) for r in seqs} == set(range(1, 7)) and len(builtin_records("dtmf_seq")) == 1600
+    assert seqs[0]["messages"][0]["content"][1]["text"] == "Which keys were pressed?"
 
 
 def _wav_b64(secs: float = 0.5) -> str:

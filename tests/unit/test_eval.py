@@ -77,7 +77,7 @@ def test_bad_eval_config_fails_before_training(tmp_path, capsys):
     base = [*VL, "--job.dump_folder", str(tmp_path), "--training.steps", "2", "--eval.interval", "1"]
     cases = [
         (["--eval.tasks", "nope"],
-         "eval.tasks 'nope' is not a built-in task (digits, qa, dtmf, dtmf_digits) or an existing .jsonl"),
+         "eval.tasks 'nope' is not a built-in task (digits, qa, dtmf, dtmf_digits, dtmf_seq) or an existing .jsonl"),
         (["--eval.tasks", f"{tmp_path}/x.jsonl"], "is not a built-in task"),
         (["--eval.dataset", str(tmp_path / "missing.jsonl")], "eval.dataset:"),
         (["--eval.max_new_tokens", "0"], "eval.max_new_tokens must be >= 1"),

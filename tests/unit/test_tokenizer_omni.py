@@ -74,7 +74,7 @@ def test_debug_flavor_ids_match_the_builtin_and_the_hint_names_it(omni, needs):
 
 def test_placeholders_use_the_tokenizers_names(omni, needs):
     proc = Processor(omni, ProcessorConfig(needs=needs))
-    rec = dtmf_record(5, mixed=True)
+    rec = dtmf_record(5, "dtmf_digits")
     text, _, media = proc.render(parse_record(rec))
     assert "<|vision_bos|><|IMAGE|><|vision_eos|><|audio_bos|><|AUDIO|><|audio_eos|>" in text
     assert [m.type for m in media] == ["image", "audio"]
@@ -101,5 +101,6 @@ def test_dtmf_tasks_decode_through_the_forward():
     assert t.items[0]["reference"] == dtmf_record(0)["keys"]
     assert t.items[0]["messages"][-1]["role"] == "user"
     m = load_task("dtmf_digits", limit=2)
-    assert m.items[1]["reference"].startswith("keys ") and not m.engine
+    assert m.items[1]["reference"].startswith("key ") and not m.engine
+    assert load_task("dtmf_seq", limit=1).items[0]["reference"] == dtmf_record(0, "dtmf_seq")["keys"]
     assert load_task("digits", limit=1).engine

@@ -21,7 +21,8 @@ from titan_mm.config import ConfigError
 # name -> (built-in source, metric name, decoded by the serving engine; False: through the training forward,
 # titan_mm.eval.forward_decode, for media the engine does not serve yet)
 BUILTIN = {"digits": ("digits_test", "accuracy", True), "qa": ("qa_test", "exact_match", True),
-           "dtmf": ("dtmf_test", "accuracy", False), "dtmf_digits": ("dtmf_digits_test", "accuracy", False)}
+           "dtmf": ("dtmf_test", "accuracy", False), "dtmf_digits": ("dtmf_digits_test", "accuracy", False),
+           "dtmf_seq": ("dtmf_seq_test", "accuracy", False)}
 
 
 def exact_match(prediction: str, reference: str) -> float:

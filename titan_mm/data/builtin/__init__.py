@@ -7,9 +7,9 @@
 - ``photos``: a few real photos from scikit-image's data module with short captions.
 - ``qa`` / ``qa_test``: text chats "What number comes after 347?" -> "348" (and "before"), three-digit answers
   (:mod:`titan_mm.data.builtin.qa`); every 5th record is held out in ``qa_test``. Records carry ``answer``.
-- ``dtmf`` / ``dtmf_test``: telephone key tones (16 kHz waveforms of 1-6 keys) as chats "<audio> Which keys were
-  pressed?" -> "4*07"; ``dtmf_digits`` / ``dtmf_digits_test`` add a digit image before the audio and ask for both
-  (:mod:`titan_mm.data.builtin.dtmf`). Every 5th record is held out; records carry ``answer``. They need an Omni
+- ``dtmf`` / ``dtmf_test``: telephone key tones (16 kHz waveforms of one key) as chats "<audio> Which key was
+  pressed?" -> "4"; ``dtmf_digits`` / ``dtmf_digits_test`` add a digit image before the audio and ask for both;
+  ``dtmf_seq`` / ``dtmf_seq_test`` hold 1-6 keys ("4*07") (:mod:`titan_mm.data.builtin.dtmf`). Every 5th record is held out; records carry ``answer``. They need an Omni
   tokenizer (<|audio_pad|>); made when read, not held in memory.
 
 Records are plain dicts in the same schema as files on disk (see :mod:`titan_mm.data.schema`).
@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 NUM_PARTS = {"text": 16, "digits": 16, "digits_test": 4, "photos": 1, "qa": 8, "qa_test": 2,
-             "dtmf": 16, "dtmf_test": 4, "dtmf_digits": 16, "dtmf_digits_test": 4}
+             "dtmf": 16, "dtmf_test": 4, "dtmf_digits": 16, "dtmf_digits_test": 4, "dtmf_seq": 16,
+             "dtmf_seq_test": 4}
 
 
 def builtin_num_parts(name: str) -> int:
@@ -44,10 +45,10 @@ def builtin_records(name: str) -> Sequence[dict]:
         from titan_mm.data.builtin.qa import qa_records
 
         return qa_records(test=name == "qa_test")
-    if name in ("dtmf", "dtmf_test", "dtmf_digits", "dtmf_digits_test"):
+    if name.startswith("dtmf"):
         from titan_mm.data.builtin.dtmf import dtmf_records
 
-        return dtmf_records(test=name.endswith("_test"), mixed=name.startswith("dtmf_digits"))
+        return dtmf_records(name.removesuffix("_test"), test=name.endswith("_test"))
     if name == "photos":
         from titan_mm.data.builtin.images import photo_records
 

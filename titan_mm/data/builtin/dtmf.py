@@ -1,13 +1,18 @@
 """Built-in audio: telephone key tones (DTMF), generated from a seed, nothing downloaded.
 
 Each key sounds as the sum of its keypad row and column sines (ITU-T Q.23): rows 697 / 770 / 852 / 941 Hz,
-columns 1209 / 1336 / 1477 Hz over the keys ``1 2 3 / 4 5 6 / 7 8 9 / * 0 #``. A clip is 1-6 keys, each tone
-60-180 ms with 40-120 ms gaps, 20-200 ms of silence around them, one level per clip (0.1-0.35 per sine) and white
-noise of standard deviation 0-0.05: a 16 kHz mono float32 waveform (0.1 to 2.1 s).
+columns 1209 / 1336 / 1477 Hz over the keys ``1 2 3 / 4 5 6 / 7 8 9 / * 0 #``. Each tone is 60-180 ms, with
+40-120 ms gaps between tones, 20-200 ms of silence around them, one level per clip (0.1-0.35 per sine) and white
+noise of standard deviation 0-0.05: a 16 kHz mono float32 waveform (0.1-0.6 s for one key, up to 2.1 s for six).
 
-    dtmf / dtmf_test                 "<audio> Which keys were pressed?" -> "4*07"
-    dtmf_digits / dtmf_digits_test   "<image><audio> Which keys were pressed, and what digit is in the image?"
-                                     -> "keys 4*07, digit 3" (a scikit-learn digit, as builtin:digits draws it)
+    dtmf / dtmf_test                 one key: "<audio> Which key was pressed?" -> "4"
+    dtmf_digits / dtmf_digits_test   one key and a digit image: "<image><audio> Which key was pressed, and what
+                                     digit is in the image?" -> "key 4, digit 3" (a scikit-learn digit, as
+                                     builtin:digits draws it)
+    dtmf_seq / dtmf_seq_test         1-6 keys: "<audio> Which keys were pressed?" -> "4*07"
+
+The one-key variants are what the debug Omni configs learn on 2 CPU cores in minutes; ordered sequences of keys
+take the tiny models far longer (docs/qwen2_5_omni.md).
 
 Record ``i`` of a variant is a pure function of (variant, i): keys, lengths, level and noise come from
 ``random.Random("<variant>:<i>")`` (the same on every machine and Python version), the noise samples from numpy's
@@ -30,8 +35,8 @@ KEYS = "123456789*0#"  # row-major on the keypad
 ROW_HZ = (697, 770, 852, 941)
 COL_HZ = (1209, 1336, 1477)
 RATE = 16000
-QUESTION = "Which keys were pressed?"
-MIXED_QUESTION = "Which keys were pressed, and what digit is in the image?"
+# variant -> (with a digit image, most keys per clip)
+VARIANTS = {"dtmf": (False, 1), "dtmf_digits": (True, 1), "dtmf_seq": (False, 6)}
 N_RECORDS = 2000  # per variant, before the train / test split
 
 
@@ -67,12 +72,14 @@ def split(n: int, test: bool) -> list[int]:
     return [i for i in range(n) if (i % 5 == 0) == test]
 
 
-def dtmf_record(i: int, mixed: bool = False) -> dict:
-    """Record ``i`` of ``dtmf`` (or of ``dtmf_digits``, with a digit image before the audio)."""
-    r = random.Random(f"{'dtmf_digits' if mixed else 'dtmf'}:{i}")
-    keys = "".join(r.choice(KEYS) for _ in range(r.randint(1, 6)))
+def dtmf_record(i: int, variant: str = "dtmf") -> dict:
+    """Record ``i`` of a variant (``VARIANTS``)."""
+    mixed, max_keys = VARIANTS[variant]
+    r = random.Random(f"{variant}:{i}")
+    keys = "".join(r.choice(KEYS) for _ in range(r.randint(1, max_keys)))
     clip = {"type": "audio", "audio": dtmf_clip(keys, r)}
-    content, answer = [clip, {"type": "text", "text": QUESTION}], keys
+    which = "Which keys were pressed" if max_keys > 1 else "Which key was pressed"
+    content, answer = [clip, {"type": "text", "text": which + "?"}], keys
     if mixed:
         from titan_mm.data.builtin.images import digit_image, digits_data, png
 
@@ -80,8 +87,8 @@ def dtmf_record(i: int, mixed: bool = False) -> dict:
         pool = split(len(target), test=i % 5 == 0)
         j = pool[r.randrange(len(pool))]
         content = [{"type": "image", "image": png(digit_image(images[j]))}, clip,
-                   {"type": "text", "text": MIXED_QUESTION}]
-        answer = f"keys {keys}, digit {int(target[j])}"
+                   {"type": "text", "text": which + ", and what digit is in the image?"}]
+        answer = f"{'keys' if max_keys > 1 else 'key'} {keys}, digit {int(target[j])}"
     return {"messages": [{"role": "user", "content": content},
                          {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
             "answer": answer, "keys": keys, "index": i}
@@ -102,6 +109,6 @@ class LazyRecords(Sequence):
         return self.make(self.index[k])
 
 
-def dtmf_records(test: bool = False, mixed: bool = False) -> LazyRecords:
-    """The train (index % 5 != 0) or test (index % 5 == 0) split of ``dtmf`` / ``dtmf_digits``."""
-    return LazyRecords(partial(dtmf_record, mixed=mixed), split(N_RECORDS, test))
+def dtmf_records(variant: str, test: bool = False) -> LazyRecords:
+    """The train (index % 5 != 0) or test (index % 5 == 0) split of a variant."""
+    return LazyRecords(partial(dtmf_record, variant=variant), split(N_RECORDS, test))
