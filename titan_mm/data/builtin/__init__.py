@@ -9,8 +9,9 @@
   (:mod:`titan_mm.data.builtin.qa`); every 5th record is held out in ``qa_test``. Records carry ``answer``.
 - ``dtmf`` / ``dtmf_test``: telephone key tones (16 kHz waveforms of one key) as chats "<audio> Which key was
   pressed?" -> "4"; ``dtmf_digits`` / ``dtmf_digits_test`` add a digit image before the audio and ask for both;
-  ``dtmf_seq`` / ``dtmf_seq_test`` hold 1-6 keys ("4*07") (:mod:`titan_mm.data.builtin.dtmf`). Every 5th record is held out; records carry ``answer``. They need an Omni
-  tokenizer (<|audio_pad|>); made when read, not held in memory.
+  ``dtmf_seq`` / ``dtmf_seq_test`` hold 1-6 keys ("4*07") (:mod:`titan_mm.data.builtin.dtmf`). Every 5th record
+  is held out; records carry ``answer``. They need an Omni tokenizer (<|audio_pad|>); made when read, not held in
+  memory.
 
 Records are plain dicts in the same schema as files on disk (see :mod:`titan_mm.data.schema`).
 """
@@ -45,7 +46,7 @@ def builtin_records(name: str) -> Sequence[dict]:
         from titan_mm.data.builtin.qa import qa_records
 
         return qa_records(test=name == "qa_test")
-    if name.startswith("dtmf"):
+    if name in NUM_PARTS and name.startswith("dtmf"):
         from titan_mm.data.builtin.dtmf import dtmf_records
 
         return dtmf_records(name.removesuffix("_test"), test=name.endswith("_test"))
