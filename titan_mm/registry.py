@@ -129,13 +129,15 @@ class DataNeeds:
     "qwen2_5_vl" (Qwen2-VL / Qwen2.5-VL: OpenAI CLIP mean / std; frames sampled as Qwen2VLVideoProcessor does, each
     frame within the pixel bounds, one run of t*h*w/merge**2 pads per video, ``video_second_per_grid`` in the batch
     and temporal positions int(k * video_tokens_per_second * second_per_grid)) or "qwen2_5_omni" (Qwen2.5-VL's,
-    timed as Qwen2_5OmniProcessor: second_per_grid = temporal patch / data.video_fps, the requested fps)."""
+    timed as Qwen2_5OmniProcessor: second_per_grid = temporal patch / data.video_fps, the requested fps) or
+    "qwen3_omni" (Qwen2.5-Omni's sampling, sizes and timing with mean / std 0.5, as Qwen3OmniMoeProcessor). The two
+    Omni layouts take a video part's ``use_audio_in_video`` (other layouts skip such parts)."""
     video_tokens_per_second: float = 0.0
-    """"qwen2_5_vl" / "qwen2_5_omni" layouts: temporal positions per second of video (HF
-    vision_config.tokens_per_second; Qwen2.5-Omni's position_id_per_seconds)."""
+    """"qwen2_5_vl" and the Omni layouts: temporal positions per second of video (HF
+    vision_config.tokens_per_second; the Omni thinkers' position_id_per_seconds)."""
     seconds_per_chunk: float = 0.0
-    """A video part's ``use_audio_in_video``: its video and audio tokens interleave in chunks of this many seconds
-    (Qwen2.5-Omni's seconds_per_chunk). 0: the family takes no audio in video (such parts are skipped)."""
+    """"qwen2_5_omni" layout, a video part's ``use_audio_in_video``: its video and audio tokens interleave in chunks
+    of this many seconds (Qwen2.5-Omni's seconds_per_chunk). "qwen3_omni" merges them by time and reads none."""
     audio_encoder: str = ""
     """Whose HF audio processor the clips follow (titan_mm.data.audio.ENCODERS): "qwen2_5_omni"
     (Qwen2_5OmniProcessor: every clip padded and truncated to 30 s, ceil(samples / 160) frames, conv + pool token

@@ -66,6 +66,7 @@ class HFVideoProcessor:
     patch_size, temporal_patch_size, merge_size = 14, 2, 2
     num_frames, fps, min_frames, max_frames = None, 2.0, 4, 768
     mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)  # OPENAI_CLIP_*
+    min_pixels, max_pixels = VID_MIN, VID_MAX  # per frame
 
     def __init__(self, native_fps: list[float]):
         self.native_fps = native_fps  # one per video, as the decoder's metadata gives it
@@ -78,7 +79,8 @@ class HFVideoProcessor:
                 meta.frames_indices = HF_VIDEO.sample_frames(self, meta).numpy()
                 clip = clip[meta.frames_indices]
             x = torch.from_numpy(np.ascontiguousarray(clip)).permute(0, 3, 1, 2)[None]  # [1, T, C, H, W]
-            h, w = HF_VIDEO.smart_resize(x.shape[-2], x.shape[-1], 28, VID_MIN, VID_MAX)
+            h, w = HF_VIDEO.smart_resize(x.shape[-2], x.shape[-1], self.patch_size * self.merge_size,
+                                         self.min_pixels, self.max_pixels)
             x = torch.from_numpy(vision.resize_frames(clip, h, w))[None]
             mean, std = (torch.tensor(v) * (1.0 / (1 / 255)) for v in (self.mean, self.std))
             x = (x - mean[:, None, None]) / std[:, None, None]

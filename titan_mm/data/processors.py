@@ -168,9 +168,12 @@ class Processor:
                         raise SkipSample("unknown_modality", "video part, but this model family does not train on "
                                          "video (its data needs say video=False)")
                     if p.use_audio_in_video:
-                        if not self.cfg.needs.seconds_per_chunk:
+                        from titan_mm.data.vision import OMNI
+
+                        if self.cfg.needs.vision_layout not in OMNI:
                             raise SkipSample("unknown_modality", "video part with use_audio_in_video, but this model "
-                                             "family does not interleave audio with video (no seconds_per_chunk)")
+                                             "family does not interleave audio with video (its vision layout "
+                                             f"{self.cfg.needs.vision_layout!r} is not one of {OMNI})")
                         audio_tokens()
                     n = self.tok.names
                     s.append(n["vision_start"] + n[f"{p.type}_pad"] + n["vision_end"])

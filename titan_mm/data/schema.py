@@ -26,9 +26,10 @@ same tar shard; audio may also be an in-memory waveform (a 1-D float numpy array
 DTMF data gives it: ``{"type": "audio", "audio": wave}``). An unknown part type is skipped with reason
 ``unknown_modality``.
 
-``"use_audio_in_video": true`` on a video part (HF Qwen2.5-Omni's flag, per video): the video's own audio track is
-decoded from the same file and interleaved with its frames (families whose DataNeeds.seconds_per_chunk is set;
-elsewhere the sample is skipped, ``unknown_modality``; a video without an audio track is ``no_audio_track``).
+``"use_audio_in_video": true`` on a video part (HF's Omni flag, per video): the video's own audio track is decoded
+from the same file and interleaved with its frames (families whose DataNeeds.vision_layout is an Omni one,
+"qwen2_5_omni" or "qwen3_omni"; elsewhere the sample is skipped, ``unknown_modality``; a video without an audio
+track is ``no_audio_track``).
 """
 
 from __future__ import annotations

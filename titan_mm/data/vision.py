@@ -1,5 +1,5 @@
-"""Images and video as the family's HF processor makes them (DataNeeds.vision_layout: "qwen3_vl", "qwen2_5_vl" or
-"qwen2_5_omni"), plus 3-D M-RoPE positions, on CPU with numpy / PIL / PyAV.
+"""Images and video as the family's HF processor makes them (DataNeeds.vision_layout: "qwen3_vl", "qwen2_5_vl",
+"qwen2_5_omni" or "qwen3_omni"), plus 3-D M-RoPE positions, on CPU with numpy / PIL / PyAV.
 
 Images (equal to transformers' Qwen2VLImageProcessor with the family's settings, see tests/parity):
   RGB (transparency composited onto white) -> smart resize (both sides multiples of patch*merge, 32 or 28, area
@@ -20,6 +20,10 @@ Video: frames decoded with PyAV, resized with torch bicubic antialias (as torchv
     2 / ``video_fps`` (HF times a temporal patch by the requested fps, not the sampled one). With
     ``use_audio_in_video`` the pad becomes ``<|audio_bos|>``, then per chunk of ``seconds_per_chunk`` seconds the
     video's pads then its audio's, then ``<|audio_eos|>`` (:func:`audio_in_video_ids`).
+  - "qwen3_omni" (Qwen2VLVideoProcessor + Qwen3OmniMoeProcessor): Qwen2.5-Omni's sampling, sizes and timing with
+    Qwen3-VL's mean / std 0.5 (and its patch 16). With ``use_audio_in_video`` there are no chunks: the video's pads
+    (temporal patch k at k * second_per_grid * position_id_per_seconds, not truncated) and its audio's (token i at
+    i) are merged by that time, video first on ties (:func:`merge_by_time`).
 M-RoPE (get_rope_index): text advances all three axes by one; a run of vision tokens starting at position p
   gets (p + t, p + row, p + col) over its merged grid, and the next token starts at p + max(rows, cols).
   Qwen3-VL: each video frame group is its own run with t = 0. Qwen2.5-VL: a video is one run and temporal
@@ -41,8 +45,10 @@ from titan_mm.data.sources import SkipSample
 NORM = {"qwen3_vl": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
         "qwen2_5_vl": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))}
 NORM["qwen2_5_omni"] = NORM["qwen2_5_vl"]
+NORM["qwen3_omni"] = NORM["qwen3_vl"]
 LAYOUTS = tuple(NORM)
-QWEN2_5 = ("qwen2_5_vl", "qwen2_5_omni")  # Qwen2VLVideoProcessor's sampling and sizes, one pad run per video
+QWEN2_5 = ("qwen2_5_vl", "qwen2_5_omni", "qwen3_omni")  # Qwen2VLVideoProcessor's sampling and sizes, one pad run
+OMNI = ("qwen2_5_omni", "qwen3_omni")  # timed by the requested fps; a video part may bring its audio track
 
 
 def normalize(x_CHW: np.ndarray, layout: str) -> np.ndarray:
@@ -310,8 +316,8 @@ def process_video(payload, cfg, frames: list[np.ndarray] | None = None, video_fp
     tensors = {"pixel_values_videos": pv, "video_grid_thw": np.asarray([grid], dtype=np.int64)}
     item = MediaItem("video", tensors, grid, n, n // cfg.merge_size**2, layout=layout)
     if layout in QWEN2_5:
-        # Qwen2_5_VLProcessor: temporal patch / the sampled fps; Qwen2_5OmniProcessor: / the requested fps
-        sec = tp / (d.video_fps if layout == "qwen2_5_omni" else n_frames / box["total"] * video_fps)
+        # Qwen2_5_VLProcessor: temporal patch / the sampled fps; the Omni processors: / the requested fps
+        sec = tp / (d.video_fps if layout in OMNI else n_frames / box["total"] * video_fps)
         tensors["video_second_per_grid"] = np.asarray([sec], np.float32)
         item.timestamps = [k * sec for k in range(grid[0])]  # float64, as HF's processor chunks them
     else:
@@ -330,13 +336,25 @@ def chunk_bounds(values, per_chunk: int) -> list[tuple[int, int]]:
     return out + [(a, len(values))]
 
 
+def merge_by_time(video_t, audio_t) -> np.ndarray:
+    """HF Qwen3-Omni's audio-in-video order (processor and get_rope_index alike): the indices into
+    cat(video, audio) of the two increasing time lists merged, video first on ties."""
+    t = np.concatenate([np.asarray(video_t, dtype=np.float64), np.asarray(audio_t, dtype=np.float64)])
+    return np.argsort(t, kind="stable")  # stable: each list keeps its order, and the video's come first on ties
+
+
 def audio_in_video_ids(item: MediaItem, tok, cfg) -> np.ndarray:
-    """Qwen2_5OmniProcessor.replace_video_with_audio_token: <|audio_bos|>, then per chunk of seconds_per_chunk
-    seconds the video's pads (frame k at k * second_per_grid * position_id_per_seconds) then the audio's (token i
-    at i), then <|audio_eos|>."""
-    per = int(cfg.needs.video_tokens_per_second * cfg.needs.seconds_per_chunk)
+    """The Omni processors' replace_video_with_audio_token: <|audio_bos|>, the video's pads (frame k at
+    k * second_per_grid * position_id_per_seconds) and the audio's (token i at i), then <|audio_eos|>.
+    Qwen2_5OmniProcessor: per chunk of seconds_per_chunk seconds the video's pads then the audio's;
+    Qwen3OmniMoeProcessor: the two merged by time (:func:`merge_by_time`)."""
     _, h, w = item.grid
     frame_t = np.repeat(np.asarray(item.timestamps) * cfg.needs.video_tokens_per_second, h * w // cfg.merge_size**2)
+    if item.layout == "qwen3_omni":
+        pads = np.r_[np.full(len(frame_t), tok.video_pad_id), np.full(item.audio_tokens, tok.audio_pad_id)]
+        body = pads[merge_by_time(frame_t, np.arange(item.audio_tokens))].tolist()
+        return np.asarray([tok.audio_start_id, *body, tok.audio_end_id], dtype=np.int64)
+    per = int(cfg.needs.video_tokens_per_second * cfg.needs.seconds_per_chunk)
     vc, ac = chunk_bounds(frame_t, per), chunk_bounds(np.arange(item.audio_tokens), per)
     out = [tok.audio_start_id]
     for j in range(max(len(vc), len(ac))):  # one list may run out of chunks before the other

@@ -12,7 +12,7 @@ Batch keys (what :func:`prepare_batch` and the forward read):
   pixel_values_videos [Nv, P], video_grid_thw [n_videos, 3], video_second_per_grid [n_videos] (float, host)
   input_features [n_mels, T] float: every clip's log-mel frames concatenated along T (as HF flattens them)
   audio_feature_lengths [n_clips] long (host): frames per clip, in the order of ``input_features``
-  use_audio_in_video (bool, optional, host): every video's audio track is interleaved with it (HF's flag)
+  use_audio_in_video (bool, optional, host): HF's flag, accepted and not read (each video's tokens say it)
   doc_ids [B, S] (optional): packed documents; positions restart per document
 Media of each kind are numbered row-major over the batch, in the order of their placeholders.
 
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from titan_mm.data.vision import merge_by_time
 from titan_mm.models.common.attention import AttnMeta
 from titan_mm.models.common.output import ModelOutput, Stream
 from titan_mm.models.qwen2_5_omni.model import _documents, apply_freeze, param_groups
@@ -158,21 +159,23 @@ def _vision_pos(start: float, t_index: np.ndarray, lh: int, lw: int) -> np.ndarr
         + start
 
 
-def rope_index(ids_L, cfg: Qwen3OmniMoeConfig, images: Iterator, videos: Iterator, audios: Iterator,
-               use_audio_in_video: bool = False) -> np.ndarray:
+def rope_index(ids_L, cfg: Qwen3OmniMoeConfig, images: Iterator, videos: Iterator, audios: Iterator) -> np.ndarray:
     """Host side: [3, L] float64 positions of one document, by HF Qwen3-Omni's get_rope_index rules: each part
-    starts after the max of the previous one; an audio-in-video part (<vision_start><audio_start> ...
-    <audio_end><vision_end>) gives its two start and two end tokens consecutive positions and interleaves the video
-    and audio tokens by temporal position (video first on ties). The media iterators yield, in placeholder order,
-    image grids (t, h, w), video (grid, seconds per temporal patch) and audio clip frame counts; the batch shares
-    them across documents."""
+    starts after the max of the previous one (of its *last* slice: an audio-in-video part's trailing run of one
+    kind, HF's quirk); an audio-in-video part (<vision_start><audio_start> ... <audio_end><vision_end>) gives its
+    two start and two end tokens consecutive positions and merges the video and audio tokens by temporal position
+    (video first on ties). The media iterators yield, in placeholder order, image grids (t, h, w), video (grid,
+    seconds per temporal patch) and audio clip frame counts; the batch shares them across documents. HF's
+    use_audio_in_video is read per video, from the tokens: a video whose <vision_start> is followed by
+    <audio_start> has its audio interleaved (the data pipeline's flag is per video part). Where HF's one flag fits
+    the document, the positions are HF's."""
     toks = np.asarray(ids_L).reshape(-1).tolist()
-    L, merge, pps = len(toks), cfg.vision.spatial_merge_size, float(cfg.position_id_per_seconds)
+    L, merge, pps = len(toks), cfg.vision.spatial_merge_size, np.float32(cfg.position_id_per_seconds)
     img, vid, aud, a_start, v_start = (cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id,
                                        cfg.audio_start_token_id, cfg.vision_start_token_id)
     after_vs = [toks[i + 1] for i, t in enumerate(toks[:-1]) if t == v_start]
     rem_i, rem_a = after_vs.count(img), toks.count(a_start)
-    rem_v = after_vs.count(a_start if use_audio_in_video else vid)
+    n_alone, rem_v = after_vs.count(vid), after_vs.count(vid) + after_vs.count(a_start)
     parts: list[np.ndarray] = []
 
     def nxt() -> float:
@@ -181,8 +184,12 @@ def rope_index(ids_L, cfg: Qwen3OmniMoeConfig, images: Iterator, videos: Iterato
     def run(n: int, start: float) -> np.ndarray:
         return np.arange(n)[None].repeat(3, 0) + start
 
+    def video_pos(start: float, grid, sec) -> np.ndarray:  # t in float32, as HF multiplies
+        (t, h, w) = grid
+        return _vision_pos(start, np.arange(t, dtype=np.float32) * np.float32(sec) * pps, h // merge, w // merge)
+
     st = 0
-    for _ in range(rem_i + rem_a if use_audio_in_video else rem_i + rem_v + rem_a):
+    for _ in range(rem_i + n_alone + rem_a):  # an audio-in-video group counts once, by its <audio_start>
         s = nxt()
         ev = toks.index(v_start, st) if (img in toks or vid in toks) and (rem_v > 0 or rem_i > 0) else L + 1
         ea = toks.index(a_start, st) if aud in toks and rem_a > 0 else L + 1
@@ -198,19 +205,23 @@ def rope_index(ids_L, cfg: Qwen3OmniMoeConfig, images: Iterator, videos: Iterato
             n = int(output_lengths(next(audios)))
             parts.append(run(n, s))
             rem_a -= 1
-        elif toks[ev + 1] in (img, vid):
-            (t, h, w), sec = (next(images), 1.0) if toks[ev + 1] == img else next(videos)
-            parts.append(_vision_pos(s, np.arange(t) * float(sec) * pps, h // merge, w // merge))
-            n = t * h * w // merge**2
-            rem_i, rem_v = (rem_i - 1, rem_v) if toks[ev + 1] == img else (rem_i, rem_v - 1)
+        elif toks[ev + 1] == img:
+            t, h, w = next(images)
+            parts.append(_vision_pos(s, np.arange(t) * pps, h // merge, w // merge))
+            n, rem_i = t * h * w // merge**2, rem_i - 1
+        elif toks[ev + 1] == vid:
+            grid, sec = next(videos)
+            parts.append(video_pos(s, grid, sec))
+            n, rem_v = int(np.prod(grid)) // merge**2, rem_v - 1
         elif both:
             na = int(output_lengths(next(audios)))
-            (t, h, w), sec = next(videos)
-            pos = np.concatenate([_vision_pos(s, np.arange(t) * float(sec) * pps, h // merge, w // merge),
-                                  run(na, s)], 1)
-            src = np.r_[np.zeros(t * h * w // merge**2), np.ones(na)]
-            parts.append(pos[:, np.lexsort((np.arange(pos.shape[1]), src, pos[0]))])  # merge, video first on ties
-            n = na + t * h * w // merge**2
+            grid, sec = next(videos)
+            v_pos = video_pos(s, grid, sec)
+            pos = np.concatenate([v_pos, run(na, s)], 1)[:, merge_by_time(v_pos[0], np.arange(na) + s)]
+            kind = np.r_[np.zeros(v_pos.shape[1]), np.ones(na)][merge_by_time(v_pos[0], np.arange(na) + s)]
+            cut = int(np.flatnonzero(kind != kind[-1])[-1]) + 1 if (kind != kind[-1]).any() else 0
+            parts += [pos[:, :cut], pos[:, cut:]]  # HF's last slice: the run left when the other kind ran out
+            n = pos.shape[1]
             rem_a, rem_v = rem_a - 1, rem_v - 1
         else:
             raise ValueError(f"<vision_start> at {ev} is followed by {toks[ev + 1]}, not an image, video or audio "
@@ -222,7 +233,7 @@ def rope_index(ids_L, cfg: Qwen3OmniMoeConfig, images: Iterator, videos: Iterato
     pos = np.concatenate(parts, 1) if parts else np.zeros((3, 0))
     if pos.shape[1] != L:
         raise ValueError(f"a document of {L} tokens has {pos.shape[1]} positions: its placeholders do not match its "
-                         "media (pads per image / video / clip, start and end tokens, use_audio_in_video)")
+                         "media (pads per image / video / clip, start and end tokens, audio in video)")
     return pos
 
 
@@ -239,10 +250,9 @@ def omni_positions(cfg: Qwen3OmniMoeConfig, batch: dict[str, Any]) -> torch.Tens
     lens = batch.get("audio_feature_lengths")
     images, audios = iter(grids["image_grid_thw"]), iter([] if lens is None else lens.cpu().tolist())
     videos = iter(zip(grids["video_grid_thw"], secs))
-    uaiv = bool(batch.get("use_audio_in_video", False))
     pos = np.zeros((3, *ids.shape))
     for b, a, e in _documents(batch):
-        pos[:, b, a:e] = rope_index(ids[b, a:e], cfg, images, videos, audios, uaiv)
+        pos[:, b, a:e] = rope_index(ids[b, a:e], cfg, images, videos, audios)
     whole = np.array_equal(pos, np.round(pos))
     return torch.from_numpy(pos.astype(np.int64) if whole else pos.astype(np.float32))
 

@@ -1,8 +1,9 @@
 """The Qwen3-Omni-MoE thinker's answers to the family contract (titan_mm.registry.ModelSpec): Qwen3-VL-MoE's
 (titan_mm/models/qwen3_vl/spec.py: the Qwen3-MoE decoder, the ViT's shapes, the visual tokens, ChatML) plus the
 audio tokens and the audio front end (DataNeeds.audio_encoder "qwen3_omni": clips unpadded, 13 tokens per 100-frame
-window). Videos stay off in DataNeeds (the pipeline lays them out the Qwen3-VL way, with timestamps; the
-Omni thinker's videos have none), and positions are built by this family's prepare_batch."""
+window). Videos follow Qwen3OmniMoeProcessor (DataNeeds.vision_layout "qwen3_omni": Qwen2VLVideoProcessor's frames,
+one pad run per video, no timestamps), a video part may interleave its own audio track (use_audio_in_video, merged
+by time), and positions are built by this family's prepare_batch."""
 
 from __future__ import annotations
 
@@ -23,5 +24,7 @@ def data_needs(cfg: Qwen3OmniMoeConfig) -> DataNeeds:
     needs = vl_spec.data_needs(cfg)
     audio = {"audio_pad": cfg.audio_token_id, "audio_start": cfg.audio_start_token_id,
              "audio_end": cfg.audio_end_token_id}
-    return dataclasses.replace(needs, special_tokens={**needs.special_tokens, **audio}, video=False,
+    # video time in the positions' units: position_id_per_seconds
+    return dataclasses.replace(needs, special_tokens={**needs.special_tokens, **audio}, video=True,
+                               vision_layout="qwen3_omni", video_tokens_per_second=cfg.position_id_per_seconds,
                                audio_encoder="qwen3_omni")
