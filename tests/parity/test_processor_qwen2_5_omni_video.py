@@ -56,11 +56,17 @@ def hf_tok():
 
 
 def hf_processor(hf_tok, native_fps):
-    """Qwen2_5OmniProcessor without its __init__ (which would auto-load processors): Qwen2.5-VL's image processor,
-    HF's Qwen2-VL video functions, Whisper features with 128 bins, the built-in Omni tokenizer's token names."""
-    p = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)
-    p.image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": IMG_MIN, "longest_edge": IMG_MAX})
-    p.video_processor = HFVideoProcessor(list(native_fps))
+    """Qwen2_5OmniProcessor without its __init__: Qwen2.5-VL's image processor and HF's Qwen2-VL video functions."""
+    return omni_processor(Qwen2_5OmniProcessor, Qwen2VLImageProcessorPil(size={"shortest_edge": IMG_MIN,
+                                                                              "longest_edge": IMG_MAX}),
+                          HFVideoProcessor(list(native_fps)), hf_tok)
+
+
+def omni_processor(cls, image_processor, video_processor, hf_tok):
+    """An Omni processor ``cls`` without its __init__ (which would auto-load processors): these image / video
+    processors, Whisper features with 128 bins, the built-in Omni tokenizer's token names."""
+    p = cls.__new__(cls)
+    p.image_processor, p.video_processor = image_processor, video_processor
     p.feature_extractor = transformers.WhisperFeatureExtractor(feature_size=128)
     p.tokenizer, p.chat_template = hf_tok, None
     for role, name in (("image", "<|IMAGE|>"), ("audio", "<|AUDIO|>"), ("video", "<|VIDEO|>")):
@@ -120,24 +126,33 @@ def _video_part(data, audio_in_video=False) -> dict:
     return {**part, "use_audio_in_video": True} if audio_in_video else part
 
 
-@pytest.mark.parametrize("n,h,w,fps", [(1, 64, 90, 10), (23, 90, 122, 25)])
-def test_video_parity(tok, hf_tok, n, h, w, fps):
-    """1 frame (taken whole) and 23 frames (an odd count): HF's second_per_grid is temporal patch / requested fps."""
+def video_alone_parity(tok, processor, hf, n, h, w, fps):
+    """A video of ``n`` frames alone: ``processor``'s document against ``hf(native_fps, text, frames)`` (HF's
+    processor output): ids, grid, pad count, seconds per grid (2 / the requested fps) and pixels equal.
+    -> (the encoded video, the document)."""
     data = _video(n, h, w, fps, seed=n)
     frames, native = vision.decode_video(data)
-    mine = Processor(tok, _cfg())
     sample = parse_record(_chat(_video_part(data), "What happens?"))
-    text, _, _ = mine.render(sample)
-    out = hf_call(hf_processor(hf_tok, [native]), text, [np.stack(frames)])
-    doc = mine(sample)
+    text, _, _ = processor.render(sample)
+    out = hf(native, text, np.stack(frames))
+    doc = processor(sample)
     np.testing.assert_array_equal(doc.input_ids, out["input_ids"][0])
     grid = doc.media["video_grid_thw"][0]
     np.testing.assert_array_equal(grid, out["video_grid_thw"])
-    assert (doc.input_ids == tok.video_pad_id).sum() == grid.prod() // 4
+    assert (doc.input_ids == tok.video_pad_id).sum() == grid.prod() // 4 and tok.audio_pad_id not in doc.input_ids
     secs = doc.media["video_second_per_grid"][0]
     np.testing.assert_array_equal(secs, np.asarray(out["video_second_per_grid"], dtype=np.float32))
-    assert secs.tolist() == [2 / _cfg().data.video_fps]
+    assert secs.tolist() == [2 / processor.cfg.data.video_fps]
     np.testing.assert_allclose(doc.media["pixel_values_videos"][0], out["pixel_values_videos"], rtol=0, atol=1e-6)
+    return data, doc
+
+
+@pytest.mark.parametrize("n,h,w,fps", [(1, 64, 90, 10), (23, 90, 122, 25)])
+def test_video_parity(tok, hf_tok, n, h, w, fps):
+    """1 frame (taken whole) and 23 frames (an odd count): HF's second_per_grid is temporal patch / requested fps."""
+    data, doc = video_alone_parity(tok, Processor(tok, _cfg()), lambda native, text, frames: hf_call(
+        hf_processor(hf_tok, [native]), text, [frames]), n, h, w, fps)
+    secs = doc.media["video_second_per_grid"][0]
     if n > 1:  # the same frames as Qwen2.5-VL's processor, timed by the requested fps, not the sampled one
         vl = get_model_spec("qwen2_5_vl")
         item = vision.process_video(data, ProcessorConfig(_cfg().data, vl.data_needs(vl.flavor("debug"))))
@@ -206,26 +221,36 @@ def test_packed_positions_match_hf_get_rope_index(tok, hf_tok):
     """One row: an audio-in-video doc, then a doc with a video alone and an audio clip. Each doc's TMRoPE positions
     (the family's prepare_batch) equal HF's get_rope_index with that doc's use_audio_in_video."""
     a, out, _ = _aiv_doc(tok, hf_tok, *AIV[0])
-    mine = Processor(tok, _cfg())
-    t = np.arange(16000) / 16000
-    clip = (0.3 * np.sin(2 * np.pi * 697 * t)).astype(np.float32)
-    b = mine(parse_record(_chat(_video_part(_video(23, 90, 122, 25, seed=3)), {"type": "audio", "audio": clip}, "?")))
-    batch = collate_rows([[a, b]], len(a) + len(b), pad_id=tok.pad_id, mrope=True)
-    prepared = SPEC.prepare_batch(MODEL, batch, "cpu")
+    b, batch, prepared = packed_row(tok, Processor(tok, _cfg()), a, SPEC, MODEL)
     vg, secs, lens = batch["video_grid_thw"], batch["video_second_per_grid"], batch["audio_feature_lengths"]
     assert vg.shape == (2, 3) and secs.tolist() == [1.0, 1.0] and lens.shape == (2,)
     np.testing.assert_array_equal(vg[0].numpy(), out["video_grid_thw"][0])
     for d, v, at, uaiv in ((a, 0, 0, True), (b, 1, len(a), False)):
         ref = _hf_rope(d.input_ids, None, vg[v:v + 1], secs[v:v + 1], lens[v:v + 1], uaiv)
         np.testing.assert_array_equal(prepared["position_ids"][:, 0, at:at + len(d)].numpy(), ref.numpy())
-    # every audio row and visual row is placed once: the clip of the video first, in placeholder order
+
+
+def packed_row(tok, processor, a, spec, model):
+    """One row: the document ``a``, then a doc with a video alone and a 1 s audio clip (``processor``'s), through
+    collate and the family's prepare_batch; every audio and visual row is placed once. -> (b, batch, prepared)."""
+    t = np.arange(16000) / 16000
+    clip = (0.3 * np.sin(2 * np.pi * 697 * t)).astype(np.float32)
+    b = processor(parse_record(_chat(_video_part(_video(23, 90, 122, 25, seed=3)), {"type": "audio", "audio": clip},
+                                     "?")))
+    batch = collate_rows([[a, b]], len(a) + len(b), pad_id=tok.pad_id, mrope=True)
+    prepared = spec.prepare_batch(model, batch, "cpu")
     idx = prepared["mm_index"][0]
-    n_vis = int((vg.prod(-1) // 4).sum())
+    n_vis = int((batch["video_grid_thw"].prod(-1) // 4).sum())
     assert sorted(idx[idx >= 0].tolist()) == list(range(n_vis + int((batch["input_ids"] == tok.audio_pad_id).sum())))
+    return b, batch, prepared
 
 
 def test_video_without_audio_track_is_skipped(tok):
-    mine = Processor(tok, _cfg())
+    no_track_is_skipped(Processor(tok, _cfg()))
+
+
+def no_track_is_skipped(mine):
+    """A video without an audio track asked for it is skipped (no_audio_track); the same video alone is not."""
     sample = parse_record(_chat(_video_part(_video(8, 64, 64, 10), True), "?"))
     with pytest.raises(SkipSample) as e:
         mine(sample)
@@ -249,9 +274,10 @@ def test_flag_errors():
     assert NEEDS.video and NEEDS.vision_layout == "qwen2_5_omni" and NEEDS.seconds_per_chunk == MODEL.seconds_per_chunk
 
 
-def test_loader_trains_audio_in_video(tmp_path):
-    """A JSONL record (a video with use_audio_in_video, then a video alone) through build_dataloader with the family's
-    needs: nothing skipped, one clip for the video's track, and the family's prepare_batch takes the batch."""
+def loader_batch(tmp_path, spec, model) -> tuple[dict, dict]:
+    """A JSONL record (a video with use_audio_in_video, then a video alone) through build_dataloader with the
+    family's needs: nothing skipped, one clip for the video's track, and the family's prepare_batch places every
+    pad once. -> (the batch, prepared)."""
     import json
 
     from titan_mm.data.loader import build_dataloader
@@ -263,12 +289,17 @@ def test_loader_trains_audio_in_video(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps(rec) + "\n")
     data = Data(dataset=str(tmp_path / "d.jsonl"), seq_len=2048, micro_batch_size=1, num_workers=0,
                 tokenizer_path=OMNI, video_min_pixels=3136, video_max_pixels=20000)
-    dl = build_dataloader(data, needs=NEEDS, epochs=1)
+    dl = build_dataloader(data, needs=spec.data_needs(model), epochs=1)
     (b,) = list(dl)
     assert dl.metrics()["skipped"] == 0
     assert b["video_grid_thw"].shape == (2, 3) and b["audio_feature_lengths"].shape == (1,)
     assert b["input_features"].shape == (128, int(b["audio_feature_lengths"].sum()))
-    prepared = SPEC.prepare_batch(MODEL, b, "cpu")
+    prepared = spec.prepare_batch(model, b, "cpu")
     ids, tok = b["input_ids"][0], load_tokenizer(OMNI)
     pads = (ids == tok.video_pad_id) | (ids == tok.audio_pad_id)
     assert int((prepared["mm_index"][0] >= 0).sum()) == int(pads.sum())
+    return b, prepared
+
+
+def test_loader_trains_audio_in_video(tmp_path):
+    loader_batch(tmp_path, SPEC, MODEL)

@@ -11,7 +11,6 @@ packed row equal HF's get_rope_index per document. A video without an audio trac
 loader trains such a record. Clips of 0.1 / 1 / 30 / 31 s alone: test_processor_audio.py (Qwen3-Omni's parity).
 """
 
-import json
 import types
 
 import numpy as np
@@ -20,23 +19,19 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_omni_moe")
-from transformers import AutoTokenizer  # noqa: E402
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf_q3  # noqa: E402
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor  # noqa: E402
 
-from titan_mm.config import Data  # noqa: E402
 from titan_mm.data import vision  # noqa: E402
 from titan_mm.data.audio import decode_audio  # noqa: E402
-from titan_mm.data.packing import collate_rows  # noqa: E402
 from titan_mm.data.processors import Processor, ProcessorConfig  # noqa: E402
 from titan_mm.data.schema import parse_record  # noqa: E402
-from titan_mm.data.sources import SkipSample  # noqa: E402
-from titan_mm.data.tokenizer import load_tokenizer, qwen2_5_omni_tokenizer_dir  # noqa: E402
+from titan_mm.data.tokenizer import load_tokenizer  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
 
 from tests.parity import test_processor_qwen2_5_omni_video as q25  # noqa: E402
-from tests.parity.test_processor_qwen2_5_omni_video import AIV, _video, _video_part  # noqa: E402
+from tests.parity.test_processor_qwen2_5_omni_video import AIV, _video, _video_part, hf_tok, tok  # noqa: E402,F401
 from tests.parity.test_processor_qwen2_5_vl import IMG_MAX, IMG_MIN, HFVideoProcessor, _chat  # noqa: E402
 
 SPEC = get_model_spec("qwen3_omni_moe")
@@ -61,33 +56,14 @@ def _cfg(**data) -> ProcessorConfig:
     return ProcessorConfig(q25._cfg(**{"video_min_pixels": VID_MIN, "video_max_pixels": VID_MAX, **data}).data, NEEDS)
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(OMNI)
-
-
-@pytest.fixture(scope="module")
-def hf_tok():
-    return AutoTokenizer.from_pretrained(qwen2_5_omni_tokenizer_dir())
-
-
 def hf_processor(hf_tok, native_fps):
-    """Qwen3OmniMoeProcessor without its __init__ (which would auto-load processors and read the token names off
-    a Qwen3-Omni tokenizer): the family's image / video processors, Whisper with 128 bins, the Omni token names."""
-    p = Qwen3OmniMoeProcessor.__new__(Qwen3OmniMoeProcessor)
-    p.image_processor = Qwen2VLImageProcessorPil(
+    """Qwen3OmniMoeProcessor without its __init__ (which would also read the token names off a Qwen3-Omni
+    tokenizer): the family's image / video processors."""
+    image = Qwen2VLImageProcessorPil(
         patch_size=MODEL.vision.patch_size, temporal_patch_size=MODEL.vision.temporal_patch_size,
         merge_size=MODEL.vision.spatial_merge_size, image_mean=list(NORM), image_std=list(NORM),
         size={"shortest_edge": IMG_MIN, "longest_edge": IMG_MAX})
-    p.video_processor = HFVideo(list(native_fps))
-    p.feature_extractor = transformers.WhisperFeatureExtractor(feature_size=128)
-    p.tokenizer, p.chat_template = hf_tok, None
-    for role, name in (("image", "<|IMAGE|>"), ("audio", "<|AUDIO|>"), ("video", "<|VIDEO|>")):
-        setattr(p, f"{role}_token", name)
-        setattr(p, f"{role}_token_id", hf_tok.convert_tokens_to_ids(name))
-    p.vision_bos_token, p.vision_eos_token = "<|vision_bos|>", "<|vision_eos|>"
-    p.audio_bos_token, p.audio_eos_token = "<|audio_bos|>", "<|audio_eos|>"
-    return p
+    return q25.omni_processor(Qwen3OmniMoeProcessor, image, HFVideo(list(native_fps)), hf_tok)
 
 
 def hf_call(p, text, videos, audio=None, fps=None):
@@ -109,23 +85,9 @@ def test_needs():
 @pytest.mark.parametrize("n,h,w,fps", [(1, 64, 90, 10), (23, 90, 122, 25)])
 def test_video_parity(tok, hf_tok, n, h, w, fps):
     """1 frame (taken whole) and 23 frames (an odd count): second_per_grid is temporal patch / requested fps."""
-    data = _video(n, h, w, fps, seed=n)
-    frames, native = vision.decode_video(data)
-    mine = Processor(tok, _cfg())
-    sample = parse_record(_chat(_video_part(data), "What happens?"))
-    text, _, _ = mine.render(sample)
-    out = hf_call(hf_processor(hf_tok, [native]), text, [np.stack(frames)])
-    doc = mine(sample)
-    np.testing.assert_array_equal(doc.input_ids, out["input_ids"][0])
-    grid = doc.media["video_grid_thw"][0]
-    np.testing.assert_array_equal(grid, out["video_grid_thw"])
-    assert (doc.input_ids == tok.video_pad_id).sum() == grid.prod() // 4 and tok.audio_pad_id not in doc.input_ids
-    secs = doc.media["video_second_per_grid"][0]
-    np.testing.assert_array_equal(secs, np.asarray(out["video_second_per_grid"], dtype=np.float32))
-    assert secs.tolist() == [2 / _cfg().data.video_fps]
-    pv = doc.media["pixel_values_videos"][0]
-    assert pv.shape == (grid.prod(), 3 * 2 * 16 * 16)
-    np.testing.assert_allclose(pv, out["pixel_values_videos"], rtol=0, atol=1e-6)
+    _, doc = q25.video_alone_parity(tok, Processor(tok, _cfg()), lambda native, text, frames: hf_call(
+        hf_processor(hf_tok, [native]), text, [frames]), n, h, w, fps)
+    assert doc.media["pixel_values_videos"][0].shape == (doc.media["video_grid_thw"][0].prod(), 3 * 2 * 16 * 16)
 
 
 def _aiv_doc(tok, hf_tok, n, h, w, fps, secs, fmt, seed=0, **data):
@@ -206,12 +168,7 @@ def test_packed_positions_match_hf_get_rope_index(tok, hf_tok, case):
     clip. Each doc's positions (the family's prepare_batch) equal HF's get_rope_index with its use_audio_in_video."""
     *shape, req = case
     a, out, _ = _aiv_doc(tok, hf_tok, *shape, video_fps=req)
-    mine = Processor(tok, _cfg(video_fps=req))
-    t = np.arange(16000) / 16000
-    clip = (0.3 * np.sin(2 * np.pi * 697 * t)).astype(np.float32)
-    b = mine(parse_record(_chat(_video_part(_video(23, 90, 122, 25, seed=3)), {"type": "audio", "audio": clip}, "?")))
-    batch = collate_rows([[a, b]], len(a) + len(b), pad_id=tok.pad_id, mrope=True)
-    prepared = SPEC.prepare_batch(MODEL, batch, "cpu")
+    b, batch, prepared = q25.packed_row(tok, Processor(tok, _cfg(video_fps=req)), a, SPEC, MODEL)
     vg, secs, lens = batch["video_grid_thw"], batch["video_second_per_grid"], batch["audio_feature_lengths"]
     assert vg.shape == (2, 3) and secs.tolist() == [np.float32(2 / req)] * 2 and lens.shape == (2,)
     np.testing.assert_array_equal(vg[0].numpy(), out["video_grid_thw"][0])
@@ -220,41 +177,16 @@ def test_packed_positions_match_hf_get_rope_index(tok, hf_tok, case):
     for d, v, at, uaiv in ((a, 0, 0, True), (b, 1, len(a), False)):
         ref = _hf_rope(d.input_ids, vg[v:v + 1], secs[v:v + 1], lens[v:v + 1], uaiv)
         np.testing.assert_array_equal(pos[:, 0, at:at + len(d)].numpy(), ref.numpy())
-    # every audio row and visual row is placed once: the clip of the video first, in placeholder order
-    idx = prepared["mm_index"][0]
-    n_vis = int((vg.prod(-1) // 4).sum())
-    assert sorted(idx[idx >= 0].tolist()) == list(range(n_vis + int((batch["input_ids"] == tok.audio_pad_id).sum())))
 
 
 def test_video_without_audio_track_is_skipped(tok):
-    mine = Processor(tok, _cfg())
-    sample = parse_record(_chat(_video_part(_video(8, 64, 64, 10), True), "?"))
-    with pytest.raises(SkipSample) as e:
-        mine(sample)
-    assert e.value.reason == "no_audio_track" and "use_audio_in_video" in e.value.detail
-    mine(parse_record(_chat(_video_part(_video(8, 64, 64, 10)), "?")))  # the same video alone is fine
+    q25.no_track_is_skipped(Processor(tok, _cfg()))
 
 
 def test_loader_trains_audio_in_video(tmp_path):
-    """A JSONL record (a video with use_audio_in_video, then a video alone) through build_dataloader with the family's
-    needs: nothing skipped, one clip for the video's track, and the family's prepare_batch takes the batch."""
-    from titan_mm.data.loader import build_dataloader
-
-    (tmp_path / "a.mkv").write_bytes(_video(23, 58, 80, 7, audio_secs=3.1, fmt="mkv"))
-    (tmp_path / "b.mp4").write_bytes(_video(12, 64, 64, 6, seed=1))
-    rec = _chat({"type": "video", "video": "a.mkv", "use_audio_in_video": True}, {"type": "video", "video": "b.mp4"},
-                "?")
-    (tmp_path / "d.jsonl").write_text(json.dumps(rec) + "\n")
-    data = Data(dataset=str(tmp_path / "d.jsonl"), seq_len=2048, micro_batch_size=1, num_workers=0,
-                tokenizer_path=OMNI, video_min_pixels=3136, video_max_pixels=20000)
-    dl = build_dataloader(data, needs=NEEDS, epochs=1)
-    (b,) = list(dl)
-    assert dl.metrics()["skipped"] == 0
-    assert b["video_grid_thw"].shape == (2, 3) and b["audio_feature_lengths"].shape == (1,)
-    assert b["input_features"].shape == (128, int(b["audio_feature_lengths"].sum()))
+    """The Qwen2.5-Omni test's loader record with this family's needs: patch-16 pixel rows, one audio-in-video
+    group and the video alone."""
+    b, _ = q25.loader_batch(tmp_path, SPEC, MODEL)
     assert b["pixel_values_videos"].shape[1] == 3 * 2 * 16 * 16
-    prepared = SPEC.prepare_batch(MODEL, b, "cpu")
     ids, tok = b["input_ids"][0], load_tokenizer(OMNI)
     assert int((ids == tok.audio_start_id).sum()) == 1 and int((ids == tok.vision_start_id).sum()) == 2
-    pads = (ids == tok.video_pad_id) | (ids == tok.audio_pad_id)
-    assert int((prepared["mm_index"][0] >= 0).sum()) == int(pads.sum())
