@@ -271,6 +271,12 @@ class Parallel:
     gathers nothing (ZeRO-2-like): one unsharded copy of the weights more at the peak, one all-gather (and,
     with float8, one weight cast) less per block and step. Qwen3-1.7B on one H200: float8 +2.2 to +2.8% tokens/s
     for +1.1 GiB; bf16 +1.7% for +2.5 GiB (docs/benchmarks.md)."""
+    one_rank_mixed_precision: Literal["cast", "fsdp"] = "cast"
+    """A one-process job with training.param_dtype below float32 (and no pipeline): how the compute copies of the
+    fp32 master weights are made. cast: once per forward, in the autograd graph (the backward casts each gradient
+    back into the fp32 .grad); the copies live as with fsdp_reshard_after_forward = never. fsdp: FSDP2 on a
+    one-rank mesh, whose all-gather and reduce-scatter there are copies (63 ms of a 329 ms Qwen3-8B 12-layer step
+    on the H200). Same numerics (titan_mm/parallel/apply.py, docs/benchmarks.md)."""
     pp: int = 1
     """Pipeline-parallel degree: the trunk's blocks are cut into stages run on pp groups of ranks (the outermost
     mesh axis; world = pp x dp_replicate x dp_shard x cp x tp). Stage 0 also runs the embedding (and the vision

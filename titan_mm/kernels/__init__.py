@@ -18,6 +18,7 @@ see docs/kernels.md):
         (serving's one-token decode step over a paged KV pool, keys read in place; no backward)
     grouped_mm(x, w, counts) -> y     x [A, K] rows sorted by expert, w [E, N, K], counts [E] on the device
         (the MoE experts in the dtypes torch._grouped_mm lacks on CUDA, no host sync; eager autograd)
+    upcast(x, dtype) -> x in a wider dtype (bf16 / fp16 -> fp32: a vectorized copy; no autograd)
 
 Launch configs (titan_mm.kernels._utils.Tuner): picked per key (width / head layout, dtype) outside the
 model's forward, which must not synchronize the GPU:
@@ -64,6 +65,7 @@ __all__ = [
     "bias_gelu",
     "paged_decode_attention",
     "grouped_mm",
+    "upcast",
     "HAS_TRITON",
     "use_triton",
     "KERNEL_OPS",
@@ -246,3 +248,14 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts_E: torch.Tensor) -> torc
 
         return GroupedMMFunction.apply(x, w, counts_E)
     return _grouped_linear_ref(x, w.to(x.dtype), counts_E)
+
+
+def upcast(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x`` in ``dtype``, wider than x's (bf16 / fp16 -> fp32): exact, as ``x.to(dtype)``, which it is off CUDA
+    and for a non-contiguous ``x``."""
+    if (use_triton(x) and x.is_contiguous() and x.is_floating_point() and x.dtype != dtype
+            and torch.finfo(dtype).bits > torch.finfo(x.dtype).bits):
+        from .cast import upcast as _upcast
+
+        return _upcast(x, dtype)
+    return x.to(dtype)

@@ -19,9 +19,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["apply_float8", "float8_after_optimizer"]
 
 
-def apply_float8(model: nn.Module, cfg: Float8, on_cuda: bool) -> None:
+def apply_float8(model: nn.Module, cfg: Float8, on_cuda: bool, fsdp: bool = True) -> None:
     """Swap eligible ``nn.Linear`` for torchao Float8Linear (tensorwise or rowwise scaling). The caller decides
-    whether float8 is on (``cfg.enable``); this checks that the device can run it."""
+    whether float8 is on (``cfg.enable``); this checks that the device can run it. ``fsdp``: FSDP2 will gather the
+    weights (tensorwise then gathers them in float8); false on the one-rank cast path (titan_mm.parallel.apply)."""
     if not on_cuda:
         raise RuntimeError("float8.enable=true needs a CUDA GPU with SM>=89 (H100/H200); this run is on CPU. "
                            "Set --float8.enable false for CPU runs.")
@@ -34,7 +35,7 @@ def apply_float8(model: nn.Module, cfg: Float8, on_cuda: bool) -> None:
     if cfg.recipe == "rowwise":
         f8cfg = Float8LinearConfig.from_recipe_name("rowwise")
     else:
-        f8cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        f8cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
 
     def keep(mod: nn.Module, fqn: str) -> bool:
         if not isinstance(mod, nn.Linear) or any(part in skip for part in fqn.split(".")):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 
+from titan_mm.dtypes import torch_dtype
+from titan_mm.parallel.apply import one_rank_cast
 from titan_mm.parallel.memory import GiB, Topology, count_params, estimate_phases, format_table, peak_phase, suggest
 
 
@@ -76,8 +78,11 @@ def main(argv: list[str] | None = None) -> None:
         ds = max(1, (gpus or dp_r * cp * tp * pp) // (dp_r * cp * tp * pp))
     sp = p.sequence_parallel and not args.no_sp and bool(plan.sequence_parallel)
     enc = bool(args.encoder_tp or p.encoder_tp) and bool(plan.encoder_tp)
+    reshard = pick(args.reshard, str(p.fsdp_reshard_after_forward))
+    if one_rank_cast(dp_r * ds * cp * tp * pp, cfg, torch_dtype(cfg.training.param_dtype), pipelined=pp > 1):
+        reshard = "never"  # the one-rank cast path (titan_mm.parallel.apply) holds every copy as never does
     topo = Topology(dp_r, ds, cp, tp, ep, pick(args.ac, cfg.activation_checkpoint.mode), sp, enc,
-                    int(cfg.activation_checkpoint.num_layers), pick(args.reshard, str(p.fsdp_reshard_after_forward)),
+                    int(cfg.activation_checkpoint.num_layers), reshard,
                     pp, p.pp_schedule, p.pp_virtual_stages, 0, tuple(p.pp_layers_per_stage), tuple(p.pp_split_points))
     seq = pick(args.seq_len, cfg.data.seq_len)
     mb = pick(args.micro_batch, cfg.data.micro_batch_size)
