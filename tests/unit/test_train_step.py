@@ -285,8 +285,8 @@ def test_device_skip_host_read_after_optimizer_step(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "cpu", rec("cpu", orig_cpu))
     monkeypatch.setattr(torch.Tensor, "item", rec("item", orig_item))
 
-    def clip(params, max_norm):
-        out = clip_grad_norm_(params, max_norm)
+    def clip(params, max_norm, **kw):
+        out = clip_grad_norm_(params, max_norm, **kw)
         events.append("clipped")
         return out
 
@@ -349,3 +349,25 @@ def test_device_skip_without_guard_matches_host_path():
     assert runs[True][0] == runs[False][0]
     _assert_bitwise(runs[True][1], runs[False][1])
     _assert_bitwise(runs[True][2], runs[False][2])
+
+
+def test_fused_adamw_takes_the_clip_factor(monkeypatch):
+    """With fused AdamW the clip factor reaches the kernel as opt.grad_scale (1 / factor) instead of a pass over
+    the gradients: the same grad norms and, to rounding, the same parameters as scaling the gradients first; the
+    attribute never outlives the step."""
+    import titan_mm.train.step as step_mod
+
+    runs = {}
+    for fold in (True, False):
+        if not fold:
+            monkeypatch.setattr(step_mod, "supports_found_inf", lambda opt: False)
+        m = tiny_model()
+        st = _fused_state(m)
+        ctx = StepContext(device=torch.device("cpu"), max_norm=0.05)  # small: every step clips
+        norms = [train_step(st, mbs, ctx).grad_norm for mbs in (batches(1, seed=s) for s in range(3))]
+        assert not hasattr(st.optimizer, "grad_scale")
+        runs[fold] = norms, _params(m)
+    (n1, p1), (n0, p0) = runs[True], runs[False]
+    assert n1[0] == n0[0] and all(n > 0.05 for n in n1)
+    for k in p0:
+        torch.testing.assert_close(p1[k], p0[k], rtol=1e-5, atol=1e-6)

@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["clip_grad_norm_", "total_grad_norm"]
+__all__ = ["clip_coef", "clip_grad_norm_", "total_grad_norm"]
 
 
 @torch.no_grad()
@@ -64,6 +64,11 @@ def _over_pp(local: torch.Tensor, norm_type: float, group, grads: list[torch.Ten
     return t[0].pow(1.0 / norm_type).to(local.device)
 
 
+def clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that brings gradients of norm ``total`` to at most ``max_norm`` (1 when they are under it)."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     params: Iterable[torch.nn.Parameter] | torch.nn.Module,
@@ -71,19 +76,21 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     foreach: bool | None = None,
     pp_group=None,
+    scale: bool = True,
 ) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before clipping.
 
     ``max_norm <= 0`` only measures. Non-finite norms are returned as they are (the caller's NaN policy
     decides); the gradients are then scaled by NaN too, which a skipped step discards. ``pp_group``: the norm
-    covers the pipeline stages of the other pp ranks too (parallel.pp > 1).
+    covers the pipeline stages of the other pp ranks too (parallel.pp > 1). ``scale=False``: only measure; the
+    caller applies :func:`clip_coef` itself (the train step folds it into fused AdamW's kernel).
     """
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
     grads = [p.grad for p in params if p.grad is not None]
     total = total_grad_norm(grads, norm_type, foreach, pp_group)
-    if max_norm > 0 and grads:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if scale and max_norm > 0 and grads:
+        coef = clip_coef(total, max_norm)
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for g in grads:
             local = g._local_tensor if isinstance(g, DTensor) else g

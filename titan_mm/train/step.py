@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_mm.models.common.attention import build_attn_meta
 from titan_mm.observe.health import NanGuard, NonFiniteError
-from titan_mm.parallel.clip import clip_grad_norm_
+from titan_mm.parallel.clip import clip_coef, clip_grad_norm_
 from titan_mm.train.optim import supports_found_inf
 from titan_mm.train.state import TrainState
 
@@ -304,6 +304,21 @@ def _param_device(opt) -> torch.device:
     return torch.device("cpu")
 
 
+def _update(opt, ctx: StepContext, found_inf: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None):
+    """``opt.step()`` with this step's device flags (GradScaler's attributes, read by the fused kernel; never left
+    for a later step), then the after-optimizer hook."""
+    flags = {k: v for k, v in (("found_inf", found_inf), ("grad_scale", grad_scale)) if v is not None}
+    for k, v in flags.items():
+        setattr(opt, k, v)
+    try:
+        opt.step()
+    finally:
+        for k in flags:
+            delattr(opt, k)
+    if ctx.after_optimizer is not None:
+        ctx.after_optimizer()
+
+
 def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -> StepResult:
     """Forward/backward over ``micro_batches``, clip, optimizer and scheduler step; advances ``state.step``."""
     t0 = time.perf_counter()
@@ -319,7 +334,11 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
         scaler.unscale_(model.parameters())  # the clip and the optimizer see true gradients
 
     clip = ctx.clip_fn or clip_grad_norm_
-    grad_norm = clip(model.parameters(), ctx.max_norm)
+    # fused AdamW divides each gradient by opt.grad_scale in its own kernel (GradScaler's attribute): the clip
+    # factor goes there instead of a pass over every gradient (8 ms of a Qwen3-8B 12-layer step on the H200)
+    fold_clip = ctx.max_norm > 0 and supports_found_inf(opt)
+    grad_norm = clip(model.parameters(), ctx.max_norm, scale=not fold_clip)
+    grad_scale = (1.0 / clip_coef(grad_norm.float(), ctx.max_norm)).to(_param_device(opt)) if fold_clip else None
 
     # one reduction for what we log and decide on; global values, so every rank decides the same
     stats = torch.stack([loss_sum, aux_sum]).to(torch.float32)
@@ -343,14 +362,10 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
             # it in place from the 0-dim step counts)
             dev = _param_device(opt)
             finite = torch.isfinite(stats[0].to(dev)) & torch.isfinite(gnorm_t[0].to(dev))
-            opt.found_inf = (~finite).to(torch.float32)
-        try:
-            opt.step()
-        finally:
-            if hasattr(opt, "found_inf"):  # this step's flag only: never reused by a later step
-                del opt.found_inf
-        if ctx.after_optimizer is not None:
-            ctx.after_optimizer()
+            found_inf = (~finite).to(torch.float32)
+        else:
+            found_inf = None
+        _update(opt, ctx, found_inf=found_inf, grad_scale=grad_scale)
 
     host = torch.cat([t.cpu() for t in host_reads]).tolist()
     loss = host[0] / max(n_labels, 1)
@@ -373,9 +388,7 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
     else:  # no guard: only the loss scaler drops non-finite updates
         ok = scaler is None or (math.isfinite(loss) and math.isfinite(gnorm))
     if ok and not device_skip:
-        opt.step()
-        if ctx.after_optimizer is not None:
-            ctx.after_optimizer()
+        _update(opt, ctx, grad_scale=grad_scale)
     elif not ok and not overflow:
         state.nan_count += 1
     opt.zero_grad(set_to_none=True)
