@@ -2,7 +2,7 @@
 
 Every (case, stack) pair runs in a fresh subprocess (its own CUDA context, compile caches and memory peak),
 with the same synthetic data (random tokens, one document per row, every position a label), the same
-optimizer (fused AdamW, fp32 master weights), FSDP2 with bf16 params / fp32 reduce on a 1-GPU mesh, and
+optimizer (fused AdamW, fp32 master weights), bf16 params / fp32 gradients (the peers: FSDP2 on a 1-GPU mesh), and
 the same timing: ``--warmup`` steps (compilation) then ``--steps`` timed steps, synchronizing after each.
 MFU is computed for every stack from titan_mm's FLOP counter (docs/flops.md) against 989 TFLOP/s.
 
@@ -12,6 +12,8 @@ Stacks:
                    case (titan_argv), compile per block, Triton kernels on (the trainer's kernels.ops: all)
   titan_f8         the same + torchao float8 linears (tensorwise scales)
   titan_f8_pre     titan_f8 + float8.precompute_scale (one batched scale computation after each optimizer step)
+  titan_fsdp       titan through FSDP2 on the one-GPU mesh (parallel.one_rank_mixed_precision = fsdp; rows of
+                   "titan" before 2026-12-03 ran so, later ones through the one-rank cast path: titan_mm.parallel.apply)
   titan_eager      no compile, kernels on
   titan_nokernels  compile, pure-PyTorch ops (the reference path)
   titan_plain      titan_mm's model and train_step, but compile + fully_shard applied by hand to the blocks
@@ -166,6 +168,7 @@ def titan_argv(case: dict, stack: str, args) -> list[str]:
         "--training.param_dtype", "bfloat16", "--training.reduce_dtype", "float32", "--training.max_norm", "1.0",
         "--checkpoint.enable", "False",
         "--parallel.fsdp_reshard_after_forward", args.reshard,
+        "--parallel.one_rank_mixed_precision", "fsdp" if stack == "titan_fsdp" else "cast",
     ]
     overrides = merge_overrides(case.get("overrides") or {}, json.loads(args.model_overrides or "{}"))
     if overrides:
@@ -387,7 +390,7 @@ def worker(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ driver
-STACK_ORDER = ("titan", "titan_f8", "titan_f8_pre", "titan_eager", "titan_nokernels", "titan_plain", "torchtitan",
+STACK_ORDER = ("titan", "titan_fsdp", "titan_f8", "titan_f8_pre", "titan_eager", "titan_nokernels", "titan_plain", "torchtitan",
                "hf_liger", "hf")
 
 
