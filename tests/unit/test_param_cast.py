@@ -1,7 +1,8 @@
 """The one-rank cast path (titan_mm.parallel.apply.apply_param_cast) against FSDP2's mixed precision on a one-rank
 mesh (gloo, one process, CPU bf16): a tiny Qwen3 with a tied head and a Qwen3-MoE, two micro-batches a step, give
-the same losses and fp32 gradients bit for bit; the model holds its fp32 parameters outside the forward (state
-dict, optimizer), also when the forward raises; parallelize picks the path from the config."""
+the same losses and fp32 gradients bit for bit, also under activation checkpointing (full, selective; eager and
+compiled); the model holds its fp32 parameters outside the forward (state dict, optimizer), also when the forward
+raises; parallelize picks the path from the config; the gradient widening kernel is exact."""
 
 from __future__ import annotations
 
@@ -48,15 +49,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, flavor: str, out: dict) -> None:
+def _worker(rank: int, port: int, flavor: str, ac: str, compiled: bool, out: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from titan_mm.parallel.apply import apply_ac, apply_compile
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         fsdp, cast = _model(flavor), _model(flavor)
+        for m in (fsdp, cast):  # parallelize's order: AC, compile, then the mixed precision
+            if ac != "none":
+                apply_ac(m, ("layers.?",), ac, "op")
+            if compiled:
+                apply_compile(m, ("layers.?",))
         mesh = init_device_mesh("cpu", (1,))
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for mod in [*fsdp.layers.values(), fsdp]:
@@ -73,11 +81,15 @@ def _worker(rank: int, port: int, flavor: str, out: dict) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("flavor", ["debug", "debug_moe"])
-def test_cast_equals_fsdp_mixed_precision(flavor):
+@pytest.mark.parametrize("flavor,ac,compiled", [("debug", "none", False), ("debug_moe", "none", False),
+                                                ("debug", "full", False), ("debug", "selective", False),
+                                                ("debug", "full", True)])
+def test_cast_equals_fsdp_mixed_precision(flavor, ac, compiled):
+    """Eager activation checkpointing recomputes its units in the backward, where the cast path has the fp32
+    masters back in place: they are cast again for it (compiled units recompute inside their backward graph)."""
     with mp.Manager() as m:
         out = m.dict()
-        mp.spawn(_worker, args=(_free_port(), flavor, out), nprocs=1, join=True)
+        mp.spawn(_worker, args=(_free_port(), flavor, ac, compiled, out), nprocs=1, join=True)
         fsdp_losses, cast_losses = out["losses"]
         assert fsdp_losses == cast_losses
         assert out["names"] and out["equal"] == [] and out["fp32"], dict(out)

@@ -251,7 +251,8 @@ def apply_param_cast(model: nn.Module, dtype: torch.dtype) -> None:
     reduce-scatter output is), so optimizer, clipping, checkpoints and exports see fp32 parameters only. The
     copies stay alive until the backward has used them, as FSDP2's with reshard_after_forward=False.
 
-    The parameters are looked up at each forward: materialising a meta model or loading weights may replace them."""
+    The parameters are looked up at each forward: materialising a meta model or loading weights may replace them.
+    Call it after activation checkpointing is applied (parallelize's order)."""
 
     masters: list[tuple[nn.Module, str, nn.Parameter]] = []  # the swapped-out slots of the running forward
 
@@ -273,6 +274,40 @@ def apply_param_cast(model: nn.Module, dtype: torch.dtype) -> None:
 
     model.register_forward_pre_hook(swap_in)
     model.register_forward_hook(swap_out, always_call=True)
+
+    # An eager activation-checkpointed unit recomputes its forward in the backward, after swap_out put the fp32
+    # parameters back: its inner module casts them again for that pass (the same values; outside the graph, which
+    # the recompute only fills with saved tensors). In the forward itself it finds the copies and does nothing;
+    # inside a compiled unit the recompute is part of the compiled backward.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    recast: dict[int, list[tuple[nn.Module, str, nn.Parameter]]] = {}
+
+    def recast_in(module, args):
+        if torch.compiler.is_compiling():
+            return
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        slots = recast.setdefault(id(module), [])
+        for mod in module.modules():
+            for name, p in mod._parameters.items():
+                if isinstance(p, nn.Parameter) and p.is_floating_point() and p.dtype != dtype:
+                    slots.append((mod, name, p))
+                    with _disable_current_modes():  # selective AC replays the forward's ops: these were not among them
+                        c = p.detach().to(dtype)
+                    # requiring grad as the forward's copy did, so the recompute saves the same tensors
+                    mod._parameters[name] = c.requires_grad_(p.requires_grad)
+
+    def recast_out(module, args, output):
+        if torch.compiler.is_compiling():
+            return
+        for mod, name, p in recast.pop(id(module), []):
+            mod._parameters[name] = p
+
+    for unit in model.modules():
+        if isinstance(unit, CheckpointWrapper):
+            unit._checkpoint_wrapped_module.register_forward_pre_hook(recast_in)
+            unit._checkpoint_wrapped_module.register_forward_hook(recast_out, always_call=True)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
