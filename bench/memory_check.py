@@ -81,13 +81,17 @@ SHOWN_PHASES = ("forward_end", "backward_first_block", "backward_last_block", "b
 
 def load_measured(path: str | Path, reshard: str = "always") -> dict[tuple[str, str, str], float]:
     """(case, stack, ac) -> measured peak GiB, from bench/mfu.py's JSON (``peak_mem_gb``, GiB: bytes / 2**30)
-    or from this script's own output (``measured_gib``); the rows run with ``reshard``
-    (parallel.fsdp_reshard_after_forward; rows without the field ran with the default, always)."""
+    or from this script's own output (``measured_gib``); the rows run through FSDP2 with ``reshard``
+    (parallel.fsdp_reshard_after_forward; rows without the field ran with the default, always). Rows of the
+    one-rank cast path (``mixed_precision: cast``, bench/mfu.py's titan rows from 2026-12-03) are left out: they
+    hold what reshard never holds (1.7B: 54.6 GiB, against 54.2 through FSDP2 with never), and this script's
+    estimates keep the fused CE chunk of the FSDP2-era rows. memory_check.json keeps those rows' FSDP2 peaks."""
     data = json.loads(Path(path).read_text())
     out = {}
     for r in data.get("rows", []):
         v = r.get("peak_mem_gb", r.get("measured_gib"))
-        if v and "error" not in r and r.get("reshard", "always") == reshard:
+        fsdp = r.get("mixed_precision", "fsdp") == "fsdp"
+        if v and "error" not in r and fsdp and r.get("reshard", "always") == reshard:
             out[(r["case"], r["stack"], r.get("ac", "none"))] = float(v)
     return out
 

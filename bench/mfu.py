@@ -12,8 +12,9 @@ Stacks:
                    case (titan_argv), compile per block, Triton kernels on (the trainer's kernels.ops: all)
   titan_f8         the same + torchao float8 linears (tensorwise scales)
   titan_f8_pre     titan_f8 + float8.precompute_scale (one batched scale computation after each optimizer step)
-  titan_fsdp       titan through FSDP2 on the one-GPU mesh (parallel.one_rank_mixed_precision = fsdp; rows of
-                   "titan" before 2026-12-03 ran so, later ones through the one-rank cast path: titan_mm.parallel.apply)
+  titan_fsdp       titan through FSDP2 on the one-GPU mesh (parallel.one_rank_mixed_precision = fsdp). The other
+                   titan stacks run the one-rank cast path (titan_mm.parallel.apply) since 2026-12-03; a row says
+                   which in ``mixed_precision`` (rows without it ran through FSDP2)
   titan_eager      no compile, kernels on
   titan_nokernels  compile, pure-PyTorch ops (the reference path)
   titan_plain      titan_mm's model and train_step, but compile + fully_shard applied by hand to the blocks
@@ -501,6 +502,8 @@ def main() -> int:
                 r["model_overrides"] = args.model_overrides
             if args.reshard != "always" and stack.startswith("titan") and stack != "titan_plain":
                 r["reshard"] = args.reshard
+            if stack.startswith("titan") and "error" not in r:  # rows before 2026-12-03 have none: fsdp
+                r["mixed_precision"] = "fsdp" if stack in ("titan_fsdp", "titan_plain") else "cast"
             print(f"[{time.time() - t0:5.0f}s] {case} {stack}: "
                   + (f"{r['tokens_per_s']:,.0f} tok/s, {100 * r['mfu']:.1f}% MFU, {r['peak_mem_gb']:.1f} GB"
                      if "error" not in r else "FAILED\n" + r["error"][-1500:]), flush=True)
