@@ -66,6 +66,8 @@ class StepContext:
     """Ranks of loss_group (dp x cp): the MoE aux loss is averaged over them and over the micro-batches."""
     nan_guard: NanGuard | None = None
     clip_fn: Callable | None = None
+    """titan_mm.parallel.clip.clip_grad_norm_'s signature (default: it): ``clip_fn(params, max_norm) -> norm``;
+    with fused AdamW also ``scale=False`` (measure only: the factor goes into the optimizer's kernel)."""
     parallel_dims: Any = None
     """titan_mm.parallel.mesh.ParallelDims; with cp > 1 each micro-batch is split over the cp axis."""
     cp_mode: str = "ulysses"
@@ -337,7 +339,8 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
     # fused AdamW divides each gradient by opt.grad_scale in its own kernel (GradScaler's attribute): the clip
     # factor goes there instead of a pass over every gradient (8 ms of a Qwen3-8B 12-layer step on the H200)
     fold_clip = ctx.max_norm > 0 and supports_found_inf(opt)
-    grad_norm = clip(model.parameters(), ctx.max_norm, scale=not fold_clip)
+    grad_norm = clip(model.parameters(), ctx.max_norm, scale=False) if fold_clip else clip(model.parameters(),
+                                                                                         ctx.max_norm)
     grad_scale = (1.0 / clip_coef(grad_norm.float(), ctx.max_norm)).to(_param_device(opt)) if fold_clip else None
 
     # one reduction for what we log and decide on; global values, so every rank decides the same
