@@ -271,6 +271,11 @@ class Parallel:
     gathers nothing (ZeRO-2-like): one unsharded copy of the weights more at the peak, one all-gather (and,
     with float8, one weight cast) less per block and step. Qwen3-1.7B on one H200: float8 +2.2 to +2.8% tokens/s
     for +1.1 GiB; bf16 +1.7% for +2.5 GiB (docs/benchmarks.md)."""
+    fsdp_prefetch: int = 0
+    """All-gathers FSDP2 issues ahead: block i's pre-forward prefetches blocks i+1 .. i+N, its pre-backward blocks
+    i-1 .. i-N (the plan's FSDP units in model order). 0: FSDP2's own overlap (the next block, issued when the
+    CPU reaches it). N >= 2 overlaps more communication for N-1 more gathered blocks in memory; it matters on
+    several GPUs only (not measured yet: one GPU has nothing to gather)."""
     one_rank_mixed_precision: Literal["cast", "fsdp"] = "cast"
     """A one-process job with training.param_dtype below float32 (and no pipeline): how the compute copies of the
     fp32 master weights are made. cast: once per forward, in the autograd graph (the backward casts each gradient
@@ -827,6 +832,11 @@ def _validate_parallel(p: Parallel) -> None:
             if getattr(p, name) > 1:
                 raise ConfigError(f"parallel.encoder_balance is not supported with parallel.{name} > 1 (got "
                                   f"{getattr(p, name)}): set parallel.encoder_balance = false")
+    if p.fsdp_prefetch < 0:
+        raise ConfigError(f"parallel.fsdp_prefetch must be >= 0 (0 = FSDP2's own overlap), got {p.fsdp_prefetch}")
+    if p.fsdp_prefetch and p.pp > 1:
+        raise ConfigError("parallel.fsdp_prefetch is not supported with parallel.pp > 1 (a pipeline schedule runs its "
+                          "stages' blocks out of model order): set parallel.fsdp_prefetch = 0")
 
 
 def _validate_precision(cfg: JobConfig) -> None:

@@ -1,5 +1,6 @@
 """FSDP2 (and HSDP) over gloo: three SGD-momentum steps equal the world-1 run (stand-in model), with the
-blocks' params freed after forward (the default) and kept (parallel.fsdp_reshard_after_forward = never)."""
+blocks' params freed after forward (the default) and kept (parallel.fsdp_reshard_after_forward = never), and with
+explicit all-gather prefetch (parallel.fsdp_prefetch)."""
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def _reference(ac="none"):
     return train_steps(model, BATCHES, _step)
 
 
-def _worker(rank, world, dims, ac, reshard="always"):
+def _worker(rank, world, dims, ac, reshard="always", prefetch=0):
     from titan_mm.parallel.apply import parallelize
     from titan_mm.parallel.mesh import ParallelDims
 
@@ -37,7 +38,12 @@ def _worker(rank, world, dims, ac, reshard="always"):
     cfg = JobConfig()
     cfg.activation_checkpoint.mode = ac
     cfg.parallel.fsdp_reshard_after_forward = reshard
+    cfg.parallel.fsdp_prefetch = prefetch
     parallelize(model, PLAN, pd, cfg)
+    # parallel.fsdp_prefetch: block 0 gathers block 1 ahead in its forward, block 1 block 0 in its backward
+    blocks = [model.layers[str(i)]._get_fsdp_state() for i in range(2)]
+    ahead = [[s._states_to_forward_prefetch, s._states_to_backward_prefetch] for s in blocks]
+    assert ahead == ([[[blocks[1]], []], [[], [blocks[0]]]] if prefetch else [[[], []], [[], []]]), ahead
     # parallel.fsdp_reshard_after_forward reached every FSDP2 module: never = nothing freed after forward
     # (FSDP2 marks a module that keeps its params with post_forward_mesh_info None)
     groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
@@ -48,13 +54,14 @@ def _worker(rank, world, dims, ac, reshard="always"):
 
 
 @pytest.mark.parametrize(
-    "world,dims,ac,reshard",
-    [(2, {}, "none", "always"), (2, {}, "none", "never"), (4, {"dp_replicate": 2}, "selective", "always")],
-    ids=["fsdp2", "fsdp2-reshard-never", "hsdp2x2-sac"],
+    "world,dims,ac,reshard,prefetch",
+    [(2, {}, "none", "always", 0), (2, {}, "none", "never", 0), (2, {}, "none", "always", 2),
+     (4, {"dp_replicate": 2}, "selective", "always", 0)],
+    ids=["fsdp2", "fsdp2-reshard-never", "fsdp2-prefetch2", "hsdp2x2-sac"],
 )
-def test_fsdp_matches_world1(world, dims, ac, reshard):
+def test_fsdp_matches_world1(world, dims, ac, reshard, prefetch):
     ref = _reference(ac)
-    got = run_multiproc(_worker, world, args=(dims, ac, reshard))
+    got = run_multiproc(_worker, world, args=(dims, ac, reshard, prefetch))
     for r in got:
         assert_close_runs(ref, r)
 

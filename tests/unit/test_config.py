@@ -50,6 +50,14 @@ def test_unknown_cli_key_names_closest():
         load_config(["--optimizer.lrr", "1"])
 
 
+def test_fsdp_prefetch_bounds():
+    with pytest.raises(ConfigError, match=r"parallel.fsdp_prefetch must be >= 0"):
+        load_config(["--parallel.fsdp_prefetch", "-1"])
+    with pytest.raises(ConfigError, match=r"fsdp_prefetch is not supported with parallel.pp > 1"):
+        load_config(["--parallel.fsdp_prefetch", "2", "--parallel.pp", "2"])
+    assert load_config(["--parallel.fsdp_prefetch", "2"]).parallel.fsdp_prefetch == 2
+
+
 def test_wrong_type_toml(tmp_path):
     p = _write(tmp_path, '[training]\nsteps = "ten"\n')
     with pytest.raises(ConfigError, match=r"'training.steps' has the wrong type: got 'ten'.*expected int"):

@@ -93,7 +93,8 @@ def parallelize(model: nn.Module, plan: ParallelizePlan, parallel_dims: Parallel
         if pd.fsdp_enabled or param_dtype != torch.float32 or pd.ep_enabled:
             apply_fsdp(model, plan, pd, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                        reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
-                       roots=fsdp_roots(model) if fsdp_roots is not None else None)
+                       roots=fsdp_roots(model) if fsdp_roots is not None else None,
+                       prefetch=cfg.parallel.fsdp_prefetch)
     return model
 
 
@@ -191,9 +192,13 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: str = "always",
     roots: list[nn.Module] | None = None,
+    prefetch: int = 0,
 ) -> None:
     """fully_shard the plan's expert modules (on the ep_fsdp mesh), then its FSDP units, then the root (``roots``:
     these modules, each one a root, instead of ``model``: pipeline stages).
+
+    ``prefetch`` (``parallel.fsdp_prefetch``) > 0: each unit explicitly prefetches the next that many units' all-gathers
+    in its forward and the previous ones' in its backward (units in model order); 0 leaves FSDP2's own overlap.
 
     ``reshard_after_forward`` (``parallel.fsdp_reshard_after_forward``): "always" frees every module's gathered
     params after its forward and gathers them again for its backward; "never" keeps them from the forward
@@ -217,6 +222,13 @@ def apply_fsdp(
         wrapped.append((fully_shard(mod, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard), mesh))
     for mod, m in {id(mod): (mod, m) for mod, m in wrapped}.values():
         _sum_reduction(mod, m)
+    if prefetch:  # config-checked: >= 0, and 0 with pipeline stages
+        blocks = [mod for _, mod in units]
+        for i, mod in enumerate(blocks):
+            if blocks[i + 1:i + 1 + prefetch]:
+                mod.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+            if blocks[max(0, i - prefetch):i]:
+                mod.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
 
 
 # ----------------------------------------------------------------------------------------------- one-rank cast
