@@ -16,12 +16,16 @@ Forward (dropless; every routed token reaches its expert):
   5. grouped SwiGLU over the local experts (``torch._grouped_mm`` on CUDA bf16, a loop elsewhere);
   6. undo 4, all-to-all back, weight by the router probabilities and sum per token (moe.combine: gathers,
      as on one rank).
+A shared expert (``extra``, the family's ``MoE.shared_term``) runs between issuing 3 and reading its result, so on
+NCCL it overlaps the token all-to-all (not measured yet: that needs several GPUs).
 
 Expert weights are not split over ``tp`` (the MoE input is replicated over tp, each tp rank runs the same
 expert computation, so expert gradients are already identical over tp).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,7 +34,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titan_mm.models.common import init
-from titan_mm.models.common.moe import combine, expand_rows, grouped_swiglu, permute_rows, sort_by_expert
+from titan_mm.models.common.moe import add_extra, combine, expand_rows, grouped_swiglu, permute_rows, sort_by_expert
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
@@ -57,7 +61,8 @@ class ExpertParallelExperts(nn.Module):
         for name in _WEIGHTS:
             init.normal_(getattr(self, name), mean=0.0, std=std)
 
-    def forward(self, x_ND: torch.Tensor, top_w_NK: torch.Tensor, top_i_NK: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, top_w_NK: torch.Tensor, top_i_NK: torch.Tensor,
+                extra: Callable[[], torch.Tensor | None] | None = None) -> torch.Tensor:
         E, P = self.num_experts, self.ep
         EL = E // P
         group = self.ep_mesh.get_group()
@@ -71,6 +76,8 @@ class ExpertParallelExperts(nn.Module):
         n_recv = sum(out_splits)
 
         x_recv = all_to_all_single_autograd(expand_rows(x_ND, r.src_A, r.inv_NK), out_splits, in_splits, group)
+        # the collective is in flight until x_recv is first read: the shared expert runs meanwhile
+        extra_ND = extra() if extra is not None else None
         # (src, expert) order -> (expert, src) order, computed on device from recv_E (no sync)
         seg = torch.repeat_interleave(torch.arange(P * EL, device=dev), recv_E, output_size=n_recv)
         perm = torch.argsort((seg % EL) * P + seg // EL, stable=True)
@@ -79,7 +86,7 @@ class ExpertParallelExperts(nn.Module):
         y_local = grouped_swiglu(permute_rows(x_recv, perm), local_counts, w1, w3, w2)
         y_recv = permute_rows(y_local, perm, inverse=True)
         y_AD = all_to_all_single_autograd(y_recv, in_splits, out_splits, group)
-        return combine(y_AD, top_w_NK, r, x_ND.dtype)
+        return add_extra(combine(y_AD, top_w_NK, r, x_ND.dtype), extra_ND)
 
 
 def _local(w):

@@ -13,7 +13,7 @@ Tokens move to expert order and back by gathers in both directions (expand_rows 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -146,14 +146,21 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
-    def forward(self, x_ND: torch.Tensor, top_w_NK: torch.Tensor, top_i_NK: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, top_w_NK: torch.Tensor, top_i_NK: torch.Tensor,
+                extra: Callable[[], torch.Tensor | None] | None = None) -> torch.Tensor:
+        """The routed experts' output, plus ``extra()`` when it gives a tensor (a shared expert's term [N, D]: the
+        expert-parallel version computes it while the tokens travel)."""
         r = sort_by_expert(top_i_NK, self.num_experts)
         y_AD = grouped_swiglu(expand_rows(x_ND, r.src_A, r.inv_NK), r.counts_E, self.w1, self.w3, self.w2)
-        return combine(y_AD, top_w_NK, r, x_ND.dtype)
+        return add_extra(combine(y_AD, top_w_NK, r, x_ND.dtype), extra() if extra is not None else None)
 
     def reset_parameters(self, std: float) -> None:
         for w in (self.w1, self.w3, self.w2):
             init.normal_(w, mean=0.0, std=std)
+
+
+def add_extra(y_ND: torch.Tensor, extra_ND: torch.Tensor | None) -> torch.Tensor:
+    return y_ND if extra_ND is None else y_ND + extra_ND
 
 
 def aux_stats(probs_NE: torch.Tensor, top_i_NK: torch.Tensor, valid_N: torch.Tensor | None) -> torch.Tensor:
@@ -192,9 +199,13 @@ class MoE(nn.Module):
         B, S, D = x_BSD.shape
         x_ND = x_BSD.reshape(-1, D)
         probs_NE, top_w_NK, top_i_NK = route(x_ND, self.router.weight, self.top_k, self.norm_topk_prob)
-        y_ND = self.experts(x_ND, top_w_NK, top_i_NK)
+        y_ND = self.experts(x_ND, top_w_NK, top_i_NK, extra=lambda: self.shared_term(x_ND))
         stats = aux_stats(probs_NE, top_i_NK, None if valid_BS is None else valid_BS.reshape(-1))
         return y_ND.view(B, S, D), stats
+
+    def shared_term(self, x_ND: torch.Tensor) -> torch.Tensor | None:
+        """What a shared expert adds to the routed output [N, D]; none here (families with one override this)."""
+        return None
 
     def reset_parameters(self, std: float) -> None:
         init.normal_(self.router.weight, mean=0.0, std=std)

@@ -223,9 +223,8 @@ class SharedExpertMoE(MoE):
         self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size, ops.act_mul)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None):
-        y_BSD, stats = super().forward(x_BSD, valid_BS)
-        return y_BSD + torch.sigmoid(self.shared_expert_gate(x_BSD)) * self.shared_expert(x_BSD), stats
+    def shared_term(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.shared_expert_gate(x_ND)) * self.shared_expert(x_ND)
 
     def reset_parameters(self, std: float) -> None:
         super().reset_parameters(std)
