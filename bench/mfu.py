@@ -26,8 +26,8 @@ Stacks:
 Cases set the model shape, batch and sequence; the VL ones (``vl``) build image+text rows through their family's
 synthetic module (``synthetic``; the Omni thinkers': image + 10-30 s audio clip + text groups, vl_batch), and their
 MFU counts the ViT and the audio encoder ("MFU (LLM only)": the decoder alone). ``--ac`` switches activation
-checkpointing for titan and ``--reshard`` its ``parallel.fsdp_reshard_after_forward`` (a row run with ``never``
-records it). With TITAN_BENCH_SKIP_GUARD_EVAL=1 in the environment the timed steps run under
+checkpointing for titan and ``--reshard`` its ``parallel.fsdp_reshard_after_forward`` (titan_fsdp: the one stack
+that runs FSDP2 on one GPU; a row run with ``never`` records it). With TITAN_BENCH_SKIP_GUARD_EVAL=1 in the environment the timed steps run under
 ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (an experiment: the row records it; the trainer never
 does this).
 
@@ -500,10 +500,10 @@ def main() -> int:
                 r["kernel_ops"] = args.kernel_ops
             if args.model_overrides and stack.startswith("titan") and stack != "titan_plain":
                 r["model_overrides"] = args.model_overrides
-            if args.reshard != "always" and stack.startswith("titan") and stack != "titan_plain":
-                r["reshard"] = args.reshard
             if stack.startswith("titan") and "error" not in r:  # rows before 2026-12-03 have none: fsdp
                 r["mixed_precision"] = "fsdp" if stack in ("titan_fsdp", "titan_plain") else "cast"
+            if args.reshard != "always" and stack == "titan_fsdp":  # the cast path holds its copies as never does
+                r["reshard"] = args.reshard
             print(f"[{time.time() - t0:5.0f}s] {case} {stack}: "
                   + (f"{r['tokens_per_s']:,.0f} tok/s, {100 * r['mfu']:.1f}% MFU, {r['peak_mem_gb']:.1f} GB"
                      if "error" not in r else "FAILED\n" + r["error"][-1500:]), flush=True)

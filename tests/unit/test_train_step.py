@@ -151,7 +151,13 @@ def test_float8_precompute_hook_config():
     assert float8_after_optimizer(tiny_model(), Float8(enable=True, precompute_scale=False)) is None
     # no per-tensor scale with rowwise
     assert float8_after_optimizer(tiny_model(), Float8(enable=True, recipe="rowwise")) is None
-    assert callable(float8_after_optimizer(tiny_model(), Float8(enable=True)))  # precompute_scale defaults to on
+    # precompute_scale defaults to on; it feeds FSDP's float8 all-gather, which the one-rank cast path does not use
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    for fsdp in (True, False):
+        m = convert_to_float8_training(tiny_model(), config=Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp),
+                                       module_filter_fn=lambda mod, fqn: mod.in_features % 16 == 0)
+        assert callable(float8_after_optimizer(m, Float8(enable=True))) == fsdp
 
 
 # ---------------------------------------------------------------- device-decided NaN skip (fused AdamW)

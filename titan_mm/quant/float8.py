@@ -56,5 +56,8 @@ def float8_after_optimizer(model: nn.Module, cfg: Float8) -> Callable[[], None] 
                     "are the per-tensor ones of the tensorwise FSDP float8 all-gather")
         return None
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.float8_linear import Float8Linear
 
+    if not any(isinstance(m, Float8Linear) and m.config.enable_fsdp_float8_all_gather for m in model.modules()):
+        return None  # apply_float8(fsdp=False), the one-rank cast path: no FSDP float8 all-gather to feed
     return lambda: precompute_float8_dynamic_scale_for_fsdp(model)
