@@ -263,21 +263,25 @@ def apply_param_cast(model: nn.Module, dtype: torch.dtype) -> None:
     reduce-scatter output is), so optimizer, clipping, checkpoints and exports see fp32 parameters only. The
     copies stay alive until the backward has used them, as FSDP2's with reshard_after_forward=False.
 
-    The parameters are looked up at each forward: materialising a meta model or loading weights may replace them.
-    Call it after activation checkpointing is applied (parallelize's order)."""
+    The modules are fixed here (call it after activation checkpointing, as parallelize does); the parameters are
+    read at each forward: materialising a meta model or loading weights may replace them."""
 
+    def slots_of(root: nn.Module) -> list[tuple[nn.Module, str]]:
+        return [(mod, name) for mod in root.modules() for name in mod._parameters]
+
+    slots = slots_of(model)
     masters: list[tuple[nn.Module, str, nn.Parameter]] = []  # the swapped-out slots of the running forward
 
     def swap_in(module, args):
         copies: dict[int, torch.Tensor] = {}
-        for mod in model.modules():
-            for name, p in mod._parameters.items():
-                if p is None or not p.is_floating_point() or p.dtype == dtype:
-                    continue
-                if id(p) not in copies:
-                    copies[id(p)] = _Cast.apply(p, dtype)
-                masters.append((mod, name, p))
-                mod._parameters[name] = copies[id(p)]  # a non-leaf of the graph, as FSDP2's unsharded param
+        for mod, name in slots:
+            p = mod._parameters[name]
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in copies:
+                copies[id(p)] = _Cast.apply(p, dtype)
+            masters.append((mod, name, p))
+            mod._parameters[name] = copies[id(p)]  # a non-leaf of the graph, as FSDP2's unsharded param
 
     def swap_out(module, args, output):
         for mod, name, p in masters:
@@ -293,6 +297,7 @@ def apply_param_cast(model: nn.Module, dtype: torch.dtype) -> None:
     # inside a compiled unit the recompute is part of the compiled backward.
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+    unit_slots: dict[int, list[tuple[nn.Module, str]]] = {}  # per AC unit's inner module, filled below
     recast: dict[int, list[tuple[nn.Module, str, nn.Parameter]]] = {}
 
     def recast_in(module, args):
@@ -300,15 +305,15 @@ def apply_param_cast(model: nn.Module, dtype: torch.dtype) -> None:
             return
         from torch.utils._python_dispatch import _disable_current_modes
 
-        slots = recast.setdefault(id(module), [])
-        for mod in module.modules():
-            for name, p in mod._parameters.items():
-                if isinstance(p, nn.Parameter) and p.is_floating_point() and p.dtype != dtype:
-                    slots.append((mod, name, p))
-                    with _disable_current_modes():  # selective AC replays the forward's ops: these were not among them
-                        c = p.detach().to(dtype)
-                    # requiring grad as the forward's copy did, so the recompute saves the same tensors
-                    mod._parameters[name] = c.requires_grad_(p.requires_grad)
+        swapped = recast.setdefault(id(module), [])
+        for mod, name in unit_slots[id(module)]:
+            p = mod._parameters[name]
+            if isinstance(p, nn.Parameter) and p.is_floating_point() and p.dtype != dtype:
+                swapped.append((mod, name, p))
+                with _disable_current_modes():  # selective AC replays the forward's ops: these were not among them
+                    c = p.detach().to(dtype)
+                # requiring grad as the forward's copy did, so the recompute saves the same tensors
+                mod._parameters[name] = c.requires_grad_(p.requires_grad)
 
     def recast_out(module, args, output):
         if torch.compiler.is_compiling():
@@ -318,8 +323,10 @@ def apply_param_cast(model: nn.Module, dtype: torch.dtype) -> None:
 
     for unit in model.modules():
         if isinstance(unit, CheckpointWrapper):
-            unit._checkpoint_wrapped_module.register_forward_pre_hook(recast_in)
-            unit._checkpoint_wrapped_module.register_forward_hook(recast_out, always_call=True)
+            inner = unit._checkpoint_wrapped_module
+            unit_slots[id(inner)] = slots_of(inner)
+            inner.register_forward_pre_hook(recast_in)
+            inner.register_forward_hook(recast_out, always_call=True)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
