@@ -205,3 +205,19 @@ def test_cli_reads_config_json_alone(tmp_path, capsys):
     out = capsys.readouterr().out
     n = count_params(cfg, spec.plan(cfg)).total
     assert out.startswith(f"model {tmp_path / 'hf'}: {n / 1e9:.3f} B params")
+
+
+def test_fsdp_prefetch_holds_more_gathered_blocks():
+    """parallel.fsdp_prefetch = N: a block's backward holds the next N blocks' gathered params (FSDP2's own: one)."""
+    from titan_mm.parallel.memory import Topology, estimate_phases
+    from titan_mm.registry import get_model_spec
+
+    spec = get_model_spec("qwen3")
+    cfg = spec.flavor("debug")
+    plan = spec.plan(cfg)
+    one, three = (estimate_phases(cfg, plan, Topology(dp_shard=2, prefetch=n), 512, 1) for n in (0, 3))
+    top = f"backward_block_{cfg.num_hidden_layers - 1}"
+    with torch.device("meta"):
+        n = sum(p.numel() for p in spec.build(cfg).layers["0"].parameters())  # one block's params, unsharded
+    assert three[top]["fsdp_buffers"] - one[top]["fsdp_buffers"] == 2 * 2 * n  # 2 more gathered blocks, bf16
+    assert three["backward_block_0"]["fsdp_buffers"] == one["backward_block_0"]["fsdp_buffers"]  # nothing below 0

@@ -22,7 +22,8 @@ live on [ep_fsdp, ep] = dp_shard x cp ranks); fsdp = dp_shard * cp (HSDP's dp_re
   backward_block_{j}   the backward of block j (every j is checked): saved activations of blocks <= j
                        (+ one block's recompute under AC), fp32 gradient shards of the blocks already
                        done, the previous block's fp32 reduce-scatter input (FSDP2 keeps one in flight),
-                       block j's unsharded bf16 params, the prefetched next block's, block j's bf16
+                       block j's unsharded bf16 params, the prefetched next block's (the next
+                       ``Topology.prefetch`` blocks' with parallel.fsdp_prefetch), block j's bf16
                        gradients, the held head-weight gradient (the CE computes it in the forward), the
                        incoming gradient [N, D] and the block's largest gradient temporaries.
   backward_vision      (with a vision encoder) all decoder gradients + the encoder's saved activations.
@@ -108,6 +109,8 @@ class Topology:
     """Blocks per stage (parallel.pp_layers_per_stage; empty: pp_split, else :func:`pp_balance`)."""
     pp_split: tuple[int, ...] = ()
     """parallel.pp_split_points."""
+    prefetch: int = 0
+    """parallel.fsdp_prefetch: blocks gathered ahead (0: FSDP2's own, one)."""
 
     @property
     def world(self) -> int:
@@ -121,6 +124,7 @@ class Topology:
         return (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp} ep={self.ep} "
                 f"ac={self.ac}" + (f" ac_layers={self.ac_layers}" if self.ac_layers and self.ac != "none" else "")
                 + (f" reshard={self.reshard}" if self.reshard != "always" else "")
+                + (f" prefetch={self.prefetch}" if self.prefetch else "")
                 + (f" pp={self.pp} {self.pp_schedule}" + (f" v={self.pp_virtual}" if self.pp_virtual else "")
                    if self.pp > 1 else ""))
 
@@ -455,8 +459,8 @@ def _phases(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: int, par
         if never:  # blocks 0..j still gathered (nothing to prefetch), the encoder blocks too, and j's grads
             buf += kept_b * (blk_un * (j + 1) + vis_un * n_vis) + a * blk_un
             buf += 4 * blk_un if done else 0.0
-        elif fsdp_on:
-            buf += a * blk_un * (2 if j > 0 else 1) + a * blk_un  # block j + prefetched j-1 params, j's grads
+        elif fsdp_on:  # block j + the prefetched blocks below it (parallel.fsdp_prefetch; FSDP2's own: one), j's grads
+            buf += a * blk_un * (1 + min(max(topo.prefetch, 1), j)) + a * blk_un
             buf += 4 * blk_un if done else 0.0  # previous block's fp32 reduce-scatter input (one in flight)
         add(f"backward_block_{j}", grads=4 * blk_sh * done, fsdp_buffers=buf,
             activations=kept_upto(j) * tokens + others + (recompute if j < n_ac else 0.0) + vis_acts, loss=head_grad,

@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         reshard = "never"  # the one-rank cast path (titan_mm.parallel.apply) holds every copy as never does
     topo = Topology(dp_r, ds, cp, tp, ep, pick(args.ac, cfg.activation_checkpoint.mode), sp, enc,
                     int(cfg.activation_checkpoint.num_layers), reshard,
-                    pp, p.pp_schedule, p.pp_virtual_stages, 0, tuple(p.pp_layers_per_stage), tuple(p.pp_split_points))
+                    pp, p.pp_schedule, p.pp_virtual_stages, 0, tuple(p.pp_layers_per_stage), tuple(p.pp_split_points),
+                    p.fsdp_prefetch)
     seq = pick(args.seq_len, cfg.data.seq_len)
     mb = pick(args.micro_batch, cfg.data.micro_batch_size)
     pbytes = 4 if cfg.training.param_dtype == "float32" else 2  # bfloat16 / float16
