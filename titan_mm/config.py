@@ -281,7 +281,8 @@ class Parallel:
     fp32 master weights are made. cast: once per forward, in the autograd graph (the backward casts each gradient
     back into the fp32 .grad); the copies live as with fsdp_reshard_after_forward = never. fsdp: FSDP2 on a
     one-rank mesh, whose all-gather and reduce-scatter there are copies (63 ms of a 329 ms Qwen3-8B 12-layer step
-    on the H200). Same numerics (titan_mm/parallel/apply.py, docs/benchmarks.md)."""
+    on the H200). The same losses and gradients bit for bit; with float8, close (tensorwise weights reach float8
+    through the bf16 copy). titan_mm/parallel/apply.py, docs/benchmarks.md."""
     pp: int = 1
     """Pipeline-parallel degree: the trunk's blocks are cut into stages run on pp groups of ranks (the outermost
     mesh axis; world = pp x dp_replicate x dp_shard x cp x tp). Stage 0 also runs the embedding (and the vision
