@@ -217,9 +217,11 @@ def rope_index(ids_L, cfg: Qwen3OmniMoeConfig, images: Iterator, videos: Iterato
             na = int(output_lengths(next(audios)))
             grid, sec = next(videos)
             v_pos = video_pos(s, grid, sec)
-            pos = np.concatenate([v_pos, run(na, s)], 1)[:, merge_by_time(v_pos[0], np.arange(na) + s)]
-            kind = np.r_[np.zeros(v_pos.shape[1]), np.ones(na)][merge_by_time(v_pos[0], np.arange(na) + s)]
-            cut = int(np.flatnonzero(kind != kind[-1])[-1]) + 1 if (kind != kind[-1]).any() else 0
+            order = merge_by_time(v_pos[0], np.arange(na) + s)
+            pos = np.concatenate([v_pos, run(na, s)], 1)[:, order]
+            is_audio = order >= v_pos.shape[1]
+            other = np.flatnonzero(is_audio != is_audio[-1])
+            cut = int(other[-1]) + 1 if other.size else 0
             parts += [pos[:, :cut], pos[:, cut:]]  # HF's last slice: the run left when the other kind ran out
             n = pos.shape[1]
             rem_a, rem_v = rem_a - 1, rem_v - 1
