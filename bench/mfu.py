@@ -373,8 +373,18 @@ def worker(args) -> dict:
                      f"({100 * busy_ms / (t_prof * 1e3):.0f}% of the wall time; steps timed above: " \
                      f"{1e3 * sorted(times)[len(times) // 2]:.1f} ms median)\n"
         Path(args.profile).write_text(table)
-        if args.trace_file:  # the timeline too: python bench/trace_gaps.py FILE lists where the GPU waits
-            prof.export_chrome_trace(args.trace_file)
+        # the timeline (bench/trace_gaps.py FILE lists where the GPU waits), and on CUDA its split by kernel category
+        trace = Path(args.trace_file or Path(args.profile).with_suffix(".trace.json"))
+        prof.export_chrome_trace(str(trace))
+        if cuda:
+            from bench.profile_split import split
+            from bench.trace_gaps import load_events
+
+            profile_ms, kernels = split(load_events(trace), steps=2)
+            Path(args.profile).with_name(Path(args.profile).stem.replace("profile_", "split_", 1) + ".json").write_text(
+                json.dumps(dict(ms_per_step=profile_ms, kernels=kernels), indent=1))
+        if not args.trace_file:
+            trace.unlink()
     times.sort()
     med = times[len(times) // 2]
     res = dict(
@@ -386,6 +396,8 @@ def worker(args) -> dict:
     res["mfu_llm_only"] = flops_llm / med / 1e12 / PEAK_TFLOPS
     if skip_guards:
         res["skip_guard_eval_unsafe"] = True
+    if args.profile and cuda:
+        res["profile_ms"] = profile_ms
     dist.destroy_process_group()
     return res
 
@@ -440,7 +452,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=400, help="seconds per (case, stack) subprocess")
     ap.add_argument("--out", default=str(ROOT / "bench/results/mfu.json"))
-    ap.add_argument("--profile", default="", help="folder: write a torch.profiler kernel table per (case, stack)")
+    ap.add_argument("--profile", default="", help="folder: write a torch.profiler kernel table per (case, stack); on CUDA "
+                    "the row gets its step split by kernel category (profile_ms; bench/profile_split.py)")
     ap.add_argument("--trace", action="store_true", help="with --profile: also a chrome trace per (case, stack) "
                     "(trace_CASE_STACK.json; bench/trace_gaps.py summarizes its GPU idle gaps)")
     ap.add_argument("--cpu", action="store_true", help="smoke-test on CPU (gloo; use --cases debug)")
