@@ -19,6 +19,8 @@ see docs/kernels.md):
     grouped_mm(x, w, counts) -> y     x [A, K] rows sorted by expert, w [E, N, K], counts [E] on the device
         (the MoE experts in the dtypes torch._grouped_mm lacks on CUDA, no host sync; eager autograd)
     upcast(x, dtype) -> x in a wider dtype (bf16 / fp16 -> fp32: a vectorized copy; no autograd)
+    moe_expand(x, src_A, inv_NK) -> x[src_A], moe_combine(y_AD, top_w_NK, routing, dtype) -> y_ND
+        (the MoE token moves of titan_mm.models.common.moe.TokenMoves: each sum one pass, the weights fused)
 
 Launch configs (titan_mm.kernels._utils.Tuner): picked per key (width / head layout, dtype) outside the
 model's forward, which must not synchronize the GPU:
@@ -43,6 +45,8 @@ import torch
 
 from titan_mm.models.common.kv_cache import paged_decode_reference
 from titan_mm.models.common.loss import chunked_cross_entropy
+from titan_mm.models.common.moe import combine as _combine_ref
+from titan_mm.models.common.moe import expand_rows as _expand_rows_ref
 from titan_mm.models.common.moe import grouped_linear as _grouped_linear_ref
 from titan_mm.models.common.mlp import bias_gelu as _bias_gelu_ref
 from titan_mm.models.common.mlp import silu_mul
@@ -66,6 +70,8 @@ __all__ = [
     "paged_decode_attention",
     "grouped_mm",
     "upcast",
+    "moe_expand",
+    "moe_combine",
     "HAS_TRITON",
     "use_triton",
     "KERNEL_OPS",
@@ -77,7 +83,7 @@ __all__ = [
     "untuned_keys",
 ]
 
-KERNEL_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy", "bias_gelu")
+KERNEL_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy", "bias_gelu", "moe_moves")
 
 
 def resolve_ops(spec) -> frozenset:
@@ -104,6 +110,7 @@ if HAS_TRITON:
     from .bias_gelu import BiasGeluFunction, bias_gelu_op
     from .cross_entropy import (LinearCrossEntropyFunction, VocabParallelLinearCrossEntropyFunction,
                                 linear_cross_entropy_op)
+    from .moe_moves import CombineFunction, ExpandFunction, moe_combine_op
     from .paged_decode import paged_decode
     from .rms_norm import AddRMSNormFunction, RMSNormFunction, add_rms_norm_op, rms_norm_op
     from .rms_norm import _fwd as _rms_fwd
@@ -259,3 +266,21 @@ def upcast(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
         return _upcast(x, dtype)
     return x.to(dtype)
+
+
+def moe_expand(x: torch.Tensor, src_A: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
+    """x[src_A]: each token's row once per expert it goes to (titan_mm.models.common.moe.expand_rows); the
+    backward sums each token's K row gradients in one pass."""
+    if use_triton(x):
+        return ExpandFunction.apply(x, src_A, inv_NK, _dispatch.use_ops())
+    return _expand_rows_ref(x, src_A, inv_NK)
+
+
+def moe_combine(y_AD: torch.Tensor, top_w_NK: torch.Tensor, r, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's expert outputs ``y_AD`` (rows in expert order) weighted by its router weights and summed in
+    increasing expert id (titan_mm.models.common.moe.combine; ``r`` its Routing), in one pass; -> [N, D] in dtype."""
+    if use_triton(y_AD, top_w_NK):
+        w_NK = top_w_NK.gather(1, r.order_A[r.inv_NK] % top_w_NK.shape[1])  # the weight of each sorted slot
+        y = y_AD.to(dtype)
+        return moe_combine_op(y, r.inv_NK, w_NK) if _dispatch.use_ops() else CombineFunction.apply(y, r.inv_NK, w_NK)
+    return _combine_ref(y_AD, top_w_NK, r, dtype)

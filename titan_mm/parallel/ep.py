@@ -34,7 +34,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titan_mm.models.common import init
-from titan_mm.models.common.moe import add_extra, combine, expand_rows, grouped_swiglu, permute_rows, sort_by_expert
+from titan_mm.models.common.moe import add_extra, grouped_swiglu, permute_rows, sort_by_expert
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
@@ -47,6 +47,7 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, src: nn.Module, ep_mesh):
         super().__init__()
         self.num_experts = src.num_experts
+        self.moves = src.moves
         self.ep_mesh = ep_mesh
         self.ep = ep_mesh.size()
         if self.num_experts % self.ep:
@@ -75,7 +76,7 @@ class ExpertParallelExperts(nn.Module):
         in_splits, out_splits = splits[0].tolist(), splits[1].tolist()
         n_recv = sum(out_splits)
 
-        x_recv = all_to_all_single_autograd(expand_rows(x_ND, r.src_A, r.inv_NK), out_splits, in_splits, group)
+        x_recv = all_to_all_single_autograd(self.moves.expand(x_ND, r.src_A, r.inv_NK), out_splits, in_splits, group)
         # the collective is in flight until x_recv is first read: the shared expert runs meanwhile
         extra_ND = extra() if extra is not None else None
         # (src, expert) order -> (expert, src) order, computed on device from recv_E (no sync)
@@ -86,7 +87,7 @@ class ExpertParallelExperts(nn.Module):
         y_local = grouped_swiglu(permute_rows(x_recv, perm), local_counts, w1, w3, w2)
         y_recv = permute_rows(y_local, perm, inverse=True)
         y_AD = all_to_all_single_autograd(y_recv, in_splits, out_splits, group)
-        return add_extra(combine(y_AD, top_w_NK, r, x_ND.dtype), extra_ND)
+        return add_extra(self.moves.combine(y_AD, top_w_NK, r, x_ND.dtype), extra_ND)
 
 
 def _local(w):

@@ -8,7 +8,8 @@ Expert weights are stacked (torchtitan layout, nn.Linear [out, in] per expert):
 On CUDA with bf16 the experts run as three ``torch._grouped_mm`` calls with group offsets computed on device
 (no host sync); in other dtypes on CUDA as titan_mm.kernels.grouped_mm (a Triton grouped GEMM whose tile
 schedule is built on the device: no host sync either). On CPU a loop over experts runs, exact in fp32.
-Tokens move to expert order and back by gathers in both directions (expand_rows / combine): no index_add.
+Tokens move to expert order and back by gathers in both directions (expand_rows / combine): no index_add;
+titan_mm.kernels' fused versions (TokenMoves, kernel op ``moe_moves``) do each sum in one pass with the weights.
 """
 
 from __future__ import annotations
@@ -138,10 +139,20 @@ def combine(y_AD: torch.Tensor, top_w_NK: torch.Tensor, r: Routing, dtype: torch
     return _ReduceRows.apply(y_AD.to(dtype), r.inv_NK, r.src_A)
 
 
+class TokenMoves(NamedTuple):
+    """How tokens reach their experts and come back: ``expand(x_ND, src_A, inv_NK) -> x_AD`` and
+    ``combine(y_AD, top_w_NK, r, dtype) -> y_ND``. These are PyTorch's gathers; titan_mm.kernels has fused ones with
+    the same signatures (the ``moe_moves`` kernel op)."""
+
+    expand: Callable = expand_rows
+    combine: Callable = combine
+
+
 class GroupedExperts(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, moves: TokenMoves = TokenMoves()):
         super().__init__()
         self.num_experts = num_experts
+        self.moves = moves
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
@@ -151,8 +162,8 @@ class GroupedExperts(nn.Module):
         """The routed experts' output, plus ``extra()`` when it gives a tensor (a shared expert's term [N, D]: the
         expert-parallel version computes it while the tokens travel)."""
         r = sort_by_expert(top_i_NK, self.num_experts)
-        y_AD = grouped_swiglu(expand_rows(x_ND, r.src_A, r.inv_NK), r.counts_E, self.w1, self.w3, self.w2)
-        return add_extra(combine(y_AD, top_w_NK, r, x_ND.dtype), extra() if extra is not None else None)
+        y_AD = grouped_swiglu(self.moves.expand(x_ND, r.src_A, r.inv_NK), r.counts_E, self.w1, self.w3, self.w2)
+        return add_extra(self.moves.combine(y_AD, top_w_NK, r, x_ND.dtype), extra() if extra is not None else None)
 
     def reset_parameters(self, std: float) -> None:
         for w in (self.w1, self.w3, self.w2):
@@ -187,13 +198,14 @@ def load_balancing_loss(stats_2E: torch.Tensor, rows: torch.Tensor | float, num_
 
 
 class MoE(nn.Module):
-    """Router + grouped experts. forward -> (y_BSD, aux stats [2, E])."""
+    """Router + grouped experts. forward -> (y_BSD, aux stats [2, E]). ``moves``: the token moves (TokenMoves)."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 moves: TokenMoves = TokenMoves()):
         super().__init__()
         self.top_k, self.norm_topk_prob, self.num_experts = top_k, norm_topk_prob, num_experts
         self.router = nn.Linear(dim, num_experts, bias=False)
-        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts, moves)
 
     def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None):
         B, S, D = x_BSD.shape

@@ -27,7 +27,7 @@ from titan_mm.models.common import init
 from titan_mm.models.common.attention import Attention, AttnMeta
 from titan_mm.models.common.loss import chunked_cross_entropy
 from titan_mm.models.common.mlp import SwiGLU, silu_mul
-from titan_mm.models.common.moe import MoE, load_balancing_loss
+from titan_mm.models.common.moe import MoE, TokenMoves, load_balancing_loss
 from titan_mm.models.common.norm import RMSNorm, add_rms_norm, rms_norm
 from titan_mm.models.common.output import ModelOutput, Stream
 from titan_mm.models.common.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -45,6 +45,7 @@ class Ops:
     cross_entropy: Callable = None  # (h_ND, w_VD, labels_N, chunk_size, z_loss_weight, weights_N=None) -> loss_sum
     bias_gelu: Callable | None = None  # (x, b) -> gelu_tanh(x + b) for the Qwen3-VL ViT MLP; None = nn.Linear + F.gelu
     logits: Callable = F.linear  # (h_*D, w_VD) -> logits [*, V] (no labels: eval / decoding)
+    moe_moves: TokenMoves = TokenMoves()  # the MoE layers' token gathers and weighted sums
 
 
 def _torch_ce(h, w, labels, chunk_size, z_loss_weight, weights_N=None):
@@ -77,6 +78,7 @@ def select_ops(use_kernels: bool | str) -> Ops:
         apply_rope=K.apply_rope if "rope" in on else apply_rope,
         cross_entropy=kernel_ce if "linear_cross_entropy" in on else _torch_ce,
         bias_gelu=K.bias_gelu if "bias_gelu" in on else None,
+        moe_moves=TokenMoves(K.moe_expand, K.moe_combine) if "moe_moves" in on else TokenMoves(),
     )
 
 
@@ -97,7 +99,7 @@ class Qwen3Block(nn.Module):
         self.add_norm = ops.add_rms_norm  # residual add + ffn_norm (one Triton kernel when add_rms_norm is on)
         if cfg.is_moe_layer(layer_id):
             self.moe = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                           cfg.norm_topk_prob)
+                           cfg.norm_topk_prob, ops.moe_moves)
             self.mlp = None
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, ops.act_mul)
