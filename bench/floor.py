@@ -33,6 +33,12 @@ router with a weak balancing loss keeps):
   layer       titan_mm's whole MoE layer (titan_mm.models.common.moe.MoE), forward + backward; the parts above
               do not add up to it exactly (the SwiGLU between the GEMMs is in ``layer`` only);
               ``layer_compiled`` the same under torch.compile, as the trainer runs its blocks
+  *_fused     permute, combine and the compiled layer with titan_mm.kernels' token moves (kernel op moe_moves:
+              each sum one pass, the router weights fused into the combine)
+  gemms_gate_up_fused  the grouped GEMMs with gate and up as one [E, 2F, D] weight (six GEMMs: one input gradient
+              for both, no add)
+and the step's floor (``step``): the attention projections, SDPA and the experts' grouped GEMMs of every layer, the
+LM head and fused AdamW over all parameters (moe_step_floor), with titan's MFU scaled to it (``floor_mfu``).
 
   PYTHONPATH=$PWD python3 bench/floor.py --cases qwen3_1.7b --out bench/results/floor.json
   PYTHONPATH=$PWD python3 bench/floor.py --cases qwen3_30b_a3b_4l --out bench/results/floor_moe.json
@@ -169,7 +175,12 @@ def attention_floor(t: ModelDims, batch: int, seq: int) -> dict:
 def adamw_floor(t: ModelDims) -> dict:
     d, f, hd, L = t.hidden_size, t.intermediate_size, t.head_dim, t.num_layers
     q, kv = t.num_heads * hd, t.num_kv_heads * hd
-    layer = [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f), (d,), (d,), (hd,), (hd,)]
+    if t.is_moe:  # router and the stacked experts in place of the dense MLP
+        E, fm = t.num_experts, t.moe_intermediate_size
+        mlp = [(E, d), (E, fm, d), (E, fm, d), (E, d, fm)]
+    else:
+        mlp = [(f, d), (f, d), (d, f)]
+    layer = [(q, d), (kv, d), (kv, d), (d, q), *mlp, (d,), (d,), (hd,), (hd,)]
     shapes = layer * L + [(t.vocab_size, d), (d,)] + ([] if t.tie_word_embeddings else [(t.vocab_size, d)])
     params = [torch.zeros(s, device="cuda", requires_grad=True) for s in shapes]
     for p in params:
@@ -205,6 +216,7 @@ def routing(n: int, t: ModelDims, kind: str, device, seed: int = 0) -> torch.Ten
 
 def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16) -> dict:
     """One MoE layer's parts and their floors at ``n`` tokens and ``kind`` routing (the module docstring)."""
+    from titan_mm import kernels
     from titan_mm.models.common import moe
 
     device = device or torch.device("cuda")
@@ -231,6 +243,14 @@ def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16
                 gm(h_AF, w2.transpose(-2, -1), offs=offs)]
         torch.autograd.backward(outs, [dh_AF, dh_AF, dy_AD])
     gemm_flops = 2 * A * D * F_ * 9
+    w13 = torch.cat([w1, w3], 1).detach().requires_grad_()  # gate and up as one [E, 2F, D] weight (HF 5's layout)
+    dh2_AF = mk(A, 2 * F_)
+
+    def gemms_fused():  # six grouped GEMMs: the input gradient of gate / up is one GEMM, without the add
+        for leaf in (x_AD, h_AF, w13, w2):
+            leaf.grad = None
+        outs = [gm(x_AD, w13.transpose(-2, -1), offs=offs), gm(h_AF, w2.transpose(-2, -1), offs=offs)]
+        torch.autograd.backward(outs, [dh2_AF, dy_AD])
     a_AD, b_DF = mk(A, D), mk(D, 3 * F_)  # one dense GEMM of the same FLOPs, three times (fwd, dgrad, wgrad)
     dense = lambda: [a_AD @ b_DF for _ in range(3)]  # noqa: E731
 
@@ -240,6 +260,12 @@ def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16
     def permute():
         x_ND.grad = None
         moe.expand_rows(x_ND, r.src_A, r.inv_NK).backward(dy_AD)
+
+    fused = moe.TokenMoves(kernels.moe_expand, kernels.moe_combine)
+
+    def permute_fused():
+        x_ND.grad = None
+        fused.expand(x_ND, r.src_A, r.inv_NK).backward(dy_AD)
 
     def permute_autograd():
         x_ND.grad = None
@@ -251,6 +277,10 @@ def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16
     def combine():
         y_AD.grad = w_NK.grad = None
         moe.combine(y_AD, w_NK, r, dtype).backward(dy_ND)
+
+    def combine_fused():
+        y_AD.grad = w_NK.grad = None
+        fused.combine(y_AD, w_NK, r, dtype).backward(dy_ND)
 
     def combine_index_add():
         y_AD.grad = w_NK.grad = None
@@ -264,26 +294,33 @@ def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16
 
     layer = moe.MoE(D, F_, E, K, norm_topk_prob=True).to(device=device, dtype=dtype)
     layer.reset_parameters(0.02)
+    layer_fused = moe.MoE(D, F_, E, K, norm_topk_prob=True, moves=fused).to(device=device, dtype=dtype)
+    layer_fused.load_state_dict(layer.state_dict())
     xl = mk(1, n, D).requires_grad_()
 
     def route_part():
         probs, w, i = moe.route(xl[0], layer.router.weight, K, True)
         (w.float().sum() + moe.aux_stats(probs, i, None).sum()).backward()
 
-    def layer_loss(x):  # the layer's own route, then its experts at this routing's choices
-        probs, w, i = moe.route(x, layer.router.weight, K, True)
-        y = layer.experts(x, w, top_i)
+    def layer_loss(x, m=layer):  # the layer's own route, then its experts at this routing's choices
+        probs, w, i = moe.route(x, m.router.weight, K, True)
+        y = m.experts(x, w, top_i)
         return y.float().pow(2).mean() + moe.aux_stats(probs, i, None).sum()
     compiled_loss = torch.compile(layer_loss)
+    compiled_fused = torch.compile(lambda x: layer_loss(x, layer_fused))
     whole = lambda: layer_loss(xl[0]).backward()  # noqa: E731
     whole_compiled = lambda: compiled_loss(xl[0]).backward()  # noqa: E731
+    whole_fused_compiled = lambda: compiled_fused(xl[0]).backward()  # noqa: E731
     forced, moe.GROUPED_MM = moe.GROUPED_MM, True  # the grouped path on the CPU smoke test as well
     try:
         res = dict(kind=kind, tokens=n, assignments=A, max_over_mean=float(counts.max() * E / A),
-                   gemms_ms=ms_of(gemms), dense_same_flops_ms=ms_of(dense), permute_ms=ms_of(permute),
-                   permute_autograd_ms=ms_of(permute_autograd), combine_ms=ms_of(combine),
-                   combine_index_add_ms=ms_of(combine_index_add), route_ms=ms_of(route_part), layer_ms=ms_of(whole),
-                   layer_compiled_ms=ms_of(whole_compiled) if gpu else None)
+                   gemms_ms=ms_of(gemms), gemms_gate_up_fused_ms=ms_of(gemms_fused),
+                   dense_same_flops_ms=ms_of(dense), permute_ms=ms_of(permute),
+                   permute_autograd_ms=ms_of(permute_autograd), permute_fused_ms=ms_of(permute_fused),
+                   combine_ms=ms_of(combine), combine_index_add_ms=ms_of(combine_index_add),
+                   combine_fused_ms=ms_of(combine_fused), route_ms=ms_of(route_part), layer_ms=ms_of(whole),
+                   layer_compiled_ms=ms_of(whole_compiled) if gpu else None,
+                   layer_compiled_fused_ms=ms_of(whole_fused_compiled) if gpu else None)
     finally:
         moe.GROUPED_MM = forced
     res.update(gemm_flops=gemm_flops, gemms_tflops=gemm_flops / res["gemms_ms"] / 1e9,
@@ -291,6 +328,32 @@ def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16
                permute_floor_ms=permute_bytes / COPY_TBS / 1e9, combine_floor_ms=combine_bytes / COPY_TBS / 1e9)
     res["layer_tflops"] = gemm_flops / res["layer_ms"] / 1e9
     return res
+
+
+def moe_step_floor(t: ModelDims, name: str, case: dict, layer: dict, mfu_json: Path) -> dict:
+    """The floor of an MoE step: per layer the attention projections (the faster of separate and fused q/k/v),
+    SDPA and the experts' grouped GEMMs at the router's routing (the faster of separate and fused gate / up),
+    the LM head, and fused AdamW over every parameter; the router's own small GEMM and everything memory-bound
+    between are left out. ``floor_mfu``: titan's MFU row of bench/results/mfu.json scaled to this step time."""
+    n = case["batch"] * case["seq"]
+    groups = linears(t)
+    proj = 0.0
+    for group in ("qkv", "o"):
+        proj += min(time_ops(gemm_list(n, groups[form], False)[0]) for form in (group, group + "_fused") if form in groups)
+    head = time_ops(gemm_list(n, [(t.hidden_size, t.vocab_size)], False)[0])
+    torch.cuda.empty_cache()
+    attn = attention_floor(t, case["batch"], case["seq"])["layer_ms"]
+    experts = min(layer["gemms_ms"], layer["gemms_gate_up_fused_ms"])
+    adam = adamw_floor(t)["ms"]
+    L = t.num_layers
+    parts = dict(projections=round(proj * L, 2), attention=round(attn * L, 2), experts=round(experts * L, 2),
+                 head=round(head, 2), adamw=round(adam, 2))
+    floor_ms = sum(parts.values())
+    rows = [r for r in json.loads(mfu_json.read_text()).get("rows", []) if r.get("case") == name
+            and r.get("stack") == "titan" and r.get("ac", "none") == "none"] if mfu_json.exists() else []
+    mfu = rows[-1]["mfu"] * rows[-1]["step_time_s"] * 1e3 / floor_ms if rows else None
+    return dict(parts_ms=parts, floor_ms=floor_ms, floor_tok_s=n / floor_ms * 1e3,
+                floor_mfu=round(mfu, 3) if mfu else None)
 
 
 def peers(case: str, mfu_json: Path) -> dict:
@@ -320,17 +383,22 @@ def main() -> int:
         t = spec.dims(mc)
         n = case["batch"] * case["seq"]
         t0 = time.time()
-        if t.is_moe:  # one MoE layer's parts against their floors, at two routings
-            rows.append(dict(case=name, tokens=n, moe=[moe_floor(t, n, kind) for kind in ("router", "skewed")],
+        if t.is_moe:  # one MoE layer's parts against their floors, at two routings, and the step's floor
+            moe_rows = [moe_floor(t, n, kind) for kind in ("router", "skewed")]
+            rows.append(dict(case=name, tokens=n, moe=moe_rows, step=moe_step_floor(t, name, case, moe_rows[0], Path(args.mfu_json)),
                              gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                              seconds=round(time.time() - t0, 1)))
+            st = rows[-1]["step"]
+            print(f"{name} step floor: {st['floor_ms']:.1f} ms ({st['parts_ms']}) = {st['floor_tok_s']:,.0f} tok/s, "
+                  f"MFU {st['floor_mfu']}", flush=True)
             for m in rows[-1]["moe"]:
                 print(f"{name} {m['kind']} (max/mean {m['max_over_mean']:.2f}): gemms {m['gemms_ms']:.2f} ms "
                       f"({m['gemms_tflops']:.0f} TFLOP/s; dense same FLOPs {m['dense_tflops']:.0f}), permute "
                       f"{m['permute_ms']:.2f} ms (x[tok] {m['permute_autograd_ms']:.2f}, floor {m['permute_floor_ms']:.2f}), "
                       f"combine {m['combine_ms']:.2f} (index_add {m['combine_index_add_ms']:.2f}, floor "
-                      f"{m['combine_floor_ms']:.2f}), route {m['route_ms']:.2f}, layer {m['layer_ms']:.2f} ms "
-                      f"(compiled {m['layer_compiled_ms']:.2f})",
+                      f"{m['combine_floor_ms']:.2f}), fused moves: permute {m['permute_fused_ms']:.2f} combine "
+                      f"{m['combine_fused_ms']:.2f}, route {m['route_ms']:.2f}, layer {m['layer_ms']:.2f} ms "
+                      f"(compiled {m['layer_compiled_ms']:.2f}; with the fused moves {m['layer_compiled_fused_ms']:.2f})",
                       flush=True)
             continue
         gemm = gemm_floor(t, n, False)
