@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from bench.attention import bench as cuda_ms  # median CUDA-event ms of fn()
 from titan_mm.tools import kernel_checks as testing
 
 pytestmark = pytest.mark.gpu
@@ -110,18 +111,7 @@ def test_upcast_is_exact_and_beats_torch_copy():
         x = torch.randn(n, device="cuda").to(torch.bfloat16)
         assert torch.equal(upcast(x), x.float())
     x = torch.randn(12288, 4096, device="cuda").to(torch.bfloat16)
-
-    def ms(fn):
-        fn()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(20):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / 20
-
-    mine, torch_copy = ms(lambda: upcast(x)), ms(lambda: x.float())
+    mine, torch_copy = cuda_ms(lambda: upcast(x)), cuda_ms(lambda: x.float())
     print(f"upcast {mine:.3f} ms, torch copy {torch_copy:.3f} ms ({x.numel() * 6 / mine / 1e9:.2f} TB/s)")
     assert mine < torch_copy
 
@@ -157,18 +147,8 @@ def test_fused_moe_moves_match_pytorch_and_beat_it_compiled():
     moe.expand_rows(x2.float(), r.src_A, r.inv_NK).backward(dA.float())
     torch.testing.assert_close(x.grad.float(), x2.grad.float(), atol=0.06, rtol=0.02)
 
-    def ms(fn):
-        fn()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / 10
-
     ref_c = torch.compile(lambda y, w: moe.combine(y, w, r, torch.bfloat16))
-    mine = ms(lambda: K.moe_combine(y, w, r, torch.bfloat16).backward(g))
-    inductor = ms(lambda: ref_c(y2.detach().to(torch.bfloat16).requires_grad_(), w2).backward(g))
+    mine = cuda_ms(lambda: K.moe_combine(y, w, r, torch.bfloat16).backward(g))
+    inductor = cuda_ms(lambda: ref_c(y2.detach().requires_grad_(), w2).backward(g))
     print(f"combine fwd+bwd: kernel {mine:.3f} ms, compiled PyTorch {inductor:.3f} ms")
     assert mine < inductor
