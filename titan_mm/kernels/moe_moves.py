@@ -40,8 +40,9 @@ writes(_gather_sum_kernel, "OUT")
 
 
 @triton.jit
-def _combine_bwd_kernel(G, Y, IDX, W, DY, DW, D, sg, sy, sdy, K: tl.constexpr, KP: tl.constexpr,
+def _combine_bwd_kernel(G, Y, IDX, W, DY, DW, sg, sy, sdy, D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                         BLOCK: tl.constexpr):
+    # D is a compile-time constant (a model width): the loop over its blocks has host-known bounds
     n = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, KP)
     dw = tl.zeros([KP], tl.float32)
@@ -94,7 +95,7 @@ def combine_bwd(g: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, w: torch.Te
     dw = new_empty((N, K), w.dtype, w.device)
     if N:
         block, warps = _block(D)
-        kern[(N,)](g, y, idx, w, dy, dw, D, g.stride(0), y.stride(0), dy.stride(0), K=K, KP=next_pow2(K),
+        kern[(N,)](g, y, idx, w, dy, dw, g.stride(0), y.stride(0), dy.stride(0), D=D, K=K, KP=next_pow2(K),
                    BLOCK=block, num_warps=warps)
     return dy, dw
 
