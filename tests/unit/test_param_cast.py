@@ -108,6 +108,50 @@ def test_computes_in_bf16_and_restores_on_error():
     assert all(v.dtype == torch.float32 for v in model.state_dict().values() if v.is_floating_point())
 
 
+def test_casts_a_block_in_one_node_and_leaves_frozen_and_unused_parameters_alone():
+    """A block's parameters are cast by one autograd node (the host records a node per block, not per parameter)
+    up to a size, past which a group ends. A frozen parameter gets no gradient and an unused one none either; every
+    trained one gets its fp32 gradient."""
+    from titan_mm.parallel import apply
+
+    model = _model("debug")
+    model.layers["0"].attn_norm.weight.requires_grad_(False)
+    model.unused = torch.nn.Linear(4, 4)  # in no forward
+    old, apply._GROUP_ELEMS = apply._GROUP_ELEMS, max(p.numel() for p in model.parameters())  # the largest: alone
+    try:
+        apply_param_cast(model, torch.bfloat16)
+        ids = _batches(1)[0]
+        out = model(ids, labels=ids)
+        nodes, todo = set(), [out.loss_sum.grad_fn]
+        while todo:  # the cast nodes the loss reaches: one per group with a trained parameter
+            fn = todo.pop()
+            if fn is None or fn in nodes:
+                continue
+            nodes.add(fn)
+            todo += [f for f, _ in fn.next_functions]
+        casts = [fn for fn in nodes if type(fn).__name__ == "_CastBackward"]
+        frozen = {id(model.layers["0"].attn_norm.weight)}
+        groups = [{id(m._parameters[n]) for m, n in g} for g in apply._cast_groups(model)]
+        assert all(sum(p.numel() for p in model.parameters() if id(p) in g) <= apply._GROUP_ELEMS for g in groups)
+        used = {id(p) for p in model.parameters()} - {id(p) for p in model.unused.parameters()} - frozen
+        # a tied parameter is cast in the first group that holds it
+        first = {}
+        for k, g in enumerate(groups):
+            for i in g:
+                first.setdefault(i, k)
+        want = len({first[i] for i in used})
+        assert len(casts) == want, (len(casts), want)
+        assert len(casts) < sum(1 for p in model.parameters() if id(p) in used) / 2
+        out.loss_sum.backward()
+    finally:
+        apply._GROUP_ELEMS = old
+    for name, p in model.named_parameters():
+        if name == "layers.0.attn_norm.weight" or name.startswith("unused."):
+            assert p.grad is None, name
+        else:
+            assert p.grad is not None and p.grad.dtype == torch.float32, name
+
+
 def test_parallelize_picks_the_path():
     one, two = 1, 2
     job = JobConfig(training=Training(param_dtype="bfloat16"))

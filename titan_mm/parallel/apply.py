@@ -239,20 +239,68 @@ def one_rank_cast(world_size: int, cfg: JobConfig, param_dtype: torch.dtype, pip
             and cfg.parallel.one_rank_mixed_precision == "cast")
 
 
+_GROUP_ELEMS = 1 << 24
+"""Elements of one cast group at most (32 MB of bf16 gradients held until the group's last one arrives); a larger
+parameter is a group of its own."""
+_UPCAST_ELEMS = 1 << 20
+"""Elements from which a gradient is widened by titan_mm.kernels.upcast (a vectorized Triton copy); below it one
+launch costs more host time than the copy takes, and the group's smaller ones share one ``_foreach_copy_``."""
+
+
 class _Cast(torch.autograd.Function):
-    """``p.to(dtype)``; the backward widens the gradient back with titan_mm.kernels.upcast (torch's bf16 -> fp32
-    copy is not vectorized: 11.7 ms a step at Qwen3-8B 12 layers on the H200, against 5 ms for the forward cast)."""
+    """``[p.to(dtype) for p in ps]`` as one autograd node: the host records one node per group of parameters, not
+    one per parameter (625 in Qwen3-VL-2B; bench/cast_host.py). The backward widens the gradients back to
+    the parameters' dtype: the large ones with titan_mm.kernels.upcast (torch's bf16 -> fp32 copy is not vectorized:
+    11.7 ms a step at Qwen3-8B 12 layers on the H200, against 5 ms for the forward cast), the rest with one
+    ``_foreach_copy_``. A copy the forward did not use gets no gradient."""
 
     @staticmethod
-    def forward(ctx, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        ctx.master_dtype = p.dtype
-        return p.to(dtype)
+    def forward(ctx, dtype: torch.dtype, *ps: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.master_dtypes = [p.dtype for p in ps]
+        outs = [torch.empty_like(p, dtype=dtype) for p in ps]
+        torch._foreach_copy_(outs, list(ps))
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
+    def backward(ctx, *gs: torch.Tensor | None):
         from titan_mm.kernels import upcast
 
-        return upcast(g, ctx.master_dtype), None
+        out: list[torch.Tensor | None] = [None] * len(gs)
+        small = [i for i, g in enumerate(gs) if g is not None and g.numel() < _UPCAST_ELEMS]
+        for i, g in enumerate(gs):
+            if g is not None and g.numel() >= _UPCAST_ELEMS:
+                out[i] = upcast(g, ctx.master_dtypes[i])
+        if small:
+            wide = [torch.empty_like(gs[i], dtype=ctx.master_dtypes[i]) for i in small]
+            torch._foreach_copy_(wide, [gs[i] for i in small])
+            for i, w in zip(small, wide):
+                out[i] = w
+        return (None, *out)
+
+
+def _cast_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The parameter slots of ``model`` in the groups its casts are made in: by block (the slots under one
+    ModuleList entry, "layers.3" or "visual.blocks.7"; any other module's slots are its own block), in order, cut
+    where a group would pass ``_GROUP_ELEMS``. A group's node runs when its last gradient arrives, so it holds that
+    many narrow gradients at most. Sizes are read here, once: they are shapes, which materialising a meta model
+    keeps."""
+    blocks: dict[str, list[tuple[nn.Module, str, int]]] = {}
+    for fqn, mod in model.named_modules():
+        parts = fqn.split(".")
+        cut = next((i + 1 for i, part in enumerate(parts) if part.isdigit()), len(parts))
+        for name, p in mod._parameters.items():
+            blocks.setdefault(".".join(parts[:cut]), []).append((mod, name, 0 if p is None else p.numel()))
+    groups: list[list[tuple[nn.Module, str]]] = []
+    for slots in blocks.values():
+        size = _GROUP_ELEMS  # start a new group at the block's first slot
+        for mod, name, n in slots:
+            if size + n > _GROUP_ELEMS:
+                groups.append([])
+                size = 0
+            groups[-1].append((mod, name))
+            size += n
+    return groups
 
 
 def apply_param_cast(model: nn.Module, dtype: torch.dtype) -> None:
@@ -261,7 +309,8 @@ def apply_param_cast(model: nn.Module, dtype: torch.dtype) -> None:
     and put in its modules' place; after the forward the fp32 parameters are back. The backward of each cast
     adds the gradient, in fp32, to the fp32 ``.grad`` (accumulated over micro-batches in fp32, as FSDP2's
     reduce-scatter output is), so optimizer, clipping, checkpoints and exports see fp32 parameters only. The
-    copies stay alive until the backward has used them, as FSDP2's with reshard_after_forward=False.
+    copies stay alive until the backward has used them, as FSDP2's with reshard_after_forward=False. The casts
+    of a group of parameters are one autograd node (_Cast; the groups of _cast_groups, split by whether they train).
 
     The modules are fixed here (call it after activation checkpointing, as parallelize does); the parameters are
     read at each forward: materialising a meta model or loading weights may replace them."""
@@ -269,18 +318,25 @@ def apply_param_cast(model: nn.Module, dtype: torch.dtype) -> None:
     def slots_of(root: nn.Module) -> list[tuple[nn.Module, str]]:
         return [(mod, name) for mod in root.modules() for name in mod._parameters]
 
-    slots = slots_of(model)
+    groups = _cast_groups(model)
     masters: list[tuple[nn.Module, str, nn.Parameter]] = []  # the swapped-out slots of the running forward
 
     def swap_in(module, args):
-        copies: dict[int, torch.Tensor] = {}
-        for mod, name in slots:
-            p = mod._parameters[name]
-            if p is None or not p.is_floating_point() or p.dtype == dtype:
-                continue
-            if id(p) not in copies:
-                copies[id(p)] = _Cast.apply(p, dtype)
-            masters.append((mod, name, p))
+        copies: dict[int, torch.Tensor | None] = {}
+        for group in groups:
+            fresh: dict[bool, list[nn.Parameter]] = {True: [], False: []}  # by requires_grad
+            for mod, name in group:
+                p = mod._parameters[name]
+                if p is None or not p.is_floating_point() or p.dtype == dtype:
+                    continue
+                masters.append((mod, name, p))
+                if id(p) not in copies:
+                    copies[id(p)] = None
+                    fresh[p.requires_grad].append(p)
+            for ps in fresh.values():
+                if ps:
+                    copies.update(zip(map(id, ps), _Cast.apply(dtype, *ps)))
+        for mod, name, p in masters:
             mod._parameters[name] = copies[id(p)]  # a non-leaf of the graph, as FSDP2's unsharded param
 
     def swap_out(module, args, output):
