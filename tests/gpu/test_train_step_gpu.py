@@ -63,11 +63,12 @@ def test_device_skip_matches_host_path_on_cuda():
         assert torch.equal(p1[n], p0[n]), n
 
 
-def _train_losses(tmp_path, name: str, *extra: str) -> list[tuple[float, float]]:
+def _train_losses(tmp_path, name: str, *extra: str, checkpoint: bool = False,
+                  tune: bool = False) -> list[tuple[float, float]]:
     """(loss, grad norm) of 4 logged steps of debug_qwen3 through run_train.sh (bf16 params, compile, synthetic).
-    The kernels run their default launch configs (TITAN_KERNELS_TUNE=0): the tuner's timed picks can differ
-    between processes and with them a reduction's order. Two tuned runs of one config differed by one ulp in a
-    loss on the H200 (2026-12-03)."""
+    Without ``tune`` the kernels run their default launch configs (TITAN_KERNELS_TUNE=0): the tuner's timed picks
+    can differ between processes and with them a reduction's order. Two tuned runs of one config differed by one
+    ulp in a loss on the H200 (2026-12-03)."""
     import os
     import subprocess
     from pathlib import Path
@@ -76,10 +77,10 @@ def _train_losses(tmp_path, name: str, *extra: str) -> list[tuple[float, float]]
 
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-               TITAN_KERNELS_TUNE="0")
+               TITAN_KERNELS_TUNE="1" if tune else "0")
     args = ["--config", "debug_qwen3", "--job.dump_folder", str(tmp_path / name), "--training.steps", "4",
             "--model.overrides", '{"vocab_size": 256}', "--data.dataset", "synthetic", "--data.seq_len", "64",
-            "--training.param_dtype", "bfloat16", "--compile.enable", "True", "--checkpoint.enable", "False",
+            "--training.param_dtype", "bfloat16", "--compile.enable", "True", "--checkpoint.enable", str(checkpoint),
             "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "False", *extra]
     r = subprocess.run([str(root / "run_train.sh"), *args], capture_output=True, text=True, env=env, cwd=root,
                        timeout=300)
@@ -112,3 +113,13 @@ def test_one_rank_cast_trains_as_fsdp_on_cuda(tmp_path):
                             "fsdp")
     for (a, _), (b, _) in zip(f8_cast, f8_fsdp):
         assert abs(a - b) < 2e-2 * abs(b), (f8_cast, f8_fsdp)
+
+
+def test_resume_launches_the_checkpointed_kernel_picks(tmp_path):
+    """A tuned run's checkpoint carries its kernels' launch configs (TrainState.extra["kernel_picks"]), and the run
+    resumed from it launches them: resumed from step 2 without any timing of its own (TITAN_KERNELS_TUNE=0), it
+    logs steps 3 and 4 bit for bit as the tuned run did."""
+    first = _train_losses(tmp_path, "run", "--checkpoint.interval", "2", checkpoint=True, tune=True)
+    again = _train_losses(tmp_path, "run", "--checkpoint.interval", "2", "--checkpoint.load_step", "2",
+                          checkpoint=True)
+    assert again == first, (first, again)

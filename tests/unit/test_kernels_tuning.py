@@ -337,3 +337,23 @@ def test_tuning_in_interpreter():
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+def test_loaded_picks_are_launched_without_timing():
+    """titan_mm.kernels.load_picks (the picks a resumed run's checkpoint carries, titan_mm.train.setup.tune_kernels):
+    inside tuning() a key with a loaded pick launches it, and nothing is timed for it."""
+    from titan_mm.kernels import _utils
+
+    t = _utils.Tuner("test_loaded_picks", [dict(BLOCK=1), dict(BLOCK=2)])
+    try:
+        key = (64, torch.bfloat16)
+        _utils.load_picks({**_utils.export_picks(), t.name: {key: dict(BLOCK=2)}})
+        assert _utils.export_picks()[t.name] == {key: dict(BLOCK=2)}
+
+        def launch(cfg):
+            raise AssertionError(f"timed {cfg}: the loaded pick should have been taken")
+
+        with _utils.tuning():
+            assert t.pick(key, launch) == dict(BLOCK=2)
+    finally:
+        _utils.Tuner.registry.remove(t)

@@ -167,18 +167,25 @@ def build_model(cfg: JobConfig, spec: ModelSpec, model_cfg, parallel_dims, devic
 
 
 def tune_kernels(cfg: JobConfig, spec: ModelSpec, model_cfg, pd, device: torch.device,
-                 vision_tokens: int | None = None) -> dict | None:
+                 vision_tokens: int | None = None, picks: dict | None = None) -> dict | None:
     """Pick the Triton kernels' launch configs for this model's shapes once, before the first step.
 
     The forward never tunes (timing synchronizes the GPU, and the forward must stay sync-free): a key it
     meets untuned runs the kernel's first config. CUDA with kernels on only; TITAN_KERNELS_TUNE=0 skips the
     timing. Every rank tunes its own shapes (heads and MLP width per tp rank), then takes rank 0's picks, so
-    replicated computations launch the same configs (and round alike) on every rank. None when skipped."""
+    replicated computations launch the same configs (and round alike) on every rank. None when skipped.
+
+    ``picks``: the configs a resumed run launched before (its checkpoint's, ``KERNEL_PICKS`` in TrainState.extra),
+    taken before any timing, so only keys without one are timed. Timed picks can differ between processes, and
+    with them a reduction's rounding: two tuned runs of one config differed by one ulp in a loss on the H200."""
     kernels = spec.runtime(model_cfg).kernels
     if device.type != "cuda" or not kernels:
         return None
     from titan_mm import kernels as K
     from titan_mm.dtypes import torch_dtype
+
+    if picks:
+        K.load_picks(picks)
 
     tokens = cfg.data.micro_batch_size * padded_seq_len(cfg.data) // max(1, pd.cp)  # this rank's rows of a micro-batch
     shapes = spec.kernel_shapes(model_cfg, tp=pd.tp, encoder_tp=cfg.parallel.encoder_tp and pd.tp > 1)
@@ -186,6 +193,11 @@ def tune_kernels(cfg: JobConfig, spec: ModelSpec, model_cfg, pd, device: torch.d
                               vision_tokens=vision_tokens)
     K.share_picks(src=0)  # a no-op in a single process
     return report
+
+
+KERNEL_PICKS = "kernel_picks"
+"""The TrainState.extra key of the kernels' launch configs (titan_mm.kernels.export_picks), saved with every
+checkpoint so that a resumed run launches what the run before it launched (tune_kernels)."""
 
 
 def data_parallel_groups(pd) -> tuple[int, int, Any, Any, int]:

@@ -43,7 +43,7 @@ from titan_mm.observe.profile import ProfileWindow
 from titan_mm.parallel.balance_dispatch import Rebalancer
 from titan_mm.train.checkpoint import CheckpointError, CheckpointManager, Topology, committed_step, step_dir_name
 from titan_mm.train.preflight import preflight
-from titan_mm.train.setup import build_data, pick_device, setup, tune_kernels
+from titan_mm.train.setup import KERNEL_PICKS, build_data, pick_device, setup, tune_kernels
 from titan_mm.train.step import train_step
 
 
@@ -175,8 +175,11 @@ def train(cfg: JobConfig) -> dict[str, Any]:
                 f"{n_params / 1e6:.2f}M params; world {world} (dp {run.dp_world}, grad accum {n_micro}); "
                 f"device {device}; run folder {out_dir}; starting at step {state.step}/{cfg.training.steps}")
 
-    tune_report = tune_kernels(cfg, spec, model_cfg, pd, device)
+    tune_report = tune_kernels(cfg, spec, model_cfg, pd, device, picks=state.extra.get(KERNEL_PICKS))
     if tune_report is not None:
+        from titan_mm.kernels import export_picks
+
+        state.extra[KERNEL_PICKS] = export_picks()  # checkpointed with the train state: a resume launches the same
         tuned = sum(len(v) for v in tune_report["tuned"].values())
         logger.info(f"kernels: tuned {tuned} launch configs in {tune_report['seconds']:.1f}s"
                     + "".join(f"; {r}" for r in tune_report["skipped"]))
