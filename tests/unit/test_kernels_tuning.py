@@ -355,5 +355,8 @@ def test_loaded_picks_are_launched_without_timing():
 
         with _utils.tuning():
             assert t.pick(key, launch) == dict(BLOCK=2)
+        # a checkpoint of an older version: its unknown tuner and a config outside the candidates are dropped
+        old = {t.name: {key: dict(BLOCK=2), (32, torch.float32): dict(BLOCK=3)}, "gone": {key: dict(BLOCK=1)}}
+        assert _utils.current_picks(old) == {t.name: {key: dict(BLOCK=2)}}
     finally:
         _utils.Tuner.registry.remove(t)

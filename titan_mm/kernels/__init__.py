@@ -28,6 +28,7 @@ model's forward, which must not synchronize the GPU:
     tune_for_model(shapes, kernels, tokens, dtype, device) -> report   # once, after building the model (shapes: ModelSpec.kernel_shapes)
     share_picks()               # every rank takes rank 0's picks (a collective)
     export_picks(), load_picks(picks)   # the picks as a picklable dict, and back (the trainer checkpoints them)
+    current_picks(picks)        # the picks this version can launch (a checkpoint's may be older)
     with tuning(): ...          # calls inside time the candidates of keys not tuned yet (synchronizes)
     tuned_configs(), untuned_keys()                                     # what was picked / what ran untuned
 
@@ -58,7 +59,7 @@ from titan_mm.models.common.rope import apply_rope as _apply_rope_ref
 from . import _dispatch
 from ._dispatch import HAS_TRITON, use_triton
 from ._tuning import share_picks, tune_for_model
-from ._utils import export_picks, load_picks, tuned_configs, tuning, untuned_keys
+from ._utils import current_picks, export_picks, load_picks, tuned_configs, tuning, untuned_keys
 
 __all__ = [
     "rms_norm",
@@ -81,6 +82,7 @@ __all__ = [
     "share_picks",
     "export_picks",
     "load_picks",
+    "current_picks",
     "tuning",
     "tuned_configs",
     "untuned_keys",

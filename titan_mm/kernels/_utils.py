@@ -253,6 +253,18 @@ def load_picks(picks: dict) -> None:
                 by_name[name].untuned.pop(key, None)
 
 
+def current_picks(picks: dict) -> dict:
+    """``picks`` (from export_picks, maybe of an older titan_mm: a checkpoint's) less what this version would not
+    launch: a tuner it does not have, or a config outside its key's candidates."""
+    by_name = {t.name: t for t in Tuner.registry}
+    out: dict = {}
+    for name, best in picks.items():
+        t = by_name.get(name)
+        if t is not None:
+            out[name] = {k: cfg for k, cfg in best.items() if cfg in t.configs(k)}
+    return out
+
+
 def reset_tuning() -> None:
     """Forget every pick, timing and untuned key (tests)."""
     for t in Tuner.registry:

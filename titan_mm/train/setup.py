@@ -185,7 +185,7 @@ def tune_kernels(cfg: JobConfig, spec: ModelSpec, model_cfg, pd, device: torch.d
     from titan_mm.dtypes import torch_dtype
 
     if picks:
-        K.load_picks(picks)
+        K.load_picks(K.current_picks(picks))  # a checkpoint of an older titan_mm may hold configs it no longer has
 
     tokens = cfg.data.micro_batch_size * padded_seq_len(cfg.data) // max(1, pd.cp)  # this rank's rows of a micro-batch
     shapes = spec.kernel_shapes(model_cfg, tp=pd.tp, encoder_tp=cfg.parallel.encoder_tp and pd.tp > 1)
