@@ -484,6 +484,8 @@ def main() -> int:
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)  # the tables, splits and logs go here
     rows, merged = [], []
     for case in args.cases.split(","):
         for stack in args.stacks.split(","):
