@@ -8,8 +8,8 @@
 
 The PyTorch forms (titan_mm.models.common.moe.expand_rows / combine) weight, gather and sum in separate passes;
 inside a compiled block Inductor fuses them, but its gather-sums ran at about a fifth of the copy rate at
-Qwen3-30B-A3B's shape (bench/results/profiles/profile_qwen3_30b_a3b_4l_titan.txt). Here each program reads its
-token's K rows whole. Sums run in fp32 in slot order (increasing expert id, the order HF's loop over the experts
+Qwen3-30B-A3B's shape (bench/results/profiles/profile_qwen3_30b_a3b_4l_titan_before_moves.txt). Here each
+program reads its token's K rows whole. Sums run in fp32 in slot order (increasing expert id, the order HF's loop over the experts
 adds them); the product with the weight is not rounded first (PyTorch's combine rounds it to y's dtype).
 Legend: N tokens, K slots per token (top-k), A = N K rows, D width.
 """
