@@ -37,6 +37,9 @@ router with a weak balancing loss keeps):
               each sum one pass, the router weights fused into the combine)
   gemms_gate_up_fused  the grouped GEMMs with gate and up as one [E, 2F, D] weight (six GEMMs: one input gradient
               for both, no add)
+  gemms_f8    the nine GEMMs in float8 (float8.moe_experts: torchao's rowwise-scaled grouped GEMM, its casts and
+              scales included) on the padded layout (each expert's rows a multiple of 16); ``layer_compiled_f8``
+              the compiled layer with them and the fused moves (SM>=90 with torchao only, else None)
 and the step's floor (``step``): the attention projections, SDPA and the experts' grouped GEMMs of every layer, the
 LM head and fused AdamW over all parameters (moe_step_floor), with titan's MFU scaled to it (``floor_mfu``).
 
@@ -47,6 +50,7 @@ LM head and fused AdamW over all parameters (moe_step_floor), with titan's MFU s
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -257,6 +261,21 @@ def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16
     x_ND = mk(n, D).requires_grad_()
     r = moe.sort_by_expert(top_i, E)
 
+    # float8: the same GEMMs on the padded layout (groups of multiples of 16 rows, pad rows zero)
+    f8 = gpu and torch.cuda.get_device_capability(device) >= (9, 0) and importlib.util.find_spec("torchao") is not None
+    rp = moe.sort_by_expert(top_i, E, moe.FLOAT8_ALIGN)
+    offs8 = torch.cumsum(rp.counts_E, 0, dtype=torch.int32)
+    pad = (rp.src_A == n)[:, None]
+    x_PD, h_PF = (mk(rp.src_A.numel(), c).masked_fill(pad, 0).requires_grad_() for c in (D, F_))
+    dh_PF, dy_PD = mk(rp.src_A.numel(), F_).masked_fill(pad, 0), mk(rp.src_A.numel(), D).masked_fill(pad, 0)
+
+    def gemms_f8():
+        for leaf in (x_PD, h_PF, w1, w3, w2):
+            leaf.grad = None
+        outs = [moe.float8_grouped_mm(x_PD, w1, offs8), moe.float8_grouped_mm(x_PD, w3, offs8),
+                moe.float8_grouped_mm(h_PF, w2, offs8)]
+        torch.autograd.backward(outs, [dh_PF, dh_PF, dy_PD])
+
     def permute():
         x_ND.grad = None
         moe.expand_rows(x_ND, r.src_A, r.inv_NK).backward(dy_AD)
@@ -296,6 +315,8 @@ def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16
     layer.reset_parameters(0.02)
     layer_fused = moe.MoE(D, F_, E, K, norm_topk_prob=True, moves=fused).to(device=device, dtype=dtype)
     layer_fused.load_state_dict(layer.state_dict())
+    layer_f8 = moe.MoE(D, F_, E, K, norm_topk_prob=True, moves=fused, float8=True).to(device=device, dtype=dtype)
+    layer_f8.load_state_dict(layer.state_dict())
     xl = mk(1, n, D).requires_grad_()
 
     def route_part():
@@ -308,9 +329,11 @@ def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16
         return y.float().pow(2).mean() + moe.aux_stats(probs, i, None).sum()
     compiled_loss = torch.compile(layer_loss)
     compiled_fused = torch.compile(lambda x: layer_loss(x, layer_fused))
+    compiled_f8 = torch.compile(lambda x: layer_loss(x, layer_f8))
     whole = lambda: layer_loss(xl[0]).backward()  # noqa: E731
     whole_compiled = lambda: compiled_loss(xl[0]).backward()  # noqa: E731
     whole_fused_compiled = lambda: compiled_fused(xl[0]).backward()  # noqa: E731
+    whole_f8_compiled = lambda: compiled_f8(xl[0]).backward()  # noqa: E731
     forced, moe.GROUPED_MM = moe.GROUPED_MM, True  # the grouped path on the CPU smoke test as well
     try:
         res = dict(kind=kind, tokens=n, assignments=A, max_over_mean=float(counts.max() * E / A),
@@ -320,13 +343,16 @@ def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16
                    combine_ms=ms_of(combine), combine_index_add_ms=ms_of(combine_index_add),
                    combine_fused_ms=ms_of(combine_fused), route_ms=ms_of(route_part), layer_ms=ms_of(whole),
                    layer_compiled_ms=ms_of(whole_compiled) if gpu else None,
-                   layer_compiled_fused_ms=ms_of(whole_fused_compiled) if gpu else None)
+                   layer_compiled_fused_ms=ms_of(whole_fused_compiled) if gpu else None,
+                   gemms_f8_ms=ms_of(gemms_f8) if f8 else None,
+                   layer_compiled_f8_ms=ms_of(whole_f8_compiled) if f8 else None)
     finally:
         moe.GROUPED_MM = forced
     res.update(gemm_flops=gemm_flops, gemms_tflops=gemm_flops / res["gemms_ms"] / 1e9,
                dense_tflops=gemm_flops / res["dense_same_flops_ms"] / 1e9,
                permute_floor_ms=permute_bytes / COPY_TBS / 1e9, combine_floor_ms=combine_bytes / COPY_TBS / 1e9)
     res["layer_tflops"] = gemm_flops / res["layer_ms"] / 1e9
+    res["gemms_f8_tflops"] = gemm_flops / res["gemms_f8_ms"] / 1e9 if f8 else None  # the unpadded rows' FLOPs
     return res
 
 
@@ -400,6 +426,10 @@ def main() -> int:
                       f"{m['combine_fused_ms']:.2f}, route {m['route_ms']:.2f}, layer {m['layer_ms']:.2f} ms "
                       f"(compiled {m['layer_compiled_ms']:.2f}; with the fused moves {m['layer_compiled_fused_ms']:.2f})",
                       flush=True)
+                if m["gemms_f8_ms"] is not None:
+                    print(f"{name} {m['kind']} float8 experts: gemms {m['gemms_f8_ms']:.2f} ms "
+                          f"({m['gemms_f8_tflops']:.0f} TFLOP/s), layer compiled {m['layer_compiled_f8_ms']:.2f} ms",
+                          flush=True)
             continue
         gemm = gemm_floor(t, n, False)
         gemm8 = gemm_floor(t, n, True)

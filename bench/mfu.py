@@ -12,6 +12,8 @@ Stacks:
                    case (titan_argv), compile per block, Triton kernels on (the trainer's kernels.ops: all)
   titan_f8         the same + torchao float8 linears (tensorwise scales)
   titan_f8_pre     titan_f8 + float8.precompute_scale (one batched scale computation after each optimizer step)
+  titan_f8_experts titan + float8.moe_experts (the MoE experts' grouped GEMMs in float8, torchao rowwise; the
+                   linears stay bf16). MoE cases only
   titan_fsdp       titan through FSDP2 on the one-GPU mesh (parallel.one_rank_mixed_precision = fsdp). The other
                    titan stacks run the one-rank cast path (titan_mm.parallel.apply) since 2026-12-03; a row says
                    which in ``mixed_precision`` (rows without it ran through FSDP2)
@@ -162,6 +164,7 @@ def titan_argv(case: dict, stack: str, args) -> list[str]:
         "--compile.enable", str(stack != "titan_eager"),
         "--float8.enable", str(stack in ("titan_f8", "titan_f8_pre")),
         "--float8.precompute_scale", str(stack == "titan_f8_pre"),
+        "--float8.moe_experts", str(stack == "titan_f8_experts"),
         # kernels on CUDA: the trainer's default op set, or --kernel-ops (e.g. "all,-rope": which op helps or
         # hurts end to end); titan_nokernels runs the PyTorch references
         "--kernels.mode", "reference" if stack == "titan_nokernels" else "auto",
@@ -403,8 +406,8 @@ def worker(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ driver
-STACK_ORDER = ("titan", "titan_fsdp", "titan_f8", "titan_f8_pre", "titan_eager", "titan_nokernels", "titan_plain", "torchtitan",
-               "hf_liger", "hf")
+STACK_ORDER = ("titan", "titan_fsdp", "titan_f8", "titan_f8_pre", "titan_f8_experts", "titan_eager", "titan_nokernels",
+               "titan_plain", "torchtitan", "hf_liger", "hf")
 
 
 def _row_order(r: dict):

@@ -343,6 +343,12 @@ class Float8:
     (torchao precompute_float8_dynamic_scale_for_fsdp) instead of one amax per weight inside every FSDP
     all-gather (Qwen3-1.7B on the H200: 43.4k vs 36.5k tokens/s, same losses). The rowwise recipe has no
     per-tensor weight scale to precompute: there it is not used."""
+    moe_experts: bool = False
+    """The MoE experts' grouped GEMMs in float8 too (torchao's rowwise-scaled float8 grouped GEMM, forward and
+    backward; the experts carry most of a MoE model's FLOPs and are no nn.Linear, so float8.enable leaves them in
+    bf16). Independent of enable and recipe. The routing then pads each expert's token group to a multiple of 16
+    rows on the device (no host sync). Needs a MoE model, a CUDA SM>=90 GPU, training.param_dtype bfloat16 and
+    torchao with prototype.moe_training (>= 0.17); titan_mm/models/common/moe.py, docs/kernels.md."""
 
 
 @dataclass
@@ -845,6 +851,9 @@ def _validate_precision(cfg: JobConfig) -> None:
     if cfg.model.attn_backend == "varlen" and t.param_dtype == "float32":
         raise ConfigError("model.attn_backend='varlen' runs flash kernels, which take bfloat16 / float16 only; use "
                           "--training.param_dtype bfloat16, or attn_backend flex / sdpa for float32")
+    if cfg.float8.moe_experts and t.param_dtype != "bfloat16":
+        raise ConfigError(f"float8.moe_experts needs training.param_dtype='bfloat16' (the float8 grouped GEMMs take "
+                          f"bf16 inputs), got {t.param_dtype!r}: use --training.param_dtype bfloat16 with it")
     if t.param_dtype == "float16" and cfg.float8.enable:
         raise ConfigError("training.param_dtype='float16' with float8.enable: float8 needs an SM>=89 GPU, which has "
                           "bfloat16; use --training.param_dtype bfloat16 with float8")

@@ -356,9 +356,11 @@ def families() -> list[ModelSpec]:
 
 
 def resolve_model(name: str, flavor: str, hf_path: str | None = None, overrides: str | dict = "",
-                  attn_backend: str = "sdpa", kernels: bool | str = False) -> tuple[ModelSpec, Any]:
+                  attn_backend: str = "sdpa", kernels: bool | str = False,
+                  moe_float8: bool = False) -> tuple[ModelSpec, Any]:
     """(spec, model config): the flavor or the HF config.json, then the JSON ``overrides`` of config fields,
-    then the runtime fields. Every mistake is a :class:`SpecError` naming what to fix."""
+    then the runtime fields. ``moe_float8`` (float8.moe_experts): the MoE experts' GEMMs in float8, the runtime field
+    of the same name that every MoE family's config has. Every mistake is a :class:`SpecError` naming what to fix."""
     spec = get_model_spec(name)
     if hf_path:
         from titan_mm.models.common.hf_io import HFCheckpointError, local_hf_dir, read_hf_config
@@ -387,7 +389,15 @@ def resolve_model(name: str, flavor: str, hf_path: str | None = None, overrides:
             model_cfg = override(model_cfg, kw)
         except (TypeError, ValueError) as e:
             raise SpecError(f"model.overrides {kw}: {e}") from None
-    return spec, spec.with_runtime(model_cfg, attn_backend=attn_backend, kernels=kernels)
+    model_cfg = spec.with_runtime(model_cfg, attn_backend=attn_backend, kernels=kernels)
+    if moe_float8:
+        d = spec.dims(model_cfg)
+        if not d.num_experts or d.hidden_size % 16 or d.moe_intermediate_size % 16:
+            raise SpecError(f"float8.moe_experts needs a MoE model with widths that are multiples of 16; {name!r} "
+                            f"(hidden {d.hidden_size}, {d.num_experts} experts of width {d.moe_intermediate_size}) "
+                            "is not one: set float8.moe_experts = false")
+        model_cfg = dataclasses.replace(model_cfg, moe_float8=True)
+    return spec, model_cfg
 
 
 def override(cfg: Any, kw: dict[str, Any], where: str = "model.overrides") -> Any:

@@ -41,7 +41,7 @@ def _run_cell(world, moe, dims):
     from titan_mm.parallel.mesh import ParallelDims
 
     dims = dict(dims)
-    cfg = tiny_qwen3_config(moe, kernels=dims.pop("kernels", False))
+    cfg = tiny_qwen3_config(moe, kernels=dims.pop("kernels", False), moe_float8=dims.pop("moe_float8", False))
     model = build_tiny_qwen3(cfg)
     if cfg.kernels:  # the Triton kernels run (through the interpreter), not the reference fallback
         from titan_mm.kernels import use_triton
@@ -79,6 +79,8 @@ LAUNCHES = [
         ("tp2-dense-nosp-nolossparallel", False, dict(dp_shard=1, tp=2, sp=False)),
         ("tp2-moe", True, dict(dp_shard=1, tp=2)),
         ("ep2", True, dict(dp_shard=2, ep=2)),
+        # the float8 experts' padded layout (groups of 16 rows) on the local experts; the loop GEMMs on the CPU
+        ("ep2-float8-layout", True, dict(dp_shard=2, ep=2, moe_float8=True)),
     )),
     ("world4", 4, (
         ("fsdp2xtp2-dense", False, dict(dp_shard=2, tp=2)),

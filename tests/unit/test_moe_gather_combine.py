@@ -1,4 +1,4 @@
-"""The MoE's token moves (moe.expand_rows / moe.combine / moe.permute_rows) equal the plain indexing and
+"""The MoE's token moves (moe.expand_rows / moe.combine / moe.reduce_rows) equal the plain indexing and
 index_add forms in values and gradients, bit for bit in fp32, and no hidden-state row is scatter-added."""
 
 from __future__ import annotations
@@ -43,19 +43,23 @@ def test_expand_and_combine_equal_indexing_and_index_add():
         assert torch.equal(a, b)
 
 
-def test_permute_rows_and_its_gradient():
+def test_regroup_by_expert_and_back():
+    """Expert parallelism's regroup of the received rows (one expert each): a stable sort by expert, expand_rows in
+    and reduce_rows back, with the gradients of plain indexing and index_add."""
     g = torch.Generator().manual_seed(1)
+    e = torch.randint(0, 3, (11,), generator=g)
+    r = moe.sort_by_expert(e[:, None], 3)
+    perm = torch.argsort(e, stable=True)
+    assert torch.equal(r.src_A, perm) and torch.equal(r.counts_E, torch.bincount(e, minlength=3))
     x = torch.randn(11, 4, generator=g, requires_grad=True)
-    perm = torch.randperm(11, generator=g)
     dy = torch.randn(11, 4, generator=g)
-    moe.permute_rows(x, perm).backward(dy)
-    assert torch.equal(moe.permute_rows(x, perm), x[perm])
-    assert torch.equal(x.grad, torch.zeros(11, 4).index_add_(0, perm, dy))
+    xs = moe.expand_rows(x, r.src_A, r.inv_NK)
+    xs.backward(dy)
+    assert torch.equal(xs, x[perm]) and torch.equal(x.grad, torch.zeros(11, 4).index_add_(0, perm, dy))
     x.grad = None
-    back = moe.permute_rows(x, perm, inverse=True)
+    back = moe.reduce_rows(moe.expand_rows(x, r.src_A, r.inv_NK), r.inv_NK, r.src_A)
     back.backward(dy)
-    assert torch.equal(back, x[torch.argsort(perm)]) and torch.equal(moe.permute_rows(back, perm), x)
-    assert torch.equal(x.grad, dy[perm])
+    assert torch.equal(back, x) and torch.equal(x.grad, dy)
 
 
 class _Ops(TorchDispatchMode):

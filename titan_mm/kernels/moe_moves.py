@@ -6,6 +6,9 @@
               once and writes each of its rows of dy once (no atomics)
     expand    x[src_A] (torch's gather); its backward is the combine without weights, dx[n] = sum_k g[idx[n, k]]
 
+The rows may be a padded layout (float8 experts: titan_mm.models.common.moe.sort_by_expert(align=16)), more rows
+than N K: the expand writes its pad rows as zeros and the combine's backward gives them zero gradients.
+
 The PyTorch forms (titan_mm.models.common.moe.expand_rows / combine) weight, gather and sum in separate passes;
 inside a compiled block Inductor fuses them, but its gather-sums ran at about a fifth of the copy rate at
 Qwen3-30B-A3B's shape (bench/results/profiles/profile_qwen3_30b_a3b_4l_titan_before_moves.txt). Here each
@@ -17,6 +20,8 @@ Legend: N tokens, K slots per token (top-k), A = N K rows, D width.
 import torch
 import triton
 import triton.language as tl
+
+from titan_mm.models.common.moe import is_padded, take_rows
 
 from ._utils import new_empty, next_pow2, wrap_triton, writes
 
@@ -91,7 +96,9 @@ def combine_bwd(g: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, w: torch.Te
     idx, w = idx.contiguous(), w.contiguous()
     N, K = idx.shape
     D = y.shape[1]
-    dy = new_empty(y.shape, y.dtype, y.device)
+    # a padded layout's pad rows (float8 experts) are never read, so their gradient is zero, not left unwritten
+    padded = y.shape[0] > idx.numel()
+    dy = torch.zeros(y.shape, dtype=y.dtype, device=y.device) if padded else new_empty(y.shape, y.dtype, y.device)
     dw = new_empty((N, K), w.dtype, w.device)
     if N:
         block, warps = _block(D)
@@ -152,7 +159,7 @@ class ExpandFunction(torch.autograd.Function):
     def forward(ctx, x, src_A, inv_NK, op: bool):
         ctx.save_for_backward(inv_NK)
         ctx.op = op
-        return x[src_A]
+        return take_rows(x, src_A, is_padded(src_A, inv_NK))  # padded: the pad rows are zeros
 
     @staticmethod
     def backward(ctx, g):

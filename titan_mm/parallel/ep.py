@@ -12,8 +12,10 @@ Forward (dropless; every routed token reaches its expert):
   2. all-to-all the per-expert counts; **the split sizes are copied to the host once** (one ``.cpu()``:
      the only host-device sync of EP; the token all-to-all needs them as Python ints);
   3. all-to-all the token rows to the ranks that own their experts (autograd-aware collective);
-  4. regroup the received rows from (source rank, expert) to (expert, source rank) order, on device;
-  5. grouped SwiGLU over the local experts (``torch._grouped_mm`` on CUDA bf16, a loop elsewhere);
+  4. regroup the received rows from (source rank, expert) to (expert, source rank) order, on device (float8
+     experts: into groups padded to 16 rows, moe.sort_by_expert's padded layout);
+  5. grouped SwiGLU over the local experts (``torch._grouped_mm`` on CUDA bf16, torchao's float8 grouped GEMM with
+     float8 experts, a loop elsewhere);
   6. undo 4, all-to-all back, weight by the router probabilities and sum per token (moe.combine: gathers,
      as on one rank).
 A shared expert (``extra``, the family's ``MoE.shared_term``) runs between issuing 3 and reading its result, so on
@@ -34,7 +36,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titan_mm.models.common import init
-from titan_mm.models.common.moe import add_extra, grouped_swiglu, permute_rows, sort_by_expert
+from titan_mm.models.common.moe import (FLOAT8_ALIGN, add_extra, expand_rows, grouped_swiglu, reduce_rows,
+                                        sort_by_expert)
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
@@ -48,6 +51,7 @@ class ExpertParallelExperts(nn.Module):
         super().__init__()
         self.num_experts = src.num_experts
         self.moves = src.moves
+        self.float8 = src.float8
         self.ep_mesh = ep_mesh
         self.ep = ep_mesh.size()
         if self.num_experts % self.ep:
@@ -79,13 +83,13 @@ class ExpertParallelExperts(nn.Module):
         x_recv = all_to_all_single_autograd(self.moves.expand(x_ND, r.src_A, r.inv_NK), out_splits, in_splits, group)
         # the collective is in flight until x_recv is first read: the shared expert runs meanwhile
         extra_ND = extra() if extra is not None else None
-        # (src, expert) order -> (expert, src) order, computed on device from recv_E (no sync)
+        # (src, expert) order -> (expert, src) order: a stable sort by local expert, on device from recv_E (no
+        # sync); float8: in the padded layout, as on one rank
         seg = torch.repeat_interleave(torch.arange(P * EL, device=dev), recv_E, output_size=n_recv)
-        perm = torch.argsort((seg % EL) * P + seg // EL, stable=True)
-        local_counts = recv_E.view(P, EL).sum(0)
+        lr = sort_by_expert((seg % EL)[:, None], EL, FLOAT8_ALIGN if self.float8 else 1)
         w1, w3, w2 = (_local(getattr(self, n)) for n in _WEIGHTS)
-        y_local = grouped_swiglu(permute_rows(x_recv, perm), local_counts, w1, w3, w2)
-        y_recv = permute_rows(y_local, perm, inverse=True)
+        y_local = grouped_swiglu(expand_rows(x_recv, lr.src_A, lr.inv_NK), lr.counts_E, w1, w3, w2, self.float8)
+        y_recv = reduce_rows(y_local, lr.inv_NK, lr.src_A)
         y_AD = all_to_all_single_autograd(y_recv, in_splits, out_splits, group)
         return add_extra(self.moves.combine(y_AD, top_w_NK, r, x_ND.dtype), extra_ND)
 

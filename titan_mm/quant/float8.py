@@ -2,6 +2,10 @@
 
     apply_float8(model, cfg.float8, on_cuda)          # Float8Linear for the eligible nn.Linear (CUDA SM>=89)
     hook = float8_after_optimizer(model, cfg.float8)   # StepContext.after_optimizer, or None
+    check_float8_experts(device)                       # float8.moe_experts can run here (or a ConfigError)
+
+The float8 experts (float8.moe_experts) are no module swap: the model config's moe_float8 runtime field picks
+them when the model is built (titan_mm/models/common/moe.py).
 """
 
 from __future__ import annotations
@@ -12,11 +16,11 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from titan_mm.config import Float8
+from titan_mm.config import ConfigError, Float8
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply_float8", "float8_after_optimizer"]
+__all__ = ["apply_float8", "check_float8_experts", "float8_after_optimizer"]
 
 
 def apply_float8(model: nn.Module, cfg: Float8, on_cuda: bool, fsdp: bool = True) -> None:
@@ -43,6 +47,24 @@ def apply_float8(model: nn.Module, cfg: Float8, on_cuda: bool, fsdp: bool = True
         return mod.in_features % 16 == 0 and mod.out_features % 16 == 0  # float8 GEMM shape rule
 
     convert_to_float8_training(model, config=f8cfg, module_filter_fn=keep)
+
+
+def check_float8_experts(device: torch.device) -> None:
+    """float8.moe_experts' device and library, before the model is built: torch._scaled_grouped_mm runs on SM>=90
+    (H100 / H200), and the GEMM is torchao's (prototype.moe_training)."""
+    if device.type != "cuda":
+        raise ConfigError(f"float8.moe_experts needs a CUDA GPU with SM>=90 (H100/H200); this run is on "
+                          f"{device.type}: set --float8.moe_experts false")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise ConfigError(f"float8.moe_experts needs SM>=90 (float8 grouped GEMMs); this GPU is SM{major}{minor}: "
+                          "set --float8.moe_experts false")
+    try:
+        import torchao.prototype.moe_training  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"float8.moe_experts needs torchao's MoE training (torchao >= 0.17, "
+                          f"torchao.prototype.moe_training): {e}; pip install torchao, or set --float8.moe_experts "
+                          "false") from None
 
 
 def float8_after_optimizer(model: nn.Module, cfg: Float8) -> Callable[[], None] | None:

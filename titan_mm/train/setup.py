@@ -82,8 +82,9 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def model_from_config(cfg: JobConfig, device: torch.device) -> tuple[ModelSpec, Any]:
-    """(spec, model config) for ``[model]`` with the runtime choices of ``[model]`` / ``[kernels]`` on ``device``:
-    attention backend (auto: flex on CUDA, sdpa elsewhere) and kernel ops (auto: on CUDA)."""
+    """(spec, model config) for ``[model]`` with the runtime choices of ``[model]`` / ``[kernels]`` / ``[float8]``
+    on ``device``: attention backend (auto: flex on CUDA, sdpa elsewhere), kernel ops (auto: on CUDA) and float8
+    experts (float8.moe_experts: a MoE model on an SM>=90 GPU with torchao's MoE training, checked here)."""
     from titan_mm.kernels import resolve_ops
 
     m = cfg.model
@@ -94,10 +95,15 @@ def model_from_config(cfg: JobConfig, device: torch.device) -> tuple[ModelSpec, 
     on = cfg.kernels.mode == "triton" or (cfg.kernels.mode == "auto" and device.type == "cuda")
     backend = m.attn_backend if m.attn_backend != "auto" else ("flex" if device.type == "cuda" else "sdpa")
     try:
-        return resolve_model(m.name, m.flavor, m.hf_path, m.overrides, attn_backend=backend,
-                             kernels=cfg.kernels.ops if on else False)
+        resolved = resolve_model(m.name, m.flavor, m.hf_path, m.overrides, attn_backend=backend,
+                                 kernels=cfg.kernels.ops if on else False, moe_float8=cfg.float8.moe_experts)
     except SpecError as e:
         raise ConfigError(str(e)) from None
+    if cfg.float8.moe_experts:
+        from titan_mm.quant.float8 import check_float8_experts
+
+        check_float8_experts(device)
+    return resolved
 
 
 def parallel_dims(cfg: JobConfig, world: int):

@@ -10,6 +10,12 @@ On CUDA with bf16 the experts run as three ``torch._grouped_mm`` calls with grou
 schedule is built on the device: no host sync either). On CPU a loop over experts runs, exact in fp32.
 Tokens move to expert order and back by gathers in both directions (expand_rows / combine): no index_add;
 titan_mm.kernels' fused versions (TokenMoves, kernel op ``moe_moves``) do each sum in one pass with the weights.
+
+float8 experts (``float8=True``; the trainer's float8.moe_experts): the three GEMMs run through torchao's
+rowwise-scaled float8 grouped GEMM, whose token groups must be multiples of 16 rows. The routing then lays the
+rows out padded (sort_by_expert(..., align=16)): P = round_up(A + 15 E, 16) rows, a bound of the shapes (static,
+no host sync), each expert's group padded to a multiple of 16 on the device. Pad rows are zeros in the expanded
+activations and get zero gradients, so they add nothing to the weight gradients, and the combine never reads them.
 """
 
 from __future__ import annotations
@@ -44,10 +50,22 @@ def _use_grouped_mm(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
+FLOAT8_ALIGN = 16
+"""Rows per token group of the float8 grouped GEMM (torch._scaled_grouped_mm takes group sizes in multiples of 16)."""
+
+
 def grouped_swiglu(
-    x_AD: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor
+    x_AD: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
+    float8: bool = False,
 ) -> torch.Tensor:
-    """SwiGLU of each expert over its contiguous group of rows (rows sorted by expert, ``counts_E`` per group)."""
+    """SwiGLU of each expert over its contiguous group of rows (rows sorted by expert, ``counts_E`` per group).
+    ``float8``: on CUDA, torchao's float8 grouped GEMMs (every group a multiple of FLOAT8_ALIGN rows: the padded
+    layout of sort_by_expert); on CPU the loop below runs on that layout (the tests' exact reference)."""
+    if float8 and x_AD.is_cuda:
+        offs = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        w1, w3, w2 = (w.to(x_AD.dtype) for w in (w1_EFD, w3_EFD, w2_EDF))
+        h = F.silu(float8_grouped_mm(x_AD, w1, offs)) * float8_grouped_mm(x_AD, w3, offs)
+        return float8_grouped_mm(h, w2, offs)
     if _use_grouped_mm(x_AD):
         offs = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
         w1, w3, w2 = (w.to(x_AD.dtype) for w in (w1_EFD, w3_EFD, w2_EDF))
@@ -66,6 +84,17 @@ def grouped_swiglu(
     return torch.cat(outs, dim=0)
 
 
+def float8_grouped_mm(x_AD: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """x's rows of group e times w[e]^T through torchao's float8 grouped GEMM (rowwise scales, float8 backward too;
+    CUDA SM>=90) -> [A, N] in x's dtype. ``offs_E``: the int32 group ends, every group a multiple of FLOAT8_ALIGN
+    rows (torchao 0.17 / 0.18 pad nothing themselves: their forward asserts that its padding flag is off)."""
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    # w [E, N, K] contiguous: its transpose is the column-major B that torchao takes
+    return _to_fp8_rowwise_then_scaled_grouped_mm(x_AD, w_ENK.transpose(-2, -1), offs_E, out_dtype=x_AD.dtype,
+                                                  pad_token_groups_for_grouped_mm=False)
+
+
 def grouped_linear(x_AD: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """x's rows of expert e times w[e]^T (rows sorted by expert, ``counts_E`` per group): the reference of
     titan_mm.kernels.grouped_mm (a loop over experts; reads the group sizes on the host)."""
@@ -75,7 +104,9 @@ def grouped_linear(x_AD: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tens
 class Routing(NamedTuple):
     """The N*K assignments sorted by expert (stable): ``src_A`` the token of each sorted assignment, ``inv_NK``
     the sorted positions of each token's K assignments (ascending, so in increasing expert id), ``order_A`` the
-    flat (token, slot) index of each sorted assignment, ``counts_E`` assignments per expert (all on the device)."""
+    flat (token, slot) index of each sorted assignment, ``counts_E`` assignments per expert (all on the device).
+    Padded (sort_by_expert's ``align`` > 1): P > N*K rows, each expert's group ``counts_E`` rows (a multiple of
+    align); a pad row's ``src_A`` is N (it reads as zeros, take_rows) and its ``order_A`` 0."""
 
     src_A: torch.Tensor
     inv_NK: torch.Tensor
@@ -83,14 +114,44 @@ class Routing(NamedTuple):
     counts_E: torch.Tensor
 
 
-def sort_by_expert(top_i_NK: torch.Tensor, num_experts: int) -> Routing:
+def sort_by_expert(top_i_NK: torch.Tensor, num_experts: int, align: int = 1) -> Routing:
+    """``align`` > 1: the padded layout (Routing), every expert's group a multiple of ``align`` rows."""
     N, K = top_i_NK.shape
     flat_e_A = top_i_NK.reshape(-1)
     order_A = torch.argsort(flat_e_A, stable=True)
     pos_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(N * K, device=order_A.device))
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_e_A.device).scatter_add_(
         0, flat_e_A, torch.ones_like(flat_e_A))
-    return Routing(order_A // K, pos_A.view(N, K).sort(dim=1).values, order_A, counts_E)
+    inv_NK = pos_A.view(N, K).sort(dim=1).values
+    if align == 1:
+        return Routing(order_A // K, inv_NK, order_A, counts_E)
+    at_A, sizes_E, P = pad_groups(flat_e_A[order_A], counts_E, align)
+    src_P = torch.full((P,), N, dtype=order_A.dtype, device=order_A.device).scatter_(0, at_A, order_A // K)
+    order_P = torch.zeros(P, dtype=order_A.dtype, device=order_A.device).scatter_(0, at_A, order_A)
+    return Routing(src_P, at_A[inv_NK], order_P, sizes_E)
+
+
+def pad_groups(e_S: torch.Tensor, counts_E: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Rows sorted by expert (``e_S`` the expert of each, ``counts_E`` per expert) laid out with every group padded
+    to a multiple of ``align`` rows -> (each row's position [S], the group sizes [E], rows P). P = round_up(S +
+    E (align - 1), align) is a bound of the shapes, so the layout is static (no host sync); the last group takes the
+    rows the others leave."""
+    S, E = e_S.numel(), counts_E.numel()
+    P = -(-(S + E * (align - 1)) // align) * align
+    sizes_E = (counts_E + align - 1) // align * align
+    sizes_E[-1] += P - sizes_E.sum()
+    pad_E = sizes_E - counts_E
+    return torch.arange(S, device=e_S.device) + (torch.cumsum(pad_E, 0) - pad_E)[e_S], sizes_E, P
+
+
+def take_rows(x: torch.Tensor, src: torch.Tensor, padded: bool) -> torch.Tensor:
+    """x[src]; ``padded``: ``src`` also holds len(x), the pad rows of a padded layout, which read as zeros."""
+    return F.pad(x, (0, 0, 0, 1))[src] if padded else x[src]
+
+
+def is_padded(src: torch.Tensor, inv: torch.Tensor) -> bool:
+    """A padded layout has more rows (``src``) than assignments (``inv``); a shape test, so no host sync."""
+    return src.numel() > inv.numel()
 
 
 class _ExpandRows(torch.autograd.Function):
@@ -100,7 +161,7 @@ class _ExpandRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, src_A, inv_NK):
         ctx.save_for_backward(src_A, inv_NK)
-        return x[src_A]
+        return take_rows(x, src_A, is_padded(src_A, inv_NK))
 
     @staticmethod
     def backward(ctx, g):
@@ -119,7 +180,7 @@ class _ReduceRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         src_A, inv_NK = ctx.saved_tensors
-        return g[src_A], None, None
+        return take_rows(g, src_A, is_padded(src_A, inv_NK)), None, None  # pad rows: zero gradients
 
 
 def expand_rows(x: torch.Tensor, src_A: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
@@ -127,10 +188,9 @@ def expand_rows(x: torch.Tensor, src_A: torch.Tensor, inv_NK: torch.Tensor) -> t
     return _ExpandRows.apply(x, src_A, inv_NK)
 
 
-def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """x[perm] for a permutation ``perm`` (``inverse``: the rows put back, x[perm^-1]), with a gather backward."""
-    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-    return _ExpandRows.apply(x, inv, perm[:, None]) if inverse else _ExpandRows.apply(x, perm, inv[:, None])
+def reduce_rows(y: torch.Tensor, inv_NK: torch.Tensor, src_A: torch.Tensor) -> torch.Tensor:
+    """The sum of y's rows ``inv_NK[n]`` for each n, with a gather backward (expand_rows' adjoint)."""
+    return _ReduceRows.apply(y, inv_NK, src_A)
 
 
 def combine(y_AD: torch.Tensor, top_w_NK: torch.Tensor, r: Routing, dtype: torch.dtype) -> torch.Tensor:
@@ -149,10 +209,14 @@ class TokenMoves(NamedTuple):
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, moves: TokenMoves = TokenMoves()):
+    """``float8``: float8 grouped GEMMs on the padded layout (module docstring)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, moves: TokenMoves = TokenMoves(),
+                 float8: bool = False):
         super().__init__()
         self.num_experts = num_experts
         self.moves = moves
+        self.float8 = float8
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
@@ -161,8 +225,9 @@ class GroupedExperts(nn.Module):
                 extra: Callable[[], torch.Tensor | None] | None = None) -> torch.Tensor:
         """The routed experts' output, plus ``extra()`` when it gives a tensor (a shared expert's term [N, D]: the
         expert-parallel version computes it while the tokens travel)."""
-        r = sort_by_expert(top_i_NK, self.num_experts)
-        y_AD = grouped_swiglu(self.moves.expand(x_ND, r.src_A, r.inv_NK), r.counts_E, self.w1, self.w3, self.w2)
+        r = sort_by_expert(top_i_NK, self.num_experts, FLOAT8_ALIGN if self.float8 else 1)
+        y_AD = grouped_swiglu(self.moves.expand(x_ND, r.src_A, r.inv_NK), r.counts_E, self.w1, self.w3, self.w2,
+                              self.float8)
         return add_extra(self.moves.combine(y_AD, top_w_NK, r, x_ND.dtype), extra() if extra is not None else None)
 
     def reset_parameters(self, std: float) -> None:
@@ -198,14 +263,15 @@ def load_balancing_loss(stats_2E: torch.Tensor, rows: torch.Tensor | float, num_
 
 
 class MoE(nn.Module):
-    """Router + grouped experts. forward -> (y_BSD, aux stats [2, E]). ``moves``: the token moves (TokenMoves)."""
+    """Router + grouped experts. forward -> (y_BSD, aux stats [2, E]). ``moves``: the token moves (TokenMoves);
+    ``float8``: the experts' GEMMs in float8 (GroupedExperts)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 moves: TokenMoves = TokenMoves()):
+                 moves: TokenMoves = TokenMoves(), float8: bool = False):
         super().__init__()
         self.top_k, self.norm_topk_prob, self.num_experts = top_k, norm_topk_prob, num_experts
         self.router = nn.Linear(dim, num_experts, bias=False)
-        self.experts = GroupedExperts(dim, hidden_dim, num_experts, moves)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts, moves, float8)
 
     def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None):
         B, S, D = x_BSD.shape

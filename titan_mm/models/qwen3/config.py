@@ -80,14 +80,17 @@ class Qwen3Config:
     such as "all,-linear_cross_entropy" (titan_mm.kernels.resolve_ops)."""
     moe_aux_loss: bool = True
     """Return router_aux_loss_coef * load-balancing loss in ModelOutput.aux_loss (MoE)."""
+    moe_float8: bool = False
+    """The MoE experts' grouped GEMMs in float8 (torchao, rowwise scales; CUDA SM>=90, bf16): the trainer's
+    float8.moe_experts (titan_mm/models/common/moe.py)."""
     # --- decoder variants of other families built on this decoder (never in a Qwen3 config.json) ---
     qk_norm: bool = True
     """Per-head RMSNorm on q and k (Qwen3); False for decoders without it (Qwen2)."""
     attention_output_bias: bool | None = None
     """Bias on the attention output projection; None: as ``attention_bias`` (Qwen3). Qwen2: False."""
 
-    RUNTIME_FIELDS = ("attn_backend", "loss_chunk_size", "z_loss_weight", "kernels", "moe_aux_loss", "qk_norm",
-                      "attention_output_bias")
+    RUNTIME_FIELDS = ("attn_backend", "loss_chunk_size", "z_loss_weight", "kernels", "moe_aux_loss", "moe_float8",
+                      "qk_norm", "attention_output_bias")
 
     def __post_init__(self):
         if self.hidden_act != "silu":

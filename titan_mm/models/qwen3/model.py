@@ -46,17 +46,19 @@ class Ops:
     bias_gelu: Callable | None = None  # (x, b) -> gelu_tanh(x + b) for the Qwen3-VL ViT MLP; None = nn.Linear + F.gelu
     logits: Callable = F.linear  # (h_*D, w_VD) -> logits [*, V] (no labels: eval / decoding)
     moe_moves: TokenMoves = TokenMoves()  # the MoE layers' token gathers and weighted sums
+    moe_float8: bool = False  # the MoE experts' grouped GEMMs in float8 (the config's moe_float8; models/common/moe.py)
 
 
 def _torch_ce(h, w, labels, chunk_size, z_loss_weight, weights_N=None):
     return chunked_cross_entropy(h, w, labels, chunk_size=chunk_size, z_loss_weight=z_loss_weight, weights_N=weights_N)
 
 
-def select_ops(use_kernels: bool | str) -> Ops:
+def select_ops(use_kernels: bool | str, moe_float8: bool = False) -> Ops:
     """``use_kernels``: True / "all" = every op from titan_mm.kernels; False / "none" = references;
-    per op: e.g. "rms_norm,swiglu" or "all,-linear_cross_entropy" (see titan_mm.kernels.resolve_ops)."""
+    per op: e.g. "rms_norm,swiglu" or "all,-linear_cross_entropy" (see titan_mm.kernels.resolve_ops).
+    ``moe_float8``: the MoE experts' GEMMs in float8 (Ops.moe_float8)."""
     if not use_kernels:
-        return Ops(cross_entropy=_torch_ce)
+        return Ops(cross_entropy=_torch_ce, moe_float8=moe_float8)
     try:
         from titan_mm import kernels as K
     except ImportError as e:
@@ -79,6 +81,7 @@ def select_ops(use_kernels: bool | str) -> Ops:
         cross_entropy=kernel_ce if "linear_cross_entropy" in on else _torch_ce,
         bias_gelu=K.bias_gelu if "bias_gelu" in on else None,
         moe_moves=TokenMoves(K.moe_expand, K.moe_combine) if "moe_moves" in on else TokenMoves(),
+        moe_float8=moe_float8,
     )
 
 
@@ -87,7 +90,7 @@ class Qwen3Block(nn.Module):
 
     def __init__(self, cfg: Qwen3Config, layer_id: int, ops: Ops | None = None):
         super().__init__()
-        ops = ops or select_ops(cfg.kernels)
+        ops = ops or select_ops(cfg.kernels, cfg.moe_float8)
         self.layer_id = layer_id
         self.window = cfg.layer_window(layer_id)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
@@ -99,7 +102,7 @@ class Qwen3Block(nn.Module):
         self.add_norm = ops.add_rms_norm  # residual add + ffn_norm (one Triton kernel when add_rms_norm is on)
         if cfg.is_moe_layer(layer_id):
             self.moe = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                           cfg.norm_topk_prob, ops.moe_moves)
+                           cfg.norm_topk_prob, ops.moe_moves, ops.moe_float8)
             self.mlp = None
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, ops.act_mul)
@@ -126,7 +129,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, cfg: Qwen3Config):
         super().__init__()
         self.cfg = cfg
-        self.ops = select_ops(cfg.kernels)
+        self.ops = select_ops(cfg.kernels, cfg.moe_float8)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): Qwen3Block(cfg, i, self.ops) for i in range(cfg.num_hidden_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops.rms_norm)

@@ -86,9 +86,11 @@ class Qwen3_5TextConfig:
     """titan_mm.kernels ops (as Qwen3Config.kernels)."""
     moe_aux_loss: bool = True
     """Return router_aux_loss_coef * load-balancing loss in ModelOutput.aux_loss (MoE)."""
+    moe_float8: bool = False
+    """The routed experts' grouped GEMMs in float8 (as Qwen3Config.moe_float8)."""
 
     RUNTIME_FIELDS = ("attn_backend", "linear_attn_backend", "loss_chunk_size", "z_loss_weight", "kernels",
-                      "moe_aux_loss")
+                      "moe_aux_loss", "moe_float8")
 
     def __post_init__(self):
         if self.hidden_act != "silu":

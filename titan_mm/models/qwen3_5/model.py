@@ -219,7 +219,7 @@ class SharedExpertMoE(MoE):
 
     def __init__(self, cfg: Qwen3_5TextConfig, ops: Ops):
         super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                         norm_topk_prob=True, moves=ops.moe_moves)
+                         norm_topk_prob=True, moves=ops.moe_moves, float8=ops.moe_float8)
         self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size, ops.act_mul)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
@@ -309,7 +309,7 @@ class Qwen3_5TextModel(Qwen3Model):
     def __init__(self, cfg: Qwen3_5TextConfig):
         nn.Module.__init__(self)
         self.cfg = cfg
-        self.ops = select_ops(cfg.kernels)
+        self.ops = select_ops(cfg.kernels, cfg.moe_float8)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): Qwen3_5Block(cfg, i, self.ops) for i in range(cfg.num_hidden_layers)})
         self.norm = RMSNorm1p(cfg.hidden_size, cfg.rms_norm_eps, norms_1p(self.ops)[0])

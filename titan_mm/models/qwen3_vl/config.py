@@ -88,6 +88,8 @@ class VLFields:
     """Vision attention: auto (varlen on CUDA when torch has it, else flex; sdpa on CPU), sdpa, flex or varlen."""
     kernels: bool | str = False
     """titan_mm.kernels Triton ops in the LLM (as the text config's kernels) and the ViT MLPs."""
+    moe_float8: bool = False
+    """The text model's MoE experts in float8 (as Qwen3Config.moe_float8; pushed into a text config that has it)."""
     # ---- training modes (titan_mm/models/qwen3_vl/model.py: apply_freeze, param_groups) ----
     freeze_vision: bool = False
     """Freeze the ViT (patch embed, position embed, blocks); the mergers follow freeze_merger."""
@@ -102,8 +104,8 @@ class VLFields:
     llm_lr: float | None = None
     """Learning rate of the language model (None: the optimizer's lr)."""
 
-    RUNTIME_FIELDS = ("attn_backend", "vision_attn_backend", "kernels", "freeze_vision", "freeze_merger",
-                      "freeze_llm", "vision_lr", "merger_lr", "llm_lr")
+    RUNTIME_FIELDS = ("attn_backend", "vision_attn_backend", "kernels", "moe_float8", "freeze_vision",
+                      "freeze_merger", "freeze_llm", "vision_lr", "merger_lr", "llm_lr")
 
     TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
@@ -129,6 +131,8 @@ class VLFields:
 
     def _push_into_text(self) -> None:
         want = dict(attn_backend=self.attn_backend, kernels=self.kernels, tie_word_embeddings=self.tie_word_embeddings)
+        if hasattr(self.text, "moe_float8"):  # Qwen2.5-VL's text config has no MoE
+            want["moe_float8"] = self.moe_float8
         if any(getattr(self.text, k) != v for k, v in want.items()):
             object.__setattr__(self, "text", dataclasses.replace(self.text, **want))
         if self.vision_attn_backend not in ("auto", "sdpa", "flex", "varlen"):
