@@ -276,13 +276,16 @@ class Parallel:
     i-1 .. i-N (the plan's FSDP units in model order). 0: FSDP2's own overlap (the next block, issued when the
     CPU reaches it). N >= 2 overlaps more communication for N-1 more gathered blocks in memory; it matters on
     several GPUs only (not measured yet: one GPU has nothing to gather)."""
-    one_rank_mixed_precision: Literal["cast", "fsdp"] = "cast"
+    one_rank_mixed_precision: Literal["cast", "optimizer", "fsdp"] = "cast"
     """A one-process job with training.param_dtype below float32 (and no pipeline): how the compute copies of the
     fp32 master weights are made. cast: once per forward, in the autograd graph (the backward casts each gradient
     back into the fp32 .grad); the copies live as with fsdp_reshard_after_forward = never. fsdp: FSDP2 on a
     one-rank mesh, whose all-gather and reduce-scatter there are copies (63 ms of a 329 ms Qwen3-8B 12-layer step
     on the H200). The same losses and gradients bit for bit; with float8, close (tensorwise weights reach float8
-    through the bf16 copy). titan_mm/parallel/apply.py, docs/benchmarks.md."""
+    through the bf16 copy). optimizer: as cast, but the copies are kept between steps and the large parameters'
+    gradients stay bfloat16; AdamW (titan_mm.train.cast_adamw) reads them and writes the fp32 weights and the next
+    copies in one pass, so the backward's widening copy and the next forward's cast go (adamw, bfloat16 only;
+    close to cast, not bit-equal: its own update kernel). titan_mm/parallel/apply.py, docs/benchmarks.md."""
     pp: int = 1
     """Pipeline-parallel degree: the trunk's blocks are cut into stages run on pp groups of ranks (the outermost
     mesh axis; world = pp x dp_replicate x dp_shard x cp x tp). Stage 0 also runs the embedding (and the vision
@@ -848,6 +851,15 @@ def _validate_parallel(p: Parallel) -> None:
 
 def _validate_precision(cfg: JobConfig) -> None:
     t = cfg.training
+    if cfg.parallel.one_rank_mixed_precision == "optimizer":
+        if cfg.optimizer.name != "adamw":
+            raise ConfigError(f"parallel.one_rank_mixed_precision='optimizer' needs optimizer.name='adamw' (its step "
+                              f"writes the compute copies), got {cfg.optimizer.name!r}: use "
+                              "--parallel.one_rank_mixed_precision cast")
+        if t.param_dtype != "bfloat16":
+            raise ConfigError(f"parallel.one_rank_mixed_precision='optimizer' keeps bfloat16 gradients, got "
+                              f"training.param_dtype={t.param_dtype!r}: use --training.param_dtype bfloat16 or "
+                              "--parallel.one_rank_mixed_precision cast")
     if cfg.model.attn_backend == "varlen" and t.param_dtype == "float32":
         raise ConfigError("model.attn_backend='varlen' runs flash kernels, which take bfloat16 / float16 only; use "
                           "--training.param_dtype bfloat16, or attn_backend flex / sdpa for float32")

@@ -63,8 +63,8 @@ def test_device_skip_matches_host_path_on_cuda():
         assert torch.equal(p1[n], p0[n]), n
 
 
-def _train_losses(tmp_path, name: str, *extra: str, checkpoint: bool = False,
-                  tune: bool = False) -> list[tuple[float, float]]:
+def _train_losses(tmp_path, name: str, *extra: str, checkpoint: bool = False, tune: bool = False,
+                  overrides: str = '{"vocab_size": 256}') -> list[tuple[float, float]]:
     """(loss, grad norm) of 4 logged steps of debug_qwen3 through run_train.sh (bf16 params, compile, synthetic).
     Without ``tune`` the kernels run their default launch configs (TITAN_KERNELS_TUNE=0): the tuner's timed picks
     can differ between processes and with them a reduction's order. Two tuned runs of one config differed by one
@@ -79,7 +79,7 @@ def _train_losses(tmp_path, name: str, *extra: str, checkpoint: bool = False,
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
                TITAN_KERNELS_TUNE="1" if tune else "0")
     args = ["--config", "debug_qwen3", "--job.dump_folder", str(tmp_path / name), "--training.steps", "4",
-            "--model.overrides", '{"vocab_size": 256}', "--data.dataset", "synthetic", "--data.seq_len", "64",
+            "--model.overrides", overrides, "--data.dataset", "synthetic", "--data.seq_len", "64",
             "--training.param_dtype", "bfloat16", "--compile.enable", "True", "--checkpoint.enable", str(checkpoint),
             "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "False", *extra]
     r = subprocess.run([str(root / "run_train.sh"), *args], capture_output=True, text=True, env=env, cwd=root,
@@ -123,3 +123,60 @@ def test_resume_launches_the_checkpointed_kernel_picks(tmp_path):
     again = _train_losses(tmp_path, "run", "--checkpoint.interval", "2", "--checkpoint.load_step", "2",
                           checkpoint=True)
     assert again == first, (first, again)
+
+
+def test_optimizer_owned_copies_train_as_cast_on_cuda(tmp_path):
+    """parallel.one_rank_mixed_precision = optimizer through the trainer (CastAdamW, the clip over the kept bf16
+    gradients): MLP weights of 2^20 elements take the kept path, the rest torch's fused AdamW; the first step's
+    loss and grad norm are the cast path's, the later ones close (another AdamW kernel). Resumed from its step-2
+    checkpoint (no copies kept yet: the first forward casts the loaded weights) it logs steps 3 and 4 bit for bit."""
+    wide = '{"vocab_size": 256, "hidden_size": 1024, "intermediate_size": 1024}'
+    mode = ("--parallel.one_rank_mixed_precision", "optimizer", "--checkpoint.interval", "2")
+    cast = _train_losses(tmp_path, "cast", overrides=wide)
+    mine = _train_losses(tmp_path, "optimizer", *mode, overrides=wide, checkpoint=True)
+    assert mine[0][0] == cast[0][0] and abs(mine[0][1] - cast[0][1]) < 1e-5 * cast[0][1], (cast, mine)
+    for (a, ga), (b, gb) in zip(mine, cast):
+        assert abs(a - b) < 1e-2 * abs(b) and abs(ga - gb) < 5e-2 * gb, (cast, mine)
+    again = _train_losses(tmp_path, "optimizer", *mode, "--checkpoint.load_step", "2", overrides=wide,
+                          checkpoint=True)
+    assert again == mine, (mine, again)
+
+
+def test_cast_adamw_kernel_matches_fused_adamw_on_cuda():
+    """titan_mm.kernels.adamw_step_'s Triton pass against torch's fused AdamW on an 8B MLP weight's size: fp32
+    parameters and moments within rounding, the bf16 copy the parameter rounded to nearest, no host sync; its time
+    against torch's fused step plus the cast it replaces is printed (bench/mfu.py's titan_optcast rows time the step)."""
+    from titan_mm.kernels import adamw_step_
+    from bench.attention import bench as cuda_ms  # median CUDA-event ms of fn()
+
+    torch.manual_seed(0)
+    n = 12288 * 4096
+    p = torch.randn(n, device="cuda") * 0.02
+    q = torch.nn.Parameter(p.clone())
+    ref = torch.optim.AdamW([q], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    step, copy = torch.zeros((), device="cuda"), torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    scale = torch.tensor(3.0, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            g = (torch.randn(n, device="cuda") * 1e-3).to(torch.bfloat16)
+            q.grad = g.float()
+            ref.grad_scale = scale
+            ref.step()
+            step += 1
+            adamw_step_(p, g, m, v, copy, step, 1e-3, 0.9, 0.95, 1e-8, 0.1, grad_scale=scale)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        del ref.grad_scale
+    torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(m, ref.state[q]["exp_avg"], rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(v, ref.state[q]["exp_avg_sq"], rtol=1e-6, atol=1e-15)
+    assert torch.equal(copy, p.to(torch.bfloat16))
+    found = torch.ones((), device="cuda")
+    before = p.clone()
+    adamw_step_(p, g, m, v, copy, step, 1e-3, 0.9, 0.95, 1e-8, 0.1, found_inf=found)
+    assert torch.equal(p, before)
+    mine = cuda_ms(lambda: adamw_step_(p, g, m, v, copy, step, 1e-3, 0.9, 0.95, 1e-8, 0.1))
+    theirs = cuda_ms(lambda: (ref.step(), copy.copy_(q.detach())))
+    print(f"adamw_step_ {mine:.2f} ms ({n * 30 / mine / 1e9:.2f} TB/s), fused AdamW + cast {theirs:.2f} ms")

@@ -19,6 +19,8 @@ see docs/kernels.md):
     grouped_mm(x, w, counts) -> y     x [A, K] rows sorted by expert, w [E, N, K], counts [E] on the device
         (the MoE experts in the dtypes torch._grouped_mm lacks on CUDA, no host sync; eager autograd)
     upcast(x, dtype) -> x in a wider dtype (bf16 / fp16 -> fp32: a vectorized copy; no autograd)
+    adamw_step_(p, g, m, v, copy, step, lr, ...) -> None   (one AdamW update that also writes p's narrow copy;
+        the one-rank cast path's optimizer, titan_mm.train.cast_adamw)
     moe_expand(x, src_A, inv_NK) -> x[src_A], moe_combine(y_AD, top_w_NK, routing, dtype) -> y_ND
         (the MoE token moves of titan_mm.models.common.moe.TokenMoves: each sum one pass, the weights fused)
 
@@ -72,6 +74,7 @@ __all__ = [
     "paged_decode_attention",
     "grouped_mm",
     "upcast",
+    "adamw_step_",
     "moe_expand",
     "moe_combine",
     "HAS_TRITON",
@@ -271,6 +274,34 @@ def upcast(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
         return _upcast(x, dtype)
     return x.to(dtype)
+
+
+@torch.no_grad()
+def adamw_step_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, copy: torch.Tensor,
+                step: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
+    """One AdamW update in place of fp32 ``p``, ``m``, ``v`` from ``g`` (narrow or fp32), writing ``copy`` =
+    ``p`` in the copy's dtype; ``step``: the 0-dim count, already advanced; ``grad_scale`` divides ``g``;
+    ``found_inf != 0`` skips the update. One Triton pass on CUDA (titan_mm/kernels/adamw.py), the same arithmetic
+    in torch ops elsewhere."""
+    if use_triton(p, g, m, v, copy) and all(t.is_contiguous() for t in (p, g, m, v, copy)):
+        from .adamw import adamw_step_ as _adamw
+
+        return _adamw(p, g, m, v, copy, step, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf)
+    keep = None if found_inf is None else (found_inf != 0)
+    old = None if keep is None else (p.clone(), m.clone(), v.clone())
+    g = g.float() if grad_scale is None else g.float() / grad_scale
+    step_f = step.float()
+    bias1 = 1 - beta1 ** step_f
+    bias2_sqrt = (1 - beta2 ** step_f).sqrt()
+    p.sub_(lr * weight_decay * p)
+    m.mul_(beta1).add_((1 - beta1) * g)
+    v.mul_(beta2).add_((1 - beta2) * g * g)
+    p.sub_((lr / bias1) * m / (v.sqrt() / bias2_sqrt + eps))
+    if old is not None:  # a skipped step leaves everything as it was (no host read of the flag)
+        for t, o in zip((p, m, v), old):
+            t.copy_(torch.where(keep, o, t))
+    copy.copy_(p)
 
 
 def moe_expand(x: torch.Tensor, src_A: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
     float8 (module swap, titan_mm.quant; CUDA only) -> TP / EP -> CP -> AC -> torch.compile -> FSDP2 (units, then root)
 
 A one-process job computing below fp32 skips FSDP2 by default (``parallel.one_rank_mixed_precision = cast``): its
-all-gather and reduce-scatter would be copies there, so :func:`apply_param_cast` makes the compute copies itself.
+all-gather and reduce-scatter would be copies there, so :func:`apply_param_cast` makes the compute copies itself
+(``optimizer``: it keeps them between steps and titan_mm.train.cast_adamw's step writes them, :class:`CastCopies`).
 
 Every step reads only the plan (module-FQN patterns) and the job config; nothing here knows a model family.
 
@@ -18,7 +19,8 @@ keeps its defaults (it reduces nothing there).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -30,7 +32,8 @@ from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["parallelize", "one_rank_cast", "apply_ac", "apply_compile", "apply_fsdp", "apply_param_cast"]
+__all__ = ["parallelize", "one_rank_cast", "apply_ac", "apply_compile", "apply_fsdp", "apply_param_cast", "CastCopies",
+           "cast_copies"]
 
 
 def parallelize(model: nn.Module, plan: ParallelizePlan, parallel_dims: ParallelDims, cfg: JobConfig,
@@ -87,7 +90,7 @@ def parallelize(model: nn.Module, plan: ParallelizePlan, parallel_dims: Parallel
         apply_compile(model, plan.compile_units, fullgraph=cfg.compile.fullgraph)
 
     if cast:
-        apply_param_cast(model, param_dtype)
+        apply_param_cast(model, param_dtype, keep=cfg.parallel.one_rank_mixed_precision == "optimizer")
     elif pd.build_meshes():  # a process group exists (always for world > 1)
         reduce_dtype = torch_dtype(cfg.training.reduce_dtype)
         if pd.fsdp_enabled or param_dtype != torch.float32 or pd.ep_enabled:
@@ -234,9 +237,10 @@ def apply_fsdp(
 # ----------------------------------------------------------------------------------------------- one-rank cast
 def one_rank_cast(world_size: int, cfg: JobConfig, param_dtype: torch.dtype, pipelined: bool = False) -> bool:
     """Whether :func:`parallelize` makes the compute copies with :func:`apply_param_cast` instead of FSDP2: one
-    process, no pipeline stages, params computed below fp32 and ``parallel.one_rank_mixed_precision = cast``."""
+    process, no pipeline stages, params computed below fp32 and ``parallel.one_rank_mixed_precision`` cast or
+    optimizer."""
     return (world_size == 1 and not pipelined and param_dtype != torch.float32
-            and cfg.parallel.one_rank_mixed_precision == "cast")
+            and cfg.parallel.one_rank_mixed_precision in ("cast", "optimizer"))
 
 
 _GROUP_ELEMS = 1 << 24
@@ -247,19 +251,87 @@ _UPCAST_ELEMS = 1 << 20
 launch costs more host time than the copy takes, and the group's smaller ones share one ``_foreach_copy_``."""
 
 
+class CastCopies:
+    """What the cast path keeps between steps with ``parallel.one_rank_mixed_precision = optimizer``: every
+    parameter's compute copy, reused by the next forward while the parameter is unchanged (``p._version``: an
+    in-place torch op, a checkpoint or weight load bump it, and the forward casts afresh), and the gradients of
+    the large trainable parameters (at least ``_UPCAST_ELEMS`` elements) in the compute dtype instead of the fp32
+    ``.grad``. titan_mm.train.cast_adamw's step reads those gradients and writes the parameter and its copy in one
+    pass: the backward's widening copy and the next forward's cast are gone (9.3 ms of a 156.5 ms Qwen3-30B-A3B
+    4-layer step on the H200). A gradient summed over micro-batches is held in fp32, as ``.grad`` would be."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # id(p) -> (p, copy, p's version)
+        self._grads: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def narrow(p: torch.Tensor) -> bool:
+        """Whether ``p``'s gradient stays in the compute dtype (the others go to ``.grad`` as with cast)."""
+        return p.requires_grad and p.numel() >= _UPCAST_ELEMS
+
+    def copy_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s kept copy, if ``p`` has not changed since it was made."""
+        kept = self._copies.get(id(p))
+        return kept[1] if kept is not None and kept[0] is p and kept[2] == p._version else None
+
+    def keep(self, p: torch.Tensor, copy: torch.Tensor) -> None:
+        """``copy`` is ``p`` in the compute dtype now (the optimizer calls this after writing both)."""
+        self._copies[id(p)] = (p, copy, p._version)
+
+    def add_grad(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        held = self._grads.get(id(p))
+        if held is None:
+            self._grads[id(p)] = g if g.stride() == p.stride() else g.contiguous()  # the update is elementwise
+        elif held.dtype == p.dtype:
+            held.add_(g)
+        else:
+            from titan_mm.kernels import upcast
+
+            self._grads[id(p)] = upcast(held, p.dtype).add_(g)
+
+    def grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s gradient held here (None: it has none, or it is in ``p.grad``)."""
+        return self._grads.get(id(p))
+
+    def grads_of(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Every gradient of ``params``, from ``.grad`` or from here (the clip's norm reads them)."""
+        return [g for p in params for g in (p.grad if p.grad is not None else self._grads.get(id(p)),)
+                if g is not None]
+
+    def clear_grads(self) -> None:
+        self._grads.clear()
+
+
+_COPIES: "weakref.WeakKeyDictionary[nn.Module, CastCopies]" = weakref.WeakKeyDictionary()
+
+
+def cast_copies(model: nn.Module) -> CastCopies | None:
+    """The :class:`CastCopies` of a model :func:`apply_param_cast` made with ``keep=True`` (the optimizer and the
+    clip read its gradients), else None."""
+    return _COPIES.get(model)
+
+
 class _Cast(torch.autograd.Function):
     """``[p.to(dtype) for p in ps]`` as one autograd node: the host records one node per group of parameters, not
     one per parameter (625 in Qwen3-VL-2B; bench/cast_host.py). The backward widens the gradients back to
     the parameters' dtype: the large ones with titan_mm.kernels.upcast (torch's bf16 -> fp32 copy is not vectorized:
     11.7 ms a step at Qwen3-8B 12 layers on the H200, against 5 ms for the forward cast), the rest with one
-    ``_foreach_copy_``. A copy the forward did not use gets no gradient."""
+    ``_foreach_copy_``. A copy the forward did not use gets no gradient. With ``kept`` (:class:`CastCopies`) a
+    parameter's unchanged copy is reused instead of cast, and a narrow gradient is handed to ``kept``."""
 
     @staticmethod
-    def forward(ctx, dtype: torch.dtype, *ps: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, dtype: torch.dtype, kept: CastCopies | None, *ps: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.master_dtypes = [p.dtype for p in ps]
-        outs = [torch.empty_like(p, dtype=dtype) for p in ps]
-        torch._foreach_copy_(outs, list(ps))
+        ctx.kept, ctx.ps = kept, (ps if kept is not None else None)
+        reused = [None if kept is None else kept.copy_of(p) for p in ps]
+        outs = [torch.empty_like(p, dtype=dtype) if c is None else c.detach() for p, c in zip(ps, reused)]
+        fresh = [i for i, c in enumerate(reused) if c is None]
+        if fresh:
+            torch._foreach_copy_([outs[i] for i in fresh], [ps[i] for i in fresh])
+        if kept is not None:
+            for i in fresh:
+                kept.keep(ps[i], outs[i].detach())
         return tuple(outs)
 
     @staticmethod
@@ -267,6 +339,12 @@ class _Cast(torch.autograd.Function):
         from titan_mm.kernels import upcast
 
         out: list[torch.Tensor | None] = [None] * len(gs)
+        gs = list(gs)
+        if ctx.kept is not None:
+            for i, g in enumerate(gs):
+                if g is not None and ctx.kept.narrow(ctx.ps[i]):
+                    ctx.kept.add_grad(ctx.ps[i], g)
+                    gs[i] = None  # it stays narrow, in ctx.kept: no .grad
         small = [i for i, g in enumerate(gs) if g is not None and g.numel() < _UPCAST_ELEMS]
         for i, g in enumerate(gs):
             if g is not None and g.numel() >= _UPCAST_ELEMS:
@@ -276,7 +354,7 @@ class _Cast(torch.autograd.Function):
             torch._foreach_copy_(wide, [gs[i] for i in small])
             for i, w in zip(small, wide):
                 out[i] = w
-        return (None, *out)
+        return (None, None, *out)
 
 
 def _cast_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -303,7 +381,7 @@ def _cast_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return groups
 
 
-def apply_param_cast(model: nn.Module, dtype: torch.dtype) -> None:
+def apply_param_cast(model: nn.Module, dtype: torch.dtype, keep: bool = False) -> None:
     """Compute ``model`` in ``dtype`` over its fp32 parameters, FSDP2's mixed precision without FSDP2: before each
     forward every floating parameter is cast once (a tied one once for all its modules) inside the autograd graph
     and put in its modules' place; after the forward the fp32 parameters are back. The backward of each cast
@@ -311,6 +389,8 @@ def apply_param_cast(model: nn.Module, dtype: torch.dtype) -> None:
     reduce-scatter output is), so optimizer, clipping, checkpoints and exports see fp32 parameters only. The
     copies stay alive until the backward has used them, as FSDP2's with reshard_after_forward=False. The casts
     of a group of parameters are one autograd node (_Cast; the groups of _cast_groups, split by whether they train).
+    ``keep``: the copies and the large gradients are kept in a :class:`CastCopies` (:func:`cast_copies`), for
+    titan_mm.train.cast_adamw.
 
     The modules are fixed here (call it after activation checkpointing, as parallelize does); the parameters are
     read at each forward: materialising a meta model or loading weights may replace them."""
@@ -319,6 +399,9 @@ def apply_param_cast(model: nn.Module, dtype: torch.dtype) -> None:
         return [(mod, name) for mod in root.modules() for name in mod._parameters]
 
     groups = _cast_groups(model)
+    kept = CastCopies() if keep else None
+    if kept is not None:
+        _COPIES[model] = kept
     masters: list[tuple[nn.Module, str, nn.Parameter]] = []  # the swapped-out slots of the running forward
 
     def swap_in(module, args):
@@ -335,7 +418,7 @@ def apply_param_cast(model: nn.Module, dtype: torch.dtype) -> None:
                     fresh[p.requires_grad].append(p)
             for ps in fresh.values():
                 if ps:
-                    copies.update(zip(map(id, ps), _Cast.apply(dtype, *ps)))
+                    copies.update(zip(map(id, ps), _Cast.apply(dtype, kept, *ps)))
         for mod, name, p in masters:
             mod._parameters[name] = copies[id(p)]  # a non-leaf of the graph, as FSDP2's unsharded param
 

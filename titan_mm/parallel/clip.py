@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -33,12 +33,19 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0, foreach: 
         return _over_pp(total_grad_norm(grads, norm_type, foreach), norm_type, pp_group, grads)
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else ("local", g.device)
+        if isinstance(g, DTensor):
+            key = (g.device_mesh, tuple(g.placements))
+        else:  # narrow ones (the cast path's kept gradients) apart: their norms are taken in fp32
+            key = ("local", g.device, g.dtype.itemsize < 4)
         groups[key].append(g)
     if not groups:
         return torch.zeros((), dtype=torch.float32)
     parts = []
-    for gs in groups.values():
+    for key, gs in groups.items():
+        if key[0] == "local" and key[2]:
+            parts.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, norm_type, dtype=torch.float32)),
+                                                  norm_type))
+            continue
         n = torch.nn.utils.get_total_norm(gs, norm_type=norm_type, error_if_nonfinite=False, foreach=foreach)
         if isinstance(n, DTensor):
             n = n.full_tensor()
@@ -77,17 +84,19 @@ def clip_grad_norm_(
     foreach: bool | None = None,
     pp_group=None,
     scale: bool = True,
+    grads_of: Callable[[Iterable[torch.Tensor]], list[torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before clipping.
 
     ``max_norm <= 0`` only measures. Non-finite norms are returned as they are (the caller's NaN policy
     decides); the gradients are then scaled by NaN too, which a skipped step discards. ``pp_group``: the norm
     covers the pipeline stages of the other pp ranks too (parallel.pp > 1). ``scale=False``: only measure; the
-    caller applies :func:`clip_coef` itself (the train step folds it into fused AdamW's kernel).
+    caller applies :func:`clip_coef` itself (the train step folds it into fused AdamW's kernel). ``grads_of``:
+    where the gradients of ``params`` are, when not all in ``.grad`` (titan_mm.parallel.apply.CastCopies.grads_of).
     """
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None] if grads_of is None else grads_of(params)
     total = total_grad_norm(grads, norm_type, foreach, pp_group)
     if scale and max_norm > 0 and grads:
         coef = clip_coef(total, max_norm)

@@ -23,6 +23,8 @@ import torch.nn as nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan_mm.config import ConfigError, JobConfig, LRScheduler
+from titan_mm.parallel.apply import CastCopies
+from titan_mm.train.cast_adamw import CastAdamW
 
 _EMBED_HINTS = ("embed", "tok_embeddings", "wte")
 
@@ -163,11 +165,13 @@ def split_muon_groups(groups: list[dict[str, Any]], muon_ids: set[int]) -> list[
 
 
 def build_optimizer(model: nn.Module, cfg: JobConfig, param_groups: list[dict] | None = None,
-                    split: Callable | None = None, plan=None, fused: dict[str, Any] | None = None
-                    ) -> torch.optim.Optimizer:
+                    split: Callable | None = None, plan=None, fused: dict[str, Any] | None = None,
+                    copies: CastCopies | None = None) -> torch.optim.Optimizer:
     """torch.optim.AdamW (``optimizer.name = "adamw"``) or titan_mm.train.muon.MuonAdamW (``"muon"``), which needs
     the model's ``plan`` (ParallelizePlan: its blocks and head) and takes the family's ``fused``
-    (ModelSpec.fused_params(cfg)) for ``optimizer.muon_split_fused``."""
+    (ModelSpec.fused_params(cfg)) for ``optimizer.muon_split_fused``. ``copies``: the cast path's kept copies
+    (titan_mm.parallel.apply.cast_copies; parallel.one_rank_mixed_precision = optimizer): AdamW is then
+    titan_mm.train.cast_adamw.CastAdamW, which writes them."""
     o = cfg.optimizer
     if o.name not in ("adamw", "muon"):
         raise ValueError(f"unknown optimizer.name {o.name!r}; available: adamw, muon")
@@ -192,7 +196,10 @@ def build_optimizer(model: nn.Module, cfg: JobConfig, param_groups: list[dict] |
     else:
         kwargs["foreach"] = impl == "foreach"
     if o.name == "adamw":
-        return torch.optim.AdamW(groups, **kwargs)
+        return torch.optim.AdamW(groups, **kwargs) if copies is None else CastAdamW(groups, copies=copies, **kwargs)
+    if copies is not None:
+        raise ConfigError("parallel.one_rank_mixed_precision='optimizer' needs optimizer.name='adamw' (its step "
+                          "writes the compute copies); use --parallel.one_rank_mixed_precision cast with muon")
     from titan_mm.train.muon import MuonAdamW
 
     layouts = fused_layouts(model, fused) if (o.muon_split_fused and fused) else {}
@@ -201,14 +208,15 @@ def build_optimizer(model: nn.Module, cfg: JobConfig, param_groups: list[dict] |
 
 
 def supports_found_inf(opt: Any) -> bool:
-    """Whether ``opt.step()`` honours a device-side skip flag: torch's Adam / AdamW with ``fused=True`` in every
-    parameter group (what :func:`build_optimizer` returns on CUDA). Their step reads the attributes
-    ``opt.grad_scale`` / ``opt.found_inf`` (the GradScaler mechanism, torch >= 2.0): with ``found_inf == 1`` the
-    fused kernel leaves parameters, ``exp_avg`` and ``exp_avg_sq`` untouched and ``state['step']`` is restored
-    (+1, then -found_inf). False for anything else (foreach / single-tensor AdamW, subclasses, other optimizers),
+    """Whether ``opt.step()`` honours a device-side skip flag: torch's Adam / AdamW, or CastAdamW, with
+    ``fused=True`` in every parameter group (what :func:`build_optimizer` returns on CUDA). Their step reads the
+    attributes ``opt.grad_scale`` / ``opt.found_inf`` (the GradScaler mechanism, torch >= 2.0): with
+    ``found_inf == 1`` the fused kernel leaves parameters, ``exp_avg`` and ``exp_avg_sq`` untouched and
+    ``state['step']`` is restored (+1, then -found_inf); CastAdamW hands both to its own kernel as well. False for
+    anything else (foreach / single-tensor AdamW, other subclasses, other optimizers),
     and when the optimizer already carries ``grad_scale`` / ``found_inf`` (someone else, e.g. a GradScaler,
     drives them)."""
-    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW, CastAdamW):
         return False
     if hasattr(opt, "found_inf") or hasattr(opt, "grad_scale"):
         return False

@@ -277,6 +277,8 @@ def setup(cfg: JobConfig, model_fn=None) -> Run:
     from titan_mm.observe.health import NanGuard
     from titan_mm.quant.float8 import float8_after_optimizer
     from titan_mm.train.objective import build_objective
+    from titan_mm.parallel.apply import cast_copies
+    from titan_mm.parallel.clip import clip_grad_norm_
     from titan_mm.train.optim import build_lr_scheduler, build_optimizer
     from titan_mm.train.state import TrainState
     from titan_mm.train.step import LossScaler, StepContext
@@ -299,8 +301,9 @@ def setup(cfg: JobConfig, model_fn=None) -> Run:
                           "model).")
     model = (model_fn or functools.partial(build_model, cfg, stages=stages))(spec, model_cfg, pd, device)
     split = functools.partial(spec.param_groups, model, model_cfg) if spec.param_groups else None
+    copies = cast_copies(model)  # parallel.one_rank_mixed_precision = optimizer: CastAdamW writes them
     optimizer = build_optimizer(model, cfg, split=split, plan=spec.plan(model_cfg),
-                                fused=spec.fused_params(model_cfg) if spec.fused_params else None)
+                                fused=spec.fused_params(model_cfg) if spec.fused_params else None, copies=copies)
     t = cfg.training
     scaler = LossScaler(device, t.loss_scale_init, t.loss_scale_growth_interval) if t.param_dtype == "float16" else None
     state = TrainState(model=model, optimizer=optimizer, scheduler=build_lr_scheduler(optimizer, cfg), scaler=scaler)
@@ -317,9 +320,9 @@ def setup(cfg: JobConfig, model_fn=None) -> Run:
         block_size=objective.block_size if objective else None,
         encoder_balance=balance_planner(balance_group(pd)) if cfg.parallel.encoder_balance else None,
     )
+    if copies is not None:  # the large gradients are held by the cast path, not in .grad
+        ctx.clip_fn = functools.partial(clip_grad_norm_, grads_of=copies.grads_of)
     if stages is not None:  # the step runs the schedule; the grad norm covers every stage
-        from titan_mm.parallel.clip import clip_grad_norm_
-
         ctx.pipeline = stages.pipeline(pd.mesh("pp").get_group(), device)
         ctx.clip_fn = functools.partial(clip_grad_norm_, pp_group=pd.mesh("pp").get_group())
     return Run(device=device, rank=rank, world=world, pd=pd, spec=spec, model_cfg=model_cfg, model=model,
