@@ -14,6 +14,9 @@ Stacks:
   titan_f8_pre     titan_f8 + float8.precompute_scale (one batched scale computation after each optimizer step)
   titan_f8_experts titan + float8.moe_experts (the MoE experts' grouped GEMMs in float8, torchao rowwise; the
                    linears stay bf16). MoE cases only
+  titan_opt        titan with parallel.one_rank_mixed_precision = optimizer: the bf16 copies kept between steps,
+                   the large gradients kept in bf16, and AdamW's step (titan_mm.train.cast_adamw) writes both
+  titan_opt_f8     titan_opt + float8.moe_experts
   titan_fsdp       titan through FSDP2 on the one-GPU mesh (parallel.one_rank_mixed_precision = fsdp). The other
                    titan stacks run the one-rank cast path (titan_mm.parallel.apply) since 2026-12-03; a row says
                    which in ``mixed_precision`` (rows without it ran through FSDP2)
@@ -62,6 +65,8 @@ CASES: dict[str, dict] = {
     "qwen3_30b_a3b_4l": dict(model="qwen3_moe", flavor="30B-A3B", overrides={"num_hidden_layers": 4}, batch=4,
                              seq=4096),
     "qwen3_vl_2b": dict(model="qwen3_vl", flavor="2B", overrides={}, batch=1, seq=8192, vl=True),
+    "qwen3_vl_8b_12l": dict(model="qwen3_vl", flavor="8B", overrides={"text": {"num_hidden_layers": 12}}, batch=1,
+                            seq=8192, vl=True),
     "qwen3_vl_30b_a3b_4l": dict(model="qwen3_vl_moe", flavor="30B-A3B", overrides={"text": {"num_hidden_layers": 4}},
                                 batch=1, seq=8192, vl=True),
     # Qwen3.5: both block kinds (3 Gated DeltaNet : 1 gated attention) and the ViT, cut to fit one H200
@@ -152,6 +157,10 @@ def merge_overrides(base: dict, extra: dict) -> dict:
     return out
 
 
+# parallel.one_rank_mixed_precision of the titan stacks that do not run the default (cast)
+MIXED_PRECISION = {"titan_fsdp": "fsdp", "titan_plain": "fsdp", "titan_opt": "optimizer", "titan_opt_f8": "optimizer"}
+
+
 def titan_argv(case: dict, stack: str, args) -> list[str]:
     """The trainer's command-line overrides for a titan stack on a case (JobConfig defaults + these)."""
     ac_mode, ac_layers = parse_ac(args.ac)
@@ -164,7 +173,7 @@ def titan_argv(case: dict, stack: str, args) -> list[str]:
         "--compile.enable", str(stack != "titan_eager"),
         "--float8.enable", str(stack in ("titan_f8", "titan_f8_pre")),
         "--float8.precompute_scale", str(stack == "titan_f8_pre"),
-        "--float8.moe_experts", str(stack == "titan_f8_experts"),
+        "--float8.moe_experts", str(stack in ("titan_f8_experts", "titan_opt_f8")),
         # kernels on CUDA: the trainer's default op set, or --kernel-ops (e.g. "all,-rope": which op helps or
         # hurts end to end); titan_nokernels runs the PyTorch references
         "--kernels.mode", "reference" if stack == "titan_nokernels" else "auto",
@@ -172,7 +181,7 @@ def titan_argv(case: dict, stack: str, args) -> list[str]:
         "--training.param_dtype", "bfloat16", "--training.reduce_dtype", "float32", "--training.max_norm", "1.0",
         "--checkpoint.enable", "False",
         "--parallel.fsdp_reshard_after_forward", args.reshard,
-        "--parallel.one_rank_mixed_precision", "fsdp" if stack == "titan_fsdp" else "cast",
+        "--parallel.one_rank_mixed_precision", MIXED_PRECISION.get(stack, "cast"),
     ]
     overrides = merge_overrides(case.get("overrides") or {}, json.loads(args.model_overrides or "{}"))
     if overrides:
@@ -406,8 +415,8 @@ def worker(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ driver
-STACK_ORDER = ("titan", "titan_fsdp", "titan_f8", "titan_f8_pre", "titan_f8_experts", "titan_eager", "titan_nokernels",
-               "titan_plain", "torchtitan", "hf_liger", "hf")
+STACK_ORDER = ("titan", "titan_opt", "titan_fsdp", "titan_f8", "titan_f8_pre", "titan_f8_experts", "titan_opt_f8",
+               "titan_eager", "titan_nokernels", "titan_plain", "torchtitan", "hf_liger", "hf")
 
 
 def _row_order(r: dict):
@@ -519,7 +528,7 @@ def main() -> int:
             if args.model_overrides and stack.startswith("titan") and stack != "titan_plain":
                 r["model_overrides"] = args.model_overrides
             if stack.startswith("titan") and "error" not in r:  # rows before 2026-12-03 have none: fsdp
-                r["mixed_precision"] = "fsdp" if stack in ("titan_fsdp", "titan_plain") else "cast"
+                r["mixed_precision"] = MIXED_PRECISION.get(stack, "cast")
             if args.reshard != "always" and stack == "titan_fsdp":  # the cast path holds its copies as never does
                 r["reshard"] = args.reshard
             print(f"[{time.time() - t0:5.0f}s] {case} {stack}: "
