@@ -172,8 +172,9 @@ def test_cast_adamw_kernel_matches_fused_adamw_on_cuda():
         del ref.grad_scale
     # an ulp of |p| <= 0.1 is 7.5e-9: the two kernels round the update's last bit apart (1.8e-9 on the H200)
     torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-8)
-    torch.testing.assert_close(m, ref.state[q]["exp_avg"], rtol=1e-5, atol=1e-12)
-    torch.testing.assert_close(v, ref.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-15)
+    # the moments near zero cancel: their last bits are relative to the largest (1.5e-11 of ~3e-5 on the H200)
+    for mine_t, theirs in ((m, ref.state[q]["exp_avg"]), (v, ref.state[q]["exp_avg_sq"])):
+        torch.testing.assert_close(mine_t, theirs, rtol=1e-5, atol=1e-6 * float(theirs.abs().max()))
     assert torch.equal(copy, p.to(torch.bfloat16))
     found = torch.ones((), device="cuda")
     before = p.clone()

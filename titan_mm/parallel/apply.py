@@ -254,7 +254,8 @@ launch costs more host time than the copy takes, and the group's smaller ones sh
 class CastCopies:
     """What the cast path keeps between steps with ``parallel.one_rank_mixed_precision = optimizer``: every
     parameter's compute copy, reused by the next forward while the parameter is unchanged (``p._version``: an
-    in-place torch op, a checkpoint or weight load bump it, and the forward casts afresh), and the gradients of
+    in-place torch op, a checkpoint or weight load bump it, and the forward casts afresh; a write that leaves the
+    version alone, such as torch's fused AdamW kernel, must :meth:`drop` the copy), and the gradients of
     the large trainable parameters (at least ``_UPCAST_ELEMS`` elements) in the compute dtype instead of the fp32
     ``.grad``. titan_mm.train.cast_adamw's step reads those gradients and writes the parameter and its copy in one
     pass: the backward's widening copy and the next forward's cast are gone (9.3 ms of a 156.5 ms Qwen3-30B-A3B
@@ -277,6 +278,10 @@ class CastCopies:
     def keep(self, p: torch.Tensor, copy: torch.Tensor) -> None:
         """``copy`` is ``p`` in the compute dtype now (the optimizer calls this after writing both)."""
         self._copies[id(p)] = (p, copy, p._version)
+
+    def drop(self, p: torch.Tensor) -> None:
+        """``p`` changed: the next forward casts it afresh."""
+        self._copies.pop(id(p), None)
 
     def add_grad(self, p: torch.Tensor, g: torch.Tensor) -> None:
         held = self._grads.get(id(p))

@@ -32,6 +32,10 @@ class CastAdamW(torch.optim.AdamW):
         if closure is not None:
             raise ValueError("CastAdamW.step takes no closure")
         super().step()  # the parameters with a .grad
+        for group in self.param_groups:  # torch's fused kernel leaves p._version alone: their copies are stale
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.copies.drop(p)
         # GradScaler's attributes, read as torch's fused step reads them (titan_mm.train.step._update sets them)
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         for group in self.param_groups:
