@@ -300,8 +300,8 @@ class CastCopies:
 
     def grads_of(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """Every gradient of ``params``, from ``.grad`` or from here (the clip's norm reads them)."""
-        return [g for p in params for g in (p.grad if p.grad is not None else self._grads.get(id(p)),)
-                if g is not None]
+        grads = (p.grad if p.grad is not None else self._grads.get(id(p)) for p in params)
+        return [g for g in grads if g is not None]
 
     def clear_grads(self) -> None:
         self._grads.clear()
