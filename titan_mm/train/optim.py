@@ -197,9 +197,6 @@ def build_optimizer(model: nn.Module, cfg: JobConfig, param_groups: list[dict] |
         kwargs["foreach"] = impl == "foreach"
     if o.name == "adamw":
         return torch.optim.AdamW(groups, **kwargs) if copies is None else CastAdamW(groups, copies=copies, **kwargs)
-    if copies is not None:
-        raise ConfigError("parallel.one_rank_mixed_precision='optimizer' needs optimizer.name='adamw' (its step "
-                          "writes the compute copies); use --parallel.one_rank_mixed_precision cast with muon")
     from titan_mm.train.muon import MuonAdamW
 
     layouts = fused_layouts(model, fused) if (o.muon_split_fused and fused) else {}

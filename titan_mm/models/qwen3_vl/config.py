@@ -131,8 +131,8 @@ class VLFields:
 
     def _push_into_text(self) -> None:
         want = dict(attn_backend=self.attn_backend, kernels=self.kernels, tie_word_embeddings=self.tie_word_embeddings)
-        if hasattr(self.text, "moe_float8"):  # Qwen2.5-VL's text config has no MoE
-            want["moe_float8"] = self.moe_float8
+        if self.moe_float8:  # only a MoE text config has the field (titan_mm.registry.resolve_model checks it)
+            want["moe_float8"] = True
         if any(getattr(self.text, k) != v for k, v in want.items()):
             object.__setattr__(self, "text", dataclasses.replace(self.text, **want))
         if self.vision_attn_backend not in ("auto", "sdpa", "flex", "varlen"):
