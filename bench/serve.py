@@ -43,7 +43,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# run as a script, bench/ leads sys.path and bench/kernels.py would shadow the `kernels` package that
+# transformers (>= 5.25) imports
+sys.path[:] = [str(ROOT)] + [q for q in sys.path if Path(q or ".").resolve() != ROOT / "bench"]
 
 from bench.kernels import COPY_CEILING_TBS  # noqa: E402  (H200 device-to-device copy, the HBM ceiling)
 
@@ -186,7 +188,7 @@ def titan_engine(model, spec, cfg, prompts: list[list[int]], news: list[int], de
     longest = max(len(p) + n for p, n in zip(prompts, news))
     sc = ServeConfig(block_size=bs, num_blocks=blocks, max_num_seqs=min(shape["max_num_seqs"], max(len(prompts), 1)),
                      max_num_batched_tokens=max(shape["budget"], shape["max_num_seqs"]), max_model_len=longest + k + 16,
-                     **serve_kw)
+                     **{"async_scheduling": shape["async_scheduling"], **serve_kw})
     return Engine(model, spec, cfg, sc, device=device, draft=draft, tokenizer=tokenizer())
 
 
@@ -316,7 +318,8 @@ def titan_vs_hf(spec, flavor, prompts, news, device, shape, cap_s, cpu, seed) ->
     out["titan"] = guarded(titan)
     free_memory(device)
     dtype = next(model.parameters()).dtype  # the engine's serving dtype (bf16 on CUDA)
-    out["hf"] = guarded(lambda: run_hf(hf_twin(model, cfg, "paged|sdpa"), prompts, news, cap_s, cpu))
+    out["hf"] = guarded(lambda: run_hf(hf_twin(model, cfg, "paged|sdpa"), prompts, news, cap_s, cpu)) \
+        if shape["peer"] else {"error": "not run (--peer 0)"}
     free_memory(device)
     t, h = out["titan"], out["hf"]
     if "error" not in t and "error" not in h:
@@ -528,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kernels", type=int, default=1, help="1: titan's models run the fused titan_mm.kernels ops "
                     "(what Engine.from_pretrained serves on CUDA); 0: the plain PyTorch ops")
+    ap.add_argument("--async_scheduling", type=int, default=1, help="titan's serve.async_scheduling (1, the default: "
+                    "each step launched before the previous step's tokens are read back; 0: steps in turn)")
+    ap.add_argument("--peer", type=int, default=1, help="0: skip transformers (titan's runs only)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/serve.json"))
     ap.add_argument("--table", metavar="JSON", help="print the markdown tables of a results file and stop")
     a = ap.parse_args(argv)
@@ -542,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.flavors:
         shape["flavors"] = tuple(a.flavors.split(","))
     shape["kernels"] = bool(a.kernels)
+    shape["async_scheduling"] = bool(a.async_scheduling)
+    shape["peer"] = bool(a.peer)
     parts = a.parts.split(",")
     bad = [p for p in parts if p not in RUN]
     if bad:

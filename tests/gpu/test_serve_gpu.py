@@ -107,3 +107,39 @@ def test_cuda_graph_decode_equals_eager(moe, kernels):
         outs.append(drive(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), None, check=False))
         assert engine.stats()["kv_blocks_used"] == 0
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
+def test_async_steps_wait_only_for_their_tokens(moe, monkeypatch):
+    """serve.async_scheduling in bf16 with CUDA graphs: whole engine steps (scheduling, the forward, sampling,
+    stop checks, outputs) run under set_sync_debug_mode("error") but for the wait on the previous step's tokens,
+    and the greedy tokens equal the steps in turn (EOS ignored, so both run the same batches)."""
+    from titan_mm.serve.sampling import Draw
+
+    tm, spec, prompts, _, _, _, data = text_setup(moe)
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    outs = []
+    for overlap in (False, True):
+        engine = Engine(copy.deepcopy(tm), spec, tm.cfg, ServeConfig(max_model_len=256, num_blocks=64,
+                                                                     async_scheduling=overlap),
+                        device="cuda", eos_token_ids=[], data=data)
+        if overlap:
+            results = Draw.results
+
+            def waited(self):  # the one wait an asynchronous step makes
+                torch.cuda.set_sync_debug_mode(0)
+                try:
+                    return results(self)
+                finally:
+                    torch.cuda.set_sync_debug_mode("error")
+
+            monkeypatch.setattr(Draw, "results", waited)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs.append([o.outputs[0].token_ids for o in engine.generate(prompts, params)])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert engine.stats()["kv_blocks_used"] == 0
+    assert outs[0] == outs[1]
+    assert [len(o) for o in outs[1]] == [p.max_tokens for p in params]

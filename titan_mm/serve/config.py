@@ -24,6 +24,11 @@ class ServeConfig:
     cuda_graphs: bool = True
     """Decode steps replay a CUDA graph per padded batch size, all captured when the engine starts (CUDA, bf16,
     with paged_decode; elsewhere they run eagerly through the same static buffers)."""
+    async_scheduling: bool = True
+    """Schedule and launch each step before the previous step's tokens are read back: its decode rows take those
+    tokens on the device, and the host checks stops, detokenizes and reports while the GPU runs. It applies to
+    steps whose sampled rows need nothing from the host between tokens (no beam search, penalties, first-token
+    fork of n > 1, or speculation); the others run in turn. Outputs reach the caller one step later."""
     kernels: bool = True
     """Models loaded by the engine (from_pretrained) run the fused titan_mm.kernels ops (RMSNorm, residual add +
     RMSNorm, RoPE, SwiGLU: one Triton kernel each instead of several elementwise ones) on CUDA; on CPU they keep

@@ -25,6 +25,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,17 +38,27 @@ from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.errors import BadRequest, QueueFull
 from titan_mm.serve.load import load_model
 from titan_mm.serve.media import expand_images
-from titan_mm.serve.runner import ModelRunner, kv_bytes_per_block, state_bytes
-from titan_mm.serve.sampling import RowSampling, SamplingParams, sample
+from titan_mm.serve.runner import Fed, ModelRunner, kv_bytes_per_block, state_bytes
+from titan_mm.serve.sampling import Draw, RowSampling, SamplingParams, draw, sample
 from titan_mm.serve.scheduler import Row, Scheduler, sequence_keys
 from titan_mm.serve.spec_decode import DraftProposer, ngram_propose, verify
 from titan_mm.serve.tp import tensor_parallel
-from titan_mm.serve.sequence import (CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence as Seq,
-                                     Status, now)
+from titan_mm.serve.sequence import (PENDING, CompletionOutput, Request, RequestMetrics, RequestOutput,
+                                     Sequence as Seq, Status, now)
 
 __all__ = ["Engine", "RequestOutput", "BadRequest", "QueueFull", "SamplingParams", "ServeConfig"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Inflight:
+    """A step whose sampled tokens are still on the device (serve.async_scheduling): (sequence, request, row of
+    the draw) for each sequence that holds a PENDING token, and where the next step's forward finds them."""
+
+    seqs: list[tuple[Seq, Request, int]]
+    draw: Draw
+    fed: Fed
 
 
 class Engine:
@@ -133,6 +144,8 @@ class Engine:
         if cfg.speculative_method:
             self.scheduler.lookahead = self._lookahead
         self._guesses: dict[int, list[int]] = {}
+        self._async = cfg.async_scheduling and not cfg.speculative_method  # guesses are proposed from the tokens
+        self._inflight: _Inflight | None = None
         seed = int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator(self.device).manual_seed(self.tp.broadcast(seed) if self.tp else seed)
         self.requests: dict[str, Request] = {}
@@ -328,11 +341,21 @@ class Engine:
             touched[req.request_id] = req
         self._aborted = []
         sched = self.scheduler.schedule()
+        prev, self._inflight = self._inflight, None
+        launched = None
         if sched.rows:
             per_row = self._propose(sched) if self.cfg.speculative_method else 1
-            logits = self.runner.run(sched.rows, sched.copies, per_row)
+            logits = self.runner.run(sched.rows, sched.copies, per_row, prev.fed if prev is not None else None)
+            if self._async and all(self._overlaps(r.req) for r in sched.rows if r.samples):
+                launched = self._launch(sched.rows, logits)
+        if prev is not None:  # the GPU runs this step's forward while the host takes the previous one's tokens
+            self._resolve(prev, touched)
+        if sched.rows and launched is None:
             self._advance(sched.rows, logits, touched)
-        return [self._output(r) for r in touched.values()]
+        outs = [self._output(r) for r in touched.values()]
+        if launched is not None:  # after the outputs: they must not hold the PENDING tokens
+            self._inflight = self._pend(sched.rows, *launched)
+        return outs
 
     def _drain(self, kind: str = "drain") -> float:
         """Apply the requests added / aborted since the last call; -> the clock for the step. Tensor parallel: rank
@@ -474,11 +497,64 @@ class Engine:
             parent = seq.table.keys[-1] if seq.table.keys else None
             self.blocks.register(seq.table, sequence_keys(req, seq, seq.num_computed, bs, len(seq.table.keys), parent))
 
+    # ---- asynchronous steps (serve.async_scheduling) ----
+    @staticmethod
+    def _overlaps(req: Request) -> bool:
+        """Its next token can be sampled without the host: no beams, no penalties over the tokens so far, and no
+        first-token fork (n > 1 / best_of)."""
+        p = req.params
+        return req.beam is None and not p.penalized and (req.forked or p.width == 1)
+
+    def _launch(self, rows: list[Row], logits: torch.Tensor) -> tuple[Draw, list[Row]]:
+        """Sample the rows that reached their last token, leaving the tokens on the device (their copy to the host
+        started); -> (the draw, those rows in its order)."""
+        at = [i for i, r in enumerate(rows) if r.samples]
+        if not at:
+            return None, []
+        todo = [rows[i] for i in at]
+        if len(at) < len(rows):  # mid-prompt chunks give no token
+            logits = logits[torch.tensor(at).to(logits.device, non_blocking=True)]
+        samplings = [RowSampling(r.req.params, r.req.prompt, r.seq.output, r.seq.generator) for r in todo]
+        return draw(logits, samplings, self.generator).copy_out(), todo
+
+    def _pend(self, rows: list[Row], drawn: Draw | None, todo: list[Row]) -> _Inflight | None:
+        """After the launch and the previous step's tokens: the rows' k/v count as computed, and each sampling
+        sequence still live holds a PENDING token (the next step feeds it from the device)."""
+        for r in rows:
+            if not r.seq.finished:  # a sequence the previous step's tokens ended: this step's row is void
+                r.seq.num_computed = r.start + r.n
+                self._register(r.req, r.seq)
+        seqs = []
+        for j, r in enumerate(todo):
+            seq = r.seq
+            if not seq.finished:
+                r.req.forked = True
+                if not self._ends(r.req, len(seq.tokens) + 1, len(seq.tokens) + 1 - seq.num_prompt):
+                    seq.tokens.append(PENDING)  # a sequence this token ends gets no row next step
+                seqs.append((seq, r.req, j))
+        if not seqs:
+            return None
+        return _Inflight(seqs, drawn, Fed(drawn.tokens, {s.seq_id: j for s, _, j in seqs}))
+
+    def _resolve(self, prev: _Inflight, touched: dict[str, Request]) -> None:
+        """The previous step's tokens, read back: stop checks, text and outputs, as a step in turn would do."""
+        got = prev.draw.results()
+        for seq, req, j in prev.seqs:
+            if seq.finished:  # aborted or past its deadline meanwhile
+                seq.drop_pending()
+                continue
+            self._append(req, seq, got[j])
+            touched[req.request_id] = req
+            if seq.finished and req.status is not Status.FINISHED and not req.live:
+                self._finish(req)
+
     def _advance(self, rows: list[Row], logits: torch.Tensor, touched: dict[str, Request]) -> None:
         todo: list[tuple[Seq, Request, int]] = []
         spec: list[tuple[Row, torch.Tensor]] = []
         for i, r in enumerate(rows):
             seq, req = r.seq, r.req
+            if seq.finished:  # ended by the previous step's tokens (asynchronous steps): this row is void
+                continue
             if r.lookahead:
                 spec.append((r, logits[i]))
                 continue
@@ -544,13 +620,13 @@ class Engine:
         p = req.params
         if req.metrics.first_token is None:
             req.metrics.first_token = self.clock()
-        seq.tokens.append(got.token)
+        seq.put(got.token)
         seq.cum_logprob += got.logprob
         if p.logprobs is not None:
             seq.logprobs.append(got.top)
         out = seq.output
         stop = got.token in req.stop_ids
-        length = len(out) >= (p.max_tokens or self.max_model_len) or len(seq.tokens) >= self.max_model_len
+        length = self._ends(req, len(seq.tokens), len(out))
         text = seq.text + self.detok.new_text(seq, out, p.skip_special_tokens, final=stop or length)
         if p.stop and not stop:
             lo = max(0, len(seq.text) - max(map(len, p.stop)))
@@ -562,6 +638,10 @@ class Engine:
         if stop or length:
             seq.finish_reason = "stop" if stop else "length"
             self.scheduler.free_seq(seq)
+
+    def _ends(self, req: Request, n_tokens: int, n_output: int) -> bool:
+        """A sequence of ``n_tokens`` tokens, ``n_output`` of them generated, is at its length limit."""
+        return n_output >= (req.params.max_tokens or self.max_model_len) or n_tokens >= self.max_model_len
 
     # ---- outputs ----
     def _output(self, req: Request) -> RequestOutput:

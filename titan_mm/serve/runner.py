@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,10 +26,19 @@ import torch
 from titan_mm.models.common.attention import build_attn_meta
 from titan_mm.models.common.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, plan_step, state_shapes
 from titan_mm.serve.scheduler import Row
+from titan_mm.serve.sequence import PENDING
 
 
 _ROW_FIELDS = ("positions", "valid", "new_tokens", "slot_mapping", "block_tables", "seq_lens", "state_slots")
 """The KVStep fields of a decode step, one row per sequence."""
+
+
+class Fed(NamedTuple):
+    """The previous step's sampled tokens, still on the device (serve.async_scheduling): a row whose token is
+    PENDING reads it from ``tokens[row_of[seq_id]]``."""
+
+    tokens: torch.Tensor
+    row_of: dict[int, int]
 
 
 @dataclass
@@ -137,28 +147,31 @@ class ModelRunner:
         """Copy-on-write: block dst gets block src's k/v in every layer."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src, dst = torch.tensor(copies).T.to(self.device, non_blocking=True)  # torch.tensor(device=) would sync
         for store in self.cache.k + self.cache.v:
             store.index_copy_(0, dst, store.index_select(0, src))
 
     def copy_state(self, src: int, dst: int) -> None:
         """A forked sequence (slot ``dst``) starts from its parent's linear-attention state (slot ``src``)."""
-        self.cache.state.copy(torch.tensor([src], device=self.device), torch.tensor([dst], device=self.device))
+        src, dst = torch.tensor([[src], [dst]]).to(self.device, non_blocking=True)
+        self.cache.state.copy(src, dst)
 
-    def run(self, rows: list[Row], copies: list[tuple[int, int]], per_row: int = 1) -> torch.Tensor:
+    def run(self, rows: list[Row], copies: list[tuple[int, int]], per_row: int = 1,
+            fed: Fed | None = None) -> torch.Tensor:
         """Forward the rows; -> fp32 logits [len(rows), V] at each row's last new token, or with ``per_row`` > 1
-        [len(rows), per_row, V] at its token before the guesses and after each guess (the last one repeated)."""
+        [len(rows), per_row, V] at its token before the guesses and after each guess (the last one repeated).
+        ``fed``: where the rows' PENDING tokens are on the device."""
         self.copy_blocks(copies)
         one = [] if per_row > 1 or self.decode_attention is None else \
             [i for i, r in enumerate(rows) if r.n == 1 and len(r.seq.table.blocks) <= self.max_table
              and not (r.req.images and self._has_media(r))]
         if not one:
-            return self.forward(self.prepare(rows, per_row))
+            return self.forward(self.prepare(rows, per_row, fed))
         if len(one) == len(rows):
-            return self.decode(rows)
+            return self.decode(rows, fed=fed)
         rest = sorted(set(range(len(rows))) - set(one))
-        out = torch.cat([self.decode([rows[i] for i in one]), self.forward(self.prepare([rows[i] for i in rest]))])
+        out = torch.cat([self.decode([rows[i] for i in one], fed=fed),
+                         self.forward(self.prepare([rows[i] for i in rest], fed=fed))])
         order = torch.tensor(one + rest).argsort()
         return out[order.to(out.device, non_blocking=True)]
 
@@ -167,7 +180,7 @@ class ModelRunner:
 
     # ---- decode steps: static buffers, CUDA graphs ----
     @torch.inference_mode()
-    def decode(self, rows: list[Row], B: int = 0) -> torch.Tensor:
+    def decode(self, rows: list[Row], B: int = 0, fed: Fed | None = None) -> torch.Tensor:
         """One token per row through the paged kernel, the rows padded to the next decode size (or to ``B``);
         -> [len(rows), V]."""
         n = len(rows)
@@ -186,7 +199,10 @@ class ModelRunner:
                   decode_attention=self.decode_attention, into=st.step, state_slots=self._slots(rows, B))
         ids = np.zeros((B, 1), dtype=np.int64)
         ids[:n, 0] = [r.tokens[0] for r in rows]
+        pending = np.flatnonzero(ids[:n, 0] == PENDING)
+        ids[pending, 0] = 0
         st.ids.copy_(torch.from_numpy(ids), non_blocking=True)
+        self._feed(st.ids, rows, pending, np.zeros_like(pending), fed)
         if self.mrope:
             st.positions.copy_(self._mrope_positions(rows, B, 1))
         if st.graph is not None:
@@ -248,7 +264,7 @@ class ModelRunner:
         return st
 
     @torch.inference_mode()
-    def prepare(self, rows: list[Row], per_row: int = 1) -> StepInputs:
+    def prepare(self, rows: list[Row], per_row: int = 1, fed: Fed | None = None) -> StepInputs:
         """Everything the forward reads, built on the host and moved to the device."""
         n_rows = len(rows)
         B = n_rows
@@ -261,6 +277,8 @@ class ModelRunner:
         for i, r in enumerate(rows):
             ids[i, : r.n] = torch.tensor(r.tokens)
             tables[i, : len(r.seq.table.blocks)] = torch.tensor(r.seq.table.blocks)
+        pending = (ids == PENDING).nonzero().numpy()
+        ids[ids == PENDING] = 0
         cache = plan_step(self.cache, new, cached_lens=cached, block_tables=tables, sliding_window=self.window,
                           width=S, decode_attention=self.decode_attention, state_slots=self._slots(rows, B))
         positions = self._mrope_positions(rows, B, S) if self.mrope else cache.step.positions
@@ -274,7 +292,20 @@ class ModelRunner:
             at = torch.minimum(torch.tensor(first)[:, None] + torch.arange(per_row)[None],
                                torch.tensor([max(n - 1, 0) for n in new])[:, None])
         at = at.to(self.device, non_blocking=True)
-        return StepInputs(ids.to(self.device, non_blocking=True), positions, meta, at, extra, n_rows)
+        ids = ids.to(self.device, non_blocking=True)
+        self._feed(ids, rows, pending[:, 0], pending[:, 1], fed)
+        return StepInputs(ids, positions, meta, at, extra, n_rows)
+
+    def _feed(self, ids: torch.Tensor, rows: list[Row], at_row: np.ndarray, at_col: np.ndarray,
+              fed: Fed | None) -> None:
+        """ids[at_row, at_col] (on the device) <- those rows' PENDING tokens, from the previous step's."""
+        if not len(at_row):
+            return
+        if fed is None:
+            raise RuntimeError("a row holds a pending token but the step was given no previous tokens (a bug)")
+        src = [fed.row_of[rows[i].seq.seq_id] for i in at_row]
+        idx = torch.from_numpy(np.stack([at_row, at_col, np.asarray(src)])).to(self.device, non_blocking=True)
+        ids[idx[0], idx[1]] = fed.tokens[idx[2]]
 
     def _slots(self, rows: list[Row], B: int) -> list[int] | None:
         """Each row's state slot, pad rows in the scratch slot (None without linear-attention layers)."""

@@ -74,6 +74,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Repetition, presence or frequency penalties: the next token depends on every token before it."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def validate(self) -> None:
         """Raise :class:`BadRequest` naming the first field out of range (the engine checks vocabulary ids and
         lengths against the model)."""
@@ -136,13 +141,14 @@ class Sampled:
     """The ``logprobs`` most likely tokens and the sampled one -> logprob (None when not asked)."""
 
 
-def _penalized(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+def _on(dev: torch.device, values: list) -> torch.Tensor:
+    """A host list on ``dev`` without waiting for the stream (torch.tensor(..., device=cuda) synchronizes)."""
+    return torch.tensor(values).to(dev, non_blocking=True)
 
 
 def _penalize(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     """Repetition, presence and frequency penalties of the rows that ask for them (index tensors from the host)."""
-    todo = [i for i, r in enumerate(rows) if _penalized(r.params)]
+    todo = [i for i, r in enumerate(rows) if r.params.penalized]
     if not todo:
         return logits
     dev, V = logits.device, logits.shape[1]
@@ -155,9 +161,9 @@ def _penalize(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
         counts[j].index_add_(0, out, torch.ones(out.numel(), device=dev))
         seen[j, torch.as_tensor(rows[i].prompt_ids + rows[i].output_ids, dtype=torch.long, device=dev)] = True
     p = [rows[i].params for i in todo]
-    rep = torch.tensor([q.repetition_penalty for q in p], device=dev)[:, None]
-    pres = torch.tensor([q.presence_penalty for q in p], device=dev)[:, None]
-    freq = torch.tensor([q.frequency_penalty for q in p], device=dev)[:, None]
+    rep = _on(dev, [q.repetition_penalty for q in p])[:, None]
+    pres = _on(dev, [q.presence_penalty for q in p])[:, None]
+    freq = _on(dev, [q.frequency_penalty for q in p])[:, None]
     x = logits[idx]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     x = x - freq * counts - pres * (counts > 0)
@@ -169,21 +175,21 @@ def _warp(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p (each row its own settings; greedy rows: 1)."""
     dev, V = logits.device, logits.shape[1]
     p = [r.params for r in rows]
-    x = logits / torch.tensor([q.temperature or 1.0 for q in p], device=dev)[:, None]
+    x = logits / _on(dev, [q.temperature or 1.0 for q in p])[:, None]
     if all(q.top_k in (0, -1) and q.top_p >= 1.0 for q in p):
         probs = x.softmax(dim=1)
     else:
         x_sorted, order = x.sort(dim=1, descending=True)
         rank = torch.arange(V, device=dev)[None]
-        k = torch.tensor([q.top_k if q.top_k > 0 else V for q in p], device=dev)[:, None]
+        k = _on(dev, [q.top_k if q.top_k > 0 else V for q in p])[:, None]
         x_sorted = x_sorted.masked_fill(rank >= k, float("-inf"))
         probs = x_sorted.softmax(dim=1)
         before = probs.cumsum(dim=1) - probs  # mass of the more likely tokens
-        top_p = torch.tensor([q.top_p if q.top_p < 1.0 else 2.0 for q in p], device=dev)[:, None]  # 1: off
+        top_p = _on(dev, [q.top_p if q.top_p < 1.0 else 2.0 for q in p])[:, None]  # 1: off
         x_sorted = x_sorted.masked_fill((before >= top_p) & (rank > 0), float("-inf"))
         probs = torch.empty_like(x).scatter_(1, order, x_sorted.softmax(dim=1))
     if any(q.min_p > 0.0 for q in p):
-        min_p = torch.tensor([q.min_p for q in p], device=dev)[:, None]
+        min_p = _on(dev, [q.min_p for q in p])[:, None]
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=1, keepdim=True), 0.0)
         probs = probs / probs.sum(dim=1, keepdim=True)
     return probs
@@ -194,42 +200,80 @@ def target_probs(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     the sampler draws exactly from it (the statistical test compares against it)."""
     x = _penalize(logits.float(), rows)
     probs = _warp(x, rows)
-    greedy = torch.tensor([r.params.greedy for r in rows], device=x.device)
+    greedy = _on(x.device, [r.params.greedy for r in rows])
     one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], one_hot, probs)
 
 
 def sample(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None) -> list[Sampled]:
     """One next token per row of ``logits`` [R, V]; one host transfer at the end."""
+    return draw(logits, rows, generator).results()
+
+
+class Draw:
+    """The tokens of one sampling pass, still on the device: :meth:`copy_out` starts their transfer to the host
+    (pinned, asynchronous, behind the step's kernels) and :meth:`results` reads them, so the engine can launch
+    the next forward before it waits for these tokens (serve.async_scheduling)."""
+
+    def __init__(self, tokens: torch.Tensor, chosen: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None,
+                 logprobs: list[int | None]):
+        self.tokens, self.chosen, self.top, self.logprobs = tokens, chosen, top, logprobs
+        self._host: list[torch.Tensor] | None = None
+        self._event: torch.cuda.Event | None = None
+
+    def copy_out(self) -> Draw:
+        """Start the device -> host copies (CUDA: into pinned memory, an event marks their end)."""
+        parts = [self.tokens, self.chosen] + (list(self.top) if self.top is not None else [])
+        if self.tokens.is_cuda:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in parts]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = parts
+        return self
+
+    def results(self) -> list[Sampled]:
+        """Wait for the tokens; -> one :class:`Sampled` per row."""
+        if self._host is None:
+            self.copy_out()
+        if self._event is not None:
+            self._event.synchronize()
+        tok, lp, *top = (t.tolist() for t in self._host)
+        if not any(n is not None for n in self.logprobs):
+            return [Sampled(t, p) for t, p in zip(tok, lp)]
+        tv, ti = top
+        out = []
+        for i, n in enumerate(self.logprobs):
+            best = None
+            if n is not None:
+                best = dict(zip(ti[i][:n], tv[i][:n]))
+                best[tok[i]] = lp[i]
+            out.append(Sampled(tok[i], lp[i], best))
+        return out
+
+
+def draw(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None) -> Draw:
+    """One next token per row of ``logits`` [R, V], left on the device (no host sync)."""
     logits = logits.float()
-    if all(r.params.greedy and r.params.logprobs is None and not _penalized(r.params) for r in rows):
+    asks = [r.params.logprobs for r in rows]
+    if all(r.params.greedy and n is None and not r.params.penalized for r, n in zip(rows, asks)):
         # plain greedy (the common serving case): the argmax and its logprob, without the [R, V] draw
         tokens = logits.argmax(1)
-        chosen = logits.gather(1, tokens[:, None])[:, 0] - logits.logsumexp(1)
-        return [Sampled(t, lp) for t, lp in zip(tokens.tolist(), chosen.tolist())]
+        return Draw(tokens, logits.gather(1, tokens[:, None])[:, 0] - logits.logsumexp(1), None, asks)
     dev, R, V = logits.device, logits.shape[0], logits.shape[1]
     probs = target_probs(logits, rows)
     noise = torch.empty(R, V, device=dev)
     shared = [i for i, r in enumerate(rows) if r.generator is None and not r.params.greedy]
     if shared:
-        noise[shared] = torch.empty(len(shared), V, device=dev).exponential_(generator=generator)
+        noise[_on(dev, shared)] = torch.empty(len(shared), V, device=dev).exponential_(generator=generator)
     for i, r in enumerate(rows):
         if r.generator is not None and not r.params.greedy:
             noise[i] = torch.empty(V, device=dev).exponential_(generator=r.generator)
-    greedy = torch.tensor([r.params.greedy for r in rows], device=dev)
+    greedy = _on(dev, [r.params.greedy for r in rows])
     noise = noise.where(~greedy[:, None], 1.0).clamp_(min=1e-30)  # a 0 draw would make 0 / 0 = NaN win argmax
     tokens = (probs / noise).argmax(1)
     logp = logits.log_softmax(dim=1)
     chosen = logp.gather(1, tokens[:, None])[:, 0]
-    k = max((r.params.logprobs or 0) for r in rows)
-    top_v, top_i = logp.topk(k, dim=1) if k else (logp[:, :0], tokens[:, None][:, :0])
-    tok_l, lp_l, tv, ti = tokens.tolist(), chosen.tolist(), top_v.tolist(), top_i.tolist()
-    out = []
-    for i, r in enumerate(rows):
-        top = None
-        if r.params.logprobs is not None:
-            n = r.params.logprobs
-            top = dict(zip(ti[i][:n], tv[i][:n]))
-            top[tok_l[i]] = lp_l[i]
-        out.append(Sampled(tok_l[i], lp_l[i], top))
-    return out
+    k = max((n or 0) for n in asks)
+    return Draw(tokens, chosen, logp.topk(k, dim=1) if k else None, asks)

@@ -17,6 +17,11 @@ from titan_mm.serve.block_manager import BlockTable
 from titan_mm.serve.sampling import SamplingParams
 
 
+PENDING = -1
+"""A token sampled on the device and not read back yet (serve.async_scheduling): the last token of a sequence
+whose next step was scheduled before its tokens reached the host. The runner feeds it from the device."""
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -75,6 +80,21 @@ class Sequence:
         if len(o) != n:
             o.extend(self.tokens[self.num_prompt + len(o):])
         return o
+
+    def put(self, token: int) -> None:
+        """The token its last step sampled: it takes the place of a :data:`PENDING` token, else is appended."""
+        if self.tokens[-1] != PENDING:
+            self.tokens.append(token)
+            return
+        self.tokens[-1] = token
+        if len(self._output) == len(self.tokens) - self.num_prompt:
+            self._output[-1] = token
+
+    def drop_pending(self) -> None:
+        """A sequence that ended before its pending token was read: the token is not part of it."""
+        if self.tokens[-1] == PENDING:
+            self.tokens.pop()
+            del self._output[len(self.tokens) - self.num_prompt:]
 
     @property
     def finished(self) -> bool:
