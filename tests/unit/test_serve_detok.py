@@ -40,3 +40,33 @@ def test_incremental_text_equals_the_full_decode(text):
     assert got == tok.decode(ids, skip_special_tokens=True)
     if text.startswith("p"):  # every token emits: the context is the previous token, its text cached
         assert counting.calls <= len(ids) + len(set(ids))
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("source", ["text", "random"])
+def test_byte_level_fast_path_equals_the_full_decode(source, skip, monkeypatch):
+    """The byte-level path (Qwen3's tokenizer: token bytes joined, decoded at whole characters) adds up to the
+    tokenizer's decode, for real text and for random ids (special tokens and invalid byte runs included), token by
+    token and a few tokens at a time (speculation appends several), without calling the tokenizer."""
+    import random
+
+    from titan_mm.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    detok = Detokenizer(tok)
+    assert detok.byte_level
+    r = random.Random(skip)
+    whole = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda *a, **k: pytest.fail("the byte-level path called the tokenizer"))
+    for trial in range(40):
+        if source == "text":
+            ids = tok.encode("héllo wörld, 世界和平 🎉🎉 <think>x</think> done.<|im_end|>")
+        else:
+            ids = [r.randrange(0, tok.vocab_size) for _ in range(r.randint(1, 30))]
+        seq = Sequence(0, [], 0)
+        got, n = "", 0
+        while n < len(ids):
+            n = min(len(ids), n + r.choice([1, 1, 1, 2, 3]))
+            new = detok.new_text(seq, ids[:n], skip, final=n == len(ids))
+            got += new
+        assert got == whole(ids, skip_special_tokens=skip), ids

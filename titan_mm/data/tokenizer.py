@@ -17,7 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -195,11 +195,40 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    @cached_property
+    def byte_level(self) -> bool:
+        """Its decoder is byte-level BPE (Qwen's, GPT-2's): each token stands for bytes, :meth:`token_bytes`."""
+        return (json.loads(self._tok.to_str()).get("decoder") or {}).get("type") == "ByteLevel"
+
+    def token_bytes(self, i: int, skip_special_tokens: bool = False) -> bytes:
+        """The bytes token ``i`` decodes to, a byte-level tokenizer's (decode of several tokens is their bytes
+        joined, as UTF-8 with U+FFFD for invalid bytes): added tokens are their text (special ones nothing when
+        skipped), the others map back through the byte-to-character table."""
+        added = self._added.get(i)
+        if added is not None:
+            return b"" if skip_special_tokens and added.special else added.content.encode()
+        return bytes(_BYTE_OF[c] for c in self._tok.id_to_token(i))
+
+    @cached_property
+    def _added(self) -> dict:
+        return self._tok.get_added_tokens_decoder()
+
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
     def __len__(self) -> int:
         return self.vocab_size
+
+
+def _byte_of() -> dict[str, int]:
+    """The inverse of byte-level BPE's byte -> printable character table (GPT-2's): printable Latin-1 bytes are
+    themselves, the other bytes the characters from U+0100 on, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    rest = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + k): b for k, b in enumerate(rest)}}
+
+
+_BYTE_OF = _byte_of()
 
 
 @lru_cache(maxsize=4)

@@ -605,7 +605,7 @@ class Engine:
         child = Seq(next(self._seq_ids), list(seq.tokens), seq.num_prompt, self.blocks.fork(seq.table),
                     seq.num_computed, self._generator(req.params, len(req.seqs) if index is None else index),
                     list(seq.logprobs), seq.cum_logprob, text=seq.text, detok_offsets=seq.detok_offsets,
-                    draft_computed=seq.draft_computed)
+                    detok_tail=seq.detok_tail, draft_computed=seq.draft_computed)
         if self.slots is not None:  # the child goes on from the parent's linear-attention state
             child.state_slot = self.slots.take()
             self.runner.copy_state(seq.state_slot, child.state_slot)
@@ -731,14 +731,19 @@ class Engine:
 
 
 class Detokenizer:
-    """Incremental detokenization (vLLM's): the newest tokens are decoded after the tokens since the previous
-    emission, as context, and held back while they end inside a UTF-8 character (until the ``final`` token).
-    Decoding the whole output each step would cost O(length) per token. The context is usually the one token
-    emitted last, whose text is cached per token: one tokenizer call per sequence and step instead of two."""
+    """Incremental detokenization. A byte-level tokenizer's (Qwen's) tokens are bytes: a sequence's new tokens
+    add their bytes to the ones still waiting, and what ends on a whole UTF-8 character is decoded; the rest waits
+    (``Sequence.detok_tail``), all at O(1) per token without a tokenizer call. Others go as vLLM's: the newest
+    tokens are decoded after the tokens since the previous emission, as context, and held back while they end
+    inside a UTF-8 character (until the ``final`` token); the context's text is cached per token."""
 
     def __init__(self, tokenizer):
+        from titan_mm.data.tokenizer import Tokenizer
+
         self.tokenizer = tokenizer
-        self._one: dict[tuple[int, bool], str] = {}  # (token, skip_special_tokens) -> decode([token])
+        self.byte_level = isinstance(tokenizer, Tokenizer) and tokenizer.byte_level
+        self._one: dict[tuple[int, bool], str] = {}  # (token, skip_special_tokens) -> its text
+        self._pieces: dict[tuple[int, bool], bytes] = {}  # byte-level: (token, skip_special_tokens) -> its bytes
 
     def decode(self, ids: list[int], skip: bool) -> str:
         if len(ids) != 1:
@@ -749,15 +754,38 @@ class Detokenizer:
             text = self._one[key] = self.tokenizer.decode(ids, skip_special_tokens=skip)
         return text
 
+    def _bytes(self, token: int, skip: bool) -> bytes:
+        key = (token, skip)
+        got = self._pieces.get(key)
+        if got is None:
+            got = self._pieces[key] = self.tokenizer.token_bytes(token, skip)
+        return got
+
     def new_text(self, seq: Seq, out: list[int], skip: bool, final: bool) -> str:
         """The text ``seq``'s newest tokens add (``out``: its output); moves its offsets when there is some."""
         a, b = seq.detok_offsets
+        if self.byte_level:
+            tail = seq.detok_tail + b"".join([self._bytes(t, skip) for t in out[b:]])
+            cut = len(tail) if final else _whole_chars(tail)
+            seq.detok_offsets, seq.detok_tail = (b, len(out)), tail[cut:]
+            return tail[:cut].decode("utf-8", "replace")
         before = self.decode(out[a:b], skip)
         now = self.decode(out[a:], skip)
         if len(now) <= len(before) or (now.endswith("\ufffd") and not final):
             return ""
         seq.detok_offsets = (b, len(out))
         return now[len(before):]
+
+
+def _whole_chars(b: bytes) -> int:
+    """The length of ``b`` less a last UTF-8 character that more bytes could still complete. Decoding stops
+    there and goes on from there later: a cut before a lead byte never changes how the bytes before it decode."""
+    for k in range(1, min(4, len(b)) + 1):
+        c = b[-k]
+        if c & 0xC0 != 0x80:  # a lead byte (or ASCII): the character's length from it
+            need = 2 if 0xC2 <= c <= 0xDF else 3 if 0xE0 <= c <= 0xEF else 4 if 0xF0 <= c <= 0xF4 else 1
+            return len(b) - k if need > k else len(b)
+    return len(b)
 
 
 def _held_back(text: str, stops: list[str]) -> int:

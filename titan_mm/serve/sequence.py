@@ -61,6 +61,8 @@ class Sequence:
     detok_offsets: tuple[int, int] = (0, 0)
     """Incremental detokenization: output tokens [a, b) are the context of the next tokens' text, and text holds
     the decoding of output[:b]."""
+    detok_tail: bytes = b""
+    """A byte-level tokenizer's bytes of output[:b] after the last whole UTF-8 character (not in ``text`` yet)."""
     sent_text: int = 0
     sent_tokens: int = 0
     """How much of text / output the previous RequestOutput held (the deltas)."""
