@@ -203,11 +203,12 @@ class Tokenizer:
     def token_bytes(self, i: int, skip_special_tokens: bool = False) -> bytes:
         """The bytes token ``i`` decodes to, a byte-level tokenizer's (decode of several tokens is their bytes
         joined, as UTF-8 with U+FFFD for invalid bytes): added tokens are their text (special ones nothing when
-        skipped), the others map back through the byte-to-character table."""
+        skipped), ids past the vocabulary nothing, the others map back through the byte-to-character table."""
         added = self._added.get(i)
         if added is not None:
             return b"" if skip_special_tokens and added.special else added.content.encode()
-        return bytes(_BYTE_OF[c] for c in self._tok.id_to_token(i))
+        piece = self._tok.id_to_token(i)  # None past the vocabulary (a model's padded rows): decode skips it
+        return b"" if piece is None else bytes(_BYTE_OF[c] for c in piece)
 
     @cached_property
     def _added(self) -> dict:
