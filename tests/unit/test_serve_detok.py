@@ -47,8 +47,8 @@ def test_incremental_text_equals_the_full_decode(text):
 def test_byte_level_fast_path_equals_the_full_decode(source, skip, monkeypatch):
     """The byte-level path (Qwen3's tokenizer: token bytes joined, decoded at whole characters) adds up to the
     tokenizer's decode, for real text and for random ids (special tokens, invalid byte runs and ids past the
-    tokenizer's vocabulary included), token by
-    token and a few tokens at a time (speculation appends several), without calling the tokenizer."""
+    tokenizer's vocabulary included), token by token and a few tokens at a time (speculation appends several),
+    without calling the tokenizer."""
     import random
 
     from titan_mm.data.tokenizer import load_tokenizer
