@@ -122,6 +122,36 @@ def host_cost(rows: int = 256, new: int = 600, warm: int = 400, steps: int = 30)
                 host_ms=round((wall - model) * 1e3, 2), host_cpu_ms=round(cpu_host * 1e3, 2))
 
 
+def gpu_busy(spec, cfg, model, device, shape, prompts, news, steps: int = 30) -> dict:
+    """Steady decode at the workload's full concurrency, as served (no syncs between steps, asynchronous steps as
+    configured): wall time per step against the GPU's kernel time per step (the profiler's CUDA activity only),
+    so busy < 1 is time the GPU waited for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from titan_mm.serve.sampling import SamplingParams
+
+    engine = sb.titan_engine(model, spec, cfg, prompts, news, device, shape)
+    for i, (p, n) in enumerate(zip(prompts, news)):
+        engine.add_request(f"b{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    while any(s.num_computed < s.num_prompt for r in engine.scheduler.running + engine.scheduler.waiting
+              for s in r.seqs):
+        engine.step()  # until every prompt is in: the steps below decode only
+    for _ in range(5):
+        engine.step()
+    sb.sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sb.sync(device)
+        wall = time.perf_counter() - t
+    gpu = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+    running = engine.stats()["num_running_seqs"]
+    return dict(steps=steps, running=running, wall_ms_per_step=round(wall / steps * 1e3, 3),
+                gpu_ms_per_step=round(gpu / steps * 1e3, 3), busy=round(gpu / wall, 3),
+                async_scheduling=shape["async_scheduling"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true")
@@ -129,6 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kernels", type=int, default=1, help="the fused titan_mm.kernels ops (as bench/serve.py)")
     ap.add_argument("--host", action="store_true", help="only the host side of a 256-row step, on the CPU")
+    ap.add_argument("--async_scheduling", type=int, default=1, help="serve.async_scheduling of the engines (as "
+                    "bench/serve.py)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     if a.host:
@@ -141,7 +173,7 @@ def main(argv=None) -> int:
     from titan_mm.registry import get_model_spec
 
     device = torch.device("cpu" if a.cpu else "cuda")
-    shape = dict(sb.SHAPES["cpu" if a.cpu else "gpu"], kernels=bool(a.kernels))
+    shape = dict(sb.SHAPES["cpu" if a.cpu else "gpu"], kernels=bool(a.kernels), async_scheduling=bool(a.async_scheduling))
     flavor = a.flavor or shape["flavors"][0]
     spec = get_model_spec("qwen3")
     cfg = spec.flavor(flavor)
@@ -160,7 +192,7 @@ def main(argv=None) -> int:
         timed(engine.scheduler, name, acc, device)
     for name in ("prepare", "decode", "forward"):  # decode: the one-token rows (its eager forward inside)
         timed(engine.runner, name, acc, device)
-    for name in ("_advance", "_output"):
+    for name in ("_launch", "_resolve", "_advance", "_output"):  # asynchronous steps: _launch + _resolve
         timed(engine, name, acc, device)
     for i, (p, n) in enumerate(zip(prompts, news)):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
@@ -191,9 +223,12 @@ def main(argv=None) -> int:
         trace = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
         print(trace)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    busy = None if a.cpu else gpu_busy(spec, cfg, model, device, shape, prompts, news)
+    if busy is not None:
+        print(json.dumps(dict(gpu_busy=busy)), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(dict(flavor=flavor, kernels=shape["kernels"], launch_floor_us=floor,
-                                               batch1=b1, rows=rows, trace=trace), indent=1))
+                                               batch1=b1, rows=rows, trace=trace, gpu_busy=busy), indent=1))
     return 0
 
 
