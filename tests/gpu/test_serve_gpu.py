@@ -143,3 +143,22 @@ def test_async_steps_wait_only_for_their_tokens(moe, monkeypatch):
         assert engine.stats()["kv_blocks_used"] == 0
     assert outs[0] == outs[1]
     assert [len(o) for o in outs[1]] == [p.max_tokens for p in params]
+
+
+@pytest.mark.parametrize("R", [1, 7, 256])
+def test_greedy_pick_kernel_on_cuda(R):
+    """titan_mm.kernels.greedy_pick's Triton kernel on bf16 logits of Qwen3's vocabulary: the reference's tokens,
+    its logprobs to fp32 rounding, and no host sync."""
+    from titan_mm.kernels import greedy_pick
+
+    x = (4 * torch.randn(R, 151936, device="cuda")).to(torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tok, lp = greedy_pick(x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ref = x.float()
+    want = ref.argmax(1)
+    assert torch.equal(tok, want)
+    torch.testing.assert_close(lp, ref.gather(1, want[:, None])[:, 0] - ref.logsumexp(1), atol=1e-4, rtol=1e-5)

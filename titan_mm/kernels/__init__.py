@@ -19,6 +19,8 @@ see docs/kernels.md):
     grouped_mm(x, w, counts) -> y     x [A, K] rows sorted by expert, w [E, N, K], counts [E] on the device
         (the MoE experts in the dtypes torch._grouped_mm lacks on CUDA, no host sync; eager autograd)
     upcast(x, dtype) -> x in a wider dtype (bf16 / fp16 -> fp32: a vectorized copy; no autograd)
+    greedy_pick(logits) -> (tokens, logprobs)   per row of [R, V]: the argmax and its log-probability in one pass
+        (serving's greedy rows; no autograd)
     adamw_step_(p, g, m, v, copy, step, lr, ...) -> None   (one AdamW update that also writes p's narrow copy;
         the one-rank cast path's optimizer, titan_mm.train.cast_adamw)
     moe_expand(x, src_A, inv_NK) -> x[src_A], moe_combine(y_AD, top_w_NK, routing, dtype) -> y_ND
@@ -74,6 +76,7 @@ __all__ = [
     "paged_decode_attention",
     "grouped_mm",
     "upcast",
+    "greedy_pick",
     "adamw_step_",
     "moe_expand",
     "moe_combine",
@@ -274,6 +277,19 @@ def upcast(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
         return _upcast(x, dtype)
     return x.to(dtype)
+
+
+@torch.no_grad()
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] -> (tokens int64 [R]: each row's argmax, its first index on ties; logprobs fp32 [R]: that
+    token's logit - logsumexp of the row, in fp32)."""
+    if use_triton(logits) and logits.dim() == 2 and logits.stride(-1) == 1:
+        from .greedy import greedy_pick as _greedy_pick
+
+        return _greedy_pick(logits)
+    x = logits.float()
+    tokens = x.argmax(1)
+    return tokens, x.gather(1, tokens[:, None])[:, 0] - x.logsumexp(1)
 
 
 @torch.no_grad()

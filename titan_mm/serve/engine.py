@@ -572,7 +572,7 @@ class Engine:
         ended: dict[str, Request] = {}
         for seq, req, i in todo:
             if req.beam is not None:
-                seq.pending = logits[i].log_softmax(-1)
+                seq.pending = logits[i].float().log_softmax(-1)
                 if all(s.pending is not None for s in req.live):
                     if req.metrics.first_token is None:
                         req.metrics.first_token = self.clock()

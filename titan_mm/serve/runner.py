@@ -158,7 +158,7 @@ class ModelRunner:
 
     def run(self, rows: list[Row], copies: list[tuple[int, int]], per_row: int = 1,
             fed: Fed | None = None) -> torch.Tensor:
-        """Forward the rows; -> fp32 logits [len(rows), V] at each row's last new token, or with ``per_row`` > 1
+        """Forward the rows; -> logits [len(rows), V] at each row's last new token, or with ``per_row`` > 1
         [len(rows), per_row, V] at its token before the guesses and after each guess (the last one repeated).
         ``fed``: where the rows' PENDING tokens are on the device."""
         self.copy_blocks(copies)
@@ -320,7 +320,7 @@ class ModelRunner:
 
     def _model_step(self, x: StepInputs) -> torch.Tensor:
         out = self.model(x.ids, position_ids=x.positions, attn=x.meta, logits_at=x.logits_at, **x.extra)
-        return out.logits[: x.n_rows].float()
+        return out.logits[: x.n_rows]  # the model's dtype: greedy picks read it as is, the samplers upcast
 
     def _mrope_positions(self, rows: list[Row], B: int, S: int) -> torch.Tensor:
         """[3, B, S]: the prompt's M-RoPE positions, then text positions p + rope_delta."""

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from titan_mm.kernels import greedy_pick
+
 from titan_mm.serve.errors import BadRequest
 
 MAX_LOGPROBS = 20
@@ -255,12 +257,11 @@ class Draw:
 
 def draw(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None) -> Draw:
     """One next token per row of ``logits`` [R, V], left on the device (no host sync)."""
-    logits = logits.float()
     asks = [r.params.logprobs for r in rows]
     if all(r.params.greedy and n is None and not r.params.penalized for r, n in zip(rows, asks)):
-        # plain greedy (the common serving case): the argmax and its logprob, without the [R, V] draw
-        tokens = logits.argmax(1)
-        return Draw(tokens, logits.gather(1, tokens[:, None])[:, 0] - logits.logsumexp(1), None, asks)
+        # plain greedy (the common serving case): the argmax and its logprob in one pass, without the [R, V] draw
+        return Draw(*greedy_pick(logits), None, asks)
+    logits = logits.float()
     dev, R, V = logits.device, logits.shape[0], logits.shape[1]
     probs = target_probs(logits, rows)
     noise = torch.empty(R, V, device=dev)
