@@ -108,3 +108,25 @@ def test_qwen3_per_op_kernel_switch():
     ops = mod.select_ops("rope")
     assert ops.apply_rope is K.apply_rope and ops.rms_norm is not K.rms_norm
     assert mod.select_ops(False).rms_norm is not K.rms_norm
+
+
+def test_moe_routing_reaches_every_moe_family_and_is_the_reference_off_cuda():
+    """Kernel op moe_routing: every MoE layer of the softmax top-k families takes K.moe_routing when it is on and
+    route_stats when off; off CUDA K.moe_routing is route_stats itself, which is route() then aux_stats."""
+    from titan_mm.models.common import moe
+    from titan_mm.registry import get_model_spec
+
+    for name in ("qwen3_moe", "qwen3_vl_moe", "qwen3_omni_moe", "qwen3_5_moe"):
+        spec = get_model_spec(name)
+        flavor = spec.flavor("debug_moe" if name == "qwen3_moe" else "debug")
+        for kernels, want in ((True, K.moe_routing), ("all,-moe_routing", moe.route_stats), (False, moe.route_stats)):
+            with torch.device("meta"):
+                m = spec.build(spec.with_runtime(flavor, attn_backend="sdpa", kernels=kernels))
+            layers = [mod for mod in m.modules() if isinstance(mod, moe.MoE)]
+            assert layers and all(layer.routing is want for layer in layers), (name, kernels)
+    x, w = torch.randn(9, 8), torch.randn(16, 8)
+    valid = torch.rand(9) > 0.3
+    probs, top_w, top_i = moe.route(x, w, 4, True)
+    want = (top_w, top_i, moe.aux_stats(probs, top_i, valid))
+    for got in (moe.route_stats(F.linear(x, w), 4, True, valid), K.moe_routing(F.linear(x, w), 4, True, valid)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -25,6 +25,9 @@ see docs/kernels.md):
         the one-rank cast path's optimizer, titan_mm.train.cast_adamw)
     moe_expand(x, src_A, inv_NK) -> x[src_A], moe_combine(y_AD, top_w_NK, routing, dtype) -> y_ND
         (the MoE token moves of titan_mm.models.common.moe.TokenMoves: each sum one pass, the weights fused)
+    moe_routing(logits_NE, top_k, norm_topk_prob, valid_N=None) -> (top_w_NK, top_i_NK, stats_2E)
+        (the MoE router after its GEMM: softmax, top-k, renormalization and the aux statistics in one pass;
+        titan_mm.models.common.moe.route_stats)
 
 Launch configs (titan_mm.kernels._utils.Tuner): picked per key (width / head layout, dtype) outside the
 model's forward, which must not synchronize the GPU:
@@ -54,6 +57,7 @@ from titan_mm.models.common.loss import chunked_cross_entropy
 from titan_mm.models.common.moe import combine as _combine_ref
 from titan_mm.models.common.moe import expand_rows as _expand_rows_ref
 from titan_mm.models.common.moe import grouped_linear as _grouped_linear_ref
+from titan_mm.models.common.moe import route_stats as _route_stats_ref
 from titan_mm.models.common.mlp import bias_gelu as _bias_gelu_ref
 from titan_mm.models.common.mlp import silu_mul
 from titan_mm.models.common.norm import add_rms_norm as _add_rms_norm_ref
@@ -80,6 +84,7 @@ __all__ = [
     "adamw_step_",
     "moe_expand",
     "moe_combine",
+    "moe_routing",
     "HAS_TRITON",
     "use_triton",
     "KERNEL_OPS",
@@ -94,7 +99,8 @@ __all__ = [
     "untuned_keys",
 ]
 
-KERNEL_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy", "bias_gelu", "moe_moves")
+KERNEL_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy", "bias_gelu", "moe_moves",
+              "moe_routing")
 
 
 def resolve_ops(spec) -> frozenset:
@@ -122,6 +128,8 @@ if HAS_TRITON:
     from .cross_entropy import (LinearCrossEntropyFunction, VocabParallelLinearCrossEntropyFunction,
                                 linear_cross_entropy_op)
     from .moe_moves import CombineFunction, ExpandFunction, moe_combine_op
+    from .moe_router import MAX_E as _ROUTING_MAX_E
+    from .moe_router import RoutingFunction, moe_routing_op
     from .paged_decode import paged_decode
     from .rms_norm import AddRMSNormFunction, RMSNormFunction, add_rms_norm_op, rms_norm_op
     from .rms_norm import _fwd as _rms_fwd
@@ -336,3 +344,17 @@ def moe_combine(y_AD: torch.Tensor, top_w_NK: torch.Tensor, r, dtype: torch.dtyp
         y = y_AD.to(dtype)
         return moe_combine_op(y, r.inv_NK, w_NK) if _dispatch.use_ops() else CombineFunction.apply(y, r.inv_NK, w_NK)
     return _combine_ref(y_AD, top_w_NK, r, dtype)
+
+
+def moe_routing(logits_NE: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                valid_N: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE routing from the router logits [N, E] (titan_mm.models.common.moe.route_stats): -> (top_w_NK in the
+    logits' dtype, top_i_NK int64, aux stats [2, E] fp32: assignment counts and prob sums over the rows ``valid_N``
+    keeps). One Triton pass per block of rows; equal values rank by the lower expert index."""
+    if (use_triton(logits_NE) and logits_NE.dim() == 2 and 0 < top_k <= logits_NE.shape[1] <= _ROUTING_MAX_E
+            and (valid_N is None or (valid_N.device == logits_NE.device and valid_N.numel() == logits_NE.shape[0]))):
+        valid = None if valid_N is None else valid_N.reshape(-1)
+        if _dispatch.use_ops():
+            return moe_routing_op(logits_NE, valid, top_k, bool(norm_topk_prob))
+        return RoutingFunction.apply(logits_NE, valid, top_k, bool(norm_topk_prob))
+    return _route_stats_ref(logits_NE, top_k, norm_topk_prob, valid_N)

@@ -10,6 +10,8 @@ On CUDA with bf16 the experts run as three ``torch._grouped_mm`` calls with grou
 schedule is built on the device: no host sync either). On CPU a loop over experts runs, exact in fp32.
 Tokens move to expert order and back by gathers in both directions (expand_rows / combine): no index_add;
 titan_mm.kernels' fused versions (TokenMoves, kernel op ``moe_moves``) do each sum in one pass with the weights.
+The routing after the router's GEMM (route_stats: softmax, top-k, renormalization, aux_stats) has one fused
+Triton version too (titan_mm.kernels.moe_routing, kernel op ``moe_routing``).
 
 float8 experts (``float8=True``; the trainer's float8.moe_experts): the three GEMMs run through torchao's
 rowwise-scaled float8 grouped GEMM, whose token groups must be multiples of 16 rows. The routing then lays the
@@ -31,7 +33,11 @@ from titan_mm.models.common import init
 
 def route(x_ND: torch.Tensor, router_w_ED: torch.Tensor, top_k: int, norm_topk_prob: bool):
     """-> probs_NE (fp32 softmax), top_w_NK (in x dtype), top_i_NK (int64). Same math as HF Qwen3MoeTopKRouter."""
-    logits_NE = F.linear(x_ND, router_w_ED)
+    return route_logits(F.linear(x_ND, router_w_ED), top_k, norm_topk_prob)
+
+
+def route_logits(logits_NE: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """route after the router's GEMM: -> probs_NE (fp32), top_w_NK (in the logits' dtype), top_i_NK (int64)."""
     probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
     top_w_NK, top_i_NK = torch.topk(probs_NE, top_k, dim=-1)
     if norm_topk_prob:
@@ -255,6 +261,14 @@ def aux_stats(probs_NE: torch.Tensor, top_i_NK: torch.Tensor, valid_N: torch.Ten
     return torch.stack([counts, psum])
 
 
+def route_stats(logits_NE: torch.Tensor, top_k: int, norm_topk_prob: bool, valid_N: torch.Tensor | None = None):
+    """The MoE layer's routing from its router logits: -> (top_w_NK, top_i_NK, aux stats [2, E]), i.e. route_logits
+    then aux_stats. The reference of titan_mm.kernels.moe_routing (kernel op ``moe_routing``: one pass that keeps
+    no [N, E] probabilities)."""
+    probs_NE, top_w_NK, top_i_NK = route_logits(logits_NE, top_k, norm_topk_prob)
+    return top_w_NK, top_i_NK, aux_stats(probs_NE, top_i_NK, valid_N)
+
+
 def load_balancing_loss(stats_2E: torch.Tensor, rows: torch.Tensor | float, num_experts: int) -> torch.Tensor:
     """HF load_balancing_loss_func from statistics summed over MoE layers; ``rows`` = layers * valid tokens."""
     tokens_per_expert = stats_2E[0] / rows
@@ -264,21 +278,24 @@ def load_balancing_loss(stats_2E: torch.Tensor, rows: torch.Tensor | float, num_
 
 class MoE(nn.Module):
     """Router + grouped experts. forward -> (y_BSD, aux stats [2, E]). ``moves``: the token moves (TokenMoves);
-    ``float8``: the experts' GEMMs in float8 (GroupedExperts)."""
+    ``float8``: the experts' GEMMs in float8 (GroupedExperts); ``routing``: the work after the router's GEMM,
+    ``(logits_NE, top_k, norm_topk_prob, valid_N) -> (top_w_NK, top_i_NK, stats_2E)`` (route_stats, or
+    titan_mm.kernels.moe_routing: kernel op ``moe_routing``)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 moves: TokenMoves = TokenMoves(), float8: bool = False):
+                 moves: TokenMoves = TokenMoves(), float8: bool = False, routing: Callable = route_stats):
         super().__init__()
         self.top_k, self.norm_topk_prob, self.num_experts = top_k, norm_topk_prob, num_experts
+        self.routing = routing
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts, moves, float8)
 
     def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None):
         B, S, D = x_BSD.shape
         x_ND = x_BSD.reshape(-1, D)
-        probs_NE, top_w_NK, top_i_NK = route(x_ND, self.router.weight, self.top_k, self.norm_topk_prob)
+        top_w_NK, top_i_NK, stats = self.routing(F.linear(x_ND, self.router.weight), self.top_k, self.norm_topk_prob,
+                                                 None if valid_BS is None else valid_BS.reshape(-1))
         y_ND = self.experts(x_ND, top_w_NK, top_i_NK, extra=lambda: self.shared_term(x_ND))
-        stats = aux_stats(probs_NE, top_i_NK, None if valid_BS is None else valid_BS.reshape(-1))
         return y_ND.view(B, S, D), stats
 
     def shared_term(self, x_ND: torch.Tensor) -> torch.Tensor | None:

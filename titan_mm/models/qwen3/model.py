@@ -27,7 +27,7 @@ from titan_mm.models.common import init
 from titan_mm.models.common.attention import Attention, AttnMeta
 from titan_mm.models.common.loss import chunked_cross_entropy
 from titan_mm.models.common.mlp import SwiGLU, silu_mul
-from titan_mm.models.common.moe import MoE, TokenMoves, load_balancing_loss
+from titan_mm.models.common.moe import MoE, TokenMoves, load_balancing_loss, route_stats
 from titan_mm.models.common.norm import RMSNorm, add_rms_norm, rms_norm
 from titan_mm.models.common.output import ModelOutput, Stream
 from titan_mm.models.common.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -46,6 +46,7 @@ class Ops:
     bias_gelu: Callable | None = None  # (x, b) -> gelu_tanh(x + b) for the Qwen3-VL ViT MLP; None = nn.Linear + F.gelu
     logits: Callable = F.linear  # (h_*D, w_VD) -> logits [*, V] (no labels: eval / decoding)
     moe_moves: TokenMoves = TokenMoves()  # the MoE layers' token gathers and weighted sums
+    moe_routing: Callable = route_stats  # (logits_NE, top_k, norm_topk_prob, valid_N) -> (top_w, top_i, aux stats)
     moe_float8: bool = False  # the MoE experts' grouped GEMMs in float8 (the config's moe_float8; models/common/moe.py)
 
 
@@ -81,6 +82,7 @@ def select_ops(use_kernels: bool | str, moe_float8: bool = False) -> Ops:
         cross_entropy=kernel_ce if "linear_cross_entropy" in on else _torch_ce,
         bias_gelu=K.bias_gelu if "bias_gelu" in on else None,
         moe_moves=TokenMoves(K.moe_expand, K.moe_combine) if "moe_moves" in on else TokenMoves(),
+        moe_routing=K.moe_routing if "moe_routing" in on else route_stats,
         moe_float8=moe_float8,
     )
 
@@ -102,7 +104,7 @@ class Qwen3Block(nn.Module):
         self.add_norm = ops.add_rms_norm  # residual add + ffn_norm (one Triton kernel when add_rms_norm is on)
         if cfg.is_moe_layer(layer_id):
             self.moe = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                           cfg.norm_topk_prob, ops.moe_moves, ops.moe_float8)
+                           cfg.norm_topk_prob, ops.moe_moves, ops.moe_float8, ops.moe_routing)
             self.mlp = None
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, ops.act_mul)

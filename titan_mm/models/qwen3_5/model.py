@@ -219,7 +219,7 @@ class SharedExpertMoE(MoE):
 
     def __init__(self, cfg: Qwen3_5TextConfig, ops: Ops):
         super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                         norm_topk_prob=True, moves=ops.moe_moves, float8=ops.moe_float8)
+                         norm_topk_prob=True, moves=ops.moe_moves, float8=ops.moe_float8, routing=ops.moe_routing)
         self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size, ops.act_mul)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
