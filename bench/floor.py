@@ -30,6 +30,10 @@ router with a weak balancing loss keeps):
   combine     the weighted sum back to tokens (``moe.combine``, a gather in both directions) and its backward,
               against its bytes; ``combine_index_add`` is the scatter with ``index_add_`` (the form before)
   route       router logits, softmax, top-k, renormalization and the aux statistics, forward + backward
+  routing     the same after the router's GEMM, from bf16 logits with a padding mask (``moe.route_stats``: softmax,
+              topk, renormalization, aux_stats, 6-8 kernels each way), forward + backward, against
+              ``routing_fused`` (titan_mm.kernels.moe_routing, kernel op moe_routing: one pass each way); eager and
+              (``*_compiled``) under torch.compile; at qwen3_30b_a3b_4l's shape N 16,384, E 128, K 8
   layer       titan_mm's whole MoE layer (titan_mm.models.common.moe.MoE), forward + backward; the parts above
               do not add up to it exactly (the SwiGLU between the GEMMs is in ``layer`` only);
               ``layer_compiled`` the same under torch.compile, as the trainer runs its blocks
@@ -323,6 +327,21 @@ def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16
         probs, w, i = moe.route(xl[0], layer.router.weight, K, True)
         (w.float().sum() + moe.aux_stats(probs, i, None).sum()).backward()
 
+    # the routing after the router's GEMM: its logits as a leaf, the last 1/16 of the tokens padding
+    lg_NE = torch.randn(n, E, device=device).to(dtype).requires_grad_()
+    valid_N = torch.arange(n, device=device) < n - n // 16
+    dw_NK, ds_2E = mk(n, K), torch.randn(2, E, device=device)
+
+    def routing_step(fn):
+        def run():
+            lg_NE.grad = None
+            w, _, s = fn(lg_NE, K, True, valid_N)
+            torch.autograd.backward([w, s], [dw_NK, ds_2E])
+        return run
+    routing_ref, routing_fused = routing_step(moe.route_stats), routing_step(kernels.moe_routing)
+    routing_ref_c = routing_step(torch.compile(moe.route_stats))
+    routing_fused_c = routing_step(torch.compile(kernels.moe_routing))
+
     def layer_loss(x, m=layer):  # the layer's own route, then its experts at this routing's choices
         probs, w, i = moe.route(x, m.router.weight, K, True)
         y = m.experts(x, w, top_i)
@@ -341,7 +360,10 @@ def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16
                    dense_same_flops_ms=ms_of(dense), permute_ms=ms_of(permute),
                    permute_autograd_ms=ms_of(permute_autograd), permute_fused_ms=ms_of(permute_fused),
                    combine_ms=ms_of(combine), combine_index_add_ms=ms_of(combine_index_add),
-                   combine_fused_ms=ms_of(combine_fused), route_ms=ms_of(route_part), layer_ms=ms_of(whole),
+                   combine_fused_ms=ms_of(combine_fused), route_ms=ms_of(route_part),
+                   routing_ms=ms_of(routing_ref), routing_fused_ms=ms_of(routing_fused),
+                   routing_compiled_ms=ms_of(routing_ref_c) if gpu else None,
+                   routing_fused_compiled_ms=ms_of(routing_fused_c) if gpu else None, layer_ms=ms_of(whole),
                    layer_compiled_ms=ms_of(whole_compiled) if gpu else None,
                    layer_compiled_fused_ms=ms_of(whole_fused_compiled) if gpu else None,
                    gemms_f8_ms=ms_of(gemms_f8) if f8 else None,
@@ -426,6 +448,9 @@ def main() -> int:
                       f"{m['combine_fused_ms']:.2f}, route {m['route_ms']:.2f}, layer {m['layer_ms']:.2f} ms "
                       f"(compiled {m['layer_compiled_ms']:.2f}; with the fused moves {m['layer_compiled_fused_ms']:.2f})",
                       flush=True)
+                print(f"{name} {m['kind']} routing fwd+bwd (N {n}, E {t.num_experts}, K {t.experts_per_tok}, bf16): "
+                      f"reference {m['routing_ms']:.3f} ms (compiled {m['routing_compiled_ms']:.3f}), fused "
+                      f"{m['routing_fused_ms']:.3f} ms (compiled {m['routing_fused_compiled_ms']:.3f})", flush=True)
                 if m["gemms_f8_ms"] is not None:
                     print(f"{name} {m['kind']} float8 experts: gemms {m['gemms_f8_ms']:.2f} ms "
                           f"({m['gemms_f8_tflops']:.0f} TFLOP/s), layer compiled {m['layer_compiled_f8_ms']:.2f} ms",

@@ -44,6 +44,7 @@ def test_moe_floor_runs_and_counts_the_experts_flops():
         assert r["gemm_flops"] == 6 * n * t.experts_per_tok * 3 * t.hidden_size * t.moe_intermediate_size
         assert r["assignments"] == n * t.experts_per_tok and r["max_over_mean"] >= 1.0
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("gemms_ms", "gemms_gate_up_fused_ms", "permute_ms",
-                                                              "combine_ms", "layer_ms"))
+                                                              "combine_ms", "routing_ms", "routing_fused_ms",
+                                                              "layer_ms"))
     with pytest.raises(ValueError, match="router | skewed"):
         floor.routing(n, t, "uniform", torch.device("cpu"))
