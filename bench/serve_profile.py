@@ -122,36 +122,6 @@ def host_cost(rows: int = 256, new: int = 600, warm: int = 400, steps: int = 30)
                 host_ms=round((wall - model) * 1e3, 2), host_cpu_ms=round(cpu_host * 1e3, 2))
 
 
-def gpu_busy(spec, cfg, model, device, shape, prompts, news, steps: int = 30) -> dict:
-    """Steady decode at the workload's full concurrency, as served (no syncs between steps, asynchronous steps as
-    configured): wall time per step against the GPU's kernel time per step (the profiler's CUDA activity only),
-    so busy < 1 is time the GPU waited for the host."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from titan_mm.serve.sampling import SamplingParams
-
-    engine = sb.titan_engine(model, spec, cfg, prompts, news, device, shape)
-    for i, (p, n) in enumerate(zip(prompts, news)):
-        engine.add_request(f"b{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    while any(s.num_computed < s.num_prompt for r in engine.scheduler.running + engine.scheduler.waiting
-              for s in r.seqs):
-        engine.step()  # until every prompt is in: the steps below decode only
-    for _ in range(5):
-        engine.step()
-    sb.sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sb.sync(device)
-        wall = time.perf_counter() - t
-    gpu = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
-    running = engine.stats()["num_running_seqs"]
-    return dict(steps=steps, running=running, wall_ms_per_step=round(wall / steps * 1e3, 3),
-                gpu_ms_per_step=round(gpu / steps * 1e3, 3), busy=round(gpu / wall, 3),
-                async_scheduling=shape["async_scheduling"])
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true")
@@ -223,12 +193,9 @@ def main(argv=None) -> int:
         trace = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
         print(trace)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    busy = None if a.cpu else gpu_busy(spec, cfg, model, device, shape, prompts, news)
-    if busy is not None:
-        print(json.dumps(dict(gpu_busy=busy)), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(dict(flavor=flavor, kernels=shape["kernels"], launch_floor_us=floor,
-                                               batch1=b1, rows=rows, trace=trace, gpu_busy=busy), indent=1))
+                                               batch1=b1, rows=rows, trace=trace), indent=1))
     return 0
 
 
