@@ -505,7 +505,7 @@ class Engine:
         p = req.params
         return req.beam is None and not p.penalized and (req.forked or p.width == 1)
 
-    def _launch(self, rows: list[Row], logits: torch.Tensor) -> tuple[Draw, list[Row]]:
+    def _launch(self, rows: list[Row], logits: torch.Tensor) -> tuple[Draw | None, list[Row]]:
         """Sample the rows that reached their last token, leaving the tokens on the device (their copy to the host
         started); -> (the draw, those rows in its order)."""
         at = [i for i, r in enumerate(rows) if r.samples]
