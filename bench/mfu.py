@@ -50,9 +50,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# run as a script, bench/ leads sys.path and bench/kernels.py would shadow the `kernels` package that
-# transformers (>= 5.25) imports
-sys.path[:] = [str(ROOT)] + [q for q in sys.path if Path(q or ".").resolve() != ROOT / "bench"]
+sys.path.insert(0, str(ROOT))
 PEAK_TFLOPS = 989.0
 
 # name -> registry model, flavor, overrides of the flavor's config (JSON-able: --model.overrides; a dict reaches

@@ -43,11 +43,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# run as a script, bench/ leads sys.path and bench/kernels.py would shadow the `kernels` package that
-# transformers (>= 5.25) imports
-sys.path[:] = [str(ROOT)] + [q for q in sys.path if Path(q or ".").resolve() != ROOT / "bench"]
+sys.path.insert(0, str(ROOT))
 
-from bench.kernels import COPY_CEILING_TBS  # noqa: E402  (H200 device-to-device copy, the HBM ceiling)
+from bench.kernel_ops import COPY_CEILING_TBS  # noqa: E402  (H200 device-to-device copy, the HBM ceiling)
 
 # the workloads, on the H200 and in the CPU smoke (a tiny debug model, every code path)
 SHAPES = {

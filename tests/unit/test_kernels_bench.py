@@ -1,10 +1,10 @@
-"""bench/kernels.py renders its JSON into the docs table (the GPU run itself happens on the H200)."""
+"""bench/kernel_ops.py renders its JSON into the docs table (the GPU run itself happens on the H200)."""
 
 import importlib
 
 
 def _bench():
-    return importlib.import_module("bench.kernels")
+    return importlib.import_module("bench.kernel_ops")
 
 
 def test_render_and_update_doc(tmp_path):

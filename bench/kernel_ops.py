@@ -1,5 +1,8 @@
 """Per-kernel benchmark on one GPU: eager PyTorch, torch.compile of the reference, Liger 0.8.5, titan_mm.
 
+Named kernel_ops, not kernels: run as a script, bench/ leads sys.path, and a bench/kernels.py shadowed the
+`kernels` package that transformers (>= 5.25) imports.
+
 Shapes: Qwen3-8B / Qwen3-VL, 16,384 tokens x hidden 4096, bf16 (SwiGLU at the 8B MLP width 12,288;
 RoPE with 32 q / 8 kv heads of 128; bias-GELU at the Qwen3-VL ViT MLP width 4,304; fused linear CE with
 vocabulary 151,936). For each kernel, implementation and mode (fwd, fwd+bwd): median time over many
@@ -16,8 +19,8 @@ the mean (`ms_runs` holds both): the clock drifts over the ~100 ms GPU-bound CE 
 favoured whichever ran first, and the memory-bound kernels differ by about 1 us. The JSON is rewritten after every kernel, so a run cut short keeps what it
 measured.
 
-    PYTHONPATH=$PWD:/tmp/site python3 bench/kernels.py [--out bench/results/kernels.json] [--only rms_norm,...]
-    python3 bench/kernels.py --render bench/results/kernels.json [--doc docs/kernels.md]   # markdown table
+    PYTHONPATH=$PWD:/tmp/site python3 bench/kernel_ops.py [--out bench/results/kernels.json] [--only rms_norm,...]
+    python3 bench/kernel_ops.py --render bench/results/kernels.json [--doc docs/kernels.md]   # markdown table
 
 Runs in < 3 minutes on the H200 (torch.compile of the references is most of it: no new compile row starts
 after --budget-s; --no-compile skips them).
@@ -447,7 +450,7 @@ def main(argv=None):
     if a.smoke:
         set_smoke_shapes()
     else:
-        assert torch.cuda.is_available(), "bench/kernels.py needs a CUDA GPU (or --smoke)"
+        assert torch.cuda.is_available(), "bench/kernel_ops.py needs a CUDA GPU (or --smoke)"
     t0 = time.perf_counter()
     only = [s for s in a.only.split(",") if s]
     try:
