@@ -58,7 +58,10 @@ class _Inflight:
 
     seqs: list[tuple[Seq, Request, int]]
     draw: Draw
-    fed: Fed
+
+    @property
+    def fed(self) -> Fed:
+        return Fed(self.draw.tokens, {s.seq_id: j for s, _, j in self.seqs})
 
 
 class Engine:
@@ -534,7 +537,7 @@ class Engine:
                 seqs.append((seq, r.req, j))
         if not seqs:
             return None
-        return _Inflight(seqs, drawn, Fed(drawn.tokens, {s.seq_id: j for s, _, j in seqs}))
+        return _Inflight(seqs, drawn)
 
     def _resolve(self, prev: _Inflight, touched: dict[str, Request]) -> None:
         """The previous step's tokens, read back: stop checks, text and outputs, as a step in turn would do."""
