@@ -294,7 +294,7 @@ def run_equality(args, models: dict, bounds: dict, dump: Path, W: int) -> list[d
         if m:  # the trainer's peak per GPU (GB = 1e9 bytes), for bench/memory_check.py
             row["mem_peak_gb"] = max(v.get("mem_peak_gb", 0.0) for v in m.values())
         rows.append(row)
-        print(f"[plans] {name}: {'ok' if row.get('ok') else 'FAILED ' + str(row.get('error', ''))[-800:]} "
+        print(f"[plans] {name}: {'ok' if row.get('ok') else 'FAILED ' + str(row.get('error', ''))[:1500]} "
               f"(loss rel max {fmt(row.get('loss_rel_max'))}, grad-norm rel max {fmt(row.get('gnorm_rel_max'))})",
               flush=True)
     return rows
@@ -346,7 +346,7 @@ def run_mfu(args, dump: Path, W: int) -> list[dict]:
         if "error" in res:
             row["error"] = res["error"]
         rows.append(row)
-        print(f"[plans] {name}: " + (f"FAILED {res['error'][-800:]}" if "error" in res else
+        print(f"[plans] {name}: " + (f"FAILED {res['error'][:1500]}" if "error" in res else
               f"{row.get('tokens_per_s_per_gpu', 0):,.0f} tok/s/GPU, {fmt(row.get('tflops_per_gpu'), '.1f')} "
               f"TFLOP/s/GPU, MFU {fmt(row.get('mfu'), '.1%') or 'n/a'}"), flush=True)
     return rows

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -98,9 +99,22 @@ def launch(world: int, entry: list[str], argv: list[str], log: Path, timeout: fl
             return dict(rc=124, seconds=time.time() - t0, error=f"timeout after {timeout:.0f}s (log: {log})")
     out = dict(rc=rc, seconds=round(time.time() - t0, 1))
     if rc != 0:
-        tail = log.read_text(errors="replace").splitlines()[-25:]
-        out["error"] = f"exit code {rc} (log: {log}): " + "\n".join(tail)[-2500:]
+        out["error"] = f"exit code {rc} (log: {log}): " + failure_lines(log.read_text(errors="replace"))
     return out
+
+
+# What a failed child prints of its own (a Python traceback's last line, a C++ terminate, an abort):
+# torchrun's summary that ends the log names only the signal.
+_CAUSE = re.compile(r"Error|error:|Traceback|terminate called|what\(\)|enforce fail|Assertion|Abort|Segmentation")
+_SUMMARY = re.compile(r"ChildFailedError|^\s*(time|host|rank|exitcode|error_file|traceback)\s*:|^[=-]{10,}|Failures:|Root Cause")
+
+
+def failure_lines(text: str, n: int = 12) -> str:
+    """The child's first lines that name a cause (not torchrun's summary), then the log's last lines."""
+    lines = text.splitlines()
+    cause = [ln for ln in lines if _CAUSE.search(ln) and not _SUMMARY.search(ln)][:n]
+    tail = "\n".join(lines[-8:])
+    return ("\n".join(cause) + "\n...\n" if cause else "") + tail[-1200:]
 
 
 def read_metrics(run: Path) -> dict[int, dict]:
@@ -378,7 +392,7 @@ def run_model(key: str, model: dict, nprocs: list[int], args, bounds: dict, dump
         row.update(perf(m, n, args.warmup, flops, peak))
         runs.append(row)
         args.save(runs, [])  # partial results survive a killed command
-        print(f"[scaling] {name}: " + (f"FAILED {res['error'][-600:]}" if "error" in res else
+        print(f"[scaling] {name}: " + (f"FAILED {res['error'][:1500]}" if "error" in res else
               f"{row.get('tokens_per_s_per_gpu', 0):,.0f} tok/s/GPU, MFU {fmt(row.get('mfu'), '.1%') or 'n/a'}, "
               f"{res['seconds']:.0f}s"), flush=True)
     if args.control:  # the noise floor: 1 process again, with other trainer overrides (other rounding)

@@ -27,7 +27,8 @@ def _run(script: str, args: list[str], timeout: float = 600) -> subprocess.Compl
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     p = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--cpu", *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"{script} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    failed = "\n[".join(b for b in p.stdout.split("\n[") if ": FAILED" in b)  # each failed run's cause
+    assert p.returncode == 0, f"{script} failed ({p.returncode}):\n{failed[:6000]}\n...\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
     return p
 
 
