@@ -50,11 +50,11 @@ from bench.kernel_ops import COPY_CEILING_TBS  # noqa: E402  (H200 device-to-dev
 # the workloads, on the H200 and in the CPU smoke (a tiny debug model, every code path)
 SHAPES = {
     "gpu": dict(flavors=("0.6B", "1.7B"), spec=("1.7B", "0.6B"), max_num_seqs=256, budget=16384, cap_s=50.0,
-                async_scheduling=True, peer=True,
+                async_scheduling=True, packed_prefill=False, peer=True,
                 A=dict(n=256, lo=100, hi=1024), batch1=dict(prompt=512, new=512),
                 B=dict(n=128, prefix=2048, lo=16, hi=64, new=32), C=dict(n=16, snippet=16, prompt=256, new=128)),
     "cpu": dict(flavors=("debug",), spec=("debug", "debug"), max_num_seqs=8, budget=256, cap_s=30.0,
-                async_scheduling=True, peer=True,
+                async_scheduling=True, packed_prefill=False, peer=True,
                 A=dict(n=6, lo=4, hi=16), batch1=dict(prompt=16, new=8),
                 B=dict(n=6, prefix=64, lo=4, hi=8, new=4), C=dict(n=2, snippet=4, prompt=32, new=12)),
 }
@@ -189,7 +189,8 @@ def titan_engine(model, spec, cfg, prompts: list[list[int]], news: list[int], de
     longest = max(len(p) + n for p, n in zip(prompts, news))
     sc = ServeConfig(block_size=bs, num_blocks=blocks, max_num_seqs=min(shape["max_num_seqs"], max(len(prompts), 1)),
                      max_num_batched_tokens=max(shape["budget"], shape["max_num_seqs"]), max_model_len=longest + k + 16,
-                     **{"async_scheduling": shape["async_scheduling"], **serve_kw})
+                     **{"async_scheduling": shape["async_scheduling"], "packed_prefill": shape["packed_prefill"],
+                        **serve_kw})
     return Engine(model, spec, cfg, sc, device=device, draft=draft, tokenizer=tokenizer())
 
 
@@ -544,6 +545,9 @@ def main(argv: list[str] | None = None) -> int:
                     "(what Engine.from_pretrained serves on CUDA); 0: the plain PyTorch ops")
     ap.add_argument("--async_scheduling", type=int, default=1, help="titan's serve.async_scheduling (1, the default: "
                     "each step launched before the previous step's tokens are read back; 0: steps in turn)")
+    ap.add_argument("--packed_prefill", type=int, default=0, help="titan's serve.packed_prefill (1: a step's "
+                    "prefill chunks as one packed row through varlen attention; 0, the default: rows padded to the "
+                    "longest)")
     ap.add_argument("--peer", type=int, default=1, help="0: skip transformers (titan's runs only)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/serve.json"))
     ap.add_argument("--table", metavar="JSON", help="print the markdown tables of a results file and stop")
@@ -560,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         shape["flavors"] = tuple(a.flavors.split(","))
     shape["kernels"] = bool(a.kernels)
     shape["async_scheduling"] = bool(a.async_scheduling)
+    shape["packed_prefill"] = bool(a.packed_prefill)
     shape["peer"] = bool(a.peer)
     parts = a.parts.split(",")
     bad = [p for p in parts if p not in RUN]

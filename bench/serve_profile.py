@@ -122,6 +122,52 @@ def host_cost(rows: int = 256, new: int = 600, warm: int = 400, steps: int = 30)
                 host_ms=round((wall - model) * 1e3, 2), host_cpu_ms=round(cpu_host * 1e3, 2))
 
 
+def prefill_padding(reps: int = 5) -> dict:
+    """Workload A's prefill steps as the scheduler forms them (the bench's seed, budget and seats; a 1-layer debug
+    model on the CPU: only the lengths matter): per step the real prompt tokens against the padded rows' B x S,
+    and the host time of planning the first step's cache metadata padded (its [B, 1, S, L] mask) against packed
+    (cu_seqlens, what the varlen kernel reads)."""
+    import dataclasses
+
+    from titan_mm.models.common.kv_cache import plan_step
+    from titan_mm.registry import get_model_spec
+    from titan_mm.serve.sampling import SamplingParams
+
+    cpu = torch.device("cpu")
+    spec = get_model_spec("qwen3")
+    cfg = dataclasses.replace(spec.flavor("debug"), vocab_size=1024, num_hidden_layers=1)
+    s = sb.SHAPES["gpu"]["A"]
+    g = torch.Generator().manual_seed(0)
+    plens, news = sb.uniform(g, s["n"], s["lo"], s["hi"]), sb.uniform(g, s["n"], s["lo"], s["hi"])
+    prompts = [[t % 1024 for t in sb.random_ids(g, n, sb.text_vocab())] for n in plens]
+    engine = sb.titan_engine(sb.random_weights(spec, cfg, cpu, 0), spec, cfg, prompts, news, cpu, sb.SHAPES["gpu"])
+    for i, (pr, n) in enumerate(zip(prompts, news)):
+        engine.add_request(f"r{i}", pr, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    steps, prepare = [], engine.runner.prepare
+
+    def record(rows, *a, **k):
+        steps.append(dict(rows=len(rows), tokens=sum(r.n for r in rows), padded=len(rows) * max(r.n for r in rows),
+                          lens=[(r.start, r.n) for r in rows]))
+        return prepare(rows, *a, **k)
+
+    engine.runner.prepare = record
+    while sum(st["tokens"] for st in steps) < sum(plens):  # decode rows never reach prepare (paged decode)
+        engine.step()
+    cache, first = engine.runner.cache, steps[0]["lens"]
+    tables = torch.arange(len(first) * 70).view(len(first), 70)  # 70 blocks of 16 hold 1,024 + the lookahead
+    new, cached = [n for _, n in first], [a for a, _ in first]
+    timing = {}
+    for name, kw in (("padded_mask", {}), ("packed_varlen", dict(packed=True, varlen=True))):
+        t = time.perf_counter()
+        for _ in range(reps):
+            plan_step(cache, new, cached_lens=cached, block_tables=tables, **kw)
+        timing[name + "_ms"] = round((time.perf_counter() - t) / reps * 1e3, 2)
+    real, padded = sum(st["tokens"] for st in steps), sum(st["padded"] for st in steps)
+    return dict(prefill_steps=len(steps), prompt_tokens=real, padded_tokens=padded,
+                padded_over_real=round(padded / real, 3), first_step_rows=steps[0]["rows"],
+                plan_first_step=timing, steps=[{k: v for k, v in st.items() if k != "lens"} for st in steps])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true")
@@ -129,13 +175,16 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kernels", type=int, default=1, help="the fused titan_mm.kernels ops (as bench/serve.py)")
     ap.add_argument("--host", action="store_true", help="only the host side of a 256-row step, on the CPU")
+    ap.add_argument("--prefill_padding", action="store_true", help="only workload A's prefill steps: real against "
+                    "padded tokens, and the host time of planning one packed or padded (CPU)")
     ap.add_argument("--async_scheduling", type=int, default=1, help="serve.async_scheduling of the engines (as "
                     "bench/serve.py)")
+    ap.add_argument("--packed_prefill", type=int, default=0, help="serve.packed_prefill (as bench/serve.py)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
-    if a.host:
+    if a.host or a.prefill_padding:
         torch.set_num_threads(1)
-        res = host_cost()
+        res = host_cost() if a.host else prefill_padding()
         print(json.dumps(res))
         if a.out:
             Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
@@ -143,7 +192,8 @@ def main(argv=None) -> int:
     from titan_mm.registry import get_model_spec
 
     device = torch.device("cpu" if a.cpu else "cuda")
-    shape = dict(sb.SHAPES["cpu" if a.cpu else "gpu"], kernels=bool(a.kernels), async_scheduling=bool(a.async_scheduling))
+    shape = dict(sb.SHAPES["cpu" if a.cpu else "gpu"], kernels=bool(a.kernels), async_scheduling=bool(a.async_scheduling),
+                 packed_prefill=bool(a.packed_prefill))
     flavor = a.flavor or shape["flavors"][0]
     spec = get_model_spec("qwen3")
     cfg = spec.flavor(flavor)

@@ -33,6 +33,7 @@ N = 16
 CASES = {
     "prefix_cache": dict(block_size=4, num_blocks=256, max_num_seqs=4),  # admitted in waves: later ones hit
     "no_prefix_cache": dict(block_size=4, num_blocks=256, enable_prefix_caching=False),
+    "padded_prefill": dict(block_size=4, num_blocks=256, max_num_seqs=4, packed_prefill=False),  # rows, not packed
     "preemption": dict(block_size=4, num_blocks=22, max_num_seqs=16),
     "chunked_prefill": dict(block_size=4, num_blocks=256, max_num_batched_tokens=16, max_num_seqs=8),
     "whole_prefill": dict(block_size=16, num_blocks=64, enable_chunked_prefill=False, max_num_batched_tokens=256),
@@ -172,7 +173,7 @@ MODELS = {"qwen3": lambda: text_setup(False), "qwen3_moe": lambda: text_setup(Tr
 @pytest.mark.parametrize("model", list(MODELS))
 def test_greedy_matches_transformers_generate(model, case):
     tm, spec, prompts, images, eos, refs, data = MODELS[model]()
-    cfg = ServeConfig(max_model_len=256, **CASES[case])
+    cfg = ServeConfig(max_model_len=256, **{"packed_prefill": True, **CASES[case]})
     text = tm.language_model if model.startswith("qwen3_vl") else tm
     draft = draft_model(text) if cfg.speculative_method == "draft" else None
     engine = Engine(tm, spec, tm.cfg, cfg, eos_token_ids=[eos], data=data, draft=draft)
@@ -189,6 +190,7 @@ def test_greedy_matches_transformers_generate(model, case):
         assert st["prefix_cache_hit_rate"] > 0.1, st
     if case == "no_prefix_cache":
         assert st["prefix_cache_hit_tokens"] == 0
+    assert engine.runner.packed == (case != "padded_prefill")  # the other cases prefill through one packed row
     if case in ("preemption", "spec_draft_preempt"):
         assert st["num_preemptions"] > 0, st
     if cfg.speculative_method:  # guesses were made, and some kept

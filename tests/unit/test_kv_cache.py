@@ -76,6 +76,73 @@ def test_cached_steps_equal_one_full_forward(layout, schedule, window):
     assert done == list(LENS) and cache.seq_lens.tolist() == list(LENS)
 
 
+def packed_steps(model, ids, schedule, layout, varlen=False, no_sync=False):
+    """Run ``schedule`` as packed steps (every sequence's new tokens back to back in one row); -> per step and
+    sequence the logits of its new tokens, and the last cache."""
+    c, win, dev = model.cfg, model.cfg.attn_sliding_window, ids.device
+    dtype = next(model.parameters()).dtype
+    cache = (alloc_contiguous_cache(c.num_hidden_layers, len(LENS), max(LENS), c.num_key_value_heads, c.head_dim,
+                                    dtype, dev) if layout == "contiguous" else
+             alloc_paged_cache(c.num_hidden_layers, 16, BLOCK, c.num_key_value_heads, c.head_dim, dtype, dev))
+    tables = {"block_tables": TABLES} if layout == "paged" else {}
+    done, got = [0] * len(LENS), []
+    for new in schedule:
+        cache = plan_step(cache, new, sliding_window=win, packed=True, varlen=varlen, **tables)
+        row = torch.cat([ids[b, done[b]:done[b] + n] for b, n in enumerate(new)])[None]
+        assert cache.step.positions.shape == row.shape
+        meta = build_attn_meta({"input_ids": row}, "sdpa", dev, sliding_window=win, kv_cache=cache)
+        if no_sync:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = model(row, position_ids=cache.step.positions, attn=meta)
+        finally:
+            if no_sync:
+                torch.cuda.set_sync_debug_mode(0)
+        o, step = 0, []
+        for b, n in enumerate(new):
+            step.append((b, done[b], out.logits[0, o:o + n]))
+            done[b] += n
+            o += n
+        got.append(step)
+        cache = out.kv_cache
+    assert done == list(LENS) and cache.seq_lens.tolist() == list(LENS)
+    return got
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["full", "window"])
+@pytest.mark.parametrize("schedule", [DECODE, MIXED], ids=["prefill+decode", "mixed"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@torch.no_grad()
+def test_packed_steps_equal_one_full_forward(layout, schedule, window):
+    """The same steps with every sequence's new tokens back to back in one row (plan_step(packed=True)): the
+    block-diagonal causal mask over each sequence's cached and new keys gives the full forward's logits."""
+    model = tiny_model(window)
+    ids = sequences()
+    full = model(ids, attn=build_attn_meta({"input_ids": ids}, "sdpa", "cpu",
+                                           sliding_window=model.cfg.attn_sliding_window)).logits
+    for step in packed_steps(model, ids, schedule, layout):
+        for b, at, logits in step:
+            torch.testing.assert_close(logits, full[b, at:at + len(logits)], atol=1e-5, rtol=0,
+                                       msg=lambda m: f"sequence {b}, positions from {at}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [False, True], ids=["full", "window"])
+@torch.no_grad()
+def test_packed_varlen_steps_on_cuda_match_the_masked_steps(window):
+    """bf16 on CUDA: the varlen kernel over cu_seqlens (queries aligned to the end of their sequence's keys, a
+    cached prefix before them) gives the masked path's logits, with no host sync in the forward."""
+    model = tiny_model(window).cuda().to(torch.bfloat16)
+    ids = sequences().cuda()
+    fast = packed_steps(model, ids, MIXED, "paged", varlen=True, no_sync=True)
+    ref = packed_steps(model, ids, MIXED, "paged")
+    for a, b in zip(fast, ref):
+        for (s, at, x), (_, _, y) in zip(a, b):
+            torch.testing.assert_close(x.float(), y.float(), atol=3e-2, rtol=3e-2,
+                                       msg=lambda m: f"sequence {s}, positions from {at}: {m}")
+
+
 def test_paged_writes_land_in_the_tables_blocks():
     """Each token's k/v lives at block_tables[b, p // block_size], offset p % block_size; other blocks stay empty."""
     model = tiny_model(False)

@@ -24,6 +24,11 @@ class ServeConfig:
     cuda_graphs: bool = True
     """Decode steps replay a CUDA graph per padded batch size, all captured when the engine starts (CUDA, bf16,
     with paged_decode; elsewhere they run eagerly through the same static buffers)."""
+    packed_prefill: bool = False
+    """Prefill chunks of a step run as one packed row (each sequence's new tokens back to back; varlen attention
+    on CUDA in bf16, a block-diagonal mask elsewhere) instead of rows padded to the longest chunk. Families with
+    linear-attention states (Qwen3.5) always use padded rows: their state is kept per row. Off by default until
+    the varlen path has run on a GPU (the CPU path equals transformers' generate in the serve tests)."""
     async_scheduling: bool = True
     """Schedule and launch each step before the previous step's tokens are read back: its decode rows take those
     tokens on the device, and the host checks stops, detokenizes and reports while the GPU runs. It applies to

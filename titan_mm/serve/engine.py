@@ -137,7 +137,8 @@ class Engine:
         self.slots = StateSlots(cfg.max_num_seqs) if self.dims.linear is not None else None
         self.scheduler = Scheduler(cfg, self.blocks, self.slots)
         runner = dict(block_size=cfg.block_size, num_blocks=num_blocks, max_num_seqs=cfg.max_num_seqs, tp=tp,
-                      paged_decode=cfg.paged_decode, max_model_len=self.max_model_len, cuda_graphs=cfg.cuda_graphs)
+                      paged_decode=cfg.paged_decode, max_model_len=self.max_model_len, cuda_graphs=cfg.cuda_graphs,
+                      packed_prefill=cfg.packed_prefill)
         self.runner = ModelRunner(self.model, spec, model_cfg, self.device, self.dtype, **runner)
         self.proposer = None
         if self.draft is not None:  # its own pool, the target's block layout and tables

@@ -1,6 +1,7 @@
 """One forward of the engine's step through the training model's KV-cache path.
 
-Host side, before the forward: the step's rows (one per sequence: its new tokens, right-padded), the paged cache
+Host side, before the forward: the step's rows (one per sequence: its new tokens; packed back to back in one row,
+or right-padded rows for families with linear-attention states or with ``serve.packed_prefill`` off), the paged cache
 step (titan_mm.models.common.kv_cache.plan_step: positions, slot mapping, gathered slots, masks), M-RoPE positions,
 and for a vision family its ``prepare_batch`` metadata over the whole images the rows hold. The forward itself
 does no host sync (tests/gpu/test_serve_gpu.py checks it).
@@ -44,7 +45,8 @@ class Fed(NamedTuple):
 @dataclass
 class StepInputs:
     """One forward's inputs, on the device: ids [B, S], positions, attention metadata (the planned cache),
-    logits_at [B] and the family's extra inputs; the first ``n_rows`` rows are real."""
+    logits_at [B] and the family's extra inputs; the first ``n_rows`` rows are real. ``packed``: ids are one row
+    [1, N] of ``n_rows`` sequences and logits_at [1, n_rows x per_row] indexes it."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -52,6 +54,7 @@ class StepInputs:
     logits_at: torch.Tensor
     extra: dict
     n_rows: int
+    packed: bool = False
 
 
 @dataclass
@@ -102,7 +105,7 @@ def _host_available() -> int:
 class ModelRunner:
     def __init__(self, model, spec, model_cfg, device: torch.device, dtype: torch.dtype, block_size: int,
                  num_blocks: int, max_num_seqs: int, tp: int = 1, paged_decode: bool = True, max_model_len: int = 0,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, packed_prefill: bool = True):
         from titan_mm.kernels import paged_decode_attention
 
         self.model, self.spec, self.cfg = model, spec, model_cfg
@@ -122,6 +125,9 @@ class ModelRunner:
         state = None if lin is None else alloc_state_pool(lin.layers, max_num_seqs + 1, *_state_shapes(lin, tp),
                                                           dtype, device)
         self.scratch_slot = None if lin is None else max_num_seqs
+        # linear-attention states are per row: those families prefill through padded rows
+        self.packed = packed_prefill and lin is None
+        self.varlen = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)  # flash kernels only
         self.cache = alloc_paged_cache(dims.num_layers, num_blocks + 1, block_size, dims.num_kv_heads // tp,
                                        dims.head_dim, dtype, device, state=state)
         self.scratch_block = num_blocks
@@ -202,9 +208,9 @@ class ModelRunner:
         pending = np.flatnonzero(ids[:n, 0] == PENDING)
         ids[pending, 0] = 0
         st.ids.copy_(torch.from_numpy(ids), non_blocking=True)
-        self._feed(st.ids, rows, pending, np.zeros_like(pending), fed)
+        self._feed(st.ids, pending, np.zeros_like(pending), [rows[i] for i in pending], fed)
         if self.mrope:
-            st.positions.copy_(self._mrope_positions(rows, B, 1))
+            st.positions.copy_(self._mrope_positions(rows, (np.arange(n), np.zeros(n, dtype=np.int64)), B, 1))
         if st.graph is not None:
             st.graph.replay()
             return st.out[:n]
@@ -265,46 +271,56 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prepare(self, rows: list[Row], per_row: int = 1, fed: Fed | None = None) -> StepInputs:
-        """Everything the forward reads, built on the host and moved to the device."""
+        """Everything the forward reads, built on the host and moved to the device: one packed row of the rows'
+        new tokens (``self.packed``), or right-padded rows."""
         n_rows = len(rows)
-        B = n_rows
-        S = max(r.n for r in rows)
+        new = np.array([r.n for r in rows], dtype=np.int64)
+        if self.packed:  # row i's tokens at (0, off[i]) of one row
+            B, S = 1, int(new.sum())
+            at = np.zeros(n_rows, dtype=np.int64), np.cumsum(new) - new
+        else:  # row i's tokens at (i, 0)
+            B, S = n_rows, int(new.max())
+            at = np.arange(n_rows), np.zeros(n_rows, dtype=np.int64)
         width = max(len(r.seq.table.blocks) for r in rows)
-        ids = torch.zeros(B, S, dtype=torch.long)
-        tables = torch.zeros(B, width, dtype=torch.long)
-        new = [r.n for r in rows] + [0] * (B - n_rows)
-        cached = [r.start for r in rows] + [0] * (B - n_rows)
+        ids = np.zeros((B, S), dtype=np.int64)
+        tables = np.zeros((n_rows, width), dtype=np.int64)
         for i, r in enumerate(rows):
-            ids[i, : r.n] = torch.tensor(r.tokens)
-            tables[i, : len(r.seq.table.blocks)] = torch.tensor(r.seq.table.blocks)
-        pending = (ids == PENDING).nonzero().numpy()
-        ids[ids == PENDING] = 0
-        cache = plan_step(self.cache, new, cached_lens=cached, block_tables=tables, sliding_window=self.window,
-                          width=S, decode_attention=self.decode_attention, state_slots=self._slots(rows, B))
-        positions = self._mrope_positions(rows, B, S) if self.mrope else cache.step.positions
-        extra = self._media(rows, ids) if self.spec.prepare_batch is not None else {}
+            ids[at[0][i], at[1][i]: at[1][i] + r.n] = r.tokens
+            tables[i, : len(r.seq.table.blocks)] = r.seq.table.blocks
+        pb, pc = np.nonzero(ids == PENDING)
+        ids[pb, pc] = 0
+        owner = [rows[i] for i in (np.searchsorted(at[1], pc, "right") - 1 if self.packed else pb)]
+        cache = plan_step(self.cache, new, cached_lens=[r.start for r in rows], block_tables=torch.from_numpy(tables),
+                          sliding_window=self.window, width=None if self.packed else S,
+                          decode_attention=None if self.packed else self.decode_attention,
+                          state_slots=self._slots(rows, n_rows), packed=self.packed, varlen=self.packed and self.varlen)
+        ids = torch.from_numpy(ids)
+        positions = self._mrope_positions(rows, at, B, S) if self.mrope else cache.step.positions
+        extra = self._media(rows, ids, at) if self.spec.prepare_batch is not None else {}
         meta = build_attn_meta({"input_ids": ids}, self.backend, self.device, sliding_window=self.window,
                                kv_cache=cache)
+        last = new - 1
         if per_row == 1:
-            at = torch.tensor([max(n - 1, 0) for n in new])
+            idx = last
         else:  # from the token before the guesses on
-            first = [r.n - 1 - len(r.draft) for r in rows] + [0] * (B - n_rows)
-            at = torch.minimum(torch.tensor(first)[:, None] + torch.arange(per_row)[None],
-                               torch.tensor([max(n - 1, 0) for n in new])[:, None])
-        at = at.to(self.device, non_blocking=True)
+            first = np.array([r.n - 1 - len(r.draft) for r in rows])
+            idx = np.minimum(first[:, None] + np.arange(per_row)[None], last[:, None])
+        at_ = torch.from_numpy((at[1].reshape(-1, *[1] * (idx.ndim - 1)) + idx).reshape(1, -1) if self.packed
+                               else idx).to(self.device, non_blocking=True)
         ids = ids.to(self.device, non_blocking=True)
-        self._feed(ids, rows, pending[:, 0], pending[:, 1], fed)
-        return StepInputs(ids, positions, meta, at, extra, n_rows)
+        self._feed(ids, pb, pc, owner, fed)
+        return StepInputs(ids, positions, meta, at_, extra, n_rows, self.packed)
 
-    def _feed(self, ids: torch.Tensor, rows: list[Row], at_row: np.ndarray, at_col: np.ndarray,
+    def _feed(self, ids: torch.Tensor, at_b: np.ndarray, at_c: np.ndarray, owners: list[Row],
               fed: Fed | None) -> None:
-        """ids[at_row, at_col] (on the device) <- those rows' PENDING tokens, from the previous step's."""
-        if not len(at_row):
+        """ids[at_b, at_c] (on the device) <- the PENDING tokens of ``owners``' sequences, from the previous
+        step's draw."""
+        if not len(at_b):
             return
         if fed is None:
             raise RuntimeError("a row holds a pending token but the step was given no previous tokens (a bug)")
-        src = [fed.row_of[rows[i].seq.seq_id] for i in at_row]
-        idx = torch.from_numpy(np.stack([at_row, at_col, np.asarray(src)])).to(self.device, non_blocking=True)
+        src = [fed.row_of[r.seq.seq_id] for r in owners]
+        idx = torch.from_numpy(np.stack([at_b, at_c, np.asarray(src)])).to(self.device, non_blocking=True)
         ids[idx[0], idx[1]] = fed.tokens[idx[2]]
 
     def _slots(self, rows: list[Row], B: int) -> list[int] | None:
@@ -320,22 +336,28 @@ class ModelRunner:
 
     def _model_step(self, x: StepInputs) -> torch.Tensor:
         out = self.model(x.ids, position_ids=x.positions, attn=x.meta, logits_at=x.logits_at, **x.extra)
-        return out.logits[: x.n_rows]  # the model's dtype: greedy picks read it as is, the samplers upcast
+        # the model's dtype: greedy picks read it as is, the samplers upcast
+        if x.packed:  # [1, n_rows x per_row, V]
+            return out.logits[0].unflatten(0, (x.n_rows, -1)).squeeze(1)
+        return out.logits[: x.n_rows]
 
-    def _mrope_positions(self, rows: list[Row], B: int, S: int) -> torch.Tensor:
-        """[3, B, S]: the prompt's M-RoPE positions, then text positions p + rope_delta."""
+    def _mrope_positions(self, rows: list[Row], at: tuple[np.ndarray, np.ndarray], B: int,
+                         S: int) -> torch.Tensor:
+        """[3, B, S]: the prompt's M-RoPE positions, then text positions p + rope_delta; row i's tokens start at
+        (at[0][i], at[1][i])."""
         pos = torch.zeros(3, B, S, dtype=torch.long)
         for i, r in enumerate(rows):
             req, a, b = r.req, r.start, r.start + r.n
+            row, o = int(at[0][i]), int(at[1][i])
             L = len(req.prompt)
             if a < L:
-                pos[:, i, : min(b, L) - a] = req.positions[:, a:min(b, L)]
+                pos[:, row, o: o + min(b, L) - a] = req.positions[:, a:min(b, L)]
             if b > L:
                 lo = max(a, L)
-                pos[:, i, lo - a: b - a] = torch.arange(lo, b) + req.rope_delta
+                pos[:, row, o + lo - a: o + b - a] = torch.arange(lo, b) + req.rope_delta
         return pos.to(self.device, non_blocking=True)
 
-    def _media(self, rows: list[Row], ids: torch.Tensor) -> dict:
+    def _media(self, rows: list[Row], ids: torch.Tensor, at: tuple[np.ndarray, np.ndarray]) -> dict:
         """The family's host-built inputs for the whole images inside the rows' chunks (the scheduler never cuts
         one). Generated tokens that happen to be media pads are text: hidden from the placement."""
         place = ids.clone()
@@ -343,7 +365,8 @@ class ModelRunner:
         for i, r in enumerate(rows):
             L = len(r.req.prompt)
             if r.start + r.n > L:
-                tail = place[i, max(L - r.start, 0): r.n]
+                row, o = int(at[0][i]), int(at[1][i])
+                tail = place[row, o + max(L - r.start, 0): o + r.n]
                 for pad in self.media_pads:
                     tail[tail == pad] = 0
             for im in r.req.images:

@@ -37,7 +37,9 @@ train step sets the backend priority).
 KV cache (``AttnMeta.kv_cache``, titan_mm.models.common.kv_cache; None in training): every backend writes the
 layer's new k/v (after qk-norm and RoPE) into the cache by the step's slot mapping and attends the new queries
 to all cached keys of their sequence (causal by absolute position, optional window) with SDPA over the gathered
-keys. Causal only; the serving engine's paged decode kernels replace the gather later.
+keys. Causal only. A packed step (one row of several sequences' new tokens) runs the varlen kernel over the
+gathered keys on CUDA, the planned block-diagonal mask elsewhere; one-token steps read the pool in place (the
+serving engine's paged decode kernel).
 """
 
 from __future__ import annotations
@@ -329,6 +331,10 @@ def attention(
                                     window)
             return o[:, None]
         k_all, v_all = cache.update(layer_id, k_BSGK, v_BSGK)  # [B, L, G, K]: every cached key of the sequence
+        if st.varlen:  # one packed row [1, N]: each sequence's new queries end its keys (bottom-right causal)
+            o = varlen_attention(q_BSHK[0], k_all[0], v_all[0], st.cu_seqlens_q, st.max_seqlen_q, True, window,
+                                 cu_seqlens_k=st.cu_seqlens_k, max_seqlen_k=st.max_seqlen_k)
+            return o[None]
         return _sdpa(q_BSHK, k_all, v_all, cache.step.mask_swa if window is not None else cache.step.mask, False)
     if meta is None and window is not None:
         raise ValueError("a sliding-window layer needs attention metadata; call build_attn_meta(...) first")
@@ -364,9 +370,12 @@ def _sdpa(q_BSHK, k_BLGK, v_BLGK, mask: torch.Tensor | None, causal: bool) -> to
 
 
 def varlen_attention(q_THK: torch.Tensor, k_TGK: torch.Tensor, v_TGK: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, causal: bool, window: int | None = None) -> torch.Tensor:
+                     max_seqlen: int, causal: bool, window: int | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                     max_seqlen_k: int = 0) -> torch.Tensor:
     """torch's varlen_attn over flattened tokens (documents given by ``cu_seqlens``), whatever the installed
-    torch calls its arguments. GQA: kv heads are shared natively when torch can, else repeated."""
+    torch calls its arguments. GQA: kv heads are shared natively when torch can, else repeated. ``cu_seqlens_k``:
+    the keys' own document starts when they differ from the queries' (a cached prefix: causal is then aligned
+    to each document's last key)."""
     fn, params = _varlen_fn()
     H, G = q_THK.shape[1], k_TGK.shape[1]
     kwargs: dict[str, Any] = {}
@@ -387,7 +396,9 @@ def varlen_attention(q_THK: torch.Tensor, k_TGK: torch.Tensor, v_TGK: torch.Tens
     elif window is not None:
         raise ValueError("varlen_attention: a sliding window needs causal=True")
     # non-causal is the default of every signature (is_causal=False / window (-1, -1))
-    return fn(q_THK, k_TGK, v_TGK, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    if cu_seqlens_k is None:
+        cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
+    return fn(q_THK, k_TGK, v_TGK, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, **kwargs)
 
 
 class Attention(nn.Module):

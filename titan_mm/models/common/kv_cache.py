@@ -26,6 +26,11 @@ step names each row's slot (``plan_step(..., state_slots=)``). A row whose first
 state; every row writes its state after its last real token back to its slot (:meth:`KVCache.linear_state`,
 :meth:`KVCache.write_linear_state`).
 
+A *packed* step (``plan_step(..., packed=True)``: the serving engine's prefill chunks) lays every sequence's new
+tokens back to back in one row [1, N], so chunks of 100 and 1,000 tokens cost 1,100 rows of GEMMs, not 2,000;
+attention then sees each sequence's keys through ``cu_seqlens`` (the varlen kernel on CUDA) or a block-diagonal
+causal mask (elsewhere).
+
 The forward (``KVCache.update``, called by titan_mm.models.common.attention) copies the new k/v into their slots
 (``index_copy_``, in place: the storage is donated to the step) and gathers every cached key of each sequence
 (``index_select``); the mask built here says which of them each new query sees (causal by absolute position,
@@ -75,6 +80,18 @@ class KVStep:
     """[B] int32 on the device: keys per sequence after the step, with ``decode_attention``."""
     state_slots: torch.Tensor | None = None
     """[B] int64: each row's slot in the cache's :class:`StatePool` (linear-attention layers); None without one."""
+    cu_seqlens_q: torch.Tensor | None = None
+    """[B + 1] int32 on the device, on a *packed* step (one row holding every sequence's new tokens back to back):
+    where each sequence's new tokens start in the row. None on a step of rows."""
+    cu_seqlens_k: torch.Tensor | None = None
+    """[B + 1] int32, packed: where each sequence's keys (cached, then new) start in the gathered ``kv_slots``."""
+    max_seqlen_q: int = 0
+    """Packed: the most new tokens of one sequence (host int, for the varlen kernel)."""
+    max_seqlen_k: int = 0
+    """Packed: the most keys of one sequence."""
+    varlen: bool = False
+    """Packed, on CUDA in bf16 / fp16: attention runs the varlen kernel over ``cu_seqlens_*`` (the masks are not
+    built); otherwise SDPA reads ``mask`` [1, 1, T, sum of keys]."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -262,7 +279,7 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
               block_tables: torch.Tensor | Sequence[Sequence[int]] | None = None,
               sliding_window: int | None = None, width: int | None = None,
               decode_attention: Callable | None = None, into: KVStep | None = None,
-              state_slots: Sequence[int] | None = None) -> KVCache:
+              state_slots: Sequence[int] | None = None, packed: bool = False, varlen: bool = False) -> KVCache:
     """Host side: -> ``cache`` with this step's :class:`KVStep` and the lengths after it (storage shared).
 
     ``new_lens`` [B]: new tokens per sequence this step (the batch's rows hold them first, then padding).
@@ -275,6 +292,8 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     ``into``: a decode step's device tensors to fill instead of allocating new ones (CUDA graphs replay fixed
     addresses); its block_tables may be wider than this step's tables (the kernel reads the used columns only).
     ``state_slots`` [B]: each row's slot of ``cache.state`` (needed when the cache has one).
+    ``packed``: the step's input_ids are one row [1, sum(new_lens)], sequence after sequence, with no padding
+    (prefill chunks of mixed lengths); ``varlen``: its attention runs the varlen kernel instead of a dense mask.
     """
     new = torch.as_tensor(new_lens, dtype=torch.int64).reshape(-1).cpu()  # host metadata, whatever was passed
     B = new.numel()
@@ -309,6 +328,12 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
         if bool(((slots < 0) | (slots >= cache.state.num_slots)).any()):
             raise ValueError(f"state_slots {slots.tolist()} name a slot outside the pool of {cache.state.num_slots}")
 
+    if packed:
+        if cache.state is not None or decode_attention is not None or into is not None:
+            raise ValueError("a packed step carries no linear-attention states, decode_attention or into: plan "
+                             "those steps as rows")
+        return dataclasses.replace(cache, seq_lens=total, step=_packed_step(cache, new, cached, total,
+                                                                            sliding_window, varlen))
     i = torch.arange(S)
     positions = cached[:, None] + i[None]  # [B, S]
     valid = i[None] < new[:, None]
@@ -347,6 +372,32 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     step = KVStep(**{n: None if t is None else t.to(dev, non_blocking=True) for n, t in host.items()},
                   sliding_window=sliding_window)
     return dataclasses.replace(cache, seq_lens=total, step=step)
+
+
+def _packed_step(cache: KVCache, new: torch.Tensor, cached: torch.Tensor, total: torch.Tensor,
+                 sliding_window: int | None, varlen: bool) -> KVStep:
+    """A packed step's metadata: query t belongs to sequence ``q_seq[t]``, key j to ``k_seq[j]``; a query sees
+    the keys of its own sequence up to its position (FlashAttention's bottom-right causal alignment)."""
+    B = new.numel()
+    q_seq = torch.repeat_interleave(torch.arange(B), new)  # [T]
+    k_seq = torch.repeat_interleave(torch.arange(B), total)  # [Tk]
+    cu_q, cu_k = (torch.nn.functional.pad(n.cumsum(0), (1, 0)) for n in (new, total))
+    q_pos = cached[q_seq] + torch.arange(q_seq.numel()) - cu_q[q_seq]
+    k_pos = torch.arange(k_seq.numel()) - cu_k[k_seq]
+    mask = mask_swa = None
+    if not varlen:
+        mask = (q_seq[:, None] == k_seq[None]) & (k_pos[None] <= q_pos[:, None])  # [T, Tk]
+        if sliding_window is not None:
+            mask_swa = mask & (q_pos[:, None] - k_pos[None] < sliding_window)
+    host = dict(positions=q_pos[None], valid=torch.ones(1, q_seq.numel(), dtype=torch.bool),
+                new_tokens=torch.arange(q_seq.numel()), slot_mapping=cache._slots(q_seq, q_pos),
+                kv_slots=cache._slots(k_seq, k_pos)[None], mask=None if mask is None else mask[None, None],
+                mask_swa=None if mask_swa is None else mask_swa[None, None],
+                cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_k=cu_k.to(torch.int32))
+    dev = cache.k[0].device
+    return KVStep(**{n: None if t is None else t.to(dev, non_blocking=True) for n, t in host.items()},
+                  sliding_window=sliding_window, max_seqlen_q=int(new.max()), max_seqlen_k=int(total.max()),
+                  varlen=varlen)
 
 
 def paged_decode_reference(q_BHK: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
