@@ -2,9 +2,9 @@
 batched together are token-identical to transformers' ``generate`` and to the single-process engine, for Qwen3
 (loaded from an HF folder: meta build, the plan, each rank reads its shards) and Qwen3-MoE (a model in memory,
 split by the plan; its experts stay replicated over tp, as the plan has them). One launch runs every case of a
-test: prefix caching, forced preemption and unseeded sampling (whose tokens must agree between the ranks: the
-engine's seed is rank 0's). Every block comes back, each rank's pool holds its kv heads only, and a tp degree the
-world or the heads cannot take is one line. Marked slow: chunked prefill under a 16-token budget, n-gram and
+test: prefix caching and unseeded sampling (whose tokens must agree between the ranks: the engine's seed is rank
+0's). Every block comes back, each rank's pool holds its kv heads only, and a tp degree the world or the heads
+cannot take is one line. Marked slow: forced preemption, chunked prefill under a 16-token budget, n-gram and
 draft-model speculation, beam search (against one process); Qwen3-VL and Qwen3-VL-MoE with images; the server
 under torchrun.
 
@@ -34,7 +34,7 @@ CASES = {
     "spec_draft": (dict(POOL, speculative_method="draft", num_speculative_tokens=3), GREEDY, "hf"),
     "beam": (POOL, dict(use_beam_search=True, best_of=4, n=2), "one"),
 }
-FAST = ("prefix_cache", "preemption", "sampled")
+FAST = ("prefix_cache", "sampled")  # the quick suite; preemption, chunks, speculation and beams run with -m slow
 def _run_cases(cases, make_engine, prompts, draft):
     """{case: (token ids per prompt on this rank, stats)}; a rank > 0 records the outputs its steps produced."""
     from titan_mm.serve.config import ServeConfig
