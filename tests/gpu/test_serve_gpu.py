@@ -113,11 +113,14 @@ def test_cuda_graph_decode_equals_eager(moe, kernels):
 def test_async_steps_wait_only_for_their_tokens(moe, monkeypatch):
     """serve.async_scheduling in bf16 with CUDA graphs: whole engine steps (scheduling, the forward, sampling,
     stop checks, outputs) run under set_sync_debug_mode("error") but for the wait on the previous step's tokens,
-    and the greedy tokens equal the steps in turn (EOS ignored, so both run the same batches)."""
+    and the greedy tokens equal the steps in turn (EOS ignored, so both run the same batches); a third of the
+    requests are penalized (their counts read the pending token on the device)."""
     from titan_mm.serve.sampling import Draw
 
     tm, spec, prompts, _, _, _, data = text_setup(moe)
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True,
+                             repetition_penalty=1.3 if i % 3 == 0 else 1.0, frequency_penalty=0.5 if i % 3 == 1 else 0.0)
+              for i in range(len(prompts))]
     outs = []
     for overlap in (False, True):
         engine = Engine(copy.deepcopy(tm), spec, tm.cfg, ServeConfig(max_model_len=256, num_blocks=64,

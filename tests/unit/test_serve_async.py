@@ -1,8 +1,8 @@
 """Asynchronous steps (serve.async_scheduling): each step is launched before the previous step's tokens are read
 back, its decode rows taking those tokens on the device. The outputs must be what the steps in turn give: the same
 tokens, text, logprobs and finish reasons for greedy, seeded sampling, stops (EOS, stop strings, max_tokens),
-n > 1, penalties (which run in turn), chunked prefill and preemption; aborts and deadlines meet a step in flight;
-no output ever shows a pending token; blocks return to idle."""
+n > 1, penalties (counting the pending token on the device), chunked prefill and preemption; aborts and deadlines
+meet a step in flight; no output ever shows a pending token; blocks return to idle."""
 
 import pytest
 
@@ -52,6 +52,26 @@ def test_async_steps_give_the_outputs_of_steps_in_turn(cfg, monkeypatch):
     assert len(calls) > 10  # steps did overlap
     if "num_blocks" in cfg:
         assert e.stats()["num_preemptions"] > 0
+
+
+def test_penalized_steps_overlap_and_count_the_pending_token(monkeypatch):
+    """Repetition, presence and frequency penalties, greedy and seeded, over prompts that repeat their tokens: the
+    asynchronous steps (whose last output token is still on the device when the next one is drawn) give the
+    tokens of steps in turn, and every step after the first overlaps."""
+    ps = [SamplingParams(temperature=0.0, max_tokens=14, repetition_penalty=1.5, ignore_eos=True),
+          SamplingParams(temperature=0.0, max_tokens=14, frequency_penalty=1.5, ignore_eos=True),
+          SamplingParams(temperature=0.0, max_tokens=14, presence_penalty=1.8, ignore_eos=True),
+          SamplingParams(temperature=0.8, seed=7, max_tokens=14, repetition_penalty=0.7, frequency_penalty=-1.0,
+                         ignore_eos=True, logprobs=1)]
+    ids = [prompt(4, seed=i) * 3 for i in range(len(ps))]
+
+    def run(e):
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in e.generate(ids, ps)]
+
+    sync = run(engine(async_scheduling=False))
+    calls = counting(monkeypatch)
+    assert run(engine()) == sync
+    assert len(calls) >= 13  # 14 tokens: each step after the first resolved its predecessor's
 
 
 def test_streamed_outputs_never_show_a_pending_token():

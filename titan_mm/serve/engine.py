@@ -351,7 +351,7 @@ class Engine:
             per_row = self._propose(sched) if self.cfg.speculative_method else 1
             logits = self.runner.run(sched.rows, sched.copies, per_row, prev.fed if prev is not None else None)
             if self._async and all(self._overlaps(r.req) for r in sched.rows if r.samples):
-                launched = self._launch(sched.rows, logits)
+                launched = self._launch(sched.rows, logits, prev.fed if prev is not None else None)
         if prev is not None:  # the GPU runs this step's forward while the host takes the previous one's tokens
             self._resolve(prev, touched)
         if sched.rows and launched is None:
@@ -504,22 +504,31 @@ class Engine:
     # ---- asynchronous steps (serve.async_scheduling) ----
     @staticmethod
     def _overlaps(req: Request) -> bool:
-        """Its next token can be sampled without the host: no beams, no penalties over the tokens so far, and no
-        first-token fork (n > 1 / best_of)."""
-        p = req.params
-        return req.beam is None and not p.penalized and (req.forked or p.width == 1)
+        """Its next token can be sampled without the host: no beams and no first-token fork (n > 1 / best_of).
+        Penalties count a pending token on the device."""
+        return req.beam is None and (req.forked or req.params.width == 1)
 
-    def _launch(self, rows: list[Row], logits: torch.Tensor) -> tuple[Draw | None, list[Row]]:
+    def _launch(self, rows: list[Row], logits: torch.Tensor, fed: Fed | None) -> tuple[Draw | None, list[Row]]:
         """Sample the rows that reached their last token, leaving the tokens on the device (their copy to the host
-        started); -> (the draw, those rows in its order)."""
+        started); -> (the draw, those rows in its order). ``fed``: the previous step's tokens, which the
+        penalties of a sequence still holding one PENDING count."""
         at = [i for i, r in enumerate(rows) if r.samples]
         if not at:
             return None, []
         todo = [rows[i] for i in at]
         if len(at) < len(rows):  # mid-prompt chunks give no token
             logits = logits[torch.tensor(at).to(logits.device, non_blocking=True)]
-        samplings = [RowSampling(r.req.params, r.req.prompt, r.seq.output, r.seq.generator) for r in todo]
+        samplings = [RowSampling(r.req.params, r.req.prompt, r.seq.output, r.seq.generator,
+                                 self._pending_token(r.seq, fed) if r.req.params.penalized else None) for r in todo]
         return draw(logits, samplings, self.generator).copy_out(), todo
+
+    @staticmethod
+    def _pending_token(seq: Seq, fed: Fed | None) -> torch.Tensor | None:
+        """[1] on the device: the token ``seq``'s PENDING place stands for (None when it holds none)."""
+        if seq.tokens[-1] != PENDING:
+            return None
+        j = fed.row_of[seq.seq_id]
+        return fed.tokens[j:j + 1]
 
     def _pend(self, rows: list[Row], drawn: Draw | None, todo: list[Row]) -> _Inflight | None:
         """After the launch and the previous step's tokens: the rows' k/v count as computed, and each sampling

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from titan_mm.kernels import greedy_pick
@@ -132,6 +133,9 @@ class RowSampling:
     prompt_ids: list[int]
     output_ids: list[int]
     generator: torch.Generator | None = None
+    pending: torch.Tensor | None = None
+    """[1] on the device: the previous step's token, when ``output_ids`` ends with its PENDING place (an
+    asynchronous step); the penalties count it from there."""
 
 
 @dataclass(slots=True)  # one per row and step
@@ -149,23 +153,34 @@ def _on(dev: torch.device, values: list) -> torch.Tensor:
 
 
 def _penalize(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
-    """Repetition, presence and frequency penalties of the rows that ask for them (index tensors from the host)."""
+    """Repetition, presence and frequency penalties of the rows that ask for them: the token counts from flat
+    host indices (one copy each, no wait) and a pending token's from the device."""
     todo = [i for i, r in enumerate(rows) if r.params.penalized]
     if not todo:
         return logits
-    dev, V = logits.device, logits.shape[1]
-    logits = logits.clone()
-    idx = torch.as_tensor(todo, device=dev)
-    counts = torch.zeros(len(todo), V, device=dev)
-    seen = torch.zeros(len(todo), V, dtype=torch.bool, device=dev)
+    dev, V, n = logits.device, logits.shape[1], len(todo)
+    outs, seen_ids, pend, pend_at = [], [], [], []
     for j, i in enumerate(todo):
-        out = torch.as_tensor(rows[i].output_ids, dtype=torch.long, device=dev)
-        counts[j].index_add_(0, out, torch.ones(out.numel(), device=dev))
-        seen[j, torch.as_tensor(rows[i].prompt_ids + rows[i].output_ids, dtype=torch.long, device=dev)] = True
+        r = rows[i]
+        out = r.output_ids[:-1] if r.pending is not None else r.output_ids
+        outs.append(np.asarray(out, dtype=np.int64) + j * V)
+        seen_ids.append(np.asarray(r.prompt_ids + out, dtype=np.int64) + j * V)
+        if r.pending is not None:
+            pend.append(r.pending)
+            pend_at.append(j * V)
+    out_at, seen_at = _on(dev, np.concatenate(outs)), _on(dev, np.concatenate(seen_ids))
+    if pend:
+        got = torch.cat(pend) + _on(dev, pend_at)
+        out_at, seen_at = torch.cat([out_at, got]), torch.cat([seen_at, got])
+    counts = torch.zeros(n * V, device=dev).index_add_(0, out_at, torch.ones(out_at.numel(), device=dev))
+    seen = torch.zeros(n * V, dtype=torch.bool, device=dev).index_fill_(0, seen_at, True)
+    counts, seen = counts.view(n, V), seen.view(n, V)
     p = [rows[i].params for i in todo]
     rep = _on(dev, [q.repetition_penalty for q in p])[:, None]
     pres = _on(dev, [q.presence_penalty for q in p])[:, None]
     freq = _on(dev, [q.frequency_penalty for q in p])[:, None]
+    idx = _on(dev, todo)
+    logits = logits.clone()
     x = logits[idx]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     x = x - freq * counts - pres * (counts > 0)
