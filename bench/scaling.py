@@ -105,14 +105,18 @@ def launch(world: int, entry: list[str], argv: list[str], log: Path, timeout: fl
 
 # What a failed child prints of its own (a Python traceback's last line, a C++ terminate, an abort):
 # torchrun's summary that ends the log names only the signal.
-_CAUSE = re.compile(r"Error|error:|Traceback|terminate called|what\(\)|enforce fail|Assertion|Abort|Segmentation")
+_CAUSE = re.compile(r"Error|error:|Traceback|terminate called|what\(\)|enforce fail|Assertion|Abort|Segmentation|Fatal")
 _SUMMARY = re.compile(r"ChildFailedError|^\s*(time|host|rank|exitcode|error_file|traceback)\s*:|^[=-]{10,}|Failures:|Root Cause")
 
 
 def failure_lines(text: str, n: int = 12) -> str:
-    """The child's first lines that name a cause (not torchrun's summary), then the log's last lines."""
+    """The child's first lines that name a cause (not torchrun's summary) and the stack faulthandler printed
+    for a native crash (the trainer enables it), then the log's last lines."""
     lines = text.splitlines()
     cause = [ln for ln in lines if _CAUSE.search(ln) and not _SUMMARY.search(ln)][:n]
+    fatal = next((i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error")), None)
+    if fatal is not None:
+        cause += lines[fatal + 1: fatal + 16]
     tail = "\n".join(lines[-8:])
     return ("\n".join(cause) + "\n...\n" if cause else "") + tail[-1200:]
 

@@ -22,6 +22,7 @@ the middle of step k+1 (after its data is fetched, before its update) - a crash,
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 import signal
@@ -292,6 +293,8 @@ def keep_host_heap() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not faulthandler.is_enabled():  # a native abort or crash (a gloo terminate, a segfault) prints the stacks
+        faulthandler.enable(sys.__stderr__)
     try:
         cfg = load_config(argv)
     except ConfigError as e:
