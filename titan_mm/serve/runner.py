@@ -105,7 +105,7 @@ def _host_available() -> int:
 class ModelRunner:
     def __init__(self, model, spec, model_cfg, device: torch.device, dtype: torch.dtype, block_size: int,
                  num_blocks: int, max_num_seqs: int, tp: int = 1, paged_decode: bool = True, max_model_len: int = 0,
-                 cuda_graphs: bool = True, packed_prefill: bool = True):
+                 cuda_graphs: bool = True, packed_prefill: bool = False):
         from titan_mm.kernels import paged_decode_attention
 
         self.model, self.spec, self.cfg = model, spec, model_cfg
@@ -305,11 +305,12 @@ class ModelRunner:
         else:  # from the token before the guesses on
             first = np.array([r.n - 1 - len(r.draft) for r in rows])
             idx = np.minimum(first[:, None] + np.arange(per_row)[None], last[:, None])
-        at_ = torch.from_numpy((at[1].reshape(-1, *[1] * (idx.ndim - 1)) + idx).reshape(1, -1) if self.packed
-                               else idx).to(self.device, non_blocking=True)
+        if self.packed:  # into the one row: [1, n_rows x per_row]
+            idx = (at[1].reshape(-1, *[1] * (idx.ndim - 1)) + idx).reshape(1, -1)
+        logits_at = torch.from_numpy(idx).to(self.device, non_blocking=True)
         ids = ids.to(self.device, non_blocking=True)
         self._feed(ids, pb, pc, owner, fed)
-        return StepInputs(ids, positions, meta, at_, extra, n_rows, self.packed)
+        return StepInputs(ids, positions, meta, logits_at, extra, n_rows, self.packed)
 
     def _feed(self, ids: torch.Tensor, at_b: np.ndarray, at_c: np.ndarray, owners: list[Row],
               fed: Fed | None) -> None:
