@@ -15,6 +15,7 @@ SHORT = ["--training.steps", "8", "--lr_scheduler.warmup_steps", "2", "--checkpo
          "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "False", "--data.seq_len", "128"]
 
 
+@pytest.mark.slow  # train, export, sample: ~16 s on 2 cores
 def test_debug_dllm_config_trains_exports_and_samples(tmp_path, capsys):
     from titan_mm.export import load_model_from_checkpoint
     from titan_mm.export import main as export_main

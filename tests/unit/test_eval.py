@@ -1,6 +1,7 @@
 """Online eval ([eval]) and python -m titan_mm.eval: the same numbers online and offline, user tasks, bad input.
 
-The full debug VL recipe with eval (accuracy rising over 100 steps) is the slow case at the end; 2 gloo processes
+Slow (-m slow): online = offline bitwise, and the full debug VL recipe with eval (accuracy rising over 100 steps, at
+the end); 2 gloo processes
 equal 1 in tests/multiproc/test_eval_world2.py.
 """
 
@@ -25,6 +26,7 @@ def _offline(capsys, *args) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # two 4-step VL runs and two offline evals: ~30 s on 2 cores
 def test_online_eval_equals_offline_bitwise(tmp_path, capsys):
     """Every eval step's metrics equal python -m titan_mm.eval on that step's checkpoint: loss bitwise, scores
     exactly; the step's own metrics (loss, peak memory) are those of a run without eval."""

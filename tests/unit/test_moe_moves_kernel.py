@@ -4,6 +4,8 @@ on the eager Function path and through the torch.library ops (opcheck), with odd
 padded layout of the float8 experts. The bf16
 comparison at Qwen3-30B-A3B's shape runs on the GPU (tests/gpu/test_kernels_gpu.py)."""
 
+import pytest
+
 from tests.triton_interp import run_interpreted
 
 _INTERP = r"""
@@ -57,5 +59,6 @@ print("BAD" if bad else "OK", bad)
 """
 
 
+@pytest.mark.slow  # ~11 s of Triton's interpreter on 2 cores; the GPU kernel tests run it on the device
 def test_fused_moves_match_pytorch_in_the_interpreter():
     run_interpreted(_INTERP, timeout=400)

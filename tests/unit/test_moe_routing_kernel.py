@@ -9,6 +9,8 @@ Each row's logits are distinct (bf16 too: a permutation of multiples of 1/16), s
 of equal values unspecified. bf16 outputs may be one bf16 ulp apart (fp32 rounding inside, and the interpreter
 rounds fp32 -> bf16 toward zero). The GPU run at Qwen3-30B-A3B's shape is tests/gpu/test_moe_routing_gpu.py."""
 
+import pytest
+
 from tests.triton_interp import run_interpreted
 
 _INTERP = r"""
@@ -134,5 +136,6 @@ print("BAD" if bad else "OK", bad)
 """
 
 
+@pytest.mark.slow  # ~21 s of Triton's interpreter on 2 cores; tests/gpu/test_moe_routing_gpu.py runs the kernel
 def test_fused_routing_matches_the_reference_in_the_interpreter():
     run_interpreted(_INTERP, timeout=600)
