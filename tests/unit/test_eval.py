@@ -1,8 +1,7 @@
 """Online eval ([eval]) and python -m titan_mm.eval: the same numbers online and offline, user tasks, bad input.
 
 Slow (-m slow): online = offline bitwise, and the full debug VL recipe with eval (accuracy rising over 100 steps, at
-the end); 2 gloo processes
-equal 1 in tests/multiproc/test_eval_world2.py.
+the end). 2 gloo processes equal 1 in tests/multiproc/test_eval_world2.py.
 """
 
 import json
