@@ -96,7 +96,7 @@ def main() -> int:
     run("flex_compiled", lambda: fa(q, k, v, block_mask=bm, enable_gqa=True))
 
     try:
-        from titan_mm.models.common.attention import varlen_attention
+        from titan_mm.nn.attention import varlen_attention
 
         cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=dev)
         qf = q.detach().transpose(1, 2).reshape(B * S, H, K).contiguous().requires_grad_()

@@ -34,7 +34,7 @@ router with a weak balancing loss keeps):
               topk, renormalization, aux_stats, 6-8 kernels each way), forward + backward, against
               ``routing_fused`` (titan_mm.kernels.moe_routing, kernel op moe_routing: one pass each way); eager and
               (``*_compiled``) under torch.compile; at qwen3_30b_a3b_4l's shape N 16,384, E 128, K 8
-  layer       titan_mm's whole MoE layer (titan_mm.models.common.moe.MoE), forward + backward; the parts above
+  layer       titan_mm's whole MoE layer (titan_mm.nn.moe.MoE), forward + backward; the parts above
               do not add up to it exactly (the SwiGLU between the GEMMs is in ``layer`` only);
               ``layer_compiled`` the same under torch.compile, as the trainer runs its blocks
   *_fused     permute, combine and the compiled layer with titan_mm.kernels' token moves (kernel op moe_moves:
@@ -207,7 +207,7 @@ COPY_TBS = 4.23  # the H200's device-to-device copy rate (docs GPU.md)
 def routing(n: int, t: ModelDims, kind: str, device, seed: int = 0) -> torch.Tensor:
     """top_i [n, K] of one MoE layer: ``router`` (titan_mm's router, random weights, on random hidden states) or
     ``skewed`` (experts drawn without replacement from a Zipf prior over a random order of the experts)."""
-    from titan_mm.models.common.moe import route
+    from titan_mm.nn.moe import route
 
     g = torch.Generator(device=device).manual_seed(seed)
     E, K, D = t.num_experts, t.experts_per_tok, t.hidden_size
@@ -225,7 +225,7 @@ def routing(n: int, t: ModelDims, kind: str, device, seed: int = 0) -> torch.Ten
 def moe_floor(t: ModelDims, n: int, kind: str, device=None, dtype=torch.bfloat16) -> dict:
     """One MoE layer's parts and their floors at ``n`` tokens and ``kind`` routing (the module docstring)."""
     from titan_mm import kernels
-    from titan_mm.models.common import moe
+    from titan_mm.nn import moe
 
     device = device or torch.device("cuda")
     from bench.optim_step import timed

@@ -167,7 +167,7 @@ def build_cases(only):
     import torch.nn.functional as F
 
     import titan_mm.kernels as K
-    from titan_mm.models.common import mlp, norm, rope  # the PyTorch references (eager / compile rows)
+    from titan_mm.nn import mlp, norm, rope  # the PyTorch references (eager / compile rows)
 
     dev, dt = torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16
     N, D = N_TOKENS, HIDDEN

@@ -1,5 +1,5 @@
 """The Gated DeltaNet rule on one GPU against its memory-bandwidth floor: fla-core's chunked kernel (what Qwen3.5's
-linear-attention layers run on CUDA, titan_mm/models/common/linear_attention.py), forward and forward + backward, at a
+linear-attention layers run on CUDA, titan_mm/nn/linear_attention.py), forward and forward + backward, at a
 model's shapes over packed documents (bf16 q / k / v / beta, fp32 log decays, as the model passes them).
 
 Floors (bytes / 4.23 TB/s, the H200's measured device-to-device copy rate, docs GPU.md):
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from bench.attention import bench as cuda_ms  # noqa: E402  (median CUDA-event ms of fn())
 from bench.mfu import CASES, model_config  # noqa: E402
 
-from titan_mm.models.common.linear_attention import CHUNK, build_linear_meta, gated_delta_rule  # noqa: E402
+from titan_mm.nn.linear_attention import CHUNK, build_linear_meta, gated_delta_rule  # noqa: E402
 from titan_mm.models.qwen3_5.flops import gdn_flops_per_token  # noqa: E402
 
 COPY_TBS = 4.23

@@ -107,8 +107,8 @@ def _timer(device):
 def measure_shape(name: str, shape: dict, device, iters: int) -> dict:
     import torch
 
-    from titan_mm.models.common.attention import build_attn_meta
-    from titan_mm.models.common.output import Stream
+    from titan_mm.nn.attention import build_attn_meta
+    from titan_mm.nn.output import Stream
     from titan_mm.registry import get_model_spec, override, resolve_model
 
     spec = get_model_spec(shape["model"])

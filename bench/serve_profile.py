@@ -129,7 +129,7 @@ def prefill_padding(reps: int = 5) -> dict:
     (cu_seqlens, what the varlen kernel reads)."""
     import dataclasses
 
-    from titan_mm.models.common.kv_cache import plan_step
+    from titan_mm.nn.kv_cache import plan_step
     from titan_mm.registry import get_model_spec
     from titan_mm.serve.sampling import SamplingParams
 

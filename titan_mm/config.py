@@ -351,7 +351,7 @@ class Float8:
     backward; the experts carry most of a MoE model's FLOPs and are no nn.Linear, so float8.enable leaves them in
     bf16). Independent of enable and recipe. The routing then pads each expert's token group to a multiple of 16
     rows on the device (no host sync). Needs a MoE model, a CUDA SM>=90 GPU, training.param_dtype bfloat16 and
-    torchao with prototype.moe_training (>= 0.17); titan_mm/models/common/moe.py, docs/kernels.md."""
+    torchao with prototype.moe_training (>= 0.17); titan_mm/nn/moe.py, docs/kernels.md."""
 
 
 @dataclass

@@ -83,7 +83,7 @@ def hf_folder_files(cfg: JobConfig) -> dict[str, str | Path]:
     from titan_mm.data.chat_templates import chat_template_jinja
     from titan_mm.data.processors import ProcessorConfig
     from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
-    from titan_mm.models.common.hf_io import local_hf_dir
+    from titan_mm.models.hf_io import local_hf_dir
     from titan_mm.train.setup import model_from_config
 
     spec, model_cfg = model_from_config(cfg, torch.device("cpu"))

@@ -97,7 +97,7 @@ class Runtime:
     """Settings of a built model that the step and the tuner read (they are runtime fields of its config)."""
 
     attn_backend: str
-    """"sdpa" | "flex" | "varlen" (titan_mm/models/common/attention.py)."""
+    """"sdpa" | "flex" | "varlen" (titan_mm/nn/attention.py)."""
     kernels: bool | str
     """The titan_mm.kernels ops spec the model was built with (False: PyTorch references)."""
     sliding_window: int | None = None
@@ -193,7 +193,7 @@ class MemoryTerms:
     vision_head: float = 0.0
     """Bytes per token saved through the forward when the batch has vision input (DeepStack additions)."""
     loss_chunk: int = 4096
-    """Tokens per chunk of the PyTorch chunked cross-entropy (titan_mm.models.common.loss)."""
+    """Tokens per chunk of the PyTorch chunked cross-entropy (titan_mm.nn.loss)."""
 
 
 @dataclass(frozen=True)
@@ -309,7 +309,7 @@ def get_model_spec(name: str) -> ModelSpec:
 
 def spec_for_hf_dir(hf_dir: str) -> ModelSpec:
     """The spec whose hf_model_types contains config.json's model_type."""
-    from titan_mm.models.common.hf_io import read_hf_config
+    from titan_mm.models.hf_io import read_hf_config
 
     mt = read_hf_config(hf_dir).get("model_type")
     for n in _BUILTIN:
@@ -363,7 +363,7 @@ def resolve_model(name: str, flavor: str, hf_path: str | None = None, overrides:
     of the same name that every MoE family's config has. Every mistake is a :class:`SpecError` naming what to fix."""
     spec = get_model_spec(name)
     if hf_path:
-        from titan_mm.models.common.hf_io import HFCheckpointError, local_hf_dir, read_hf_config
+        from titan_mm.models.hf_io import HFCheckpointError, local_hf_dir, read_hf_config
 
         try:  # a local folder or a Hub repo id (config files only: the weights are fetched by their reader)
             folder = local_hf_dir(hf_path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_mm.models.common.attention import BACKEND_KINDS, build_attn_meta
+from titan_mm.nn.attention import BACKEND_KINDS, build_attn_meta
 from titan_mm.registry import resolve_model
 from titan_mm.train.objective import Objective
 from titan_mm.train.synthetic import SyntheticLoader

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from titan_mm.kernels import grouped_mm
-from titan_mm.models.common import moe
-from titan_mm.models.common.moe import grouped_linear
+from titan_mm.nn import moe
+from titan_mm.nn.moe import grouped_linear
 
 pytestmark = pytest.mark.gpu
 

@@ -118,11 +118,11 @@ def test_upcast_is_exact():
 
 def test_fused_moe_moves_match_pytorch_and_beat_it_compiled():
     """titan_mm.kernels.moe_expand / moe_combine at Qwen3-30B-A3B's layer shape (16,384 tokens, 128 experts, top-8,
-    width 2048, bf16): outputs and gradients close to PyTorch's (titan_mm.models.common.moe; the kernel sums in fp32
+    width 2048, bf16): outputs and gradients close to PyTorch's (titan_mm.nn.moe; the kernel sums in fp32
     without rounding the weighted rows first), and the combine's forward + backward faster than Inductor's fusion of
     PyTorch's form."""
     from titan_mm import kernels as K
-    from titan_mm.models.common import moe
+    from titan_mm.nn import moe
 
     torch.manual_seed(0)
     N, E, k, D = 16384, 128, 8, 2048

@@ -1,5 +1,5 @@
 """The fused MoE routing (titan_mm.kernels.moe_routing, kernel op ``moe_routing``) on CUDA at Qwen3-30B-A3B's layer
-shape (16,384 tokens, 128 experts, top-8) against its reference (titan_mm.models.common.moe.route_stats): top_w,
+shape (16,384 tokens, 128 experts, top-8) against its reference (titan_mm.nn.moe.route_stats): top_w,
 top_i, the aux statistics and the logits' gradient, fp32 and bf16, with and without norm_topk_prob, with padding;
 random bf16 logits (many ties) rank equal values by the lower index; torch.compile(fullgraph=True) with inductor
 equals eager and neither syncs the host; the fused forward + backward is faster than the reference's (printed next
@@ -15,7 +15,7 @@ import torch
 
 from bench.attention import bench as cuda_ms  # median CUDA-event ms of fn()
 from titan_mm import kernels as K
-from titan_mm.models.common import moe
+from titan_mm.nn import moe
 
 pytestmark = pytest.mark.gpu
 

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")  # the parity modules whose builders are reu
 
 from tests.parity import test_qwen2_5_omni_parity as p25  # noqa: E402
 from tests.parity import test_qwen3_omni_moe_parity as p3  # noqa: E402
-from titan_mm.models.common.attention import build_attn_meta  # noqa: E402
+from titan_mm.nn.attention import build_attn_meta  # noqa: E402
 from titan_mm.registry import resolve_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from titan_mm.kernels import paged_decode_attention
-from titan_mm.models.common.kv_cache import paged_decode_reference
+from titan_mm.nn.kv_cache import paged_decode_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,5 @@
 """Qwen3.5 on a GPU (run on the H200, with fla-core installed): fla's chunked gated delta rule equals the PyTorch
-reference of titan_mm/models/common/linear_attention.py on packed rows (outputs and gradients, fp32 and bf16) and
+reference of titan_mm/nn/linear_attention.py on packed rows (outputs and gradients, fp32 and bf16) and
 takes the host-built chunk table; a small Qwen3.5 / Qwen3.5-MoE forward + backward in bf16 runs with no host syncs
 (torch.cuda.set_sync_debug_mode("error")), vision tower included, on fla and the reference, with and without
 kernels; and its bf16 loss agrees with fp32.
@@ -14,8 +14,8 @@ import dataclasses
 import pytest
 import torch
 
-from titan_mm.models.common.attention import build_attn_meta
-from titan_mm.models.common.linear_attention import build_linear_meta, chunk_gated_delta_rule, gated_delta_rule
+from titan_mm.nn.attention import build_attn_meta
+from titan_mm.nn.linear_attention import build_linear_meta, chunk_gated_delta_rule, gated_delta_rule
 from titan_mm.models.qwen3_5.config import FLAVORS, MOE_FLAVORS
 from titan_mm.models.qwen3_5.model import Qwen3_5Model, prepare_batch
 from titan_mm.models.qwen3_vl.synthetic import make_sample, pack

@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from titan_mm.models.common import moe as moe_mod
-from titan_mm.models.common.attention import build_attn_meta
+from titan_mm.nn import moe as moe_mod
+from titan_mm.nn.attention import build_attn_meta
 from titan_mm.registry import get_model_spec, spec_for_config
 
 pytestmark = pytest.mark.gpu

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from titan_mm.models.common.attention import build_attn_meta
+from titan_mm.nn.attention import build_attn_meta
 from titan_mm.models.qwen3_vl.config import FLAVORS, MOE_FLAVORS, with_overrides
 from titan_mm.models.qwen3_vl.model import Qwen3VLModel
 from titan_mm.models.qwen3_vl.synthetic import make_sample, pack

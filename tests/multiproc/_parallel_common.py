@@ -168,7 +168,7 @@ def build_tiny_qwen3(cfg, seed=0):
 
 
 def qwen3_step(model, b):
-    from titan_mm.models.common.attention import build_attn_meta
+    from titan_mm.nn.attention import build_attn_meta
 
     meta = build_attn_meta(b, "sdpa", "cpu")
     return model(b["input_ids"], position_ids=b["position_ids"], attn=meta, labels=b["labels"]).loss_sum

@@ -96,7 +96,7 @@ def _build(family):
 
 
 def _step(family, model, b):
-    from titan_mm.models.common.attention import build_attn_meta
+    from titan_mm.nn.attention import build_attn_meta
     from titan_mm.registry import get_model_spec
 
     b = get_model_spec(family).prepare_batch(model.cfg, b, "cpu")

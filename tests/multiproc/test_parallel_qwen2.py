@@ -37,7 +37,7 @@ def _build(cfg):
 
 
 def _step(model, b):
-    from titan_mm.models.common.attention import build_attn_meta
+    from titan_mm.nn.attention import build_attn_meta
 
     meta = build_attn_meta(b, "sdpa", "cpu", sliding_window=model.cfg.attn_sliding_window)
     return model(b["input_ids"], position_ids=b["position_ids"], attn=meta, labels=b["labels"]).loss_sum

@@ -62,7 +62,7 @@ def _select(gb, dp_rank, dp_size):
 
 def _step(model, b):
     """As titan_mm.train.step: the family's prepare_batch on the host, build_attn_meta, the rest as model inputs."""
-    from titan_mm.models.common.attention import build_attn_meta
+    from titan_mm.nn.attention import build_attn_meta
     from titan_mm.models.qwen3_5.model import prepare_batch
     from titan_mm.train.step import NOT_MODEL_KWARGS
 

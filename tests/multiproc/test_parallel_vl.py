@@ -68,7 +68,7 @@ def _select(gb, dp_rank, dp_size):
 def _step(model, b, pd=None, mode=None):
     """As titan_mm.train.step: the family's host-side prepare_batch, then the CP split (prepare_cp_batch, which
     cuts its sequence keys) or build_attn_meta, and every other batch key as a model input."""
-    from titan_mm.models.common.attention import build_attn_meta
+    from titan_mm.nn.attention import build_attn_meta
     from titan_mm.models.qwen3_vl.model import prepare_batch
     from titan_mm.parallel.cp import prepare_cp_batch
     from titan_mm.train.step import NOT_MODEL_KWARGS

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from titan_mm.models.common import hf_io  # noqa: E402
-from titan_mm.models.common.attention import build_attn_meta  # noqa: E402
+from titan_mm.models import hf_io  # noqa: E402
+from titan_mm.nn.attention import build_attn_meta  # noqa: E402
 from titan_mm.models.qwen2_5_omni import FLAVORS, Qwen2_5OmniConfig, hf as omni_hf  # noqa: E402
 from titan_mm.models.qwen2_5_omni.audio import conv_lengths  # noqa: E402
 from titan_mm.registry import get_model_spec, spec_for_hf_dir  # noqa: E402

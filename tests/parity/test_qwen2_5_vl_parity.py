@@ -17,7 +17,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from titan_mm.data.packing import Doc, collate_rows  # noqa: E402
-from titan_mm.models.common.attention import build_attn_meta  # noqa: E402
+from titan_mm.nn.attention import build_attn_meta  # noqa: E402
 from titan_mm.models.qwen2_5_vl import FLAVORS, Qwen2_5_VLConfig, hf as q25_hf  # noqa: E402
 from titan_mm.models.qwen2_5_vl.model import Qwen2_5_VLModel, rope_index, vision_inputs  # noqa: E402
 from titan_mm.models.qwen2_5_vl.vision import build_window_meta  # noqa: E402

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from _qwen3_helpers import assert_grads_close, grads_by_titan_name, packed_batch, randomize_
-from titan_mm.models.common.attention import build_attn_meta
-from titan_mm.models.common.hf_io import HFCheckpointError
+from titan_mm.nn.attention import build_attn_meta
+from titan_mm.models.hf_io import HFCheckpointError
 from titan_mm.models.qwen2 import FLAVORS, Qwen2Config, build
 from titan_mm.models.qwen2 import hf as qwen2_hf
 

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from titan_mm.data.vision import mrope_index  # noqa: E402
-from titan_mm.models.common.attention import build_attn_meta  # noqa: E402
-from titan_mm.models.common.hf_io import HFCheckpointError  # noqa: E402
+from titan_mm.nn.attention import build_attn_meta  # noqa: E402
+from titan_mm.models.hf_io import HFCheckpointError  # noqa: E402
 from titan_mm.models.qwen3_5 import flops as q35_flops  # noqa: E402
 from titan_mm.models.qwen3_5 import hf as q35_hf  # noqa: E402
 from titan_mm.models.qwen3_5.config import FLAVORS, MOE_FLAVORS, Qwen3_5Config  # noqa: E402

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from _qwen3_helpers import assert_grads_close, grads_by_titan_name, hf_model, packed_batch, titan_twin
-from titan_mm.models.common import moe as moe_mod
-from titan_mm.models.common.attention import build_attn_meta
+from titan_mm.nn import moe as moe_mod
+from titan_mm.nn.attention import build_attn_meta
 
 needs_cpu_grouped_mm = pytest.mark.skipif(
     not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm"

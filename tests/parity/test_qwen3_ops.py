@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from _qwen3_helpers import VOCAB, hf_model, packed_batch, titan_twin
-from titan_mm.models.common.attention import build_attn_meta
-from titan_mm.models.common.loss import IGNORE_INDEX, chunked_cross_entropy
-from titan_mm.models.common.moe import GroupedExperts, aux_stats, load_balancing_loss, route
+from titan_mm.nn.attention import build_attn_meta
+from titan_mm.nn.loss import IGNORE_INDEX, chunked_cross_entropy
+from titan_mm.nn.moe import GroupedExperts, aux_stats, load_balancing_loss, route
 
 
 def reference_cross_entropy(h_ND, w_VD, labels_N, z_loss_weight: float = 0.0) -> torch.Tensor:
@@ -164,7 +164,7 @@ def test_varlen_wiring_with_a_cpu_stand_in(monkeypatch, fake):
     stand-in with each torch version's varlen_attn signature (the real kernel is CUDA-only)."""
     import inspect
 
-    from titan_mm.models.common import attention as A
+    from titan_mm.nn import attention as A
 
     monkeypatch.setattr(A, "_VARLEN", (fake, frozenset(inspect.signature(fake).parameters)))
     window = 4 if fake is _fake_varlen_new else None

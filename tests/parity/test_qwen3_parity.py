@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from _qwen3_helpers import (
     VOCAB, assert_grads_close, grads_by_titan_name, hf_model, packed_batch, titan_twin,
 )
-from titan_mm.models.common.attention import build_attn_meta
+from titan_mm.nn.attention import build_attn_meta
 
 pytest.importorskip("transformers")
 
@@ -105,7 +105,7 @@ def test_sliding_window_dense_matches_hf():
 def test_rope_scaling_matches_transformers(rope):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from titan_mm.models.common.rope import rope_inv_freq
+    from titan_mm.nn.rope import rope_inv_freq
 
     from _qwen3_helpers import hf_config
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from titan_mm.models.common.attention import build_attn_meta  # noqa: E402
+from titan_mm.nn.attention import build_attn_meta  # noqa: E402
 from titan_mm.models.qwen3_vl import hf as vl_hf  # noqa: E402
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig  # noqa: E402
 from titan_mm.models.qwen3_vl.model import Qwen3VLModel  # noqa: E402

@@ -132,7 +132,7 @@ def test_abort_frees_the_slot():
 def test_chunks_continue_the_saved_state():
     """float64: a sequence fed in right-padded chunks of 5, 1, 1, 60 and 3 tokens through the cached conv and rule
     (each chunk from the state the previous one left) equals the whole sequence through the training forms."""
-    from titan_mm.models.common.linear_attention import (causal_conv1d, causal_conv1d_cached, chunk_gated_delta_rule,
+    from titan_mm.nn.linear_attention import (causal_conv1d, causal_conv1d_cached, chunk_gated_delta_rule,
                                                          gated_delta_rule_cached)
 
     g = torch.Generator().manual_seed(0)

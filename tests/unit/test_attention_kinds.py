@@ -14,8 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiproc"))
 from _harness import run_multiproc  # noqa: E402
 
-from titan_mm.models.common import attention as A  # noqa: E402
-from titan_mm.models.common.attention import KINDS, AttnMeta, attention, build_attn_meta  # noqa: E402
+from titan_mm.nn import attention as A  # noqa: E402
+from titan_mm.nn.attention import KINDS, AttnMeta, attention, build_attn_meta  # noqa: E402
 
 B, S, H, G, K = 2, 16, 4, 2, 16  # K >= 16: flex kernels on CUDA need it
 DOCS = ([5, 7], [3, 4, 6])  # per row; the rest of the row is padding (doc_id -1)

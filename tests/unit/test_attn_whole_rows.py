@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity"))
 from _qwen3_helpers import hf_model, packed_batch, titan_twin  # noqa: E402
 
-from titan_mm.models.common.attention import build_attn_meta
+from titan_mm.nn.attention import build_attn_meta
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from titan_mm.models.common.attention import build_attn_meta
+from titan_mm.nn.attention import build_attn_meta
 from titan_mm.parallel.cp import _check_dense
 
 

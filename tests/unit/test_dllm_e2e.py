@@ -19,7 +19,7 @@ SHORT = ["--training.steps", "8", "--lr_scheduler.warmup_steps", "2", "--checkpo
 def test_debug_dllm_config_trains_exports_and_samples(tmp_path, capsys):
     from titan_mm.export import load_model_from_checkpoint
     from titan_mm.export import main as export_main
-    from titan_mm.models.common.attention import build_attn_meta
+    from titan_mm.nn.attention import build_attn_meta
     from titan_mm.registry import spec_for_hf_dir
     from titan_mm.tools.eval_dllm import main as eval_main
     from titan_mm.train.trainer import main

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from titan_mm.config import ConfigError, load_config
 from titan_mm.data.packing import Doc, collate_rows
 from titan_mm.data.processors import shift_labels
-from titan_mm.models.common.attention import build_attn_meta
-from titan_mm.models.common.loss import chunked_cross_entropy
+from titan_mm.nn.attention import build_attn_meta
+from titan_mm.nn.loss import chunked_cross_entropy
 from titan_mm.registry import resolve_model
 from titan_mm.train.objective import Objective, attention_pairs, build_objective, resolve_mask_id
 

@@ -6,8 +6,8 @@ block-causal canvas after the current block does not change its predictions (why
 import pytest
 import torch
 
-from titan_mm.models.common.attention import build_attn_meta
-from titan_mm.models.common.output import ModelOutput, Stream
+from titan_mm.nn.attention import build_attn_meta
+from titan_mm.nn.output import ModelOutput, Stream
 from titan_mm.registry import resolve_model
 from titan_mm.train.dllm_sample import sample
 from titan_mm.train.objective import Objective

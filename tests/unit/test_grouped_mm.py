@@ -15,7 +15,7 @@ from titan_mm.kernels import grouped_mm
 _INTERP = r"""
 import torch
 from titan_mm.kernels import grouped_mm
-from titan_mm.models.common.moe import grouped_linear
+from titan_mm.nn.moe import grouped_linear
 
 torch.manual_seed(0)
 bad = []

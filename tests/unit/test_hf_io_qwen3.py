@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "parity"))
 from _qwen3_helpers import VOCAB, hf_model  # noqa: E402
 
-from titan_mm.models.common.hf_io import HFCheckpointError, read_safetensors, write_safetensors  # noqa: E402
+from titan_mm.models.hf_io import HFCheckpointError, read_safetensors, write_safetensors  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
 
 pytest.importorskip("transformers")
@@ -139,7 +139,7 @@ def test_errors_name_the_problem(tmp_path):
 def test_export_keeps_rope_window_and_bias(tmp_path, kw, caplog):
     from transformers import AutoModelForCausalLM
 
-    from titan_mm.models.common.attention import build_attn_meta
+    from titan_mm.nn.attention import build_attn_meta
     from titan_mm.models.qwen3.config import Qwen3Config
 
     hf = hf_model(seed=5, **kw)

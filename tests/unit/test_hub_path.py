@@ -1,4 +1,4 @@
-"""model.hf_path as a Hub repo id (titan_mm.models.common.hf_io.local_hf_dir): a pre-filled HF cache is used with
+"""model.hf_path as a Hub repo id (titan_mm.models.hf_io.local_hf_dir): a pre-filled HF cache is used with
 HF_HUB_OFFLINE=1 (no network at test time), and a cache miss offline is one line naming the id, HF_HUB_OFFLINE
 and the local-folder option. huggingface_hub reads HF_HUB_CACHE / HF_HUB_OFFLINE at import, so each case runs
 in a fresh process."""
@@ -54,7 +54,7 @@ def test_hub_id_offline_cache_hit_and_miss(tmp_path):
     code = f"""
 import json, sys, torch
 from titan_mm.config import load_config
-from titan_mm.models.common.hf_io import local_hf_dir
+from titan_mm.models.hf_io import local_hf_dir
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.train.setup import build_model, model_from_config
 from titan_mm.train.trainer import main
@@ -84,7 +84,7 @@ sys.exit(main(["--config", "debug_qwen3", "--job.dump_folder", {str(tmp_path / "
 
 
 def test_not_a_folder_nor_an_id(tmp_path):
-    from titan_mm.models.common.hf_io import HFPathNotFound, local_hf_dir
+    from titan_mm.models.hf_io import HFPathNotFound, local_hf_dir
 
     for bad in (str(tmp_path / "missing"), "no-slash-name", "a/b/c"):
         with pytest.raises(HFPathNotFound, match=r"is not a directory nor a Hub repo id \(org/name\)"):

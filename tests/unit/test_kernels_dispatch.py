@@ -1,4 +1,4 @@
-"""CPU, in-process: the capability guards pick the PyTorch ops of titan_mm.models.common (the references
+"""CPU, in-process: the capability guards pick the PyTorch ops of titan_mm.nn (the references
 the Triton kernels are checked against elsewhere), and those agree with transformers / torch."""
 
 import os
@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 import titan_mm.kernels as K
-from titan_mm.models.common import rope
-from titan_mm.models.common.loss import chunked_cross_entropy
-from titan_mm.models.common.mlp import silu_mul
-from titan_mm.models.common.norm import rms_norm
+from titan_mm.nn import rope
+from titan_mm.nn.loss import chunked_cross_entropy
+from titan_mm.nn.mlp import silu_mul
+from titan_mm.nn.norm import rms_norm
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="checks the non-interpreter path")
 
@@ -113,7 +113,7 @@ def test_qwen3_per_op_kernel_switch():
 def test_moe_routing_reaches_every_moe_family_and_is_the_reference_off_cuda():
     """Kernel op moe_routing: every MoE layer of the softmax top-k families takes K.moe_routing when it is on and
     route_stats when off; off CUDA K.moe_routing is route_stats itself, which is route() then aux_stats."""
-    from titan_mm.models.common import moe
+    from titan_mm.nn import moe
     from titan_mm.registry import get_model_spec
 
     for name in ("qwen3_moe", "qwen3_vl_moe", "qwen3_omni_moe", "qwen3_5_moe"):

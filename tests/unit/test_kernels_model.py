@@ -81,7 +81,7 @@ def _run_model(name, kernels, seed=0):
     """(loss_sum, {param: grad}, kernel autograd nodes in the loss graph) for one tiny model."""
     import torch
 
-    from titan_mm.models.common.attention import build_attn_meta
+    from titan_mm.nn.attention import build_attn_meta
 
     torch.manual_seed(seed)
     if name == "qwen3_vl":
@@ -181,8 +181,8 @@ def test_select_ops_tables():
     import torch
 
     from titan_mm import kernels as K
-    from titan_mm.models.common.mlp import silu_mul
-    from titan_mm.models.common.norm import add_rms_norm, rms_norm
+    from titan_mm.nn.mlp import silu_mul
+    from titan_mm.nn.norm import add_rms_norm, rms_norm
     from titan_mm.models.qwen3.model import Qwen3Model, select_ops
     from titan_mm.models.qwen3_vl.model import Qwen3VLModel
 

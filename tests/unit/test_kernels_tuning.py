@@ -212,7 +212,7 @@ def _vl_cfg(kernels=True):
 
 
 def _fwd_bwd(name, cfg):
-    from titan_mm.models.common.attention import build_attn_meta
+    from titan_mm.nn.attention import build_attn_meta
 
     torch.manual_seed(0)
     if name == "qwen3_vl":

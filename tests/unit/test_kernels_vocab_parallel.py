@@ -1,6 +1,6 @@
 """Loss parallel's cross-entropies on 2 gloo CPU ranks, each holding half of the head's vocabulary rows: the
 fused Triton CE per shard (titan_mm.kernels.vocab_parallel_linear_cross_entropy, through the Triton
-interpreter) and the PyTorch chunked CE with ``group=`` (titan_mm.models.common.loss.chunked_cross_entropy)
+interpreter) and the PyTorch chunked CE with ``group=`` (titan_mm.nn.loss.chunked_cross_entropy)
 give the single-process loss and gradients (grad_W: this rank's rows)."""
 
 import os
@@ -45,7 +45,7 @@ CHILD_VP_CE = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor, Shard
     import titan_mm.kernels as K
-    from titan_mm.models.common.loss import chunked_cross_entropy
+    from titan_mm.nn.loss import chunked_cross_entropy
     from titan_mm.parallel.tp import vocab_parallel_fused_cross_entropy
 
     rank = int(sys.argv[1]); port = sys.argv[2]

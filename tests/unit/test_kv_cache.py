@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from titan_mm.models.common.attention import build_attn_meta
-from titan_mm.models.common.kv_cache import (ContiguousKVCache, PagedKVCache, alloc_contiguous_cache,
+from titan_mm.nn.attention import build_attn_meta
+from titan_mm.nn.kv_cache import (ContiguousKVCache, PagedKVCache, alloc_contiguous_cache,
                                              alloc_paged_cache, plan_step)
 from titan_mm.models.qwen3.config import FLAVORS
 from titan_mm.models.qwen3.model import Qwen3Model

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet reference (titan_mm/models/common/linear_attention.py), in float64: the chunked rule equals the
+"""The Gated DeltaNet reference (titan_mm/nn/linear_attention.py), in float64: the chunked rule equals the
 token-by-token recurrence (outputs, final state and gradients; grouped value heads; rows that are not a multiple of
 the chunk), the state restarts at every document of a packed row (equal to running each document alone), the causal
 conv reads no earlier document, and the host-built documents agree whatever the batch gives (cu_seqlens or
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_mm.models.common.linear_attention import (build_linear_meta, causal_conv1d, chunk_gated_delta_rule,
+from titan_mm.nn.linear_attention import (build_linear_meta, causal_conv1d, chunk_gated_delta_rule,
                                                      gated_delta_rule, recurrent_gated_delta_rule, segment_starts)
 
 D64 = torch.float64

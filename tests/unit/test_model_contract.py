@@ -7,8 +7,8 @@ import fnmatch
 import pytest
 import torch
 
-from titan_mm.models.common.attention import build_attn_meta
-from titan_mm.models.common.output import Stream
+from titan_mm.nn.attention import build_attn_meta
+from titan_mm.nn.output import Stream
 from titan_mm.models.qwen3_vl.config import FLAVORS as VL_FLAVORS
 from titan_mm.models.qwen3_vl.config import with_overrides
 from titan_mm.models.qwen3_vl.model import Qwen3VLModel, vision_inputs

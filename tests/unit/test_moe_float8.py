@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from titan_mm.config import ConfigError, load_config
-from titan_mm.models.common import moe
+from titan_mm.nn import moe
 
 
 def _top_i(N, K, E, g):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan_mm.models.common import moe
+from titan_mm.nn import moe
 
 
 def _routing(N=37, K=3, E=6, seed=0):

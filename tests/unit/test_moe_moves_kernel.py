@@ -1,5 +1,5 @@
 """The fused MoE token moves (titan_mm.kernels.moe_expand / moe_combine, kernel op ``moe_moves``) against PyTorch's
-(titan_mm.models.common.moe.expand_rows / combine): values and gradients in fp32 through Triton's CPU interpreter,
+(titan_mm.nn.moe.expand_rows / combine): values and gradients in fp32 through Triton's CPU interpreter,
 on the eager Function path and through the torch.library ops (opcheck), with odd widths, strided inputs and the
 padded layout of the float8 experts. The bf16
 comparison at Qwen3-30B-A3B's shape runs on the GPU (tests/gpu/test_kernels_gpu.py)."""
@@ -13,7 +13,7 @@ import torch
 from titan_mm import kernels as K
 from titan_mm.kernels import _dispatch
 from titan_mm.kernels.moe_moves import moe_combine_op, moe_sum_rows_op
-from titan_mm.models.common import moe
+from titan_mm.nn import moe
 
 torch.manual_seed(0)
 bad = []

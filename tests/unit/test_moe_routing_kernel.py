@@ -1,5 +1,5 @@
 """The fused MoE routing (titan_mm.kernels.moe_routing, kernel op ``moe_routing``) against its reference
-(titan_mm.models.common.moe.route_stats: softmax, torch.topk, renormalization, aux_stats) through Triton's CPU
+(titan_mm.nn.moe.route_stats: softmax, torch.topk, renormalization, aux_stats) through Triton's CPU
 interpreter: top_w, top_i, the aux statistics and the logits' gradient (from top_w's and the statistics'
 gradients), fp32 and bf16 logits, with and without norm_topk_prob and a valid mask, E 8 / 60 / 128 with K 2 / 4 / 8,
 N not a multiple of the rows per program (small row blocks, so several programs' partials are summed); the eager
@@ -20,7 +20,7 @@ os.environ["TITAN_KERNELS_POISON"] = "1"  # outputs start NaN-filled: an unwritt
 import torch
 from titan_mm import kernels as K
 from titan_mm.kernels import _dispatch, moe_router as R
-from titan_mm.models.common import moe
+from titan_mm.nn import moe
 
 torch.manual_seed(0)
 bad = []

@@ -1,5 +1,5 @@
 """Paged decode attention (titan_mm.kernels.paged_decode_attention): a one-token step that reads the keys in
-place from the KV pool equals the gather path of titan_mm.models.common.kv_cache (through plan_step and
+place from the KV pool equals the gather path of titan_mm.nn.kv_cache (through plan_step and
 attention, on the CPU reference), and the Triton kernel equals the reference through TRITON_INTERPRET=1
 (GQA and MHA, block sizes 8 / 16 / 128, a sliding window, a head dim that is not a power of 2, an empty row, one
 split and several (flash-decoding); fp32 and
@@ -13,8 +13,8 @@ import torch
 from tests.triton_interp import run_interpreted
 
 from titan_mm.kernels import paged_decode_attention
-from titan_mm.models.common.attention import attention, build_attn_meta
-from titan_mm.models.common.kv_cache import alloc_paged_cache, plan_step
+from titan_mm.nn.attention import attention, build_attn_meta
+from titan_mm.nn.kv_cache import alloc_paged_cache, plan_step
 
 
 def _step(cache, cached, tables, decode, window=None):
@@ -57,7 +57,7 @@ def test_prefill_steps_keep_the_gather_path():
 _INTERP = r"""
 import torch
 from titan_mm.kernels.paged_decode import paged_decode
-from titan_mm.models.common.kv_cache import paged_decode_reference
+from titan_mm.nn.kv_cache import paged_decode_reference
 torch.manual_seed(0)
 bad = []
 for H, G, K, BS, dt, window, P in [(8, 2, 64, 16, torch.float32, None, 1), (8, 2, 64, 16, torch.float32, None, 3),

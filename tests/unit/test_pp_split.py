@@ -145,7 +145,7 @@ def test_prune_keeps_names_and_restricts_the_plan():
 
 def test_pruned_init_draws_the_full_models_weights():
     """seeded_init under pipeline parallelism: a rank's weights are pp = 1's weights at the same names."""
-    from titan_mm.models.common.init import seeded_init
+    from titan_mm.nn.init import seeded_init
 
     spec, cfg, _ = _meta_qwen3()
     full = spec.build(cfg)

@@ -10,7 +10,7 @@ from titan_mm.config import Data
 from titan_mm.data.loader import build_dataloader
 from titan_mm.data.processors import ProcessorConfig, check_special_tokens
 from titan_mm.data.tokenizer import load_tokenizer
-from titan_mm.models.common.attention import build_attn_meta
+from titan_mm.nn.attention import build_attn_meta
 from titan_mm.models.qwen2_5_omni.audio import conv_lengths
 from titan_mm.models.qwen3_omni_moe.audio import output_lengths
 from titan_mm.registry import families, get_model_spec

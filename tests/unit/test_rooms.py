@@ -1,6 +1,7 @@
 """The rooms of the package keep their walls (docs/architecture.md):
 
-- low rooms (models/, data/, kernels/, registry.py) import nothing from train/, parallel/ or tools/, except the
+- nn/ is the ground floor: it imports no other titan_mm room; kernels/ and parallel/ import nothing from models/;
+- low rooms (nn/, models/, data/, kernels/, registry.py) import nothing from train/, parallel/ or tools/, except the
   plan data type (titan_mm.parallel.plan) that a family's plan.py returns;
 - train/, parallel/ and kernels/ name no model family and read no family config field by getattr / hasattr:
   they ask the ModelSpec (titan_mm.registry).
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "titan_mm"
-LOW = ["models", "data", "kernels", "registry.py"]
+LOW = ["nn", "models", "data", "kernels", "registry.py"]
 HIGH = ("titan_mm.train", "titan_mm.parallel", "titan_mm.tools")
 ALLOWED = {"titan_mm.parallel.plan"}
 
@@ -60,3 +61,15 @@ def test_shared_rooms_ask_the_spec(room):
             if FAMILY.search(code) or CONFIG_PROBE.search(code):
                 bad.append(f"{p.relative_to(PKG)}:{i}: {line.strip()}")
     assert not bad, "\n".join(bad)
+
+
+def test_nn_is_the_ground_floor():
+    bad = [f"{p.relative_to(PKG)}: {m}" for p in _py("nn") for m in _imports(p)
+           if m.startswith("titan_mm") and not m.startswith("titan_mm.nn")]
+    assert not bad, f"nn/ imports a room above it: {bad}"
+
+
+@pytest.mark.parametrize("room", ["kernels", "parallel"])
+def test_kernels_and_parallel_do_not_reach_into_models(room):
+    bad = [f"{p.relative_to(PKG)}: {m}" for p in _py(room) for m in _imports(p) if m.startswith("titan_mm.models")]
+    assert not bad, f"{room}/ imports models/: {bad}"

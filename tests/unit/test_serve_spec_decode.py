@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from tests.unit._serve_helpers import VOCAB, engine, prompt, tiny_model
-from titan_mm.models.common.attention import build_attn_meta
+from titan_mm.nn.attention import build_attn_meta
 from titan_mm.registry import get_model_spec
 from titan_mm.serve.sampling import RowSampling, SamplingParams, target_probs
 from titan_mm.serve.spec_decode import ngram_propose, verify

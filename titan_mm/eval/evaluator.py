@@ -128,7 +128,7 @@ class Evaluator:
 
     def tokenizer(self):
         from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
-        from titan_mm.models.common.hf_io import local_hf_dir
+        from titan_mm.models.hf_io import local_hf_dir
 
         cfg = self.cfg
         hf = local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None

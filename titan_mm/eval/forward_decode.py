@@ -12,7 +12,7 @@ import torch
 from titan_mm.data.packing import IGNORE_INDEX, Doc, collate_rows
 from titan_mm.data.processors import Processor
 from titan_mm.data.schema import parse_record
-from titan_mm.models.common.attention import build_attn_meta
+from titan_mm.nn.attention import build_attn_meta
 from titan_mm.train.step import NOT_MODEL_KWARGS, to_device  # the train step's split of batch keys and its move
 
 ROWS = 32  # prompts decoded together

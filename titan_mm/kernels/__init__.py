@@ -1,7 +1,7 @@
 """titan_mm.kernels: Triton kernels on the hot path, as torch.library custom ops, with PyTorch references.
 
 Public functional API (each dispatches to Triton on CUDA SM >= 80 for bf16/fp16/fp32 inputs and to the
-PyTorch op of titan_mm.models.common elsewhere, which is also the reference the kernels are tested against;
+PyTorch op of titan_mm.nn elsewhere, which is also the reference the kernels are tested against;
 see docs/kernels.md):
 
     rms_norm(x, w, eps) -> y
@@ -12,7 +12,7 @@ see docs/kernels.md):
         (weights: optional per-token loss weights)
     vocab_parallel_linear_cross_entropy(h, weight_shard, labels, vocab_start, group, ...) -> loss_sum
         (loss parallel: the head's rows are split over the ranks of ``group``; Triton only; the PyTorch
-        version is titan_mm.models.common.loss.chunked_cross_entropy(..., group=group))
+        version is titan_mm.nn.loss.chunked_cross_entropy(..., group=group))
     bias_gelu(x, b) -> gelu_tanh(x + b)
     paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, window=None) -> o
         (serving's one-token decode step over a paged KV pool, keys read in place; no backward)
@@ -24,10 +24,10 @@ see docs/kernels.md):
     adamw_step_(p, g, m, v, copy, step, lr, ...) -> None   (one AdamW update that also writes p's narrow copy;
         the one-rank cast path's optimizer, titan_mm.train.cast_adamw)
     moe_expand(x, src_A, inv_NK) -> x[src_A], moe_combine(y_AD, top_w_NK, routing, dtype) -> y_ND
-        (the MoE token moves of titan_mm.models.common.moe.TokenMoves: each sum one pass, the weights fused)
+        (the MoE token moves of titan_mm.nn.moe.TokenMoves: each sum one pass, the weights fused)
     moe_routing(logits_NE, top_k, norm_topk_prob, valid_N=None) -> (top_w_NK, top_i_NK, stats_2E)
         (the MoE router after its GEMM: softmax, top-k, renormalization and the aux statistics in one pass;
-        titan_mm.models.common.moe.route_stats)
+        titan_mm.nn.moe.route_stats)
 
 Launch configs (titan_mm.kernels._utils.Tuner): picked per key (width / head layout, dtype) outside the
 model's forward, which must not synchronize the GPU:
@@ -52,17 +52,17 @@ from __future__ import annotations
 
 import torch
 
-from titan_mm.models.common.kv_cache import paged_decode_reference
-from titan_mm.models.common.loss import chunked_cross_entropy
-from titan_mm.models.common.moe import combine as _combine_ref
-from titan_mm.models.common.moe import expand_rows as _expand_rows_ref
-from titan_mm.models.common.moe import grouped_linear as _grouped_linear_ref
-from titan_mm.models.common.moe import route_stats as _route_stats_ref
-from titan_mm.models.common.mlp import bias_gelu as _bias_gelu_ref
-from titan_mm.models.common.mlp import silu_mul
-from titan_mm.models.common.norm import add_rms_norm as _add_rms_norm_ref
-from titan_mm.models.common.norm import rms_norm as _rms_norm_ref
-from titan_mm.models.common.rope import apply_rope as _apply_rope_ref
+from titan_mm.nn.kv_cache import paged_decode_reference
+from titan_mm.nn.loss import chunked_cross_entropy
+from titan_mm.nn.moe import combine as _combine_ref
+from titan_mm.nn.moe import expand_rows as _expand_rows_ref
+from titan_mm.nn.moe import grouped_linear as _grouped_linear_ref
+from titan_mm.nn.moe import route_stats as _route_stats_ref
+from titan_mm.nn.mlp import bias_gelu as _bias_gelu_ref
+from titan_mm.nn.mlp import silu_mul
+from titan_mm.nn.norm import add_rms_norm as _add_rms_norm_ref
+from titan_mm.nn.norm import rms_norm as _rms_norm_ref
+from titan_mm.nn.rope import apply_rope as _apply_rope_ref
 
 from . import _dispatch
 from ._dispatch import HAS_TRITON, use_triton
@@ -232,11 +232,11 @@ def vocab_parallel_linear_cross_entropy(
     same fp32 loss sum on every rank; h's gradient is complete (all-reduced), the weight's is this shard's.
     Triton only (``use_triton(h, weight_shard)`` with equal dtypes): elsewhere the PyTorch version is
     ``chunked_cross_entropy(h, weight_shard, labels, group=group, vocab_start=vocab_start)``
-    (titan_mm.models.common.loss). Eager autograd (it runs collectives; no torch.library op)."""
+    (titan_mm.nn.loss). Eager autograd (it runs collectives; no torch.library op)."""
     if not (use_triton(h, weight_shard) and h.dtype == weight_shard.dtype):
         raise RuntimeError("vocab_parallel_linear_cross_entropy runs only on the Triton path (CUDA SM >= 80, or "
                            "TRITON_INTERPRET=1 on CPU) with h and the weight in one dtype; use "
-                           "titan_mm.models.common.loss.chunked_cross_entropy(..., group=group) elsewhere.")
+                           "titan_mm.nn.loss.chunked_cross_entropy(..., group=group) elsewhere.")
     return VocabParallelLinearCrossEntropyFunction.apply(h, weight_shard, labels, int(vocab_start), group,
                                                          int(ignore_index), float(z_loss), int(chunk_size),
                                                          None if weights is None else weights.detach())
@@ -329,7 +329,7 @@ def adamw_step_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
 
 
 def moe_expand(x: torch.Tensor, src_A: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
-    """x[src_A]: each token's row once per expert it goes to (titan_mm.models.common.moe.expand_rows); the
+    """x[src_A]: each token's row once per expert it goes to (titan_mm.nn.moe.expand_rows); the
     backward sums each token's K row gradients in one pass."""
     if use_triton(x):
         return ExpandFunction.apply(x, src_A, inv_NK, _dispatch.use_ops())
@@ -338,7 +338,7 @@ def moe_expand(x: torch.Tensor, src_A: torch.Tensor, inv_NK: torch.Tensor) -> to
 
 def moe_combine(y_AD: torch.Tensor, top_w_NK: torch.Tensor, r, dtype: torch.dtype) -> torch.Tensor:
     """Each token's expert outputs ``y_AD`` (rows in expert order) weighted by its router weights and summed in
-    increasing expert id (titan_mm.models.common.moe.combine; ``r`` its Routing), in one pass; -> [N, D] in dtype."""
+    increasing expert id (titan_mm.nn.moe.combine; ``r`` its Routing), in one pass; -> [N, D] in dtype."""
     if use_triton(y_AD, top_w_NK):
         w_NK = top_w_NK.gather(1, r.order_A[r.inv_NK] % top_w_NK.shape[1])  # the weight of each sorted slot
         y = y_AD.to(dtype)
@@ -348,7 +348,7 @@ def moe_combine(y_AD: torch.Tensor, top_w_NK: torch.Tensor, r, dtype: torch.dtyp
 
 def moe_routing(logits_NE: torch.Tensor, top_k: int, norm_topk_prob: bool,
                 valid_N: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The MoE routing from the router logits [N, E] (titan_mm.models.common.moe.route_stats): -> (top_w_NK in the
+    """The MoE routing from the router logits [N, E] (titan_mm.nn.moe.route_stats): -> (top_w_NK in the
     logits' dtype, top_i_NK int64, aux stats [2, E] fp32: assignment counts and prob sums over the rows ``valid_N``
     keeps). One Triton pass per block of rows; equal values rank by the lower expert index."""
     if (use_triton(logits_NE) and logits_NE.dim() == 2 and 0 < top_k <= logits_NE.shape[1] <= _ROUTING_MAX_E

@@ -6,10 +6,10 @@
               once and writes each of its rows of dy once (no atomics)
     expand    x[src_A] (torch's gather); its backward is the combine without weights, dx[n] = sum_k g[idx[n, k]]
 
-The rows may be a padded layout (float8 experts: titan_mm.models.common.moe.sort_by_expert(align=16)), more rows
+The rows may be a padded layout (float8 experts: titan_mm.nn.moe.sort_by_expert(align=16)), more rows
 than N K: the expand writes its pad rows as zeros and the combine's backward gives them zero gradients.
 
-The PyTorch forms (titan_mm.models.common.moe.expand_rows / combine) weight, gather and sum in separate passes;
+The PyTorch forms (titan_mm.nn.moe.expand_rows / combine) weight, gather and sum in separate passes;
 inside a compiled block Inductor fuses them, but its gather-sums ran at about a fifth of the copy rate at
 Qwen3-30B-A3B's shape (bench/results/profiles/profile_qwen3_30b_a3b_4l_titan_before_moves.txt). Here each
 program reads its token's K rows whole. Sums run in fp32 in slot order (increasing expert id, the order HF's loop over the experts
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_mm.models.common.moe import is_padded, take_rows
+from titan_mm.nn.moe import is_padded, take_rows
 
 from ._utils import new_empty, next_pow2, wrap_triton, writes
 

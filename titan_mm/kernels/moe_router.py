@@ -9,7 +9,7 @@
               weights' gradient (through the renormalization); p is recomputed from the saved logits, so the
               forward writes no [N, E] probabilities
 
-The reference is titan_mm.models.common.moe.route_stats (softmax, torch.topk, renormalization, aux_stats: 6-8
+The reference is titan_mm.nn.moe.route_stats (softmax, torch.topk, renormalization, aux_stats: 6-8
 kernels); the kernels agree with it up to fp32 rounding. Ties: the lower expert index first (torch.topk leaves
 the order of equal values unspecified), so the indices equal the reference's whenever a row's values are
 distinct. The top-k runs on the logits (softmax is monotonic): probabilities equal in fp32 but from distinct

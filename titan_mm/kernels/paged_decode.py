@@ -1,7 +1,7 @@
 """Paged decode attention: one new query token per sequence against its keys read in place from the KV pool.
 
 The serving engine's decode step (one token per sequence) is memory-bound: every cached key and value is read
-once. The gather path of titan_mm.models.common.kv_cache copies them into a dense [B, L, G, K] tensor first and
+once. The gather path of titan_mm.nn.kv_cache copies them into a dense [B, L, G, K] tensor first and
 then runs SDPA, reading them twice and writing them once. This kernel walks each sequence's block table instead
 (vLLM's paged attention, flash-decoding's split online softmax), so the pool is read once and nothing is written.
 

@@ -8,7 +8,7 @@ CP acts through the *batch* and the attention metadata, not by changing modules:
   2. keeps this rank's tokens of every ``[B, S]`` tensor (``input_ids``, ``labels``, ``position_ids``,
      ``doc_ids``) with **load-balanced** sharding: S is cut into 2*cp chunks and rank r keeps chunks
      r and 2*cp-1-r, so every rank gets the same amount of causal-attention work;
-  3. puts a :class:`CPAttention` in ``AttnMeta.cp``; ``titan_mm.models.common.attention.attention``
+  3. puts a :class:`CPAttention` in ``AttnMeta.cp``; ``titan_mm.nn.attention.attention``
      delegates to it, everything else in the model (embeddings, norms, MLP/MoE, RoPE with the local
      ``position_ids``, the loss over the local labels) simply runs on the local tokens.
   4. cuts the family's own sequence keys (``ModelSpec.seq_keys``, host-built by its ``prepare_batch`` before
@@ -49,13 +49,13 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
 
 from titan_mm.config import Parallel
-from titan_mm.models.common.attention import KINDS, check_kind
+from titan_mm.nn.attention import KINDS, check_kind
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
 MODES = ("ulysses", "allgather", "ring")
 SEQ_KEYS = ("input_ids", "labels", "position_ids", "doc_ids", "prefix_mask")
-# Attention mask kinds (titan_mm.models.common.attention.KINDS) each mode runs. Every mode attends with the
+# Attention mask kinds (titan_mm.nn.attention.KINDS) each mode runs. Every mode attends with the
 # metadata of the full sequence (ulysses) or with blocks cut from its dense mask (allgather, ring), so every kind
 # works (tests/unit/test_attention_kinds.py); a mode on fused kernels that cannot (a flash ring) lists fewer.
 MODE_KINDS = dict.fromkeys(MODES, KINDS)
@@ -73,7 +73,7 @@ class CPAttention:
     """Callable stored in ``AttnMeta.cp``: attention over the full sequence from local sequence shards."""
 
     def __init__(self, mode: str, mesh, full_meta, S: int, device):
-        from titan_mm.models.common.attention import attention  # noqa: F401  (fail early if absent)
+        from titan_mm.nn.attention import attention  # noqa: F401  (fail early if absent)
 
         self.mode, self.mesh, self.cp = mode, mesh, mesh.size()
         self.group = mesh.get_group()
@@ -125,7 +125,7 @@ class CPAttention:
         return {w: [d[:, :, self.local][:, :, :, c].contiguous() for c in cols] for w, d in out.items()}
 
     def __call__(self, q_BSHK, k_BSGK, v_BSGK, window):
-        from titan_mm.models.common.attention import attention
+        from titan_mm.nn.attention import attention
 
         if self.mode == "ulysses":
             q, k, v = (self._seq_to_heads(t) for t in (q_BSHK, k_BSGK, v_BSGK))
@@ -284,7 +284,7 @@ def prepare_cp_batch(
     """-> (this rank's sequence shard of ``batch``, AttnMeta with ``cp`` set). Without CP: (batch, build_attn_meta).
     ``seq_keys``: the family's keys laid out along the sequence (ModelSpec.seq_keys), cut like input_ids.
     ``kind`` / ``block_size``: the attention mask kind, passed to build_attn_meta (MODE_KINDS says which run)."""
-    from titan_mm.models.common.attention import build_attn_meta
+    from titan_mm.nn.attention import build_attn_meta
 
     if mode not in MODES:
         raise ValueError(f"parallel.cp_mode must be one of {MODES}, got {mode!r}.")

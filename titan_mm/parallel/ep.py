@@ -1,7 +1,7 @@
 """Expert parallelism: experts sharded over the ``ep`` mesh axis, tokens moved by all-to-all.
 
 Plan entries (``ParallelizePlan.ep``): module pattern -> ``"experts"`` for modules with the stacked-expert
-layout of :class:`titan_mm.models.common.moe.GroupedExperts` (``w1``/``w3`` [E, F, D], ``w2`` [E, D, F],
+layout of :class:`titan_mm.nn.moe.GroupedExperts` (``w1``/``w3`` [E, F, D], ``w2`` [E, D, F],
 ``forward(x_ND, top_w_NK, top_i_NK)``). Each matched module is replaced, under the same name and with the
 same parameter names, by :class:`ExpertParallelExperts`, whose weights are DTensors ``Shard(0)`` on the
 ``ep`` mesh (rank r of the ep group holds experts ``[r*E/ep, (r+1)*E/ep)``). FSDP then shards them further
@@ -35,8 +35,8 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from titan_mm.models.common import init
-from titan_mm.models.common.moe import (FLOAT8_ALIGN, add_extra, expand_rows, grouped_swiglu, reduce_rows,
+from titan_mm.nn import init
+from titan_mm.nn.moe import (FLOAT8_ALIGN, add_extra, expand_rows, grouped_swiglu, reduce_rows,
                                         sort_by_expert)
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
@@ -88,7 +88,8 @@ class ExpertParallelExperts(nn.Module):
         seg = torch.repeat_interleave(torch.arange(P * EL, device=dev), recv_E, output_size=n_recv)
         lr = sort_by_expert((seg % EL)[:, None], EL, FLOAT8_ALIGN if self.float8 else 1)
         w1, w3, w2 = (_local(getattr(self, n)) for n in _WEIGHTS)
-        y_local = grouped_swiglu(expand_rows(x_recv, lr.src_A, lr.inv_NK), lr.counts_E, w1, w3, w2, self.float8)
+        y_local = grouped_swiglu(expand_rows(x_recv, lr.src_A, lr.inv_NK), lr.counts_E, w1, w3, w2, self.float8,
+                                 self.moves.grouped_mm)
         y_recv = reduce_rows(y_local, lr.inv_NK, lr.src_A)
         y_AD = all_to_all_single_autograd(y_recv, in_splits, out_splits, group)
         return add_extra(self.moves.combine(y_AD, top_w_NK, r, x_ND.dtype), extra_ND)

@@ -238,7 +238,7 @@ def loss_bytes(model_cfg, plan, topo: Topology, tokens: float, act_bytes: int = 
         # [C, V/vt] logits buffer in h.dtype
         work = keep + a * C * math.ceil(V / vt) + 4 * N
         return work, keep
-    # titan_mm.models.common.loss.chunked_cross_entropy (fp32 grad_W accumulator, fp32 chunk buffers)
+    # titan_mm.nn.loss.chunked_cross_entropy (fp32 grad_W accumulator, fp32 chunk buffers)
     sizes = [min(C, N - s) for s in range(0, N, C)] or [0]
     chunk_peak = (12 + a) * sizes[0]
     for prev, cur in zip(sizes, sizes[1:]):

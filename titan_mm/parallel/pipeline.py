@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from titan_mm.models.common.output import Stream
+from titan_mm.nn.output import Stream
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 from titan_mm.parallel.pp_schedule import (SCHEDULES, SPLIT_BACKWARD, action_lists, schedule_class, stage_ids,
                                             virtual_stages)
@@ -313,7 +313,7 @@ class StageBuilder:
         self.model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
     def init_weights(self, full_meta: nn.Module, device: torch.device) -> None:
-        """``init_weights`` in the full model's draw order, so that titan_mm.models.common.init.seeded_init gives
+        """``init_weights`` in the full model's draw order, so that titan_mm.nn.init.seeded_init gives
         every pipeline layout the weights of pp = 1: this rank's modules are put into ``full_meta`` (the whole
         model on meta) in place of theirs, the draws of the others land on meta (counted, not filled)."""
         for fqn in self.kept():

@@ -46,7 +46,7 @@ as style "embedding_rowwise" (output all-reduced), or "embedding_rowwise_seq" wh
 "seq_scatter_output" (output reduce-scattered to the sequence shard); the embedding and the loss then add their
 gradients into the same shard. The ``ops`` of the nearest module above the head (the text model; a dataclass
 with ``cross_entropy`` and ``logits`` fields) are swapped: ``cross_entropy`` becomes
-:func:`vocab_parallel_cross_entropy` (titan_mm.models.common.loss.chunked_cross_entropy with ``group=``: per
+:func:`vocab_parallel_cross_entropy` (titan_mm.nn.loss.chunked_cross_entropy with ``group=``: per
 chunk a local [chunk, V/tp] fp32 logits block, the max / sum-exp / target logit all-reduced over tp, the input
 gradient all-reduced once at the end) and ``logits`` becomes :func:`vocab_parallel_logits`
 (local vocabulary slice, all-gathered). A model that used the fused Triton linear-CE of titan_mm.kernels gets
@@ -70,7 +70,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from titan_mm.config import Parallel
-from titan_mm.models.common.loss import chunked_cross_entropy
+from titan_mm.nn.loss import chunked_cross_entropy
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 

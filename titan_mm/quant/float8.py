@@ -5,7 +5,7 @@
     check_float8_experts(device)                       # float8.moe_experts can run here (or a ConfigError)
 
 The float8 experts (float8.moe_experts) are no module swap: the model config's moe_float8 runtime field picks
-them when the model is built (titan_mm/models/common/moe.py).
+them when the model is built (titan_mm/nn/moe.py).
 """
 
 from __future__ import annotations

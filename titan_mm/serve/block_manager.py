@@ -163,7 +163,7 @@ class BlockManager:
 
 
 class StateSlots:
-    """Slots of the fixed-size per-sequence state of linear-attention layers (titan_mm.models.common.kv_cache
+    """Slots of the fixed-size per-sequence state of linear-attention layers (titan_mm.nn.kv_cache
     StatePool): a sequence takes one when it is scheduled and gives it back when it finishes, is dropped or is
     preempted; a fork takes its own (the runner copies the parent's state into it). The scheduler's seats
     (max_num_seqs) bound the live sequences, so the pool has one slot per seat."""

@@ -184,7 +184,7 @@ class Engine:
 
     def _shard(self, model, spec, model_cfg, what: str):
         """Tensor parallel: ``model`` split by its family's plan, unless from_pretrained already did."""
-        from titan_mm.models.common.hf_io import is_sharded
+        from titan_mm.models.hf_io import is_sharded
 
         if self.tp is None or is_sharded(model):
             return model

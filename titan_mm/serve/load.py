@@ -38,7 +38,7 @@ def load_model(path: str | os.PathLike, device: torch.device, shard=None, kernel
         eos = _hf_eos(p)
     else:
         from titan_mm.export import checkpoint_config, load_model_from_checkpoint
-        from titan_mm.models.common.hf_io import local_hf_dir
+        from titan_mm.models.hf_io import local_hf_dir
 
         if not p.exists():
             raise ConfigError(f"{p} does not exist; pass an HF model folder (with config.json) or a titan_mm run "

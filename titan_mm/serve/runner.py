@@ -2,7 +2,7 @@
 
 Host side, before the forward: the step's rows (one per sequence: its new tokens; packed back to back in one row,
 or right-padded rows for families with linear-attention states or with ``serve.packed_prefill`` off), the paged cache
-step (titan_mm.models.common.kv_cache.plan_step: positions, slot mapping, gathered slots, masks), M-RoPE positions,
+step (titan_mm.nn.kv_cache.plan_step: positions, slot mapping, gathered slots, masks), M-RoPE positions,
 and for a vision family its ``prepare_batch`` metadata over the whole images the rows hold. The forward itself
 does no host sync (tests/gpu/test_serve_gpu.py checks it).
 
@@ -24,8 +24,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from titan_mm.models.common.attention import build_attn_meta
-from titan_mm.models.common.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, plan_step, state_shapes
+from titan_mm.nn.attention import build_attn_meta
+from titan_mm.nn.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, plan_step, state_shapes
 from titan_mm.serve.scheduler import Row
 from titan_mm.serve.sequence import PENDING
 

@@ -1,5 +1,5 @@
 """Numerical checks of the Triton ops (titan_mm.kernels) against their float64 PyTorch references (the ops
-of titan_mm.models.common), shared by the CPU interpreter tests (tests/unit/test_kernels_*.py, small
+of titan_mm.nn), shared by the CPU interpreter tests (tests/unit/test_kernels_*.py, small
 shapes) and the H200 tests (tests/gpu/test_kernels_gpu.py, full shapes).
 
 Each check draws fresh random inputs (the seed is returned so a failure can be replayed), runs the op
@@ -76,7 +76,7 @@ def _compare(recs, op, dtype, case, outs, refs, ins, ref_ins, grads):
 
 def check_rms_norm(device, dtype, big):
     import titan_mm.kernels as K
-    from titan_mm.models.common.norm import rms_norm
+    from titan_mm.nn.norm import rms_norm
 
     recs = []
     shapes = [(16384, 4096), (3, 1000, 4099), (16384 * 8, 128)] if big else [(3, 7, 37), (5, 64), (3, 1000, 9), (2, 5, 1030)]
@@ -99,7 +99,7 @@ def check_rms_norm(device, dtype, big):
 
 def check_add_rms_norm(device, dtype, big):
     import titan_mm.kernels as K
-    from titan_mm.models.common.norm import add_rms_norm
+    from titan_mm.nn.norm import add_rms_norm
 
     recs = []
     shapes = [(16384, 4096), (3, 1000, 4099), (16384 * 8, 128)] if big else [(3, 7, 37), (5, 64), (3, 1000, 9), (2, 5, 1030)]
@@ -122,7 +122,7 @@ def check_add_rms_norm(device, dtype, big):
 
 def check_swiglu(device, dtype, big):
     import titan_mm.kernels as K
-    from titan_mm.models.common.mlp import silu_mul
+    from titan_mm.nn.mlp import silu_mul
 
     recs = []
     shapes = [(16384, 12288), (2, 999, 4097)] if big else [(3, 5, 45), (7, 130), (3, 2100)]
@@ -150,7 +150,7 @@ def _rope_tables(lead, half, dtype, device, full: bool):
 
 def check_rope(device, dtype, big):
     import titan_mm.kernels as K
-    from titan_mm.models.common.rope import apply_rope
+    from titan_mm.nn.rope import apply_rope
 
     recs = []
     # (B, S, Hq, Hk, Dh)
@@ -177,7 +177,7 @@ def check_rope(device, dtype, big):
 
 def check_linear_cross_entropy(device, dtype, big):
     import titan_mm.kernels as K
-    from titan_mm.models.common.loss import chunked_cross_entropy
+    from titan_mm.nn.loss import chunked_cross_entropy
 
     recs = []
     # (N, D, V, chunk)
@@ -217,7 +217,7 @@ def check_linear_cross_entropy(device, dtype, big):
 
 def check_bias_gelu(device, dtype, big):
     import titan_mm.kernels as K
-    from titan_mm.models.common.mlp import bias_gelu
+    from titan_mm.nn.mlp import bias_gelu
 
     recs = []
     shapes = [(16384, 4304), (999, 1153)] if big else [(33, 19), (2, 9, 40), (21, 700)]

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     args, rest = ap.parse_known_args(argv)
 
     from titan_mm.config import ConfigError, load_config
-    from titan_mm.models.common.hf_io import HFPathNotFound, local_hf_dir
+    from titan_mm.models.hf_io import HFPathNotFound, local_hf_dir
     from titan_mm.registry import SpecError, resolve_model
 
     try:

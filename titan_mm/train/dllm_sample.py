@@ -14,7 +14,7 @@ Each of ``steps`` steps per block runs the model on the whole canvas, predicts e
 predictions (k spreads the block's masks evenly over the steps left) and leaves the rest masked. Shifted diffusion reads position j's prediction from
 hidden state j - 1. Sampling stops after a block in which every row has produced a stop token.
 
-Finished blocks are recomputed at every step, not cached: titan_mm's KV cache (models/common/kv_cache.py) is causal
+Finished blocks are recomputed at every step, not cached: titan_mm's KV cache (nn/kv_cache.py) is causal
 only. Under block-causal attention the masks after the current block do not change its predictions, so running the
 whole canvas is exact, only slower than a cache of the finished blocks would be.
 """
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from titan_mm.data.packing import IGNORE_INDEX, Doc, collate_rows
-from titan_mm.models.common.attention import build_attn_meta
+from titan_mm.nn.attention import build_attn_meta
 
 
 def _canvas(prompts: list[list[int]], gen_length: int, mask_id: int) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ sync-free and the same noise reaches every backend and device):
   * ``input_ids``: the noisy tokens; ``labels``: the clean token at each masked position (shifted: at the position
     before it), -100 elsewhere; ``loss_weights`` [B, S] fp32: 1/t there, 0 elsewhere; ``num_label_tokens``: the
     number of maskable tokens (the normalizer).
-The head returns sum_i w_i CE_i (titan_mm.models.common.loss, titan_mm.kernels), and the step divides it by the
+The head returns sum_i w_i CE_i (titan_mm.nn.loss, titan_mm.kernels), and the step divides it by the
 global count of maskable tokens N of the whole global batch:
 
     loss = sum over masked tokens i of CE(x0_i | x_t) / t_i  /  N
@@ -39,12 +39,12 @@ from typing import Any
 import torch
 
 from titan_mm.config import ConfigError, JobConfig
-from titan_mm.models.common.attention import check_kind, doc_positions
+from titan_mm.nn.attention import check_kind, doc_positions
 
 IGNORE_INDEX = -100
 MASK_KINDS = {"causal": "causal", "masked_diffusion": "bidirectional", "shifted_diffusion": "bidirectional",
               "block_diffusion": "block_causal"}
-"""The attention mask kind (titan_mm.models.common.attention KINDS) each objective trains with."""
+"""The attention mask kind (titan_mm.nn.attention KINDS) each objective trains with."""
 MASK_TOKENS = ("<|mask|>", "<|MASK|>", "<mask>")
 """Tokens ``mask_token = "auto"`` takes when the tokenizer has one (in this order)."""
 HF_NOTE_KEY = "titan_mm_objective"
@@ -199,7 +199,7 @@ def run_tokenizer(cfg: JobConfig):
     if cfg.data.dataset == "synthetic" and not cfg.data.mixture:
         return None
     from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
-    from titan_mm.models.common.hf_io import local_hf_dir
+    from titan_mm.models.hf_io import local_hf_dir
 
     path = tokenizer_for(cfg.data.tokenizer_path, local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None)
     try:
@@ -227,7 +227,7 @@ def build_objective(cfg: JobConfig, spec, model_cfg) -> Objective | None:
 
 def objective_from_hf(hf_dir: str | Path) -> Objective | None:
     """The objective an exported folder's config.json records (None: a causal LM)."""
-    from titan_mm.models.common.hf_io import read_hf_config
+    from titan_mm.models.hf_io import read_hf_config
 
     note = read_hf_config(str(hf_dir)).get(HF_NOTE_KEY)
     if note is None:

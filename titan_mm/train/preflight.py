@@ -61,7 +61,7 @@ def _check_eval(cfg: JobConfig, spec) -> None:
 def _check_weights(hf_path: str) -> None:
     from safetensors import SafetensorError
 
-    from titan_mm.models.common.hf_io import HFCheckpointError, local_hf_dir, safetensors_files
+    from titan_mm.models.hf_io import HFCheckpointError, local_hf_dir, safetensors_files
 
     try:
         safetensors_files(local_hf_dir(hf_path, weights=True))
@@ -91,7 +91,7 @@ def _check_sources(data: Data, section: str = "data") -> None:
 def _check_tokenizer(cfg: JobConfig, spec, model_cfg) -> None:
     from titan_mm.data.processors import Processor, ProcessorConfig
     from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
-    from titan_mm.models.common.hf_io import local_hf_dir
+    from titan_mm.models.hf_io import local_hf_dir
 
     hf_dir = local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None
     path = tokenizer_for(cfg.data.tokenizer_path, hf_dir)

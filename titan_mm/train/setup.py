@@ -140,10 +140,10 @@ def build_model(cfg: JobConfig, spec: ModelSpec, model_cfg, parallel_dims, devic
 
     Random init gives the same weights for every world size and layout (CPU or CUDA): under
     ``seeded_init`` each draw fills the full tensor from its own seeded generator and keeps the local shard
-    (titan_mm/models/common/init.py). HF weights are loaded by the registry's load_hf, which fills plain or
+    (titan_mm/nn/init.py). HF weights are loaded by the registry's load_hf, which fills plain or
     FSDP-sharded models. ``stages`` (parallel.pp > 1): the titan_mm.parallel.pipeline.StageBuilder that prunes the
     meta model to this rank's pipeline stages, roots FSDP at them and draws the init in the full model's order."""
-    from titan_mm.models.common.init import seeded_init
+    from titan_mm.nn.init import seeded_init
     from titan_mm.parallel.apply import parallelize
 
     with torch.device("meta"):
@@ -165,7 +165,7 @@ def build_model(cfg: JobConfig, spec: ModelSpec, model_cfg, parallel_dims, devic
                 full = spec.build(model_cfg)
             stages.init_weights(full, device)
     if from_hf:
-        from titan_mm.models.common.hf_io import local_hf_dir
+        from titan_mm.models.hf_io import local_hf_dir
 
         spec.load_hf(model, local_hf_dir(cfg.model.hf_path, weights=True))
     torch.manual_seed(cfg.training.seed + 1)
@@ -263,7 +263,7 @@ def build_data(cfg: JobConfig, spec: ModelSpec, model_cfg, dp_rank: int, dp_worl
                                dp_rank=dp_rank, dp_world=dp_world, seed=cfg.training.seed)
     from titan_mm.data.loader import build_dataloader
     from titan_mm.data.tokenizer import tokenizer_for
-    from titan_mm.models.common.hf_io import local_hf_dir
+    from titan_mm.models.hf_io import local_hf_dir
 
     tok = tokenizer_for(data.tokenizer_path, local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None)
     return build_dataloader(data, needs=spec.data_needs(model_cfg), dp_rank=dp_rank, dp_world=dp_world,

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_mm.models.common.attention import build_attn_meta
+from titan_mm.nn.attention import build_attn_meta
 from titan_mm.observe.health import NanGuard, NonFiniteError
 from titan_mm.parallel.clip import clip_coef, clip_grad_norm_
 from titan_mm.train.optim import supports_found_inf
@@ -72,7 +72,7 @@ class StepContext:
     """titan_mm.parallel.mesh.ParallelDims; with cp > 1 each micro-batch is split over the cp axis."""
     cp_mode: str = "ulysses"
     mask_kind: str = "causal"
-    """Attention mask kind the objective trains with (titan_mm/models/common/attention.py KINDS)."""
+    """Attention mask kind the objective trains with (titan_mm/nn/attention.py KINDS)."""
     objective: Any = None
     """titan_mm.train.objective.Objective (a diffusion objective: corrupts the micro-batches on the host before the
     label count; it set mask_kind / block_size); None: the causal LM, batches as they come."""

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from titan_mm.config import ConfigError, JobConfig, load_config, resolved_toml, run_dir, save_config, to_dict
 from titan_mm.data.sources import DataError
-from titan_mm.models.common.hf_io import HFCheckpointError
+from titan_mm.models.hf_io import HFCheckpointError
 from titan_mm.observe.health import NonFiniteError, StepTimes, peak_memory_gb, reset_peak_memory
 from titan_mm.observe.metrics import build_logger
 from titan_mm.observe.mfu import doc_lens_from_batch, encoder_inputs, mfu, peak_tflops

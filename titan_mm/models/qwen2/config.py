@@ -63,10 +63,10 @@ class Qwen2Config:
     eos_token_id: int | None = None
     # --- runtime (titan_mm only; never exported) ---
     attn_backend: str = "sdpa"
-    """"sdpa" | "flex" | "varlen" (see titan_mm/models/common/attention.py)."""
+    """"sdpa" | "flex" | "varlen" (see titan_mm/nn/attention.py)."""
     kernels: bool | str = False
     """titan_mm.kernels ops (True / "all", or a per-op spec such as "all,-linear_cross_entropy"); False: the
-    PyTorch references of titan_mm.models.common."""
+    PyTorch references of titan_mm.nn."""
     loss_chunk_size: int = 2048
     """Tokens per chunk of the cross-entropy, fused kernel or PyTorch: a [chunk, vocab] logits buffer, and the head's
     weight gradient read and written once per chunk (1.2 GB in bf16 at 151,936 x 4096), so small chunks save memory
@@ -145,7 +145,7 @@ class Qwen2Config:
 
     @classmethod
     def from_hf(cls, hf_dir: str | os.PathLike, **runtime) -> Qwen2Config:
-        from titan_mm.models.common.hf_io import read_hf_config
+        from titan_mm.models.hf_io import read_hf_config
 
         return cls.from_hf_dict(read_hf_config(hf_dir), **runtime)
 

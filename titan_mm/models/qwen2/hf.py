@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from titan_mm.models.common import hf_io
+from titan_mm.models import hf_io
 from titan_mm.models.qwen2.config import MODEL_TYPE, Qwen2Config, as_decoder
 from titan_mm.models.qwen3 import hf as qwen3_hf
 from titan_mm.models.qwen3.config import Qwen3Config

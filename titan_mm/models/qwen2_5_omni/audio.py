@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_mm.models.common import init
+from titan_mm.nn import init
 from titan_mm.models.qwen2_5_omni.config import AudioConfig
 from titan_mm.models.qwen2_5_vl.vision import _segments_config
 from titan_mm.models.qwen3_vl.vision import VisionMeta, build_vision_meta, move_vision_meta, vision_attention_core

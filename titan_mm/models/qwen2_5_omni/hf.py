@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from titan_mm.models.common import hf_io
+from titan_mm.models import hf_io
 from titan_mm.models.qwen2_5_omni.config import FULL_MODEL_TYPE, MODEL_TYPE, Qwen2_5OmniConfig
 from titan_mm.models.qwen2_5_vl import hf as vl_hf
 from titan_mm.models.qwen3_vl import hf as vl3_hf

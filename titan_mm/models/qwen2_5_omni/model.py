@@ -32,8 +32,8 @@ import torch
 import torch.nn as nn
 
 from titan_mm.data.vision import chunk_bounds
-from titan_mm.models.common.attention import AttnMeta
-from titan_mm.models.common.output import ModelOutput, Stream
+from titan_mm.nn.attention import AttnMeta
+from titan_mm.nn.output import ModelOutput, Stream
 from titan_mm.models.qwen2_5_omni.audio import DUMMY_FRAMES, AudioEncoder, AudioMeta, build_audio_meta, conv_lengths
 from titan_mm.models.qwen2_5_omni.config import Qwen2_5OmniConfig
 from titan_mm.models.qwen2_5_vl.model import Qwen2_5_VLModel

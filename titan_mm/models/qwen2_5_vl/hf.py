@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from titan_mm.models.common import hf_io
+from titan_mm.models import hf_io
 from titan_mm.models.qwen2_5_vl.config import VisionConfig, Qwen2_5_VLConfig
 from titan_mm.models.qwen3.config import Qwen3Config
 from titan_mm.models.qwen3_vl import hf as vl_hf

@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_mm.models.common import init
-from titan_mm.models.common.mlp import silu_mul
-from titan_mm.models.common.norm import RMSNorm
+from titan_mm.nn import init
+from titan_mm.nn.mlp import silu_mul
+from titan_mm.nn.norm import RMSNorm
 from titan_mm.models.qwen2_5_vl.config import VisionConfig
 from titan_mm.models.qwen3_vl.config import VisionConfig as Qwen3VisionConfig
 from titan_mm.models.qwen3_vl.vision import (VisionAttention, VisionMeta, build_vision_meta, move_vision_meta,

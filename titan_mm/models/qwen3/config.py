@@ -68,7 +68,7 @@ class Qwen3Config:
     """HF adds the aux loss to its training loss only when this is true; titan_mm uses ``moe_aux_loss``."""
     # --- runtime (titan_mm only; never exported) ---
     attn_backend: str = "sdpa"
-    """"sdpa" | "flex" | "varlen" (see titan_mm/models/common/attention.py)."""
+    """"sdpa" | "flex" | "varlen" (see titan_mm/nn/attention.py)."""
     loss_chunk_size: int = 2048
     """Tokens per chunk of the cross-entropy, fused kernel or PyTorch: a [chunk, vocab] logits buffer, and the head's
     weight gradient read and written once per chunk (1.2 GB in bf16 at 151,936 x 4096), so small chunks save memory
@@ -76,13 +76,13 @@ class Qwen3Config:
     z_loss_weight: float = 0.0
     kernels: bool = False
     """Use titan_mm.kernels ops (Triton on CUDA SM>=80, references elsewhere): RMSNorm, residual add + RMSNorm,
-    SwiGLU, RoPE, fused linear cross-entropy. Off: the PyTorch ops in titan_mm.models.common. Also a per-op spec
+    SwiGLU, RoPE, fused linear cross-entropy. Off: the PyTorch ops in titan_mm.nn. Also a per-op spec
     such as "all,-linear_cross_entropy" (titan_mm.kernels.resolve_ops)."""
     moe_aux_loss: bool = True
     """Return router_aux_loss_coef * load-balancing loss in ModelOutput.aux_loss (MoE)."""
     moe_float8: bool = False
     """The MoE experts' grouped GEMMs in float8 (torchao, rowwise scales; CUDA SM>=90, bf16): the trainer's
-    float8.moe_experts (titan_mm/models/common/moe.py)."""
+    float8.moe_experts (titan_mm/nn/moe.py)."""
     # --- decoder variants of other families built on this decoder (never in a Qwen3 config.json) ---
     qk_norm: bool = True
     """Per-head RMSNorm on q and k (Qwen3); False for decoders without it (Qwen2)."""
@@ -201,7 +201,7 @@ class Qwen3Config:
 
     @classmethod
     def from_hf(cls, hf_dir: str | os.PathLike, **runtime) -> Qwen3Config:
-        from titan_mm.models.common.hf_io import read_hf_config
+        from titan_mm.models.hf_io import read_hf_config
 
         return cls.from_hf_dict(read_hf_config(hf_dir), **runtime)
 

@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from titan_mm.models.common import hf_io
+from titan_mm.models import hf_io
 from titan_mm.models.qwen3.config import Qwen3Config
 
 _LAYER_MAP = {

@@ -23,14 +23,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_mm.models.common import init
-from titan_mm.models.common.attention import Attention, AttnMeta
-from titan_mm.models.common.loss import chunked_cross_entropy
-from titan_mm.models.common.mlp import SwiGLU, silu_mul
-from titan_mm.models.common.moe import MoE, TokenMoves, load_balancing_loss, route_stats
-from titan_mm.models.common.norm import RMSNorm, add_rms_norm, rms_norm
-from titan_mm.models.common.output import ModelOutput, Stream
-from titan_mm.models.common.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from titan_mm.nn import init
+from titan_mm.nn.attention import Attention, AttnMeta
+from titan_mm.nn.loss import chunked_cross_entropy
+from titan_mm.nn.mlp import SwiGLU, silu_mul
+from titan_mm.nn.moe import MoE, TokenMoves, load_balancing_loss, route_stats
+from titan_mm.nn.norm import RMSNorm, add_rms_norm, rms_norm
+from titan_mm.nn.output import ModelOutput, Stream
+from titan_mm.nn.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from titan_mm.models.qwen3.config import Qwen3Config
 
 
@@ -47,7 +47,7 @@ class Ops:
     logits: Callable = F.linear  # (h_*D, w_VD) -> logits [*, V] (no labels: eval / decoding)
     moe_moves: TokenMoves = TokenMoves()  # the MoE layers' token gathers and weighted sums
     moe_routing: Callable = route_stats  # (logits_NE, top_k, norm_topk_prob, valid_N) -> (top_w, top_i, aux stats)
-    moe_float8: bool = False  # the MoE experts' grouped GEMMs in float8 (the config's moe_float8; models/common/moe.py)
+    moe_float8: bool = False  # the MoE experts' grouped GEMMs in float8 (the config's moe_float8; nn/moe.py)
 
 
 def _torch_ce(h, w, labels, chunk_size, z_loss_weight, weights_N=None):
@@ -81,7 +81,8 @@ def select_ops(use_kernels: bool | str, moe_float8: bool = False) -> Ops:
         apply_rope=K.apply_rope if "rope" in on else apply_rope,
         cross_entropy=kernel_ce if "linear_cross_entropy" in on else _torch_ce,
         bias_gelu=K.bias_gelu if "bias_gelu" in on else None,
-        moe_moves=TokenMoves(K.moe_expand, K.moe_combine) if "moe_moves" in on else TokenMoves(),
+        moe_moves=(TokenMoves(K.moe_expand, K.moe_combine, K.grouped_mm) if "moe_moves" in on
+                   else TokenMoves(grouped_mm=K.grouped_mm)),
         moe_routing=K.moe_routing if "moe_routing" in on else route_stats,
         moe_float8=moe_float8,
     )

@@ -75,10 +75,10 @@ class Qwen3_5TextConfig:
     """HF adds the aux loss to its loss only when this is true; titan_mm uses ``moe_aux_loss``."""
     # --- runtime (titan_mm only; never exported) ---
     attn_backend: str = "sdpa"
-    """Full-attention layers: "sdpa" | "flex" | "varlen" (titan_mm/models/common/attention.py)."""
+    """Full-attention layers: "sdpa" | "flex" | "varlen" (titan_mm/nn/attention.py)."""
     linear_attn_backend: str = "auto"
     """Gated DeltaNet layers: "auto" (fla-core's Triton kernel on CUDA, the PyTorch reference elsewhere), "fla" or
-    "torch" (titan_mm/models/common/linear_attention.py)."""
+    "torch" (titan_mm/nn/linear_attention.py)."""
     loss_chunk_size: int = 2048
     """Tokens per cross-entropy chunk (as Qwen3Config.loss_chunk_size)."""
     z_loss_weight: float = 0.0

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from titan_mm.models.common.linear_attention import CHUNK
+from titan_mm.nn.linear_attention import CHUNK
 from titan_mm.models.qwen3 import flops as qwen3_flops
 from titan_mm.models.qwen3_5.config import Qwen3_5Config, Qwen3_5TextConfig
 from titan_mm.models.qwen3_vl import flops as vl_flops

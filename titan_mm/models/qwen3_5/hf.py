@@ -27,7 +27,7 @@ import re
 
 import torch
 
-from titan_mm.models.common import hf_io
+from titan_mm.models import hf_io
 from titan_mm.models.qwen3 import hf as qwen3_hf
 from titan_mm.models.qwen3_5.config import Qwen3_5Config
 from titan_mm.models.qwen3_vl import hf as vl_hf

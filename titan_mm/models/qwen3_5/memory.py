@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from titan_mm.models.common.linear_attention import CHUNK
+from titan_mm.nn.linear_attention import CHUNK
 from titan_mm.models.qwen3 import memory as qwen3_memory
 from titan_mm.models.qwen3.config import Qwen3Config
 from titan_mm.models.qwen3_5.config import Qwen3_5Config

@@ -44,15 +44,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from titan_mm.models.common import init
-from titan_mm.models.common.attention import AttnMeta, attention
-from titan_mm.models.common.kv_cache import KVCache
-from titan_mm.models.common.linear_attention import (LinearMeta, build_linear_meta, causal_conv1d, causal_conv1d_cached,
+from titan_mm.nn import init
+from titan_mm.nn.attention import AttnMeta, attention
+from titan_mm.nn.kv_cache import KVCache
+from titan_mm.nn.linear_attention import (LinearMeta, build_linear_meta, causal_conv1d, causal_conv1d_cached,
                                                      gated_delta_rule, gated_delta_rule_cached, prefetch)
-from titan_mm.models.common.mlp import SwiGLU
-from titan_mm.models.common.moe import MoE
-from titan_mm.models.common.norm import RMSNorm, rms_norm
-from titan_mm.models.common.rope import apply_rope, rope_inv_freq
+from titan_mm.nn.mlp import SwiGLU
+from titan_mm.nn.moe import MoE
+from titan_mm.nn.norm import RMSNorm, rms_norm
+from titan_mm.nn.rope import apply_rope, rope_inv_freq
 from titan_mm.models.qwen3.model import Ops, Qwen3Model, select_ops
 from titan_mm.models.qwen3_5.config import Qwen3_5Config, Qwen3_5TextConfig
 from titan_mm.models.qwen3_vl.model import (EmbedOutput, Qwen3VLModel, apply_freeze, mrope_cos_sin, param_groups,
@@ -125,7 +125,7 @@ def apply_partial_rope(rope_impl, q, k, cos, sin):
 
 class GatedAttention(nn.Module):
     """Full attention with a sigmoid output gate per channel (its rows interleaved with the queries' per head),
-    zero-centred q / k norms and partial RoPE; the attention itself is titan_mm.models.common.attention's."""
+    zero-centred q / k norms and partial RoPE; the attention itself is titan_mm.nn.attention's."""
 
     def __init__(self, cfg: Qwen3_5TextConfig, layer_id: int, ops: Ops):
         super().__init__()
@@ -161,7 +161,7 @@ class GatedAttention(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """Linear attention: projections -> depthwise causal conv + SiLU over q / k / v -> the gated delta rule
-    (titan_mm.models.common.linear_attention) -> gated RMSNorm (times SiLU(z)) -> output projection."""
+    (titan_mm.nn.linear_attention) -> gated RMSNorm (times SiLU(z)) -> output projection."""
 
     def __init__(self, cfg: Qwen3_5TextConfig, layer_id: int, ops: Ops):
         super().__init__()
@@ -214,7 +214,7 @@ class GatedDeltaNet(nn.Module):
 
 
 class SharedExpertMoE(MoE):
-    """Routed experts (titan_mm.models.common.moe, top-k renormalized) plus a shared SwiGLU expert whose output is
+    """Routed experts (titan_mm.nn.moe, top-k renormalized) plus a shared SwiGLU expert whose output is
     scaled by sigmoid(shared_expert_gate(x)) per token."""
 
     def __init__(self, cfg: Qwen3_5TextConfig, ops: Ops):
@@ -240,7 +240,7 @@ class HybridAttnMeta(AttnMeta):
 
 
 def with_linear(attn: AttnMeta | None, linear: LinearMeta | None) -> AttnMeta | None:
-    """``attn`` carrying ``linear`` (host-built by titan_mm.models.common.linear_attention.build_linear_meta) for the
+    """``attn`` carrying ``linear`` (host-built by titan_mm.nn.linear_attention.build_linear_meta) for the
     trunk's linear-attention blocks; ``attn`` itself when there is none."""
     if linear is None:
         return attn

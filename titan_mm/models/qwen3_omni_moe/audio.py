@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_mm.models.common import init
+from titan_mm.nn import init
 from titan_mm.models.qwen2_5_omni.audio import AudioBlock as _Qwen2_5AudioBlock
 from titan_mm.models.qwen2_5_omni.audio import sinusoids
 from titan_mm.models.qwen2_5_vl.vision import _segments_config

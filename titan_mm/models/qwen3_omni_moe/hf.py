@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from titan_mm.models.common import hf_io
+from titan_mm.models import hf_io
 from titan_mm.models.qwen3 import hf as qwen3_hf
 from titan_mm.models.qwen3_omni_moe.config import FULL_MODEL_TYPE, MODEL_TYPE, Qwen3OmniMoeConfig
 from titan_mm.models.qwen3_vl import hf as vl_hf

@@ -34,8 +34,8 @@ import torch
 import torch.nn as nn
 
 from titan_mm.data.vision import merge_by_time
-from titan_mm.models.common.attention import AttnMeta
-from titan_mm.models.common.output import ModelOutput, Stream
+from titan_mm.nn.attention import AttnMeta
+from titan_mm.nn.output import ModelOutput, Stream
 from titan_mm.models.qwen2_5_omni.model import _documents, apply_freeze, param_groups
 from titan_mm.models.qwen3.model import Qwen3Model, select_ops
 from titan_mm.models.qwen3_omni_moe.audio import DUMMY_FRAMES, AudioEncoder, AudioMeta, build_audio_meta, output_lengths

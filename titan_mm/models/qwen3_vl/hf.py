@@ -27,7 +27,7 @@ import re
 import torch
 from einops import rearrange
 
-from titan_mm.models.common import hf_io
+from titan_mm.models import hf_io
 from titan_mm.models.qwen3 import hf as qwen3_hf
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
 

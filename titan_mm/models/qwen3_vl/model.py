@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from titan_mm.models.common.attention import AttnMeta
-from titan_mm.models.common.output import ModelOutput, Stream
+from titan_mm.nn.attention import AttnMeta
+from titan_mm.nn.output import ModelOutput, Stream
 from titan_mm.models.qwen3.model import Qwen3Model, select_ops
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
 from titan_mm.models.qwen3_vl.vision import VisionMeta, VisionTower, build_vision_meta

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from einops import repeat
 from torch.distributed.tensor import DTensor
 
-from titan_mm.models.common import init
-from titan_mm.models.common.rope import rotate_half
+from titan_mm.nn import init
+from titan_mm.nn.rope import rotate_half
 from titan_mm.models.qwen3_vl.config import VisionConfig
 
 
@@ -131,7 +131,7 @@ def build_vision_meta(
         dev = torch.device(device or "cpu")
         mask = create_block_mask(same_doc, None, None, n, n, device=str(dev), _compile=dev.type == "cuda")
     elif backend == "varlen":
-        from titan_mm.models.common.attention import _varlen_fn
+        from titan_mm.nn.attention import _varlen_fn
 
         _varlen_fn()  # resolve torch's varlen_attn here (clear error if missing), not inside the forward
     else:
@@ -197,7 +197,7 @@ def vision_attention_core(q_NHD, k_NHD, v_NHD, meta: VisionMeta) -> torch.Tensor
     mask = meta.mask
     if meta.backend == "varlen":
         if q_NHD.dtype in (torch.float16, torch.bfloat16):
-            from titan_mm.models.common.attention import varlen_attention
+            from titan_mm.nn.attention import varlen_attention
 
             return varlen_attention(q_NHD, k_NHD, v_NHD, meta.cu_seqlens, meta.max_seqlen, causal=False)
         # float32 (a debug recipe on CUDA): varlen's flash kernels take half types only, so a dense

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_mm.models.common import init
+from titan_mm.nn import init
 
 
 def route(x_ND: torch.Tensor, router_w_ED: torch.Tensor, top_k: int, norm_topk_prob: bool):
@@ -62,11 +62,13 @@ FLOAT8_ALIGN = 16
 
 def grouped_swiglu(
     x_AD: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
-    float8: bool = False,
+    float8: bool = False, mm: Callable | None = None,
 ) -> torch.Tensor:
     """SwiGLU of each expert over its contiguous group of rows (rows sorted by expert, ``counts_E`` per group).
     ``float8``: on CUDA, torchao's float8 grouped GEMMs (every group a multiple of FLOAT8_ALIGN rows: the padded
-    layout of sort_by_expert); on CPU the loop below runs on that layout (the tests' exact reference)."""
+    layout of sort_by_expert); on CPU the loop below runs on that layout (the tests' exact reference).
+    ``mm``: a grouped GEMM for CUDA dtypes torch._grouped_mm lacks (TokenMoves.grouped_mm: titan_mm.kernels'
+    grouped_mm, which reads no group size on the host); None: the loop."""
     if float8 and x_AD.is_cuda:
         offs = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
         w1, w3, w2 = (w.to(x_AD.dtype) for w in (w1_EFD, w3_EFD, w2_EDF))
@@ -78,11 +80,9 @@ def grouped_swiglu(
         h1 = torch._grouped_mm(x_AD, w1.transpose(-2, -1), offs=offs)
         h3 = torch._grouped_mm(x_AD, w3.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(F.silu(h1) * h3, w2.transpose(-2, -1), offs=offs).to(x_AD.dtype)
-    from titan_mm.kernels import grouped_mm, use_triton  # imported here: titan_mm.kernels imports this module
-
-    if x_AD.is_cuda and use_triton(x_AD, w1_EFD):  # not in the CPU interpreter: the loop is its reference
-        h = F.silu(grouped_mm(x_AD, w1_EFD, counts_E)) * grouped_mm(x_AD, w3_EFD, counts_E)
-        return grouped_mm(h, w2_EDF, counts_E)
+    if x_AD.is_cuda and mm is not None:  # not in the CPU interpreter: the loop is its reference
+        h = F.silu(mm(x_AD, w1_EFD, counts_E)) * mm(x_AD, w3_EFD, counts_E)
+        return mm(h, w2_EDF, counts_E)
     # CPU: a loop over experts; reads the group sizes on the host
     outs = []
     for e, x_e in enumerate(torch.split(x_AD, counts_E.tolist(), dim=0)):
@@ -208,10 +208,12 @@ def combine(y_AD: torch.Tensor, top_w_NK: torch.Tensor, r: Routing, dtype: torch
 class TokenMoves(NamedTuple):
     """How tokens reach their experts and come back: ``expand(x_ND, src_A, inv_NK) -> x_AD`` and
     ``combine(y_AD, top_w_NK, r, dtype) -> y_ND``. These are PyTorch's gathers; titan_mm.kernels has fused ones with
-    the same signatures (the ``moe_moves`` kernel op)."""
+    the same signatures (the ``moe_moves`` kernel op). ``grouped_mm(x_AD, w_ENK, counts_E) -> y_AN``: the experts'
+    GEMMs where torch._grouped_mm lacks the dtype on CUDA (grouped_swiglu's ``mm``; None: a loop)."""
 
     expand: Callable = expand_rows
     combine: Callable = combine
+    grouped_mm: Callable | None = None
 
 
 class GroupedExperts(nn.Module):
@@ -233,7 +235,7 @@ class GroupedExperts(nn.Module):
         expert-parallel version computes it while the tokens travel)."""
         r = sort_by_expert(top_i_NK, self.num_experts, FLOAT8_ALIGN if self.float8 else 1)
         y_AD = grouped_swiglu(self.moves.expand(x_ND, r.src_A, r.inv_NK), r.counts_E, self.w1, self.w3, self.w2,
-                              self.float8)
+                              self.float8, self.moves.grouped_mm)
         return add_extra(self.moves.combine(y_AD, top_w_NK, r, x_ND.dtype), extra() if extra is not None else None)
 
     def reset_parameters(self, std: float) -> None:

@@ -44,7 +44,7 @@ def rope_inv_freq(
     if rtype not in ROPE_TYPES:
         raise ValueError(
             f"rope_type {rtype!r} is not supported by titan_mm (supported: {ROPE_TYPES}); "
-            "add it to titan_mm/models/common/rope.py with a parity test against transformers"
+            "add it to titan_mm/nn/rope.py with a parity test against transformers"
         )
     dim = head_dim
     if rtype == "default":

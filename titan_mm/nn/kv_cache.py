@@ -31,7 +31,7 @@ tokens back to back in one row [1, N], so chunks of 100 and 1,000 tokens cost 1,
 attention then sees each sequence's keys through ``cu_seqlens`` (the varlen kernel on CUDA) or a block-diagonal
 causal mask (elsewhere).
 
-The forward (``KVCache.update``, called by titan_mm.models.common.attention) copies the new k/v into their slots
+The forward (``KVCache.update``, called by titan_mm.nn.attention) copies the new k/v into their slots
 (``index_copy_``, in place: the storage is donated to the step) and gathers every cached key of each sequence
 (``index_select``); the mask built here says which of them each new query sees (causal by absolute position,
 optionally a sliding window). Index tensors and masks are built on the host before the forward, so the forward

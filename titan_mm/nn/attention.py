@@ -34,7 +34,7 @@ Rows that are each one whole document (``cu_seqlens`` says so on the host; or no
 "causal" and "bidirectional": every backend then runs fused SDPA (is_causal=True / False; cuDNN / flash, the
 train step sets the backend priority).
 
-KV cache (``AttnMeta.kv_cache``, titan_mm.models.common.kv_cache; None in training): every backend writes the
+KV cache (``AttnMeta.kv_cache``, titan_mm.nn.kv_cache; None in training): every backend writes the
 layer's new k/v (after qk-norm and RoPE) into the cache by the step's slot mapping and attends the new queries
 to all cached keys of their sequence (causal by absolute position, optional window) with SDPA over the gathered
 keys. Causal only. A packed step (one row of several sequences' new tokens) runs the varlen kernel over the
@@ -52,10 +52,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_mm.models.common import init
-from titan_mm.models.common.norm import RMSNorm, rms_norm
-from titan_mm.models.common.rope import apply_rope
-from titan_mm.models.common.kv_cache import KVCache
+from titan_mm.nn import init
+from titan_mm.nn.norm import RMSNorm, rms_norm
+from titan_mm.nn.rope import apply_rope
+from titan_mm.nn.kv_cache import KVCache
 
 BACKENDS = ("sdpa", "flex", "varlen")
 KINDS = ("causal", "bidirectional", "block_causal", "prefix_lm")
@@ -92,7 +92,7 @@ class AttnMeta:
     """Context-parallel attention set by titan_mm.parallel.cp.prepare_cp_batch (q/k/v are then local sequence
     shards); when set, attention() delegates to ``cp(q, k, v, window)``."""
     kv_cache: KVCache | None = None
-    """A planned KVCache (titan_mm.models.common.kv_cache.plan_step) when decoding; None in training. Each
+    """A planned KVCache (titan_mm.nn.kv_cache.plan_step) when decoding; None in training. Each
     Attention writes its layer's new k/v into it and attends to all cached keys of the sequence."""
 
 
@@ -258,7 +258,7 @@ def _cache_meta(cache: KVCache, backend: str, kind: str, sliding_window: int | N
                          "use kind='causal'")
     step = cache.step
     if step is None:
-        raise ValueError("kv_cache has no planned step; call titan_mm.models.common.kv_cache.plan_step(cache, "
+        raise ValueError("kv_cache has no planned step; call titan_mm.nn.kv_cache.plan_step(cache, "
                          "new_lens) before build_attn_meta")
     if tuple(step.positions.shape) != (B, S):
         raise ValueError(f"the batch has [B, S] = [{B}, {S}] tokens but the cache step was planned for "
