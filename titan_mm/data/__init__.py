@@ -1,0 +1,1 @@
+"""The data pipeline: sources, processors, packing, the resumable loader, built-in data sets and the tokenizer."""
