@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from tests.adamw_bound import assert_adamw_close
 from titan_mm.config import JobConfig
 from titan_mm.observe.health import NanGuard
 from titan_mm.registry import get_model_spec
@@ -170,8 +171,7 @@ def test_cast_adamw_kernel_matches_fused_adamw_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode(0)
         del ref.grad_scale
-    # an ulp of |p| <= 0.1 is 7.5e-9: the two kernels round the update's last bit apart (1.8e-9 on the H200)
-    torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-8)
+    assert_adamw_close(p, q, 1e-3, (0.9, 0.95), steps=3)  # the bound derived in tests/adamw_bound.py
     # the moments near zero cancel: their last bits are relative to the largest (1.5e-11 of ~3e-5 on the H200)
     for mine_t, theirs in ((m, ref.state[q]["exp_avg"]), (v, ref.state[q]["exp_avg_sq"])):
         torch.testing.assert_close(mine_t, theirs, rtol=1e-5, atol=1e-6 * float(theirs.abs().max()))
