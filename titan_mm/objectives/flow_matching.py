@@ -1,0 +1,135 @@
+"""Flow matching on continuous targets (latents): rectified flow as SD3 / BAGEL train it.
+
+Batch fields it reads (built by the data pipeline or the family's prepare_batch, on the host):
+  * ``latents``     [B, S, C] float: the clean target x0 at latent positions (any value elsewhere; not read there);
+  * ``latent_mask`` [B, S] bool: the positions whose latent is a target;
+  * ``noise_unit``  [B, S] int: the id of the noise unit (a latent segment / one image) a position belongs to,
+    -1 elsewhere; the positions of one unit share one t. Units are (row, id) pairs: ids need only be unique
+    within a row (0 .. U-1).
+
+``prepare`` (host, per micro-batch, noise from a CPU generator seeded by (training.seed, step, global micro-batch
+slot), so the draws are the same for any dp world and bitwise on resume) adds:
+  * ``noisy_latents`` [B, S, C] (latents' dtype): x_t = (1 - t) x0 + t eps at latent positions, 0 elsewhere, with
+    eps ~ N(0, 1) per element;
+  * ``timesteps``     [B, S] fp32: the t of each position's unit, 0 elsewhere;
+  * ``flow_target``   [B, S, C] fp32: the velocity eps - x0 (0 elsewhere);
+  * ``flow_weight``   [B, S] fp32: the per-unit loss weight w(t) (``weighting``; 1 with "none"), 0 elsewhere;
+  * ``num_latent_elements`` []: latent positions x C, this term's normalizer share.
+
+The model gets ``noisy_latents``, ``timesteps`` and ``latent_mask`` as forward keywords (besides input_ids and the
+family's own keys); ``latents``, ``noise_unit``, ``flow_target``, ``flow_weight`` and the count stay with the loss.
+It is asked for one thing, through the family hook
+
+    model.predict_velocity(out, batch) -> [B, S, C]    # the prediction at every position (read at latent ones)
+
+called inside the forward (``out`` is the family's ModelOutput with ``hidden``, ``batch`` the device batch).
+Loss term ``"mse"``: sum over latent positions and channels of w * (pred - (eps - x0))^2, divided by the global
+count of latent elements (every micro-batch of every dp rank): the mean squared error.
+
+t samplers (``sampler``), per unit:
+  * "uniform":      t = u, u ~ U[0, 1);
+  * "logit_normal": t = sigmoid(mean + std * n), n ~ N(0, 1) (SD3);
+  * "shifted":      s = sigmoid(n), t = shift * s / (1 + (shift - 1) * s) (BAGEL's timestep shift; shift 1 is
+    logit-normal with mean 0, std 1).
+Weightings (``weighting``), per unit: "none" (1) or "cosmap" (SD3's 2 / (pi (1 - 2t + 2t^2))).
+
+Context parallelism cuts [B, S] keys along the last dim; the [B, S, C] fields are not cut, so this objective
+refuses parallel.cp > 1 (titan_mm.objectives.build_objective says so).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from titan_mm.objectives.base import Objective, noise_generator
+
+SAMPLERS = ("uniform", "logit_normal", "shifted")
+WEIGHTINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "none": torch.ones_like,
+    "cosmap": lambda t: 2.0 / (math.pi * (1.0 - 2.0 * t + 2.0 * t * t)),
+}
+
+
+@dataclass(frozen=True)
+class FlowMatching(Objective):
+    """Velocity MSE on the latents the batch marks as targets (module docstring)."""
+
+    sampler: str = "logit_normal"
+    shift: float = 1.0
+    """"shifted": the timestep shift (BAGEL's timestep_shift)."""
+    mean: float = 0.0
+    """"logit_normal": the normal's mean."""
+    std: float = 1.0
+    """"logit_normal": the normal's standard deviation."""
+    weighting: str = "none"
+    seed: int = 0
+
+    terms = ("mse",)
+    fields = ("latents", "latent_mask", "noise_unit")
+    loss_keys = ("latents", "noise_unit", "flow_target", "flow_weight", "num_latent_elements")
+    host_keys = ("num_latent_elements",)
+
+    def __post_init__(self):
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"flow matching sampler {self.sampler!r} is unknown; use one of {SAMPLERS}")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"flow matching weighting {self.weighting!r} is unknown; use one of {sorted(WEIGHTINGS)}")
+        if self.shift <= 0 or self.std <= 0:
+            raise ValueError(f"flow matching needs shift > 0 and std > 0, got shift {self.shift}, std {self.std}")
+
+    def sample_t(self, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+        """t [shape] fp32 in [0, 1] from the sampler."""
+        if self.sampler == "uniform":
+            return torch.rand(shape, generator=g, dtype=torch.float32)
+        n = torch.randn(shape, generator=g, dtype=torch.float32)
+        if self.sampler == "logit_normal":
+            return torch.sigmoid(self.mean + self.std * n)
+        s = torch.sigmoid(n)
+        return self.shift * s / (1.0 + (self.shift - 1.0) * s)
+
+    def noise(self, batch: dict[str, Any], g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(t [B, U] per (row, unit), eps [B, S, C]) for ``batch``, drawn in this order from ``g``."""
+        x0 = batch["latents"]
+        units = int(batch["noise_unit"].max()) + 1 if batch["noise_unit"].numel() else 0
+        t_BU = self.sample_t((x0.shape[0], max(units, 1)), g)
+        eps = torch.randn(tuple(x0.shape), generator=g, dtype=torch.float32)
+        return t_BU, eps
+
+    def corrupt(self, batch: dict[str, Any], t_BU: torch.Tensor, eps_BSC: torch.Tensor) -> dict[str, Any]:
+        """The micro-batch the model trains on, for per-unit times ``t_BU`` and noise ``eps_BSC``."""
+        x0 = batch["latents"]
+        mask = batch["latent_mask"].bool() & (batch["noise_unit"] >= 0)
+        t_BS = torch.where(mask, t_BU.gather(1, batch["noise_unit"].clamp(min=0).long()), 0.0)
+        x0f = x0.float()
+        t3 = t_BS[..., None]
+        m3 = mask[..., None]
+        out = dict(batch)
+        out["noisy_latents"] = torch.where(m3, (1.0 - t3) * x0f + t3 * eps_BSC, 0.0).to(x0.dtype)
+        out["timesteps"] = t_BS
+        out["flow_target"] = torch.where(m3, eps_BSC - x0f, 0.0)
+        out["flow_weight"] = torch.where(mask, WEIGHTINGS[self.weighting](t_BS), 0.0)
+        out["num_latent_elements"] = torch.tensor(int(mask.sum()) * x0.shape[-1], dtype=torch.int64)
+        return out
+
+    def prepare(self, micro_batches: list[dict], step: int, dp_rank: int = 0) -> list[dict]:
+        n = len(micro_batches)
+        out = []
+        for i, mb in enumerate(micro_batches):
+            self.check_batch(mb)
+            g = noise_generator(self.seed, step, dp_rank * n + i, "/flow_matching")
+            out.append(self.corrupt(mb, *self.noise(mb, g)))
+        return out
+
+    def counts(self, batch: dict[str, Any]) -> dict[str, int]:
+        return {"mse": int(batch["num_latent_elements"])}
+
+    def loss_sums(self, model, out, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        pred = model.predict_velocity(out, batch)
+        err = (pred.float() - batch["flow_target"]).square().sum(-1)  # [B, S]
+        # where, not a product: a prediction outside the latents is never read, whatever it holds
+        return {"mse": torch.where(batch["flow_weight"] != 0, err * batch["flow_weight"], 0.0).sum()}
