@@ -22,8 +22,27 @@ DOCS = ([5, 7], [3, 4, 6])  # per row; the rest of the row is padding (doc_id -1
 BLOCK = 3
 
 
+# BAGEL's split lengths and types per document (kind "segments"); the padding of a row is one causal segment
+SPLITS = {"packed": ([[(2, "causal"), (3, "noise")], [(2, "full"), (1, "causal"), (2, "noise"), (2, "causal")]],
+                     [[(3, "noise")], [(1, "causal"), (3, "full")], [(2, "causal"), (2, "noise"), (2, "noise")]]),
+          "unpacked": ([[(4, "causal"), (5, "noise"), (3, "full"), (4, "causal")]], [[(6, "full"), (10, "noise")]])}
+
+
+def segment_keys(rows: str) -> dict[str, torch.Tensor]:
+    """``seg_ids`` / ``seg_kinds`` of SPLITS[rows]: segments numbered along the row, kinds as SEGMENT_KINDS codes."""
+    seg = torch.zeros(B, S, dtype=torch.int32)
+    kinds = torch.zeros(B, S, dtype=torch.int8)
+    for b, docs in enumerate(SPLITS[rows]):
+        o = i = 0
+        for n, t in [x for d in docs for x in d] + [(S - sum(n for d in docs for n, _ in d), "causal")]:
+            seg[b, o:o + n], kinds[b, o:o + n] = i, A.SEGMENT_KINDS.index(t)
+            o, i = o + n, i + 1
+    return {"seg_ids": seg, "seg_kinds": kinds}
+
+
 def packed_batch() -> dict[str, torch.Tensor]:
-    """Two rows of documents + trailing padding, in the packer's format, with a prefix on every document."""
+    """Two rows of documents + trailing padding, in the packer's format, with a prefix on every document and
+    BAGEL segments."""
     doc = torch.full((B, S), -1, dtype=torch.int32)
     prefix = torch.zeros(B, S, dtype=torch.bool)
     segs = []
@@ -37,18 +56,53 @@ def packed_batch() -> dict[str, torch.Tensor]:
     cu = torch.tensor([0] + torch.tensor(segs).cumsum(0).tolist(), dtype=torch.int32)
     prefix[1, -1] = True  # a prefix flag on padding must not leak out of the padding
     return {"input_ids": torch.zeros(B, S, dtype=torch.long), "doc_ids": doc, "prefix_mask": prefix,
-            "cu_seqlens": cu, "max_seqlen": torch.tensor(max(segs))}
+            "cu_seqlens": cu, "max_seqlen": torch.tensor(max(segs)), **segment_keys("packed")}
 
 
 def unpacked_batch() -> dict[str, torch.Tensor]:
     prefix = torch.zeros(B, S, dtype=torch.bool)
     prefix[0, :6] = True
     prefix[1, :1] = True
-    return {"input_ids": torch.zeros(B, S, dtype=torch.long), "prefix_mask": prefix}
+    return {"input_ids": torch.zeros(B, S, dtype=torch.long), "prefix_mask": prefix, **segment_keys("unpacked")}
+
+
+def bagel_mask(splits) -> torch.Tensor:
+    """[L, L] bool of one document as BAGEL's data/data_utils.py prepare_attention_mask_per_sample builds it from
+    split lengths and types: a causal split sees itself causally, a full / noise split itself wholly, every split
+    sees all earlier splits; then no token sees a noise split but the split itself."""
+    L = sum(n for n, _ in splits)
+    m = torch.zeros(L, L, dtype=torch.bool)
+    c = 0
+    for n, t in splits:
+        m[c:c + n, c:c + n] = torch.ones(n, n, dtype=torch.bool).tril() if t == "causal" else True
+        m[c:c + n, :c] = True
+        c += n
+    c = 0
+    for n, t in splits:
+        if t == "noise":
+            m[:, c:c + n] = False
+            m[c:c + n, c:c + n] = True
+        c += n
+    return m
+
+
+def segments_reference(rows: str) -> torch.Tensor:
+    """[B, S, S]: BAGEL's mask of each document on the diagonal, the padding causal, nothing across documents."""
+    m = torch.zeros(B, S, S, dtype=torch.bool)
+    for b, docs in enumerate(SPLITS[rows]):
+        o = 0
+        for d in docs:
+            n = sum(x for x, _ in d)
+            m[b, o:o + n, o:o + n] = bagel_mask(d)
+            o += n
+        m[b, o:, o:] = torch.ones(S - o, S - o, dtype=torch.bool).tril()
+    return m
 
 
 def reference_mask(batch, kind, window=None) -> torch.Tensor:
-    """[B, S, S] bool from the definitions, one (query, key) pair at a time."""
+    """[B, S, S] bool from the definitions, one (query, key) pair at a time (kind "segments": BAGEL's own)."""
+    if kind == "segments":  # never with a window (refused)
+        return segments_reference("packed" if "doc_ids" in batch else "unpacked")
     doc = batch.get("doc_ids", torch.zeros(B, S, dtype=torch.int32)).tolist()
     pre = batch.get("prefix_mask", torch.zeros(B, S, dtype=torch.bool)).tolist()
     m = torch.zeros(B, S, S, dtype=torch.bool)
@@ -124,6 +178,53 @@ def test_kind_matches_dense_reference(rows, kind, backend):
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", ["packed", "unpacked"])
+def test_dense_mask_equals_the_reference_element_by_element(rows, kind, backend):
+    """Every kind is built as a segment description; its mask (the sdpa mask, and flex's mask_mod over the grid)
+    is the written-out rule exactly, BAGEL's for "segments"."""
+    batch = packed_batch() if rows == "packed" else unpacked_batch()
+    meta = build_attn_meta(batch, backend, "cpu", dense_mask=True, **kw(kind))
+    ref = reference_mask(batch, kind)
+    if meta.sdpa_mask is None:  # causal whole rows: SDPA's own is_causal
+        assert kind == "causal" and rows == "unpacked"
+    else:
+        assert torch.equal(meta.sdpa_mask[:, 0], ref)
+    if meta.block_mask is not None:
+        assert torch.equal(A._mask_dense(meta.block_mask.mask_mod, B, S, "cpu")[:, 0], ref)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_segments_packed_equal_each_document_alone(backend):
+    """BAGEL segments on packed rows attend as each document does alone in its own row (float64)."""
+    batch = packed_batch()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, S, n, K, generator=g, dtype=torch.float64) for n in (H, G, G))
+    with torch.no_grad():
+        packed = attention(q, k, v, build_attn_meta(batch, backend, "cpu", kind="segments"), None)
+        for b, docs in enumerate(SPLITS["packed"]):
+            o = 0
+            for d in docs:
+                n = sum(x for x, _ in d)
+                kinds = torch.tensor([[A.SEGMENT_KINDS.index(t) for x, t in d for _ in range(x)]], dtype=torch.int8)
+                seg = torch.tensor([[i for i, (x, _) in enumerate(d) for _ in range(x)]], dtype=torch.int32)
+                meta = build_attn_meta({"seg_ids": seg, "seg_kinds": kinds}, backend, "cpu", kind="segments")
+                alone = attention(*(t[b:b + 1, o:o + n] for t in (q, k, v)), meta, None)
+                torch.testing.assert_close(packed[b:b + 1, o:o + n], alone, atol=1e-12, rtol=1e-12)
+                o += n
+
+
+def test_segments_need_their_batch_keys():
+    batch = packed_batch()
+    with pytest.raises(ValueError, match=r"kind 'segments' needs batch\['seg_ids'\] and batch\['seg_kinds'\]"):
+        build_attn_meta({k: v for k, v in batch.items() if k != "seg_kinds"}, "sdpa", "cpu", kind="segments")
+    with pytest.raises(ValueError, match=r"batch\['seg_ids'\] has shape \[2, 15\]"):
+        build_attn_meta({**batch, "seg_ids": batch["seg_ids"][:, 1:]}, "sdpa", "cpu", kind="segments")
+    with pytest.raises(ValueError, match=r"seg_kinds'\] holds codes outside 0 .. 2"):
+        build_attn_meta({**batch, "seg_kinds": batch["seg_kinds"] + 3}, "flex", "cpu", kind="segments")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_causal_sliding_window_matches_reference(backend):
     batch = packed_batch()
     meta = build_attn_meta(batch, backend, "cpu", sliding_window=3)
@@ -167,7 +268,7 @@ def test_varlen_kinds_with_a_cpu_stand_in(monkeypatch, kind):
     assert_matches_reference(batch, meta, kind)
 
 
-@pytest.mark.parametrize("kind", ["block_causal", "prefix_lm"])
+@pytest.mark.parametrize("kind", ["block_causal", "prefix_lm", "segments"])
 @pytest.mark.parametrize("rows", ["packed", "unpacked"])
 def test_varlen_refuses_kinds_it_cannot_do(rows, kind):
     batch = packed_batch() if rows == "packed" else unpacked_batch()
@@ -175,7 +276,7 @@ def test_varlen_refuses_kinds_it_cannot_do(rows, kind):
         build_attn_meta(batch, "varlen", "cpu", **kw(kind))
 
 
-@pytest.mark.parametrize("kind", ["bidirectional", "block_causal", "prefix_lm"])
+@pytest.mark.parametrize("kind", ["bidirectional", "block_causal", "prefix_lm", "segments"])
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_sliding_window_with_a_non_causal_kind_is_refused(backend, kind):
     with pytest.raises(ValueError, match=f"sliding window \\(4\\) combines only with kind 'causal', not '{kind}'"):

@@ -10,6 +10,14 @@ own document (``doc_ids``; rows without them are one document each), and then if
   * "block_causal"   block(k) <= block(q), block = (position within the document) // ``block_size``
                      (block diffusion; positions come from ``doc_ids`` in build_attn_meta, never in the forward)
   * "prefix_lm"      k <= q, or both are prefix tokens (``batch["prefix_mask"]`` [B, S] bool, True on the prefix)
+  * "segments"       the batch's own per-token description (BAGEL): ``batch["seg_ids"]`` [B, S] int, a segment index
+                     unique within its row, and ``batch["seg_kinds"]`` [B, S] int, a code of SEGMENT_KINDS:
+                     "causal" (text), "full" (bidirectional within the segment), "noise" (noised latents that only
+                     their own segment sees). k is visible iff (k is not a noise token of another segment) and
+                     (k <= q, or k and q are in the same full / noise segment).
+Every kind is built as such a description (:class:`Segments`, :func:`describe`) and one mask_mod reads it:
+"causal" and "bidirectional" are one causal / full segment per document, "block_causal" a full segment per block,
+"prefix_lm" a full segment on the prefix; the masks are those of the rules above, element by element.
 Sliding windows combine only with "causal". Every kind lets a token see itself, so no row is fully masked; padding
 (doc_id -1) forms one more document of its row (no NaN).
 
@@ -21,6 +29,7 @@ forward never syncs with the host):
   bidirectional   dense bool mask      BlockMask (mask_mod)    cu_seqlens, causal=False
   block_causal    dense bool mask      BlockMask (mask_mod)    refused: use flex or sdpa
   prefix_lm       dense bool mask      BlockMask (mask_mod)    refused: use flex or sdpa
+  segments        dense bool mask      BlockMask (mask_mod)    refused: use flex or sdpa
 
   * "sdpa"   torch SDPA with a dense bool mask [B, 1, S, S].
   * "flex"   flex_attention with a BlockMask from the same mask_mod that builds the dense mask. On CUDA the
@@ -28,7 +37,8 @@ forward never syncs with the host):
              torch has no flex backward on CPU, so when gradients are needed on CPU the dense mask (built from
              the mask_mod at build time) runs through SDPA.
   * "varlen" torch.nn.attention.varlen.varlen_attn over the flattened tokens with ``cu_seqlens`` (CUDA only,
-             torch builds that ship it); its kernels take whole documents, so only causal or bidirectional.
+             torch builds that ship it); its kernels take whole documents, so only causal or bidirectional
+             (no block, prefix or BAGEL segment masks).
 
 Rows that are each one whole document (``cu_seqlens`` says so on the host; or no ``doc_ids``) need no mask for
 "causal" and "bidirectional": every backend then runs fused SDPA (is_causal=True / False; cuDNN / flash, the
@@ -58,10 +68,30 @@ from titan_mm.nn.rope import apply_rope
 from titan_mm.nn.kv_cache import KVCache
 
 BACKENDS = ("sdpa", "flex", "varlen")
-KINDS = ("causal", "bidirectional", "block_causal", "prefix_lm")
+KINDS = ("causal", "bidirectional", "block_causal", "prefix_lm", "segments")
 BACKEND_KINDS = {"sdpa": KINDS, "flex": KINDS, "varlen": ("causal", "bidirectional")}
 """The kinds each backend implements (varlen's kernels take whole documents: causal or not)."""
-_ROW_KINDS = ("block_causal", "prefix_lm")  # need a mask even on rows that are one whole document
+_ROW_KINDS = ("block_causal", "prefix_lm", "segments")  # need a mask even on rows that are one whole document
+SEGMENT_KINDS = ("causal", "full", "noise")
+"""Per-token segment kinds; a token's code in ``batch["seg_kinds"]`` is the index here."""
+CAUSAL, FULL, NOISE = range(len(SEGMENT_KINDS))
+
+
+@dataclass
+class Segments:
+    """A batch's attention as a per-token description ([B, S] tensors). Within one document (``doc``; None: one
+    per row) key k is visible to query q iff (kind[k] is not NOISE or seg[k] == seg[q]) and (k <= q, or
+    seg[k] == seg[q] and kind[q] is not CAUSAL)."""
+
+    doc: torch.Tensor | None
+    seg: torch.Tensor | None
+    """Segment ids, equal exactly on the tokens of one segment of a row (None: each document is one segment)."""
+    kind: torch.Tensor | int
+    """SEGMENT_KINDS codes per token ([B, S]; with ``seg``), or one code for every token (``seg`` None)."""
+
+    def to(self, device) -> "Segments":
+        return Segments(*(t.to(device=device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+                          for t in (self.doc, self.seg, self.kind)))
 
 
 @dataclass
@@ -96,22 +126,22 @@ class AttnMeta:
     Attention writes its layer's new k/v into it and attends to all cached keys of the sequence."""
 
 
-def _mask_mod(kind: str, doc_BS, blk_BS, prefix_BS, window: int | None):
-    """The kind's mask as a flex mask_mod; on broadcast index grids it also builds the dense mask."""
+def _mask_mod(d: Segments, window: int | None):
+    """The description's mask as a flex mask_mod; on broadcast index grids it also builds the dense mask."""
+    doc, seg, kind = d.doc, d.seg, d.kind
 
     def mask_mod(b, h, q, k):
-        if kind == "causal":
+        if seg is not None:
+            same = seg[b, q] == seg[b, k]
+            m = ((q >= k) | (same & (kind[b, q] != CAUSAL))) & (same | (kind[b, k] != NOISE))
+        elif kind == CAUSAL:
             m = q >= k
-        elif kind == "block_causal":
-            m = blk_BS[b, q] >= blk_BS[b, k]
-        elif kind == "prefix_lm":
-            m = (q >= k) | (prefix_BS[b, q] & prefix_BS[b, k])
-        else:  # bidirectional: every key (of the document, below)
+        else:  # one full segment: every key (of the document, below)
             m = (q >= 0) & (k >= 0)
         if window is not None:
             m = m & (q - k < window)
-        if doc_BS is not None:
-            m = m & (doc_BS[b, q] == doc_BS[b, k])
+        if doc is not None:
+            m = m & (doc[b, q] == doc[b, k])
         return m
 
     return mask_mod
@@ -150,6 +180,44 @@ def _prefix_mask(batch: dict[str, torch.Tensor], B: int, S: int) -> torch.Tensor
     return p.bool()
 
 
+def describe(batch: dict[str, torch.Tensor], kind: str, block_size: int | None, doc: torch.Tensor | None,
+             B: int, S: int) -> Segments:
+    """Mask ``kind`` of ``batch`` (checked by :func:`check_kind`) as a segment description over documents ``doc``."""
+    if kind in ("causal", "bidirectional"):
+        return Segments(doc, None, CAUSAL if kind == "causal" else FULL)
+    if kind == "block_causal":  # each block a full segment; blocks follow each other causally
+        blk = doc_positions(doc, B, S) // block_size
+        return Segments(doc, blk, torch.full((B, S), FULL, dtype=torch.int8, device=blk.device))
+    if kind == "prefix_lm":  # the prefix a full segment, the rest causal
+        p = _prefix_mask(batch, B, S)
+        return Segments(doc, p.to(torch.int8), torch.where(p, FULL, CAUSAL).to(torch.int8))
+    return Segments(doc, *_segment_keys(batch, B, S))
+
+
+def _segment_keys(batch: dict[str, torch.Tensor], B: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    seg, kinds = batch.get("seg_ids"), batch.get("seg_kinds")
+    if seg is None or kinds is None:
+        raise ValueError("attention kind 'segments' needs batch['seg_ids'] and batch['seg_kinds'] ([B, S] ints: "
+                         f"segment index within the row, a code of {SEGMENT_KINDS}); give each Doc its segments "
+                         "(titan_mm.data.packing) or add them in the family's prepare_batch")
+    for name, t in (("seg_ids", seg), ("seg_kinds", kinds)):
+        if tuple(t.shape) != (B, S):
+            raise ValueError(f"batch[{name!r}] has shape {list(t.shape)}; kind 'segments' needs [B, S] = [{B}, {S}]")
+    if kinds.numel() and (int(kinds.min()) < 0 or int(kinds.max()) >= len(SEGMENT_KINDS)):
+        raise ValueError(f"batch['seg_kinds'] holds codes outside 0 .. {len(SEGMENT_KINDS) - 1} "
+                         f"({SEGMENT_KINDS}); write SEGMENT_KINDS.index(kind) per token")
+    return seg, kinds
+
+
+def batch_rows(batch: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """(B, S) of a batch, from the first of its [B, S] attention keys (a batch need not hold tokens)."""
+    for key in ("input_ids", "doc_ids", "seg_ids"):
+        if key in batch:
+            return batch[key].shape[-2], batch[key].shape[-1]
+    raise ValueError(f"the batch (keys {sorted(batch)}) has none of input_ids, doc_ids, seg_ids to size the "
+                     "attention mask; the packer writes doc_ids for every batch")
+
+
 def check_kind(backend: str, kind: str, sliding_window: int | None = None, block_size: int | None = None) -> None:
     """Raise a ValueError saying what to use instead when ``backend`` cannot run mask ``kind`` as asked."""
     if backend not in BACKENDS:
@@ -182,8 +250,8 @@ def build_attn_meta(
     batch: dict[str, torch.Tensor], backend: str, device: torch.device | str, sliding_window: int | None = None,
     dense_mask: bool = False, kind: str = "causal", block_size: int | None = None, kv_cache: KVCache | None = None,
 ) -> AttnMeta:
-    """Turn a batch's ``doc_ids`` / ``cu_seqlens`` / ``max_seqlen`` (and ``prefix_mask`` for kind "prefix_lm")
-    into backend metadata for mask ``kind`` (on ``device``).
+    """Turn a batch's ``doc_ids`` / ``cu_seqlens`` / ``max_seqlen`` (and ``prefix_mask`` for kind "prefix_lm",
+    ``seg_ids`` / ``seg_kinds`` for kind "segments") into backend metadata for mask ``kind`` (on ``device``).
 
     Call it before the forward (it may sync; the forward must not). ``sliding_window``: pass the model
     config's ``attn_sliding_window`` when any layer uses a window (Qwen3 configs with use_sliding_window).
@@ -195,35 +263,33 @@ def build_attn_meta(
     """
     check_kind(backend, kind, sliding_window, block_size)
     device = torch.device(device)
-    ids = batch["input_ids"]
-    B, S = ids.shape[-2], ids.shape[-1]
+    B, S = batch_rows(batch)
     if kv_cache is not None:
         return _cache_meta(kv_cache, backend, kind, sliding_window, B, S)
     doc = batch.get("doc_ids")
     if doc is not None and sliding_window is None and _whole_rows(batch.get("cu_seqlens"), B, S):
         doc = None  # every row is one whole document: no document mask (fused SDPA kernels for causal)
-    blk = doc_positions(doc, B, S) // block_size if kind == "block_causal" else None
-    prefix = _prefix_mask(batch, B, S) if kind == "prefix_lm" else None
-    doc, blk, prefix = (None if t is None else t.to(device=device, non_blocking=True) for t in (doc, blk, prefix))
+    segs = describe(batch, kind, block_size, doc, B, S).to(device)
+    doc = segs.doc
     meta = AttnMeta(backend=backend, packed=doc is not None, kind=kind, block_size=block_size,
                     sliding_window=sliding_window)
     if doc is not None:
         meta.valid_BS = doc >= 0
-    mask_mod = _mask_mod(kind, doc, blk, prefix, None)
+    mask_mod = _mask_mod(segs, None)
     if doc is None and sliding_window is None and kind not in _ROW_KINDS:
         if backend == "varlen" and device.type == "cuda":
             _varlen_fn()  # resolve torch's varlen_attn here, not inside a (compiled) forward
         if dense_mask and kind != "causal":  # CP slices it (its own fallback for causal rows is the causal mask)
             meta.sdpa_mask = _mask_dense(mask_mod, B, S, device)
         return meta  # one document per row: attention() runs fused SDPA for every backend
-    swa_mod = _mask_mod(kind, doc, blk, prefix, sliding_window) if sliding_window is not None else None
+    swa_mod = _mask_mod(segs, sliding_window) if sliding_window is not None else None
     if backend == "sdpa" or (backend == "flex" and (device.type == "cpu" or dense_mask)):
         # flex on CPU: the fallback when gradients are needed (no flex backward on CPU); CP ring / allgather
         meta.sdpa_mask = _mask_dense(mask_mod, B, S, device)
         if swa_mod is not None:
             meta.sdpa_mask_swa = _mask_dense(swa_mod, B, S, device)
     if backend == "flex":
-        Bm = B if doc is not None or blk is not None or prefix is not None else None  # None: same mask every row
+        Bm = B if doc is not None or segs.seg is not None else None  # None: the same mask on every row
         meta.block_mask = _block_mask(mask_mod, Bm, S, device)
         if swa_mod is not None:
             meta.block_mask_swa = _block_mask(swa_mod, Bm, S, device)

@@ -54,7 +54,7 @@ from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
 MODES = ("ulysses", "allgather", "ring")
-SEQ_KEYS = ("input_ids", "labels", "position_ids", "doc_ids", "prefix_mask")
+SEQ_KEYS = ("input_ids", "labels", "position_ids", "doc_ids", "prefix_mask", "seg_ids", "seg_kinds")
 # Attention mask kinds (titan_mm.nn.attention.KINDS) each mode runs. Every mode attends with the
 # metadata of the full sequence (ulysses) or with blocks cut from its dense mask (allgather, ring), so every kind
 # works (tests/unit/test_attention_kinds.py); a mode on fused kernels that cannot (a flash ring) lists fewer.
