@@ -1,6 +1,10 @@
 """Online eval on CUDA: the debug VL run with [eval] every 3 steps (held-out loss, digits through the engine in
-bf16 on the gathered weights). The eval frees what it took: the training steps after an eval peak no higher
-than those before the first one, and online equals python -m titan_mm.eval on the final checkpoint.
+bf16 on the gathered weights). The eval frees what it took: a step's peak is what is allocated when it starts plus
+its own transient, so an eval that leaves nothing allocated (eval/kept_mem_gb <= 0, exact: the allocator's count
+of live bytes) cannot raise a later step's peak. Before, the engine's CUDA-graph capture left cuBLAS's workspace
+of its stream (32 MiB) allocated: 1.753 GB before the first eval, 1.786 GB after on the H200. The step peaks
+themselves move with the data (images per row), so they are printed, not compared. Online equals
+python -m titan_mm.eval on the final checkpoint.
 
     pytest -q tests/gpu/test_eval_gpu.py
 """
@@ -31,9 +35,9 @@ def test_eval_on_cuda_frees_its_memory_and_matches_offline(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_metrics(tmp_path / "debug_qwen3_vl" / "metrics.jsonl")
     assert [s for s in rows if "eval/time_s" in rows[s]] == [3, 6, 9]
-    before = max(rows[s]["mem_peak_gb"] for s in (2, 3))
-    after = max(rows[s]["mem_peak_gb"] for s in (4, 5, 7, 8))
-    assert after <= before * 1.01 + 0.01, (before, after)
+    kept = [rows[s]["eval/kept_mem_gb"] for s in (3, 6, 9)]
+    print("step peaks GB", [rows[s]["mem_peak_gb"] for s in sorted(rows)], "kept by the evals GB", kept)
+    assert all(k <= 0 for k in kept), kept
     print({k: v for k, v in rows[9].items() if k.startswith("eval/")})
     r = subprocess.run([sys.executable, "-m", "titan_mm.eval", "--checkpoint", str(tmp_path / "debug_qwen3_vl")],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)

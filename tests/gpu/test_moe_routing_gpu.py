@@ -2,8 +2,8 @@
 shape (16,384 tokens, 128 experts, top-8) against its reference (titan_mm.nn.moe.route_stats): top_w,
 top_i, the aux statistics and the logits' gradient, fp32 and bf16, with and without norm_topk_prob, with padding;
 random bf16 logits (many ties) rank equal values by the lower index; torch.compile(fullgraph=True) with inductor
-equals eager and neither syncs the host; the fused forward + backward is faster than the reference's (printed next
-to the compiled reference; bench/floor.py's ``routing`` rows time the same at the MoE cases' shapes).
+equals eager and neither syncs the host. Speed is bench/floor.py's (``routing`` / ``routing_fused`` rows at the MoE
+cases' shapes), never asserted here.
 
 Run: PYTHONPATH=$PWD python -m pytest -q -m gpu tests/gpu/test_moe_routing_gpu.py -s
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.attention import bench as cuda_ms  # median CUDA-event ms of fn()
 from titan_mm import kernels as K
 from titan_mm.nn import moe
 
@@ -101,22 +100,3 @@ def test_compiled_equals_eager_without_host_syncs():
             fn(x)[0].backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-
-
-def test_fused_is_faster_than_the_reference():
-    lg, valid = _distinct(N, E, torch.bfloat16, seed=3), _valid(N)
-    x = lg.clone().requires_grad_()
-    gw, gs = torch.randn(N, TOP, device="cuda").to(torch.bfloat16), torch.randn(2, E, device="cuda")
-
-    def step(fn):
-        def run():
-            x.grad = None
-            w, _, s = fn(x, TOP, True, valid)
-            torch.autograd.backward([w, s], [gw, gs])
-        return run
-
-    ref_c, fused_c = torch.compile(moe.route_stats), torch.compile(K.moe_routing)
-    ms = {name: cuda_ms(step(fn)) for name, fn in (("reference", moe.route_stats), ("fused", K.moe_routing),
-                                                     ("reference_compiled", ref_c), ("fused_compiled", fused_c))}
-    print("routing fwd+bwd ms at N 16384, E 128, K 8, bf16: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items()))
-    assert ms["fused"] < ms["reference"]

@@ -15,19 +15,26 @@ run with eval trains the same steps as one without.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 import math
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from titan_mm.config import JobConfig
+from titan_mm.config import Data, JobConfig
+from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.eval.tasks import Task, load_task
+from titan_mm.loader import tokenizer_path
 from titan_mm.observe.health import peak_memory_gb, reset_peak_memory
+from titan_mm.serve.config import ServeConfig
+from titan_mm.serve.engine import Engine
+from titan_mm.serve.sampling import SamplingParams
 from titan_mm.train.setup import Run, build_data
 from titan_mm.train.state import get_rng_state, set_rng_state
 from titan_mm.train.step import eval_loss_sums
@@ -41,8 +48,22 @@ def source_name(source: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "", base.split(".")[0].split("*")[0].rstrip("-_")) or "source"
 
 
+def online_eval(cfg: JobConfig) -> Callable[[Run], Evaluator] | None:
+    """The trainer's [eval] callback: ``make_eval(run) -> Evaluator`` (None when eval.interval is 0). The tasks are
+    read here, before anything is built, so a bad task is one ConfigError line."""
+    if not cfg.eval.interval:
+        return None
+    return functools.partial(Evaluator, cfg, tasks=read_tasks(cfg))
+
+
+def read_tasks(cfg: JobConfig) -> list[Task]:
+    """eval.tasks, the first eval.task_limit prompts of each (ConfigError: a bad task)."""
+    return [load_task(t, cfg.eval.task_limit) for t in cfg.eval.tasks]
+
+
 class Evaluator:
-    def __init__(self, cfg: JobConfig, run: Run):
+    def __init__(self, cfg: JobConfig, run: Run, tasks: list[Task] | None = None):
+        """``tasks``: eval.tasks already read (:func:`online_eval`); None: read here."""
         from titan_mm.data.loader import resolve_sources
 
         self.cfg, self.run, e = cfg, run, cfg.eval
@@ -50,7 +71,7 @@ class Evaluator:
         names = [source_name(s) for s, _ in sources]
         self.sources = [(f"{n}{i}" if names.count(n) > 1 else n, s, w) for i, ((s, w), n) in
                         enumerate(zip(sources, names))]
-        self.tasks: list[Task] = [load_task(t, e.task_limit) for t in e.tasks]
+        self.tasks: list[Task] = tasks if tasks is not None else read_tasks(cfg)
         self._batches: dict[str, list[list[dict]]] = {}
         self._tasks_at = 0  # checkpoints saved when the tasks last ran
 
@@ -69,12 +90,15 @@ class Evaluator:
         rng = get_rng_state()
         t0 = time.perf_counter()
         reset_peak_memory(run.device)
+        held = torch.cuda.memory_allocated(run.device) if run.device.type == "cuda" else 0
         m = self.heldout()
         if self.tasks and (tasks if tasks is not None else self.tasks_due(step, n_saved)):
             self._tasks_at = n_saved
             m.update(self.generate())
         m["eval/time_s"] = time.perf_counter() - t0
         m["eval/peak_mem_gb"] = peak_memory_gb(run.device)
+        if run.device.type == "cuda":  # what the eval left allocated: on top of every later step's peak
+            m["eval/kept_mem_gb"] = (torch.cuda.memory_allocated(run.device) - held) / 1e9
         set_rng_state(rng)
         return m
 
@@ -126,50 +150,23 @@ class Evaluator:
         model.init_buffers(run.device)
         return model, gen_cfg
 
-    def tokenizer(self):
-        from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
-        from titan_mm.models.hf_io import local_hf_dir
-
-        cfg = self.cfg
-        hf = local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None
-        return load_tokenizer(tokenizer_for(cfg.data.tokenizer_path, hf))
-
-    def engine(self, model, gen_cfg):
-        """An Engine on ``model`` (:meth:`gathered_model`) with a pool sized for the eval prompts."""
-        from titan_mm.serve.config import ServeConfig
-        from titan_mm.serve.engine import Engine
-
-        max_len = self.cfg.data.seq_len
-        serve = ServeConfig(max_num_seqs=ENGINE_SEQS, max_model_len=max_len, max_num_batched_tokens=max(2048, max_len),
-                            max_queue_len=1 << 20)
-        serve.num_blocks = ENGINE_SEQS * -(-min(max_len, 512) // serve.block_size) + -(-max_len // serve.block_size)
-        return Engine(model, self.run.spec, gen_cfg, serve, tokenizer=self.tokenizer(), device=self.run.device,
-                      data=self.cfg.data)
-
     def generate(self) -> dict[str, float]:
         from titan_mm.data.processors import Processor, ProcessorConfig
         from titan_mm.eval.forward_decode import greedy_texts
-        from titan_mm.serve.sampling import SamplingParams
 
         run, e = self.run, self.cfg.eval
         t0 = time.perf_counter()
         model, gen_cfg = self.gathered_model()
-        engine = self.engine(model, gen_cfg) if any(t.engine for t in self.tasks) else None
+        tok = load_tokenizer(tokenizer_path(self.cfg))
+        engine = (eval_engine(model, run.spec, gen_cfg, tok, run.device, self.cfg.data)
+                  if any(t.engine for t in self.tasks) else None)
         m: dict[str, Any] = {"eval/handoff_s": time.perf_counter() - t0}
-        params = SamplingParams(max_tokens=e.max_new_tokens, temperature=0.0)
         for task in self.tasks:
             mine = task.items[run.rank::run.world]
             if task.engine:
-                prompts, images = [], []
-                for it in mine:
-                    ids, imgs = (engine.chat_prompt(it["messages"]) if "messages" in it else
-                                 (engine.tokenizer.encode(it["prompt"]), []))
-                    prompts.append(ids)
-                    images.append(imgs)
-                texts = [o.outputs[0].text if o else None for o in engine.generate(prompts, params, images,
-                                                                                    skip_bad=True)]
+                texts = engine_texts(engine, mine, e.max_new_tokens)
             else:
-                proc = Processor(self.tokenizer(), ProcessorConfig(self.cfg.data, run.spec.data_needs(gen_cfg)))
+                proc = Processor(tok, ProcessorConfig(self.cfg.data, run.spec.data_needs(gen_cfg)))
                 texts = greedy_texts(model, run.spec, gen_cfg, proc, [it["messages"] for it in mine],
                                      e.max_new_tokens, run.device)
             score = sum(task.metric(x, it["reference"]) for x, it in zip(texts, mine) if x is not None)
@@ -186,6 +183,33 @@ class Evaluator:
         del engine, model
         gc.collect()
         if run.device.type == "cuda":
+            # the engine's CUDA graphs ran cuBLAS on the capture stream, and cuBLAS keeps a workspace per stream for
+            # the process's life (32 MiB on an H100 / H200), which every later training step's peak carried; the
+            # training stream's own workspace comes back at its next matmul
+            torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
         m["eval/generate_s"] = time.perf_counter() - t0
         return m
+
+
+def eval_engine(model, spec, model_cfg, tokenizer, device: torch.device, data: Data):
+    """An Engine on ``model`` (weights in memory) whose pool holds ENGINE_SEQS prompts of <= 512 tokens and one of
+    data.seq_len: the decoder of online eval, python -m titan_mm.eval and the eval tools."""
+    max_len = data.seq_len
+    serve = ServeConfig(max_num_seqs=ENGINE_SEQS, max_model_len=max_len, max_num_batched_tokens=max(2048, max_len),
+                        max_queue_len=1 << 20)
+    serve.num_blocks = ENGINE_SEQS * -(-min(max_len, 512) // serve.block_size) + -(-max_len // serve.block_size)
+    return Engine(model, spec, model_cfg, serve, tokenizer=tokenizer, device=device, data=data)
+
+
+def engine_texts(engine, items: list[dict], max_new_tokens: int) -> list[str | None]:
+    """The engine's greedy answer to each task item ({"messages": [...]} rendered by the chat template with the
+    assistant's turn opened, or {"prompt": raw text}); None for a prompt the engine refuses (too long)."""
+    prompts, images = [], []
+    for it in items:
+        ids, imgs = (engine.chat_prompt(it["messages"]) if "messages" in it else
+                     (engine.tokenizer.encode(it["prompt"]), []))
+        prompts.append(ids)
+        images.append(imgs)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+    return [o.outputs[0].text if o else None for o in engine.generate(prompts, params, images, skip_bad=True)]
