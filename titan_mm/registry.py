@@ -208,6 +208,44 @@ class FusedRows:
 
 
 @dataclass(frozen=True)
+class SeqKey:
+    """A batch key laid out along the sequence: ``[..., B, S, *trailing]`` (M-RoPE positions lead with 3)."""
+
+    name: str
+    trailing: tuple[str | int, ...] = ()
+    """The dims after S, by name or size (latents [B, S, C]: ``("C",)``); the CP split cuts the axis before them."""
+    dtype: str = "int64"
+
+    def axis(self, t: torch.Tensor) -> int:
+        """The sequence axis of ``t``, this key's tensor."""
+        return t.dim() - 1 - len(self.trailing)
+
+
+ATTN_KEYS = (SeqKey("position_ids"), SeqKey("doc_ids", dtype="int32"), SeqKey("prefix_mask", dtype="bool"),
+             SeqKey("seg_ids", dtype="int32"), SeqKey("seg_kinds", dtype="int8"))
+"""Sequence keys of every batch: RoPE positions and the attention description (titan_mm.nn.attention)."""
+TOKEN_KEYS = (SeqKey("input_ids"), SeqKey("labels"))
+
+
+@dataclass(frozen=True)
+class BatchSchema:
+    """The typed record a family's batches are: what packing, the CP splitter and PP micro-batching cut along the
+    sequence and what they leave whole. ``tokens`` False: no input_ids / labels (a diffusion transformer's
+    latents, timesteps and encoder states)."""
+
+    seq: tuple[SeqKey, ...] = ()
+    """The family's own sequence keys (its prepare_batch's, its data's); ATTN_KEYS (and TOKEN_KEYS) are added."""
+    row: tuple[str, ...] = ()
+    """Per-row keys ([B, ...]: a timestep per row, pooled encoder states): never cut along the sequence."""
+    tokens: bool = True
+
+    @property
+    def seq_keys(self) -> tuple[SeqKey, ...]:
+        """Every sequence key: tokens (when ``tokens``), the attention keys, then the family's."""
+        return (TOKEN_KEYS if self.tokens else ()) + ATTN_KEYS + self.seq
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Every extension point of a model family, as one typed value."""
 
@@ -248,6 +286,8 @@ class ModelSpec:
     seq_keys: tuple[str, ...] = ()
     """Keys that prepare_batch adds laid out along the sequence ([B, S] or [..., B, S]): context parallelism
     splits them with input_ids."""
+    batch_schema: BatchSchema | None = None
+    """The family's batch record (:meth:`schema`); None: a token batch whose own sequence keys are ``seq_keys``."""
     param_groups: Callable[[torch.nn.Module, Any, list[dict], float], list[dict]] | None = None
     """param_groups(model, cfg, groups, base_lr) -> groups split per part with their lr (None: as built)."""
     fused_params: Callable[[Any], dict[str, FusedRows]] | None = None
@@ -261,6 +301,10 @@ class ModelSpec:
     encoder_balance: bool = False
     """prepare_batch takes ``encoder_balance`` (a planner from the train step) and plans the vision tower's all-to-all
     (titan_mm.parallel.encoder_balance; parallel.encoder_balance). False: the option is refused for this family."""
+
+    def schema(self) -> BatchSchema:
+        """The family's :class:`BatchSchema`: ``batch_schema``, or the token batch with ``seq_keys``."""
+        return self.batch_schema or BatchSchema(tuple(SeqKey(k) for k in self.seq_keys))
 
     def flavor(self, name: str):
         if name not in self.flavors:

@@ -317,14 +317,19 @@ CP_CELLS = [(mode, backend, kind) for mode in ("ulysses", "allgather", "ring") f
 def _cp_worker(rank, world, cells):
     from titan_mm.parallel.cp import load_balanced_index, prepare_cp_batch
     from titan_mm.parallel.mesh import ParallelDims
+    from titan_mm.registry import SeqKey
 
     pd = ParallelDims(world_size=world, dp_shard=1, cp=world)
     idx = load_balanced_index(S, world, rank)
     out = []
+    latents = torch.randn(B, S, 3)  # a declared sequence key with a trailing dim: cut on dim 1
     for mode, backend, kind in cells:
         q, k, v = qkv()
-        local, meta = prepare_cp_batch(packed_batch(), pd, backend, "cpu", mode=mode, **kw(kind))
-        assert torch.equal(local["prefix_mask"], packed_batch()["prefix_mask"][:, idx])
+        local, meta = prepare_cp_batch({**packed_batch(), "latents": latents}, pd, backend, "cpu", mode=mode,
+                                       seq_keys=(SeqKey("latents", ("C",)),), **kw(kind))
+        for key in ("prefix_mask", "seg_ids", "seg_kinds"):
+            assert torch.equal(local[key], packed_batch()[key][:, idx])
+        assert torch.equal(local["latents"], latents[:, idx])
         out.append(run_and_grads(lambda q, k, v: attention(*(t[:, idx] for t in (q, k, v)), meta, None), q, k, v,
                                  weights()[:, idx]))
     return out

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from titan_mm.nn.attention import build_attn_meta
-from titan_mm.parallel.cp import _check_dense
+from titan_mm.parallel.cp import _check_dense, _seq_axes
+from titan_mm.registry import SeqKey
 
 
 def _packed():
@@ -31,3 +32,12 @@ def test_packed_meta_without_dense_mask_is_refused(mode):
     with pytest.raises(ValueError, match="dense_mask=True"):
         _check_dense(cuda_like, mode)
     _check_dense(build_attn_meta({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, "flex", "cpu"), mode)  # causal
+
+
+def test_cp_cuts_declared_sequence_keys_on_their_axis_and_refuses_the_rest():
+    b = {**_packed(), "latents": torch.zeros(1, 8, 4), "position_ids": torch.zeros(3, 1, 8),
+         "pixels": torch.zeros(5, 4)}
+    axes = _seq_axes(b, (SeqKey("latents", ("C",)),), 8)
+    assert axes == {"input_ids": 1, "doc_ids": 1, "latents": 1, "position_ids": 2}  # undeclared pixels stay whole
+    with pytest.raises(ValueError, match=r"cannot cut batch\['latents'\] of shape \[1, 8, 4\]: dim 2 .*BatchSchema"):
+        _seq_axes(b, ("latents",), 8)  # declared without its trailing dim

@@ -1,13 +1,14 @@
 """The batch contract (docs/architecture.md) and the packer."""
 
 import numpy as np
+import pytest
 import torch
 
 from tests.data_needs import QWEN3_VL_NEEDS
 from titan_mm.config import Data
 from titan_mm.data.loader import build_dataloader
 from titan_mm.data.packing import BestFitPacker, Doc, collate_rows, padded_seq_len
-from titan_mm.registry import DataNeeds
+from titan_mm.registry import BatchSchema, DataNeeds, SeqKey
 
 
 def _doc(n, sid=""):
@@ -111,3 +112,50 @@ def test_lazy_image_equals_eager():
     out = lazy.tensors["_lazy_image"].materialize()
     np.testing.assert_array_equal(out["pixel_values"], eager.tensors["pixel_values"])
     np.testing.assert_array_equal(out["image_grid_thw"], eager.tensors["image_grid_thw"])
+
+
+def test_token_docs_give_the_token_batch_only():
+    """Docs without seq arrays or segments: the batch of before (no segment or latent keys)."""
+    b = collate_rows([[_doc(5), _doc(4)], [_doc(9)]], 16, pad_id=0, mrope=False)
+    assert list(b) == ["input_ids", "labels", "position_ids", "doc_ids", "cu_seqlens", "max_seqlen",
+                       "num_label_tokens"]
+
+
+def _latent_doc(n_cond, n_lat, C=3, sid=""):
+    """A doc without tokens: conditioning vectors (a causal segment), then latents (a noise segment)."""
+    n = n_cond + n_lat
+    x = np.arange(n * C, dtype=np.float32).reshape(n, C) + 1
+    mask = np.arange(n) >= n_cond
+    return Doc(None, None, sid, seq={"latents": x, "latent_mask": mask},
+               segments=((n_cond, "causal"), (n_lat, "noise")))
+
+
+LATENT_SCHEMA = BatchSchema((SeqKey("latents", ("C",), "float32"), SeqKey("latent_mask", dtype="bool")), tokens=False)
+
+
+def test_docs_without_tokens_pack_their_seq_arrays_and_segments():
+    rows = [[_latent_doc(2, 3), _latent_doc(1, 4)], [_latent_doc(3, 3)]]
+    b = collate_rows(rows, 16, pad_id=0, mrope=False, schema=LATENT_SCHEMA)
+    assert "input_ids" not in b and "labels" not in b and "num_label_tokens" not in b
+    assert b["latents"].shape == (2, 16, 3) and b["latents"].dtype == torch.float32
+    assert torch.equal(b["latents"][0, :5], torch.from_numpy(rows[0][0].seq["latents"]))
+    assert torch.equal(b["latents"][0, 5:10], torch.from_numpy(rows[0][1].seq["latents"]))
+    assert (b["latents"][0, 10:] == 0).all() and not b["latent_mask"][:, 10:].any()  # padding: zeros
+    assert b["seg_ids"][0].tolist() == [0, 0, 1, 1, 1, 2, 3, 3, 3, 3] + [4] * 6  # numbered along the row
+    assert b["seg_kinds"][0].tolist() == [0, 0, 2, 2, 2, 0, 2, 2, 2, 2] + [0] * 6  # padding: causal
+    assert b["doc_ids"][0].tolist() == [0] * 5 + [1] * 5 + [-1] * 6
+    assert b["position_ids"][1, :6].tolist() == list(range(6))
+    assert b["cu_seqlens"].tolist() == [0, 5, 10, 16, 22, 32]
+
+
+def test_docs_that_do_not_fit_the_schema_are_refused():
+    with pytest.raises(ValueError, match="'latents' of shape \\[5, 3\\] is not a sequence key"):
+        collate_rows([[_latent_doc(2, 3)]], 16, 0, False, schema=BatchSchema(tokens=False))
+    with pytest.raises(ValueError, match="lacks input_ids but the family's BatchSchema says tokens=True"):
+        collate_rows([[_latent_doc(2, 3)]], 16, 0, False, schema=BatchSchema())
+    with pytest.raises(ValueError, match="mixes docs with and without input_ids"):
+        collate_rows([[_latent_doc(2, 3), _doc(3)]], 16, 0, False)
+    bad = _latent_doc(2, 3)
+    bad.segments = ((2, "causal"), (2, "noisy"))
+    with pytest.raises(ValueError, match="must cover its 5 tokens with kinds of"):
+        collate_rows([[bad]], 16, 0, False)

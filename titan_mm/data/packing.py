@@ -10,8 +10,11 @@ after it); among rows that fit almost equally well (within 1% of the budget) it 
 smallest sum of squared doc lengths, which balances attention cost (sum of L^2) across rows. A row whose
 vision-patch count would exceed ``max_patches_per_row`` is not considered. When no open row fits and
 all are in use, the fullest one is closed. Closed rows wait in ``ready`` until a batch of B is full.
-The packer's open rows and ready rows are part of the loader state (the loader saves each doc as a small
-reference and rebuilds it on resume, see loader.PackedStream._encode), so resume loses nothing.
+A doc may carry per-token arrays besides its tokens (``seq``: latents [L, C], latent masks, ...; a doc may hold no
+tokens at all, a diffusion transformer's) and BAGEL's segment description (``segments``: split lengths and kinds,
+titan_mm.nn.attention SEGMENT_KINDS). The packer's open rows and ready rows are part of the loader state (the
+loader saves each doc as a small reference and rebuilds it on resume, see loader.PackedStream._encode), so resume
+loses nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from titan_mm.nn.attention import SEGMENT_KINDS
+from titan_mm.registry import BatchSchema
 
 IGNORE_INDEX = -100
 PAD_MULTIPLE = 16
@@ -42,16 +48,22 @@ def padded_seq_len(data) -> int:
 
 @dataclass
 class Doc:
-    input_ids: np.ndarray  # [L] int64
-    labels: np.ndarray  # [L] int64, shifted within the doc
+    input_ids: np.ndarray | None  # [L] int64; None: a doc without tokens (its length is that of its seq arrays)
+    labels: np.ndarray | None  # [L] int64, shifted within the doc
     sample_id: str = ""
     positions: np.ndarray | None = None  # [3, L] int64 M-RoPE positions (start at 0); None: arange(L)
     media: dict = field(default_factory=dict)  # key -> list[np.ndarray] (pixel_values, image_grid_thw, ...)
     n_patches: int = 0  # vision patches (before merge) this doc feeds to the vision tower
     ref: tuple | None = None  # where it came from (source, location, chunk), to rebuild it on resume
+    seq: dict = field(default_factory=dict)  # key -> [L, *trailing] per-token array (latents [L, C], latent_mask)
+    segments: tuple = ()  # ((length, kind), ...) in token order, kind of SEGMENT_KINDS; (): one causal segment
 
     def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
+        if self.input_ids is not None:
+            return int(self.input_ids.shape[0])
+        if not self.seq:
+            raise ValueError(f"doc {self.sample_id!r} has neither input_ids nor seq arrays; give it one of them")
+        return int(next(iter(self.seq.values())).shape[0])
 
 
 class _Row:
@@ -147,7 +159,7 @@ class BestFitPacker:
 
 
 def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool,
-                 multiple: int = PAD_MULTIPLE) -> dict[str, torch.Tensor]:
+                 multiple: int = PAD_MULTIPLE, schema: BatchSchema | None = None) -> dict[str, torch.Tensor]:
     """Build the contract batch (docs/architecture.md, "Batch") from packed rows: the one collator of the
     data pipeline and of the synthetic loaders (titan_mm.train.synthetic, titan_mm.models.qwen3_vl.synthetic).
 
@@ -157,25 +169,49 @@ def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool,
     longest segment (docs and padding alike), so varlen kernels given it never under-size a tile. Media keys
     join their items in token order: images ``pixel_values`` / ``image_grid_thw``, videos, and audio
     ``input_features [n_mels, sum frames]`` (clips side by side) with ``audio_feature_lengths [n_clips]``.
+
+    Docs without tokens give a batch without ``input_ids`` / ``labels`` / ``num_label_tokens``. A doc's ``seq``
+    arrays become [B, S, *trailing] keys (zeros where a doc lacks the key, and on padding); docs with
+    ``segments`` add ``seg_ids`` / ``seg_kinds`` (attention kind "segments"; a doc without them is one causal
+    segment, each row's padding one more). ``schema``: the family's BatchSchema, which must declare every such key
+    (with its trailing dims) and whether the batch holds tokens.
     """
     B, S = len(rows), round_up(seq_len, multiple)
+    docs_all = [d for docs in rows for d in docs]
+    tokens = _check_docs(docs_all, schema)
+    seq_like = {}  # key -> an array of the first doc carrying it (trailing shape, dtype)
+    for d in docs_all:
+        for key, a in d.seq.items():
+            seq_like.setdefault(key, a)
     ids = np.full((B, S), pad_id, dtype=np.int64)
     labels = np.full((B, S), IGNORE_INDEX, dtype=np.int64)
     doc_ids = np.full((B, S), -1, dtype=np.int32)
     pos = np.zeros((3, B, S) if mrope else (B, S), dtype=np.int64)
+    seq = {key: np.zeros((B, S) + a.shape[1:], dtype=a.dtype) for key, a in seq_like.items()}
+    segmented = any(d.segments for d in docs_all)
+    seg_ids = np.zeros((B, S), dtype=np.int32)
+    seg_kinds = np.zeros((B, S), dtype=np.int8)  # 0: "causal", padding included
     seg = [0]
     media: dict[str, list[np.ndarray]] = {}
     for b, docs in enumerate(rows):
-        t = 0
+        t = n_seg = 0
         for k, d in enumerate(docs):
             n = len(d)
-            ids[b, t : t + n] = d.input_ids
-            labels[b, t : t + n] = d.labels
+            if tokens:
+                ids[b, t : t + n] = d.input_ids
+                labels[b, t : t + n] = d.labels
             doc_ids[b, t : t + n] = k
             if mrope:
                 pos[:, b, t : t + n] = d.positions if d.positions is not None else np.arange(n)
             else:
                 pos[b, t : t + n] = d.positions[0] if d.positions is not None else np.arange(n)
+            for key, a in d.seq.items():
+                seq[key][b, t : t + n] = a
+            o = t
+            for length, kind in d.segments or ((n, "causal"),):
+                seg_ids[b, o : o + length] = n_seg
+                seg_kinds[b, o : o + length] = SEGMENT_KINDS.index(kind)
+                o, n_seg = o + length, n_seg + 1
             seg.append(n)
             t += n
             for key, arrs in d.media.items():
@@ -189,17 +225,49 @@ def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool,
             raise AssertionError(f"packed row holds {t} tokens > row length {S} (packer bug)")
         if t < S:
             seg.append(S - t)
+            seg_ids[b, t:] = n_seg
     cu = np.cumsum(np.asarray(seg, dtype=np.int64)).astype(np.int32)
-    batch = {
-        "input_ids": torch.from_numpy(ids),
-        "labels": torch.from_numpy(labels),
+    batch = {}
+    if tokens:
+        batch.update(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels))
+    batch.update({
         "position_ids": torch.from_numpy(pos),
         "doc_ids": torch.from_numpy(doc_ids),
         "cu_seqlens": torch.from_numpy(cu),
         "max_seqlen": torch.tensor(max(seg[1:]) if len(seg) > 1 else 0, dtype=torch.int64),
-        "num_label_tokens": torch.tensor(int((labels != IGNORE_INDEX).sum()), dtype=torch.int64),
-    }
+    })
+    if tokens:
+        batch["num_label_tokens"] = torch.tensor(int((labels != IGNORE_INDEX).sum()), dtype=torch.int64)
+    if segmented:
+        batch.update(seg_ids=torch.from_numpy(seg_ids), seg_kinds=torch.from_numpy(seg_kinds))
+    batch.update((key, torch.from_numpy(a)) for key, a in seq.items())
     for key, arrs in media.items():
         x = np.concatenate(arrs, axis=0)
         batch[key] = torch.from_numpy(np.ascontiguousarray(x.T) if key in MELS_FIRST else x)
     return batch
+
+
+def _check_docs(docs: list[Doc], schema: BatchSchema | None) -> bool:
+    """Whether the docs hold tokens; a doc whose seq arrays, segments or tokens do not fit is refused by name."""
+    tokens = docs[0].input_ids is not None if docs else schema is None or schema.tokens
+    declared = {k.name: k for k in schema.seq_keys} if schema is not None else None
+    if schema is not None and docs and tokens != schema.tokens:
+        raise ValueError(f"doc {docs[0].sample_id!r} {'holds' if tokens else 'lacks'} input_ids but the family's "
+                         f"BatchSchema says tokens={schema.tokens}; build its docs to match")
+    for d in docs:
+        n = len(d)
+        if (d.input_ids is not None) != tokens:
+            raise ValueError(f"doc {d.sample_id!r}: a batch mixes docs with and without input_ids; give every doc "
+                             "tokens or none")
+        for key, a in d.seq.items():
+            if a.shape[0] != n:
+                raise ValueError(f"doc {d.sample_id!r}: seq array {key!r} has {a.shape[0]} rows for its {n} tokens")
+            if declared is not None and (key not in declared or len(declared[key].trailing) != a.ndim - 1):
+                raise ValueError(f"doc {d.sample_id!r}: seq array {key!r} of shape {list(a.shape)} is not a "
+                                 "sequence key of the family's BatchSchema with as many trailing dims; declare it")
+        if d.segments:
+            bad = [k for _, k in d.segments if k not in SEGMENT_KINDS]
+            if bad or sum(length for length, _ in d.segments) != n:
+                raise ValueError(f"doc {d.sample_id!r}: segments {d.segments} must cover its {n} tokens with "
+                                 f"kinds of {SEGMENT_KINDS}")
+    return tokens

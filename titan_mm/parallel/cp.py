@@ -11,10 +11,12 @@ CP acts through the *batch* and the attention metadata, not by changing modules:
   3. puts a :class:`CPAttention` in ``AttnMeta.cp``; ``titan_mm.nn.attention.attention``
      delegates to it, everything else in the model (embeddings, norms, MLP/MoE, RoPE with the local
      ``position_ids``, the loss over the local labels) simply runs on the local tokens.
-  4. cuts the family's own sequence keys (``ModelSpec.seq_keys``, host-built by its ``prepare_batch`` before
-     this split: Qwen3-VL's ``visual_index``) the same way, and leaves every other key whole (pixels: every
-     cp rank runs the vision tower on all of the micro-batch's images and keeps the embeddings of its own
-     positions). M-RoPE ``position_ids`` [3, B, S] are sliced on their last axis like [B, S] ones.
+  4. cuts the family's own sequence keys (its ``BatchSchema``, titan_mm.registry: keys host-built by its
+     ``prepare_batch`` before this split, Qwen3-VL's ``visual_index``; latents [B, S, C]) the same way, on the
+     axis before their declared trailing dims, and leaves every other key whole (pixels: every cp rank runs the
+     vision tower on all of the micro-batch's images and keeps the embeddings of its own positions). M-RoPE
+     ``position_ids`` [3, B, S] are sliced on their last axis like [B, S] ones. A sequence key whose axis does
+     not hold the rows' S tokens is refused by name.
 
 Modes (``parallel.cp_mode``):
 
@@ -49,12 +51,12 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
 
 from titan_mm.config import Parallel
-from titan_mm.nn.attention import KINDS, check_kind
+from titan_mm.nn.attention import KINDS, batch_rows, check_kind
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
+from titan_mm.registry import ATTN_KEYS, TOKEN_KEYS, SeqKey
 
 MODES = ("ulysses", "allgather", "ring")
-SEQ_KEYS = ("input_ids", "labels", "position_ids", "doc_ids", "prefix_mask", "seg_ids", "seg_kinds")
 # Attention mask kinds (titan_mm.nn.attention.KINDS) each mode runs. Every mode attends with the
 # metadata of the full sequence (ulysses) or with blocks cut from its dense mask (allgather, ring), so every kind
 # works (tests/unit/test_attention_kinds.py); a mode on fused kernels that cannot (a flash ring) lists fewer.
@@ -277,12 +279,13 @@ def prepare_cp_batch(
     device,
     sliding_window: int | None = None,
     mode: str = "ulysses",
-    seq_keys: tuple[str, ...] = (),
+    seq_keys: tuple[str | SeqKey, ...] = (),
     kind: str = "causal",
     block_size: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], Any]:
     """-> (this rank's sequence shard of ``batch``, AttnMeta with ``cp`` set). Without CP: (batch, build_attn_meta).
-    ``seq_keys``: the family's keys laid out along the sequence (ModelSpec.seq_keys), cut like input_ids.
+    ``seq_keys``: the family's keys laid out along the sequence (``BatchSchema.seq``; a bare name is a [..., B, S]
+    key), cut like input_ids; the tokens and the attention keys (titan_mm.registry TOKEN_KEYS, ATTN_KEYS) always.
     ``kind`` / ``block_size``: the attention mask kind, passed to build_attn_meta (MODE_KINDS says which run)."""
     from titan_mm.nn.attention import build_attn_meta
 
@@ -298,16 +301,15 @@ def prepare_cp_batch(
     if backend == "varlen":
         raise ValueError("context parallelism does not support attn_backend='varlen' yet; use 'flex' or 'sdpa'.")
     mesh = parallel_dims.mesh("cp")
-    S = batch["input_ids"].shape[-1]
+    S = batch_rows(batch)[1]
+    axes = _seq_axes(batch, seq_keys, S)
     idx = load_balanced_index(S, parallel_dims.cp, mesh.get_local_rank())
     # ring / allgather cut their mask blocks from the dense document mask, which flex on CUDA leaves out
     meta = build_attn_meta(batch, backend, device, sliding_window, dense_mask=mode != "ulysses", kind=kind,
                            block_size=block_size)
     full = dataclasses.replace(meta, cp=None)
-    local = {}
-    for k, v in batch.items():
-        local[k] = v.index_select(v.dim() - 1, idx.to(v.device)) if k in SEQ_KEYS or k in seq_keys else v
-    if "num_label_tokens" in batch:
+    local = {k: v.index_select(axes[k], idx.to(v.device)) if k in axes else v for k, v in batch.items()}
+    if "num_label_tokens" in batch and "labels" in batch:
         local["num_label_tokens"] = (local["labels"] != -100).sum()
     local.pop("cu_seqlens", None)
     local.pop("max_seqlen", None)
@@ -315,6 +317,22 @@ def prepare_cp_batch(
     if meta.valid_BS is not None:
         meta.valid_BS = meta.valid_BS[:, idx.to(meta.valid_BS.device)]
     return local, meta
+
+
+def _seq_axes(batch: dict, seq_keys: tuple[str | SeqKey, ...], S: int) -> dict[str, int]:
+    """{key: its sequence axis} of the batch keys the split cuts; a key whose axis does not hold S is refused."""
+    specs = {k.name: k for k in TOKEN_KEYS + ATTN_KEYS}
+    specs.update((k, SeqKey(k)) if isinstance(k, str) else (k.name, k) for k in seq_keys)
+    axes = {}
+    for k, v in batch.items():
+        if k in specs:
+            ax = specs[k].axis(v)
+            if ax < 0 or v.shape[ax] != S:
+                raise ValueError(f"context parallelism cannot cut batch[{k!r}] of shape {list(v.shape)}: dim {ax} "
+                                 f"(before its declared trailing dims {specs[k].trailing}) is not the rows' {S} "
+                                 "tokens; declare the key's trailing dims in the family's BatchSchema")
+            axes[k] = ax
+    return axes
 
 
 def apply_cp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, par: Parallel) -> None:

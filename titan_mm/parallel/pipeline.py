@@ -6,7 +6,7 @@
     parallelize(model, local_plan, pd, cfg, fsdp_roots=builder.modules)  # one FSDP root per stage module
     builder.materialize(device); builder.init_weights(full_meta_model, device)   # the full model's draw order
     pipe = builder.pipeline(pp_group, device)                      # PipelineStage(s) + the torch schedule
-    loss_sum, aux_sum = pipe.run(micro_batches, denom, aux_scale)  # one step's forward + backward
+    term_sums, aux_sum = pipe.run(micro_batches, denoms, aux_scale)  # one step's forward + backward
 
 **The model keeps its parameter names.** Each rank builds the whole model on the meta device and drops what its
 stages do not run: the blocks outside their ranges (deleted from the plan's ``pp_blocks`` ModuleDict, whose
@@ -28,15 +28,16 @@ whose head turns them into the aux loss, and its gradient flows back through eve
 additions still ahead (after blocks ``stop .. n_adds-1``; zeros for a text-only micro-batch). The vision tower runs
 on stage 0.
 
-**Per-micro-batch metadata** (attention metadata, positions, labels, family inputs) is built on the host before
+**Per-micro-batch metadata** (attention metadata, positions, family inputs, the objective's loss) is built on the host before
 ``schedule.step`` and kept in a table indexed by micro-batch. Each forward gets its micro-batch index as the keyword
 ``mb`` (a CPU tensor the schedule chunks from ``arange(n_micro)``), so a stage finds its micro-batch's metadata
 without a host sync and whatever order the schedule runs them in (each torch schedule does run a stage's forwards
 in order 0 .. M-1; the index makes that irrelevant).
 
-**The loss**: the last stage's loss function returns ``loss_sum / global_label_tokens + aux * aux_scale``, the
-same normalization as without PP, so the micro-batches' losses add up to the step's loss (``scale_grads=False``:
-torch does not divide again). Every output a stage sends must get a gradient back; router statistics that the
+**The loss**: the last stage runs the objective's loss on the head's hidden states (titan_mm.objectives) and sends
+its terms [T]; the loss function returns ``sum_t term_t / denom_t + aux * aux_scale`` (denom_t: the term's global
+count), the same normalization as without PP, so the micro-batches' losses add up to the step's loss
+(``scale_grads=False``: torch does not divide again). Every output a stage sends must get a gradient back; router statistics that the
 loss does not use (aux loss off) are added to it times 0.
 """
 
@@ -52,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from titan_mm.nn.attention import batch_rows
 from titan_mm.nn.output import Stream
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 from titan_mm.parallel.pp_schedule import (SCHEDULES, SPLIT_BACKWARD, action_lists, schedule_class, stage_ids,
@@ -160,14 +162,16 @@ def make_layout(par, n_blocks: int, n_micro: int, balance: Callable[[int, int], 
 class Micro(NamedTuple):
     """One micro-batch as the stages read it (built on the host, tensors on the device)."""
 
-    input_ids: torch.Tensor
+    input_ids: torch.Tensor | None
+    """None for a batch without tokens (BatchSchema.tokens False: the family's embed reads its own keys)."""
     position_ids: torch.Tensor
     attn: Any
-    labels: torch.Tensor
     embed_kw: dict
     """The family inputs ``embed`` takes (pixel values, vision metadata, ...)."""
-    head_kw: dict
-    """The inputs ``head`` takes besides the labels (loss weights)."""
+    loss: Callable
+    """The objective's ``loss(model, out) -> {term: sum}`` for this micro-batch (Objective.bind)."""
+    terms: tuple[str, ...]
+    """The objective's term names, the order of the last stage's output."""
 
 
 def _params_of(fn) -> set[str]:
@@ -175,7 +179,7 @@ def _params_of(fn) -> set[str]:
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: ``forward(*received, mb) -> sent`` (the last stage: ``(loss_sum [1], aux [1])``).
+    """One pipeline stage: ``forward(*received, mb) -> sent`` (the last stage: ``(loss terms [T], aux [1])``).
 
     ``parts`` are the modules the stage runs (FSDP root over them); ``model`` (the rank's pruned model, not a
     child) provides ``embed`` / ``rope`` / ``trunk`` / ``head``."""
@@ -216,11 +220,12 @@ class StageModule(nn.Module):
         stream = m.trunk(stream, m.rope(b.position_ids, stream.h.dtype), b.attn, self.start, self.stop)
         if not self.last:
             return self._pack(stream)
-        out = m.head(stream, b.attn, b.labels, **b.head_kw)
+        out = m.head(stream, b.attn, hidden=True)
+        terms = b.loss(m, out)
         aux = out.aux_loss.float()
         if stream.moe_stats is not None and not aux.requires_grad and stream.moe_stats.requires_grad:
             aux = aux + 0.0 * stream.moe_stats.sum()  # the sent statistics must get a gradient back (exact zeros)
-        return torch.stack((out.loss_sum.float(),)), torch.stack((aux,))  # [1] each, not views
+        return torch.stack([terms[t].float() for t in b.terms]), torch.stack((aux,))  # [T] and [1], not views
 
 
 class StageBuilder:
@@ -344,46 +349,48 @@ class Pipeline:
         self._step: dict[str, Any] = {}
         model = modules[0]._model
         self._embed_keys = _params_of(model.embed) - {"input_ids"}
-        self._head_keys = _params_of(model.head) - {"stream", "attn", "labels", "logits_at"}
         self._forward_keys = _params_of(model.forward)
 
-    def micro(self, b: dict, attn, not_model_kwargs: set[str]) -> Micro:
-        """A device batch and its attention metadata as the stages read them; a key the model's forward does not
-        take raises as the forward would."""
-        extra = {k: v for k, v in b.items() if k not in not_model_kwargs}
-        unknown = sorted(set(extra) - self._forward_keys)
+    def micro(self, b: dict, attn, inputs: dict, loss: Callable, terms: tuple[str, ...]) -> Micro:
+        """A device batch, its attention metadata, the family inputs of its forward (``inputs``) and the objective's
+        ``loss`` / ``terms`` as the stages read them; an input the model's forward does not take raises as the
+        forward would."""
+        unknown = sorted(set(inputs) - self._forward_keys)
         if unknown:
             raise TypeError(f"the model's forward takes no input {unknown[0]!r} (batch keys {sorted(b)})")
-        ids = b["input_ids"]
         pos = b.get("position_ids")
         if pos is None:
-            B, S = ids.shape
-            pos = torch.arange(S, device=ids.device)[None].expand(B, S)
-        return Micro(ids, pos, attn, b["labels"], {k: v for k, v in extra.items() if k in self._embed_keys},
-                     {k: v for k, v in extra.items() if k in self._head_keys})
+            B, S = batch_rows(b)
+            pos = torch.arange(S, device=self.device)[None].expand(B, S)
+        return Micro(b.get("input_ids"), pos, attn, {k: v for k, v in inputs.items() if k in self._embed_keys},
+                     loss, terms)
 
     def _loss(self, out, target):
-        loss_sum, aux = out
+        terms, aux = out
         st = self._step
         # keyed by micro-batch: torch 2.13's first-step metadata inference calls the loss once more, on micro-batch
         # 0's target and placeholder activations, before micro-batch 0 runs (the real call overwrites it)
-        st["sums"][int(target[0])] = torch.stack([loss_sum[0].detach(), aux[0].detach()])
-        loss = loss_sum[0] / st["denom"] + aux[0] * st["aux_scale"]
+        st["sums"][int(target[0])] = torch.cat([terms.detach(), aux.detach()])
+        loss = terms[0] / st["denoms"][0]
+        for i in range(1, len(st["denoms"])):
+            loss = loss + terms[i] / st["denoms"][i]
+        loss = loss + aux[0] * st["aux_scale"]
         if st["nan"]:
             loss = loss * float("nan")
         return loss if st["scale"] is None else loss * st["scale"]
 
-    def run(self, micros: list[Micro], denom: float, aux_scale: float, scale: torch.Tensor | None = None,
+    def run(self, micros: list[Micro], denoms: list[float], aux_scale: float, scale: torch.Tensor | None = None,
             inject_nan: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one step's micro-batches through the schedule; gradients accumulate in the
-        parameters. Returns (sum of loss_sum, sum of aux) over the micro-batches, the same on every pp rank."""
-        return self._schedule(micros, self.schedule.step, denom, aux_scale, scale, inject_nan)
+        parameters. ``denoms``: each loss term's global count. Returns (the loss terms' sums [T], the sum of aux)
+        over the micro-batches, the same on every pp rank."""
+        return self._schedule(micros, self.schedule.step, denoms, aux_scale, scale, inject_nan)
 
     def eval(self, micros: list[Micro]) -> torch.Tensor:
-        """Forward only (the schedule's eval: no backward actions), under no_grad: the sum of loss_sum over the
-        micro-batches, the same on every pp rank."""
+        """Forward only (the schedule's eval: no backward actions), under no_grad: the loss terms' sums [T] over
+        the micro-batches, the same on every pp rank."""
         with torch.no_grad():
-            return self._schedule(micros, self.schedule.eval, 1.0, 0.0, None, False)[0]
+            return self._schedule(micros, self.schedule.eval, [1.0] * len(micros[0].terms), 0.0, None, False)[0]
 
     def gather_state_dict(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The whole model's state dict on every pp rank, from each rank's own (``sd``: its stages, full tensors):
@@ -401,22 +408,22 @@ class Pipeline:
             out[k] = t.to(self.device)
         return out
 
-    def _schedule(self, micros: list[Micro], call, denom: float, aux_scale: float, scale: torch.Tensor | None,
+    def _schedule(self, micros: list[Micro], call, denoms: list[float], aux_scale: float, scale: torch.Tensor | None,
                   inject_nan: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if len(micros) != self.layout.n_micro:
             raise ValueError(f"the pipeline runs {self.layout.n_micro} micro-batches per step, got {len(micros)}.")
         self.book[:] = micros
-        self._step = {"sums": {}, "denom": denom, "aux_scale": aux_scale, "scale": scale, "nan": inject_nan}
+        self._step = {"sums": {}, "denoms": denoms, "aux_scale": aux_scale, "scale": scale, "nan": inject_nan}
         idx = torch.arange(len(micros))
         try:
             call(target=idx, mb=idx)
         finally:
             self.book.clear()
         sums = (torch.stack(list(self._step["sums"].values())).sum(0) if self.is_last
-                else torch.zeros(2, device=self.device))
+                else torch.zeros(len(denoms) + 1, device=self.device))
         if self._step["nan"]:
             sums = sums * float("nan")
         comm = self.device if dist.get_backend(self.pp_group) == "nccl" else torch.device("cpu")
         sums = sums.to(comm, torch.float32)
         dist.all_reduce(sums, group=self.pp_group)  # only the last stage has them: a sum is a broadcast
-        return sums[0].to(self.device), sums[1].to(self.device)
+        return sums[:-1].to(self.device), sums[-1].to(self.device)
