@@ -79,7 +79,6 @@ def hf_folder_files(cfg: JobConfig) -> dict[str, str | Path]:
     else the model's HF folder when it holds one, else the built-in Qwen3 tokenizer); the chat template is the
     one its processors rendered (data.chat_template, else the family's); the vision sizes come from the
     family's DataNeeds and the resize bounds from [data]."""
-    from titan_mm.data import vision
     from titan_mm.data.chat_templates import chat_template_jinja
     from titan_mm.data.processors import ProcessorConfig
     from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
@@ -117,7 +116,7 @@ def hf_folder_files(cfg: JobConfig) -> dict[str, str | Path]:
         from PIL import Image
 
         d = cfg.data
-        mean, std = vision.NORM[needs.vision_layout]
+        mean, std = needs.vision_layout.mean, needs.vision_layout.std
         common = dict(patch_size=needs.patch_size, temporal_patch_size=needs.temporal_patch_size,
                       merge_size=needs.merge_size, image_mean=list(mean), image_std=list(std),
                       do_resize=True, resample=int(Image.Resampling.BICUBIC), do_rescale=True,

@@ -18,9 +18,12 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # the media-layout types of DataNeeds (titan_mm.nn.media); named for annotations only
+    from titan_mm.nn.media import AudioFrontEnd, VisionLayout
 
 
 class SpecError(ValueError):
@@ -122,28 +125,19 @@ class DataNeeds:
     """The processors' chat template for this family (data.chat_template may override it)."""
     video: bool = True
     """The family trains on video parts. False: they are skipped and counted (unknown_modality)."""
-    vision_layout: str = "qwen3_vl"
-    """Whose HF image / video processor the processors follow (titan_mm.data.vision): "qwen3_vl" (mean / std 0.5;
-    a video's frames sampled by linspace, its total volume within the video pixel bounds, one
-    ``<t seconds><|vision_start|><|video_pad|>*n<|vision_end|>`` group per temporal patch, Qwen3-VL positions) or
-    "qwen2_5_vl" (Qwen2-VL / Qwen2.5-VL: OpenAI CLIP mean / std; frames sampled as Qwen2VLVideoProcessor does, each
-    frame within the pixel bounds, one run of t*h*w/merge**2 pads per video, ``video_second_per_grid`` in the batch
-    and temporal positions int(k * video_tokens_per_second * second_per_grid)) or "qwen2_5_omni" (Qwen2.5-VL's,
-    timed as Qwen2_5OmniProcessor: second_per_grid = temporal patch / data.video_fps, the requested fps) or
-    "qwen3_omni" (Qwen2.5-Omni's sampling, sizes and timing with mean / std 0.5, as Qwen3OmniMoeProcessor). The two
-    Omni layouts take a video part's ``use_audio_in_video`` (other layouts skip such parts)."""
+    vision_layout: VisionLayout | None = None
+    """The family's image / video processing (titan_mm.nn.media.VisionLayout: mean / std, frame sampling, pixel
+    bounds, video timing and audio-in-video order; titan_mm.data.vision follows it). Required with a patch size."""
     video_tokens_per_second: float = 0.0
-    """"qwen2_5_vl" and the Omni layouts: temporal positions per second of video (HF
+    """Temporal positions per second of video, for layouts whose video is one run of pads (HF
     vision_config.tokens_per_second; the Omni thinkers' position_id_per_seconds)."""
     seconds_per_chunk: float = 0.0
-    """"qwen2_5_omni" layout, a video part's ``use_audio_in_video``: its video and audio tokens interleave in chunks
-    of this many seconds (Qwen2.5-Omni's seconds_per_chunk). "qwen3_omni" merges them by time and reads none."""
-    audio_encoder: str = ""
-    """Whose HF audio processor the clips follow (titan_mm.data.audio.ENCODERS): "qwen2_5_omni"
-    (Qwen2_5OmniProcessor: every clip padded and truncated to 30 s, ceil(samples / 160) frames, conv + pool token
-    count) or "qwen3_omni" (Qwen3OmniMoeProcessor: no padding or truncation, samples // 160 frames, 13 tokens per
-    100-frame window plus three stride-2 convs over the rest). "": the family takes no audio (its samples with audio
-    parts are skipped and counted, unknown_modality)."""
+    """A layout whose audio_in_video is "chunks": a video part's video and audio tokens interleave in chunks of
+    this many seconds (Qwen2.5-Omni's seconds_per_chunk)."""
+    audio: AudioFrontEnd | None = None
+    """The family's audio front end (titan_mm.nn.media.AudioFrontEnd: clip padding and the audio tower's token
+    count; titan_mm.data.audio follows it). None: the family takes no audio (its samples with audio parts are
+    skipped and counted, unknown_modality)."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3Om
 
 from titan_mm.data import audio  # noqa: E402
 from titan_mm.data.processors import ProcessorConfig  # noqa: E402
+from titan_mm.models.qwen2_5_omni.spec import AUDIO as Q25_AUDIO  # noqa: E402
+from titan_mm.models.qwen3_omni_moe.spec import AUDIO as Q3_AUDIO  # noqa: E402
 from titan_mm.registry import DataNeeds  # noqa: E402
 
 SECONDS = (0.1, 1.0, 30.0, 31.0, 1.2345)  # 1.2345 s: a clip that is not a whole number of hops
@@ -46,7 +48,7 @@ def test_log_mel_matches_whisper_feature_extractor():
 def test_qwen2_5_omni_pads_and_truncates_to_30_s():
     clips = [_clip(s, i) for i, s in enumerate(SECONDS)]
     ref, n_tokens = _hf(Qwen2_5OmniProcessor, clips)  # one call: every clip padded to 30 s alone
-    cfg = ProcessorConfig(needs=DataNeeds(audio_encoder="qwen2_5_omni"))
+    cfg = ProcessorConfig(needs=DataNeeds(audio=Q25_AUDIO))
     lengths = ref["feature_attention_mask"].sum(-1)
     assert lengths.tolist() == [10, 100, 3000, 3000, 124]  # 31 s: truncated; 1.2345 s: ceil(19752 / 160)
     for i, w in enumerate(clips):
@@ -64,7 +66,7 @@ def test_qwen3_omni_keeps_the_whole_clip(secs):
     w = _clip(secs)
     # one clip per call: no padding, no truncation
     ref, n_tokens = _hf(Qwen3OmniMoeProcessor, [w], n_window=Qwen3OmniMoeProcessor.n_window)
-    it = audio.process_audio(w, ProcessorConfig(needs=DataNeeds(audio_encoder="qwen3_omni")))
+    it = audio.process_audio(w, ProcessorConfig(needs=DataNeeds(audio=Q3_AUDIO)))
     k = int(ref["feature_attention_mask"].sum())
     assert k == w.shape[0] // 160 and it.tensors["audio_feature_lengths"].tolist() == [k]
     np.testing.assert_array_equal(it.tensors["input_features"].T, ref["input_features"][0][:, :k])
@@ -75,5 +77,5 @@ def test_token_counts_over_every_length():
     frames = torch.arange(3, 3200)
     _, q25 = Qwen2_5OmniAudioEncoder._get_feat_extract_output_lengths(None, frames)
     q3 = modeling_qwen3_omni_moe._get_feat_extract_output_lengths(frames)
-    assert [audio.audio_tokens(f, "qwen2_5_omni") for f in frames.tolist()] == q25.tolist()
-    assert [audio.audio_tokens(f, "qwen3_omni") for f in frames.tolist()] == q3.tolist()
+    assert [Q25_AUDIO.tokens(f) for f in frames.tolist()] == q25.tolist()
+    assert [int(Q3_AUDIO.tokens(f)) for f in frames.tolist()] == q3.tolist()

@@ -271,7 +271,7 @@ def test_flag_errors():
     with pytest.raises(SkipSample, match="does not interleave audio") as e:
         p.render(parse_record(_chat({"type": "video", "video": b"x", "use_audio_in_video": True}, "?")))
     assert e.value.reason == "unknown_modality"
-    assert NEEDS.video and NEEDS.vision_layout == "qwen2_5_omni" and NEEDS.seconds_per_chunk == MODEL.seconds_per_chunk
+    assert NEEDS.video and NEEDS.vision_layout.audio_in_video == "chunks" and NEEDS.seconds_per_chunk == MODEL.seconds_per_chunk
 
 
 def loader_batch(tmp_path, spec, model) -> tuple[dict, dict]:

@@ -227,14 +227,14 @@ def test_qwen3_vl_layout_unchanged_and_bad_layout_refused():
     """The default layout stays Qwen3-VL's (per-group timestamps); an unknown layout is one clear error."""
     from tests.data_needs import QWEN3_VL_NEEDS
 
-    assert QWEN3_VL_NEEDS.vision_layout == "qwen3_vl" and get_model_spec("qwen3_vl").data_needs(
-        get_model_spec("qwen3_vl").flavor("debug")).vision_layout == "qwen3_vl"
+    assert QWEN3_VL_NEEDS.vision_layout.video_time == "frame_groups" and get_model_spec("qwen3_vl").data_needs(
+        get_model_spec("qwen3_vl").flavor("debug")).vision_layout == QWEN3_VL_NEEDS.vision_layout
     item = vision.process_video(_mp4(20, 90, 120, 10), ProcessorConfig(Data(video_min_pixels=4096,
                                                                             video_max_pixels=200000), QWEN3_VL_NEEDS))
     assert "video_second_per_grid" not in item.tensors and len(item.timestamps) == item.grid[0]
     import dataclasses
 
-    with pytest.raises(ValueError, match="vision_layout must be one of"):
+    with pytest.raises(ValueError, match="vision_layout must be a titan_mm.nn.media.VisionLayout"):
         ProcessorConfig(needs=dataclasses.replace(NEEDS, vision_layout="qwen2_vl"))
 
 

@@ -76,10 +76,10 @@ def hf_call(p, text, videos, audio=None, fps=None):
 
 
 def test_needs():
-    assert NEEDS.video and NEEDS.vision_layout == "qwen3_omni" and NEEDS.audio_encoder == "qwen3_omni"
+    assert NEEDS.video and NEEDS.vision_layout.audio_in_video == "by_time" and NEEDS.audio.max_seconds == 0
     assert (NEEDS.patch_size, NEEDS.merge_size, NEEDS.temporal_patch_size) == (16, 2, 2) == (
         MODEL.vision.patch_size, MODEL.vision.spatial_merge_size, MODEL.vision.temporal_patch_size)
-    assert NEEDS.video_tokens_per_second == MODEL.position_id_per_seconds and vision.NORM["qwen3_omni"] == (NORM,) * 2
+    assert NEEDS.video_tokens_per_second == MODEL.position_id_per_seconds and (NEEDS.vision_layout.mean, NEEDS.vision_layout.std) == (NORM,) * 2
 
 
 @pytest.mark.parametrize("n,h,w,fps", [(1, 64, 90, 10), (23, 90, 122, 25)])

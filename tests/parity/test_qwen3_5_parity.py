@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from titan_mm.data.vision import mrope_index  # noqa: E402
+from titan_mm.nn.media import mrope_index  # noqa: E402
 from titan_mm.nn.attention import build_attn_meta  # noqa: E402
 from titan_mm.models.hf_io import HFCheckpointError  # noqa: E402
 from titan_mm.models.qwen3_5 import flops as q35_flops  # noqa: E402

@@ -19,7 +19,7 @@ from titan_mm.nn.attention import build_attn_meta  # noqa: E402
 from titan_mm.models.qwen3_vl import hf as vl_hf  # noqa: E402
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig  # noqa: E402
 from titan_mm.models.qwen3_vl.model import Qwen3VLModel  # noqa: E402
-from titan_mm.data.vision import mrope_index  # noqa: E402
+from titan_mm.nn.media import mrope_index  # noqa: E402
 from titan_mm.models.qwen3_vl.synthetic import make_sample, pack  # noqa: E402
 from titan_mm.models.qwen3_vl.model import vision_inputs  # noqa: E402
 

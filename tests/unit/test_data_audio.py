@@ -5,6 +5,7 @@ import numpy as np
 from titan_mm.data import audio
 from titan_mm.data.processors import ProcessorConfig
 from titan_mm.registry import DataNeeds
+from tests.data_needs import QWEN2_5_OMNI_AUDIO
 
 
 def _wav(sr=8000, secs=1.0) -> bytes:
@@ -27,7 +28,7 @@ def _wav(sr=8000, secs=1.0) -> bytes:
 def test_resample_and_log_mel():
     wave = audio.decode_audio(_wav(8000, 1.0), 16000)
     assert abs(wave.shape[0] - 16000) < 400  # resampled 8 kHz -> 16 kHz
-    it = audio.process_audio(_wav(), ProcessorConfig(needs=DataNeeds(audio_encoder="qwen2_5_omni")))
+    it = audio.process_audio(_wav(), ProcessorConfig(needs=DataNeeds(audio=QWEN2_5_OMNI_AUDIO)))
     f = it.tensors["input_features"]
     assert f.shape[1] == 128 and abs(f.shape[0] - 100) <= 2  # 100 frames per second
     # the 440 Hz tone is the loudest mel bin region

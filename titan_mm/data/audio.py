@@ -1,16 +1,16 @@
-"""Audio for the Qwen Omni thinkers: decode (PyAV) or take an in-memory waveform, 16 kHz mono, Whisper log-mel.
+"""Audio for the families that take it (DataNeeds.audio): decode (PyAV) or take an in-memory waveform, 16 kHz mono, Whisper log-mel.
 
 Features: STFT (n_fft 400, hop 160, Hann window) power -> Slaney mel filterbank (``audio_n_mels`` bins,
 0-8 kHz) -> log10(max(x, 1e-10)) -> clamp to (max - 8) -> (x + 4) / 4, transformers' WhisperFeatureExtractor
-bit for bit. How a clip is padded and counted follows the HF processor of ``ProcessorConfig.audio_encoder``, the
-model family's ``DataNeeds.audio_encoder`` (tests/parity/test_processor_audio.py checks both against transformers):
+bit for bit. How a clip is padded and counted follows the family's front end (DataNeeds.audio, a
+:class:`~titan_mm.nn.media.AudioFrontEnd`; tests/parity/test_processor_audio.py checks both Omni families' against
+transformers):
 
-- ``qwen2_5_omni`` (Qwen2_5OmniProcessor): every clip is padded with zeros to 30 s and truncated there
+- ``max_seconds`` > 0 (Qwen2.5-Omni's 30): every clip is padded with zeros to that length and truncated there
   (``padding="max_length"``, Whisper's default truncation), so a clip's last frames see zeros, not the STFT's
-  reflection, and audio past 30 s is dropped. Frames = ceil(samples / 160) (``feature_attention_mask.sum()``);
-  tokens = ((frames - 1) // 2 + 1 - 2) // 2 + 1 (conv stride 2, then pool 2).
-- ``qwen3_omni`` (Qwen3OmniMoeProcessor, one clip per call): no padding, no truncation. Frames = samples // 160;
-  tokens = 13 per whole window of 100 frames plus three stride-2 convs over the rest (``n_window`` 50).
+  reflection, and audio past it is dropped. Frames = ceil(samples / 160) (``feature_attention_mask.sum()``).
+- ``max_seconds`` 0 (one clip per processor call, Qwen3-Omni's): no padding, no truncation; frames = samples // 160.
+- tokens = ``front_end.tokens(frames)``: the length of the family's audio-tower output.
 
 Per clip the processor keeps ``input_features [frames, n_mels]`` (the padding frames dropped, as the HF thinker
 drops them with ``feature_attention_mask``) and ``audio_feature_lengths [1]``; the collator puts a batch's clips
@@ -26,11 +26,9 @@ import numpy as np
 
 from titan_mm.data.sources import SkipSample
 from titan_mm.data.vision import MediaItem
+from titan_mm.nn.media import AudioFrontEnd
 
 N_FFT, HOP = 400, 160
-MAX_SECONDS = 30  # Whisper's window: Qwen2.5-Omni pads and truncates every clip to it
-ENCODERS = ("qwen2_5_omni", "qwen3_omni")
-QWEN3_WINDOW = 100  # frames per Qwen3-Omni audio window (2 x n_window), 13 tokens each
 
 
 def decode_audio(payload, rate: int = 16000) -> np.ndarray:
@@ -110,26 +108,17 @@ def log_mel(wave: np.ndarray, n_mels: int = 128) -> np.ndarray:
     return ((logm + 4.0) / 4.0).numpy().astype(np.float32)
 
 
-def clip_features(wave: np.ndarray, n_mels: int, encoder: str, rate: int = 16000) -> np.ndarray:
-    """[n_mels, frames]: the frames HF's processor of ``encoder`` gives this clip, without its padding frames."""
-    if encoder == "qwen3_omni":
+def clip_features(wave: np.ndarray, n_mels: int, front: AudioFrontEnd, rate: int = 16000) -> np.ndarray:
+    """[n_mels, frames]: the frames the family's processor gives this clip, without its padding frames."""
+    if not front.max_seconds:
         return log_mel(wave, n_mels)
-    wave = wave[: MAX_SECONDS * rate]
+    wave = wave[: front.max_seconds * rate]
     n = wave.shape[0]
-    # Zeros up to a window past the end stand in for the 30 s padding: later frames are all log10(1e-10),
+    # Zeros up to a window past the end stand in for the padding: later frames are all log10(1e-10),
     # which changes neither the kept frames nor the max that sets the floor.
-    padded = np.zeros(min(MAX_SECONDS * rate, n + N_FFT), dtype=np.float32)
+    padded = np.zeros(min(front.max_seconds * rate, n + N_FFT), dtype=np.float32)
     padded[:n] = wave
     return log_mel(padded, n_mels)[:, : -(-n // HOP)]
-
-
-def audio_tokens(frames: int, encoder: str) -> int:
-    """Placeholder tokens of a clip of ``frames`` mel frames: the length of the HF audio tower's output
-    (``_get_feat_extract_output_lengths`` of modeling_qwen2_5_omni / modeling_qwen3_omni_moe)."""
-    if encoder == "qwen2_5_omni":
-        return ((frames - 1) // 2 + 1 - 2) // 2 + 1
-    feat = (frames % QWEN3_WINDOW - 1) // 2 + 1
-    return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + frames // QWEN3_WINDOW * 13
 
 
 def add_video_audio(video: MediaItem, payload, cfg) -> MediaItem:
@@ -143,9 +132,9 @@ def add_video_audio(video: MediaItem, payload, cfg) -> MediaItem:
 
 def process_audio(payload, cfg) -> MediaItem:
     wave = waveform(payload, cfg.audio_sample_rate)
-    feats = clip_features(wave, cfg.audio_n_mels, cfg.audio_encoder, cfg.audio_sample_rate)
+    feats = clip_features(wave, cfg.audio_n_mels, cfg.needs.audio, cfg.audio_sample_rate)
     frames = feats.shape[1]
-    n_tokens = audio_tokens(frames, cfg.audio_encoder)
+    n_tokens = int(cfg.needs.audio.tokens(frames))
     if n_tokens < 1:
         raise SkipSample("bad_audio", f"audio too short ({wave.shape[0]} samples give {n_tokens} tokens)")
     return MediaItem("audio", {"input_features": feats.T.copy(), "audio_feature_lengths": np.asarray([frames])},

@@ -3,7 +3,7 @@
 Text: ``tokens + <|endoftext|>``, every token a target. Chat: the Qwen3 chat template, labels only on
 assistant turns (their content and the closing ``<|im_end|>``). Media: see :mod:`titan_mm.data.vision`
 (images and video as the family's HF processor makes them: DataNeeds.vision_layout) and
-:mod:`titan_mm.data.audio` (16 kHz log-mel, clips padded and counted as DataNeeds.audio_encoder says).
+:mod:`titan_mm.data.audio` (16 kHz log-mel, clips padded and counted by the family's DataNeeds.audio).
 
 Sizes (patch, temporal patch, merge), the positions kind (1-D or M-RoPE) and the special token ids come from
 the model family's :class:`~titan_mm.registry.DataNeeds`; every other setting from the ``[data]`` section.
@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from titan_mm.config import Data
-from titan_mm.data import audio
+from titan_mm.data import audio, vision
 from titan_mm.data.packing import IGNORE_INDEX, Doc
 from titan_mm.data.schema import Sample
 from titan_mm.data.sources import SkipSample, Unit, media_bytes
 from titan_mm.data.tokenizer import Tokenizer
+from titan_mm.nn.media import AudioFrontEnd, VisionLayout
 from titan_mm.registry import DataNeeds
 
 CHAT_TEMPLATES = ("qwen3", "qwen3_vl")
@@ -49,16 +50,15 @@ class ProcessorConfig:
     def __post_init__(self):
         if self.needs.positions not in POSITIONS:
             raise ValueError(f"DataNeeds.positions must be one of {POSITIONS}, got {self.needs.positions!r}")
-        from titan_mm.data.vision import LAYOUTS
-
-        if self.needs.vision_layout not in LAYOUTS:
-            raise ValueError(f"DataNeeds.vision_layout must be one of {LAYOUTS}, got {self.needs.vision_layout!r}")
+        if self.needs.patch_size and not isinstance(self.needs.vision_layout, VisionLayout):
+            raise ValueError(f"DataNeeds.vision_layout must be a titan_mm.nn.media.VisionLayout when patch_size is "
+                             f"set (the family's image / video processing), got {self.needs.vision_layout!r}")
         if self.chat_template not in CHAT_TEMPLATES:
             raise ValueError(f"data.chat_template must be empty (the model's), 'qwen3' or 'qwen3_vl', "
                              f"got {self.chat_template!r}")
-        if self.needs.audio_encoder not in ("", *audio.ENCODERS):
-            raise ValueError(f"DataNeeds.audio_encoder must be empty (no audio) or one of {audio.ENCODERS}, "
-                             f"got {self.needs.audio_encoder!r}")
+        if self.needs.audio is not None and not isinstance(self.needs.audio, AudioFrontEnd):
+            raise ValueError(f"DataNeeds.audio must be None (no audio) or a titan_mm.nn.media.AudioFrontEnd, "
+                             f"got {self.needs.audio!r}")
 
     # the family's sizes, by the names vision.py reads
     @property
@@ -77,12 +77,6 @@ class ProcessorConfig:
     def mrope(self) -> bool:
         """3-D M-RoPE positions per doc (the family's positions kind)."""
         return self.needs.positions == "mrope"
-
-    @property
-    def audio_encoder(self) -> str:
-        """Whose audio front end the clips follow (titan_mm.data.audio): the family's DataNeeds.audio_encoder;
-        "" for a family without audio, whose audio parts are skipped."""
-        return self.needs.audio_encoder
 
     @property
     def chat_template(self) -> str:
@@ -146,9 +140,9 @@ class Processor:
 
         def audio_tokens() -> dict:
             """The tokenizer's names, once audio is known to be usable (an audio part, or a video's own track)."""
-            if not self.cfg.audio_encoder:
+            if self.cfg.needs.audio is None:
                 raise SkipSample("unknown_modality", "audio part, but this model family takes no audio "
-                                 "(its data needs name no audio encoder)")
+                                 "(its data needs have no audio front end)")
             n = self.tok.names
             if None in (n["audio_start"], n["audio_pad"], n["audio_end"]):
                 raise SkipSample("unknown_modality", "audio part, but the tokenizer has no <|audio_pad|> / "
@@ -168,12 +162,10 @@ class Processor:
                         raise SkipSample("unknown_modality", "video part, but this model family does not train on "
                                          "video (its data needs say video=False)")
                     if p.use_audio_in_video:
-                        from titan_mm.data.vision import OMNI
-
-                        if self.cfg.needs.vision_layout not in OMNI:
+                        if not self.cfg.needs.vision_layout.audio_in_video:
                             raise SkipSample("unknown_modality", "video part with use_audio_in_video, but this model "
-                                             "family does not interleave audio with video (its vision layout "
-                                             f"{self.cfg.needs.vision_layout!r} is not one of {OMNI})")
+                                             "family does not interleave audio with video (its vision layout's "
+                                             "audio_in_video is empty)")
                         audio_tokens()
                     n = self.tok.names
                     s.append(n["vision_start"] + n[f"{p.type}_pad"] + n["vision_end"])
@@ -239,8 +231,6 @@ class Processor:
     def _expand_media(self, ids, target, media, rec, unit, sample_id) -> Doc:
         if not media:
             return self._finish(ids, target, sample_id, [], [])
-        from titan_mm.data import vision
-
         pad_ids = {self.tok.image_pad_id, self.tok.video_pad_id, self.tok.audio_pad_id} - {None}
         where = [i for i, t in enumerate(ids.tolist()) if t in pad_ids]
         if len(where) != len(media):
@@ -285,9 +275,7 @@ class Processor:
                 doc.media.setdefault(k, []).append(v)
             doc.n_patches += it.n_patches
         if self.cfg.mrope:
-            from titan_mm.data.vision import mrope_positions
-
-            doc.positions = mrope_positions(ids, items, self.tok, self.cfg)
+            doc.positions = vision.mrope_positions(ids, items, self.tok, self.cfg)
         return doc
 
     def __call__(self, sample: Sample, rec: dict | None = None, unit: Unit | None = None, sample_id: str = "") -> Doc:

@@ -27,9 +27,9 @@ DTMF data gives it: ``{"type": "audio", "audio": wave}``). An unknown part type 
 ``unknown_modality``.
 
 ``"use_audio_in_video": true`` on a video part (HF's Omni flag, per video): the video's own audio track is decoded
-from the same file and interleaved with its frames (families whose DataNeeds.vision_layout is an Omni one,
-"qwen2_5_omni" or "qwen3_omni"; elsewhere the sample is skipped, ``unknown_modality``; a video without an audio
-track is ``no_audio_track``).
+from the same file and interleaved with its frames (families whose DataNeeds.vision_layout has an audio_in_video
+order, the Omni thinkers; elsewhere the sample is skipped, ``unknown_modality``; a video without an audio track is
+``no_audio_track``).
 """
 
 from __future__ import annotations

@@ -1,33 +1,29 @@
-"""Images and video as the family's HF processor makes them (DataNeeds.vision_layout: "qwen3_vl", "qwen2_5_vl",
-"qwen2_5_omni" or "qwen3_omni"), plus 3-D M-RoPE positions, on CPU with numpy / PIL / PyAV.
+"""Images and video as the family's HF processor makes them (the family's DataNeeds.vision_layout, a
+:class:`~titan_mm.nn.media.VisionLayout`), plus 3-D M-RoPE positions, on CPU with numpy / PIL / PyAV.
 
 Images (equal to transformers' Qwen2VLImageProcessor with the family's settings, see tests/parity):
-  RGB (transparency composited onto white) -> smart resize (both sides multiples of patch*merge, 32 or 28, area
-  within [min_pixels, max_pixels], aspect ratio kept) with PIL bicubic -> x/255 -> (x - mean)/std (0.5 / 0.5 for
-  Qwen3-VL, OpenAI CLIP's for Qwen2.5-VL) -> patches repeated over a temporal patch of 2 -> rows ordered by 2x2
-  merge blocks: ``pixel_values [t*h*w, 3*2*p*p]``, ``image_grid_thw [[1, h, w]]`` (h, w in patches), and
-  h*w/4 ``<|image_pad|>`` tokens.
+  RGB (transparency composited onto white) -> smart resize (both sides multiples of patch*merge, area within
+  [min_pixels, max_pixels], aspect ratio kept) with PIL bicubic -> x/255 -> (x - mean)/std of the layout -> patches
+  repeated over a temporal patch of 2 -> rows ordered by 2x2 merge blocks: ``pixel_values [t*h*w, 3*2*p*p]``,
+  ``image_grid_thw [[1, h, w]]`` (h, w in patches), and h*w/4 ``<|image_pad|>`` tokens.
 Video: frames decoded with PyAV, resized with torch bicubic antialias (as torchvision does), patched with
-  temporal patch 2 (last frame repeated to an even count).
-  - "qwen3_vl": frames sampled uniformly at ``video_fps`` (clamped to [min_frames, max_frames]), one size for
-    the clip with its total volume within [video_min_pixels, video_max_pixels]. Each temporal group becomes
+  temporal patch 2 (last frame repeated to an even count). The layout picks (titan_mm/nn/media.py):
+  - frames "linspace" (clamped to [min_frames, max_frames]) or "strided" (a multiple of 2 frames, as
+    Qwen2VLVideoProcessor samples them); pixel_bounds "clip" (the total volume within [video_min_pixels,
+    video_max_pixels], :func:`video_smart_resize`) or "frame" (each frame's area).
+  - video_time "frame_groups": each temporal group becomes
     ``<{t:.1f} seconds><|vision_start|><|video_pad|>*n<|vision_end|>`` at the place of the template's
-    ``<|video_pad|>``, with t the mean timestamp of the group's frames.
-  - "qwen2_5_vl" (Qwen2VLVideoProcessor + Qwen2_5_VLProcessor): a multiple of 2 frames sampled at ``video_fps``,
-    each frame's area within [video_min_pixels, video_max_pixels]; the template's ``<|video_pad|>`` becomes
-    t*h*w/4 of them, and ``video_second_per_grid`` = 2 / (the sampled fps).
-  - "qwen2_5_omni" (Qwen2VLVideoProcessor + Qwen2_5OmniProcessor): Qwen2.5-VL's, but ``video_second_per_grid`` =
-    2 / ``video_fps`` (HF times a temporal patch by the requested fps, not the sampled one). With
-    ``use_audio_in_video`` the pad becomes ``<|audio_bos|>``, then per chunk of ``seconds_per_chunk`` seconds the
-    video's pads then its audio's, then ``<|audio_eos|>`` (:func:`audio_in_video_ids`).
-  - "qwen3_omni" (Qwen2VLVideoProcessor + Qwen3OmniMoeProcessor): Qwen2.5-Omni's sampling, sizes and timing with
-    Qwen3-VL's mean / std 0.5 (and its patch 16). With ``use_audio_in_video`` there are no chunks: the video's pads
-    (temporal patch k at k * second_per_grid * position_id_per_seconds, not truncated) and its audio's (token i at
-    i) are merged by that time, video first on ties (:func:`merge_by_time`).
-M-RoPE (get_rope_index): text advances all three axes by one; a run of vision tokens starting at position p
-  gets (p + t, p + row, p + col) over its merged grid, and the next token starts at p + max(rows, cols).
-  Qwen3-VL: each video frame group is its own run with t = 0. Qwen2.5-VL: a video is one run and temporal
-  patch k has t = int(k * tokens_per_second * second_per_grid).
+    ``<|video_pad|>``, with t the mean timestamp of the group's frames. Otherwise the template's ``<|video_pad|>``
+    becomes t*h*w/4 of them and ``video_second_per_grid`` = 2 / (the "sampled_fps", or the "requested_fps"
+    data.video_fps: HF's Omni processors time a temporal patch by the requested fps).
+  - audio_in_video (a video part's ``use_audio_in_video``; :func:`audio_in_video_ids`): the pad becomes
+    ``<|audio_bos|>``, the video's pads (temporal patch k at k * second_per_grid * video_tokens_per_second) and its
+    audio's (token i at i), then ``<|audio_eos|>``; "chunks": per chunk of ``seconds_per_chunk`` seconds the video's
+    pads then the audio's; "by_time": the two merged by time, video first on ties (:func:`merge_by_time`).
+M-RoPE (get_rope_index, :func:`titan_mm.nn.media.mrope_index`): text advances all three axes by one; a run of
+  vision tokens starting at position p gets (p + t, p + row, p + col) over its merged grid, and the next token
+  starts at p + max(rows, cols). "frame_groups": each video frame group is its own run with t = 0; otherwise a
+  video is one run and temporal patch k has t = int(k * tokens_per_second * second_per_grid).
 """
 
 from __future__ import annotations
@@ -40,20 +36,15 @@ import numpy as np
 from einops import rearrange
 
 from titan_mm.data.sources import SkipSample
+from titan_mm.nn.media import VisionLayout, chunk_bounds, merge_by_time, mrope_index
 
-# (mean, std) of each layout's HF processor: Qwen3-VL's, and Qwen2-VL's OPENAI_CLIP_MEAN / OPENAI_CLIP_STD
-NORM = {"qwen3_vl": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
-        "qwen2_5_vl": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))}
-NORM["qwen2_5_omni"] = NORM["qwen2_5_vl"]
-NORM["qwen3_omni"] = NORM["qwen3_vl"]
-LAYOUTS = tuple(NORM)
-QWEN2_5 = ("qwen2_5_vl", "qwen2_5_omni", "qwen3_omni")  # Qwen2VLVideoProcessor's sampling and sizes, one pad run
-OMNI = ("qwen2_5_omni", "qwen3_omni")  # timed by the requested fps; a video part may bring its audio track
+STANDARD_NORM = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))  # HF's IMAGENET_STANDARD_MEAN / _STD, where no layout is given
 
 
-def normalize(x_CHW: np.ndarray, layout: str) -> np.ndarray:
+def normalize(x_CHW: np.ndarray, layout: VisionLayout | None) -> np.ndarray:
     """float32 pixels in [0, 1] (channels first) -> (x - mean) / std of the layout."""
-    mean, std = (np.asarray(v, dtype=np.float32)[:, None, None] for v in NORM[layout])
+    norm = (layout.mean, layout.std) if layout is not None else STANDARD_NORM
+    mean, std = (np.asarray(v, dtype=np.float32)[:, None, None] for v in norm)
     return (x_CHW.astype(np.float32) - mean) / std
 
 
@@ -65,7 +56,7 @@ class MediaItem:
     n_patches: int = 0
     n_tokens: int = 0
     timestamps: list = field(default_factory=list)  # video: seconds per temporal group (its mean / start time)
-    layout: str = "qwen3_vl"  # DataNeeds.vision_layout it was made for
+    layout: VisionLayout | None = None  # DataNeeds.vision_layout it was made for
     audio_tokens: int = 0  # a video with its audio track interleaved (use_audio_in_video): the audio's tokens
 
 
@@ -147,7 +138,7 @@ def to_rgb(img):
 
 
 def _image_patches(img, h: int, w: int, patch: int, temporal: int, merge: int,
-                   layout: str = "qwen3_vl") -> np.ndarray:
+                   layout: VisionLayout | None = None) -> np.ndarray:
     from PIL import Image
 
     img = to_rgb(img).resize((w, h), resample=Image.Resampling.BICUBIC)
@@ -167,7 +158,7 @@ class LazyImage:
     patch: int
     temporal: int
     merge: int
-    layout: str
+    layout: VisionLayout | None
 
     def materialize(self) -> dict[str, np.ndarray]:
         pv = _image_patches(_load_pil(self.payload), self.h, self.w, self.patch, self.temporal, self.merge,
@@ -245,7 +236,7 @@ def sample_frame_indices(total: int, video_fps: float, fps: float, min_frames: i
     return np.linspace(0, total - 1, n).round().astype(int)
 
 
-def sample_frame_indices_qwen2_5_vl(total: int, video_fps: float, fps: float, min_frames: int, max_frames: int,
+def sample_frame_indices_strided(total: int, video_fps: float, fps: float, min_frames: int, max_frames: int,
                                     temporal: int) -> np.ndarray:
     """Qwen2VLVideoProcessor.sample_frames at ``fps``: a multiple of ``temporal`` frames, at int(k * total / n)
     (float32, as torch.arange gives them). A clip shorter than one temporal patch is taken whole (HF's sampling
@@ -285,8 +276,8 @@ def process_video(payload, cfg, frames: list[np.ndarray] | None = None, video_fp
     box = {}
 
     def pick(total, fps):
-        if layout in QWEN2_5:
-            idx = sample_frame_indices_qwen2_5_vl(total, fps, d.video_fps, d.video_min_frames, d.video_max_frames, tp)
+        if layout.frames == "strided":
+            idx = sample_frame_indices_strided(total, fps, d.video_fps, d.video_min_frames, d.video_max_frames, tp)
         else:
             idx = sample_frame_indices(total, fps, d.video_fps, d.video_min_frames, d.video_max_frames)
         box.update(total=total, idx=idx)
@@ -305,7 +296,7 @@ def process_video(payload, cfg, frames: list[np.ndarray] | None = None, video_fp
     n_frames = len(idx)
     if n_frames < tp:
         clip = np.concatenate([clip, np.repeat(clip[-1:], tp - n_frames, 0)])
-    if layout in QWEN2_5:  # the pixel bounds are per frame
+    if layout.pixel_bounds == "frame":
         h, w = smart_resize(clip.shape[1], clip.shape[2], factor, d.video_min_pixels, d.video_max_pixels, "bad_video")
     else:
         h, w = video_smart_resize(clip.shape[0], clip.shape[1], clip.shape[2], factor, tp, d.video_min_pixels,
@@ -315,9 +306,8 @@ def process_video(payload, cfg, frames: list[np.ndarray] | None = None, video_fp
     n = grid[0] * grid[1] * grid[2]
     tensors = {"pixel_values_videos": pv, "video_grid_thw": np.asarray([grid], dtype=np.int64)}
     item = MediaItem("video", tensors, grid, n, n // cfg.merge_size**2, layout=layout)
-    if layout in QWEN2_5:
-        # Qwen2_5_VLProcessor: temporal patch / the sampled fps; the Omni processors: / the requested fps
-        sec = tp / (d.video_fps if layout in OMNI else n_frames / box["total"] * video_fps)
+    if layout.one_run:
+        sec = tp / (d.video_fps if layout.video_time == "requested_fps" else n_frames / box["total"] * video_fps)
         tensors["video_second_per_grid"] = np.asarray([sec], np.float32)
         item.timestamps = [k * sec for k in range(grid[0])]  # float64, as HF's processor chunks them
     else:
@@ -325,32 +315,14 @@ def process_video(payload, cfg, frames: list[np.ndarray] | None = None, video_fp
     return item
 
 
-def chunk_bounds(values, per_chunk: int) -> list[tuple[int, int]]:
-    """HF Qwen2.5-Omni's get_chunked_index (processor and model alike): (start, end) runs of increasing ``values``,
-    cut wherever a value reaches the next multiple of ``per_chunk`` (one cut per value at most, as HF does)."""
-    out, a, k = [], 0, 1
-    for i, v in enumerate(np.asarray(values).tolist()):
-        if v >= k * per_chunk:
-            out.append((a, i))
-            a, k = i, k + 1
-    return out + [(a, len(values))]
-
-
-def merge_by_time(video_t, audio_t) -> np.ndarray:
-    """HF Qwen3-Omni's audio-in-video order (processor and get_rope_index alike): the indices into
-    cat(video, audio) of the two increasing time lists merged, video first on ties."""
-    t = np.concatenate([np.asarray(video_t, dtype=np.float64), np.asarray(audio_t, dtype=np.float64)])
-    return np.argsort(t, kind="stable")  # stable: each list keeps its order, and the video's come first on ties
-
-
 def audio_in_video_ids(item: MediaItem, tok, cfg) -> np.ndarray:
-    """The Omni processors' replace_video_with_audio_token: <|audio_bos|>, the video's pads (frame k at
-    k * second_per_grid * position_id_per_seconds) and the audio's (token i at i), then <|audio_eos|>.
-    Qwen2_5OmniProcessor: per chunk of seconds_per_chunk seconds the video's pads then the audio's;
-    Qwen3OmniMoeProcessor: the two merged by time (:func:`merge_by_time`)."""
+    """HF's replace_video_with_audio_token: <|audio_bos|>, the video's pads (frame k at
+    k * second_per_grid * video_tokens_per_second) and the audio's (token i at i), then <|audio_eos|>; the layout's
+    audio_in_video "chunks": per chunk of seconds_per_chunk seconds the video's pads then the audio's; "by_time":
+    the two merged by time (:func:`merge_by_time`)."""
     _, h, w = item.grid
     frame_t = np.repeat(np.asarray(item.timestamps) * cfg.needs.video_tokens_per_second, h * w // cfg.merge_size**2)
-    if item.layout == "qwen3_omni":
+    if item.layout.audio_in_video == "by_time":
         pads = np.r_[np.full(len(frame_t), tok.video_pad_id), np.full(item.audio_tokens, tok.audio_pad_id)]
         body = pads[merge_by_time(frame_t, np.arange(item.audio_tokens))].tolist()
         return np.asarray([tok.audio_start_id, *body, tok.audio_end_id], dtype=np.int64)
@@ -366,9 +338,9 @@ def audio_in_video_ids(item: MediaItem, tok, cfg) -> np.ndarray:
 
 def video_placeholder_ids(item: MediaItem, tok) -> np.ndarray:
     """Token ids replacing the template's single <|video_pad|> (a video alone; with its audio track see
-    :func:`audio_in_video_ids`). Qwen2.5-VL / Omni: t*h*w/4 <|video_pad|>. Qwen3-VL: per temporal group a timestamp
-    and a <|vision_start|> <|video_pad|>*n <|vision_end|> block."""
-    if item.layout in QWEN2_5:
+    :func:`audio_in_video_ids`). One run (the layout's video_time): t*h*w/4 <|video_pad|>; "frame_groups": per
+    temporal group a timestamp and a <|vision_start|> <|video_pad|>*n <|vision_end|> block."""
+    if item.layout.one_run:
         return np.full(item.n_tokens, tok.video_pad_id, dtype=np.int64)
     t, h, w = item.grid
     per = h * w // 4
@@ -380,57 +352,6 @@ def video_placeholder_ids(item: MediaItem, tok) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------ M-RoPE
-def mrope_index(kinds_L, image_grids, video_grids, merge: int, second_per_grid=None,
-                tokens_per_second: float = 0.0) -> np.ndarray:
-    """[3, L] int64 (t, h, w) positions of one document (starting at 0), as get_rope_index.
-
-    ``kinds_L``: per token 0 text, 1 image pad, 2 video pad (HF's mm_token_type_ids); ``image_grids`` /
-    ``video_grids``: the (t, h, w) patch grids in document order (arrays, tensors or lists). A run of pad
-    tokens is one image, and one video frame group (Qwen3-VL: a video is t runs of (1, h, w), given
-    ``second_per_grid=None``) or one video (Qwen2.5-VL: ``second_per_grid`` holds each video's seconds per
-    temporal patch, and temporal patch k has t = int(k * tokens_per_second * second_per_grid), in float32 as HF
-    computes it). Raises ValueError when the runs do not match the grids."""
-    kinds = np.asarray(kinds_L).reshape(-1)
-    L = kinds.shape[0]
-    vgrids = np.asarray(video_grids, dtype=np.int64).reshape(-1, 3).tolist()
-    if second_per_grid is None:
-        videos = [((1, h, w), 0.0) for t, h, w in vgrids for _ in range(t)]
-    else:
-        secs = np.asarray(second_per_grid, dtype=np.float32).reshape(-1)
-        if len(secs) != len(vgrids):
-            raise ValueError(f"{len(vgrids)} video grids but {len(secs)} second_per_grid values")
-        videos = [(g, np.float32(tokens_per_second) * sec) for g, sec in zip(vgrids, secs)]
-    images = [(g, 0.0) for g in np.asarray(image_grids, dtype=np.int64).reshape(-1, 3).tolist()]
-    runs = {1: iter(images), 2: iter(videos)}
-    pos = np.zeros((3, L), dtype=np.int64)
-    cur, i = 0, 0
-    while i < L:
-        k = int(kinds[i])
-        j = i
-        while j < L and (kinds[j] == k if k else kinds[j] not in (1, 2)):
-            j += 1
-        if k in (1, 2):
-            try:
-                (gt, gh, gw), step = next(runs[k])
-            except StopIteration:
-                raise ValueError(f"more {('image', 'video')[k - 1]} pad runs than grids") from None
-            lt, lh, lw = gt, gh // merge, gw // merge
-            if lt * lh * lw != j - i:
-                raise ValueError(f"a vision run of {j - i} tokens does not match its grid {(gt, gh, gw)} "
-                                 f"(merge {merge})")
-            t_pos = (np.arange(lt, dtype=np.float32) * np.float32(step)).astype(np.int64)
-            tt, hh, ww = np.meshgrid(t_pos, np.arange(lh), np.arange(lw), indexing="ij")
-            pos[0, i:j] = tt.reshape(-1) + cur
-            pos[1, i:j] = hh.reshape(-1) + cur
-            pos[2, i:j] = ww.reshape(-1) + cur
-            cur += max(lh, lw)
-        else:
-            pos[:, i:j] = np.arange(j - i) + cur
-            cur += j - i
-        i = j
-    return pos
-
-
 def mrope_positions(ids: np.ndarray, items: list[MediaItem], tok, cfg) -> np.ndarray:
     """[3, L] positions of one processed document (its media ``items`` in order), via :func:`mrope_index`."""
     kinds = np.zeros(ids.shape[0], dtype=np.int64)
@@ -443,7 +364,7 @@ def mrope_positions(ids: np.ndarray, items: list[MediaItem], tok, cfg) -> np.nda
         inside = np.cumsum(ids == tok.audio_start_id) - np.cumsum(ids == tok.audio_end_id) > 0
         kinds[inside] = 0
     secs = None
-    if cfg.needs.vision_layout in QWEN2_5:
+    if cfg.needs.vision_layout is not None and cfg.needs.vision_layout.one_run:
         secs = [s for it in videos for s in it.tensors["video_second_per_grid"]]
     try:
         return mrope_index(kinds, [it.grid for it in items if it.kind == "image"], [it.grid for it in videos],

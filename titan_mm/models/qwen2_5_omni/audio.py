@@ -37,6 +37,11 @@ def conv_lengths(frames):
     return after_conv, (after_conv - 2) // 2 + 1
 
 
+def audio_tokens(frames: int) -> int:
+    """<|AUDIO|> placeholders of a clip of ``frames`` mel frames: the encoder's output tokens (after the pool)."""
+    return int(conv_lengths(frames)[1])
+
+
 class AudioMeta(NamedTuple):
     """Host-built metadata of one audio-encoder forward (see :func:`build_audio_meta`)."""
 

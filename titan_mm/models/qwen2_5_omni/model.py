@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from titan_mm.data.vision import chunk_bounds
+from titan_mm.nn.media import chunk_bounds
 from titan_mm.nn.attention import AttnMeta
 from titan_mm.nn.output import ModelOutput, Stream
 from titan_mm.models.qwen2_5_omni.audio import DUMMY_FRAMES, AudioEncoder, AudioMeta, build_audio_meta, conv_lengths

@@ -1,7 +1,7 @@
 """The Qwen2.5-Omni thinker's answers to the family contract (titan_mm.registry.ModelSpec): Qwen2.5-VL's
 (titan_mm/models/qwen2_5_vl/spec.py: the Qwen2 decoder, the ViT's shapes, the visual tokens, ChatML) plus the
-audio tokens, the audio front end (DataNeeds.audio_encoder "qwen2_5_omni": clips padded to 30 s) and the audio
-encoder's LayerNorm / MLP widths. Videos follow Qwen2_5OmniProcessor (DataNeeds.vision_layout "qwen2_5_omni"),
+audio tokens, the audio front end (:data:`AUDIO`: clips padded to 30 s) and the audio encoder's LayerNorm / MLP
+widths. Videos follow Qwen2_5OmniProcessor (:data:`VISION_LAYOUT`),
 a video part may interleave its own audio track (use_audio_in_video), and positions are TMRoPE, which this family's
 prepare_batch builds itself."""
 
@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from titan_mm.models.qwen2_5_omni.audio import audio_tokens
 from titan_mm.models.qwen2_5_omni.config import Qwen2_5OmniConfig
 from titan_mm.models.qwen2_5_vl import spec as vl_spec
+from titan_mm.nn.media import AudioFrontEnd
 from titan_mm.registry import DataNeeds, FusedRows, Runtime
+
+# Qwen2_5OmniProcessor: Qwen2.5-VL's frames and sizes, a temporal patch timed by the requested fps; a video's own
+# audio interleaves per seconds_per_chunk
+VISION_LAYOUT = dataclasses.replace(vl_spec.VISION_LAYOUT, video_time="requested_fps", audio_in_video="chunks")
+AUDIO = AudioFrontEnd(tokens=audio_tokens, max_seconds=30)  # every clip padded and truncated to Whisper's 30 s
 
 dims = vl_spec.dims
 kernel_shapes = vl_spec.kernel_shapes  # the audio encoder calls no titan_mm.kernels op (LayerNorm, exact GELU)
@@ -31,8 +38,8 @@ def data_needs(cfg: Qwen2_5OmniConfig) -> DataNeeds:
              "audio_end": cfg.audio_end_token_id}
     # video time in TMRoPE's units: position_id_per_seconds, not the ViT's tokens_per_second
     return dataclasses.replace(needs, special_tokens={**needs.special_tokens, **audio}, video=True,
-                               vision_layout="qwen2_5_omni", video_tokens_per_second=cfg.position_id_per_seconds,
-                               seconds_per_chunk=cfg.seconds_per_chunk, audio_encoder="qwen2_5_omni")
+                               vision_layout=VISION_LAYOUT, video_tokens_per_second=cfg.position_id_per_seconds,
+                               seconds_per_chunk=cfg.seconds_per_chunk, audio=AUDIO)
 
 
 def fused_params(cfg: Qwen2_5OmniConfig) -> dict[str, FusedRows]:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from titan_mm.data.audio import audio_tokens as _audio_tokens
 from titan_mm.data.packing import Doc, collate_rows
 from titan_mm.models.qwen3_vl.synthetic import next_token_labels, place
 
@@ -29,7 +28,7 @@ def audio_tokens(cfg, frames: int) -> int:
     """<|audio_pad|> tokens of a clip of ``frames`` mel frames for ``cfg``'s audio encoder (its DataNeeds')."""
     from titan_mm.registry import spec_for_config
 
-    return _audio_tokens(int(frames), spec_for_config(cfg).data_needs(cfg).audio_encoder)
+    return int(spec_for_config(cfg).data_needs(cfg).audio.tokens(int(frames)))
 
 
 @dataclass

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from titan_mm.data.vision import mrope_index
+from titan_mm.nn.media import mrope_index
 from titan_mm.models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from titan_mm.models.qwen2_5_vl.vision import VisionTower, build_window_meta
 from titan_mm.models.qwen3.model import Qwen3Model
@@ -60,7 +60,7 @@ def rope_index(kinds_L, image_grids, video_grids, cfg: Qwen2_5_VLConfig, second_
     """Host side: [3, L] int64 (t, h, w) positions of one document, as HF Qwen2.5-VL's get_rope_index.
     ``kinds_L``: per token 0 text, 1 image pad, 2 video pad; one run of pads per image / video (a video is one
     run of t * h * w / merge**2 pads); ``second_per_grid_ts``: seconds per temporal patch of each video
-    (default 1). The data pipeline's rule (titan_mm.data.vision.mrope_index), with this config's numbers."""
+    (default 1). The data pipeline's rule (titan_mm.nn.media.mrope_index), with this config's numbers."""
     n_videos = len(np.asarray(video_grids, dtype=np.int64).reshape(-1, 3))
     secs = np.ones(n_videos) if second_per_grid_ts is None else second_per_grid_ts
     return mrope_index(kinds_L, image_grids, video_grids, cfg.vision.spatial_merge_size, secs,

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from titan_mm.data.vision import merge_by_time
+from titan_mm.nn.media import merge_by_time
 from titan_mm.nn.attention import AttnMeta
 from titan_mm.nn.output import ModelOutput, Stream
 from titan_mm.models.qwen2_5_omni.model import _documents, apply_freeze, param_groups

@@ -7,7 +7,12 @@ import dataclasses
 
 from titan_mm.models.qwen3 import spec as text_spec
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
+from titan_mm.nn.media import VisionLayout
 from titan_mm.registry import DataNeeds, FusedRows, KernelShapes, ModelDims, Runtime, VisionDims
+
+# Qwen3VLProcessor: mean / std 0.5; a video's frames by linspace, its whole volume within the pixel bounds, one
+# <t seconds><|vision_start|>pads<|vision_end|> group per temporal patch
+VISION_LAYOUT = VisionLayout(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
 
 
 def dims(cfg: Qwen3VLConfig) -> ModelDims:
@@ -30,7 +35,7 @@ def data_needs(cfg: Qwen3VLConfig) -> DataNeeds:
     v = cfg.vision
     return DataNeeds(
         positions="mrope", patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-        merge_size=v.spatial_merge_size, chat_template="qwen3_vl",
+        merge_size=v.spatial_merge_size, chat_template="qwen3_vl", vision_layout=VISION_LAYOUT,
         special_tokens={"image_pad": cfg.image_token_id, "video_pad": cfg.video_token_id,
                         "vision_start": cfg.vision_start_token_id, "vision_end": cfg.vision_end_token_id},
     )

@@ -7,7 +7,7 @@ the Qwen3-VL processor lays videos out).
 
 :func:`pack` places samples into rows and collates them with the data pipeline's collator
 (titan_mm.data.packing.collate_rows; the Batch contract in docs/architecture.md); each sample's [3, S]
-M-RoPE positions come from titan_mm.data.vision.mrope_index (= HF's ``get_rope_index``, parity-tested).
+M-RoPE positions come from titan_mm.nn.media.mrope_index (= HF's ``get_rope_index``, parity-tested).
 :func:`synthetic_vl_batch` builds a packed image+text batch of N tokens for a config (bench/mfu.py).
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_mm.data.packing import Doc, collate_rows
-from titan_mm.data.vision import mrope_index
+from titan_mm.nn.media import mrope_index
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
 
 

@@ -1,0 +1,141 @@
+"""Media layouts: how a family's HF processor turns images, video and audio into tokens (the values a family's
+:class:`~titan_mm.registry.DataNeeds` holds; titan_mm.data.vision / titan_mm.data.audio follow them and name no
+family), and the M-RoPE / time-order position rules that the data pipeline and the families' models share.
+
+A layout is plain parameters chosen by the family; each choice is named by what it does:
+
+- frames: ``"linspace"`` (n = seconds x data.video_fps clamped to [min_frames, max_frames], picked by linspace) or
+  ``"strided"`` (a multiple of the temporal patch, frame int(k * total / n), as Qwen2VLVideoProcessor samples).
+- pixel_bounds: ``"clip"`` (the clip's frames x pixels within the video pixel bounds) or ``"frame"`` (each frame's).
+- video_time: ``"frame_groups"`` (each temporal patch is its own ``<t seconds><vision_start>pads<vision_end>`` group
+  and its own M-RoPE run at t 0, t the mean time of its frames) or one run of pads per video, temporal patch k at
+  t = int(k * second_per_grid * video_tokens_per_second), with second_per_grid = temporal patch / the ``"sampled_fps"``
+  or the ``"requested_fps"`` (data.video_fps).
+- audio_in_video: ``""`` (a video part's use_audio_in_video is skipped), ``"chunks"`` (per seconds_per_chunk the
+  video's pads then the audio's) or ``"by_time"`` (the two merged by time, video first on ties: :func:`merge_by_time`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+FRAMES = ("linspace", "strided")
+PIXEL_BOUNDS = ("clip", "frame")
+VIDEO_TIME = ("frame_groups", "sampled_fps", "requested_fps")
+AUDIO_IN_VIDEO = ("", "chunks", "by_time")
+
+
+@dataclass(frozen=True)
+class VisionLayout:
+    """A family's image / video processing (see the module docstring for each choice)."""
+
+    mean: tuple[float, float, float]
+    """Per-channel mean of (x / 255 - mean) / std."""
+    std: tuple[float, float, float]
+    frames: str = "linspace"
+    pixel_bounds: str = "clip"
+    video_time: str = "frame_groups"
+    audio_in_video: str = ""
+
+    def __post_init__(self):
+        for name, allowed in (("frames", FRAMES), ("pixel_bounds", PIXEL_BOUNDS), ("video_time", VIDEO_TIME),
+                              ("audio_in_video", AUDIO_IN_VIDEO)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"VisionLayout.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def one_run(self) -> bool:
+        """A video is one run of pads timed by second_per_grid (else one group per temporal patch)."""
+        return self.video_time != "frame_groups"
+
+
+@dataclass(frozen=True)
+class AudioFrontEnd:
+    """A family's audio processing: Whisper log-mel features (titan_mm.data.audio), padded and counted its way."""
+
+    tokens: Callable[[int], int]
+    """Placeholder tokens of a clip of ``frames`` mel frames: the length of the family's audio-tower output."""
+    max_seconds: int = 0
+    """>0: every clip is padded with zeros to and truncated at this many seconds (Whisper's window), with
+    ceil(samples / hop) frames kept; 0: no padding or truncation, samples // hop frames."""
+
+
+# ------------------------------------------------------------------------------------------ positions
+def mrope_index(kinds_L, image_grids, video_grids, merge: int, second_per_grid=None,
+                tokens_per_second: float = 0.0) -> np.ndarray:
+    """[3, L] int64 (t, h, w) positions of one document (starting at 0), as get_rope_index.
+
+    ``kinds_L``: per token 0 text, 1 image pad, 2 video pad (HF's mm_token_type_ids); ``image_grids`` /
+    ``video_grids``: the (t, h, w) patch grids in document order (arrays, tensors or lists). A run of pad
+    tokens is one image, and one video frame group (a video is t runs of (1, h, w), given
+    ``second_per_grid=None``) or one video (``second_per_grid`` holds each video's seconds per temporal patch, and
+    temporal patch k has t = int(k * tokens_per_second * second_per_grid), in float32 as HF computes it). Text
+    advances all three axes by one; a run starting at p gets (p + t, p + row, p + col) over its merged grid, and
+    the next token starts at p + max(rows, cols). Raises ValueError when the runs do not match the grids."""
+    kinds = np.asarray(kinds_L).reshape(-1)
+    L = kinds.shape[0]
+    vgrids = np.asarray(video_grids, dtype=np.int64).reshape(-1, 3).tolist()
+    if second_per_grid is None:
+        videos = [((1, h, w), 0.0) for t, h, w in vgrids for _ in range(t)]
+    else:
+        secs = np.asarray(second_per_grid, dtype=np.float32).reshape(-1)
+        if len(secs) != len(vgrids):
+            raise ValueError(f"{len(vgrids)} video grids but {len(secs)} second_per_grid values")
+        videos = [(g, np.float32(tokens_per_second) * sec) for g, sec in zip(vgrids, secs)]
+    images = [(g, 0.0) for g in np.asarray(image_grids, dtype=np.int64).reshape(-1, 3).tolist()]
+    runs = {1: iter(images), 2: iter(videos)}
+    pos = np.zeros((3, L), dtype=np.int64)
+    cur, i = 0, 0
+    while i < L:
+        k = int(kinds[i])
+        j = i
+        while j < L and (kinds[j] == k if k else kinds[j] not in (1, 2)):
+            j += 1
+        if k in (1, 2):
+            try:
+                (gt, gh, gw), step = next(runs[k])
+            except StopIteration:
+                raise ValueError(f"more {('image', 'video')[k - 1]} pad runs than grids") from None
+            lt, lh, lw = gt, gh // merge, gw // merge
+            if lt * lh * lw != j - i:
+                raise ValueError(f"a vision run of {j - i} tokens does not match its grid {(gt, gh, gw)} "
+                                 f"(merge {merge})")
+            t_pos = (np.arange(lt, dtype=np.float32) * np.float32(step)).astype(np.int64)
+            tt, hh, ww = np.meshgrid(t_pos, np.arange(lh), np.arange(lw), indexing="ij")
+            pos[0, i:j] = tt.reshape(-1) + cur
+            pos[1, i:j] = hh.reshape(-1) + cur
+            pos[2, i:j] = ww.reshape(-1) + cur
+            cur += max(lh, lw)
+        else:
+            pos[:, i:j] = np.arange(j - i) + cur
+            cur += j - i
+        i = j
+    return pos
+
+
+def vision_grid_pos(start, t_index: np.ndarray, lh: int, lw: int) -> np.ndarray:
+    """[3, t * lh * lw]: (t, h, w) of one image / video's merged tokens, frames then rows then columns, + start."""
+    n = len(t_index)
+    return np.stack([t_index.repeat(lh * lw), np.tile(np.arange(lh).repeat(lw), n), np.tile(np.arange(lw), n * lh)]) \
+        + start
+
+
+def chunk_bounds(values, per_chunk: int) -> list[tuple[int, int]]:
+    """HF Qwen2.5-Omni's get_chunked_index (processor and model alike): (start, end) runs of increasing ``values``,
+    cut wherever a value reaches the next multiple of ``per_chunk`` (one cut per value at most, as HF does)."""
+    out, a, k = [], 0, 1
+    for i, v in enumerate(np.asarray(values).tolist()):
+        if v >= k * per_chunk:
+            out.append((a, i))
+            a, k = i, k + 1
+    return out + [(a, len(values))]
+
+
+def merge_by_time(video_t, audio_t) -> np.ndarray:
+    """HF Qwen3-Omni's audio-in-video order (processor and get_rope_index alike): the indices into
+    cat(video, audio) of the two increasing time lists merged, video first on ties."""
+    t = np.concatenate([np.asarray(video_t, dtype=np.float64), np.asarray(audio_t, dtype=np.float64)])
+    return np.argsort(t, kind="stable")  # stable: each list keeps its order, and the video's come first on ties
