@@ -1,21 +1,45 @@
 #!/usr/bin/env bash
-# One device call that checks the working tree on a GPU machine before an issue touching GPU code is resolved:
-# the GPU test suite (bf16, torch.compile, sync-debug mode), then the single-GPU throughput of the main cases next
-# to the reference-op path. Each part has its own time limit so the call ends inside the 10-minute device limit
-# and returns what finished. Logs and JSON go to $OUT (the device tool's folder), or ./outputs/gpu_verify.
+# One device call that checks the working tree on a GPU machine. The whole GPU suite takes longer than a 10-minute
+# call, so it is cut by area (tests/gpu/shards.py: every GPU test in exactly one area, each area <= 8 minutes):
 #
-#   source scripts/gpu_setup.sh && bash scripts/gpu_verify.sh            # about 6-8 minutes on an H200
-#   GPU_VERIFY_SKIP_BENCH=1 bash scripts/gpu_verify.sh                   # tests only
+#   source scripts/gpu_setup.sh && bash scripts/gpu_verify.sh                # smoke: the most telling cases, <= 5 min
+#   source scripts/gpu_setup.sh && bash scripts/gpu_verify.sh --area serve   # one area, <= 8 min
+#   bash scripts/gpu_verify.sh --list                                        # the areas and their tests (no GPU)
+#   ... --bench                                                              # then bench/mfu.py's quick check
+#
+# Areas: kernels, ops, models, vl, qwen3_5_fla (then qwen3_5 on the same warm machine), train, eval, serve.
+# Writes to $OUT (the device tool's folder, else outputs/gpu_verify): <area>.log, <area>.xml (JUnit) and
+# <area>.json, the summary (tests, passed, failed, errors, skipped, seconds, exit code, device, failed tests).
+area=smoke bench=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --area) area=${2:?gpu_verify: --area needs a name (bash scripts/gpu_verify.sh --list shows them)}; shift 2 ;;
+    --bench) bench=1; shift ;;
+    --list)
+      for a in smoke $(python3 -c "from tests.gpu.shards import AREAS; print(*AREAS)"); do
+        echo "[$a]"; python3 -m tests.gpu.shards list "$a"
+      done
+      exit 0 ;;
+    *) echo "gpu_verify: unknown argument '$1'; use --area NAME, --list or --bench" >&2; exit 2 ;;
+  esac
+done
+mapfile -t nodes < <(python3 -m tests.gpu.shards list "$area") || exit 2
+[ ${#nodes[@]} -gt 0 ] || exit 2
 out=${OUT:-outputs/gpu_verify}
 mkdir -p "$out"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-timeout 330 python3 -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider --junitxml="$out/gpu_tests.xml" \
-  > "$out/gpu_tests.log" 2>&1
-echo "gpu tests: exit $? (log $out/gpu_tests.log)"
-tail -n 5 "$out/gpu_tests.log"
-if [ -z "${GPU_VERIFY_SKIP_BENCH:-}" ]; then
+limit=$([ "$area" = smoke ] && echo 300 || echo 480)
+start=$(date +%s)
+# -m gpu: only the gpu-marked tests of files that mix CPU tests in (tests/unit/test_attention_kinds.py)
+timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout "$limit" --junitxml="$out/$area.xml" \
+  "${nodes[@]}" > "$out/$area.log" 2>&1
+rc=$?
+tail -n 15 "$out/$area.log"
+python3 -m tests.gpu.shards summary "$area" "$out/$area.xml" $(( $(date +%s) - start )) "$rc" "$out/$area.json"
+if [ -n "$bench" ]; then
   timeout 200 python3 bench/mfu.py --warmup 2 --steps 4 --timeout 60 --cases qwen3_1.7b,qwen3_vl_2b \
     --stacks titan,titan_nokernels --out "$out/mfu_verify.json" > "$out/mfu_verify.log" 2>&1
   echo "mfu: exit $? (log $out/mfu_verify.log)"
   tail -n 8 "$out/mfu_verify.log"
 fi
+exit $rc
