@@ -161,6 +161,10 @@ class AudioEncoder(nn.Module):
         if not self.positional_embedding.is_meta:
             self.init_buffers()
 
+    def stand_in_features(self) -> torch.Tensor:
+        """[n_mels, DUMMY_FRAMES] zeros: the clip a batch without audio runs the tower on (the same collectives)."""
+        return self.conv1.weight.new_zeros(self.cfg.num_mel_bins, DUMMY_FRAMES)
+
     def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
         dev = buffer_device or (self.conv1.weight.device if not self.conv1.weight.is_meta else "cpu")
         self.positional_embedding = sinusoids(self.cfg.max_source_positions, self.cfg.d_model).to(dev)

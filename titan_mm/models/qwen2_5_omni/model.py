@@ -25,71 +25,28 @@ rank runs the same encoder collectives (FSDP) whatever its batch holds.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from titan_mm.nn.media import chunk_bounds
+from titan_mm.nn.media import chunk_bounds, vision_grid_pos
 from titan_mm.nn.attention import AttnMeta
-from titan_mm.nn.output import ModelOutput, Stream
-from titan_mm.models.qwen2_5_omni.audio import DUMMY_FRAMES, AudioEncoder, AudioMeta, build_audio_meta, conv_lengths
+from titan_mm.nn.output import ModelOutput
+from titan_mm.models.qwen2_5_omni import thinker
+from titan_mm.models.qwen2_5_omni.audio import DUMMY_FRAMES, AudioEncoder, build_audio_meta, conv_lengths
 from titan_mm.models.qwen2_5_omni.config import Qwen2_5OmniConfig
+from titan_mm.models.qwen2_5_omni.thinker import OmniMeta, OmniThinker, apply_freeze, param_groups  # noqa: F401 (re-exported)
 from titan_mm.models.qwen2_5_vl.model import Qwen2_5_VLModel
-from titan_mm.models.qwen2_5_vl.vision import VisionTower, WindowMeta, build_window_meta
+from titan_mm.models.qwen2_5_vl.vision import VisionTower, build_window_meta
 from titan_mm.models.qwen3.model import Qwen3Model
-from titan_mm.models.qwen3_vl.model import EmbedOutput, _vision_backend
-from titan_mm.models.qwen3_vl.model import param_kind as vl_param_kind
-from titan_mm.models.qwen3_vl.model import visual_index
+from titan_mm.models.qwen3_vl.model import EmbedOutput
 
 
-class OmniMeta(NamedTuple):
-    """Host-built encoder metadata of one micro-batch (:func:`prepare_batch`)."""
-
-    vision: WindowMeta
-    """Over the images then the videos, or over the stand-in image."""
-    audio: AudioMeta
-    """Over the clips, or over the stand-in clip."""
-    vision_dummy: bool
-    audio_dummy: bool
-
-
-# ---- training modes: Qwen3-VL's parts plus "audio" (the whole audio encoder) ----
-def param_kind(name: str) -> str:
-    return "audio" if "audio_tower." in name else vl_param_kind(name)
-
-
-def apply_freeze(model: nn.Module, cfg: Qwen2_5OmniConfig) -> None:
-    frozen = {"vision": cfg.freeze_vision, "merger": cfg.freeze_merger, "llm": cfg.freeze_llm,
-              "audio": cfg.freeze_audio}
-    if all(frozen.values()):
-        raise ValueError("freeze_vision, freeze_merger, freeze_llm and freeze_audio are all true: nothing would train.")
-    for name, p in model.named_parameters():
-        if frozen[param_kind(name)]:
-            p.requires_grad_(False)
-
-
-def param_groups(model: nn.Module, cfg: Qwen2_5OmniConfig, groups: list[dict[str, Any]], base_lr: float) -> list[dict]:
-    """Qwen3-VL's split (qwen3_vl.model.param_groups) with the audio encoder as its own part at ``audio_lr``."""
-    pick = lambda *lrs: next((x for x in lrs if x is not None), base_lr)  # noqa: E731
-    lrs = {"vision": pick(cfg.vision_lr), "merger": pick(cfg.merger_lr, cfg.vision_lr), "llm": pick(cfg.llm_lr),
-           "audio": pick(cfg.audio_lr)}
-    kind_of = {id(p): param_kind(n) for n, p in model.named_parameters(remove_duplicate=False)}
-    out = []
-    for g in groups:
-        by: dict[str, list] = {}
-        for p in g["params"]:
-            by.setdefault(kind_of.get(id(p), "llm"), []).append(p)
-        for kind, ps in by.items():  # initial_lr: LambdaLR schedules scale it, so per-part peaks survive
-            out.append({**g, "params": ps, "lr": lrs[kind], "initial_lr": lrs[kind],
-                        "name": f"{g.get('name', 'group')}/{kind}"})
-    return out
-
-
-class Qwen2_5OmniModel(Qwen2_5_VLModel):
-    """Qwen2.5-VL's model (rope, trunk, head) with the audio tower and an embed that places both encoders'
-    tokens through one host-built ``mm_index``."""
+class Qwen2_5OmniModel(OmniThinker, Qwen2_5_VLModel):
+    """Qwen2.5-VL's model (rope, trunk, head) with the audio tower and the thinkers' embed (thinker.py), which
+    places both encoders' tokens through one host-built ``mm_index``."""
 
     def __init__(self, cfg: Qwen2_5OmniConfig):
         nn.Module.__init__(self)
@@ -99,47 +56,6 @@ class Qwen2_5OmniModel(Qwen2_5_VLModel):
         self.audio_tower = AudioEncoder(cfg.audio)
         self.embed_out = EmbedOutput()
         apply_freeze(self, cfg)
-
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        super().init_weights(buffer_device)
-        self.audio_tower.init_weights(self.cfg.audio.initializer_range)
-        self.audio_tower.init_buffers(buffer_device)
-
-    def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
-        super().init_buffers(buffer_device)
-        self.audio_tower.init_buffers(buffer_device)
-
-    def embed(self, input_ids: torch.Tensor, pixel_values=None, pixel_values_videos=None, input_features=None,
-              omni_meta: OmniMeta | None = None, mm_index: torch.Tensor | None = None) -> Stream:
-        """Token embeddings with the visual and audio tokens placed by ``mm_index``; without ``omni_meta`` (a
-        text-only batch that skipped prepare_batch, e.g. serving) the encoders do not run."""
-        h_BSD = self.language_model.tok_embeddings(input_ids)
-        media = [x for x in (pixel_values, pixel_values_videos, input_features) if x is not None and x.numel()]
-        if omni_meta is None or mm_index is None:
-            if media:
-                raise ValueError("media inputs were given without omni_meta / mm_index; build them on the host with "
-                                 "titan_mm.models.qwen2_5_omni.model.prepare_batch(cfg, batch, device).")
-            h_BSD, _ = self.embed_out(h_BSD, [])
-            return Stream(h_BSD)
-        v, a = self.cfg.vision, self.cfg.audio
-        pw, cw = self.visual.patch_embed.weight, self.audio_tower.conv1.weight
-        if omni_meta.vision_dummy:
-            pix = pw.new_zeros(v.spatial_merge_size**2, v.patch_dim)
-        else:
-            pix = torch.cat([x for x in (pixel_values, pixel_values_videos) if x is not None and x.numel()])
-        merged, _ = self.visual(pix, omni_meta.vision)
-        feats = cw.new_zeros(a.num_mel_bins, DUMMY_FRAMES) if omni_meta.audio_dummy else input_features
-        audio = self.audio_tower(feats, omni_meta.audio)
-        B, S = input_ids.shape
-        tokens = torch.cat([merged.to(h_BSD.dtype), audio.to(h_BSD.dtype)])
-        idx_N = mm_index.reshape(-1)
-        h_ND = torch.where((idx_N >= 0)[:, None], tokens.index_select(0, idx_N.clamp(min=0)), h_BSD.reshape(B * S, -1))
-        # stand-ins place nothing; times 0 keeps their tower in the graph (same collectives on every rank)
-        for dummy, out in ((omni_meta.vision_dummy, merged), (omni_meta.audio_dummy, audio)):
-            if dummy:
-                h_ND = h_ND + out.sum().to(h_ND.dtype) * 0.0
-        h_BSD, _ = self.embed_out(h_ND.view(B, S, -1), [])
-        return Stream(h_BSD)
 
     def forward(
         self,
@@ -174,15 +90,6 @@ class Qwen2_5OmniModel(Qwen2_5_VLModel):
 
 
 # ---- TMRoPE (host) ----
-def _vision_pos(start: int, t_index: torch.Tensor, lh: int, lw: int) -> np.ndarray:
-    """[3, t * lh * lw]: (t, h, w) of one image / video's merged tokens, frames then rows then columns."""
-    n = len(t_index)
-    t = t_index.numpy().repeat(lh * lw)
-    h = np.tile(np.arange(lh).repeat(lw), n)
-    w = np.tile(np.arange(lw), n * lh)
-    return np.stack([t, h, w]) + start
-
-
 def rope_index(ids_L, cfg: Qwen2_5OmniConfig, images: Iterator, videos: Iterator, audios: Iterator) -> np.ndarray:
     """Host side: [3, L] int64 TMRoPE positions of one document, as HF Qwen2.5-Omni's get_rope_index (its
     rules, quirks included: the next part starts after the max of the *last* part, audio-in-video's two start
@@ -224,7 +131,7 @@ def rope_index(ids_L, cfg: Qwen2_5OmniConfig, images: Iterator, videos: Iterator
             text(e - st - 1)
             text(1)
             (t, h, w), sec = (next(images), 1) if e == ei else next(videos)
-            parts.append(_vision_pos(nxt(), (torch.arange(t) * sec * pps).long(), h // merge, w // merge))
+            parts.append(vision_grid_pos(nxt(), (torch.arange(t) * sec * pps).long().numpy(), h // merge, w // merge))
             text(1)
             st += (e - st - 1) + t * h * w // merge**2 + 2
             n_img, n_vid = (n_img - 1, n_vid) if e == ei else (n_img, n_vid - 1)
@@ -236,7 +143,8 @@ def rope_index(ids_L, cfg: Qwen2_5OmniConfig, images: Iterator, videos: Iterator
             n = int(conv_lengths(next(audios))[1])
             a_pos = np.arange(n)[None].repeat(3, 0) + s1
             grid, sec = next(videos)
-            v_pos = _vision_pos(s1, (torch.arange(grid[0]) * sec * pps).long(), grid[1] // merge, grid[2] // merge)
+            v_pos = vision_grid_pos(s1, (torch.arange(grid[0]) * sec * pps).long().numpy(), grid[1] // merge,
+                                    grid[2] // merge)
             per = int(pps * cfg.seconds_per_chunk)
             vc, ac = chunk_bounds(v_pos[0] - s1, per), chunk_bounds(a_pos[0] - s1, per)
             for j in range(max(len(vc), len(ac))):
@@ -253,74 +161,13 @@ def rope_index(ids_L, cfg: Qwen2_5OmniConfig, images: Iterator, videos: Iterator
     return pos.astype(np.int64)
 
 
-def _documents(batch: dict[str, Any]) -> list[tuple[int, int, int]]:
-    """(row, start, end) of every document, row-major (doc_ids >= 0 runs; a row without doc_ids is one)."""
-    ids = batch["input_ids"]
-    docs = batch.get("doc_ids")
-    if docs is None:
-        return [(b, 0, ids.shape[1]) for b in range(ids.shape[0])]
-    out = []
-    for b, row in enumerate(docs.cpu().numpy()):
-        cuts = np.flatnonzero(np.diff(row)) + 1
-        for a, e in zip(np.r_[0, cuts], np.r_[cuts, len(row)]):
-            if row[a] >= 0:
-                out.append((b, int(a), int(e)))
-    return out
-
-
-def tmrope_positions(cfg: Qwen2_5OmniConfig, batch: dict[str, Any]) -> torch.Tensor:
-    """[3, B, S] int64 on the host: :func:`rope_index` per document (padding keeps 0)."""
-    ids = batch["input_ids"].cpu()
-    grids = {k: batch[k].cpu().tolist() if batch.get(k) is not None else []
-             for k in ("image_grid_thw", "video_grid_thw")}
-    secs = batch.get("video_second_per_grid")
-    if grids["video_grid_thw"] and secs is None:
-        raise ValueError("a batch with videos needs video_second_per_grid (seconds per temporal patch, per video).")
-    secs = torch.as_tensor(secs if secs is not None else [], dtype=torch.float32).cpu().reshape(-1)
-    lens = batch.get("audio_feature_lengths")
-    images, audios = iter(grids["image_grid_thw"]), iter([] if lens is None else lens.cpu().tolist())
-    videos = iter(zip(grids["video_grid_thw"], secs))
-    pos = torch.zeros((3, *ids.shape), dtype=torch.int64)
-    for b, a, e in _documents(batch):
-        pos[:, b, a:e] = torch.from_numpy(rope_index(ids[b, a:e], cfg, images, videos, audios))
-    return pos
-
-
-def encoder_inputs(cfg: Qwen2_5OmniConfig, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    """Host side: ``{"omni_meta", "mm_index"}`` (on ``device``) for any batch, stand-ins included."""
-    device = torch.device(device)
-    ids = batch["input_ids"].cpu()
-    m = cfg.vision.spatial_merge_size
-    m2 = m * m
-    has = {k: batch.get(k) is not None and batch[k].numel() > 0
-           for k in ("pixel_values", "pixel_values_videos", "input_features")}
-    grids = [batch[g].cpu() for p, g in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
-             if has[p]]
-    n_img = int((grids[0].prod(-1) // m2).sum()) if has["pixel_values"] else 0
-    grid = torch.cat(grids) if grids else torch.tensor([[1, m, m]])  # stand-in: one merged token
-    vision = build_window_meta(grid, cfg.vision, _vision_backend(cfg, device), device)._replace(n_image_tokens=n_img)
-    idx = visual_index(ids, cfg.image_token_id, cfg.video_token_id, n_img) if grids else torch.full_like(ids, -1)
-    has_audio = has["input_features"]
-    if has_audio and batch.get("audio_feature_lengths") is None:
-        raise ValueError("batch has input_features but no audio_feature_lengths (mel frames per clip).")
-    lens = batch["audio_feature_lengths"].cpu() if has_audio else torch.tensor([DUMMY_FRAMES])
-    audio = build_audio_meta(lens, cfg.audio, _vision_backend(cfg, device), device)
-    pads = ids == cfg.audio_token_id
-    n_out = int(conv_lengths(lens)[1].sum()) if has_audio else 0
-    if int(pads.sum()) != n_out:
-        raise ValueError(f"{int(pads.sum())} <|AUDIO|> placeholders for {n_out} audio tokens (audio_feature_lengths "
-                         f"{lens.tolist() if has_audio else []}); the data pipeline must place one per output token.")
-    idx[pads] = int((grid.prod(-1) // m2).sum()) + torch.arange(n_out)  # audio rows follow the visual ones
-    meta = OmniMeta(vision, audio, vision_dummy=not grids, audio_dummy=not has_audio)
-    return {"omni_meta": meta, "mm_index": idx.to(device, non_blocking=True)}
+AUDIO = thinker.OmniAudio(build_audio_meta, lambda frames: conv_lengths(frames)[1], DUMMY_FRAMES)
 
 
 def prepare_batch(cfg: Qwen2_5OmniConfig, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    """The family's ModelSpec.prepare_batch, on the host before the batch moves to the device and before any
-    context-parallel split: the batch with TMRoPE ``position_ids`` and :func:`encoder_inputs`."""
-    return {**batch, "position_ids": tmrope_positions(cfg, batch), **encoder_inputs(cfg, batch, device)}
+    """The family's ModelSpec.prepare_batch (thinker.prepare_batch): TMRoPE ``position_ids`` by :func:`rope_index`
+    per document, the window ViT's and the audio encoder's metadata and ``mm_index``."""
+    return thinker.prepare_batch(cfg, batch, device, rope_index, build_window_meta, AUDIO)
 
 
-def build(cfg: Qwen2_5OmniConfig) -> Qwen2_5OmniModel:
-    """Build under the caller's device context (``with torch.device("meta"):`` in the trainer)."""
-    return Qwen2_5OmniModel(cfg)
+build = Qwen2_5OmniModel  # under the caller's device context (``with torch.device("meta"):`` in the trainer)

@@ -27,39 +27,27 @@ collectives (FSDP) whatever its batch holds.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from titan_mm.nn.media import merge_by_time
+from titan_mm.nn.media import merge_by_time, vision_grid_pos
 from titan_mm.nn.attention import AttnMeta
-from titan_mm.nn.output import ModelOutput, Stream
-from titan_mm.models.qwen2_5_omni.model import _documents, apply_freeze, param_groups
+from titan_mm.nn.output import ModelOutput
+from titan_mm.models.qwen2_5_omni import thinker
+from titan_mm.models.qwen2_5_omni.thinker import OmniMeta, OmniThinker, apply_freeze, param_groups  # noqa: F401 (re-exported)
 from titan_mm.models.qwen3.model import Qwen3Model, select_ops
-from titan_mm.models.qwen3_omni_moe.audio import DUMMY_FRAMES, AudioEncoder, AudioMeta, build_audio_meta, output_lengths
+from titan_mm.models.qwen3_omni_moe.audio import DUMMY_FRAMES, AudioEncoder, build_audio_meta, output_lengths
 from titan_mm.models.qwen3_omni_moe.config import Qwen3OmniMoeConfig
-from titan_mm.models.qwen3_vl.model import EmbedOutput, Qwen3VLModel, _vision_backend, visual_index
-from titan_mm.models.qwen3_vl.vision import VisionMeta, VisionTower, build_vision_meta
+from titan_mm.models.qwen3_vl.model import EmbedOutput, Qwen3VLModel
+from titan_mm.models.qwen3_vl.vision import VisionTower, build_vision_meta
 
 
-class OmniMeta(NamedTuple):
-    """Host-built encoder metadata of one micro-batch (:func:`prepare_batch`)."""
-
-    vision: VisionMeta
-    """Over the images then the videos, or over the stand-in image."""
-    audio: AudioMeta
-    """Over the clips, or over the stand-in clip."""
-    n_visual: int
-    """Merged visual tokens (rows of mm_index below this are visual and take the DeepStack additions)."""
-    vision_dummy: bool
-    audio_dummy: bool
-
-
-class Qwen3OmniMoeModel(Qwen3VLModel):
-    """Qwen3-VL's model (rope, trunk, head) with the audio tower and an embed that places both encoders' tokens
-    through one host-built ``mm_index``."""
+class Qwen3OmniMoeModel(OmniThinker, Qwen3VLModel):
+    """Qwen3-VL's model (rope, trunk, head) with the audio tower and the thinkers' embed (qwen2_5_omni/thinker.py),
+    which places both encoders' tokens through one host-built ``mm_index`` and adds DeepStack on the visual ones."""
 
     def __init__(self, cfg: Qwen3OmniMoeConfig):
         nn.Module.__init__(self)
@@ -69,55 +57,6 @@ class Qwen3OmniMoeModel(Qwen3VLModel):
         self.audio_tower = AudioEncoder(cfg.audio)
         self.embed_out = EmbedOutput()
         apply_freeze(self, cfg)
-
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        super().init_weights(buffer_device)
-        self.audio_tower.init_weights(self.cfg.audio.initializer_range)
-        self.audio_tower.init_buffers(buffer_device)
-
-    def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
-        super().init_buffers(buffer_device)
-        self.audio_tower.init_buffers(buffer_device)
-
-    def embed(self, input_ids: torch.Tensor, pixel_values=None, pixel_values_videos=None, input_features=None,
-              omni_meta: OmniMeta | None = None, mm_index: torch.Tensor | None = None) -> Stream:
-        """Token embeddings with the visual and audio tokens placed by ``mm_index`` and the DeepStack additions on
-        the visual positions; without ``omni_meta`` (a text-only batch that skipped prepare_batch, e.g. serving)
-        the encoders do not run."""
-        h_BSD = self.language_model.tok_embeddings(input_ids)
-        media = [x for x in (pixel_values, pixel_values_videos, input_features) if x is not None and x.numel()]
-        if omni_meta is None or mm_index is None:
-            if media:
-                raise ValueError("media inputs were given without omni_meta / mm_index; build them on the host with "
-                                 "titan_mm.models.qwen3_omni_moe.model.prepare_batch(cfg, batch, device).")
-            h_BSD, _ = self.embed_out(h_BSD, [])
-            return Stream(h_BSD)
-        v, a = self.cfg.vision, self.cfg.audio
-        if omni_meta.vision_dummy:
-            pix = self.visual.patch_embed.weight.new_zeros(v.spatial_merge_size**2, v.patch_dim)
-        else:
-            pix = torch.cat([x for x in (pixel_values, pixel_values_videos) if x is not None and x.numel()])
-        merged, deepstack = self.visual(pix, omni_meta.vision)
-        feats = self.audio_tower.conv2d1.weight.new_zeros(a.num_mel_bins, DUMMY_FRAMES) if omni_meta.audio_dummy \
-            else input_features
-        audio = self.audio_tower(feats, omni_meta.audio)
-        B, S = input_ids.shape
-        dt = h_BSD.dtype
-        idx_N = mm_index.reshape(-1)
-        sel = idx_N.clamp(min=0)
-        tokens = torch.cat([merged.to(dt), audio.to(dt)])
-        h_ND = torch.where((idx_N >= 0)[:, None], tokens.index_select(0, sel), h_BSD.reshape(B * S, -1))
-        adds = []
-        if omni_meta.vision_dummy:  # stand-ins place nothing; times 0 keeps their tower in the graph
-            h_ND = h_ND + sum(x.sum() for x in (merged, *deepstack)).to(dt) * 0.0
-        else:
-            vis = ((idx_N >= 0) & (idx_N < omni_meta.n_visual))[:, None]
-            sel_v = sel.clamp(max=omni_meta.n_visual - 1)
-            adds = [torch.where(vis, ds.to(dt).index_select(0, sel_v), 0.0).view(B, S, -1) for ds in deepstack]
-        if omni_meta.audio_dummy:
-            h_ND = h_ND + audio.sum().to(dt) * 0.0
-        h_BSD, adds = self.embed_out(h_ND.view(B, S, -1), adds)
-        return Stream(h_BSD, None, tuple(adds))
 
     def forward(
         self,
@@ -152,13 +91,6 @@ class Qwen3OmniMoeModel(Qwen3VLModel):
 
 
 # ---- positions (host): HF Qwen3-Omni's get_rope_index ----
-def _vision_pos(start: float, t_index: np.ndarray, lh: int, lw: int) -> np.ndarray:
-    """[3, t * lh * lw]: (t, h, w) of one image / video's merged tokens, frames then rows then columns."""
-    n = len(t_index)
-    return np.stack([t_index.repeat(lh * lw), np.tile(np.arange(lh).repeat(lw), n), np.tile(np.arange(lw), n * lh)]) \
-        + start
-
-
 def rope_index(ids_L, cfg: Qwen3OmniMoeConfig, images: Iterator, videos: Iterator, audios: Iterator) -> np.ndarray:
     """Host side: [3, L] float64 positions of one document, by HF Qwen3-Omni's get_rope_index rules: each part
     starts after the max of the previous one (of its *last* slice: an audio-in-video part's trailing run of one
@@ -186,7 +118,7 @@ def rope_index(ids_L, cfg: Qwen3OmniMoeConfig, images: Iterator, videos: Iterato
 
     def video_pos(start: float, grid, sec) -> np.ndarray:  # t in float32, as HF multiplies
         (t, h, w) = grid
-        return _vision_pos(start, np.arange(t, dtype=np.float32) * np.float32(sec) * pps, h // merge, w // merge)
+        return vision_grid_pos(start, np.arange(t, dtype=np.float32) * np.float32(float(sec)) * pps, h // merge, w // merge)
 
     st = 0
     for _ in range(rem_i + n_alone + rem_a):  # an audio-in-video group counts once, by its <audio_start>
@@ -207,7 +139,7 @@ def rope_index(ids_L, cfg: Qwen3OmniMoeConfig, images: Iterator, videos: Iterato
             rem_a -= 1
         elif toks[ev + 1] == img:
             t, h, w = next(images)
-            parts.append(_vision_pos(s, np.arange(t) * pps, h // merge, w // merge))
+            parts.append(vision_grid_pos(s, np.arange(t) * pps, h // merge, w // merge))
             n, rem_i = t * h * w // merge**2, rem_i - 1
         elif toks[ev + 1] == vid:
             grid, sec = next(videos)
@@ -239,70 +171,15 @@ def rope_index(ids_L, cfg: Qwen3OmniMoeConfig, images: Iterator, videos: Iterato
     return pos
 
 
-def omni_positions(cfg: Qwen3OmniMoeConfig, batch: dict[str, Any]) -> torch.Tensor:
-    """[3, B, S] on the host: :func:`rope_index` per document (padding keeps 0); int64 when every position is
-    whole, else float32 (HF's dtype)."""
-    ids = batch["input_ids"].cpu()
-    grids = {k: batch[k].cpu().tolist() if batch.get(k) is not None else []
-             for k in ("image_grid_thw", "video_grid_thw")}
-    secs = batch.get("video_second_per_grid")
-    if grids["video_grid_thw"] and secs is None:
-        raise ValueError("a batch with videos needs video_second_per_grid (seconds per temporal patch, per video).")
-    secs = torch.as_tensor(secs if secs is not None else [], dtype=torch.float32).cpu().reshape(-1).tolist()
-    lens = batch.get("audio_feature_lengths")
-    images, audios = iter(grids["image_grid_thw"]), iter([] if lens is None else lens.cpu().tolist())
-    videos = iter(zip(grids["video_grid_thw"], secs))
-    pos = np.zeros((3, *ids.shape))
-    for b, a, e in _documents(batch):
-        pos[:, b, a:e] = rope_index(ids[b, a:e], cfg, images, videos, audios)
-    whole = np.array_equal(pos, np.round(pos))
-    return torch.from_numpy(pos.astype(np.int64) if whole else pos.astype(np.float32))
-
-
-def encoder_inputs(cfg: Qwen3OmniMoeConfig, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    """Host side: ``{"omni_meta", "mm_index"}`` (on ``device``) for any batch, stand-ins included."""
-    device = torch.device(device)
-    ids = batch["input_ids"].cpu()
-    m = cfg.vision.spatial_merge_size
-    m2 = m * m
-    has = {k: batch.get(k) is not None and batch[k].numel() > 0
-           for k in ("pixel_values", "pixel_values_videos", "input_features")}
-    grids = [batch[g].cpu() for p, g in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
-             if has[p]]
-    n_img = int((grids[0].prod(-1) // m2).sum()) if has["pixel_values"] else 0
-    grid = torch.cat(grids) if grids else torch.tensor([[1, m, m]])  # stand-in: one merged token
-    n_visual = int((grid.prod(-1) // m2).sum())
-    vision = build_vision_meta(grid, cfg.vision, _vision_backend(cfg, device), device)._replace(n_image_tokens=n_img)
-    idx = visual_index(ids, cfg.image_token_id, cfg.video_token_id, n_img) if grids else torch.full_like(ids, -1)
-    if grids and int((idx >= 0).sum()) != n_visual:
-        raise ValueError(f"{int((idx >= 0).sum())} image / video placeholders for {n_visual} merged visual tokens; "
-                         "the data pipeline must place one per merged token.")
-    has_audio = has["input_features"]
-    if has_audio and batch.get("audio_feature_lengths") is None:
-        raise ValueError("batch has input_features but no audio_feature_lengths (mel frames per clip).")
-    lens = batch["audio_feature_lengths"].cpu() if has_audio else torch.tensor([DUMMY_FRAMES])
-    audio = build_audio_meta(lens, cfg.audio, _vision_backend(cfg, device), device)
-    pads = ids == cfg.audio_token_id
-    n_out = int(output_lengths(lens.numpy()).sum()) if has_audio else 0
-    if int(pads.sum()) != n_out:
-        raise ValueError(f"{int(pads.sum())} <|audio_pad|> placeholders for {n_out} audio tokens "
-                         f"(audio_feature_lengths {lens.tolist() if has_audio else []}); the data pipeline must place "
-                         "one per output token.")
-    idx[pads] = n_visual + torch.arange(n_out)  # audio rows follow the visual ones
-    meta = OmniMeta(vision, audio, n_visual, vision_dummy=not grids, audio_dummy=not has_audio)
-    return {"omni_meta": meta, "mm_index": idx.to(device, non_blocking=True)}
+AUDIO = thinker.OmniAudio(build_audio_meta, output_lengths, DUMMY_FRAMES)
 
 
 def prepare_batch(cfg: Qwen3OmniMoeConfig, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    """The family's ModelSpec.prepare_batch, on the host before the batch moves to the device and before any
-    context-parallel split: the batch with ``position_ids`` and :func:`encoder_inputs`."""
-    return {**batch, "position_ids": omni_positions(cfg, batch), **encoder_inputs(cfg, batch, device)}
+    """The family's ModelSpec.prepare_batch (qwen2_5_omni/thinker.py's, with this family's :func:`rope_index`, ViT
+    metadata and audio encoder): ``position_ids``, the encoders' metadata and ``mm_index``."""
+    return thinker.prepare_batch(cfg, batch, device, rope_index, build_vision_meta, AUDIO)
 
 
-def build(cfg: Qwen3OmniMoeConfig) -> Qwen3OmniMoeModel:
-    """Build under the caller's device context (``with torch.device("meta"):`` in the trainer)."""
-    return Qwen3OmniMoeModel(cfg)
+build = Qwen3OmniMoeModel  # under the caller's device context (``with torch.device("meta"):`` in the trainer)
 
-
-__all__ = ["OmniMeta", "Qwen3OmniMoeModel", "build", "encoder_inputs", "omni_positions", "param_groups",
-           "prepare_batch", "rope_index"]
+__all__ = ["OmniMeta", "Qwen3OmniMoeModel", "build", "param_groups", "prepare_batch", "rope_index"]
