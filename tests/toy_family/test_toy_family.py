@@ -1,17 +1,21 @@
 """The toy family (tests/toy_family): a transformer over continuous vectors with no tokens trains with flow matching
 under BAGEL's segment mask, packed, through the real train step, and its loss goes down; its packed forward equals
-each document's alone."""
+each document's alone; under context parallelism (its BatchSchema's trailing dims) it equals the whole rows."""
 
-import dataclasses
+import sys
+from pathlib import Path
 
 import torch
 
-from tests.toy_family import SCHEMA, SPEC, ToyConfig, toy_batches
-from titan_mm.nn.attention import build_attn_meta
-from titan_mm.objectives import FlowMatching
-from titan_mm.registry import get_model_spec, register
-from titan_mm.train.step import StepContext, eval_loss_sums, train_step
-from titan_mm.train.state import TrainState
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiproc"))
+from _harness import run_multiproc  # noqa: E402
+
+from tests.toy_family import SCHEMA, SPEC, ToyConfig, toy_batches  # noqa: E402
+from titan_mm.nn.attention import build_attn_meta  # noqa: E402
+from titan_mm.objectives import FlowMatching  # noqa: E402
+from titan_mm.registry import SeqKey, get_model_spec, register  # noqa: E402
+from titan_mm.train.step import StepContext, eval_loss_sums, train_step  # noqa: E402
+from titan_mm.train.state import TrainState  # noqa: E402
 
 ROWS, S = 2, 32
 
@@ -73,3 +77,46 @@ def test_toy_packed_forward_equals_each_document_alone():
             idx = (doc == d).nonzero()[:, 0]
             alone = {k: b[k][:, idx] for k in keys + ("position_ids", "seg_ids", "seg_kinds")}
             torch.testing.assert_close(packed[:, idx], run(alone), atol=1e-12, rtol=1e-12)
+
+
+# ---- context parallelism: the schema's trailing dims let the split cut latents [B, S, C] on S (world 2, gloo) ----
+
+FLOW_SEQ = SCHEMA.seq + (SeqKey("noisy_latents", ("C",)), SeqKey("flow_target", ("C",)), SeqKey("timesteps"),
+                         SeqKey("flow_weight"))  # the objective's prepared keys along the sequence
+MODES = ("ulysses", "allgather", "ring")
+
+
+def _toy_cp_worker(rank, world, batch):
+    from titan_mm.parallel.cp import prepare_cp_batch
+    from titan_mm.parallel.mesh import ParallelDims
+
+    pd = ParallelDims(world_size=world, dp_shard=1, cp=world)
+    out = []
+    for mode in MODES:
+        torch.manual_seed(0)
+        model = SPEC.build(ToyConfig())
+        local, meta = prepare_cp_batch(batch, pd, "sdpa", "cpu", mode=mode, seq_keys=FLOW_SEQ, kind="segments")
+        mse = _toy_mse(model, local, meta)
+        mse.backward()
+        out.append((mse.detach(), [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
+def _toy_mse(model, b, meta):
+    obj = FlowMatching()
+    keys = ("cond", "noisy_latents", "timesteps", "latent_mask")
+    out = model(position_ids=b["position_ids"], attn=meta, loss=obj.bind(b), **{k: b[k] for k in keys})
+    return out.terms["mse"]
+
+
+def test_toy_family_under_cp_equals_the_whole_rows():
+    batch = FlowMatching(seed=2).prepare([next(toy_batches(7, ROWS, S))], 0)[0]
+    torch.manual_seed(0)
+    model = SPEC.build(ToyConfig())
+    ref = _toy_mse(model, batch, build_attn_meta(batch, "sdpa", "cpu", kind="segments"))
+    ref.backward()
+    got = run_multiproc(_toy_cp_worker, 2, args=(batch,))
+    for i, mode in enumerate(MODES):  # each rank's sum covers its own positions; the gradients add up
+        torch.testing.assert_close(got[0][i][0] + got[1][i][0], ref.detach(), atol=1e-5, rtol=1e-5)
+        for p, g0, g1 in zip(model.parameters(), got[0][i][1], got[1][i][1]):
+            torch.testing.assert_close(g0 + g1, p.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{mode}: {m}")
