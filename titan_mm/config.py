@@ -659,18 +659,65 @@ def _split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
     return config, rest
 
 
-def _check_cli_keys(argv: list[str]) -> None:
-    """Unknown ``--section.key`` flags fail here with a difflib hint (before tyro sees them)."""
-    valid = all_keys()
-    normalized = {k.replace("-", "_"): k for k in valid}
-    for a in argv:
-        if not a.startswith("--") or a in ("--help", "-h"):
+def _check_cli_args(argv: list[str]) -> None:
+    """Unknown ``--section.key`` flags (with a difflib hint), stray words and values that do not parse as the
+    field's type fail here in one line, before tyro (whose errors are boxes of a dozen lines)."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        i += 1
+        if a in ("--help", "-h"):
             continue
-        key = a[2:].split("=", 1)[0].replace("-", "_")
-        if key == "help":
-            continue
-        if key not in normalized:
-            raise ConfigError(f"unknown command-line option --{a[2:].split('=', 1)[0]}: {_closest(key, valid)}")
+        if not a.startswith("--"):
+            hint = (f"pass the config file as --config {a}" if a.endswith(".toml")
+                    else "options take the form --section.key VALUE (--help lists them)")
+            raise ConfigError(f"unexpected argument {a!r}: {hint}")
+        flag, eq, text = a.partition("=")
+        key = _cli_key(flag)
+        values = [text] if eq else []
+        while not eq and i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        _check_cli_value(flag, _leaf_type(key), values)
+
+
+def _cli_key(flag: str) -> str:
+    """The field a ``--section.key`` flag sets (dashes or underscores); an unknown one raises with a hint."""
+    key = flag[2:].replace("-", "_")
+    if key not in all_keys():
+        raise ConfigError(f"unknown command-line option {flag}: {_closest(key, all_keys())}")
+    return key
+
+
+def _check_cli_value(flag: str, tp: Any, values: list[str]) -> None:
+    """``values`` (the words after ``flag``) parse as ``tp`` the way tyro will parse them."""
+    if typing.get_origin(tp) is list:  # any number of words, each one element
+        for v in values:
+            _check_cli_value(flag, typing.get_args(tp)[0], [v])
+        return
+    if not values:
+        raise ConfigError(f"{flag} needs a value ({'true or false' if tp is bool else _type_name(tp)})")
+    if len(values) > 1:
+        raise ConfigError(f"{flag} takes one value ({_type_name(tp)}), got {len(values)}: {' '.join(values)}")
+    text = values[0]
+    if typing.get_origin(tp) is dict:
+        _json_object(text, flag)
+        return
+    if tp is bool:
+        ok = text in ("True", "False") or text.lower() in _BOOL_WORDS
+    elif tp in (int, float):
+        try:
+            tp(text)
+            ok = True
+        except ValueError:
+            ok = False
+    elif typing.get_origin(tp) is Literal:
+        ok = text in [str(c) for c in typing.get_args(tp)]
+    else:  # str, str | None: any word
+        ok = True
+    if not ok:
+        want = "true or false" if tp is bool else _type_name(tp)
+        raise ConfigError(f"{flag} expects {want}, got {text!r}")
 
 
 def _cli_values(argv: list[str]) -> dict[str, str | None]:
@@ -751,7 +798,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
             cfg.job.name = path.stem
     else:
         cfg = JobConfig()
-    _check_cli_keys(rest)
+    _check_cli_args(rest)
     rest = _normalize_bools(rest)
     given = _cli_values(rest)
     _check_data_flags(given)
@@ -974,5 +1021,6 @@ if __name__ == "__main__":
     try:
         c = load_config()
     except ConfigError as e:
-        raise SystemExit(f"config error: {e}")
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(resolved_toml(c))
