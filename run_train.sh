@@ -8,6 +8,14 @@
 #   TORCHRUN_ARGS (extra torchrun arguments, e.g. "--master_port 29511").
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [[ $# -eq 0 ]]; then  # a bare call is a question, not a job: usage, and no 100-step run of the defaults
+  {
+    echo "usage: ./run_train.sh --config NAME_OR_PATH [--section.key value ...]   (--help lists every field)"
+    echo "configs in train_configs/: $(cd "${ROOT}/train_configs" && echo *.toml)"
+    sed -n '3,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  } >&2
+  exit 2
+fi
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 PYTHON="${PYTHON:-python3}"
 NPROC="${NPROC:-1}"
