@@ -142,6 +142,9 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) ->
     out.mkdir(parents=True, exist_ok=True)
     kw = {"dtype": torch_dtype(dtype)} if dtype else {}
     spec.save_hf(model, model_cfg, str(out), **kw)
+    mode = (out / "config.json").stat().st_mode & 0o777  # safetensors writes 0600; the weights get the others' mode
+    for f in out.glob("*.safetensors"):
+        f.chmod(mode)
     from titan_mm.train.objective import write_hf_note
 
     write_hf_note(out, checkpoint_config(ck), spec, model_cfg)  # diffusion LMs: "titan_mm_objective" in config.json

@@ -27,7 +27,7 @@ def _err(cls, body) -> RequestError:
     (CompletionRequest, COMP | {"max_tokens": 5.0}, "max_tokens", ["integer", "got a number"]),
     (CompletionRequest, COMP | {"temperature": True}, "temperature", ["number", "got a boolean"]),
     (CompletionRequest, COMP | {"prompt": [1, "a"]}, "prompt", ["token ids"]),
-    (CompletionRequest, COMP | {"prompt": []}, "prompt", ["a string"]),
+    (CompletionRequest, COMP | {"prompt": []}, "prompt", ["must not be empty"]),
     (CompletionRequest, {"model": "m"}, "prompt", ["required"]),
     (CompletionRequest, COMP | {"suffix": "x"}, "suffix", ["not supported"]),
     (CompletionRequest, COMP | {"logit_bias": {"1": 3}}, "logit_bias", ["not supported"]),

@@ -211,7 +211,7 @@ def _read_jsonl(unit: Unit, start: int, token: Any, order: tuple | None = None) 
                     raise ValueError(f"a line must hold a JSON object, got {type(rec).__name__}")
             except ValueError as e:
                 rec = SkipSample("malformed_json", f"{unit.url} line {idx + 1}: {e}")
-            yield idx, idx, off, rec
+            yield idx, idx + 1, off, rec  # the record id is the line number, as editors and the report count
             idx += 1
 
 

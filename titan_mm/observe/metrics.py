@@ -137,7 +137,8 @@ def _fmt_num(x: float) -> str:
 
 
 class ConsoleSink:
-    """A progress line every ``log_freq`` steps and at the last step, with an ETA from this process's pace."""
+    """A progress line every ``log_freq`` steps, at the last step and at every eval step (whose scores it shows),
+    with an ETA from this process's pace."""
 
     def __init__(self, stream, *, total_steps: int, log_freq: int = 1):
         self.stream = stream
@@ -150,7 +151,7 @@ class ConsoleSink:
         if self._first_step is None:  # the pace counts from this process's first step (resumes too)
             self._first_step = step - 1
             self._t0 = time.perf_counter() - float(metrics.get("step_time_s", 0.0))
-        if step % self.log_freq == 0 or step == self.total_steps:
+        if step % self.log_freq == 0 or step == self.total_steps or "eval/time_s" in metrics:  # eval ran
             self.stream.write(self.line(step, metrics) + "\n")
             self.stream.flush()
 

@@ -61,18 +61,21 @@ def _text_part(v: Any) -> Any:
 
 def _prompt(v: Any) -> list[str] | list[list[int]]:
     """A completions prompt as a list of prompts: strings, or token-id lists."""
+    if v in ("", []) or isinstance(v, list) and any(x in ("", []) for x in v):  # nothing to continue from
+        raise PydanticCustomError("empty", "must not be empty (nor any prompt in its list): give some text or "
+                                  "token ids")
     if isinstance(v, str):
         return [v]
     ok_int = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
-    if isinstance(v, list) and v:
+    if isinstance(v, list):
         if all(isinstance(x, str) for x in v):
             return v
         if all(ok_int(x) for x in v):
             return [v]
-        if all(isinstance(x, list) and x and all(ok_int(t) for t in x) for x in v):
+        if all(isinstance(x, list) and all(ok_int(t) for t in x) for x in v):
             return v
     raise PydanticCustomError("prompt_type", "must be a string, a list of strings, a list of token ids or a list "
-                              "of token-id lists (none of them empty)")
+                              "of token-id lists")
 
 
 class _Strict(BaseModel):
