@@ -25,12 +25,13 @@ from titan_mm.config import ConfigError, Data, JobConfig
 from titan_mm.train.setup import check_parallel, grad_accum_steps, model_from_config, parallel_dims, pick_device
 
 
-def preflight(cfg: JobConfig) -> None:
-    """Raise ConfigError (one line) on the first user mistake in ``cfg``; build, start and write nothing."""
+def preflight(cfg: JobConfig, world: int | None = None) -> None:
+    """Raise ConfigError (one line) on the first user mistake in ``cfg``; build, start and write nothing.
+    ``world``: the number of processes (default: WORLD_SIZE; the launcher passes the one it will start)."""
     spec, model_cfg = model_from_config(cfg, pick_device(cfg))
     if cfg.model.hf_path and cfg.model.init_from_hf:
         _check_weights(cfg.model.hf_path)
-    pd = parallel_dims(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    pd = parallel_dims(cfg, world or int(os.environ.get("WORLD_SIZE", "1")))
     check_parallel(cfg, pd, spec, model_cfg)
     grad_accum_steps(cfg, pd.dp)
     _check_eval(cfg, spec)

@@ -1,8 +1,14 @@
 """torchrun as run_train.sh launches it (``NPROC>1``): ``python -m titan_mm.train.torchrun [torchrun args] -m ...``.
 
-The same launcher (torch.distributed.run), except on a preemption signal: torchrun forwards it to the workers,
-which finish their step, save and print their one line; torchrun itself would then raise its SignalException
-with a traceback and exit 1. Here it exits with 128 + the signal, like a single process, and prints nothing more.
+The same launcher (torch.distributed.run), with two differences:
+- Before it starts the workers of ``-m titan_mm.train.trainer``, it checks the job once, as one process does
+  first: the config (load + validate), ``preflight`` at the world size it will start (fixed ``--nnodes`` x
+  ``--nproc_per_node``; an elastic node range checks the config only) and the finished-run refusal. A mistake is
+  one ``config error: ...`` line and exit 2, not one line per rank and torchrun's ChildFailedError. ``--help``
+  prints the fields once.
+- On a preemption signal torchrun forwards it to the workers, which finish their step, save and print their one
+  line; torchrun itself would then raise its SignalException with a traceback and exit 1. Here it exits with
+  128 + the signal, like a single process, and prints nothing more.
 """
 
 from __future__ import annotations
@@ -10,10 +16,41 @@ from __future__ import annotations
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.run import determine_local_world_size, parse_args, parse_min_max_nnodes
 from torch.distributed.run import main as torchrun_main
+
+from titan_mm.config import ConfigError, load_config, run_dir
+from titan_mm.models.hf_io import HFCheckpointError
+from titan_mm.train.preflight import preflight
+from titan_mm.train.trainer import check_resume_step
+
+TRAINER = "titan_mm.train.trainer"
+
+
+def check_job(argv: list[str]) -> None:
+    """Raise ConfigError on the first mistake of the trainer job that torchrun ``argv`` would start; other
+    scripts are not checked."""
+    args = parse_args(argv)
+    if not (args.module and args.training_script == TRAINER):
+        return
+    cfg = load_config(args.training_script_args)
+    lo, hi = parse_min_max_nnodes(args.nnodes)
+    if lo != hi:  # elastic: the world size is not known before the rendezvous
+        return
+    preflight(cfg, world=hi * determine_local_world_size(args.nproc_per_node))
+    check_resume_step(cfg, run_dir(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        check_job(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except HFCheckpointError as e:  # as the trainer reports it
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         torchrun_main(argv)
     except SignalException as e:
