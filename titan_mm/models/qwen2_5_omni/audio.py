@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from titan_mm.nn import init
 from titan_mm.models.qwen2_5_omni.config import AudioConfig
-from titan_mm.models.qwen2_5_vl.vision import _segments_config
+from titan_mm.models.qwen2_5_vl.vision import segments_config
 from titan_mm.models.qwen3_vl.vision import VisionMeta, build_vision_meta, move_vision_meta, vision_attention_core
 
 DUMMY_FRAMES = 4
@@ -85,7 +85,7 @@ def build_audio_meta(lengths, cfg: AudioConfig, backend: str = "sdpa",
     first = np.concatenate([[0], np.cumsum(clip_tok)[:-1]])
     pool = np.concatenate([f + 2 * np.arange(p) for f, p in zip(first.tolist(), clip_out.tolist())])
     seg = torch.tensor([[1, 1, int(n)] for n in tok.tolist()])
-    attn = build_vision_meta(seg, _segments_config(1), backend, device)  # on device: flex masks do not move
+    attn = build_vision_meta(seg, segments_config(1), backend, device)  # on device: flex masks do not move
     empty = torch.zeros(0, 4, dtype=torch.int64)
     attn = attn._replace(pos_idx=empty, pos_w=empty.float(), rope_hw=empty[:, :2])  # no ViT tables here
     meta = AudioMeta(torch.from_numpy(frame_index), torch.from_numpy(inside[:, None, :].astype(np.float32)),

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from titan_mm.models.qwen3_vl.model import _vision_backend, visual_index
+from titan_mm.models.qwen3_vl.model import vision_backend, visual_index
 from titan_mm.models.qwen3_vl.model import param_kind as vl_param_kind
 from titan_mm.nn.output import Stream
 
@@ -183,7 +183,7 @@ def encoder_inputs(cfg, batch: dict[str, Any], device: torch.device | str, visio
     n_img = int((grids[0].prod(-1) // m2).sum()) if has["pixel_values"] else 0
     grid = torch.cat(grids) if grids else torch.tensor([[1, m, m]])  # stand-in: one merged token
     n_visual = int((grid.prod(-1) // m2).sum())
-    vision = vision_meta(grid, cfg.vision, _vision_backend(cfg, device), device)._replace(n_image_tokens=n_img)
+    vision = vision_meta(grid, cfg.vision, vision_backend(cfg, device), device)._replace(n_image_tokens=n_img)
     idx = visual_index(ids, cfg.image_token_id, cfg.video_token_id, n_img) if grids else torch.full_like(ids, -1)
     if grids and int((idx >= 0).sum()) != n_visual:
         raise ValueError(f"{int((idx >= 0).sum())} image / video placeholders for {n_visual} merged visual tokens; "
@@ -192,7 +192,7 @@ def encoder_inputs(cfg, batch: dict[str, Any], device: torch.device | str, visio
     if has_audio and batch.get("audio_feature_lengths") is None:
         raise ValueError("batch has input_features but no audio_feature_lengths (mel frames per clip).")
     lens = batch["audio_feature_lengths"].cpu() if has_audio else torch.tensor([audio_enc.dummy_frames])
-    audio = audio_enc.build_meta(lens, cfg.audio, _vision_backend(cfg, device), device)
+    audio = audio_enc.build_meta(lens, cfg.audio, vision_backend(cfg, device), device)
     pads = ids == cfg.audio_token_id
     n_out = int(audio_enc.tokens(lens.numpy()).sum()) if has_audio else 0
     if int(pads.sum()) != n_out:

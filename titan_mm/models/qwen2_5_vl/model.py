@@ -22,7 +22,7 @@ from titan_mm.nn.media import mrope_index
 from titan_mm.models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from titan_mm.models.qwen2_5_vl.vision import VisionTower, build_window_meta
 from titan_mm.models.qwen3.model import Qwen3Model
-from titan_mm.models.qwen3_vl.model import EmbedOutput, Qwen3VLModel, _vision_backend, apply_freeze, visual_index
+from titan_mm.models.qwen3_vl.model import EmbedOutput, Qwen3VLModel, apply_freeze, vision_backend, visual_index
 
 
 def chunked_mrope_cos_sin(position_ids_3BS: torch.Tensor, inv_freq_F: torch.Tensor, section: tuple[int, int, int],
@@ -82,7 +82,7 @@ def vision_inputs(cfg: Qwen2_5_VLConfig, batch: dict[str, Any], device: torch.de
                 n_img = int((grids[-1].prod(-1) // m2).sum())
     if not grids:
         return {}
-    meta = build_window_meta(torch.cat(grids), cfg.vision, _vision_backend(cfg, device), device)
+    meta = build_window_meta(torch.cat(grids), cfg.vision, vision_backend(cfg, device), device)
     idx = visual_index(batch["input_ids"].cpu(), cfg.image_token_id, cfg.video_token_id, n_img)
     return {"vision_meta": meta._replace(n_image_tokens=n_img), "visual_index": idx.to(device, non_blocking=True)}
 

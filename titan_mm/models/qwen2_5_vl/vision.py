@@ -45,7 +45,7 @@ class WindowMeta(NamedTuple):
     """Merged tokens that belong to images (images' patches come first)."""
 
 
-def _segments_config(merge: int) -> Qwen3VisionConfig:
+def segments_config(merge: int) -> Qwen3VisionConfig:
     # build_vision_meta also fills Qwen3-VL's learned-position taps; a 1-entry table keeps that part trivial
     return Qwen3VisionConfig(spatial_merge_size=merge, num_position_embeddings=1, deepstack_visual_indexes=())
 
@@ -76,11 +76,11 @@ def build_window_meta(grid_thw: torch.Tensor, cfg: VisionConfig, backend: str = 
     merge size (as build_vision_meta does)."""
     m2 = cfg.spatial_merge_size**2
     # the inner metas are built on ``device``: a flex mask cannot move after it is built (see move_vision_meta)
-    full = build_vision_meta(grid_thw, _segments_config(cfg.spatial_merge_size), backend, device)  # checks grids
+    full = build_vision_meta(grid_thw, segments_config(cfg.spatial_merge_size), backend, device)  # checks grids
     units, lens = window_order(grid_thw, cfg)
     order = (units[:, None] * m2 + torch.arange(m2)).reshape(-1)
     seg = torch.tensor([[1, 1, n] for n in lens])
-    window = build_vision_meta(seg, _segments_config(1), backend, device)
+    window = build_vision_meta(seg, segments_config(1), backend, device)
     empty = torch.zeros(0, 4, dtype=torch.int64)
     strip = dict(pos_idx=empty, pos_w=empty.float(), rope_hw=empty[:, :2])  # Qwen2.5-VL has no position table
     meta = WindowMeta(order=order, inverse=torch.argsort(units), rope_hw=full.rope_hw[order.to(full.rope_hw.device)],

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from titan_mm.nn import init
 from titan_mm.models.qwen2_5_omni.audio import AudioBlock as _Qwen2_5AudioBlock
 from titan_mm.models.qwen2_5_omni.audio import sinusoids
-from titan_mm.models.qwen2_5_vl.vision import _segments_config
+from titan_mm.models.qwen2_5_vl.vision import segments_config
 from titan_mm.models.qwen3_omni_moe.config import AudioConfig
 from titan_mm.models.qwen3_vl.vision import VisionMeta, build_vision_meta, move_vision_meta
 
@@ -84,7 +84,7 @@ def build_audio_meta(lengths, cfg: AudioConfig, backend: str = "sdpa",
     for n in output_lengths(lens).tolist():
         seg += [window] * (n // window) + ([n % window] if n % window else [])
     seg_t = torch.tensor([[1, 1, s] for s in seg])
-    attn = build_vision_meta(seg_t, _segments_config(1), backend, device)  # on device: flex masks do not move
+    attn = build_vision_meta(seg_t, segments_config(1), backend, device)  # on device: flex masks do not move
     empty = torch.zeros(0, 4, dtype=torch.int64)
     attn = attn._replace(pos_idx=empty, pos_w=empty.float(), rope_hw=empty[:, :2])  # no ViT tables here
     meta = AudioMeta(torch.from_numpy(frame_index), torch.from_numpy(valid.astype(np.int64)), attn)

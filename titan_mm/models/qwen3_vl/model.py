@@ -199,7 +199,9 @@ class Qwen3VLModel(nn.Module):
         return out if attn is None else out._replace(kv_cache=attn.kv_cache)
 
 
-def _vision_backend(cfg: Qwen3VLConfig, device: torch.device) -> str:
+def vision_backend(cfg: Qwen3VLConfig, device: torch.device) -> str:
+    """The encoders' attention backend: ``vision_attn_backend``, or for "auto" SDPA off CUDA and varlen (else
+    flex) on it."""
     b = cfg.vision_attn_backend
     if b != "auto":
         return b
@@ -242,7 +244,7 @@ def vision_inputs(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.devic
         extra["vision_balance"], grids = planned[0], [planned[1]]
     elif not grids:
         return {}
-    meta = build_vision_meta(torch.cat(grids), cfg.vision, _vision_backend(cfg, device), device)
+    meta = build_vision_meta(torch.cat(grids), cfg.vision, vision_backend(cfg, device), device)
     idx = visual_index(batch["input_ids"].cpu(), cfg.image_token_id, cfg.video_token_id, n_img)
     if not extra:  # with the exchange the tower's images are a mix of ranks' images and videos
         meta = meta._replace(n_image_tokens=n_img)
