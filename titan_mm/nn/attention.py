@@ -87,7 +87,7 @@ class Segments:
     seg: torch.Tensor | None
     """Segment ids, equal exactly on the tokens of one segment of a row (None: each document is one segment)."""
     kind: torch.Tensor | int
-    """SEGMENT_KINDS codes per token ([B, S]; with ``seg``), or one code for every token (``seg`` None)."""
+    """SEGMENT_KINDS codes per token ([B, S]), or one code for every token (with ``seg``: FULL only)."""
 
     def to(self, device) -> "Segments":
         return Segments(*(t.to(device=device, non_blocking=True) if isinstance(t, torch.Tensor) else t
@@ -131,7 +131,9 @@ def _mask_mod(d: Segments, window: int | None):
     doc, seg, kind = d.doc, d.seg, d.kind
 
     def mask_mod(b, h, q, k):
-        if seg is not None:
+        if seg is not None and isinstance(kind, int):  # full segments only (block_causal's blocks)
+            m = (q >= k) | (seg[b, q] == seg[b, k])
+        elif seg is not None:
             same = seg[b, q] == seg[b, k]
             m = ((q >= k) | (same & (kind[b, q] != CAUSAL))) & (same | (kind[b, k] != NOISE))
         elif kind == CAUSAL:
@@ -186,8 +188,7 @@ def describe(batch: dict[str, torch.Tensor], kind: str, block_size: int | None, 
     if kind in ("causal", "bidirectional"):
         return Segments(doc, None, CAUSAL if kind == "causal" else FULL)
     if kind == "block_causal":  # each block a full segment; blocks follow each other causally
-        blk = doc_positions(doc, B, S) // block_size
-        return Segments(doc, blk, torch.full((B, S), FULL, dtype=torch.int8, device=blk.device))
+        return Segments(doc, doc_positions(doc, B, S) // block_size, FULL)
     if kind == "prefix_lm":  # the prefix a full segment, the rest causal
         p = _prefix_mask(batch, B, S)
         return Segments(doc, p.to(torch.int8), torch.where(p, FULL, CAUSAL).to(torch.int8))
