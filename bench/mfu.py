@@ -4,7 +4,11 @@ Every (case, stack) pair runs in a fresh subprocess (its own CUDA context, compi
 with the same synthetic data (random tokens, one document per row, every position a label), the same
 optimizer (fused AdamW, fp32 master weights), bf16 params / fp32 gradients (the peers: FSDP2 on a 1-GPU mesh), and
 the same timing: ``--warmup`` steps (compilation) then ``--steps`` timed steps, synchronizing after each.
-MFU is computed for every stack from titan_mm's FLOP counter (docs/flops.md) against 989 TFLOP/s.
+MFU is computed for every stack from titan_mm's FLOP counter (docs/flops.md) against 989 TFLOP/s (the H100 SXM's
+and the H200's dense bf16 datasheet peak). The run first measures this machine's ceilings (bench/ceilings.py:
+bf16 matmul, copy bandwidth; in the JSON's ``ceilings``), and every row names its device and its TFLOP/s as a
+fraction of the measured matmul (``frac_of_matmul``). A case's ``over_80gb`` names the stacks whose peak on the
+H200 was above what an H100 holds; on a smaller GPU those rows are recorded as not fitting instead of run.
 
 Stacks:
   titan            titan_mm's trainer path: titan_mm.train.setup.setup(cfg) (meshes, registry model -> parallelize
@@ -54,25 +58,27 @@ sys.path.insert(0, str(ROOT))
 PEAK_TFLOPS = 989.0
 
 # name -> registry model, flavor, overrides of the flavor's config (JSON-able: --model.overrides; a dict reaches
-# into a nested config: Qwen3-VL's layer cuts apply to its text model), batch, seq; vl: image+text rows (vl_batch)
+# into a nested config: Qwen3-VL's layer cuts apply to its text model), batch, seq; vl: image+text rows (vl_batch);
+# over_80gb: {stack: peak GiB on the H200} of the stacks that do not fit an H100 (79.2 GiB); the other stacks fit
+# both (qwen3_4b's titan peaked at 77.7 GiB: tight). Batches stay as recorded, to compare with the earlier rows.
 CASES: dict[str, dict] = {
     "debug": dict(model="qwen3", flavor="debug", overrides={}, batch=2, seq=64),  # CPU smoke tests (--cpu)
     "debug_vl": dict(model="qwen3_vl", flavor="debug", overrides={}, batch=1, seq=1024, vl=True),
     "debug_qwen3_5": dict(model="qwen3_5", flavor="debug", overrides={}, batch=1, seq=1024, vl=True),
-    "qwen3_1.7b": dict(model="qwen3", flavor="1.7B", overrides={}, batch=4, seq=4096),
+    "qwen3_1.7b": dict(model="qwen3", flavor="1.7B", overrides={}, batch=4, seq=4096, over_80gb={"torchtitan": 83.2}),
     "qwen3_4b": dict(model="qwen3", flavor="4B", overrides={}, batch=2, seq=4096),
     "qwen3_8b_12l": dict(model="qwen3", flavor="8B", overrides={"num_hidden_layers": 12}, batch=2, seq=4096),
     "qwen3_30b_a3b_4l": dict(model="qwen3_moe", flavor="30B-A3B", overrides={"num_hidden_layers": 4}, batch=4,
-                             seq=4096),
+                             seq=4096, over_80gb={"torchtitan": 80.1}),
     "qwen3_vl_2b": dict(model="qwen3_vl", flavor="2B", overrides={}, batch=1, seq=8192, vl=True),
     "qwen3_vl_8b_12l": dict(model="qwen3_vl", flavor="8B", overrides={"text": {"num_hidden_layers": 12}}, batch=1,
-                            seq=8192, vl=True),
+                            seq=8192, vl=True, over_80gb={"titan": 79.6, "titan_opt": 79.6}),
     "qwen3_vl_30b_a3b_4l": dict(model="qwen3_vl_moe", flavor="30B-A3B", overrides={"text": {"num_hidden_layers": 4}},
                                 batch=1, seq=8192, vl=True),
     # Qwen3.5: both block kinds (3 Gated DeltaNet : 1 gated attention) and the ViT, cut to fit one H200
     "qwen3_5_9b_8l": dict(model="qwen3_5", flavor="9B", overrides={"text": {
         "num_hidden_layers": 8, "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
-        + ["full_attention"]}}, batch=1, seq=8192, vl=True),
+        + ["full_attention"]}}, batch=1, seq=8192, vl=True, over_80gb={"titan": 83.9, "hf": 107.9}),
     "qwen3_5_35b_a3b_4l": dict(model="qwen3_5_moe", flavor="35B-A3B", overrides={"text": {
         "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}}, batch=1, seq=8192,
         vl=True),
@@ -93,10 +99,11 @@ CASES.update({
     "debug_qwen3_omni_moe": dict(model="qwen3_omni_moe", flavor="debug", overrides={}, batch=1, seq=1024, vl=True,
                                  synthetic=OMNI_SYNTHETIC, media=dict(image=(16, 16), audio_s=(10, 12), text=128)),
     "qwen2_5_omni_7b_4l": dict(model="qwen2_5_omni", flavor="7B", overrides={"text": {"num_hidden_layers": 4}},
-                               batch=1, seq=8192, vl=True, synthetic=OMNI_SYNTHETIC, media=OMNI_MEDIA),
+                               batch=1, seq=8192, vl=True, synthetic=OMNI_SYNTHETIC, media=OMNI_MEDIA,
+                               over_80gb={"hf": 83.2}),
     "qwen3_omni_30b_a3b_4l": dict(model="qwen3_omni_moe", flavor="30B-A3B",
                                   overrides={"text": {"num_hidden_layers": 4}}, batch=1, seq=8192, vl=True,
-                                  synthetic=OMNI_SYNTHETIC, media=OMNI_MEDIA),
+                                  synthetic=OMNI_SYNTHETIC, media=OMNI_MEDIA, over_80gb={"hf": 84.2}),
 })
 
 
@@ -427,6 +434,11 @@ def _row_order(r: dict):
             r.get("model_overrides") or "")
 
 
+def _device(row: dict) -> str | None:
+    """A row's device (rows before 2026-12-05 name it ``gpu`` only)."""
+    return row.get("device", row.get("gpu"))
+
+
 def render(rows: list[dict]) -> str:
     out = ["| case | stack | AC | tokens/s | TFLOP/s | MFU | MFU (LLM only) | peak GiB | vs best peer |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -435,7 +447,7 @@ def render(rows: list[dict]) -> str:
             out.append(f"| {r['case']} | {r['stack']} | {r.get('ac', '')} | failed: {r['error'][:60]} | | | | | |")
             continue
         peers = [p["tokens_per_s"] for p in rows if p["case"] == r["case"] and "error" not in p
-                 and not p["stack"].startswith("titan")]
+                 and not p["stack"].startswith("titan") and _device(p) == _device(r)]
         ratio = f"{r['tokens_per_s'] / max(peers):.2f}x" if peers else ""
         stack = r["stack"] + (f" (ops {r['kernel_ops']})" if r.get("kernel_ops") else "") \
             + (f" ({r['model_overrides']})" if r.get("model_overrides") else "") \
@@ -444,6 +456,24 @@ def render(rows: list[dict]) -> str:
         out.append(f"| {r['case']} | {stack} | {r['ac']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
                    f"{100 * r['mfu']:.1f}% | {100 * r.get('mfu_llm_only', r['mfu']):.1f}% | {r['peak_mem_gb']:.1f} | {ratio} |")
     return "\n".join(out)
+
+
+def machine_ceilings(cpu: bool) -> dict:
+    """bench/ceilings.py in a process of its own: this driver holds no CUDA context while the workers run."""
+    p = subprocess.run([sys.executable, str(ROOT / "bench/ceilings.py"), *(["--cpu"] if cpu else [])],
+                       capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        return {"error": (p.stderr or p.stdout)[-1000:]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def does_not_fit(case: str, stack: str, ceil: dict) -> str | None:
+    """Why (case, stack) cannot run on this device (its H200 peak above this device's memory, less 1 GiB for the
+    CUDA context), or None."""
+    need, have = CASES[case].get("over_80gb", {}).get(stack), ceil.get("memory_gib")
+    if need and have and need > have - 1:
+        return f"does not fit: peaked at {need} GiB on the H200; {ceil['device']} has {have} GiB"
+    return None
 
 
 def main() -> int:
@@ -498,9 +528,16 @@ def main() -> int:
         return 0
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)  # the tables, splits and logs go here
+    ceil = machine_ceilings(args.cpu)
+    print("ceilings: " + json.dumps(ceil), flush=True)
     rows, merged = [], []
     for case in args.cases.split(","):
         for stack in args.stacks.split(","):
+            if reason := does_not_fit(case, stack, ceil):
+                rows.append(dict(case=case, stack=stack, ac=args.ac, device=ceil["device"], error=reason))
+                print(f"{case} {stack}: {reason}", flush=True)
+                merged = _write(Path(args.out), rows, ceil)
+                continue
             prof = str(Path(args.profile) / f"profile_{case}_{stack}.txt") if args.profile else ""
             cmd = [sys.executable, __file__, "--worker", "--case", case, "--stack", stack, "--ac", args.ac,
                    "--profile", prof, "--kernel-ops", args.kernel_ops, "--reshard", args.reshard,
@@ -523,6 +560,9 @@ def main() -> int:
                 rows.append(dict(case=case, stack=stack, ac=args.ac, error=f"timeout after {args.timeout}s; "
                                                                           f"worker output: {tail}"))
             r = rows[-1]
+            r["device"] = r.get("gpu") or ceil.get("device")
+            if "tflops" in r and ceil.get("bf16_tflops"):  # against this machine's measured bf16 matmul
+                r["frac_of_matmul"] = round(r["tflops"] / ceil["bf16_tflops"], 3)
             if args.kernel_ops and stack.startswith("titan") and stack != "titan_nokernels":
                 r["kernel_ops"] = args.kernel_ops
             if args.model_overrides and stack.startswith("titan") and stack != "titan_plain":
@@ -534,21 +574,23 @@ def main() -> int:
             print(f"[{time.time() - t0:5.0f}s] {case} {stack}: "
                   + (f"{r['tokens_per_s']:,.0f} tok/s, {100 * r['mfu']:.1f}% MFU, {r['peak_mem_gb']:.1f} GB"
                      if "error" not in r else "FAILED\n" + r["error"][-1500:]), flush=True)
-            merged = _write(Path(args.out), rows)  # after every row: a run cut short keeps what it measured
+            merged = _write(Path(args.out), rows, ceil)  # after every row: a run cut short keeps what it measured
     print(render(merged))
     return 0
 
 
-def _write(out: Path, rows: list[dict]) -> list[dict]:
-    """Merge ``rows`` into the results JSON at ``out`` (a row replaces the earlier one of its case, stack, ac)."""
+def _write(out: Path, rows: list[dict], ceil: dict) -> list[dict]:
+    """Merge ``rows`` into the results JSON at ``out`` (a row replaces the earlier one of its case, stack, ac and
+    device: an H100's rows stand beside an H200's); ``ceil``: this run's machine (``ceilings``: the last run's)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     prev = json.loads(out.read_text()) if out.exists() else {"rows": []}
     keep = [r for r in prev.get("rows", []) if not any(
         r["case"] == n["case"] and r["stack"] == n["stack"] and r.get("ac") == n.get("ac")
         and r.get("kernel_ops") == n.get("kernel_ops") and r.get("reshard") == n.get("reshard")
         and r.get("model_overrides") == n.get("model_overrides")
-        and r.get("skip_guard_eval_unsafe") == n.get("skip_guard_eval_unsafe") for n in rows)]
-    out.write_text(json.dumps({"peak_tflops": PEAK_TFLOPS, "rows": keep + rows}, indent=1))
+        and r.get("skip_guard_eval_unsafe") == n.get("skip_guard_eval_unsafe")
+        and _device(r) == _device(n) for n in rows)]
+    out.write_text(json.dumps({"peak_tflops": PEAK_TFLOPS, "ceilings": ceil, "rows": keep + rows}, indent=1))
     return keep + rows
 
 

@@ -8,9 +8,10 @@ greedy, EOS ignored, so every request makes exactly its max_tokens. Parts (``--p
   at once; titan_mm's ``Engine`` then transformers' ``Qwen3ForCausalLM`` over the same tensors (``paged|sdpa``,
   ``continuous_batching_context_manager`` + per-request ``max_new_tokens``). Output tokens / s, TTFT and TPOT
   p50 / p99 per request, peak memory, the ratio, and the workload's HBM roofline: each decode step reads the
-  weights once plus the K/V of every live sequence, at the concurrency titan reached, / 4.23 TB/s.
+  weights once plus the K/V of every live sequence, at the concurrency titan reached, / the copy bandwidth
+  measured at the start of the run (bench/ceilings.py: about 3.0 TB/s on an H100, 4.3 on an H200).
 - ``batch1``: one request, 512 prompt + 512 output tokens; decode tokens / s against the weight roofline
-  (weight bytes / 4.23 TB/s per token); transformers too.
+  (weight bytes / the measured copy bandwidth per token); transformers too.
 - ``B``: a 2k-token prefix shared by every request, short distinct suffixes: prefix cache on vs off.
 - ``C``: speculative decoding on repetitive prompts: n-gram lookup and a registry draft model against none. With
   random weights another flavor's guesses are almost never kept, so the draft row shows the cost (on CPU the target
@@ -45,7 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.kernel_ops import COPY_CEILING_TBS  # noqa: E402  (H200 device-to-device copy, the HBM ceiling)
+from bench import ceilings  # noqa: E402  (this machine's copy bandwidth: the HBM ceiling of the rooflines)
 
 # the workloads, on the H200 and in the CPU smoke (a tiny debug model, every code path)
 SHAPES = {
@@ -162,16 +163,18 @@ def weight_bytes(model: torch.nn.Module, dims, dtype: torch.dtype) -> int:
     return n * torch.finfo(dtype).bits // 8
 
 
-def roofline_s(prompts: list[int], news: list[int], concurrency: int, w_bytes: int, kv_token_bytes: int) -> float:
+def roofline_s(prompts: list[int], news: list[int], concurrency: int, w_bytes: int, kv_token_bytes: int,
+               tb_s: float) -> float:
     """HBM lower bound of a workload's decode: requests take seats in order, at most ``concurrency`` at once; a step
-    makes one token per seated request and reads the weights once plus the K/V of every seated context."""
+    makes one token per seated request and reads the weights once plus the K/V of every seated context, at
+    ``tb_s`` TB/s (the measured copy bandwidth)."""
     waiting, live, total = deque(zip(prompts, news)), [], 0
     while waiting or live:
         while waiting and len(live) < concurrency:
             live.append(list(waiting.popleft()))
         total += w_bytes + kv_token_bytes * sum(c for c, _ in live)
         live = [[c + 1, left - 1] for c, left in live if left > 1]
-    return total / (COPY_CEILING_TBS * 1e12)
+    return total / (tb_s * 1e12)
 
 
 # ---- titan_mm ----
@@ -362,7 +365,8 @@ def part_A(spec, shape, device, cap_s, cpu, seed, vocab) -> dict:
         r = titan_vs_hf(spec, flavor, prompts, news, device, shape, cap_s, cpu, seed)
         t = r["titan"]
         if "error" not in t:  # the roofline at the concurrency titan reached
-            roof = roofline_s(plens, news, t["peak_running_seqs"], r["weight_bytes"], r["kv_bytes_per_token"])
+            roof = roofline_s(plens, news, t["peak_running_seqs"], r["weight_bytes"], r["kv_bytes_per_token"],
+                              shape["copy_tb_s"])
             r["roofline"] = {"concurrency": t["peak_running_seqs"], "seconds": round(roof, 3),
                              "tokens_per_s": round(sum(news) / roof, 1)}
             r["titan_frac_of_roofline"] = round(t["tokens_per_s"] / r["roofline"]["tokens_per_s"], 4)
@@ -378,7 +382,7 @@ def part_batch1(spec, shape, device, cap_s, cpu, seed, vocab) -> dict:
     res = {"prompt": s["prompt"], "new": s["new"]}
     for flavor in shape["flavors"]:
         r = titan_vs_hf(spec, flavor, prompts, news, device, shape, cap_s, cpu, seed)
-        roof = COPY_CEILING_TBS * 1e12 / r["weight_bytes"]
+        roof = shape["copy_tb_s"] * 1e12 / r["weight_bytes"]
         r["weight_roofline_tokens_per_s"] = round(roof, 1)
         for k in ("titan", "hf"):
             if r[k].get("request_decode_tokens_per_s"):
@@ -577,16 +581,21 @@ def main(argv: list[str] | None = None) -> int:
     print("expected H200 seconds (guesses, not measured): " + ", ".join(f"{p} ~{EXPECT_S[p]}" for p in parts)
           + f"; total ~{sum(EXPECT_S[p] for p in parts)}", flush=True)
     spec, vocab = get_model_spec("qwen3"), text_vocab()
-    res = {"meta": {"mode": "cpu" if a.cpu else "gpu", "device": torch.cuda.get_device_name() if not a.cpu else "cpu",
+    ceil = ceilings.measure(device)  # before any model: the rooflines divide by this machine's bandwidth
+    print("ceilings: " + json.dumps(ceil), flush=True)
+    shape["copy_tb_s"] = ceil["copy_tb_s"]
+    res = {"meta": {"mode": "cpu" if a.cpu else "gpu", "device": ceil["device"], "ceilings": ceil,
                     "torch": torch.__version__, "transformers": transformers.__version__,
-                    "hbm_tb_s": COPY_CEILING_TBS, "cap_s": cap_s, "seed": a.seed, "shape": shape,
+                    "hbm_tb_s": ceil["copy_tb_s"], "cap_s": cap_s, "seed": a.seed, "shape": shape,
                     "token_ids": f"random ids in [0, {vocab}) (below the Qwen3 tokenizer's special tokens)",
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, "parts": {}, "seconds": {}}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for p in parts:
         t0 = time.perf_counter()
-        res["parts"][p] = guarded(RUN[p], spec, shape, device, cap_s, a.cpu, a.seed, vocab)
+        part = res["parts"][p] = guarded(RUN[p], spec, shape, device, cap_s, a.cpu, a.seed, vocab)
+        for row in [part, *(part[f] for f in shape["flavors"] if isinstance(part.get(f), dict))]:
+            row["device"] = ceil["device"]
         res["seconds"][p] = round(time.perf_counter() - t0, 1)
         res["targets"] = targets(res["parts"])
         out.write_text(json.dumps(res, indent=2) + "\n")

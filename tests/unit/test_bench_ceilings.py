@@ -1,0 +1,40 @@
+"""Benches that know their machine: bench/ceilings.py measures copy bandwidth and bf16 matmul on the device it runs
+on (here the CPU: the fields, not the figures), bench/serve.py's rooflines divide by the bandwidth they are given
+(no H200 constant), and bench/mfu.py refuses, as a row that says so, a (case, stack) whose H200 peak does not fit
+the device's memory."""
+
+from __future__ import annotations
+
+import torch
+
+from bench import ceilings
+from bench.mfu import CASES, does_not_fit
+from bench.serve import roofline_s
+
+H100 = {"device": "NVIDIA H100 80GB HBM3", "memory_gib": 79.2}
+H200 = {"device": "NVIDIA H200", "memory_gib": 139.8}
+
+
+def test_measure_reports_the_device_and_its_ceilings():
+    c = ceilings.measure(torch.device("cpu"))
+    assert set(c) == {"device", "memory_gib", "copy_tb_s", "bf16_tflops", "copy_bytes", "matmul_n", "torch"}
+    assert c["device"] == "cpu" and c["memory_gib"] is None
+    assert c["copy_tb_s"] > 0 and c["bf16_tflops"] > 0 and c["copy_bytes"] == ceilings.SIZES["cpu"][0]
+
+
+def test_serve_roofline_scales_with_the_measured_bandwidth():
+    args = ([100, 200, 300], [10, 20, 30], 2, 10**9, 10**5)
+    h100, h200 = roofline_s(*args, tb_s=3.0), roofline_s(*args, tb_s=4.3)
+    assert h100 > h200 and abs(h100 * 3.0 - h200 * 4.3) <= 1e-12 * h100 * 3.0
+    # one request of 3 new tokens: 3 steps, each reading 1e12 weight bytes at 1 TB/s
+    assert roofline_s([1], [3], 1, 10**12, 0, tb_s=1.0) == 3.0
+
+
+def test_cases_over_80gb_are_refused_on_an_h100_only():
+    marked = {(c, s) for c, case in CASES.items() for s in case.get("over_80gb", {})}
+    assert ("qwen3_vl_8b_12l", "titan") in marked and ("qwen3_1.7b", "titan") not in marked
+    for case, stack in marked:
+        assert does_not_fit(case, stack, H100) and "79.2 GiB" in does_not_fit(case, stack, H100)
+        assert does_not_fit(case, stack, H200) is None
+    assert does_not_fit("qwen3_1.7b", "titan", H100) is None
+    assert does_not_fit("qwen3_vl_8b_12l", "titan", {"error": "no CUDA"}) is None  # unknown memory: run it
