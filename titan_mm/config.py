@@ -110,8 +110,8 @@ class Data:
     split_long_text: bool = False
     """Split plain-text documents longer than seq_len into chunks instead of skipping them."""
     chat_template: str = ""
-    """Chat template of chat samples: empty = the model family's; 'qwen3_vl' (Qwen3-VL Instruct, no think block)
-    or 'qwen3' (empty <think></think> on the last turn) override it."""
+    """Chat template of chat samples: empty = the model family's; 'chatml' (as Qwen3-VL Instruct's, no think
+    block) or 'chatml_think' (Qwen3's: empty <think></think> on the last turn) override it."""
     image_min_pixels: int = 65536
     """Smallest image area after smart resize (pixels)."""
     image_max_pixels: int = 16777216

@@ -121,8 +121,9 @@ class DataNeeds:
     """Patches per merged visual token along each spatial axis."""
     special_tokens: dict[str, int] = field(default_factory=dict)
     """Token ids the processors must place, by role (image_pad, video_pad, vision_start, vision_end, ...)."""
-    chat_template: str = "qwen3"
-    """The processors' chat template for this family (data.chat_template may override it)."""
+    chat_template: str = "chatml_think"
+    """The processors' chat template for this family (titan_mm.data.processors.CHAT_TEMPLATES: "chatml", or
+    "chatml_think" with Qwen3's think block); data.chat_template may override it."""
     video: bool = True
     """The family trains on video parts. False: they are skipped and counted (unknown_modality)."""
     vision_layout: VisionLayout | None = None

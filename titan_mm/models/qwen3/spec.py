@@ -29,7 +29,7 @@ def with_runtime(cfg: Qwen3Config, attn_backend: str, kernels: bool | str) -> Qw
 
 
 def data_needs(cfg: Qwen3Config) -> DataNeeds:
-    return DataNeeds(positions="1d", chat_template="qwen3")
+    return DataNeeds(positions="1d", chat_template="chatml_think")
 
 
 def kernel_shapes(cfg: Qwen3Config, tp: int = 1, encoder_tp: bool = False) -> KernelShapes:

@@ -35,7 +35,7 @@ def data_needs(cfg: Qwen3VLConfig) -> DataNeeds:
     v = cfg.vision
     return DataNeeds(
         positions="mrope", patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-        merge_size=v.spatial_merge_size, chat_template="qwen3_vl", vision_layout=VISION_LAYOUT,
+        merge_size=v.spatial_merge_size, chat_template="chatml", vision_layout=VISION_LAYOUT,
         special_tokens={"image_pad": cfg.image_token_id, "video_pad": cfg.video_token_id,
                         "vision_start": cfg.vision_start_token_id, "vision_end": cfg.vision_end_token_id},
     )
