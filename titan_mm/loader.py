@@ -29,7 +29,8 @@ import torch
 from titan_mm.config import ConfigError, Data, JobConfig, load_toml
 from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
 from titan_mm.kernels import resolve_ops
-from titan_mm.models.hf_io import HFPathNotFound, local_hf_dir
+from titan_mm.models.hf_config import HFConfigError, conforms
+from titan_mm.models.hf_io import HFCheckpointError, HFPathNotFound, local_hf_dir
 from titan_mm.registry import ModelSpec, SpecError, resolve_model, spec_for_hf_dir
 from titan_mm.train.checkpoint import CONFIG_FILE, CheckpointError, load_model_weights, resolve_verified
 
@@ -139,11 +140,15 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", *, s
     device = torch.device(device)
     src = resolve_source(path)
     if src.is_hf:
-        spec = spec_for_hf_dir(str(src.path))
-        model_cfg = spec.with_runtime(spec.config_from_hf(str(src.path)), attn_backend="sdpa",
-                                      kernels=kernels and device.type == "cuda")
+        spec, model_cfg = hf_model_config(src.path, attn_backend="sdpa", kernels=kernels and device.type == "cuda")
+        data, eos, tok = _hf_image_bounds(src.path), _hf_eos(src.path), tokenizer_for(None, str(src.path))
     else:  # the architecture as the run resolved it, with the CPU's runtime defaults (sdpa; kernels as configured)
         spec, model_cfg = model_from_config(src.job, torch.device("cpu"))
+        data, eos, tok = src.job.data, None, tokenizer_path(src.job)
+    try:  # before any weight is read
+        tok = load_tokenizer(tok)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"the tokenizer of {src.path} cannot be loaded: {e}") from None
     with torch.device("meta"):
         model = spec.build(model_cfg)
     if shard is not None and src.is_hf:
@@ -154,20 +159,41 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", *, s
     load_weights(model, spec, src)
     if shard is not None and not src.is_hf:
         model = shard(model, spec, model_cfg)
-    if src.is_hf:
-        data, eos = _hf_image_bounds(src.path), _hf_eos(src.path)
-        tok = load_tokenizer(tokenizer_for(None, str(src.path)))
-    else:
-        data, tok, eos = src.job.data, load_tokenizer(tokenizer_path(src.job)), None
     return Loaded(model.eval(), spec, model_cfg, data, tok, eos, src.job, src.path)
+
+
+def hf_model_config(folder: Path, **runtime) -> tuple[ModelSpec, Any]:
+    """(spec, config with the ``runtime`` fields) of an HF folder's config.json; every mistake in the file (a value of
+    the wrong type, a missing key, what the family cannot run) is one ConfigError line, before any weight is read."""
+    cfg_file = folder / "config.json"
+    try:
+        spec = spec_for_hf_dir(str(folder))
+        return spec, spec.with_runtime(spec.config_from_hf(str(folder)), **runtime)
+    except HFConfigError as e:  # a value of the wrong type, its key named from the top of the file
+        why = str(e)
+    except (SpecError, HFCheckpointError) as e:  # these name the file already
+        raise ConfigError(str(e)) from None
+    except (ValueError, KeyError, TypeError) as e:  # the family's reader names what does not fit
+        why = f"the key {e} is missing" if isinstance(e, KeyError) else str(e)
+    raise ConfigError(f"{cfg_file}: {why}")
+
+
+def _hf_json(f: Path) -> dict:
+    """An HF folder's side file (preprocessor / generation config) as a dict; {} when absent; one line if broken."""
+    if not f.is_file():
+        return {}
+    try:
+        d = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{f} cannot be read as JSON ({e}); fix or delete it") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{f} holds a JSON {type(d).__name__}, not an object; fix or delete it")
+    return d
 
 
 def _hf_image_bounds(folder: Path) -> Data:
     """[data] image resize bounds from an exported folder's preprocessor_config.json (defaults otherwise)."""
-    f = folder / "preprocessor_config.json"
-    if not f.is_file():
-        return Data()
-    size = json.loads(f.read_text()).get("size") or {}
+    size = _hf_json(folder / "preprocessor_config.json").get("size") or {}
     kw = {}
     if "shortest_edge" in size:
         kw["image_min_pixels"] = int(size["shortest_edge"])
@@ -178,7 +204,7 @@ def _hf_image_bounds(folder: Path) -> Data:
 
 def _hf_eos(folder: Path) -> list[int] | None:
     f = folder / "generation_config.json"
-    if not f.is_file():
-        return None
-    e = json.loads(f.read_text()).get("eos_token_id")
+    e = _hf_json(f).get("eos_token_id")
+    if not conforms(e, int | list[int] | None):
+        raise ConfigError(f"{f}: eos_token_id = {e!r} must be an int, a list of ints or null")
     return None if e is None else ([e] if isinstance(e, int) else list(e))

@@ -70,11 +70,22 @@ def local_hf_dir(hf_path: str, weights: bool = False) -> str:
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict:
+    """config.json of an HF folder as a dict; a missing, unreadable or non-JSON file is one HFCheckpointError line.
+    The values' types are checked by the family readers (titan_mm.models.hf_config)."""
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise HFCheckpointError(f"{path} not found: an HF model directory needs config.json next to its safetensors")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except OSError as e:
+        raise HFCheckpointError(f"{path} cannot be read ({e.strerror or e}); check its permissions") from None
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise HFCheckpointError(f"{path} is not valid JSON ({e}); re-download or re-export it") from None
+    if not isinstance(d, dict):
+        raise HFCheckpointError(f"{path} holds a JSON {type(d).__name__}, not an object of config keys; re-download "
+                                "or re-export it")
+    return d
 
 
 def safetensors_files(hf_dir: str | os.PathLike) -> dict[str, str]:

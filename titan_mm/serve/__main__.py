@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from titan_mm.config import ConfigError
+    from titan_mm.models.hf_io import HFCheckpointError
     from titan_mm.registry import SpecError
     from titan_mm.serve.engine import Engine
     from titan_mm.serve.server import build_app
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                               "checkpoint folder")
         a.serve.check()
         engine = Engine.from_pretrained(a.model, a.serve, device=device)
-    except (ConfigError, SpecError, CheckpointError) as e:
+    except (ConfigError, SpecError, CheckpointError, HFCheckpointError) as e:  # HF weights that do not fit config.json
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = a.served_model_name or Path(a.model).resolve().name

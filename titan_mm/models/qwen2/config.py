@@ -19,6 +19,8 @@ import os  # noqa: F401  (type hints)
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_mm.models.hf_config import check_hf, hf_types
+from titan_mm.models.hf_io import read_hf_config
 from titan_mm.models.qwen3.config import Qwen3Config
 
 MODEL_TYPE = "qwen2"
@@ -119,6 +121,7 @@ class Qwen2Config:
         if mt != MODEL_TYPE:
             raise ValueError(f"config.json has model_type={mt!r}, but the qwen2 family reads {MODEL_TYPE!r}; "
                              "use the registry entry for that model type (titan_mm.registry.spec_for_hf_dir)")
+        check_hf(d, HF_TYPES)
         names = {f.name for f in dataclasses.fields(cls)} - set(cls.RUNTIME_FIELDS)
         known = names | _IGNORED_HF_KEYS | _DERIVED_HF_KEYS | set(_FIXED_HF_KEYS)
         unknown = sorted(set(d) - known)
@@ -145,8 +148,6 @@ class Qwen2Config:
 
     @classmethod
     def from_hf(cls, hf_dir: str | os.PathLike, **runtime) -> Qwen2Config:
-        from titan_mm.models.hf_io import read_hf_config
-
         return cls.from_hf_dict(read_hf_config(hf_dir), **runtime)
 
     def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
@@ -156,6 +157,11 @@ class Qwen2Config:
         d = {k: v for k, v in self.decoder().to_hf_dict(dtype=dtype).items() if k in keep}
         d.update(architectures=["Qwen2ForCausalLM"], model_type=MODEL_TYPE)
         return d
+
+
+# config.json key -> JSON type (titan_mm.models.hf_config): the fields, and the keys HF may write as null or derives
+HF_TYPES = hf_types(Qwen2Config, skip=Qwen2Config.RUNTIME_FIELDS, head_dim=int | None, num_key_value_heads=int | None,
+                    use_mrope=bool, attention_bias=bool)
 
 
 def as_decoder(cfg: Qwen2Config | Qwen3Config) -> Qwen3Config:

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_mm.models.hf_config import check_hf, hf_types, within
 from titan_mm.models.qwen2.config import Qwen2Config
 from titan_mm.models.qwen2_5_vl.config import _GENERIC, Qwen2_5_VLConfig, VisionConfig
 
@@ -100,15 +101,21 @@ class Qwen2_5OmniConfig(Qwen2_5_VLConfig):
     # --- HF config.json ---
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], **runtime) -> Qwen2_5OmniConfig:
+        if d.get("model_type") != FULL_MODEL_TYPE:
+            return cls._from_thinker_dict(d, **runtime)
+        if "thinker_config" not in d:
+            raise ValueError("a qwen2_5_omni config.json needs thinker_config; is the file complete?")
+        check_hf(d, {"thinker_config": dict})
+        with within("thinker_config"):
+            return cls._from_thinker_dict({"model_type": MODEL_TYPE, **d["thinker_config"]}, **runtime)
+
+    @classmethod
+    def _from_thinker_dict(cls, d: dict[str, Any], **runtime) -> Qwen2_5OmniConfig:
         mt = d.get("model_type")
-        if mt == FULL_MODEL_TYPE:
-            if "thinker_config" not in d:
-                raise ValueError("a qwen2_5_omni config.json needs thinker_config; is the file complete?")
-            d = d["thinker_config"]
-            mt = d.get("model_type", MODEL_TYPE)
         if mt != MODEL_TYPE:
             raise ValueError(f"config.json has model_type={mt!r}, but the qwen2_5_omni family reads {MODEL_TYPE!r} "
                              f"or {FULL_MODEL_TYPE!r}; use the registry entry for that model type (spec_for_hf_dir).")
+        check_hf(d, HF_TYPES)
         text = {**_TEXT_DEFAULTS, **(d.get("text_config") or {})}
         vl = Qwen2_5_VLConfig.from_hf_dict({
             "model_type": "qwen2_5_vl", "text_config": text, "vision_config": d.get("vision_config") or {},
@@ -117,6 +124,8 @@ class Qwen2_5OmniConfig(Qwen2_5_VLConfig):
             "vision_start_token_id": d.get("vision_start_token_id", 151652),
             "vision_end_token_id": d.get("vision_end_token_id", 151653)})
         ad = dict(d.get("audio_config") or {})
+        with within("audio_config"):
+            check_hf(ad, AUDIO_HF_TYPES)
         for k in ("dropout", "attention_dropout", "activation_dropout"):
             if ad.get(k, 0.0):
                 raise ValueError(f"audio_config {k}={ad[k]}: titan_mm's audio encoder has no dropout; set it to 0.")
@@ -159,6 +168,15 @@ class Qwen2_5OmniConfig(Qwen2_5_VLConfig):
         if dtype is not None:
             out["dtype"] = dtype
         return out
+
+
+# config.json key -> JSON type (titan_mm.models.hf_config) of the thinker's keys; its text and vision configs are
+# checked by Qwen2.5-VL's reader
+HF_TYPES = hf_types(Qwen2_5OmniConfig, skip=Qwen2_5OmniConfig.RUNTIME_FIELDS + ("text", "vision", "audio",
+                                                                              "mrope_section"),
+                    text_config=dict | None, vision_config=dict | None, audio_config=dict | None,
+                    image_token_index=int, video_token_index=int, audio_token_index=int)
+AUDIO_HF_TYPES = hf_types(AudioConfig, dropout=float, activation_dropout=float)
 
 
 # ---- flavors: Qwen/Qwen2.5-Omni-{3B,7B} thinker_config numbers + a tiny debug flavor ----

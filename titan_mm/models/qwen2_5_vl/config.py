@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_mm.models.hf_config import check_hf, hf_types, within
+from titan_mm.models.qwen2.config import HF_TYPES as TEXT_HF_TYPES
 from titan_mm.models.qwen2.config import Qwen2Config
 from titan_mm.models.qwen3.config import Qwen3Config
 from titan_mm.models.qwen3_vl.config import VLFields
@@ -127,9 +129,13 @@ class Qwen2_5_VLConfig(VLFields):
                              "the registry entry for that model type (titan_mm.registry.spec_for_hf_dir).")
         if "vision_config" not in d:
             raise ValueError("a Qwen2.5-VL config.json needs vision_config; is the file complete?")
+        check_hf(d, HF_TYPES)
+        text_key = "text_config" if d.get("text_config") else ""  # the released files are flat: text keys on top
         td = dict(d.get("text_config") or {k: v for k, v in d.items() if k not in _VL_KEYS})
-        rope = dict(td.pop("rope_parameters", None) or td.pop("rope_scaling", None) or {})
-        td.pop("rope_scaling", None)
+        with within(text_key):
+            check_hf(td, TEXT_HF_TYPES)
+        rope = dict(td.pop("rope_scaling", None) or td.pop("rope_parameters", None) or {})  # transformers' precedence
+        td.pop("rope_parameters", None)
         mrope = tuple(rope.pop("mrope_section", (16, 24, 24)))
         if rope.pop("mrope_interleaved", False):
             raise ValueError("mrope_interleaved=true is Qwen3-VL's layout; use the qwen3_vl family.")
@@ -145,8 +151,11 @@ class Qwen2_5_VLConfig(VLFields):
         if dropped:
             raise ValueError(f"Qwen2.5-VL text config keys titan_mm does not implement: {dropped}")
         td = {**_TEXT_DEFAULTS, **{k: v for k, v in td.items() if k in keep}}  # HF Qwen2.5-VL's, where not Qwen2's
-        text = Qwen2Config.from_hf_dict({**td, "model_type": "qwen2"})
+        with within(text_key):
+            text = Qwen2Config.from_hf_dict({**td, "model_type": "qwen2"})
         vd = d["vision_config"]
+        with within("vision_config"):
+            check_hf(vd, VISION_HF_TYPES)
         vnames = {f.name for f in dataclasses.fields(VisionConfig)}
         vkw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in vd.items() if k in vnames}
         if "in_chans" in vd and "in_channels" not in vd:
@@ -184,6 +193,12 @@ class Qwen2_5_VLConfig(VLFields):
         if dtype is not None:
             out["dtype"] = dtype
         return out
+
+
+# config.json key -> JSON type (titan_mm.models.hf_config); the text model's are Qwen2's
+HF_TYPES = hf_types(Qwen2_5_VLConfig, skip=Qwen2_5_VLConfig.RUNTIME_FIELDS + ("text", "vision", "mrope_section"),
+                    text_config=dict | None, vision_config=dict, vision_token_id=int)
+VISION_HF_TYPES = hf_types(VisionConfig, in_chans=int, spatial_patch_size=int)
 
 
 # ---- flavors: Qwen/Qwen2.5-VL-{3B,7B}-Instruct config.json numbers + a tiny debug flavor ----

@@ -14,6 +14,9 @@ import os  # noqa: F401  (type hints)
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_mm.models.hf_config import check_hf, hf_types
+from titan_mm.models.hf_io import read_hf_config
+
 logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
@@ -149,16 +152,14 @@ class Qwen3Config:
             )
         if "text_config" in d:
             raise ValueError("config.json has a text_config (a VL model?); load it with the qwen3_vl family")
+        check_hf(d, HF_TYPES)
         d = dict(d)
         if "num_local_experts" in d and "num_experts" not in d:  # transformers >= 5 spelling
             d["num_experts"] = d.pop("num_local_experts")
-        rp = d.get("rope_parameters")
-        if isinstance(rp, dict) and "rope_theta" in rp:
-            theta = float(rp["rope_theta"])
-            scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-        else:
-            theta = float(d.get("rope_theta", 10000.0))
-            scaling = dict(d["rope_scaling"]) if d.get("rope_scaling") else None
+        # as transformers: a legacy rope_scaling dict replaces rope_parameters; its rope_theta, else the top one
+        rp = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in rp.items() if k != "rope_theta"} or None
         if scaling is not None:
             if "type" in scaling and "rope_type" not in scaling:
                 scaling["rope_type"] = scaling.pop("type")
@@ -183,9 +184,8 @@ class Qwen3Config:
         else:
             kw.pop("layer_types", None)
         kw["mlp_only_layers"] = tuple(d.get("mlp_only_layers") or ())
-        for k in ("eos_token_id",):
-            if isinstance(kw.get(k), list):
-                kw[k] = kw[k][0]
+        if isinstance(kw.get("eos_token_id"), list):  # HF's several EOS ids: the first is the model's
+            kw["eos_token_id"] = kw["eos_token_id"][0] if kw["eos_token_id"] else None
         if mt == "qwen3":
             kw["num_experts"] = 0
         elif not d.get("num_experts"):
@@ -201,8 +201,6 @@ class Qwen3Config:
 
     @classmethod
     def from_hf(cls, hf_dir: str | os.PathLike, **runtime) -> Qwen3Config:
-        from titan_mm.models.hf_io import read_hf_config
-
         return cls.from_hf_dict(read_hf_config(hf_dir), **runtime)
 
     def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
@@ -232,6 +230,11 @@ class Qwen3Config:
             d["torch_dtype"] = dtype
             d["dtype"] = dtype
         return d
+
+
+# config.json key -> JSON type (titan_mm.models.hf_config): the fields, and the keys HF may write as null or a list
+HF_TYPES = hf_types(Qwen3Config, skip=Qwen3Config.RUNTIME_FIELDS, head_dim=int | None, num_key_value_heads=int | None,
+                    mlp_only_layers=tuple[int, ...] | None, num_local_experts=int)
 
 
 # ---- flavors: real HF numbers (Qwen/Qwen3-*) + tiny debug flavors ----

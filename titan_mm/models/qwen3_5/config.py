@@ -15,7 +15,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_mm.models.qwen3_vl.config import VisionConfig, VLFields
+from titan_mm.models.hf_config import check_hf, hf_types, within
+from titan_mm.models.qwen3_vl.config import VISION_HF_TYPES, VisionConfig, VLFields
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +152,9 @@ class Qwen3_5TextConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], moe: bool) -> Qwen3_5TextConfig:
+        check_hf(d, TEXT_HF_TYPES)
         d = dict(d)
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})  # transformers' precedence
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ValueError(f"Qwen3.5 text rope {rope} is not the default M-RoPE; only rope_type 'default' is "
                              "supported")
@@ -214,6 +216,12 @@ class Qwen3_5TextConfig:
         return d
 
 
+# text_config key -> JSON type (titan_mm.models.hf_config): the fields, and the keys HF writes that are not fields
+TEXT_HF_TYPES = hf_types(Qwen3_5TextConfig, skip=Qwen3_5TextConfig.RUNTIME_FIELDS, num_key_value_heads=int | None,
+                         full_attention_interval=int, attn_output_gate=bool, mlp_only_layers=list[int] | None,
+                         decoder_sparse_step=int, norm_topk_prob=bool, mtp_num_hidden_layers=int,
+                         mtp_use_dedicated_embeddings=bool, mamba_ssm_dtype=str)
+
 # HF vision_config keys; Qwen3.5's tower is Qwen3-VL's without DeepStack mergers
 _VISION_HF_KEYS = ("depth", "hidden_size", "hidden_act", "intermediate_size", "num_heads", "in_channels", "patch_size",
                    "spatial_merge_size", "temporal_patch_size", "out_hidden_size", "num_position_embeddings",
@@ -261,8 +269,12 @@ class Qwen3_5Config(VLFields):
         if "text_config" not in d or "vision_config" not in d:
             raise ValueError("a Qwen3.5 config.json needs text_config and vision_config (text-only qwen3_5_text "
                              "checkpoints are not read); is the file complete?")
-        text = Qwen3_5TextConfig.from_hf_dict(d["text_config"], moe=mt == "qwen3_5_moe")
+        check_hf(d, HF_TYPES)
+        with within("text_config"):
+            text = Qwen3_5TextConfig.from_hf_dict(d["text_config"], moe=mt == "qwen3_5_moe")
         vd = d["vision_config"]
+        with within("vision_config"):
+            check_hf(vd, VISION_HF_TYPES)
         if vd.get("deepstack_visual_indexes"):
             raise ValueError(f"vision_config.deepstack_visual_indexes={vd['deepstack_visual_indexes']}: Qwen3.5 has "
                              "no DeepStack; is this a Qwen3-VL config.json?")
@@ -311,6 +323,11 @@ class Qwen3_5Config(VLFields):
             out["dtype"] = dtype
             td["dtype"] = dtype
         return out
+
+
+# config.json key -> JSON type at the top (the nested configs' are above)
+HF_TYPES = hf_types(Qwen3_5Config, skip=Qwen3_5Config.RUNTIME_FIELDS + ("text", "vision"), text_config=dict,
+                    vision_config=dict)
 
 
 # ---- flavors ----

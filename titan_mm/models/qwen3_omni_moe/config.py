@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_mm.models.hf_config import check_hf, hf_types, within
+from titan_mm.models.qwen3.config import HF_TYPES as TEXT_HF_TYPES
 from titan_mm.models.qwen3.config import Qwen3Config
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig, _debug_text, _vl
 
@@ -117,20 +119,31 @@ class Qwen3OmniMoeConfig(Qwen3VLConfig):
     # --- HF config.json ---
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], **runtime) -> "Qwen3OmniMoeConfig":
+        if d.get("model_type") != FULL_MODEL_TYPE:
+            return cls._from_thinker_dict(d, **runtime)
+        if "thinker_config" not in d:
+            raise ValueError("a qwen3_omni_moe config.json needs thinker_config; is the file complete?")
+        check_hf(d, {"thinker_config": dict})
+        with within("thinker_config"):
+            return cls._from_thinker_dict({"model_type": MODEL_TYPE, **d["thinker_config"]}, **runtime)
+
+    @classmethod
+    def _from_thinker_dict(cls, d: dict[str, Any], **runtime) -> "Qwen3OmniMoeConfig":
         mt = d.get("model_type")
-        if mt == FULL_MODEL_TYPE:
-            if "thinker_config" not in d:
-                raise ValueError("a qwen3_omni_moe config.json needs thinker_config; is the file complete?")
-            d = {"model_type": MODEL_TYPE, **d["thinker_config"]}
-        elif mt != MODEL_TYPE:
+        if mt != MODEL_TYPE:
             raise ValueError(f"config.json has model_type={mt!r}, but the qwen3_omni_moe family reads "
                              f"{(MODEL_TYPE, FULL_MODEL_TYPE)}; use the registry entry for that model type "
                              "(titan_mm.registry.spec_for_hf_dir).")
         for k in ("text_config", "vision_config", "audio_config"):
             if k not in d:
                 raise ValueError(f"a Qwen3-Omni thinker config.json needs {k}; is the file complete?")
+        check_hf(d, HF_TYPES)
+        with within("text_config"):  # before its rope is rewritten (the vision config's: in Qwen3-VL's reader)
+            check_hf(d["text_config"], TEXT_HF_TYPES)
+        with within("audio_config"):
+            check_hf(d["audio_config"], AUDIO_HF_TYPES)
         td = dict(d["text_config"])
-        rope_key = "rope_parameters" if td.get("rope_parameters") else "rope_scaling"
+        rope_key = "rope_scaling" if td.get("rope_scaling") else "rope_parameters"  # transformers' precedence
         rope = dict(td.get(rope_key) or {})
         if rope.pop("interleaved", True) is False:  # the released files spell it twice (interleaved, mrope_interleaved)
             raise ValueError("text rope interleaved=false is not Qwen3-Omni's M-RoPE; not supported.")
@@ -176,6 +189,13 @@ class Qwen3OmniMoeConfig(Qwen3VLConfig):
                    audio_start_token_id=self.audio_start_token_id, audio_end_token_id=self.audio_end_token_id,
                    position_id_per_seconds=self.position_id_per_seconds, user_token_id=self.user_token_id)
         return out
+
+
+# config.json key -> JSON type (titan_mm.models.hf_config) of the thinker's keys and its audio_config's
+HF_TYPES = hf_types(Qwen3OmniMoeConfig, skip=Qwen3OmniMoeConfig.RUNTIME_FIELDS + ("text", "vision", "audio",
+                                                                                  "mrope_section"),
+                    text_config=dict, vision_config=dict, audio_config=dict)
+AUDIO_HF_TYPES = hf_types(AudioConfig, **{k: float for k in _AUDIO_ZERO})
 
 
 # ---- flavors ----

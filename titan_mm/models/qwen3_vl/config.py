@@ -12,13 +12,14 @@ reads them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from titan_mm.models.hf_config import check_hf, hf_types, within
+from titan_mm.models.hf_io import read_hf_config
+from titan_mm.models.qwen3.config import HF_TYPES as TEXT_HF_TYPES
 from titan_mm.models.qwen3.config import Qwen3Config
 
 logger = logging.getLogger(__name__)
@@ -119,10 +120,7 @@ class VLFields:
     @classmethod
     def from_hf(cls, hf_dir: str | os.PathLike, **runtime):
         """The config of an HF folder's config.json (through the family's ``from_hf_dict``)."""
-        path = Path(hf_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: an HF model directory needs a config.json")
-        return cls.from_hf_dict(json.loads(path.read_text()), **runtime)
+        return cls.from_hf_dict(read_hf_config(hf_dir), **runtime)
 
     @classmethod
     def hf_token_ids(cls, d: dict) -> dict[str, int]:
@@ -188,9 +186,14 @@ class Qwen3VLConfig(VLFields):
             )
         if "text_config" not in d or "vision_config" not in d:
             raise ValueError("a Qwen3-VL config.json needs text_config and vision_config; is the file complete?")
+        check_hf(d, HF_TYPES)
+        with within("text_config"):
+            check_hf(d["text_config"], TEXT_HF_TYPES)
+        with within("vision_config"):
+            check_hf(d["vision_config"], VISION_HF_TYPES)
         td = dict(d["text_config"])
-        rope = dict(td.pop("rope_parameters", None) or td.pop("rope_scaling", None) or {})
-        td.pop("rope_scaling", None)
+        rope = dict(td.pop("rope_scaling", None) or td.pop("rope_parameters", None) or {})  # transformers' precedence
+        td.pop("rope_parameters", None)
         mrope = tuple(rope.pop("mrope_section", (24, 20, 20)))
         if rope.pop("mrope_interleaved", True) is False:
             raise ValueError("mrope_interleaved=false (Qwen2-VL style chunked M-RoPE) is not Qwen3-VL; not supported.")
@@ -209,7 +212,8 @@ class Qwen3VLConfig(VLFields):
         for k in ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "pad_token_id",
                   "tie_word_embeddings", "dtype", "torch_dtype"):
             td.pop(k, None)
-        text = Qwen3Config.from_hf_dict(td)
+        with within("text_config"):
+            text = Qwen3Config.from_hf_dict(td)
         vd = d["vision_config"]
         vnames = {f.name for f in dataclasses.fields(VisionConfig)}
         vkw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in vd.items() if k in vnames}
@@ -264,6 +268,12 @@ class Qwen3VLConfig(VLFields):
         if dtype is not None:
             out["dtype"] = dtype
         return out
+
+
+# config.json key -> JSON type (titan_mm.models.hf_config); the text_config's are Qwen3's
+HF_TYPES = hf_types(Qwen3VLConfig, skip=Qwen3VLConfig.RUNTIME_FIELDS + ("text", "vision", "mrope_section"),
+                    text_config=dict, vision_config=dict)
+VISION_HF_TYPES = hf_types(VisionConfig, patch_size=int | list[int], temporal_patch_size=int | list[int])
 
 
 def with_overrides(cfg: Qwen3VLConfig, overrides: dict[str, Any]) -> Qwen3VLConfig:
