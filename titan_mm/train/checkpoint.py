@@ -31,10 +31,18 @@ from the config's is refused (DataLayoutError, one line: resume with the saved b
 Async: ``dcp.async_save`` stages the state to CPU memory, then writes in a background thread while
 training continues; on a multi-process run it uses its own gloo process group so its collectives never
 interleave with the training ones. A new save (or the end of training) first waits for the previous one.
+
+A save that fails on an OSError (a full disk, a quota, an I/O error; the async one when it is waited on) raises
+CheckpointSaveError, one line: "no space left on device writing checkpoint step-N to DIR; the last good checkpoint
+step-M is kept; ...". Its partial folder is removed at once (it holds the space the next try needs). Nothing else is
+touched: older checkpoints are pruned only after a newer one is committed. DCP's writer is wrapped so that the
+OSError itself reaches every rank: torch.save reports a full disk as "unexpected pos 704 vs 598", with the OSError
+only in ``__context__``, which DCP's gather of the ranks' failures drops.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -43,6 +51,7 @@ import time
 import warnings
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +67,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_mm.train.state import TrainState, from_bytes, to_bytes
@@ -67,6 +77,7 @@ CONFIG_FILE = "config.toml"
 _PREFIX = "step-"
 _HASH = "crc32"
 _CHUNK = 8 << 20
+_FAULT_ROOM = 64 << 10  # TITAN_MM_FAULT_ENOSPC_AT_STEP: bytes written before the disk is "full" (inside torch.save)
 
 # DCP warns on every single-process call that it "assumes the intent is to save/load in a single process".
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
@@ -74,6 +85,10 @@ warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unav
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed on an OSError (one line naming the error, the step and the checkpoint that is kept)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -282,6 +297,78 @@ def _short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[-1] if text else ''}"[:300]
 
 
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError under ``e``: itself, one that a CheckpointException collected from a rank, or one in its chain."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        if isinstance(e, CheckpointException):
+            for fail in e.failures.values():
+                found = _os_error(fail[0] if isinstance(fail, tuple) else fail)
+                if found is not None:
+                    return found
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer; a failed write raises the OSError under it (picklable: it reaches every rank whole)."""
+
+    def __init__(self, path: Path, fault_room: int | None = None):
+        super().__init__(path)
+        if fault_room is not None:
+            self.fs = _FullDisk(fault_room)
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as e:  # noqa: BLE001 - re-raised: as its OSError when it has one
+            _reraise_os_error(e)
+            raise
+
+    def finish(self, metadata, results) -> None:
+        try:
+            super().finish(metadata, results)
+        except Exception as e:  # noqa: BLE001 - re-raised: as its OSError when it has one
+            _reraise_os_error(e)
+            raise
+
+
+def _reraise_os_error(e: BaseException) -> None:
+    err = _os_error(e)
+    if err is not None and err is not e:
+        raise OSError(err.errno, err.strerror, err.filename) from e
+
+
+class _FullDisk(FileSystem):
+    """Fault injection (TITAN_MM_FAULT_ENOSPC_AT_STEP): the disk is full after ``room`` more bytes."""
+
+    def __init__(self, room: int):
+        self.room = room
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as f:
+            yield _FillingStream(f, self)
+
+
+class _FillingStream:
+    def __init__(self, f, disk: _FullDisk):
+        self._f, self._disk = f, disk
+
+    def write(self, b) -> int:
+        n = memoryview(b).nbytes
+        if n > self._disk.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._disk.room -= n
+        return self._f.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
 def _log(msg: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"[titan_mm] {msg}", file=sys.stderr, flush=True)
@@ -316,6 +403,8 @@ class CheckpointManager:
         self.hash_seconds = 0.0  # this rank's hashing time for the last save (off the training thread if async)
         # fault injection (tests): the async save of this step never finishes, as if its writer hung
         self._hold_at = int(os.environ.get("TITAN_MM_FAULT_HOLD_SAVE_AT_STEP", "-1"))
+        # fault injection (tests): the save of this step finds the disk full after _FAULT_ROOM bytes
+        self._enospc_at = int(os.environ.get("TITAN_MM_FAULT_ENOSPC_AT_STEP", "-1"))
 
     # ------------------------------------------------------------------ items
     def _items(self, state: TrainState) -> dict[str, Any]:
@@ -338,22 +427,27 @@ class CheckpointManager:
         self.wait()  # one save at a time; commits the previous one
         step = state.step
         path = self.folder / step_dir_name(step)
-        if self.rank == 0:
-            if path.exists():  # an earlier, uncommitted attempt at this step (or a re-run step)
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
-            (path / CONFIG_FILE).write_text(self.config_toml)
-        self._barrier()
-        items = self._items(state)
         blocking = (self.async_mode == "disabled") if blocking is None else blocking
-        if blocking:
-            dcp.save(items, checkpoint_id=str(path), process_group=self._pg)
-            self._commit(step, path, self._record_files(path))
-        else:
-            fut = dcp.async_save(items, checkpoint_id=str(path), process_group=self._pg)
-            if self._background is None:
-                self._background = ThreadPoolExecutor(1, thread_name_prefix="titan_mm_ckpt_hash")
-            self._pending = (self._background.submit(self._finish_async, fut, step, path), step, path)
+        try:
+            if self.rank == 0:
+                if path.exists():  # an earlier, uncommitted attempt at this step (or a re-run step)
+                    shutil.rmtree(path)
+                path.mkdir(parents=True)
+                (path / CONFIG_FILE).write_text(self.config_toml)
+            self._barrier()
+            items = self._items(state)
+            writer = _Writer(path, _FAULT_ROOM if step == self._enospc_at else None)
+            if blocking:
+                dcp.save(items, storage_writer=writer, process_group=self._pg)
+                self._commit(step, path, self._record_files(path))
+            else:
+                fut = dcp.async_save(items, storage_writer=writer, process_group=self._pg)
+                if self._background is None:
+                    self._background = ThreadPoolExecutor(1, thread_name_prefix="titan_mm_ckpt_hash")
+                self._pending = (self._background.submit(self._finish_async, fut, step, path), step, path)
+        except (Exception, CheckpointException) as e:
+            self._save_failed(step, path, e)
+            raise
         return path
 
     def ensure_saved(self, state: TrainState) -> Path:
@@ -397,8 +491,28 @@ class CheckpointManager:
             return
         fut, step, path = self._pending
         self._pending = None
-        files = fut.result()  # re-raises a failed write
-        self._commit(step, path, files)
+        try:
+            self._commit(step, path, fut.result())  # fut.result() re-raises a failed write
+        except (Exception, CheckpointException) as e:
+            self._save_failed(step, path, e)
+            raise
+
+    def _save_failed(self, step: int, path: Path, e: BaseException) -> None:
+        """Raise CheckpointSaveError (one line) for a save that failed on an OSError, after removing its partial
+        folder (rank 0); return for any other error, which the caller re-raises as it is."""
+        err = _os_error(e)
+        if err is None:
+            return
+        if self.rank == 0 and not (path / COMMIT_FILE).is_file():
+            shutil.rmtree(path, ignore_errors=True)
+        kept = [p for p in list_checkpoints(self.folder) if p != path]
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+        what = (err.strerror or type(err).__name__).lower() if err.errno else f"{type(err).__name__}: {err}"
+        raise CheckpointSaveError(
+            f"{what} writing checkpoint {path.name} to {self.folder}; "
+            + (f"the last good checkpoint {kept[-1].name} is kept" if kept else "there is no earlier checkpoint")
+            + ("; free some space, then" if full else ";") + " rerun the same command to resume"
+        ) from e
 
     def _barrier(self) -> None:
         if self._pg is not None:
@@ -517,6 +631,7 @@ class CheckpointManager:
                 _log(f"WARNING: checkpoint {ck} is corrupt or unreadable ({msg}); falling back to the previous one")
                 continue
             step = read_commit(ck)["step"]
+            self.last_saved_step = step  # ensure_saved at this step must not rewrite (delete first) the checkpoint
             if state.step != step:
                 raise CheckpointError(f"{ck}: commit.json says step {step} but the saved train state says {state.step}")
             if failures:
@@ -534,10 +649,13 @@ class CheckpointManager:
         return None
 
     def close(self) -> None:
-        self.wait()
-        if self._background is not None:
-            self._background.shutdown()
-            self._background = None
-        if self._pg is not None:
-            dist.destroy_process_group(self._pg)
-            self._pg = None
+        """Wait for (and commit) the pending save, then free the writer thread and the group, also when it failed."""
+        try:
+            self.wait()
+        finally:
+            if self._background is not None:
+                self._background.shutdown()
+                self._background = None
+            if self._pg is not None:
+                dist.destroy_process_group(self._pg)
+                self._pg = None

@@ -7,6 +7,9 @@
 
 Run folder ``<job.dump_folder>/<job.name>/``: config.toml (resolved), metrics.jsonl, tb/, checkpoints/.
 A run whose folder is already at or past ``training.steps`` stops before anything is built or written.
+One trainer per run folder: rank 0 holds ``run.lock`` (titan_mm.train.run_lock) from before the model build to the
+end; a second trainer is refused with one line naming the holder and exits 2. A failed checkpoint write (a full
+disk) is one line (``error: no space left on device writing checkpoint ...``) and exit 1; the last good one is kept.
 
 SIGTERM / SIGINT (Slurm preemption, Ctrl-C; torchrun forwards them to every worker): the current step finishes,
 a checkpoint is saved (``checkpoint.save_on_signal``), and the process exits with 128 + the signal number
@@ -17,7 +20,8 @@ it); a repeated SIGTERM is ignored (Slurm and torchrun each deliver one to a pre
 Fault injection for tests (environment): ``TITAN_MM_FAULT_KILL_AT_STEP=k`` sends SIGKILL to this process in
 the middle of step k+1 (after its data is fetched, before its update) - a crash, not a clean exit;
 ``TITAN_MM_FAULT_NAN_AT_STEP=k`` makes step k's loss NaN (exercises training.nan_policy);
-``TITAN_MM_FAULT_HOLD_SAVE_AT_STEP=k`` makes the async save of step k hang before its commit.
+``TITAN_MM_FAULT_HOLD_SAVE_AT_STEP=k`` makes the async save of step k hang before its commit;
+``TITAN_MM_FAULT_ENOSPC_AT_STEP=k`` makes the save of step k find the disk full in the middle of its write.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from titan_mm.observe.profile import ProfileWindow
 from titan_mm.parallel.balance_dispatch import Rebalancer
 from titan_mm.train.checkpoint import CheckpointError, CheckpointManager, Topology, committed_step, step_dir_name
 from titan_mm.train.preflight import preflight
-from titan_mm.train.setup import KERNEL_PICKS, build_data, pick_device, setup, tune_kernels
+from titan_mm.train.run_lock import RunLockError, hold_run_folder
+from titan_mm.train.setup import KERNEL_PICKS, build_data, pick_device, setup, setup_distributed, tune_kernels
 from titan_mm.train.step import train_step
 
 
@@ -145,6 +150,16 @@ def train(cfg: JobConfig) -> dict[str, Any]:
     preflight(cfg)  # every cheap user-error check, before the process group, the model and the run folder
     out_dir = run_dir(cfg)
     check_resume_step(cfg, out_dir)
+    setup_distributed(cfg, pick_device(cfg))  # the process group first: the lock's verdict reaches every rank
+    lock = hold_run_folder(out_dir)  # before anything heavy; RunLockError names the trainer that holds it
+    try:
+        return _train_locked(cfg, out_dir)
+    finally:
+        lock.release()
+
+
+def _train_locked(cfg: JobConfig, out_dir) -> dict[str, Any]:
+    """train() once the run folder is held: everything heavy."""
     run = setup(cfg)
     device, rank, world, pd, spec, model_cfg = run.device, run.rank, run.world, run.pd, run.spec, run.model_cfg
     state, ctx, n_micro = run.state, run.ctx, run.n_micro
@@ -264,11 +279,13 @@ def train(cfg: JobConfig) -> dict[str, Any]:
                 raise _interrupt(signum, state, ckpt, cfg)
     finally:
         window.close()
-        ckpt.close()
-        logger.close()
-        if cfg.training.gc_freq > 0:
-            gc.enable()
-        stop.restore()  # after close(): a signal during the last save's wait still gets the two-signal rule
+        try:
+            ckpt.close()  # waits for the last async save: a failed one raises CheckpointSaveError here
+        finally:
+            logger.close()
+            if cfg.training.gc_freq > 0:
+                gc.enable()
+            stop.restore()  # after close(): a signal during the last save's wait still gets the two-signal rule
     logger.info(f"done: step {state.step}, " + (f"loss {last['loss']:.4f}, " if last else "no step run, ")
                 + f"step time p50 {times.p50:.3f}s p90 {times.p90:.3f}s; run folder {out_dir}")
     return {"step": state.step, "loss": last.get("loss"), "run_dir": str(out_dir)}
@@ -310,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:  # the loader's error-rate stop (re-raised from a worker: its reason, one line)
         print(f"data error: {e.reason}", file=sys.stderr)
         return 1
+    except RunLockError as e:  # another trainer holds the run folder (every rank prints it)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (CheckpointError, NonFiniteError, HFCheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

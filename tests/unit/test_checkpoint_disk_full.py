@@ -1,0 +1,107 @@
+"""A full disk during a checkpoint save is one line, and the last good checkpoint survives for the resume.
+
+The fault (TITAN_MM_FAULT_ENOSPC_AT_STEP=k) makes the DCP writer's file raise OSError(ENOSPC) once 64 KiB of the save
+of step k are written: inside torch.save, which turns it into "unexpected pos 704 vs 598" (the message a real full
+tmpfs gave), with the OSError only in its __context__.
+"""
+
+import errno
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from test_checkpoint import make_state, run_steps, snapshot  # pytest puts tests/unit on sys.path
+
+from titan_mm.observe.metrics import read_metrics
+from titan_mm.train.checkpoint import (
+    CheckpointManager,
+    CheckpointSaveError,
+    _ModelItem,
+    _os_error,
+    _Writer,
+    list_checkpoints,
+    verify_checkpoint,
+)
+from titan_mm.train.run_lock import LOCK_FILE
+from titan_mm.train.trainer import main
+
+TINY = ["--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}', "--data.dataset", "synthetic",
+        "--data.seq_len", "32", "--data.micro_batch_size", "2", "--metrics.enable_tensorboard", "False",
+        "--lr_scheduler.warmup_steps", "2", "--training.deterministic", "True"]
+
+
+def line(step, folder, kept):
+    return (f"no space left on device writing checkpoint step-{step:08d} to {folder}; "
+            + (f"the last good checkpoint step-{kept:08d} is kept" if kept else "there is no earlier checkpoint")
+            + "; free some space, then rerun the same command to resume")
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_full_disk_is_one_line_and_the_last_good_checkpoint_loads(tmp_path, monkeypatch, mode):
+    monkeypatch.setenv("TITAN_MM_FAULT_ENOSPC_AT_STEP", "4")
+    st = make_state()
+    mgr = CheckpointManager(tmp_path, interval=2, keep_last=1, async_mode=mode)
+    run_steps(st, 2)
+    mgr.save(st)
+    good = snapshot(st)
+    run_steps(st, 2)
+    with pytest.raises(CheckpointSaveError) as e:
+        mgr.save(st)  # blocking: fails here; async: the write fails in the background ...
+        mgr.wait()  # ... and is reported when the save is waited on
+    assert str(e.value) == line(4, tmp_path, 2)
+    assert "unexpected pos" in repr(e.value.__cause__.failures[0][0].__cause__)  # what torch.save made of it
+    mgr.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000002"]  # the partial step-4 is gone, step-2 kept
+    verify_checkpoint(tmp_path / "step-00000002")
+    fresh = make_state(seed=3)
+    assert CheckpointManager(tmp_path, interval=2).resume(fresh) == 2
+    for k, v in snapshot(fresh).items():
+        assert torch.equal(v, good[k]), k
+
+
+def test_a_full_disk_at_the_first_save_says_there_is_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("TITAN_MM_FAULT_ENOSPC_AT_STEP", "1")
+    st = make_state()
+    run_steps(st, 1)
+    mgr = CheckpointManager(tmp_path, interval=1, async_mode="disabled")
+    with pytest.raises(CheckpointSaveError, match="^" + line(1, tmp_path, None) + "$"):
+        mgr.save(st)
+    mgr.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_writer_raises_a_picklable_os_error(tmp_path):
+    """DCP gathers the ranks' failures by pickling them, which drops __context__: the writer's OSError survives."""
+    w = _Writer(tmp_path / "ck", fault_room=1000)
+    with pytest.raises(BaseException) as e:
+        dcp.save({"model": _ModelItem(make_state().model)}, storage_writer=w)
+    inner = e.value.failures[0][0]
+    assert isinstance(inner, OSError) and inner.errno == errno.ENOSPC  # not the RuntimeError torch.save raised
+    back = pickle.loads(pickle.dumps(inner))
+    assert _os_error(back).errno == errno.ENOSPC and back.strerror == "No space left on device"
+
+
+def test_trainer_reports_a_full_disk_in_one_line_and_resumes_from_the_kept_checkpoint(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "job"
+    args = ["--job.dump_folder", str(tmp_path), "--job.name", "job", *TINY, "--checkpoint.interval", "2",
+            "--checkpoint.async_mode", "async"]
+    assert main([*args, "--training.steps", "6"]) == 0  # the reference losses
+    ref = {s: r["loss"] for s, r in read_metrics(run / "metrics.jsonl").items()}
+    run.rename(tmp_path / "ref")
+    capsys.readouterr()
+
+    monkeypatch.setenv("TITAN_MM_FAULT_ENOSPC_AT_STEP", "4")
+    assert main([*args, "--training.steps", "6"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "error: " + line(4, run / "checkpoints", 2), err[-3000:]
+    assert "Traceback" not in err and "unexpected pos" not in err, err[-3000:]
+    assert [p.name for p in list_checkpoints(run / "checkpoints", committed_only=False)] == ["step-00000002"]
+    assert not (run / LOCK_FILE).exists()
+
+    monkeypatch.delenv("TITAN_MM_FAULT_ENOSPC_AT_STEP")
+    assert main([*args, "--training.steps", "6"]) == 0
+    assert "resumed from" in capsys.readouterr().err
+    got = read_metrics(run / "metrics.jsonl")
+    for s in (3, 4, 5, 6):  # the resumed steps: the uninterrupted run's losses, bit for bit (deterministic CPU)
+        assert got[s]["loss"] == ref[s], (s, got[s]["loss"], ref[s])
