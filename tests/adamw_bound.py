@@ -6,8 +6,10 @@ Per step, either implementation is within u * (2|p| + lr * (4 + k1 + k2 / 2)) of
 - 2 u |p|: the parameter is rounded twice (after the weight decay, after the update);
 - 4 u lr: the update lr * m_hat / (sqrt(v_hat) + eps), |m_hat / sqrt(v_hat)| <= ~1, takes a few roundings (the
   moments' own last bits included: a moment that cancels to ~0 moves the update by that much of lr, no more);
-- k u lr, k = t beta^t / (1 - beta^t): the bias correction 1 - beta^t in fp32 (beta itself is rounded to fp32,
-  by up to u beta, and the subtraction amplifies that by t beta^t / (1 - beta^t)); sqrt halves k2.
+- k u lr, k = (3t + 3) beta^t / (1 - beta^t): the bias correction 1 - beta^t in fp32. beta^t is off by t u
+  (beta rounded to fp32) plus the power's own error: the Triton kernel's exp2(t log2(beta)) on the GPU takes
+  ex2.approx (2.8 u) and lg2.approx (2^-22.6 absolute, 1.8 t u after exp2); the subtraction then amplifies
+  beta^t's relative error by beta^t / (1 - beta^t). sqrt halves k2.
 Two implementations are within the sum of their gaps, and the steps' gaps add up.
 """
 
@@ -19,7 +21,7 @@ U32 = 2.0**-24
 
 
 def _kappa(beta: float, t: int) -> float:
-    return t * beta**t / (1 - beta**t)
+    return (3 * t + 3) * beta**t / (1 - beta**t)
 
 
 def adamw_gap(p: torch.Tensor, lr: float, betas: tuple[float, float], steps: int) -> torch.Tensor:
