@@ -420,3 +420,42 @@ def test_diffusion_kinds_on_cuda_over_many_tiles(backend, kind, block):
     ref = run_and_grads(lambda *t: reference_attention(*t, mask.cuda()), q, k, v, w)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
         torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2, msg=lambda m: f"{kind} b={block} {backend} {name}: {m}")
+
+
+def _bagel_rows(splits_per_row, S_):
+    """Packed rows of BAGEL documents (split lengths and types; the rest of each row is causal padding) and their
+    mask written out with bagel_mask per document."""
+    rows = len(splits_per_row)
+    doc = torch.full((rows, S_), -1, dtype=torch.int32)
+    seg = torch.zeros(rows, S_, dtype=torch.int32)
+    kinds = torch.zeros(rows, S_, dtype=torch.int8)
+    mask = torch.zeros(rows, S_, S_, dtype=torch.bool)
+    for b, docs in enumerate(splits_per_row):
+        o = i = 0
+        for d, splits in enumerate(docs):
+            n = sum(x for x, _ in splits)
+            doc[b, o:o + n] = d
+            mask[b, o:o + n, o:o + n] = bagel_mask(splits)
+            for x, t in splits:
+                seg[b, o:o + x], kinds[b, o:o + x] = i, A.SEGMENT_KINDS.index(t)
+                o, i = o + x, i + 1
+        seg[b, o:] = i
+        mask[b, o:, o:] = torch.ones(S_ - o, S_ - o, dtype=torch.bool).tril()
+    return {"doc_ids": doc, "seg_ids": seg, "seg_kinds": kinds}, mask
+
+
+@pytest.mark.gpu
+def test_segments_on_cuda_over_many_tiles():
+    """BAGEL documents whose segments cross 128-token flex tiles (text, clean image, noised image, text) on rows of
+    640: the compiled flex kernel equals the mask written out per document, forward and gradients."""
+    docs = ([[(37, "causal"), (150, "full"), (150, "noise"), (20, "causal")], [(90, "causal"), (180, "noise")]],
+            [[(1, "causal"), (256, "noise")], [(129, "full"), (3, "causal"), (128, "noise"), (60, "causal")]])
+    batch, mask = _bagel_rows(docs, 640)
+    meta = build_attn_meta(batch, "flex", "cuda", kind="segments")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 640, n, K, generator=g).cuda().requires_grad_() for n in (H, G, G))
+    w = torch.randn(2, 640, H, K, generator=g).cuda()
+    got = run_and_grads(lambda *t: attention(*(x.bfloat16() for x in t), meta, None).float(), q, k, v, w)
+    ref = run_and_grads(lambda *t: reference_attention(*t, mask.cuda()), q, k, v, w)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2, msg=lambda m: f"segments flex {name}: {m}")
