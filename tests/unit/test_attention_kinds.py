@@ -444,13 +444,23 @@ def _bagel_rows(splits_per_row, S_):
     return {"doc_ids": doc, "seg_ids": seg, "seg_kinds": kinds}, mask
 
 
+TILED_DOCS = ([[(37, "causal"), (150, "full"), (150, "noise"), (20, "causal")], [(90, "causal"), (180, "noise")]],
+              [[(1, "causal"), (256, "noise")], [(129, "full"), (3, "causal"), (128, "noise"), (60, "causal")]])
+
+
+def test_segments_over_many_tiles_dense_mask():
+    """The rows of the GPU test below: their dense mask (and flex's mask_mod) equals the one written per document."""
+    batch, mask = _bagel_rows(TILED_DOCS, 640)
+    meta = build_attn_meta(batch, "flex", "cpu", kind="segments")
+    assert torch.equal(meta.sdpa_mask[:, 0], mask)
+    assert torch.equal(A._mask_dense(meta.block_mask.mask_mod, 2, 640, "cpu")[:, 0], mask)
+
+
 @pytest.mark.gpu
 def test_segments_on_cuda_over_many_tiles():
     """BAGEL documents whose segments cross 128-token flex tiles (text, clean image, noised image, text) on rows of
     640: the compiled flex kernel equals the mask written out per document, forward and gradients."""
-    docs = ([[(37, "causal"), (150, "full"), (150, "noise"), (20, "causal")], [(90, "causal"), (180, "noise")]],
-            [[(1, "causal"), (256, "noise")], [(129, "full"), (3, "causal"), (128, "noise"), (60, "causal")]])
-    batch, mask = _bagel_rows(docs, 640)
+    batch, mask = _bagel_rows(TILED_DOCS, 640)
     meta = build_attn_meta(batch, "flex", "cuda", kind="segments")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 640, n, K, generator=g).cuda().requires_grad_() for n in (H, G, G))
