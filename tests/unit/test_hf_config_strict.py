@@ -44,21 +44,23 @@ TOP_KEYS = ("tie_word_embeddings", "image_token_id", "vision_config")  # keys a 
 CASES = [
     ("rope_scaling", "yarn", "a dict or null"),
     ("tie_word_embeddings", "false", "a bool (true / false)"),
-    ("hidden_size", 64.5, "an int"),
+    ("hidden_size", 64.5, "a positive int"),
     ("rms_norm_eps", [1e-6], "a number"),
-    ("num_attention_heads", None, "an int"),
-    ("hidden_size", 64.0, "an int"),  # transformers refuses 64.0 too
-    ("vocab_size", True, "an int"),
+    ("num_attention_heads", None, "a positive int"),
+    ("hidden_size", 64.0, "a positive int"),  # transformers refuses 64.0 too
+    ("vocab_size", True, "a positive int"),
+    ("num_key_value_heads", 0, "a positive int or null"),  # sizes: 0 divided by zero deep in the reader
+    ("intermediate_size", 128.0, "an int"),
     ("max_position_embeddings", "512", "an int"),
     ("rope_parameters.rope_theta", "1e6", "a number"),
     ("layer_types", "full_attention", "a list of strings or null"),
-    ("head_dim", [16], "an int or null"),
+    ("head_dim", [16], "a positive int or null"),
     ("eos_token_id", "2", "an int or a list of ints or null"),
 ]
 FAMILY_CASES = {
     "qwen3_moe": [("num_experts", 4.0, "an int"), ("norm_topk_prob", "true", "a bool (true / false)")],
     "qwen2": [("use_sliding_window", "no", "a bool (true / false)")],
-    "qwen3_vl": [("vision_config.depth", 1.5, "an int"), ("image_token_id", "7", "an int"),
+    "qwen3_vl": [("vision_config.depth", 1.5, "a positive int"), ("image_token_id", "7", "an int"),
                  ("rope_parameters.mrope_section", "2,3,3", "a list of ints"),
                  ("vision_config.deepstack_visual_indexes", [0.0], "a list of ints")],
 }
@@ -175,19 +177,21 @@ def _vl25_flat():
 # the other families' readers, on their debug flavors' config.json: (reader, config.json, key, value, type named)
 DICT_CASES = [
     (Qwen2_5_VLConfig, lambda: VL25["debug"].to_hf_dict(), "text_config.rms_norm_eps", "1e-6", "a number"),
-    (Qwen2_5_VLConfig, _vl25_flat, "hidden_size", 64.5, "an int"),  # the released flat layout: text keys on top
+    (Qwen2_5_VLConfig, _vl25_flat, "hidden_size", 64.5, "a positive int"),  # the released flat layout: text keys on top
     (Qwen2_5_VLConfig, lambda: VL25["debug"].to_hf_dict(), "vision_config.fullatt_block_indexes", 1,
      "a list of ints"),
     (Qwen3_5Config, lambda: Q35_MOE["debug"].to_hf_dict(), "text_config.num_experts", 8.0, "an int"),
     (Qwen3_5Config, lambda: Q35_MOE["debug"].to_hf_dict(), "text_config.rope_parameters", "default",
      "a dict or null"),
     (Qwen3_5Config, lambda: Q35_MOE["debug"].to_hf_dict(), "tie_word_embeddings", 0, "a bool (true / false)"),
-    (Qwen2_5OmniConfig, _omni25_full, "thinker_config.text_config.hidden_size", 128.5, "an int"),
-    (Qwen2_5OmniConfig, _omni25_full, "thinker_config.audio_config.d_model", "64", "an int"),
+    (Qwen2_5OmniConfig, _omni25_full, "thinker_config.text_config.hidden_size", 128.5, "a positive int"),
+    (Qwen2_5OmniConfig, _omni25_full, "thinker_config.audio_config.d_model", "64", "a positive int"),
+    (Qwen2_5OmniConfig, _omni25_full, "thinker_config.vision_config.depth", -2, "a positive int"),
     (Qwen2_5OmniConfig, _omni25_full, "thinker_config.seconds_per_chunk", None, "an int"),
     (Qwen3OmniMoeConfig, lambda: OMNI3["debug"].to_hf_dict(), "text_config.rope_scaling", "yarn", "a dict or null"),
     (Qwen3OmniMoeConfig, lambda: OMNI3["debug"].to_hf_dict(), "audio_config.dropout", [0.0], "a number"),
-    (Qwen3OmniMoeConfig, lambda: OMNI3["debug"].to_hf_dict(), "vision_config.hidden_size", 64.0, "an int"),
+    (Qwen3OmniMoeConfig, lambda: OMNI3["debug"].to_hf_dict(), "vision_config.hidden_size", 64.0, "a positive int"),
+    (Qwen3OmniMoeConfig, lambda: OMNI3["debug"].to_hf_dict(), "audio_config.encoder_layers", 0, "a positive int"),
 ]
 
 

@@ -2,11 +2,11 @@
 uses them, so a wrong type is one line naming the key, the value and the type wanted (transformers refuses them
 too), never a silent default, a truthy string or a traceback from deep inside the model.
 
-JSON's types: an int is an int (not a bool, not 64.0), a float is an int or a float, a bool is true / false, a
-dict is an object, a tuple / list is an array (each item checked); ``| None`` allows null. A family's schema is the
-field types of its config dataclass (:func:`hf_types`) plus the keys HF spells in another form; nested configs
-(``text_config``, ``vision_config``, ``audio_config``, ``thinker_config``) are checked inside :func:`within`, which
-names the key from the top of the file (``text_config.hidden_size``).
+JSON's types: an int is an int (not a bool, not 64.0; a size at least 1), a float is an int or a float, a bool is
+true / false, a dict is an object, a tuple / list is an array (each item checked); ``| None`` allows null. A family's
+schema is the field types of its config dataclass (:func:`hf_types`) plus the keys HF spells in another form; nested
+configs (``text_config``, ``vision_config``, ``audio_config``, ``thinker_config``) are checked inside
+:func:`within`, which names the key from the top of the file (``text_config.hidden_size``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,14 @@ class HFConfigError(HFCheckpointError):
         super().__init__(f"{key} = {shown}{got}; it must be {expected} in config.json")
 
 
+class PositiveInt(int):
+    """A schema type: an int >= 1 (sizes and counts: a 0 or negative one fails deep inside the model otherwise)."""
+
+
 _KINDS = {bool: "a bool", int: "an int", float: "a float", str: "a string", list: "a list", dict: "a dict"}
-_NAMES = {int: ("an int", "ints"), float: ("a number", "numbers"), bool: ("a bool (true / false)", "bools"),
-          str: ("a string", "strings"), dict: ("a dict", "dicts"), type(None): ("null", "nulls")}
+_NAMES = {PositiveInt: ("a positive int", "positive ints"), int: ("an int", "ints"), float: ("a number", "numbers"),
+          bool: ("a bool (true / false)", "bools"), str: ("a string", "strings"), dict: ("a dict", "dicts"),
+          type(None): ("null", "nulls")}
 
 # keys every HF config spells the same way, in the forms HF writes them (a family reads the list forms itself)
 COMMON: dict[str, Any] = {
@@ -43,6 +48,11 @@ COMMON: dict[str, Any] = {
     "rope_parameters": dict | None, "rope_scaling": dict | None, "rope_theta": float,
     "tie_word_embeddings": bool, "use_cache": bool, "attention_dropout": float, "dtype": str | None,
     "torch_dtype": str | None, "model_type": str,
+    # sizes every tower names the same way (a family that lets one be null says so in its extra keys)
+    "vocab_size": PositiveInt, "hidden_size": PositiveInt, "num_hidden_layers": PositiveInt,
+    "num_attention_heads": PositiveInt, "num_key_value_heads": PositiveInt, "head_dim": PositiveInt,
+    "depth": PositiveInt, "num_heads": PositiveInt, "d_model": PositiveInt, "encoder_layers": PositiveInt,
+    "encoder_attention_heads": PositiveInt,
 }
 # the entries of rope_parameters / rope_scaling that HF's rope kinds read
 ROPE: dict[str, Any] = {
@@ -98,6 +108,8 @@ def conforms(v: Any, tp: Any) -> bool:
         return any(conforms(v, a) for a in args)
     if tp is type(None):
         return v is None
+    if tp is PositiveInt:
+        return conforms(v, int) and v >= 1
     if tp is bool:
         return isinstance(v, bool)
     if tp is int:

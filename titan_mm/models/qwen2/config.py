@@ -19,7 +19,7 @@ import os  # noqa: F401  (type hints)
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_mm.models.hf_config import check_hf, hf_types
+from titan_mm.models.hf_config import PositiveInt, check_hf, hf_types
 from titan_mm.models.hf_io import read_hf_config
 from titan_mm.models.qwen3.config import Qwen3Config
 
@@ -160,8 +160,8 @@ class Qwen2Config:
 
 
 # config.json key -> JSON type (titan_mm.models.hf_config): the fields, and the keys HF may write as null or derives
-HF_TYPES = hf_types(Qwen2Config, skip=Qwen2Config.RUNTIME_FIELDS, head_dim=int | None, num_key_value_heads=int | None,
-                    use_mrope=bool, attention_bias=bool)
+HF_TYPES = hf_types(Qwen2Config, skip=Qwen2Config.RUNTIME_FIELDS, head_dim=PositiveInt | None,
+                    num_key_value_heads=PositiveInt | None, use_mrope=bool, attention_bias=bool)
 
 
 def as_decoder(cfg: Qwen2Config | Qwen3Config) -> Qwen3Config:

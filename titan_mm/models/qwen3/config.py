@@ -14,7 +14,7 @@ import os  # noqa: F401  (type hints)
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_mm.models.hf_config import check_hf, hf_types
+from titan_mm.models.hf_config import PositiveInt, check_hf, hf_types
 from titan_mm.models.hf_io import read_hf_config
 
 logger = logging.getLogger(__name__)
@@ -233,8 +233,9 @@ class Qwen3Config:
 
 
 # config.json key -> JSON type (titan_mm.models.hf_config): the fields, and the keys HF may write as null or a list
-HF_TYPES = hf_types(Qwen3Config, skip=Qwen3Config.RUNTIME_FIELDS, head_dim=int | None, num_key_value_heads=int | None,
-                    mlp_only_layers=tuple[int, ...] | None, num_local_experts=int)
+HF_TYPES = hf_types(Qwen3Config, skip=Qwen3Config.RUNTIME_FIELDS, head_dim=PositiveInt | None,
+                    num_key_value_heads=PositiveInt | None, mlp_only_layers=tuple[int, ...] | None,
+                    num_local_experts=int)
 
 
 # ---- flavors: real HF numbers (Qwen/Qwen3-*) + tiny debug flavors ----

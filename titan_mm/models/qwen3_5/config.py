@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_mm.models.hf_config import check_hf, hf_types, within
+from titan_mm.models.hf_config import PositiveInt, check_hf, hf_types, within
 from titan_mm.models.qwen3_vl.config import VISION_HF_TYPES, VisionConfig, VLFields
 
 logger = logging.getLogger(__name__)
@@ -217,7 +217,8 @@ class Qwen3_5TextConfig:
 
 
 # text_config key -> JSON type (titan_mm.models.hf_config): the fields, and the keys HF writes that are not fields
-TEXT_HF_TYPES = hf_types(Qwen3_5TextConfig, skip=Qwen3_5TextConfig.RUNTIME_FIELDS, num_key_value_heads=int | None,
+TEXT_HF_TYPES = hf_types(Qwen3_5TextConfig, skip=Qwen3_5TextConfig.RUNTIME_FIELDS,
+                         num_key_value_heads=PositiveInt | None,
                          full_attention_interval=int, attn_output_gate=bool, mlp_only_layers=list[int] | None,
                          decoder_sparse_step=int, norm_topk_prob=bool, mtp_num_hidden_layers=int,
                          mtp_use_dedicated_embeddings=bool, mamba_ssm_dtype=str)
