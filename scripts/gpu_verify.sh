@@ -9,7 +9,8 @@
 #
 # Areas: kernels, ops, models, vl, qwen3_5_fla (then qwen3_5 on the same warm machine), train, eval, serve.
 # Writes to $OUT (the device tool's folder, else outputs/gpu_verify): <area>.log, <area>.xml (JUnit) and
-# <area>.json, the summary (tests, passed, failed, errors, skipped, seconds, exit code, device, failed tests).
+# <area>.json, the summary (tests, passed, failed, errors, skipped, seconds, exit code, device, failed tests,
+# the slowest; ok: exit 0, nothing failed and something passed).
 area=smoke bench=
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -30,12 +31,17 @@ mkdir -p "$out"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 limit=$([ "$area" = smoke ] && echo 300 || echo 480)
 start=$(date +%s)
-# -m gpu: only the gpu-marked tests of files that mix CPU tests in (tests/unit/test_attention_kinds.py)
-timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout "$limit" --junitxml="$out/$area.xml" \
-  "${nodes[@]}" > "$out/$area.log" 2>&1
+# -m gpu: only the gpu-marked tests of files that mix CPU tests in (tests/unit/test_attention_kinds.py); -v: each
+# test's outcome as it ends (what the summary counts if the limit cuts pytest off); -rA: passed tests' prints too.
+# No --timeout: pytest-timeout is not on the GPU image; the outer timeout is the limit.
+rm -f "$out/$area.xml"
+timeout "$limit" python3 -m pytest -v -rA -m gpu -p no:cacheprovider --junitxml="$out/$area.xml" "${nodes[@]}" \
+  > "$out/$area.log" 2>&1
 rc=$?
-tail -n 15 "$out/$area.log"
-python3 -m tests.gpu.shards summary "$area" "$out/$area.xml" $(( $(date +%s) - start )) "$rc" "$out/$area.json"
+grep -E "^(FAILED|ERROR) " "$out/$area.log" | head -n 20
+tail -n 1 "$out/$area.log"
+python3 -m tests.gpu.shards summary "$area" "$out/$area.xml" "$out/$area.log" $(( $(date +%s) - start )) "$rc" \
+  "$out/$area.json"
 if [ -n "$bench" ]; then
   timeout 200 python3 bench/mfu.py --warmup 2 --steps 4 --timeout 60 --cases qwen3_1.7b,qwen3_vl_2b \
     --stacks titan,titan_nokernels --out "$out/mfu_verify.json" > "$out/mfu_verify.log" 2>&1

@@ -11,12 +11,13 @@ qwen3_5 on the same warm machine, whose .triton_cache (scripts/gpu_setup.sh) the
 compiles.
 
     python3 -m tests.gpu.shards list [AREA]              # pytest node ids, one a line
-    python3 -m tests.gpu.shards summary AREA JUNIT_XML SECONDS RC OUT_JSON
+    python3 -m tests.gpu.shards summary AREA JUNIT_XML LOG SECONDS RC OUT_JSON
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import xml.etree.ElementTree as ET
 
@@ -60,25 +61,38 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (no CUDA device)"
 
 
-def summarize(area: str, junit: str, seconds: float, rc: int) -> dict:
-    """The run's summary from pytest's JUnit XML: counts, the failed node ids, wall seconds, exit code, device."""
-    cases, failed = [], []
+_VERBOSE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)")
+_KIND = {"PASSED": "passed", "FAILED": "failure", "ERROR": "error", "SKIPPED": "skipped"}
+
+
+def _cases(junit: str, log: str) -> list[tuple[str, str, float]]:
+    """(node id, passed | failure | error | skipped, seconds) per test: from pytest's JUnit XML, or, when the time
+    limit killed pytest before it wrote one, from its -v log (the tests that finished, without their times)."""
     try:
         root = ET.parse(junit).getroot()
-        for tc in root.iter("testcase"):
-            path = tc.get("classname", "").replace(".", "/") + ".py"
-            node = f"{path}::{tc.get('name')}"
-            kind = next((c.tag for c in tc if c.tag in ("failure", "error", "skipped")), "passed")
-            cases.append((node, kind, float(tc.get("time", 0))))
-            if kind in ("failure", "error"):
-                failed.append(node)
-    except (OSError, ET.ParseError):  # pytest killed by the timeout before it wrote the XML
-        pass
+    except (OSError, ET.ParseError):
+        try:
+            lines = open(log, errors="replace").read().splitlines()
+        except OSError:
+            return []
+        return [(m[1], _KIND[m[2]], 0.0) for m in map(_VERBOSE.match, lines) if m]
+    cases = []
+    for tc in root.iter("testcase"):
+        node = tc.get("classname", "").replace(".", "/") + ".py::" + tc.get("name", "")
+        kind = next((c.tag for c in tc if c.tag in ("failure", "error", "skipped")), "passed")
+        cases.append((node, kind, float(tc.get("time", 0))))
+    return cases
+
+
+def summarize(area: str, junit: str, log: str, seconds: float, rc: int) -> dict:
+    """The run's summary: counts, the failed node ids, the slowest tests, wall seconds, exit code, device."""
+    cases = _cases(junit, log)
+    failed = [n for n, k, _ in cases if k in ("failure", "error")]
     count = {k: sum(c[1] == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
     return {"area": area, "device": device_name(), "tests": len(cases), "passed": count["passed"],
             "failed": count["failure"], "errors": count["error"], "skipped": count["skipped"],
             "seconds": round(seconds, 1), "exit_code": rc, "timed_out": rc in (124, 137),
-            "ok": rc == 0 and not failed, "failed_tests": failed,
+            "ok": rc == 0 and not failed and count["passed"] > 0, "failed_tests": failed,
             "slowest": sorted(((round(t, 1), n) for n, _, t in cases), reverse=True)[:10]}
 
 
@@ -90,15 +104,15 @@ def main(argv: list[str]) -> int:
             print(f"gpu_verify: {e.args[0]}", file=sys.stderr)
             return 2
         return 0
-    if argv[:1] == ["summary"] and len(argv) == 6:
-        area, junit, seconds, rc, out = argv[1:]
-        s = summarize(area, junit, float(seconds), int(rc))
+    if argv[:1] == ["summary"] and len(argv) == 7:
+        area, junit, log, seconds, rc, out = argv[1:]
+        s = summarize(area, junit, log, float(seconds), int(rc))
         with open(out, "w") as f:
             json.dump(s, f, indent=1)
         print(json.dumps({k: s[k] for k in ("area", "device", "tests", "passed", "failed", "errors", "skipped",
                                             "seconds", "exit_code")}))
         return 0
-    print("usage: python3 -m tests.gpu.shards list [AREA] | summary AREA JUNIT_XML SECONDS RC OUT_JSON",
+    print("usage: python3 -m tests.gpu.shards list [AREA] | summary AREA JUNIT_XML LOG SECONDS RC OUT_JSON",
           file=sys.stderr)
     return 2
 

@@ -1,6 +1,7 @@
 """The GPU suite's areas (tests/gpu/shards.py, run by scripts/gpu_verify.sh --area X) cover every GPU test exactly
 once: every test function of tests/gpu/test_*.py and every gpu-marked one elsewhere under tests/; the smoke set
-names existing GPU tests; each area's estimate fits its time limit; a wrong area is one line and exit 2."""
+names existing GPU tests; each area's estimate fits its time limit; a wrong area is one line and exit 2; the
+summary counts the JUnit XML, or the -v log when the time limit killed pytest first."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
-from tests.gpu.shards import AREAS, LIMIT_S, SMOKE
+from tests.gpu.shards import AREAS, LIMIT_S, SMOKE, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,3 +73,12 @@ def test_gpu_verify_refuses_an_unknown_area_in_one_line():
                        text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "gpu_verify: unknown GPU area 'kernel'; choose one of: smoke, " + ", ".join(AREAS)], r.stderr
+
+
+def test_summary_of_a_run_cut_off_by_the_limit(tmp_path):
+    log = tmp_path / "serve.log"
+    log.write_text("collected 3 items\n\ntests/gpu/test_serve_gpu.py::test_a[qwen3] PASSED   [ 33%]\n"
+                   "tests/gpu/test_serve_gpu.py::test_b FAILED   [ 66%]\nsome print\n")
+    s = summarize("serve", str(tmp_path / "missing.xml"), str(log), 480.0, 124)
+    assert (s["tests"], s["passed"], s["failed"], s["timed_out"], s["ok"]) == (2, 1, 1, True, False)
+    assert s["failed_tests"] == ["tests/gpu/test_serve_gpu.py::test_b"] and s["device"]
