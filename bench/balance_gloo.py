@@ -84,9 +84,9 @@ def micro_batches(cfg, rows: list[list[list]], seq_len: int, B: int, seed: int) 
 
 
 def _time(model, micro: list[dict], ctx) -> float:
-    from titan_mm.train.step import forward_backward
+    from titan_mm.train.step import forward_backward, local_counts
 
-    n = sum(int(mb["num_label_tokens"]) for mb in micro)
+    n = local_counts(micro, ctx.objective)
     t0 = time.perf_counter()
     forward_backward(model, micro, ctx, n)
     model.zero_grad(set_to_none=True)

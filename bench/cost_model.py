@@ -249,9 +249,9 @@ class Bench:
         """Seconds of one forward_backward over ``micro_batches``: a warm-up run, then ``reps`` timed runs."""
         import torch
 
-        from titan_mm.train.step import forward_backward, sdpa_priority
+        from titan_mm.train.step import forward_backward, local_counts, sdpa_priority
 
-        n_labels = sum(int(mb["num_label_tokens"]) for mb in micro_batches)
+        counts = local_counts(micro_batches, self.ctx.objective)
         out = []
         for i in range(reps + 1):
             if self.cuda:
@@ -260,7 +260,7 @@ class Bench:
                 start.record()
             t0 = time.perf_counter()
             with sdpa_priority(self.device):
-                forward_backward(self.model, micro_batches, self.ctx, n_labels)
+                forward_backward(self.model, micro_batches, self.ctx, counts)
             if self.cuda:
                 end.record()
                 torch.cuda.synchronize()

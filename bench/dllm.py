@@ -7,7 +7,7 @@ one document each, bench/mfu.py's text_batch), ``--warmup`` steps (compilation) 
 synchronize after each. The diffusion objectives corrupt the batch inside train_step as the trainer does (host side,
 seeded per step). Between objectives the run is dropped and dynamo's caches are reset.
 
-FLOPs are the objective's count (titan_mm.train.objective.Objective.flops): the family's FLOPs plus the attention
+FLOPs are the objective's count (titan_mm.objectives.Objective.flops): the family's FLOPs plus the attention
 pairs the objective's mask adds (bidirectional attends every pair of a document, block-causal every key of the
 query's block), so MFU compares the work each objective really does. The table also gives each objective's MFU and
 tokens/s relative to the causal run (the target: MFU >= 0.45 and within 5% of causal).
@@ -68,7 +68,7 @@ def measure(case: dict, kind: str, args) -> dict:
     med = sorted(times)[len(times) // 2]
     n_tok = int(batch["input_ids"].numel())
     row = dict(case=args.case, objective=kind, stack=args.stack, block_size=args.block_size if kind == "block_diffusion"
-               else None, mask_kind=run.ctx.mask_kind, attn_backend=run.ctx.attn_backend, batch=case["batch"],
+               else None, mask_kind=run.ctx.objective.mask_kind, attn_backend=run.ctx.attn_backend, batch=case["batch"],
                seq=case["seq"], step_time_s=med, tokens_per_s=n_tok / med, tflops=flops / med / 1e12,
                mfu=flops / med / 1e12 / PEAK_TFLOPS,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,

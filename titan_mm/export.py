@@ -145,7 +145,7 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) ->
     mode = (out / "config.json").stat().st_mode & 0o777  # safetensors writes 0600; the weights get the others' mode
     for f in out.glob("*.safetensors"):
         f.chmod(mode)
-    from titan_mm.train.objective import write_hf_note
+    from titan_mm.objectives.diffusion import write_hf_note
 
     write_hf_note(out, checkpoint_config(ck), spec, model_cfg)  # diffusion LMs: "titan_mm_objective" in config.json
     for name, body in files.items():

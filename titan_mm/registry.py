@@ -296,6 +296,13 @@ class ModelSpec:
     encoder_balance: bool = False
     """prepare_batch takes ``encoder_balance`` (a planner from the train step) and plans the vision tower's all-to-all
     (titan_mm.parallel.encoder_balance; parallel.encoder_balance). False: the option is refused for this family."""
+    objectives: tuple[str, ...] = ("causal",)
+    """The registered objectives (titan_mm.objectives) that train the family, one per token group of a packed row
+    (BAGEL: ("causal", "flow_matching")). The job's ``[objective] kind`` may put a diffusion LM in "causal"'s place.
+    The model's forward takes ``loss`` and answers each objective's hook (``lm_loss``, ``predict_velocity``)."""
+    objective_options: Callable[[Any], dict[str, dict]] | None = None
+    """objective_options(cfg) -> {objective name: its options} (e.g. flow matching's sampler and timestep shift from
+    the model config); None: every objective with its defaults."""
 
     def schema(self) -> BatchSchema:
         """The family's :class:`BatchSchema`: ``batch_schema``, or the token batch with ``seq_keys``."""

@@ -2,7 +2,8 @@
 and its gradients are the same for every backend that runs the objective's mask kind (sdpa's dense mask, flex's
 BlockMask, varlen for the bidirectional kinds, in bf16 since its flash kernels take half types only) and for the
 weighted Triton linear-CE against the PyTorch chunked CE;
-the forward and backward make no host sync (titan_mm/train/objective.py corrupts on the host, before the forward)."""
+the forward and backward make no host sync (titan_mm/objectives/diffusion.py corrupts on the host, before the
+forward)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from titan_mm.nn.attention import BACKEND_KINDS, build_attn_meta
 from titan_mm.registry import resolve_model
-from titan_mm.train.objective import Objective
+from titan_mm.objectives import DiffusionLM as Objective
 from titan_mm.train.synthetic import SyntheticLoader
 
 pytestmark = pytest.mark.gpu
@@ -38,21 +39,20 @@ def _on_device(mb, obj, backend):
     return b, meta
 
 
-def _loss_and_grad(model, b, meta):
+def _loss_and_grad(model, b, meta, obj):
     model.zero_grad(set_to_none=True)
-    out = model(b["input_ids"], position_ids=b["position_ids"], attn=meta, labels=b["labels"],
-                loss_weights=b["loss_weights"])
-    out.loss_sum.backward()
-    return out.loss_sum.detach(), model.tok_embeddings.weight.grad.detach().clone()
+    out = model(b["input_ids"], position_ids=b["position_ids"], attn=meta, loss=obj.bind(b))
+    out.terms["ce"].backward()
+    return out.terms["ce"].detach(), model.tok_embeddings.weight.grad.detach().clone()
 
 
 @pytest.mark.parametrize("kind", ["masked_diffusion", "shifted_diffusion", "block_diffusion"])
 def test_diffusion_loss_is_the_same_on_every_backend_without_host_sync(kind):
     obj = Objective(kind=kind, mask_id=V - 1, block_size=32 if kind == "block_diffusion" else None, seed=3)
-    mb = obj.apply([SyntheticLoader(vocab_size=V - 1, seq_len=640, micro_batch_size=2, seed=0).batch(0)], 0)[0]
+    mb = obj.prepare([SyntheticLoader(vocab_size=V - 1, seq_len=640, micro_batch_size=2, seed=0).batch(0)], 0)[0]
     assert (mb["labels"] != -100).sum() > 100
     sd = _model("sdpa", False).cpu().state_dict()
-    ref_loss, ref_grad = _loss_and_grad(_model("sdpa", False, sd), *_on_device(mb, obj, "sdpa"))
+    ref_loss, ref_grad = _loss_and_grad(_model("sdpa", False, sd), *_on_device(mb, obj, "sdpa"), obj)
     for backend in ("sdpa", "flex", "varlen"):
         if obj.mask_kind not in BACKEND_KINDS[backend]:
             continue
@@ -63,7 +63,7 @@ def test_diffusion_loss_is_the_same_on_every_backend_without_host_sync(kind):
                 b, meta = _on_device(mb, obj, backend)
                 torch.cuda.set_sync_debug_mode("error" if check else 0)
                 try:
-                    loss, grad = _loss_and_grad(model, b, meta)
+                    loss, grad = _loss_and_grad(model, b, meta, obj)
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
             if half:

@@ -35,7 +35,7 @@ def _worker(rank, world, argv):
     from titan_mm.config import load_config
     from titan_mm.parallel.balance_dispatch import Rebalancer
     from titan_mm.train.setup import build_data, setup
-    from titan_mm.train.step import forward_backward, global_label_count
+    from titan_mm.train.step import forward_backward, global_counts
     from titan_mm.train.trainer import _Batches
 
     cfg = load_config(argv)
@@ -50,10 +50,10 @@ def _worker(rank, world, argv):
             if rebalance is not None:
                 out["imbalance"][method, s] = rebalance.metrics(0.0, measure=False)
                 out["moved"] += sum(not torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(mb, micro))
-            n = global_label_count(mb, run.ctx)
+            n = global_counts(mb, run.ctx)
             loss_sum, _ = forward_backward(run.model, mb, run.ctx, n)
             dist.all_reduce(loss_sum)
-            out["loss"][method, s] = float(loss_sum) / n
+            out["loss"][method, s] = float(loss_sum) / n["ce"]
             grads = _grads(run.model)
             run.state.optimizer.zero_grad(set_to_none=True)
             if method == "none":

@@ -60,7 +60,7 @@ def _run(world, dims, device_skip):
             after = ({n: _full(p) for n, p in model.named_parameters()},
                      {(names[id(p)], k): _full(v) for p, s in opt.state.items() for k, v in s.items()})
             unchanged = all(torch.equal(before[j][k], after[j][k]) for j in (0, 1) for k in before[j])
-        results.append((res.loss, res.aux_loss, res.grad_norm, res.lr, res.label_tokens, res.tokens, res.skipped))
+        results.append((res.loss, res.aux_loss, res.grad_norm, res.lr, res.counts, res.tokens, res.skipped))
     params = {n: _full(p) for n, p in model.named_parameters()}
     state = {(names[id(p)], k): _full(v) for p, s in opt.state.items() for k, v in s.items()}
     return results, params, state, unchanged, st.nan_count

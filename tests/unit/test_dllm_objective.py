@@ -1,4 +1,4 @@
-"""Diffusion objectives (titan_mm/train/objective.py): the masked-diffusion loss equals LLaDA's formula on a fixed
+"""Diffusion objectives (titan_mm/objectives/diffusion.py): the masked-diffusion loss equals LLaDA's formula on a fixed
 batch, SFT masking leaves the prompt clean, the shifted variant's labels, seeded noise, packed == unpacked for the
 three objectives (corruption and loss, sdpa and flex), the weighted cross-entropy, the mask token's resolution and
 its errors, FLOPs, and a one-step MoE run and a bitwise resume through the trainer."""
@@ -16,7 +16,8 @@ from titan_mm.data.processors import shift_labels
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.nn.loss import chunked_cross_entropy
 from titan_mm.registry import resolve_model
-from titan_mm.train.objective import Objective, attention_pairs, build_objective, resolve_mask_id
+from titan_mm.objectives import DiffusionLM, attention_pairs, build_objective
+from titan_mm.objectives.diffusion import resolve_mask_id
 
 V, MASK = 64, 63
 KINDS = {"masked_diffusion": None, "shifted_diffusion": None, "block_diffusion": 3}
@@ -31,7 +32,7 @@ def tiny_model(seed=0):
 
 
 def objective(kind, sft=False, eps=1e-3):
-    return Objective(kind=kind, mask_id=MASK, eps=eps, block_size=KINDS[kind], sft=sft, seed=7)
+    return DiffusionLM(kind=kind, mask_id=MASK, eps=eps, block_size=KINDS[kind], sft=sft, seed=7)
 
 
 def doc(ids, prompt=0):
@@ -49,8 +50,8 @@ def rand_docs(lens, seed=0, prompt=0):
 def forward_loss(model, batch, obj, backend="sdpa"):
     meta = build_attn_meta(batch, backend, "cpu", kind=obj.mask_kind, block_size=obj.block_size)
     with torch.no_grad():
-        return model(batch["input_ids"], position_ids=batch["position_ids"], attn=meta, labels=batch["labels"],
-                     loss_weights=batch["loss_weights"]).loss_sum
+        return model(batch["input_ids"], position_ids=batch["position_ids"], attn=meta,
+                     loss=obj.bind(batch)).terms["ce"]
 
 
 def test_weighted_chunked_cross_entropy_is_the_weighted_sum():
@@ -99,9 +100,9 @@ def test_masked_diffusion_loss_is_llada_formula_on_a_fixed_batch():
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     state = TrainState(model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                        step=3)
-    ctx = StepContext(device=torch.device("cpu"), objective=obj, mask_kind=obj.mask_kind, seq_keys=obj.seq_keys)
+    ctx = StepContext(device=torch.device("cpu"), objective=obj)
     res = train_step(state, mbs, ctx)
-    assert res.label_tokens == 2 * B * L  # the normalizer: every token of the global batch
+    assert res.counts == {"ce": 2 * B * L}  # the normalizer: every token of the global batch
     assert math.isclose(res.loss, ref, rel_tol=1e-5), (res.loss, ref)
 
 
@@ -115,7 +116,7 @@ def test_sft_masks_only_the_response_and_leaves_the_prompt_clean():
     proc = Processor(load_tokenizer(), ProcessorConfig(cfg.data))
     docs = [proc(parse_record(r)) for r in builtin_records("qa")[:3]]
     batch = collate_rows([docs], 96, pad_id=0, mrope=False)
-    obj = Objective(kind="masked_diffusion", mask_id=151669, sft=True)
+    obj = DiffusionLM(kind="masked_diffusion", mask_id=151669, sft=True)
     ids = batch["input_ids"]
     u_t, _ = obj.noise(tuple(ids.shape), 0, 0)
     out = obj.corrupt(batch, u_t, torch.zeros_like(u_t))  # u = 0 < t: every maskable token is masked
@@ -154,8 +155,8 @@ def test_noise_is_seeded_by_step_and_global_slot():
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not torch.equal(a[1], obj.noise((2, 8), 6, 1)[1]) and not torch.equal(a[1], obj.noise((2, 8), 5, 2)[1])
     mbs = [collate_rows([rand_docs([6, 4], seed=s)], 12, pad_id=0, mrope=False, multiple=1) for s in range(4)]
-    one_rank = obj.apply(mbs, 5, dp_rank=0)  # 4 micro-batches on 1 rank == rank 1 of 2 reading slots 2, 3
-    other = obj.apply(mbs[2:], 5, dp_rank=1)
+    one_rank = obj.prepare(mbs, 5, dp_rank=0)  # 4 micro-batches on 1 rank == rank 1 of 2 reading slots 2, 3
+    other = obj.prepare(mbs[2:], 5, dp_rank=1)
     for x, y in zip(one_rank[2:], other):
         assert all(torch.equal(x[k], y[k]) for k in ("input_ids", "labels", "loss_weights"))
 
@@ -281,7 +282,7 @@ def test_resume_is_bitwise_with_the_diffusion_noise(tmp_path):
     a = read_metrics(tmp_path / "straight" / "metrics.jsonl")
     b = read_metrics(tmp_path / "cut" / "metrics.jsonl")
     assert [a[s]["loss"] for s in (3, 4)] == [b[s]["loss"] for s in (3, 4)]  # bitwise
-    assert a[4]["label_tokens"] == b[4]["label_tokens"]
+    assert a[4]["count/ce"] == b[4]["count/ce"] and a[4]["loss/ce"] == a[4]["loss"]
 
 
 def test_dllm_recipe_resolves():

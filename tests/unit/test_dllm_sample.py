@@ -10,7 +10,7 @@ from titan_mm.nn.attention import build_attn_meta
 from titan_mm.nn.output import ModelOutput, Stream
 from titan_mm.registry import resolve_model
 from titan_mm.train.dllm_sample import sample
-from titan_mm.train.objective import Objective
+from titan_mm.objectives import DiffusionLM as Objective
 
 V, MASK = 64, 63
 

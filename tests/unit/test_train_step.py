@@ -51,13 +51,13 @@ def test_loss_is_global_token_mean_not_mean_of_means():
     # make the micro-batches very unequal in label count, so a mean of means would differ
     mbs[1]["labels"][:, 4:] = -100
     mbs[1]["num_label_tokens"] = (mbs[1]["labels"] != -100).sum()
-    n = sum(int(b["num_label_tokens"]) for b in mbs)
+    n = {"ce": sum(int(b["num_label_tokens"]) for b in mbs)}
     m1 = tiny_model()
     loss1, _ = forward_backward(m1, mbs, ctx, n)
     g1 = grads(m1)
     m2 = tiny_model()
     big = merge(mbs)
-    assert int(big["num_label_tokens"]) == n
+    assert int(big["num_label_tokens"]) == n["ce"]
     loss2, _ = forward_backward(m2, [big], ctx, n)
     g2 = grads(m2)
     torch.testing.assert_close(loss1, loss2, rtol=1e-5, atol=1e-5)
@@ -80,13 +80,13 @@ def test_train_step_updates_and_clips():
     res = train_step(st, batches(2), ctx)
     assert st.step == 1 and not res.skipped
     assert math.isfinite(res.loss) and res.grad_norm > 1e-3  # pre-clip norm is reported
-    assert res.label_tokens > 0 and res.tokens == 2 * 2 * 32
+    assert res.counts["ce"] > 0 and res.tokens == 2 * 2 * 32 and res.terms == {"ce": res.loss}
     assert any(not torch.equal(before[n], p) for n, p in m.named_parameters())
     # after clipping the gradients were at most max_norm: the step is bounded by lr (Adam) anyway; check
     # the clip itself on a fresh backward
     from titan_mm.parallel.clip import clip_grad_norm_
 
-    forward_backward(m, batches(1), ctx, 10)
+    forward_backward(m, batches(1), ctx, {"ce": 10})
     clip_grad_norm_(m.parameters(), 1e-3)
     total = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in m.parameters() if p.grad is not None))
     assert float(total) <= 1e-3 * 1.001
@@ -203,7 +203,7 @@ def _nan_eq(a, b) -> bool:
 
 
 def _result_values(res):
-    return (res.loss, res.aux_loss, res.grad_norm, res.lr, res.label_tokens, res.tokens, res.skipped)
+    return (res.loss, res.aux_loss, res.grad_norm, res.lr, res.counts, res.tokens, res.skipped)
 
 
 def test_supports_found_inf():

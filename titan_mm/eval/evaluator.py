@@ -121,14 +121,19 @@ class Evaluator:
     def heldout(self) -> dict[str, float]:
         m, total, weights = {}, 0.0, 0.0
         for name, source, w in self.sources:
-            loss_sum, labels = 0.0, 0
+            sums: dict[str, float] = {}
+            counts: dict[str, int] = {}
             for micro in self._global_batches(name, source):
                 s, n = eval_loss_sums(self.run.model, micro, self.run.ctx)
-                loss_sum, labels = loss_sum + s, labels + n
-            loss = loss_sum / max(labels, 1)
+                sums = {t: sums.get(t, 0.0) + v for t, v in s.items()}
+                counts = {t: counts.get(t, 0) + v for t, v in n.items()}
+            terms = {t: sums[t] / max(counts[t], 1) for t in sums}  # each loss term's mean (the objective's)
+            loss = sum(terms.values())
             m[f"eval/{name}/loss"] = loss
             m[f"eval/{name}/ppl"] = math.exp(min(loss, 80.0))
-            m[f"eval/{name}/tokens"] = labels
+            m[f"eval/{name}/tokens"] = sum(counts.values())
+            if len(terms) > 1:
+                m.update({f"eval/{name}/loss/{t}": v for t, v in terms.items()})
             total, weights = total + w * loss, weights + w
         if len(self.sources) > 1:
             m["eval/loss"] = total / weights

@@ -2,7 +2,7 @@
 
     stream = model.embed(...)                        # first pipeline stage only
     stream = model.trunk(stream, rope, attn, start, stop)   # any contiguous slice of blocks
-    out = model.head(stream, attn, labels)            # last stage only: final norm, aux loss, loss or logits
+    out = model.head(stream, attn, hidden=True)       # last stage only: final norm, aux loss, hidden or logits
 """
 
 from __future__ import annotations
@@ -35,3 +35,9 @@ class ModelOutput(NamedTuple):
     kv_cache: Any = None
     """The KV cache the forward was given in its attention metadata (written in place), returned; None in
     training."""
+    hidden: torch.Tensor | None = None
+    """[B, S, D] final-norm hidden states, when the forward was given an objective's ``loss`` (the input of its
+    hooks: ``lm_loss``, ``predict_velocity``); None otherwise."""
+    terms: dict[str, torch.Tensor] | None = None
+    """The objective's named loss-term sums ({"ce": fp32 sum}, titan_mm.objectives), when the forward was given its
+    ``loss``; None otherwise."""

@@ -46,8 +46,9 @@ class Objective:
     """Batch keys only the loss reads: the step does not hand them to the model's forward."""
     host_keys: tuple[str, ...] = ()
     """Batch keys that stay on the host (counts)."""
-    seq_keys: tuple[str, ...] = ()
-    """Keys ``prepare`` adds along the sequence ([B, S]): context parallelism cuts them with input_ids."""
+    seq_keys: tuple = ()
+    """Keys ``prepare`` adds along the sequence (names of [B, S] keys, or titan_mm.registry.SeqKey with trailing
+    dims): context parallelism cuts them on S."""
     mask_kind: str | None = None
     """Attention mask kind it trains with (titan_mm.nn.attention KINDS); None: no preference (the family's)."""
     block_size: int | None = None
@@ -70,6 +71,17 @@ class Objective:
         """The ``loss`` argument of a family's forward for ``batch`` (device tensors)."""
         return lambda model, out: self.loss_sums(model, out, batch)
 
+    def flops(self, spec, model_cfg, doc_lens, **grids) -> float:
+        """Training FLOPs of a micro-batch: the family's count (causal attention pairs), plus, for another mask
+        kind, the attention pairs it adds (bidirectional: L^2 per document, block-causal: every key of the query's
+        block too) at 12 x heads x head_dim per pair and layer (docs/flops.md)."""
+        if self.mask_kind in (None, "causal"):
+            return spec.flops(model_cfg, doc_lens, **grids)
+        lens = [int(x) for x in (doc_lens.tolist() if hasattr(doc_lens, "tolist") else doc_lens)]
+        d = spec.dims(model_cfg)
+        extra = sum(attention_pairs(L, self.mask_kind, self.block_size) - attention_pairs(L, "causal") for L in lens)
+        return float(spec.flops(model_cfg, lens, **grids)) + 12.0 * d.num_heads * d.head_dim * d.num_layers * extra
+
     def check_batch(self, batch: dict[str, Any]) -> None:
         """Raise ValueError naming the first field this objective needs and the batch lacks."""
         missing = [f for f in self.fields if f not in batch]
@@ -77,3 +89,14 @@ class Objective:
             raise ValueError(f"objective {type(self).__name__} needs batch field {missing[0]!r}, which the batch "
                              f"lacks (keys {sorted(batch)}); the data pipeline or the family's prepare_batch must "
                              "produce it")
+
+
+def attention_pairs(L: int, kind: str, block_size: int | None = None) -> int:
+    """(query, key) pairs a document of L tokens attends under mask ``kind`` (no sliding window)."""
+    if kind == "causal":
+        return L * (L + 1) // 2
+    if kind == "bidirectional":
+        return L * L
+    if kind == "block_causal":  # a query of block j sees every key up to the end of block j
+        return sum(min(block_size, L - s) * min(s + block_size, L) for s in range(0, L, block_size))
+    raise ValueError(f"attention_pairs: unknown kind {kind!r}")

@@ -33,8 +33,8 @@ t samplers (``sampler``), per unit:
     logit-normal with mean 0, std 1).
 Weightings (``weighting``), per unit: "none" (1) or "cosmap" (SD3's 2 / (pi (1 - 2t + 2t^2))).
 
-Context parallelism cuts [B, S] keys along the last dim; the [B, S, C] fields are not cut, so this objective
-refuses parallel.cp > 1 (titan_mm.objectives.build_objective says so).
+Context parallelism cuts the keys ``prepare`` adds on S (``seq_keys``, with their trailing dims); the batch fields
+are the family's to declare in its BatchSchema (``latents`` with trailing ("C",)).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from titan_mm.objectives.base import Objective, noise_generator
+from titan_mm.registry import SeqKey
 
 SAMPLERS = ("uniform", "logit_normal", "shifted")
 WEIGHTINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -73,6 +74,8 @@ class FlowMatching(Objective):
     fields = ("latents", "latent_mask", "noise_unit")
     loss_keys = ("latents", "noise_unit", "flow_target", "flow_weight", "num_latent_elements")
     host_keys = ("num_latent_elements",)
+    seq_keys = (SeqKey("noisy_latents", ("C",), "float32"), SeqKey("timesteps", dtype="float32"),
+                SeqKey("flow_target", ("C",), "float32"), SeqKey("flow_weight", dtype="float32"))
 
     def __post_init__(self):
         if self.sampler not in SAMPLERS:

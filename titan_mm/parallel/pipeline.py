@@ -28,8 +28,8 @@ whose head turns them into the aux loss, and its gradient flows back through eve
 additions still ahead (after blocks ``stop .. n_adds-1``; zeros for a text-only micro-batch). The vision tower runs
 on stage 0.
 
-**Per-micro-batch metadata** (attention metadata, positions, family inputs, the objective's loss) is built on the host before
-``schedule.step`` and kept in a table indexed by micro-batch. Each forward gets its micro-batch index as the keyword
+**Per-micro-batch metadata** (attention metadata, positions, family inputs, the objective's loss) is built on the host
+before ``schedule.step`` and kept in a table indexed by micro-batch. Each forward gets its micro-batch index as the keyword
 ``mb`` (a CPU tensor the schedule chunks from ``arange(n_micro)``), so a stage finds its micro-batch's metadata
 without a host sync and whatever order the schedule runs them in (each torch schedule does run a stage's forwards
 in order 0 .. M-1; the index makes that irrelevant).
@@ -37,8 +37,8 @@ in order 0 .. M-1; the index makes that irrelevant).
 **The loss**: the last stage runs the objective's loss on the head's hidden states (titan_mm.objectives) and sends
 its terms [T]; the loss function returns ``sum_t term_t / denom_t + aux * aux_scale`` (denom_t: the term's global
 count), the same normalization as without PP, so the micro-batches' losses add up to the step's loss
-(``scale_grads=False``: torch does not divide again). Every output a stage sends must get a gradient back; router statistics that the
-loss does not use (aux loss off) are added to it times 0.
+(``scale_grads=False``: torch does not divide again). Every output a stage sends must get a gradient back; router
+statistics that the loss does not use (aux loss off) are added to it times 0.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from titan_mm.data.packing import IGNORE_INDEX
 from titan_mm.data.processors import Processor, ProcessorConfig
 from titan_mm.data.schema import parse_record
 from titan_mm.train.dllm_sample import sample
-from titan_mm.train.objective import run_tokenizer
+from titan_mm.objectives.diffusion import run_tokenizer
 
 
 def qa_prompts(job_cfg, spec, model_cfg, limit: int | None = None):
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     if bool(a.checkpoint) == bool(a.hf):
         ap.error("give exactly one of --checkpoint or --hf")
     from titan_mm.config import ConfigError, load_config, load_toml
-    from titan_mm.train.objective import build_objective, objective_from_hf
+    from titan_mm.objectives.diffusion import build_diffusion, objective_from_hf
 
     runs = []
     try:
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
             for ck in _checkpoint_runs(a.checkpoint, a.all):
                 model, model_cfg, spec, ck = load_model_from_checkpoint(ck)
                 job = load_toml(Path(ck) / CONFIG_FILE)
-                runs.append((ck.name, model, build_objective(job, spec, model_cfg), job, spec, model_cfg))
+                runs.append((ck.name, model, build_diffusion(job, spec, model_cfg), job, spec, model_cfg))
         else:
             if not a.config:
                 ap.error("--hf needs --config (the training TOML, for the chat template)")

@@ -276,7 +276,7 @@ def setup(cfg: JobConfig, model_fn=None) -> Run:
     baseline); the rest is the same for it."""
     from titan_mm.observe.health import NanGuard
     from titan_mm.quant.float8 import float8_after_optimizer
-    from titan_mm.train.objective import build_objective
+    from titan_mm.objectives import build_objective
     from titan_mm.parallel.apply import cast_copies
     from titan_mm.parallel.clip import clip_grad_norm_
     from titan_mm.train.optim import build_lr_scheduler, build_optimizer
@@ -293,7 +293,7 @@ def setup(cfg: JobConfig, model_fn=None) -> Run:
     dp_rank, dp_world, loss_group, count_group, loss_world = data_parallel_groups(pd)
     spec, model_cfg = model_from_config(cfg, device)
     check_parallel(cfg, pd, spec, model_cfg)
-    objective = build_objective(cfg, spec, model_cfg)  # None: causal LM; mask token and kind x backend checked here
+    objective = build_objective(cfg, spec, model_cfg)  # the family's or [objective]'s; mistakes checked here
     n_micro = grad_accum_steps(cfg, dp_world)
     stages = pipeline_stages(cfg, spec, model_cfg, pd, n_micro) if pd.pp_enabled else None
     if stages is not None and model_fn is not None:
@@ -314,10 +314,8 @@ def setup(cfg: JobConfig, model_fn=None) -> Run:
         loss_world=loss_world, nan_guard=NanGuard(cfg.training.nan_policy, cfg.training.max_skipped_steps),
         parallel_dims=pd, cp_mode=cfg.parallel.cp_mode,
         prepare_batch=functools.partial(spec.prepare_batch, model_cfg) if spec.prepare_batch else None,
-        seq_keys=spec.seq_keys + (objective.seq_keys if objective else ()),
+        seq_keys=spec.schema().seq,  # with their trailing dims: the CP split cuts latents [B, S, C] on S
         after_optimizer=float8_after_optimizer(model, cfg.float8), objective=objective, dp_rank=dp_rank,
-        mask_kind=objective.mask_kind if objective else "causal",
-        block_size=objective.block_size if objective else None,
         encoder_balance=balance_planner(balance_group(pd)) if cfg.parallel.encoder_balance else None,
     )
     if copies is not None:  # the large gradients are held by the cast path, not in .grad

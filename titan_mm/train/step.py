@@ -2,12 +2,14 @@
 
     result = train_step(state, micro_batches, ctx)
 
-Loss. Each micro-batch's forward returns ``loss_sum`` (sum of token cross-entropy over labels != -100).
-The step divides it by the number of label tokens of the WHOLE global batch (every micro-batch on every
-data-parallel rank: one all-reduce of a CPU-known count per step, before any backward), so the update
-is the gradient of the true token mean, not a mean of micro-batch means. titan_mm.parallel sums (not
-averages) data-parallel gradients, so no extra scaling is needed. MoE aux losses are averaged over the
-micro-batches and the dp x cp ranks (gradients are summed; each rank adds aux / (n_micro x dp x cp)).
+Loss. The step knows no loss: ``ctx.objective`` (titan_mm.objectives) prepares the micro-batches on the host
+(noise, targets), counts each loss term's normalizer (label tokens, latent elements), and computes the named
+loss-term sums inside the forward (``model(..., loss=objective.bind(batch))`` -> ``out.terms``). The step divides
+each term by its count over the WHOLE global batch (every micro-batch on every data-parallel rank: one all-reduce
+of the CPU-known counts per step, before any backward), so the update is the gradient of the true means, not a mean
+of micro-batch means. titan_mm.parallel sums (not averages) data-parallel gradients, so no extra scaling is needed.
+MoE aux losses are averaged over the micro-batches and the dp x cp ranks (gradients are summed; each rank adds
+aux / (n_micro x dp x cp)).
 
 Then: global grad-norm clip over every mesh axis (titan_mm.parallel.clip), a non-finite check (the same
 decision on every rank: the loss and norm are global), optimizer step, scheduler step.
@@ -33,21 +35,27 @@ import math
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_mm.nn.attention import build_attn_meta
+from titan_mm.nn.attention import batch_rows, build_attn_meta
+from titan_mm.objectives import CausalLM, Objective
 from titan_mm.observe.health import NanGuard, NonFiniteError
 from titan_mm.parallel.clip import clip_coef, clip_grad_norm_
 from titan_mm.train.optim import supports_found_inf
 from titan_mm.train.state import TrainState
 
-# Batch keys consumed by the step / attention metadata, not passed to the model as keyword arguments.
-NOT_MODEL_KWARGS = {"input_ids", "labels", "position_ids", "doc_ids", "cu_seqlens", "max_seqlen", "num_label_tokens"}
+STEP_KEYS = {"input_ids", "position_ids", "doc_ids", "cu_seqlens", "max_seqlen"}
+"""Batch keys the step and the attention metadata consume; with the objective's ``loss_keys`` they are not model
+keyword arguments."""
+NOT_MODEL_KWARGS = STEP_KEYS | set(CausalLM.loss_keys)
+"""Keys that are no family input of a causal-LM batch (for code that calls the forward itself: decoding, tests)."""
+HOST_KEYS = ("cu_seqlens", "max_seqlen")
+"""Keys that stay on the host (with the objective's ``host_keys``)."""
 
 
 @dataclass
@@ -71,15 +79,11 @@ class StepContext:
     parallel_dims: Any = None
     """titan_mm.parallel.mesh.ParallelDims; with cp > 1 each micro-batch is split over the cp axis."""
     cp_mode: str = "ulysses"
-    mask_kind: str = "causal"
-    """Attention mask kind the objective trains with (titan_mm/nn/attention.py KINDS)."""
-    objective: Any = None
-    """titan_mm.train.objective.Objective (a diffusion objective: corrupts the micro-batches on the host before the
-    label count; it set mask_kind / block_size); None: the causal LM, batches as they come."""
+    objective: Objective = field(default_factory=CausalLM)
+    """titan_mm.objectives: prepares the micro-batches, counts each loss term's normalizer, returns the loss terms;
+    its mask_kind (None: "causal") and block_size set the attention metadata."""
     dp_rank: int = 0
     """This rank's index among the dp ranks (the objective's noise is seeded by the global micro-batch slot)."""
-    block_size: int | None = None
-    """Block size of the "block_causal" kind."""
     prepare_batch: Callable | None = None
     """prepare_batch(micro_batch, device) -> micro_batch: the family's host-side metadata (ModelSpec.prepare_batch
     bound to the model config), before the CP split."""
@@ -107,12 +111,14 @@ class StepContext:
 @dataclass
 class StepResult:
     loss: float
-    """Global token-mean cross-entropy (plus nothing else)."""
+    """The objective's loss: the sum of its terms' global means (the MoE aux loss not included)."""
     aux_loss: float
     grad_norm: float
     lr: float
-    label_tokens: int
-    """Label tokens in the global batch."""
+    terms: dict[str, float]
+    """Each loss term's global mean ({"ce": token-mean cross-entropy}, {"mse": ...}), in the objective's order."""
+    counts: dict[str, int]
+    """Each loss term's normalizer over the global batch (label tokens, latent elements)."""
     tokens: int
     """Input positions in the global batch (rows x seq_len over all micro-batches and dp ranks)."""
     skipped: bool
@@ -168,10 +174,12 @@ class LossScaler:
         self.growth_tracker.fill_(sd["growth_tracker"])
 
 
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def to_device(batch: dict[str, Any], device: torch.device, host_keys: Iterable[str] = ()) -> dict[str, Any]:
+    """The batch's tensors on ``device`` (non-blocking), but HOST_KEYS and ``host_keys``."""
+    keep = set(HOST_KEYS) | set(host_keys)
     out = {}
     for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and k not in ("cu_seqlens", "max_seqlen", "num_label_tokens"):
+        if isinstance(v, torch.Tensor) and k not in keep:
             v = v.to(device, non_blocking=True)
         out[k] = v
     return out
@@ -183,16 +191,39 @@ def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
-def global_label_count(micro_batches: list[dict], ctx: StepContext) -> int:
-    """Label tokens of the whole global batch (one all-reduce of a host-known count over the dp ranks;
-    the micro-batches are the full, not yet CP-split rows)."""
-    local = sum(int(mb["num_label_tokens"]) for mb in micro_batches)
+def local_counts(micro_batches: list[dict], objective: Objective) -> dict[str, int]:
+    """Each loss term's normalizer over ``micro_batches`` (prepared, full, not yet CP-split rows), on the host."""
+    per_mb = [objective.counts(mb) for mb in micro_batches]
+    return {t: sum(c[t] for c in per_mb) for t in objective.terms}
+
+
+def global_counts(micro_batches: list[dict], ctx: StepContext) -> dict[str, int]:
+    """Each loss term's normalizer over the whole global batch: one all-reduce of the host-known counts over the dp
+    ranks."""
+    local = local_counts(micro_batches, ctx.objective)
     if ctx.count_group is None:
         return local
     comm_dev = ctx.device if dist.get_backend(ctx.count_group) == "nccl" else torch.device("cpu")
-    t = torch.tensor([local], dtype=torch.int64, device=comm_dev)
+    t = torch.tensor(list(local.values()), dtype=torch.int64, device=comm_dev)
     _all_reduce_sum(t, ctx.count_group)
-    return int(t.item())
+    return dict(zip(local, t.tolist()))
+
+
+def model_inputs(b: dict[str, Any], objective: Objective) -> dict[str, Any]:
+    """The batch keys a family's forward takes as keywords: all but the step's and the objective's loss keys."""
+    return {k: v for k, v in b.items() if k not in STEP_KEYS and k not in objective.loss_keys}
+
+
+def _denoms(counts: dict[str, int]) -> list[float]:
+    return [float(max(n, 1)) for n in counts.values()]
+
+
+def _objective_loss(terms: torch.Tensor, denoms: list[float]) -> torch.Tensor:
+    """sum_i terms[i] / denoms[i]: each term's share of its global mean."""
+    loss = terms[0] / denoms[0]
+    for i in range(1, len(denoms)):
+        loss = loss + terms[i] / denoms[i]
+    return loss
 
 
 def _prepare(mb: dict, ctx: StepContext):
@@ -202,13 +233,14 @@ def _prepare(mb: dict, ctx: StepContext):
         eb = {} if ctx.encoder_balance is None else {"encoder_balance": ctx.encoder_balance}
         mb = ctx.prepare_batch(mb, ctx.device, **eb)
     pd = ctx.parallel_dims
+    kind, block = ctx.objective.mask_kind or "causal", ctx.objective.block_size
     if pd is not None and pd.cp_enabled:
         from titan_mm.parallel.cp import prepare_cp_batch
 
         return prepare_cp_batch(mb, pd, ctx.attn_backend, ctx.device, ctx.sliding_window, mode=ctx.cp_mode,
-                                seq_keys=ctx.seq_keys, kind=ctx.mask_kind, block_size=ctx.block_size)
-    return mb, build_attn_meta(mb, ctx.attn_backend, ctx.device, sliding_window=ctx.sliding_window,
-                               kind=ctx.mask_kind, block_size=ctx.block_size)
+                                seq_keys=ctx.seq_keys + ctx.objective.seq_keys, kind=kind, block_size=block)
+    return mb, build_attn_meta(mb, ctx.attn_backend, ctx.device, sliding_window=ctx.sliding_window, kind=kind,
+                               block_size=block)
 
 
 def sdpa_priority(device: torch.device):
@@ -224,78 +256,84 @@ def sdpa_priority(device: torch.device):
     return sdpa_kernel(order, set_priority=True)
 
 
-def forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_global_labels: int,
-                     scaler: LossScaler | None = None):
-    """Accumulate gradients of (sum CE / n_global_labels + mean aux) over the micro-batches (times the loss
-    scale when ``scaler`` is given).
+def _forward(model, mb: dict, ctx: StepContext):
+    """The forward of one (prepared, not yet CP-split) micro-batch with the objective's loss: (ModelOutput, its
+    loss terms stacked [T] in the objective's order)."""
+    obj = ctx.objective
+    mb, attn = _prepare(mb, ctx)
+    b = to_device(mb, ctx.device, obj.host_keys)
+    out = model(b.get("input_ids"), position_ids=b.get("position_ids"), attn=attn, loss=obj.bind(b),
+                **model_inputs(b, obj))
+    if out.terms is None:
+        raise RuntimeError("the model's forward ignored its loss argument (out.terms is None): a family's forward "
+                           "calls the objective's loss on its output (docs/models.md, Objectives)")
+    return out, torch.stack([out.terms[t].float() for t in obj.terms])
 
-    Returns (local loss_sum, local aux sum) as device tensors (detached, fp32)."""
-    denom = float(max(n_global_labels, 1))
+
+def forward_backward(model, micro_batches: list[dict], ctx: StepContext, counts: dict[str, int],
+                     scaler: LossScaler | None = None):
+    """Accumulate gradients of (sum_t term_t / counts[t] + mean aux) over the prepared micro-batches (times the
+    loss scale when ``scaler`` is given); ``counts``: :func:`global_counts`.
+
+    Returns (local term sums [T], local aux sum) as device tensors (detached, fp32)."""
+    denoms = _denoms(counts)
     n_micro = len(micro_batches)
     aux_scale = 1.0 / (n_micro * ctx.loss_world)
-    loss_acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    loss_acc = torch.zeros(len(denoms), dtype=torch.float32, device=ctx.device)
     aux_acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
     for mb in micro_batches:
-        mb, attn = _prepare(mb, ctx)
-        b = to_device(mb, ctx.device)
-        extra = {k: v for k, v in b.items() if k not in NOT_MODEL_KWARGS}
-        out = model(b["input_ids"], position_ids=b.get("position_ids"), attn=attn, labels=b["labels"], **extra)
-        if out.loss_sum is None:
-            raise RuntimeError("the model returned loss_sum=None although labels were given (see ModelOutput contract)")
-        loss = out.loss_sum.float() / denom
+        out, terms = _forward(model, mb, ctx)
+        loss = _objective_loss(terms, denoms)
         if out.aux_loss is not None:
             loss = loss + out.aux_loss.float() * aux_scale
             aux_acc += out.aux_loss.detach().float()
         if ctx.inject_nan:
             loss = loss * float("nan")
         (loss if scaler is None else loss * scaler.scale).backward()
-        loss_acc += out.loss_sum.detach().float() * (float("nan") if ctx.inject_nan else 1.0)
+        loss_acc += terms.detach() * (float("nan") if ctx.inject_nan else 1.0)
     return loss_acc, aux_acc
 
 
 @torch.no_grad()
-def eval_loss_sums(model, micro_batches: list[dict], ctx: StepContext) -> tuple[float, int]:
-    """(summed CE, label tokens) of ``micro_batches`` over the whole global batch: the train step's forward, host
-    preparation and reductions without grads or the aux loss. A diffusion objective corrupts them as at step 0."""
-    if ctx.objective is not None:
-        micro_batches = ctx.objective.apply(micro_batches, 0, ctx.dp_rank)
-    n_labels = global_label_count(micro_batches, ctx)
+def eval_loss_sums(model, micro_batches: list[dict], ctx: StepContext) -> tuple[dict[str, float], dict[str, int]]:
+    """({term: sum}, {term: count}) of ``micro_batches`` over the whole global batch: the train step's forward, host
+    preparation and reductions without grads or the aux loss. The objective prepares them as at step 0 (a
+    diffusion LM's or flow matching's noise)."""
+    micro_batches = ctx.objective.prepare(micro_batches, 0, ctx.dp_rank)
+    counts = global_counts(micro_batches, ctx)
     model.eval()
-    loss_acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    loss_acc = torch.zeros(len(counts), dtype=torch.float32, device=ctx.device)
     with sdpa_priority(ctx.device):
-        if ctx.pipeline is not None:  # the schedule's forward-only pass; every pp rank gets the sum
+        if ctx.pipeline is not None:  # the schedule's forward-only pass; every pp rank gets the sums
             loss_acc += ctx.pipeline.eval(_pp_micros(micro_batches, ctx))
         else:
             for mb in micro_batches:
-                mb, attn = _prepare(mb, ctx)
-                b = to_device(mb, ctx.device)
-                extra = {k: v for k, v in b.items() if k not in NOT_MODEL_KWARGS}
-                out = model(b["input_ids"], position_ids=b.get("position_ids"), attn=attn, labels=b["labels"],
-                            **extra)
-                loss_acc += out.loss_sum.float()
+                loss_acc += _forward(model, mb, ctx)[1]
     if ctx.loss_group is not None:
         comm_dev = ctx.device if dist.get_backend(ctx.loss_group) == "nccl" else torch.device("cpu")
         loss_acc = _all_reduce_sum(loss_acc.to(comm_dev), ctx.loss_group)
-    return float(loss_acc), n_labels
+    return dict(zip(counts, loss_acc.tolist())), counts
 
 
-def _pp_forward_backward(model, micro_batches: list[dict], ctx: StepContext, n_global_labels: int,
+def _pp_forward_backward(model, micro_batches: list[dict], ctx: StepContext, counts: dict[str, int],
                          scaler: LossScaler | None = None):
     """:func:`forward_backward` under pipeline parallelism: the same host preparation per micro-batch (family
-    metadata, attention metadata or the CP split) and the same loss (sum CE / n_global_labels + aux / (n_micro x
+    metadata, attention metadata or the CP split) and the same loss (sum_t term_t / counts[t] + aux / (n_micro x
     dp x cp), times the loss scale), run by ``ctx.pipeline``'s schedule; the last stage computes it. Returns
-    (local loss_sum, local aux sum), the same on every pp rank."""
-    return ctx.pipeline.run(_pp_micros(micro_batches, ctx), float(max(n_global_labels, 1)),
+    (local term sums [T], local aux sum), the same on every pp rank."""
+    return ctx.pipeline.run(_pp_micros(micro_batches, ctx), _denoms(counts),
                             1.0 / (len(micro_batches) * ctx.loss_world), None if scaler is None else scaler.scale,
                             ctx.inject_nan)
 
 
 def _pp_micros(micro_batches: list[dict], ctx: StepContext) -> list:
     """The micro-batches as ``ctx.pipeline``'s stages read them, after the same host preparation as without it."""
+    obj = ctx.objective
     micros = []
     for mb in micro_batches:
         mb, attn = _prepare(mb, ctx)
-        micros.append(ctx.pipeline.micro(to_device(mb, ctx.device), attn, NOT_MODEL_KWARGS))
+        b = to_device(mb, ctx.device, obj.host_keys)
+        micros.append(ctx.pipeline.micro(b, attn, model_inputs(b, obj), obj.bind(b), obj.terms))
     return micros
 
 
@@ -326,12 +364,12 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
     t0 = time.perf_counter()
     model, opt, scaler = state.model, state.optimizer, state.scaler
     model.train()
-    if ctx.objective is not None:  # noisy inputs, targets, 1/t weights, normalizer (titan_mm/train/objective.py)
-        micro_batches = ctx.objective.apply(micro_batches, state.step, ctx.dp_rank)
-    n_labels = global_label_count(micro_batches, ctx)
+    # host: noisy inputs, targets, weights, each term's normalizer (titan_mm.objectives)
+    micro_batches = ctx.objective.prepare(micro_batches, state.step, ctx.dp_rank)
+    counts = global_counts(micro_batches, ctx)
     with sdpa_priority(ctx.device):
-        loss_sum, aux_sum = (forward_backward if ctx.pipeline is None else _pp_forward_backward)(
-            model, micro_batches, ctx, n_labels, scaler)
+        term_sums, aux_sum = (forward_backward if ctx.pipeline is None else _pp_forward_backward)(
+            model, micro_batches, ctx, counts, scaler)
     if scaler is not None:
         scaler.unscale_(model.parameters())  # the clip and the optimizer see true gradients
 
@@ -344,7 +382,7 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
     grad_scale = (1.0 / clip_coef(grad_norm.float(), ctx.max_norm)).to(_param_device(opt)) if fold_clip else None
 
     # one reduction for what we log and decide on; global values, so every rank decides the same
-    stats = torch.stack([loss_sum, aux_sum]).to(torch.float32)
+    stats = torch.cat([term_sums, aux_sum.reshape(1)]).to(torch.float32)
     if ctx.loss_group is not None:
         comm_dev = ctx.device if dist.get_backend(ctx.loss_group) == "nccl" else torch.device("cpu")
         stats = _all_reduce_sum(stats.to(comm_dev), ctx.loss_group)
@@ -364,17 +402,19 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
             # 0-dim plain tensor as replicated; it must be 0-dim, as GradScaler's, since the optimizer subtracts
             # it in place from the 0-dim step counts)
             dev = _param_device(opt)
-            finite = torch.isfinite(stats[0].to(dev)) & torch.isfinite(gnorm_t[0].to(dev))
+            finite = torch.isfinite(stats[:-1].sum().to(dev)) & torch.isfinite(gnorm_t[0].to(dev))
             found_inf = (~finite).to(torch.float32)
         else:
             found_inf = None
         _update(opt, ctx, found_inf=found_inf, grad_scale=grad_scale)
 
     host = torch.cat([t.cpu() for t in host_reads]).tolist()
-    loss = host[0] / max(n_labels, 1)
-    aux = host[1] / (len(micro_batches) * ctx.loss_world)
-    gnorm = host[2]
-    loss_scale = host[3] if scaler is not None else None
+    n_terms = len(counts)
+    terms = {t: host[i] / max(n, 1) for i, (t, n) in enumerate(counts.items())}
+    loss = sum(terms.values())
+    aux = host[n_terms] / (len(micro_batches) * ctx.loss_world)
+    gnorm = host[n_terms + 1]
+    loss_scale = host[n_terms + 2] if scaler is not None else None
 
     # the same tests as found_inf above, on the same values: on the device-skip path the update was already
     # skipped exactly when ok is False (or the guard raises: policy "stop" / too many skips in a row)
@@ -399,8 +439,8 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
         warnings.simplefilter("ignore", UserWarning)
         state.scheduler.step()
     state.step += 1
-    tokens = sum(int(mb["input_ids"].numel()) for mb in micro_batches) * ctx.dp_world
+    tokens = sum(math.prod(batch_rows(mb)) for mb in micro_batches) * ctx.dp_world  # a batch may hold no tokens
     return StepResult(
-        loss=loss, aux_loss=aux, grad_norm=gnorm, lr=lr, label_tokens=n_labels, tokens=tokens,
+        loss=loss, aux_loss=aux, grad_norm=gnorm, lr=lr, terms=terms, counts=counts, tokens=tokens,
         skipped=not ok, compute_s=time.perf_counter() - t0, loss_scale=loss_scale,
     )

@@ -209,8 +209,6 @@ def _train_locked(cfg: JobConfig, out_dir) -> dict[str, Any]:
     guard = ctx.nan_guard
     guard.nan_count = state.nan_count
     peak = peak_tflops(device, cfg.metrics.peak_tflops)
-    # a diffusion objective adds the attention pairs its mask computes (bidirectional / block-causal)
-    count_flops = spec.flops if ctx.objective is None else (lambda *a, **k: ctx.objective.flops(spec, *a, **k))
     times = StepTimes()
     window = ProfileWindow(cfg.metrics.profile_every, cfg.metrics.profile_steps, device)
     kill_at = int(os.environ.get("TITAN_MM_FAULT_KILL_AT_STEP", "-1"))
@@ -246,15 +244,19 @@ def _train_locked(cfg: JobConfig, out_dir) -> dict[str, Any]:
                     logger.info(f"kernels: these launch-config keys ran untuned (first config): {untuned_keys()}")
             step_time = time.perf_counter() - t0
             times.add(step_time)
-            flops = sum(count_flops(model_cfg, doc_lens_from_batch(mb), **encoder_inputs(mb)) for mb in micro)
+            # the family's FLOPs, plus the attention pairs the objective's mask adds (bidirectional / block-causal)
+            flops = sum(ctx.objective.flops(spec, model_cfg, doc_lens_from_batch(mb), **encoder_inputs(mb))
+                        for mb in micro)
             flops /= pd.tp * pd.cp  # this rank's rows are shared by its tp x cp group: per-GPU FLOPs
             m = {
                 "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "tokens": res.tokens,
-                "label_tokens": res.label_tokens, "tokens_per_s": res.tokens / step_time,
+                "tokens_per_s": res.tokens / step_time,
                 "mfu": mfu(flops, step_time, peak), "step_time_s": step_time, "data_wait_s": data_wait,
                 "step_time_p50_s": times.p50, "step_time_p90_s": times.p90,
                 "mem_peak_gb": peak_memory_gb(device), "nan_count": guard.nan_count, "skipped": int(res.skipped),
             }
+            m.update({f"loss/{t}": v for t, v in res.terms.items()})  # each term's global mean, and its count
+            m.update({f"count/{t}": n for t, n in res.counts.items()})
             if res.aux_loss:
                 m["aux_loss"] = res.aux_loss
             if rebalance is not None:  # measured: the ranks' step times, gathered at log steps

@@ -193,10 +193,12 @@ class Qwen3Model(nn.Module):
         return Stream(h_BSD, stats_2E, stream.adds)
 
     def head(self, stream: Stream, attn: AttnMeta | None, labels: torch.Tensor | None = None,
-             logits_at: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None) -> ModelOutput:
-        """Final norm, the MoE aux loss, then the loss sum over ``labels`` (already shifted, -100 = ignore), each
-        token's loss times ``loss_weights`` [B, S] when given (a diffusion objective's 1/t), or, without labels,
-        logits ([B, V] at positions ``logits_at`` [B] when given; [B, K, V] for ``logits_at`` [B, K])."""
+             logits_at: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None,
+             hidden: bool = False) -> ModelOutput:
+        """Final norm and the MoE aux loss, then: with ``hidden``, the final-norm hidden states (an objective's
+        input, titan_mm.objectives); with ``labels``, :meth:`lm_loss` over them (the parity tests' shortcut for the
+        causal LM); else logits ([B, V] at positions ``logits_at`` [B] when given; [B, K, V] for ``logits_at``
+        [B, K])."""
         h_BSD = self.norm(stream.h)
         B, S = h_BSD.shape[:2]
         aux = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
@@ -205,13 +207,22 @@ class Qwen3Model(nn.Module):
             # rows as in HF: MoE layers x tokens (padding excluded); a python float needs no device copy
             rows = float(B * S * self.n_moe_layers) if valid is None else valid.sum().float() * self.n_moe_layers
             aux = self.cfg.router_aux_loss_coef * load_balancing_loss(stream.moe_stats, rows, self.cfg.num_experts)
+        if hidden:
+            return ModelOutput(logits=None, loss_sum=None, aux_loss=aux, hidden=h_BSD)
         if labels is None:
             if logits_at is not None:
                 rows = torch.arange(B, device=h_BSD.device).view(B, *([1] * (logits_at.dim() - 1)))
                 h_BSD = h_BSD[rows, logits_at]  # [B, D], or [B, K, D] (speculative decoding)
             return ModelOutput(logits=self.ops.logits(h_BSD, self.lm_head_weight), loss_sum=None, aux_loss=aux)
-        h_ND, labels_N = h_BSD.reshape(B * S, -1), labels.reshape(-1)
-        w_N = None if loss_weights is None else loss_weights.reshape(-1)
+        return ModelOutput(logits=None, loss_sum=self.lm_loss(h_BSD, labels, loss_weights), aux_loss=aux)
+
+    def lm_loss(self, h_BSD: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The causal-LM objective's hook (titan_mm.objectives.causal): fp32 sum over ``targets`` [B, S] != -100 of
+        the LM head's cross-entropy from the final-norm ``h_BSD``, each token's times ``weights`` [B, S] when given
+        (a diffusion objective's 1/t); fused (``ops.cross_entropy``: no [N, V] logits; vocab-parallel under TP)."""
+        B, S = h_BSD.shape[:2]
+        h_ND, labels_N = h_BSD.reshape(B * S, -1), targets.reshape(-1)
+        w_N = None if weights is None else weights.reshape(-1)
         if h_ND.device.type == "cpu":
             # CPU only: drop unlabeled positions before the vocab projection (SFT labels few tokens; the
             # boolean index needs the count on the host, free on CPU but a sync on accelerators).
@@ -219,9 +230,8 @@ class Qwen3Model(nn.Module):
             h_ND, labels_N = h_ND[keep_N], labels_N[keep_N]
             w_N = None if w_N is None else w_N[keep_N]
         extra = () if w_N is None else (w_N,)  # ops without weights keep their 5-argument call
-        loss_sum = self.ops.cross_entropy(h_ND, self.lm_head_weight, labels_N, self.cfg.loss_chunk_size,
-                                          self.cfg.z_loss_weight, *extra)
-        return ModelOutput(logits=None, loss_sum=loss_sum, aux_loss=aux)
+        return self.ops.cross_entropy(h_ND, self.lm_head_weight, labels_N, self.cfg.loss_chunk_size,
+                                      self.cfg.z_loss_weight, *extra)
 
     def forward(
         self,
@@ -231,17 +241,28 @@ class Qwen3Model(nn.Module):
         labels: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
+        loss: Callable | None = None,
     ) -> ModelOutput:
         """input_ids [B, S]; position_ids [B, S] (restart per document; default arange); attn from
         build_attn_meta (None = plain causal rows; its ``kv_cache``, when set, is written and returned);
-        labels [B, S] already shifted, -100 = ignore; loss_weights [B, S] per-token loss weights (None: 1)."""
+        ``loss``: an objective's ``loss(model, out) -> {term: sum}`` (titan_mm.objectives; the train step's), called
+        on the hidden states, its sums in ``out.terms``. labels [B, S] already shifted, -100 = ignore; loss_weights
+        [B, S] per-token loss weights (None: 1): the causal LM's sum in ``out.loss_sum`` (parity tests)."""
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
         stream = self.embed(input_ids)
         stream = self.trunk(stream, self.rope(position_ids, stream.h.dtype), attn)
-        out = self.head(stream, attn, labels, logits_at, loss_weights)
-        return out if attn is None else out._replace(kv_cache=attn.kv_cache)
+        out = self.head(stream, attn, labels, logits_at, loss_weights, hidden=loss is not None)
+        return finish(self, out, attn, loss)
+
+
+def finish(model: nn.Module, out: ModelOutput, attn: AttnMeta | None, loss: Callable | None) -> ModelOutput:
+    """A forward's last words: the objective's loss terms on its output (inside the forward, where FSDP's gathered
+    and the cast parameters live), and the KV cache that came in through ``attn``."""
+    if loss is not None:
+        out = out._replace(terms=loss(model, out))
+    return out if attn is None else out._replace(kv_cache=attn.kv_cache)
 
 
 def build(cfg: Qwen3Config) -> Qwen3Model:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -352,14 +353,15 @@ class Qwen3_5Model(Qwen3VLModel):
                 pixel_values: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
                 vision_meta: Any = None, visual_index: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
-                loss_weights: torch.Tensor | None = None, linear_meta: LinearMeta | None = None):
+                loss_weights: torch.Tensor | None = None, linear_meta: LinearMeta | None = None,
+                loss: Callable | None = None):
         """As Qwen3VLModel.forward, plus ``linear_meta`` (None: every row one document, which ``attn`` must agree
         with)."""
         return super().forward(input_ids, position_ids=position_ids, attn=with_linear(attn, linear_meta),
                                labels=labels, logits_at=logits_at, pixel_values=pixel_values,
                                pixel_values_videos=pixel_values_videos, vision_meta=vision_meta,
                                visual_index=visual_index, image_grid_thw=image_grid_thw,
-                               video_grid_thw=video_grid_thw, loss_weights=loss_weights)
+                               video_grid_thw=video_grid_thw, loss_weights=loss_weights, loss=loss)
 
 
 def prepare_batch(cfg: Qwen3_5Config, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:

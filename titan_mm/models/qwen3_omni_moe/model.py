@@ -26,7 +26,7 @@ collectives (FSDP) whatever its batch holds.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ from titan_mm.nn.attention import AttnMeta
 from titan_mm.nn.output import ModelOutput
 from titan_mm.models.qwen2_5_omni import thinker
 from titan_mm.models.qwen2_5_omni.thinker import OmniMeta, OmniThinker, apply_freeze, param_groups  # noqa: F401 (re-exported)
-from titan_mm.models.qwen3.model import Qwen3Model, select_ops
+from titan_mm.models.qwen3.model import Qwen3Model, finish, select_ops
 from titan_mm.models.qwen3_omni_moe.audio import DUMMY_FRAMES, AudioEncoder, build_audio_meta, output_lengths
 from titan_mm.models.qwen3_omni_moe.config import Qwen3OmniMoeConfig
 from titan_mm.models.qwen3_vl.model import EmbedOutput, Qwen3VLModel
@@ -76,18 +76,20 @@ class Qwen3OmniMoeModel(OmniThinker, Qwen3VLModel):
         audio_feature_lengths: torch.Tensor | None = None,
         use_audio_in_video: bool | None = None,
         loss_weights: torch.Tensor | None = None,
+        loss: Callable | None = None,
     ) -> ModelOutput:
         """position_ids [3, B, S] (or [B, S] for text only; default arange); ``omni_meta`` / ``mm_index`` from
         :func:`prepare_batch`. The grids, second_per_grid, audio lengths and use_audio_in_video are accepted for
-        interface compatibility and not read (prepare_batch turned them into metadata on the host)."""
+        interface compatibility and not read (prepare_batch turned them into metadata on the host). ``loss``: an
+        objective's, as Qwen3Model.forward's."""
         lm = self.language_model
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
         stream = self.embed(input_ids, pixel_values, pixel_values_videos, input_features, omni_meta, mm_index)
         stream = lm.trunk(stream, self.rope(position_ids, stream.h.dtype), attn)
-        out = lm.head(stream, attn, labels, logits_at, loss_weights)
-        return out if attn is None else out._replace(kv_cache=attn.kv_cache)
+        out = lm.head(stream, attn, labels, logits_at, loss_weights, hidden=loss is not None)
+        return finish(self, out, attn, loss)
 
 
 # ---- positions (host): HF Qwen3-Omni's get_rope_index ----

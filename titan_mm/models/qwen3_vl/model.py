@@ -39,6 +39,7 @@ swaps for vocab-parallel ones.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,7 +47,7 @@ import torch.nn as nn
 
 from titan_mm.nn.attention import AttnMeta
 from titan_mm.nn.output import ModelOutput, Stream
-from titan_mm.models.qwen3.model import Qwen3Model, select_ops
+from titan_mm.models.qwen3.model import Qwen3Model, finish, select_ops
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
 from titan_mm.models.qwen3_vl.vision import VisionMeta, VisionTower, build_vision_meta
 
@@ -163,9 +164,14 @@ class Qwen3VLModel(nn.Module):
         return self.language_model.trunk(stream, rope, attn, start, stop)
 
     def head(self, stream: Stream, attn: AttnMeta | None, labels: torch.Tensor | None = None,
-             logits_at: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None) -> ModelOutput:
-        """The text model's head: final norm, MoE aux loss, loss sum or logits."""
-        return self.language_model.head(stream, attn, labels, logits_at, loss_weights)
+             logits_at: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None,
+             hidden: bool = False) -> ModelOutput:
+        """The text model's head: final norm, MoE aux loss, then hidden states, loss sum or logits."""
+        return self.language_model.head(stream, attn, labels, logits_at, loss_weights, hidden)
+
+    def lm_loss(self, h_BSD: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The causal-LM objective's hook: the text model's (Qwen3Model.lm_loss)."""
+        return self.language_model.lm_loss(h_BSD, targets, weights)
 
     def forward(
         self,
@@ -182,21 +188,23 @@ class Qwen3VLModel(nn.Module):
         video_grid_thw: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
         vision_balance: EncoderBalance | None = None,
+        loss: Callable | None = None,
     ) -> ModelOutput:
         """input_ids [B, S]; position_ids [3, B, S] M-RoPE positions (or [B, S] for text only; default
         arange); attn from build_attn_meta; labels [B, S] already shifted. ``vision_meta`` / ``visual_index``
         come from :func:`prepare_batch` (host); the grids are accepted for interface compatibility and not
         read (they were turned into vision_meta on the host). ``logits_at`` [B] (decoding): without labels,
         logits only at these positions, [B, V]. ``loss_weights`` [B, S]: per-token loss weights (None: 1).
-        ``vision_balance``: the encoder-balance plan from :func:`prepare_batch` (see :meth:`embed`)."""
+        ``vision_balance``: the encoder-balance plan from :func:`prepare_batch` (see :meth:`embed`). ``loss``: an
+        objective's, as Qwen3Model.forward's."""
         lm = self.language_model
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
         stream = self.embed(input_ids, pixel_values, pixel_values_videos, vision_meta, visual_index, vision_balance)
         stream = lm.trunk(stream, self.rope(position_ids, stream.h.dtype), attn)
-        out = lm.head(stream, attn, labels, logits_at, loss_weights)
-        return out if attn is None else out._replace(kv_cache=attn.kv_cache)
+        out = lm.head(stream, attn, labels, logits_at, loss_weights, hidden=loss is not None)
+        return finish(self, out, attn, loss)
 
 
 def vision_backend(cfg: Qwen3VLConfig, device: torch.device) -> str:
@@ -286,17 +294,22 @@ def param_groups(model: nn.Module, cfg: Qwen3VLConfig, groups: list[dict[str, An
         "merger": cfg.merger_lr if cfg.merger_lr is not None else (cfg.vision_lr if cfg.vision_lr is not None else base_lr),
         "llm": cfg.llm_lr if cfg.llm_lr is not None else base_lr,
     }
-    kind_of = {id(p): param_kind(n) for n, p in model.named_parameters(remove_duplicate=False)}
+    return split_by_part(model, groups, lrs, param_kind)
+
+
+def split_by_part(model: nn.Module, groups: list[dict[str, Any]], lrs: dict[str, float],
+                  part: Callable[[str], str]) -> list[dict]:
+    """Each optimizer group split by the part ``part(name)`` of its parameters (unnamed: "llm"), at the part's
+    learning rate ``lrs[part]``; the other keys kept."""
+    kind_of = {id(p): part(n) for n, p in model.named_parameters(remove_duplicate=False)}
     out = []
     for g in groups:
         by: dict[str, list] = {}
         for p in g["params"]:
             by.setdefault(kind_of.get(id(p), "llm"), []).append(p)
-        for kind, ps in by.items():
-            ng = {**g, "params": ps, "lr": lrs[kind], "name": f"{g.get('name', 'group')}/{kind}"}
-            # LambdaLR schedules scale each group's initial_lr, so per-group peaks survive warmup/decay.
-            ng["initial_lr"] = lrs[kind]
-            out.append(ng)
+        for kind, ps in by.items():  # initial_lr: LambdaLR schedules scale it, so per-part peaks survive warmup
+            out.append({**g, "params": ps, "lr": lrs[kind], "initial_lr": lrs[kind],
+                        "name": f"{g.get('name', 'group')}/{kind}"})
     return out
 
 

@@ -1,8 +1,9 @@
-"""Training objectives other than next-token prediction: masked (LLaDA), shifted (Dream) and block (SDAR / BD3-style)
-diffusion. One switch, ``[objective] kind``, on any registered family (docs/dllm.md says why this is not a family).
+"""Diffusion LMs: masked (LLaDA), shifted (Dream) and block (SDAR / BD3-style) diffusion. One switch,
+``[objective] kind``, on any registered family whose ModelSpec names the causal LM (docs/dllm.md says why this is not
+a family): the diffusion kind takes the causal LM's place.
 
-    obj = build_objective(cfg, spec, model_cfg)            # None for kind "causal": the step is unchanged
-    micro_batches = obj.apply(micro_batches, step, dp_rank)  # host, in train_step, before the label count
+    obj = build_diffusion(cfg, spec, model_cfg)               # None for kind "causal"
+    micro_batches = obj.prepare(micro_batches, step, dp_rank)  # host, in train_step, before the counts
 
 An objective corrupts each micro-batch on the host, before the CP split and the forward (the forward stays
 sync-free and the same noise reaches every backend and device):
@@ -14,8 +15,8 @@ sync-free and the same noise reaches every backend and device):
   * ``input_ids``: the noisy tokens; ``labels``: the clean token at each masked position (shifted: at the position
     before it), -100 elsewhere; ``loss_weights`` [B, S] fp32: 1/t there, 0 elsewhere; ``num_label_tokens``: the
     number of maskable tokens (the normalizer).
-The head returns sum_i w_i CE_i (titan_mm.nn.loss, titan_mm.kernels), and the step divides it by the
-global count of maskable tokens N of the whole global batch:
+The loss is the causal LM's term "ce" (the family's ``lm_loss`` hook): sum_i w_i CE_i (titan_mm.nn.loss,
+titan_mm.kernels), and the step divides it by the global count of maskable tokens N of the whole global batch:
 
     loss = sum over masked tokens i of CE(x0_i | x_t) / t_i  /  N
 
@@ -30,7 +31,6 @@ bitwise on resume.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +40,13 @@ import torch
 
 from titan_mm.config import ConfigError, JobConfig
 from titan_mm.nn.attention import check_kind, doc_positions
+from titan_mm.objectives.base import noise_generator
+from titan_mm.objectives.causal import CausalLM
 
 IGNORE_INDEX = -100
-MASK_KINDS = {"causal": "causal", "masked_diffusion": "bidirectional", "shifted_diffusion": "bidirectional",
+MASK_KINDS = {"masked_diffusion": "bidirectional", "shifted_diffusion": "bidirectional",
               "block_diffusion": "block_causal"}
-"""The attention mask kind (titan_mm.nn.attention KINDS) each objective trains with."""
+"""The attention mask kind (titan_mm.nn.attention KINDS) each diffusion kind trains with."""
 MASK_TOKENS = ("<|mask|>", "<|MASK|>", "<mask>")
 """Tokens ``mask_token = "auto"`` takes when the tokenizer has one (in this order)."""
 HF_NOTE_KEY = "titan_mm_objective"
@@ -52,8 +54,9 @@ HF_NOTE_KEY = "titan_mm_objective"
 
 
 @dataclass(frozen=True)
-class Objective:
-    """A diffusion objective, resolved (mask id known). Pure host-side functions of a batch and its noise."""
+class DiffusionLM(CausalLM):
+    """A diffusion objective, resolved (mask id known). Pure host-side functions of a batch and its noise; the loss
+    is the causal LM's weighted cross-entropy on the targets ``prepare`` writes."""
 
     kind: str
     mask_id: int
@@ -62,8 +65,8 @@ class Objective:
     """Tokens per block (block_diffusion only)."""
     sft: bool = False
     seed: int = 0
-    seq_keys: tuple[str, ...] = ("loss_weights",)
-    """Keys the objective adds along the sequence (context parallelism cuts them with input_ids)."""
+
+    seq_keys = ("loss_weights",)
 
     @property
     def mask_kind(self) -> str:
@@ -90,15 +93,9 @@ class Objective:
             return valid & (doc_positions(doc, B, S) > 0)
         return valid
 
-    def count(self, batch: dict[str, torch.Tensor]) -> int:
-        """The batch's share of the loss normalizer: its maskable tokens."""
-        return int(self.maskable(batch).sum())
-
     def noise(self, shape: tuple[int, int], step: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(u_t, u_mask), each [B, S] U[0, 1) fp32, from a CPU generator seeded by (seed, step, slot)."""
-        key = hashlib.blake2b(f"{self.seed}/{step}/{slot}".encode(), digest_size=8).digest()
-        g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
-        u = torch.rand((2, *shape), generator=g, dtype=torch.float32)
+        u = torch.rand((2, *shape), generator=noise_generator(self.seed, step, slot), dtype=torch.float32)
         return u[0], u[1]
 
     def corrupt(self, batch: dict[str, torch.Tensor], u_t: torch.Tensor, u_mask: torch.Tensor) -> dict[str, Any]:
@@ -126,22 +123,13 @@ class Objective:
                 out[k] = out[k].pin_memory()
         return out
 
-    def apply(self, micro_batches: list[dict], step: int, dp_rank: int = 0) -> list[dict]:
+    def prepare(self, micro_batches: list[dict], step: int, dp_rank: int = 0) -> list[dict]:
         """The corrupted micro-batches of optimizer step ``step`` (0-based) on data-parallel rank ``dp_rank``."""
         n = len(micro_batches)
         return [self.corrupt(mb, *self.noise(tuple(mb["input_ids"].shape), step, dp_rank * n + i))
                 for i, mb in enumerate(micro_batches)]
 
     # ---- what other parts ask ----
-    def flops(self, spec, model_cfg, doc_lens, **grids) -> float:
-        """Training FLOPs of a micro-batch: the family's count (causal attention pairs) plus the attention pairs
-        this objective's mask adds (bidirectional: L^2 per document, block-causal: every key of the query's
-        block too), at 12 x heads x head_dim per pair and layer (docs/flops.md)."""
-        lens = [int(x) for x in (doc_lens.tolist() if hasattr(doc_lens, "tolist") else doc_lens)]
-        d = spec.dims(model_cfg)
-        extra = sum(attention_pairs(L, self.mask_kind, self.block_size) - attention_pairs(L, "causal") for L in lens)
-        return float(spec.flops(model_cfg, lens, **grids)) + 12.0 * d.num_heads * d.head_dim * d.num_layers * extra
-
     def hf_note(self) -> dict[str, Any]:
         """What an exported HF folder records in config.json under ``titan_mm_objective``."""
         note = {"kind": self.kind, "mask_token_id": self.mask_id, "eps": self.eps, "sft": self.sft,
@@ -149,17 +137,6 @@ class Objective:
         if self.block_size:
             note["block_size"] = self.block_size
         return note
-
-
-def attention_pairs(L: int, kind: str, block_size: int | None = None) -> int:
-    """(query, key) pairs a document of L tokens attends under mask ``kind`` (no sliding window)."""
-    if kind == "causal":
-        return L * (L + 1) // 2
-    if kind == "bidirectional":
-        return L * L
-    if kind == "block_causal":  # a query of block j sees every key up to the end of block j
-        return sum(min(block_size, L - s) * min(s + block_size, L) for s in range(0, L, block_size))
-    raise ValueError(f"attention_pairs: unknown kind {kind!r}")
 
 
 def resolve_mask_id(mask_token: str, tokenizer, vocab_size: int) -> int:
@@ -209,9 +186,9 @@ def run_tokenizer(cfg: JobConfig):
             from None
 
 
-def build_objective(cfg: JobConfig, spec, model_cfg) -> Objective | None:
-    """The ``[objective]`` of ``cfg`` for this model (None: causal LM), checked against the model's attention
-    backend and sliding window before anything heavy is built."""
+def build_diffusion(cfg: JobConfig, spec, model_cfg) -> DiffusionLM | None:
+    """The diffusion ``[objective]`` of ``cfg`` for this model (None: kind "causal"), checked against the model's
+    attention backend and sliding window before anything heavy is built."""
     o = cfg.objective
     if o.kind == "causal":
         return None
@@ -222,24 +199,25 @@ def build_objective(cfg: JobConfig, spec, model_cfg) -> Objective | None:
     except ValueError as e:
         raise ConfigError(f"objective.kind={o.kind!r}: {e}") from None
     mask_id = resolve_mask_id(o.mask_token, run_tokenizer(cfg), spec.dims(model_cfg).vocab_size)
-    return Objective(kind=o.kind, mask_id=mask_id, eps=o.eps, block_size=block, sft=o.sft, seed=cfg.training.seed)
+    return DiffusionLM(kind=o.kind, mask_id=mask_id, eps=o.eps, block_size=block, sft=o.sft,
+                       seed=cfg.training.seed)
 
 
-def objective_from_hf(hf_dir: str | Path) -> Objective | None:
+def objective_from_hf(hf_dir: str | Path) -> DiffusionLM | None:
     """The objective an exported folder's config.json records (None: a causal LM)."""
     from titan_mm.models.hf_io import read_hf_config
 
     note = read_hf_config(str(hf_dir)).get(HF_NOTE_KEY)
     if note is None:
         return None
-    return Objective(kind=note["kind"], mask_id=int(note["mask_token_id"]), eps=float(note["eps"]),
-                     block_size=note.get("block_size"), sft=bool(note["sft"]))
+    return DiffusionLM(kind=note["kind"], mask_id=int(note["mask_token_id"]), eps=float(note["eps"]),
+                       block_size=note.get("block_size"), sft=bool(note["sft"]))
 
 
 def write_hf_note(out_dir: str | Path, cfg: JobConfig, spec, model_cfg) -> dict | None:
     """Record the run's diffusion objective in ``out_dir/config.json`` (key ``titan_mm_objective``; a causal run
     writes nothing). transformers keeps the key as a config attribute; titan_mm's readers ignore it."""
-    obj = build_objective(cfg, spec, model_cfg)
+    obj = build_diffusion(cfg, spec, model_cfg)
     if obj is None:
         return None
     f = Path(out_dir) / "config.json"
