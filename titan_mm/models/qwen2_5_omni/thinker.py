@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from titan_mm.models.qwen3_vl.model import vision_backend, visual_index
+from titan_mm.models.qwen3_vl.model import split_by_part, vision_backend, visual_index
 from titan_mm.models.qwen3_vl.model import param_kind as vl_param_kind
 from titan_mm.nn.output import Stream
 
@@ -66,16 +66,7 @@ def param_groups(model: nn.Module, cfg, groups: list[dict[str, Any]], base_lr: f
     pick = lambda *lrs: next((x for x in lrs if x is not None), base_lr)  # noqa: E731
     lrs = {"vision": pick(cfg.vision_lr), "merger": pick(cfg.merger_lr, cfg.vision_lr), "llm": pick(cfg.llm_lr),
            "audio": pick(cfg.audio_lr)}
-    kind_of = {id(p): param_kind(n) for n, p in model.named_parameters(remove_duplicate=False)}
-    out = []
-    for g in groups:
-        by: dict[str, list] = {}
-        for p in g["params"]:
-            by.setdefault(kind_of.get(id(p), "llm"), []).append(p)
-        for kind, ps in by.items():  # initial_lr: LambdaLR schedules scale it, so per-part peaks survive
-            out.append({**g, "params": ps, "lr": lrs[kind], "initial_lr": lrs[kind],
-                        "name": f"{g.get('name', 'group')}/{kind}"})
-    return out
+    return split_by_part(model, groups, lrs, param_kind)
 
 
 class OmniThinker:
