@@ -413,13 +413,18 @@ def test_diffusion_kinds_on_cuda_over_many_tiles(backend, kind, block):
         pytest.skip(f"{backend} refuses {kind} (test_varlen_refuses_kinds_it_cannot_do)")
     batch, mask = _diffusion_rows(([300, 211], [129, 1, 400]), 640, block)
     meta = build_attn_meta(batch, backend, "cuda", kind=kind, block_size=block)
+    assert_bf16_cuda_matches(meta, mask, f"{kind} b={block} {backend}")
+
+
+def assert_bf16_cuda_matches(meta, mask, what: str) -> None:
+    """Attention in bf16 on rows [2, 640] equals the fp32 reference under ``mask``, forward and gradients."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 640, n, K, generator=g).cuda().requires_grad_() for n in (H, G, G))
     w = torch.randn(2, 640, H, K, generator=g).cuda()
     got = run_and_grads(lambda *t: attention(*(x.bfloat16() for x in t), meta, None).float(), q, k, v, w)
     ref = run_and_grads(lambda *t: reference_attention(*t, mask.cuda()), q, k, v, w)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
-        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2, msg=lambda m: f"{kind} b={block} {backend} {name}: {m}")
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2, msg=lambda m: f"{what} {name}: {m}")
 
 
 def _bagel_rows(splits_per_row, S_):
@@ -461,11 +466,4 @@ def test_segments_on_cuda_over_many_tiles():
     """BAGEL documents whose segments cross 128-token flex tiles (text, clean image, noised image, text) on rows of
     640: the compiled flex kernel equals the mask written out per document, forward and gradients."""
     batch, mask = _bagel_rows(TILED_DOCS, 640)
-    meta = build_attn_meta(batch, "flex", "cuda", kind="segments")
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 640, n, K, generator=g).cuda().requires_grad_() for n in (H, G, G))
-    w = torch.randn(2, 640, H, K, generator=g).cuda()
-    got = run_and_grads(lambda *t: attention(*(x.bfloat16() for x in t), meta, None).float(), q, k, v, w)
-    ref = run_and_grads(lambda *t: reference_attention(*t, mask.cuda()), q, k, v, w)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
-        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2, msg=lambda m: f"segments flex {name}: {m}")
+    assert_bf16_cuda_matches(build_attn_meta(batch, "flex", "cuda", kind="segments"), mask, "segments flex")
