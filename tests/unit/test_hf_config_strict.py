@@ -169,6 +169,10 @@ def _omni25_full():
     return {"model_type": "qwen2_5_omni", "thinker_config": thinker}
 
 
+def _omni3_full():
+    return {"model_type": "qwen3_omni_moe", "thinker_config": OMNI3["debug"].to_hf_dict()}
+
+
 def _vl25_flat():
     d = VL25["debug"].to_hf_dict()
     return {**{k: v for k, v in d.items() if k != "text_config"}, **d["text_config"], "model_type": "qwen2_5_vl"}
@@ -188,6 +192,8 @@ DICT_CASES = [
     (Qwen2_5OmniConfig, _omni25_full, "thinker_config.audio_config.d_model", "64", "a positive int"),
     (Qwen2_5OmniConfig, _omni25_full, "thinker_config.vision_config.depth", -2, "a positive int"),
     (Qwen2_5OmniConfig, _omni25_full, "thinker_config.seconds_per_chunk", None, "an int"),
+    (Qwen2_5OmniConfig, _omni25_full, "thinker_config", None, "a dict"),
+    (Qwen3OmniMoeConfig, _omni3_full, "thinker_config.text_config.num_experts", "8", "an int"),
     (Qwen3OmniMoeConfig, lambda: OMNI3["debug"].to_hf_dict(), "text_config.rope_scaling", "yarn", "a dict or null"),
     (Qwen3OmniMoeConfig, lambda: OMNI3["debug"].to_hf_dict(), "audio_config.dropout", [0.0], "a number"),
     (Qwen3OmniMoeConfig, lambda: OMNI3["debug"].to_hf_dict(), "vision_config.hidden_size", 64.0, "a positive int"),

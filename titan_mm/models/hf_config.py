@@ -99,6 +99,21 @@ def within(key: str):
         raise HFConfigError(f"{key}.{e.key}", e.value, e.expected) from None
 
 
+@contextlib.contextmanager
+def part_of(d: Mapping[str, Any], model_type: str, key: str, part_type: str):
+    """The dict to read: ``d[key]`` when ``d`` is a ``model_type`` config.json (a full Omni folder's
+    ``thinker_config``, its model_type ``part_type`` unless it names one), else ``d`` itself; the keys of errors
+    raised inside are named from the top of the file."""
+    if d.get("model_type") != model_type:
+        yield d
+        return
+    if key not in d:
+        raise ValueError(f"a {model_type} config.json needs {key}; is the file complete?")
+    check_hf(d, {key: dict})
+    with within(key):
+        yield {"model_type": part_type, **d[key]}
+
+
 def conforms(v: Any, tp: Any) -> bool:
     """``v`` (a value json.load made) is of the type ``tp``, read as JSON's types (module docstring)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)

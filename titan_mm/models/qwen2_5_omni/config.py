@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_mm.models.hf_config import check_hf, hf_types, within
+from titan_mm.models.hf_config import check_hf, hf_types, part_of, within
 from titan_mm.models.qwen2.config import Qwen2Config
 from titan_mm.models.qwen2_5_vl.config import _GENERIC, Qwen2_5_VLConfig, VisionConfig
 
@@ -101,13 +101,8 @@ class Qwen2_5OmniConfig(Qwen2_5_VLConfig):
     # --- HF config.json ---
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], **runtime) -> Qwen2_5OmniConfig:
-        if d.get("model_type") != FULL_MODEL_TYPE:
-            return cls._from_thinker_dict(d, **runtime)
-        if "thinker_config" not in d:
-            raise ValueError("a qwen2_5_omni config.json needs thinker_config; is the file complete?")
-        check_hf(d, {"thinker_config": dict})
-        with within("thinker_config"):
-            return cls._from_thinker_dict({"model_type": MODEL_TYPE, **d["thinker_config"]}, **runtime)
+        with part_of(d, FULL_MODEL_TYPE, "thinker_config", MODEL_TYPE) as thinker:
+            return cls._from_thinker_dict(thinker, **runtime)
 
     @classmethod
     def _from_thinker_dict(cls, d: dict[str, Any], **runtime) -> Qwen2_5OmniConfig:

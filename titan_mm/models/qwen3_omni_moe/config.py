@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_mm.models.hf_config import check_hf, hf_types, within
+from titan_mm.models.hf_config import check_hf, hf_types, part_of, within
 from titan_mm.models.qwen3.config import HF_TYPES as TEXT_HF_TYPES
 from titan_mm.models.qwen3.config import Qwen3Config
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig, _debug_text, _vl
@@ -119,13 +119,8 @@ class Qwen3OmniMoeConfig(Qwen3VLConfig):
     # --- HF config.json ---
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], **runtime) -> "Qwen3OmniMoeConfig":
-        if d.get("model_type") != FULL_MODEL_TYPE:
-            return cls._from_thinker_dict(d, **runtime)
-        if "thinker_config" not in d:
-            raise ValueError("a qwen3_omni_moe config.json needs thinker_config; is the file complete?")
-        check_hf(d, {"thinker_config": dict})
-        with within("thinker_config"):
-            return cls._from_thinker_dict({"model_type": MODEL_TYPE, **d["thinker_config"]}, **runtime)
+        with part_of(d, FULL_MODEL_TYPE, "thinker_config", MODEL_TYPE) as thinker:
+            return cls._from_thinker_dict(thinker, **runtime)
 
     @classmethod
     def _from_thinker_dict(cls, d: dict[str, Any], **runtime) -> "Qwen3OmniMoeConfig":
