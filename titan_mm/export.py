@@ -26,51 +26,13 @@ from pathlib import Path
 
 import torch
 
-from titan_mm.config import ConfigError, JobConfig, load_toml
+from titan_mm.config import ConfigError, JobConfig
 from titan_mm.dtypes import DTYPES, torch_dtype
-from titan_mm.train.checkpoint import CONFIG_FILE, CheckpointError, resolve_checkpoint, resolve_verified
+from titan_mm.loader import checkpoint_config, load_model, model_from_config, tokenizer_path
+from titan_mm.train.checkpoint import CheckpointError, resolve_checkpoint
 
 # copied from the tokenizer's folder when there (tokenizer.json always; tokenizer_config.json is rewritten)
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json")
-
-
-def checkpoint_config(ck: Path) -> JobConfig:
-    """The run's resolved config saved inside checkpoint folder ``ck``."""
-    cfg_file = ck / CONFIG_FILE
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{ck} has no {CONFIG_FILE}; cannot tell which model it holds")
-    return load_toml(cfg_file)
-
-
-def load_model_from_checkpoint(checkpoint: str | Path):
-    """(model on CPU with the checkpoint's weights, model config, ModelSpec, checkpoint folder)."""
-    import torch.distributed.checkpoint as dcp
-
-    from titan_mm.train.setup import model_from_config
-
-    ck = resolve_verified(checkpoint)  # sizes and checksums; a run folder falls back past a corrupt one
-    cfg = checkpoint_config(ck)
-    spec, model_cfg = model_from_config(cfg, torch.device("cpu"))
-    with torch.device("cpu"):
-        model = spec.build(model_cfg)
-    with torch.no_grad():
-        model.init_weights()
-    sd = {"model": model.state_dict()}
-    dcp.load(sd, checkpoint_id=str(ck))
-    model.load_state_dict(sd["model"])
-    return model, model_cfg, spec, ck
-
-
-def load_model_from_hf(folder: str | Path):
-    """(model on CPU with an HF folder's weights, model config, ModelSpec) of the family its config.json names."""
-    from titan_mm.registry import spec_for_hf_dir
-
-    spec = spec_for_hf_dir(str(folder))
-    model_cfg = spec.config_from_hf(str(folder))
-    model = spec.build(model_cfg)
-    model.init_weights()
-    spec.load_hf(model, str(folder))
-    return model, model_cfg, spec
 
 
 def hf_folder_files(cfg: JobConfig) -> dict[str, str | Path]:
@@ -81,15 +43,12 @@ def hf_folder_files(cfg: JobConfig) -> dict[str, str | Path]:
     family's DataNeeds and the resize bounds from [data]."""
     from titan_mm.data.chat_templates import chat_template_jinja
     from titan_mm.data.processors import ProcessorConfig
-    from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
-    from titan_mm.models.hf_io import local_hf_dir
-    from titan_mm.train.setup import model_from_config
+    from titan_mm.data.tokenizer import load_tokenizer
 
     spec, model_cfg = model_from_config(cfg, torch.device("cpu"))
     needs = spec.data_needs(model_cfg)
-    hf_dir = local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None
     try:
-        tok = load_tokenizer(tokenizer_for(cfg.data.tokenizer_path, hf_dir))
+        tok = load_tokenizer(tokenizer_path(cfg))
     except (OSError, ValueError) as e:
         raise ConfigError(f"the run's tokenizer cannot be loaded for the export: {e}") from None
     template = chat_template_jinja(ProcessorConfig(cfg.data, needs).chat_template)
@@ -135,19 +94,20 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) ->
     """Write the HF folder ``out`` of ``checkpoint``: weights + config.json, then :func:`hf_folder_files`."""
     first = resolve_checkpoint(checkpoint)
     files = hf_folder_files(checkpoint_config(first))  # a bad tokenizer fails before the weights are read
-    model, model_cfg, spec, ck = load_model_from_checkpoint(checkpoint)
+    got = load_model(checkpoint)
+    ck = got.path
     if ck != first:  # a corrupt newest checkpoint was skipped: the files of the one loaded
         files = hf_folder_files(checkpoint_config(ck))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     kw = {"dtype": torch_dtype(dtype)} if dtype else {}
-    spec.save_hf(model, model_cfg, str(out), **kw)
+    got.spec.save_hf(got.model, got.model_cfg, str(out), **kw)
     mode = (out / "config.json").stat().st_mode & 0o777  # safetensors writes 0600; the weights get the others' mode
     for f in out.glob("*.safetensors"):
         f.chmod(mode)
     from titan_mm.objectives.diffusion import write_hf_note
 
-    write_hf_note(out, checkpoint_config(ck), spec, model_cfg)  # diffusion LMs: "titan_mm_objective" in config.json
+    write_hf_note(out, got.job, got.spec, got.model_cfg)  # diffusion LMs: "titan_mm_objective" in config.json
     for name, body in files.items():
         if isinstance(body, Path):
             shutil.copyfile(body, out / name)

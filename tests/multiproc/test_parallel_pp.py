@@ -233,7 +233,8 @@ def test_resume_across_pipeline_layouts_and_export():
     the pp 2 checkpoint resumed by pp 2 with a 3 | 1 split under GPipe (another layout). Each continues with world 1's
     losses and ends at its weights. ``python -m titan_mm.export``'s loader builds the full model from the pp 2
     checkpoint (step 2's weights)."""
-    from titan_mm.export import export, load_model_from_checkpoint
+    from titan_mm.export import export
+    from titan_mm.loader import load_model
 
     kind = "moe"
     ref = _reference(kind)
@@ -255,8 +256,8 @@ def test_resume_across_pipeline_layouts_and_export():
             assert sorted(steps) == [2, 3, 4]  # resumed at step 3
 
         # export: the full model from the pp 2 checkpoint equals the one from world 1's checkpoint of step 2
-        got_sd = load_model_from_checkpoint(pp_ck)[0].state_dict()
-        want_sd = load_model_from_checkpoint(one_ck)[0].state_dict()
+        got_sd = load_model(pp_ck).model.state_dict()
+        want_sd = load_model(one_ck).model.state_dict()
         assert set(got_sd) == set(want_sd)
         for k, v in want_sd.items():
             torch.testing.assert_close(got_sd[k], v, atol=1e-5, rtol=1e-5, msg=lambda m: f"export {k}: {m}")

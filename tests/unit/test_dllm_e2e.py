@@ -17,8 +17,8 @@ SHORT = ["--training.steps", "8", "--lr_scheduler.warmup_steps", "2", "--checkpo
 
 @pytest.mark.slow  # train, export, sample: ~16 s on 2 cores
 def test_debug_dllm_config_trains_exports_and_samples(tmp_path, capsys):
-    from titan_mm.export import load_model_from_checkpoint
     from titan_mm.export import main as export_main
+    from titan_mm.loader import load_model
     from titan_mm.nn.attention import build_attn_meta
     from titan_mm.registry import spec_for_hf_dir
     from titan_mm.tools.eval_dllm import main as eval_main
@@ -39,7 +39,7 @@ def test_debug_dllm_config_trains_exports_and_samples(tmp_path, capsys):
     assert conf["model_type"] == "qwen3" and conf["architectures"] == ["Qwen3ForCausalLM"]
     assert conf["titan_mm_objective"] == {"kind": "masked_diffusion", "mask_token_id": 151669, "eps": 0.001,
                                           "sft": True, "attention": "bidirectional"}
-    ours, _, _, _ = load_model_from_checkpoint(run)
+    ours = load_model(run).model
     spec = spec_for_hf_dir(str(out))
     back = spec.build(spec.config_from_hf(str(out)))
     back.init_weights()

@@ -1,4 +1,4 @@
-"""The diffusion sampler (titan_mm/train/dllm_sample.py): low-confidence remasking commits the most confident
+"""The diffusion sampler (titan_mm/serve/dllm_sample.py): low-confidence remasking commits the most confident
 predictions first, shifted models read position j from hidden state j - 1, block diffusion finishes blocks in order
 with the earlier ones clean, sampling stops after a block where every row stopped; on a real tiny Qwen3, the
 block-causal canvas after the current block does not change its predictions (why recomputing is exact)."""
@@ -9,7 +9,7 @@ import torch
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.nn.output import ModelOutput, Stream
 from titan_mm.registry import resolve_model
-from titan_mm.train.dllm_sample import sample
+from titan_mm.serve.dllm_sample import sample
 from titan_mm.objectives import DiffusionLM as Objective
 
 V, MASK = 64, 63

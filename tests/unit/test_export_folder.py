@@ -22,7 +22,8 @@ from titan_mm.data.chat_templates import chat_template_jinja  # noqa: E402
 from titan_mm.data.processors import Processor, ProcessorConfig  # noqa: E402
 from titan_mm.data.schema import parse_record  # noqa: E402
 from titan_mm.data.tokenizer import load_tokenizer, qwen3_tokenizer_dir  # noqa: E402
-from titan_mm.export import checkpoint_config, export, hf_folder_files, load_model_from_checkpoint  # noqa: E402
+from titan_mm.export import export, hf_folder_files  # noqa: E402
+from titan_mm.loader import checkpoint_config, load_model  # noqa: E402
 from titan_mm.train.checkpoint import resolve_checkpoint  # noqa: E402
 from titan_mm.train.setup import model_from_config  # noqa: E402
 from titan_mm.train.trainer import main  # noqa: E402
@@ -91,7 +92,7 @@ def test_text_export_tokenizer_chat_template_and_pipeline(text_run):
     pipe = transformers.pipeline("text-generation", model=str(out))
     prompt = "The digit after six is"
     got = pipe(prompt, max_new_tokens=3, do_sample=False, return_full_text=False)[0]["generated_text"]
-    model, _, _, _ = load_model_from_checkpoint(run)
+    model = load_model(run).model
     ids = ours.encode(prompt)
     new = []
     with torch.no_grad():

@@ -68,14 +68,14 @@ def test_debug_config_trains_checkpoints_and_exports(tmp_path, name):
     out = tmp_path / "hf"
     import transformers
 
-    from titan_mm.export import load_model_from_checkpoint
     from titan_mm.export import main as export_main
+    from titan_mm.loader import load_model
 
     assert export_main(["--checkpoint", str(run), "--out", str(out)]) == 0  # = python -m titan_mm.export ...
 
     arch = json.loads((out / "config.json").read_text())["architectures"][0]
     hf = getattr(transformers, arch).from_pretrained(out).eval()
-    ours, _, _, _ = load_model_from_checkpoint(run)
+    ours = load_model(run).model
     ids = torch.randint(0, 1000, (1, 16))
     with torch.no_grad():
         ref = hf(input_ids=ids).logits

@@ -16,11 +16,14 @@ import json
 import sys
 from pathlib import Path
 
+from titan_mm.config import ConfigError, JobConfig, check_mixture, load_config
+from titan_mm.eval.evaluator import Evaluator, read_tasks
+from titan_mm.loader import Source, load_weights, resolve_source
+from titan_mm.train.checkpoint import CheckpointError, resolve_checkpoint, step_dir_name
+from titan_mm.train.setup import setup
+
 
 def main(argv: list[str] | None = None) -> int:
-    from titan_mm.config import ConfigError, check_mixture
-    from titan_mm.train.checkpoint import CheckpointError
-
     ap = argparse.ArgumentParser(prog="python -m titan_mm.eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="a run folder, its checkpoints folder, a step folder, or an "
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the metrics JSON here")
     a = ap.parse_args(argv)
     try:
-        cfg, ck = _config(a)
+        cfg, src = _config(a)
         e = cfg.eval
         if a.tasks is not None:
             e.tasks = a.tasks
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (e.tasks or e.dataset or e.mixture):
             raise ConfigError("nothing to evaluate: the run has no [eval] tasks or sources; pass --tasks and/or "
                               "--dataset")
-        out = evaluate(cfg, ck)
+        out = evaluate(cfg, src)
     except (ConfigError, CheckpointError, json.JSONDecodeError) as err:
         print(f"eval error: {err}", file=sys.stderr)
         return 2
@@ -61,41 +64,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _config(a):
-    """(JobConfig, checkpoint step folder or None for an HF folder) of the command line."""
-    from titan_mm.config import ConfigError, JobConfig, load_config
-    from titan_mm.export import checkpoint_config
-    from titan_mm.train.checkpoint import resolve_checkpoint, resolve_verified, step_dir_name
-
+def _config(a) -> tuple[JobConfig, Source | None]:
+    """(JobConfig, the checkpoint; None for an HF folder, whose weights setup loads as model.hf_path)."""
     p = Path(a.checkpoint)
-    if (p / "config.json").is_file():
-        if a.step is not None:
-            raise ConfigError("--step picks a titan_mm checkpoint; an HF folder holds one set of weights")
-        cfg = load_config(["--config", a.config]) if a.config else JobConfig()
-        cfg.model.hf_path, cfg.model.init_from_hf = str(p), True
-        return cfg, None
-    if a.config:
-        raise ConfigError("--config is for HF folders; a titan_mm checkpoint carries its own config.toml")
     if a.step is not None:
+        if (p / "config.json").is_file():
+            raise ConfigError("--step picks a titan_mm checkpoint; an HF folder holds one set of weights")
         ck = resolve_checkpoint(p).parent / step_dir_name(a.step)
         if not ck.is_dir():
             raise ConfigError(f"{ck} does not exist; pick a step that was saved (ls {ck.parent})")
-        ck = resolve_verified(ck)
-    else:
-        ck = resolve_verified(p)
-    return checkpoint_config(ck), ck
+        p = ck
+    src = resolve_source(p)
+    if src.is_hf:
+        cfg = load_config(["--config", a.config]) if a.config else JobConfig()
+        cfg.model.hf_path, cfg.model.init_from_hf = str(src.path), True
+        return cfg, None
+    if a.config:
+        raise ConfigError("--config is for HF folders; a titan_mm checkpoint carries its own config.toml")
+    return src.job, src
 
 
-def evaluate(cfg, ck: Path | None) -> dict:
+def evaluate(cfg: JobConfig, src: Source | None) -> dict:
     """Build the run's model in this process (world 1), load the checkpoint, and score every task and source."""
-    from titan_mm.eval.evaluator import Evaluator
-    from titan_mm.train.checkpoint import load_model_weights
-    from titan_mm.train.setup import setup
-
+    tasks = read_tasks(cfg)  # a bad task fails before the build
     run = setup(cfg)
-    step = load_model_weights(run.model, ck) if ck is not None else 0
-    metrics = Evaluator(cfg, run)(step, tasks=True)
-    return {"step": step, "checkpoint": str(ck or cfg.model.hf_path), **metrics}
+    step = load_weights(run.model, run.spec, src) if src is not None else 0
+    metrics = Evaluator(cfg, run, tasks)(step, tasks=True)
+    return {"step": step, "checkpoint": str(src.path if src is not None else cfg.model.hf_path), **metrics}
 
 
 if __name__ == "__main__":

@@ -32,11 +32,11 @@ import torch
 
 from titan_mm.config import ConfigError, Data
 from titan_mm.dtypes import torch_dtype
+from titan_mm.loader import load_model
 from titan_mm.serve.beam import BeamState, beam_step
 from titan_mm.serve.block_manager import BlockManager, StateSlots
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.errors import BadRequest, QueueFull
-from titan_mm.serve.load import load_model
 from titan_mm.serve.media import expand_images
 from titan_mm.serve.runner import Fed, ModelRunner, kv_bytes_per_block, state_bytes
 from titan_mm.serve.sampling import Draw, RowSampling, SamplingParams, draw, sample
@@ -78,7 +78,7 @@ class Engine:
         cfg.check()
         if not spec.kv_cache:
             raise ConfigError(f"model {spec.name!r} does not decode through the paged KV cache yet, so the engine "
-                              "cannot serve it; decode it by re-running the sequence (titan_mm.tools.eval_digits)")
+                              "cannot serve it; its spec needs a KV-cache path first (docs/models.md)")
         self.cfg, self.spec, self.model_cfg = cfg, spec, model_cfg
         self.device = torch.device(device)
         # tensor parallel (titan_mm/serve/tp.py): rank 0 drives, the other ranks follow its steps (run_worker)
@@ -173,14 +173,15 @@ class Engine:
         shard = None
         if cfg.tensor_parallel_size > 1:  # each rank builds on meta and reads only its shards
             shard = tensor_parallel(cfg.tensor_parallel_size, device.type).shard
-        model, spec, model_cfg, data, tok, eos = load_model(path, device, shard, cfg.kernels)
+        got = load_model(path, device, shard=shard, kernels=cfg.kernels)
         if cfg.speculative_method == "draft" and "draft" not in kw:
             if not cfg.draft_model:
                 raise ConfigError("serve.speculative_method='draft' needs serve.draft_model (an HF folder or a run)")
-            d_model, d_spec, d_cfg, *_ = load_model(cfg.draft_model, device, shard, cfg.kernels)
-            kw["draft"] = (d_model, d_spec, d_cfg)
-        kw.setdefault("eos_token_ids", eos)
-        return cls(model, spec, model_cfg, cfg, tokenizer=tok, device=device, data=data, **kw)
+            d = load_model(cfg.draft_model, device, shard=shard, kernels=cfg.kernels)
+            kw["draft"] = (d.model, d.spec, d.model_cfg)
+        kw.setdefault("eos_token_ids", got.eos_ids)
+        return cls(got.model, got.spec, got.model_cfg, cfg, tokenizer=got.tokenizer, device=device, data=got.data,
+                   **kw)
 
     def _shard(self, model, spec, model_cfg, what: str):
         """Tensor parallel: ``model`` split by its family's plan, unless from_pretrained already did."""

@@ -1,5 +1,5 @@
 """Exact-match accuracy of a diffusion LM on the built-in text QA (``builtin:qa_test``, 360 held-out questions),
-sampled with titan_mm's own forward (titan_mm.train.dllm_sample).
+sampled with titan_mm's own forward (titan_mm.serve.dllm_sample).
 
     python -m titan_mm.tools.eval_dllm --checkpoint outputs/debug_dllm_qwen3              # newest checkpoint
     python -m titan_mm.tools.eval_dllm --checkpoint outputs/debug_dllm_qwen3 --all        # every kept checkpoint
@@ -23,12 +23,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from titan_mm.config import ConfigError, load_config
 from titan_mm.data.builtin import builtin_records
 from titan_mm.data.packing import IGNORE_INDEX
 from titan_mm.data.processors import Processor, ProcessorConfig
 from titan_mm.data.schema import parse_record
-from titan_mm.train.dllm_sample import sample
-from titan_mm.objectives.diffusion import run_tokenizer
+from titan_mm.loader import load_model
+from titan_mm.serve.dllm_sample import sample
+from titan_mm.train.checkpoint import CheckpointError, list_checkpoints
+from titan_mm.objectives.diffusion import build_diffusion, objective_from_hf, run_tokenizer
 
 
 def qa_prompts(job_cfg, spec, model_cfg, limit: int | None = None):
@@ -63,8 +66,6 @@ def evaluate(model, objective, job_cfg, spec, model_cfg, limit: int | None = Non
 
 
 def _checkpoint_runs(path: str, every: bool):
-    from titan_mm.train.checkpoint import list_checkpoints
-
     p = Path(path)
     for sub in (p / "checkpoints", p):
         cks = list_checkpoints(sub) if sub.is_dir() else []
@@ -87,35 +88,27 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if bool(a.checkpoint) == bool(a.hf):
         ap.error("give exactly one of --checkpoint or --hf")
-    from titan_mm.config import ConfigError, load_config, load_toml
-    from titan_mm.objectives.diffusion import build_diffusion, objective_from_hf
-
     runs = []
     try:
         if a.checkpoint:
-            from titan_mm.export import load_model_from_checkpoint
-            from titan_mm.train.checkpoint import CONFIG_FILE
-
             for ck in _checkpoint_runs(a.checkpoint, a.all):
-                model, model_cfg, spec, ck = load_model_from_checkpoint(ck)
-                job = load_toml(Path(ck) / CONFIG_FILE)
-                runs.append((ck.name, model, build_diffusion(job, spec, model_cfg), job, spec, model_cfg))
+                got = load_model(ck)
+                runs.append((got.path.name, got.model, build_diffusion(got.job, got.spec, got.model_cfg), got.job,
+                             got.spec, got.model_cfg))
         else:
             if not a.config:
                 ap.error("--hf needs --config (the training TOML, for the chat template)")
-            from titan_mm.export import load_model_from_hf
-
             job = load_config(["--config", a.config])
-            model, model_cfg, spec = load_model_from_hf(a.hf)
-            runs.append((a.hf, model, objective_from_hf(a.hf), job, spec, model_cfg))
-    except ConfigError as e:
+            got = load_model(a.hf)
+            runs.append((a.hf, got.model, objective_from_hf(got.path), job, got.spec, got.model_cfg))
+    except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     for name, model, obj, job, spec, model_cfg in runs:
         if obj is None:
             print(f"error: {name} was trained with the causal objective; eval_dllm samples diffusion LMs",
                   file=sys.stderr)
-            return 1
+            return 2
         res = evaluate(model.float(), obj, job, spec, model_cfg, a.limit, a.gen_length, a.steps, a.block_length,
                        a.batch_size)
         print(json.dumps({"checkpoint": str(name), "objective": obj.kind, **res}))

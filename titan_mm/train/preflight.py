@@ -7,7 +7,7 @@ Checked, in order:
 - the model: flavor, or ``model.hf_path`` (a local folder or a Hub repo id, fetched here) with its config.json
   and model_type, then ``model.overrides``; the weight files when they will be loaded;
 - the parallel degrees against the world size and the model's shapes, and the global batch;
-- [eval] when on: tasks only with the causal objective, task files readable, sources listed;
+- [eval] when on: tasks only with the causal objective, sources listed (the task files: the [eval] callback);
 - unless ``data.dataset = "synthetic"``: every source of ``data.dataset`` / ``data.mixture`` lists its files
   (or built-in parts), and the tokenizer loads, gives the family's special tokens their ids and emits no id
   at or above the model's vocab_size.
@@ -42,8 +42,7 @@ def preflight(cfg: JobConfig, world: int | None = None) -> None:
 
 
 def _check_eval(cfg: JobConfig, spec) -> None:
-    from titan_mm.eval.tasks import load_task
-
+    """The tasks themselves are read by the [eval] callback, before train() (titan_mm.eval.evaluator.online_eval)."""
     e = cfg.eval
     if not e.interval:
         return
@@ -53,8 +52,6 @@ def _check_eval(cfg: JobConfig, spec) -> None:
     if e.tasks and cfg.objective.kind != "causal":
         raise ConfigError(f"eval.tasks decode causally through the serving engine; objective.kind "
                           f"{cfg.objective.kind!r} is scored by python -m titan_mm.tools.eval_dllm: drop eval.tasks")
-    for t in e.tasks:
-        load_task(t)
     if (e.dataset or e.mixture) and e.dataset != "synthetic":
         _check_sources(Data(dataset=e.dataset, mixture=e.mixture), "eval")
 

@@ -19,7 +19,8 @@ import torch
 
 from titan_mm.config import ConfigError, Data, JobConfig
 from titan_mm.data.packing import padded_seq_len
-from titan_mm.registry import ModelSpec, SpecError, resolve_model
+from titan_mm.loader import load_weights, model_from_config
+from titan_mm.registry import ModelSpec
 
 
 @dataclass
@@ -81,31 +82,6 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def model_from_config(cfg: JobConfig, device: torch.device) -> tuple[ModelSpec, Any]:
-    """(spec, model config) for ``[model]`` with the runtime choices of ``[model]`` / ``[kernels]`` / ``[float8]``
-    on ``device``: attention backend (auto: flex on CUDA, sdpa elsewhere), kernel ops (auto: on CUDA) and float8
-    experts (float8.moe_experts: a MoE model on an SM>=90 GPU with torchao's MoE training, checked here)."""
-    from titan_mm.kernels import resolve_ops
-
-    m = cfg.model
-    try:  # checked on every device, so a typo fails on the CPU too
-        resolve_ops(cfg.kernels.ops)
-    except ValueError as e:
-        raise ConfigError(f"kernels.ops={cfg.kernels.ops!r}: {e}") from None
-    on = cfg.kernels.mode == "triton" or (cfg.kernels.mode == "auto" and device.type == "cuda")
-    backend = m.attn_backend if m.attn_backend != "auto" else ("flex" if device.type == "cuda" else "sdpa")
-    try:
-        resolved = resolve_model(m.name, m.flavor, m.hf_path, m.overrides, attn_backend=backend,
-                                 kernels=cfg.kernels.ops if on else False, moe_float8=cfg.float8.moe_experts)
-    except SpecError as e:
-        raise ConfigError(str(e)) from None
-    if cfg.float8.moe_experts:
-        from titan_mm.quant.float8 import check_float8_experts
-
-        check_float8_experts(device)
-    return resolved
-
-
 def parallel_dims(cfg: JobConfig, world: int):
     """titan_mm.parallel.mesh.ParallelDims of ``[parallel]`` for ``world`` processes (meshes not built yet)."""
     from titan_mm.parallel.mesh import ParallelDims
@@ -140,9 +116,10 @@ def build_model(cfg: JobConfig, spec: ModelSpec, model_cfg, parallel_dims, devic
 
     Random init gives the same weights for every world size and layout (CPU or CUDA): under
     ``seeded_init`` each draw fills the full tensor from its own seeded generator and keeps the local shard
-    (titan_mm/nn/init.py). HF weights are loaded by the registry's load_hf, which fills plain or
-    FSDP-sharded models. ``stages`` (parallel.pp > 1): the titan_mm.parallel.pipeline.StageBuilder that prunes the
-    meta model to this rank's pipeline stages, roots FSDP at them and draws the init in the full model's order."""
+    (titan_mm/nn/init.py). HF weights come through titan_mm.loader.load_weights (the family's load_hf, which fills
+    plain or FSDP-sharded models). ``stages`` (parallel.pp > 1): the titan_mm.parallel.pipeline.StageBuilder that
+    prunes the meta model to this rank's pipeline stages, roots FSDP at them and draws the init in the full
+    model's order."""
     from titan_mm.nn.init import seeded_init
     from titan_mm.parallel.apply import parallelize
 
@@ -165,9 +142,7 @@ def build_model(cfg: JobConfig, spec: ModelSpec, model_cfg, parallel_dims, devic
                 full = spec.build(model_cfg)
             stages.init_weights(full, device)
     if from_hf:
-        from titan_mm.models.hf_io import local_hf_dir
-
-        spec.load_hf(model, local_hf_dir(cfg.model.hf_path, weights=True))
+        load_weights(model, spec, cfg.model.hf_path)
     torch.manual_seed(cfg.training.seed + 1)
     return model
 

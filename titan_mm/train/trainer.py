@@ -2,7 +2,7 @@
 
     config -> process group + ParallelDims meshes -> ModelSpec (registry) -> build on meta ->
     parallelize (AC / compile / float8 / FSDP2) -> materialize (init or HF weights) -> optimizer, schedule ->
-    data loader -> resume from the newest complete checkpoint -> loop: train_step, [eval] (titan_mm.eval), metrics,
+    data loader -> resume from the newest complete checkpoint -> loop: train_step, [eval] (a callback), metrics,
     async checkpoint.
 
 Run folder ``<job.dump_folder>/<job.name>/``: config.toml (resolved), metrics.jsonl, tb/, checkpoints/.
@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from titan_mm.parallel.balance_dispatch import Rebalancer
 from titan_mm.train.checkpoint import CheckpointError, CheckpointManager, Topology, committed_step, step_dir_name
 from titan_mm.train.preflight import preflight
 from titan_mm.train.run_lock import RunLockError, hold_run_folder
-from titan_mm.train.setup import KERNEL_PICKS, build_data, pick_device, setup, setup_distributed, tune_kernels
+from titan_mm.train.setup import KERNEL_PICKS, Run, build_data, pick_device, setup, setup_distributed, tune_kernels
 from titan_mm.train.step import train_step
 
 
@@ -145,20 +146,22 @@ def check_resume_step(cfg: JobConfig, out_dir) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ loop
-def train(cfg: JobConfig) -> dict[str, Any]:
-    """Run the job; returns a summary (final step, last loss, run folder)."""
+def train(cfg: JobConfig, make_eval: Callable[[Run], Any] | None = None) -> dict[str, Any]:
+    """Run the job; returns a summary (final step, last loss, run folder). ``make_eval(run)``: the [eval] callback,
+    an object with ``due(step) -> bool`` and ``(step, n_saved) -> metrics``, called after the step's update and
+    before its save (titan_mm.eval.evaluator.online_eval builds it; train/ does not import eval/)."""
     preflight(cfg)  # every cheap user-error check, before the process group, the model and the run folder
     out_dir = run_dir(cfg)
     check_resume_step(cfg, out_dir)
     setup_distributed(cfg, pick_device(cfg))  # the process group first: the lock's verdict reaches every rank
     lock = hold_run_folder(out_dir)  # before anything heavy; RunLockError names the trainer that holds it
     try:
-        return _train_locked(cfg, out_dir)
+        return _train_locked(cfg, out_dir, make_eval)
     finally:
         lock.release()
 
 
-def _train_locked(cfg: JobConfig, out_dir) -> dict[str, Any]:
+def _train_locked(cfg: JobConfig, out_dir, make_eval) -> dict[str, Any]:
     """train() once the run folder is held: everything heavy."""
     run = setup(cfg)
     device, rank, world, pd, spec, model_cfg = run.device, run.rank, run.world, run.pd, run.spec, run.model_cfg
@@ -200,11 +203,7 @@ def _train_locked(cfg: JobConfig, out_dir) -> dict[str, Any]:
         logger.info(f"kernels: tuned {tuned} launch configs in {tune_report['seconds']:.1f}s"
                     + "".join(f"; {r}" for r in tune_report["skipped"]))
     check_untuned = bool(tune_report and tune_report["tuned"])
-    evaluator = None
-    if cfg.eval.interval:
-        from titan_mm.eval.evaluator import Evaluator
-
-        evaluator = Evaluator(cfg, run)
+    evaluator = make_eval(run) if make_eval is not None else None
     n_saved = 0
     guard = ctx.nan_guard
     guard.nan_count = state.nan_count
@@ -320,9 +319,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     try:
+        # the entry point composes the rooms: eval/ builds on train/, and train() takes its callback
+        from titan_mm.eval.evaluator import online_eval
+
+        make_eval = online_eval(cfg)  # reads [eval] tasks: a bad one fails here, before anything is built
         if pick_device(cfg).type == "cpu":
             keep_host_heap()
-        train(cfg)
+        train(cfg, make_eval)
     except ConfigError as e:  # found before the first step (preflight, setup): nothing was written
         print(f"config error: {e}", file=sys.stderr)
         return 2
