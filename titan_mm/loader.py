@@ -193,12 +193,15 @@ def _hf_json(f: Path) -> dict:
 
 def _hf_image_bounds(folder: Path) -> Data:
     """[data] image resize bounds from an exported folder's preprocessor_config.json (defaults otherwise)."""
-    size = _hf_json(folder / "preprocessor_config.json").get("size") or {}
+    f = folder / "preprocessor_config.json"
+    size = _hf_json(f).get("size") or {}
     kw = {}
-    if "shortest_edge" in size:
-        kw["image_min_pixels"] = int(size["shortest_edge"])
-    if "longest_edge" in size:
-        kw["image_max_pixels"] = int(size["longest_edge"])
+    for key, name in (("shortest_edge", "image_min_pixels"), ("longest_edge", "image_max_pixels")):
+        v = size.get(key) if isinstance(size, dict) else None
+        if v is not None and not (conforms(v, float) and v > 0):
+            raise ConfigError(f"{f}: size.{key} = {v!r} must be a positive number of pixels")
+        if v is not None:
+            kw[name] = int(v)
     return Data(**kw)
 
 

@@ -243,6 +243,10 @@ def test_broken_side_files_and_tokenizer_are_one_line_before_the_weights(folders
     with pytest.raises(ConfigError, match=r"eos_token_id = '2' must be an int"):
         load_model(d)
     (d / "generation_config.json").unlink()
+    (d / "preprocessor_config.json").write_text("{\"size\": {\"longest_edge\": \"big\"}}")
+    with pytest.raises(ConfigError, match=r"preprocessor_config.json: size.longest_edge = 'big' must be a positive"):
+        load_model(d)
+    (d / "preprocessor_config.json").unlink()
     (d / "tokenizer.json").write_text("{not a tokenizer")
     with pytest.raises(ConfigError, match=rf"the tokenizer of {re.escape(str(d))} cannot be loaded: .*is not a "):
         load_model(d)
