@@ -481,8 +481,12 @@ class CheckpointManager:
         return {k: v for r in every for k, v in r.items()} if self.rank == 0 else None
 
     def poll(self) -> None:
-        """Commit a finished async save (call once per step; cheap)."""
+        """Commit a finished async save (call once per step; cheap). A failed one raises here in a single process;
+        with several, the ranks may see it done at different steps, so it raises at the next save, ensure_saved or
+        close, which every rank reaches at the same step."""
         if self._pending is not None and self._pending[0].done():
+            if self._pg is not None and dist.get_world_size(self._pg) > 1 and self._pending[0].exception() is not None:
+                return
             self.wait()
 
     def wait(self) -> None:
