@@ -104,14 +104,18 @@ def finished_run(tmp_path_factory):
     return folder / "done", args
 
 
-def test_launcher_refuses_a_finished_run_once(finished_run, capsys):
-    """torchrun for 2 processes on a run folder already at training.steps: the launcher's one line, exit 2."""
+def test_launcher_refuses_a_finished_run_and_a_bad_eval_task_once(finished_run, tmp_path, capsys):
+    """torchrun for 2 processes on a run folder already at training.steps, or with an eval task that does not
+    exist: the launcher's one line, exit 2, no worker started."""
     run, args = finished_run
     argv = ["--standalone", "--nproc_per_node", "2", "-m", "titan_mm.train.trainer", *args]
     assert torchrun.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err == (f"config error: run folder {run} is already at step 1 >= training.steps 1; raise --training.steps "
-                   "or use a new --job.name\n")
+    assert capsys.readouterr().err == (f"config error: run folder {run} is already at step 1 >= training.steps 1; "
+                                       "raise --training.steps or use a new --job.name\n")
+    task = tmp_path / "nope.jsonl"
+    assert torchrun.main([*argv, "--job.name", "new", "--eval.interval", "1", "--eval.tasks", str(task)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"config error: eval.tasks '{task}' is not a built-in task"), err
 
 
 def test_export_files_share_one_mode(finished_run, tmp_path):

@@ -2,7 +2,7 @@
 
 The same launcher (torch.distributed.run), with two differences:
 - Before it starts the workers of ``-m titan_mm.train.trainer``, it checks the job once, as one process does
-  first: the config (load + validate), ``preflight`` at the world size it will start (fixed ``--nnodes`` x
+  first: the config (load + validate), the [eval] tasks, ``preflight`` at the world size it will start (fixed ``--nnodes`` x
   ``--nproc_per_node``; an elastic node range checks the config only) and the finished-run refusal. A mistake is
   one ``config error: ...`` line and exit 2, not one line per rank and torchrun's ChildFailedError. ``--help``
   prints the fields once.
@@ -34,6 +34,10 @@ def check_job(argv: list[str]) -> None:
     if not (args.module and args.training_script == TRAINER):
         return
     cfg = load_config(args.training_script_args)
+    # the entry point composes the rooms, as the trainer's main does: eval/ builds on train/, not train/ on eval/
+    from titan_mm.eval.evaluator import online_eval
+
+    online_eval(cfg)  # reads the [eval] tasks: a bad one is a ConfigError
     lo, hi = parse_min_max_nnodes(args.nnodes)
     if lo != hi:  # elastic: the world size is not known before the rendezvous
         return
