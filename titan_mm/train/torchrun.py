@@ -2,10 +2,10 @@
 
 The same launcher (torch.distributed.run), with two differences:
 - Before it starts the workers of ``-m titan_mm.train.trainer``, it checks the job once, as one process does
-  first: the config (load + validate), the [eval] tasks, ``preflight`` at the world size it will start (fixed ``--nnodes`` x
-  ``--nproc_per_node``; an elastic node range checks the config only) and the finished-run refusal. A mistake is
-  one ``config error: ...`` line and exit 2, not one line per rank and torchrun's ChildFailedError. ``--help``
-  prints the fields once.
+  first: the config (load + validate), the [eval] tasks, ``preflight`` at the world size it will start (fixed
+  ``--nnodes`` x ``--nproc_per_node``; an elastic node range checks the config and the tasks only) and the
+  finished-run refusal. A mistake is one ``config error: ...`` line and exit 2, not one line per rank and
+  torchrun's ChildFailedError. ``--help`` prints the fields once.
 - On a preemption signal torchrun forwards it to the workers, which finish their step, save and print their one
   line; torchrun itself would then raise its SignalException with a traceback and exit 1. Here it exits with
   128 + the signal, like a single process, and prints nothing more.
