@@ -1,7 +1,7 @@
 """One model loader (titan_mm/loader.py) and one greedy decoder (the serving engine): a run folder, its step folder
 and its HF export load the same model; the trainer's HF path fills its built model through the same reader; the
 digits tool decodes through the engine, whose answers equal a greedy re-run of the training forward; train/ imports
-eval/ only where its entry point composes the two."""
+eval/ only where its entry points compose the two."""
 
 import ast
 import json
@@ -113,9 +113,12 @@ def _eval_imports(path: Path) -> list[tuple[str, str]]:
     return out
 
 
-def test_train_imports_eval_only_in_its_entry_point():
-    """eval/ builds on train/ (setup, step, checkpoint); train() takes the [eval] callback, and only the command's
-    main() composes the two."""
-    found = {str(p.relative_to(PKG)): _eval_imports(p) for p in sorted((PKG / "train").rglob("*.py"))}
-    found = {p: imps for p, imps in found.items() if imps}
-    assert found == {"train/trainer.py": [("main", "titan_mm.eval.evaluator")]}, json.dumps(found)
+ENTRY_POINTS = {("train/trainer.py", "main"), ("train/torchrun.py", "check_job")}  # the commands' checks and runs
+
+
+def test_train_imports_eval_only_in_its_entry_points():
+    """eval/ builds on train/ (setup, step, checkpoint); train() takes the [eval] callback, and only the commands'
+    entry points (the trainer's main, the torchrun launcher's check) compose the two."""
+    found = [(str(p.relative_to(PKG)), where, m) for p in sorted((PKG / "train").rglob("*.py"))
+             for where, m in _eval_imports(p)]
+    assert found and all((p, where) in ENTRY_POINTS for p, where, _ in found), json.dumps(found)
