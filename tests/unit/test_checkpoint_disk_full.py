@@ -11,7 +11,9 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from test_checkpoint import make_state, run_steps, snapshot  # pytest puts tests/unit on sys.path
+from test_checkpoint_integrity import TINY
 
 from titan_mm.observe.metrics import read_metrics
 from titan_mm.train.checkpoint import (
@@ -25,10 +27,6 @@ from titan_mm.train.checkpoint import (
 )
 from titan_mm.train.run_lock import LOCK_FILE
 from titan_mm.train.trainer import main
-
-TINY = ["--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}', "--data.dataset", "synthetic",
-        "--data.seq_len", "32", "--data.micro_batch_size", "2", "--metrics.enable_tensorboard", "False",
-        "--lr_scheduler.warmup_steps", "2", "--training.deterministic", "True"]
 
 
 def line(step, folder, kept):
@@ -74,7 +72,7 @@ def test_a_full_disk_at_the_first_save_says_there_is_none(tmp_path, monkeypatch)
 def test_the_writer_raises_a_picklable_os_error(tmp_path):
     """DCP gathers the ranks' failures by pickling them, which drops __context__: the writer's OSError survives."""
     w = _Writer(tmp_path / "ck", fault_room=1000)
-    with pytest.raises(BaseException) as e:
+    with pytest.raises(CheckpointException) as e:
         dcp.save({"model": _ModelItem(make_state().model)}, storage_writer=w)
     inner = e.value.failures[0][0]
     assert isinstance(inner, OSError) and inner.errno == errno.ENOSPC  # not the RuntimeError torch.save raised
