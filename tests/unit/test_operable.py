@@ -1,6 +1,6 @@
-"""Operable under mistakes (issue 45, items 4 and 6): every mistake is one line, with NPROC > 1 too; the console
-shows every eval; a malformed JSONL line is named by one line number; an export's files share one mode; an empty
-completions prompt is called empty."""
+"""Operable under mistakes (issue 45, items 4 and 6): every mistake is one line, with NPROC > 1 too (a worker's
+error ends in its own lines, not torchrun's traceback); the console shows every eval; a malformed JSONL line is
+named by one line number; an export's files share one mode; an empty completions prompt is called empty."""
 
 import functools
 import io
@@ -93,6 +93,18 @@ def test_run_train_sh_mistakes_exit_2_with_one_line(tmp_path):
     assert r.stderr.splitlines() == ["config error: training.global_batch_size=4 is not a multiple of "
                                      "data.micro_batch_size (2) x data-parallel degree (3) = 6"]
     assert not any(tmp_path.iterdir())  # nothing started, nothing written
+
+
+@pytest.mark.slow
+def test_a_worker_error_with_nproc_2_ends_in_its_own_lines(tmp_path):
+    """Found by the workers (every JSONL line malformed): their ``data error:`` lines and their exit code, not
+    torchrun's ChildFailedError traceback (exit 1 either way: a data error is not a config error)."""
+    (tmp_path / "bad.jsonl").write_text("{bad\n" * 300)
+    r = run_sh(["--config", "debug_qwen3.toml", "--data.dataset", str(tmp_path / "bad.jsonl"), "--job.dump_folder",
+                str(tmp_path), "--training.steps", "2"], NPROC="2")
+    assert r.returncode == 1, r.stderr
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("data error: ")], r.stderr
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr, r.stderr
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,9 @@ The same launcher (torch.distributed.run), with two differences:
   ``--nnodes`` x ``--nproc_per_node``; an elastic node range checks the config and the tasks only) and the
   finished-run refusal. A mistake is one ``config error: ...`` line and exit 2, not one line per rank and
   torchrun's ChildFailedError. ``--help`` prints the fields once.
+- A worker that exits 1 or 2 has printed its own line (the trainer's ``config error:`` / ``data error:`` /
+  ``error:``, or a Python traceback): the launcher exits with that code, without torchrun's ChildFailedError
+  traceback and table. Other failures (a signal, a native abort) keep torchrun's report.
 - On a preemption signal torchrun forwards it to the workers, which finish their step, save and print their one
   line; torchrun itself would then raise its SignalException with a traceback and exit 1. Here it exits with
   128 + the signal, like a single process, and prints nothing more.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import determine_local_world_size, parse_args, parse_min_max_nnodes
 from torch.distributed.run import main as torchrun_main
 
@@ -59,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         torchrun_main(argv)
     except SignalException as e:
         return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        code = e.get_first_failure()[1].exitcode
+        if code in (1, 2):  # the worker's own lines said why
+            return code
+        raise
     return 0
 
 
