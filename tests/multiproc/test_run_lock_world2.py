@@ -3,6 +3,7 @@ with the same one line before the model build (no rank waits in a collective for
 
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -32,7 +33,7 @@ def test_both_ranks_are_refused_with_the_same_line(tmp_path):
     assert len(lines) == 2 and lines[0] == lines[1], r.stderr[-4000:]  # one per rank, the same
     assert lines[0].startswith(f"error: run folder {run} is in use by another trainer: PID {os.getpid()} on host "
                                f"{socket.gethostname()} since "), lines[0]
-    assert r.stderr.count("exitcode  : 2") == 2, r.stderr[-4000:]  # torchrun's report: both workers exited 2
+    assert r.returncode in (1, 2) and not re.search(r"\[rank\d\]: Traceback", r.stderr), r.stderr[-4000:]
     assert "params" not in r.stdout + r.stderr  # refused before the model build
     assert json.loads((run / LOCK_FILE).read_text()) == body  # the holder's lock is untouched
     assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE]
