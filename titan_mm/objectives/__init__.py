@@ -41,7 +41,7 @@ def register(name: str, factory: Factory) -> None:
 
 def _factory(name: str) -> Factory:
     if name not in _REGISTRY:
-        near = difflib.get_close_matches(name, list(_REGISTRY), n=2, cutoff=0.5)
+        near = difflib.get_close_matches(name, list(_REGISTRY), n=2, cutoff=0.4)
         hint = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
         raise ConfigError(f"unknown objective {name!r}; {hint}registered: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 
 from titan_mm.config import ConfigError, JobConfig
+from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
+from titan_mm.models.hf_io import local_hf_dir, read_hf_config
 from titan_mm.nn.attention import check_kind, doc_positions
 from titan_mm.objectives.base import noise_generator
 from titan_mm.objectives.causal import CausalLM
@@ -175,9 +177,6 @@ def run_tokenizer(cfg: JobConfig):
     """The run's tokenizer (as the trainer's data loader takes it), or None with synthetic data."""
     if cfg.data.dataset == "synthetic" and not cfg.data.mixture:
         return None
-    from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
-    from titan_mm.models.hf_io import local_hf_dir
-
     path = tokenizer_for(cfg.data.tokenizer_path, local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None)
     try:
         return load_tokenizer(path)
@@ -205,8 +204,6 @@ def build_diffusion(cfg: JobConfig, spec, model_cfg) -> DiffusionLM | None:
 
 def objective_from_hf(hf_dir: str | Path) -> DiffusionLM | None:
     """The objective an exported folder's config.json records (None: a causal LM)."""
-    from titan_mm.models.hf_io import read_hf_config
-
     note = read_hf_config(str(hf_dir)).get(HF_NOTE_KEY)
     if note is None:
         return None

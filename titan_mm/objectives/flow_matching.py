@@ -12,7 +12,7 @@ slot), so the draws are the same for any dp world and bitwise on resume) adds:
   * ``noisy_latents`` [B, S, C] (latents' dtype): x_t = (1 - t) x0 + t eps at latent positions, 0 elsewhere, with
     eps ~ N(0, 1) per element;
   * ``timesteps``     [B, S] fp32: the t of each position's unit, 0 elsewhere;
-  * ``flow_target``   [B, S, C] fp32: the velocity eps - x0 (0 elsewhere);
+  * ``flow_target``   [B, S, C] fp32 (or the latents' dtype when wider): the velocity eps - x0 (0 elsewhere);
   * ``flow_weight``   [B, S] fp32: the per-unit loss weight w(t) (``weighting``; 1 with "none"), 0 elsewhere;
   * ``num_latent_elements`` []: latent positions x C, this term's normalizer share.
 
@@ -106,15 +106,14 @@ class FlowMatching(Objective):
     def corrupt(self, batch: dict[str, Any], t_BU: torch.Tensor, eps_BSC: torch.Tensor) -> dict[str, Any]:
         """The micro-batch the model trains on, for per-unit times ``t_BU`` and noise ``eps_BSC``."""
         x0 = batch["latents"]
+        dt = torch.promote_types(x0.dtype, torch.float32)  # bf16 latents mix in fp32; fp64 ones stay fp64
         mask = batch["latent_mask"].bool() & (batch["noise_unit"] >= 0)
         t_BS = torch.where(mask, t_BU.gather(1, batch["noise_unit"].clamp(min=0).long()), 0.0)
-        x0f = x0.float()
-        t3 = t_BS[..., None]
-        m3 = mask[..., None]
+        x0f, eps, t3, m3 = x0.to(dt), eps_BSC.to(dt), t_BS[..., None].to(dt), mask[..., None]
         out = dict(batch)
-        out["noisy_latents"] = torch.where(m3, (1.0 - t3) * x0f + t3 * eps_BSC, 0.0).to(x0.dtype)
+        out["noisy_latents"] = torch.where(m3, (1.0 - t3) * x0f + t3 * eps, 0.0).to(x0.dtype)
         out["timesteps"] = t_BS
-        out["flow_target"] = torch.where(m3, eps_BSC - x0f, 0.0)
+        out["flow_target"] = torch.where(m3, eps - x0f, 0.0)
         out["flow_weight"] = torch.where(mask, WEIGHTINGS[self.weighting](t_BS), 0.0)
         out["num_latent_elements"] = torch.tensor(int(mask.sum()) * x0.shape[-1], dtype=torch.int64)
         return out
@@ -133,6 +132,7 @@ class FlowMatching(Objective):
 
     def loss_sums(self, model, out, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         pred = model.predict_velocity(out, batch)
-        err = (pred.float() - batch["flow_target"]).square().sum(-1)  # [B, S]
+        target = batch["flow_target"]
+        err = (pred.to(torch.promote_types(pred.dtype, target.dtype)) - target).square().sum(-1)  # [B, S]
         # where, not a product: a prediction outside the latents is never read, whatever it holds
         return {"mse": torch.where(batch["flow_weight"] != 0, err * batch["flow_weight"], 0.0).sum()}
