@@ -16,7 +16,7 @@ from typing import Any
 
 from titan_mm.models.hf_config import check_hf, hf_types, part_of, within
 from titan_mm.models.qwen2.config import Qwen2Config
-from titan_mm.models.qwen2_5_vl.config import _GENERIC, Qwen2_5_VLConfig, VisionConfig
+from titan_mm.models.qwen2_5_vl.config import GENERIC_KEYS, Qwen2_5_VLConfig, VisionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ FULL_MODEL_TYPE = "qwen2_5_omni"  # thinker + talker + token2wav; only thinker_c
 # config.json may not)
 _TEXT_DEFAULTS = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                       num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1_000_000.0)
-_AUDIO_IGNORED = _GENERIC | {"dropout", "attention_dropout", "activation_dropout"}  # dropouts: checked to be 0
+_AUDIO_IGNORED = GENERIC_KEYS | {"dropout", "attention_dropout", "activation_dropout"}  # dropouts: checked to be 0
 # thinker-level keys with no effect on the thinker's math
 _THINKER_IGNORED = {"model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
                     "initializer_range", "text_config", "vision_config", "audio_config", "pad_token_id",

@@ -27,10 +27,11 @@ MODEL_TYPE = "qwen2_5_vl"
 _VL_KEYS = {"vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
             "vision_token_id", "tie_word_embeddings", "architectures", "model_type", "transformers_version",
             "torch_dtype", "dtype", "_name_or_path", "text_config"}
-_GENERIC = {"model_type", "rope_parameters", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
-            "architectures", "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder",
-            "output_attentions", "output_hidden_states", "problem_type", "return_dict", "in_chans",
-            "spatial_patch_size", "embed_dim"}
+# keys any HF sub-config may carry that change no math (Qwen2.5-Omni's audio config reads them too)
+GENERIC_KEYS = {"model_type", "rope_parameters", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
+                "architectures", "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder",
+                "output_attentions", "output_hidden_states", "problem_type", "return_dict", "in_chans",
+                "spatial_patch_size", "embed_dim"}
 _TEXT_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0}
 
 
@@ -147,7 +148,7 @@ class Qwen2_5_VLConfig(VLFields):
                   "attention_dropout", "use_cache", "vision_token_id"):
             td.pop(k, None)
         keep = {f.name for f in dataclasses.fields(Qwen2Config)} - set(Qwen2Config.RUNTIME_FIELDS)
-        dropped = sorted(k for k in td if k not in keep and k not in _GENERIC)
+        dropped = sorted(k for k in td if k not in keep and k not in GENERIC_KEYS)
         if dropped:
             raise ValueError(f"Qwen2.5-VL text config keys titan_mm does not implement: {dropped}")
         td = {**_TEXT_DEFAULTS, **{k: v for k, v in td.items() if k in keep}}  # HF Qwen2.5-VL's, where not Qwen2's
@@ -162,7 +163,7 @@ class Qwen2_5_VLConfig(VLFields):
             vkw["in_channels"] = vd["in_chans"]  # the released files' spelling
         if "rope_theta" in (vd.get("rope_parameters") or {}):
             vkw["rope_theta"] = float(vd["rope_parameters"]["rope_theta"])
-        unknown = sorted(set(vd) - vnames - _GENERIC)
+        unknown = sorted(set(vd) - vnames - GENERIC_KEYS)
         if unknown:
             logger.warning("Qwen2.5-VL vision_config keys not used by titan_mm (check they do not change the math): %s",
                            unknown)

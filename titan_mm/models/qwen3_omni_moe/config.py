@@ -18,7 +18,7 @@ from typing import Any
 from titan_mm.models.hf_config import check_hf, hf_types, part_of, within
 from titan_mm.models.qwen3.config import HF_TYPES as TEXT_HF_TYPES
 from titan_mm.models.qwen3.config import Qwen3Config
-from titan_mm.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig, _debug_text, _vl
+from titan_mm.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig, debug_text, vl_config
 
 logger = logging.getLogger(__name__)
 
@@ -213,12 +213,12 @@ def _omni(vl: Qwen3VLConfig, audio: AudioConfig, **kw) -> Qwen3OmniMoeConfig:
 
 FLAVORS: dict[str, Qwen3OmniMoeConfig] = {
     # debug: Qwen3-VL-MoE's debug model (real vocab) plus a 2-layer, 64-wide audio encoder on 128 mel bins
-    "debug": _omni(Qwen3VLConfig(text=_debug_text(True), vision=dataclasses.replace(
+    "debug": _omni(Qwen3VLConfig(text=debug_text(True), vision=dataclasses.replace(
         VisionConfig(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=16,
                      num_position_embeddings=256, deepstack_visual_indexes=(0, 1)), out_hidden_size=128),
         tie_word_embeddings=True, mrope_section=(6, 5, 5)),
         AudioConfig(encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128, d_model=64,
                     downsample_hidden_size=16)),
-    "30B-A3B": _omni(_vl(_TXT_30B, _VIS_30B, tie=False, mrope_section=(24, 20, 20)),
+    "30B-A3B": _omni(vl_config(_TXT_30B, _VIS_30B, tie=False, mrope_section=(24, 20, 20)),
                      AudioConfig(output_dim=2048), **_OMNI_TOKENS),
 }

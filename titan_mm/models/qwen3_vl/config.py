@@ -293,12 +293,14 @@ _VIS_LARGE = VisionConfig(depth=27, hidden_size=1152, intermediate_size=4304, nu
                           deepstack_visual_indexes=(8, 16, 24))
 
 
-def _vl(text: Qwen3Config, vision: VisionConfig, tie: bool, **kw) -> Qwen3VLConfig:
+def vl_config(text: Qwen3Config, vision: VisionConfig, tie: bool, **kw) -> Qwen3VLConfig:
+    """A flavor: the text config, the ViT's (its output width set to the text's) and the head tying."""
     return Qwen3VLConfig(text=text, vision=dataclasses.replace(vision, out_hidden_size=text.hidden_size),
                          tie_word_embeddings=tie, **kw)
 
 
-def _debug_text(moe: bool, vocab: int = 151936) -> Qwen3Config:
+def debug_text(moe: bool, vocab: int = 151936) -> Qwen3Config:
+    """The debug flavors' decoder: 4 x 128, dense or 8 experts (``moe``)."""
     kw = dict(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, rope_theta=5_000_000.0, max_position_embeddings=32768)
     if moe:
@@ -310,24 +312,24 @@ _VIS_DEBUG = VisionConfig(depth=2, hidden_size=64, intermediate_size=128, num_he
                           num_position_embeddings=256, deepstack_visual_indexes=(0, 1))
 
 FLAVORS: dict[str, Qwen3VLConfig] = {
-    "debug": _vl(_debug_text(False), _VIS_DEBUG, tie=True, mrope_section=(6, 5, 5)),
-    "2B": _vl(Qwen3Config(**_TXT, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+    "debug": vl_config(debug_text(False), _VIS_DEBUG, tie=True, mrope_section=(6, 5, 5)),
+    "2B": vl_config(Qwen3Config(**_TXT, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                           num_attention_heads=16, num_key_value_heads=8), _VIS_SMALL, tie=True),
-    "4B": _vl(Qwen3Config(**_TXT, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+    "4B": vl_config(Qwen3Config(**_TXT, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                           num_attention_heads=32, num_key_value_heads=8), _VIS_SMALL, tie=True),
-    "8B": _vl(Qwen3Config(**_TXT, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    "8B": vl_config(Qwen3Config(**_TXT, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                           num_attention_heads=32, num_key_value_heads=8), _VIS_LARGE, tie=False),
-    "32B": _vl(Qwen3Config(**_TXT, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+    "32B": vl_config(Qwen3Config(**_TXT, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                            num_attention_heads=64, num_key_value_heads=8), _VIS_LARGE, tie=False),
 }
 
 MOE_FLAVORS: dict[str, Qwen3VLConfig] = {
-    "debug": _vl(_debug_text(True), _VIS_DEBUG, tie=True, mrope_section=(6, 5, 5)),
-    "30B-A3B": _vl(Qwen3Config(**_TXT, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+    "debug": vl_config(debug_text(True), _VIS_DEBUG, tie=True, mrope_section=(6, 5, 5)),
+    "30B-A3B": vl_config(Qwen3Config(**_TXT, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                                num_attention_heads=32, num_key_value_heads=4, num_experts=128,
                                num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
                    _VIS_LARGE, tie=False),
-    "235B-A22B": _vl(Qwen3Config(**_TXT, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+    "235B-A22B": vl_config(Qwen3Config(**_TXT, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
                                  num_attention_heads=64, num_key_value_heads=4, num_experts=128,
                                  num_experts_per_tok=8, moe_intermediate_size=1536, norm_topk_prob=True),
                      _VIS_LARGE, tie=False),
