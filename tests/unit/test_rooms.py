@@ -79,6 +79,19 @@ def test_data_names_no_family():
     assert not bad, "\n".join(bad)
 
 
+def test_families_import_no_private_name_of_another():
+    """A family builds on another through its public names only (the Omni thinkers share qwen2_5_omni/thinker.py)."""
+    bad = []
+    for p in _py("models"):
+        fam = p.relative_to(PKG / "models").parts[0]
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("titan_mm.models."):
+                other = node.module.split(".")[2]
+                bad += [f"{p.relative_to(PKG)}: {node.module}.{a.name}" for a in node.names
+                        if other != fam and a.name.startswith("_")]
+    assert not bad, f"a family imports another family's private names: {bad}"
+
+
 def test_nn_is_the_ground_floor():
     bad = [f"{p.relative_to(PKG)}: {m}" for p in _py("nn") for m in _imports(p)
            if m.startswith("titan_mm") and not m.startswith("titan_mm.nn")]
