@@ -1,11 +1,11 @@
 """torchrun as run_train.sh launches it (``NPROC>1``): ``python -m titan_mm.train.torchrun [torchrun args] -m ...``.
 
-The same launcher (torch.distributed.run), with two differences:
+The same launcher (torch.distributed.run), with three differences:
 - Before it starts the workers of ``-m titan_mm.train.trainer``, it checks the job once, as one process does
   first: the config (load + validate), the [eval] tasks, ``preflight`` at the world size it will start (fixed
-  ``--nnodes`` x ``--nproc_per_node``; an elastic node range checks the config and the tasks only) and the
-  finished-run refusal. A mistake is one ``config error: ...`` line and exit 2, not one line per rank and
-  torchrun's ChildFailedError. ``--help`` prints the fields once.
+  ``--nnodes`` x ``--nproc_per_node``; not with an elastic node range) and the finished-run refusal. A mistake
+  is one ``config error: ...`` line and exit 2, not one line per rank and torchrun's ChildFailedError.
+  ``--help`` prints the fields once.
 - A worker that exits 1 or 2 has printed its own line (the trainer's ``config error:`` / ``data error:`` /
   ``error:``, or a Python traceback): the launcher exits with that code, without torchrun's ChildFailedError
   traceback and table. Other failures (a signal, a native abort) keep torchrun's report.
@@ -43,9 +43,8 @@ def check_job(argv: list[str]) -> None:
 
     online_eval(cfg)  # reads the [eval] tasks: a bad one is a ConfigError
     lo, hi = parse_min_max_nnodes(args.nnodes)
-    if lo != hi:  # elastic: the world size is not known before the rendezvous
-        return
-    preflight(cfg, world=hi * determine_local_world_size(args.nproc_per_node))
+    if lo == hi:  # elastic (a node range): the world size is not known before the rendezvous
+        preflight(cfg, world=hi * determine_local_world_size(args.nproc_per_node))
     check_resume_step(cfg, run_dir(cfg))
 
 
