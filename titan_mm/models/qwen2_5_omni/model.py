@@ -24,7 +24,7 @@ rank runs the same encoder collectives (FSDP) whatever its batch holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -32,21 +32,19 @@ import torch
 import torch.nn as nn
 
 from titan_mm.nn.media import chunk_bounds, vision_grid_pos
-from titan_mm.nn.attention import AttnMeta
-from titan_mm.nn.output import ModelOutput
 from titan_mm.models.qwen2_5_omni import thinker
 from titan_mm.models.qwen2_5_omni.audio import DUMMY_FRAMES, AudioEncoder, build_audio_meta, conv_lengths
 from titan_mm.models.qwen2_5_omni.config import Qwen2_5OmniConfig
-from titan_mm.models.qwen2_5_omni.thinker import OmniMeta, OmniThinker, apply_freeze, param_groups  # noqa: F401 (re-exported)
+from titan_mm.models.qwen2_5_omni.thinker import OmniThinker, apply_freeze, param_groups  # noqa: F401 (re-exported)
 from titan_mm.models.qwen2_5_vl.model import Qwen2_5_VLModel
 from titan_mm.models.qwen2_5_vl.vision import VisionTower, build_window_meta
-from titan_mm.models.qwen3.model import Qwen3Model, finish
+from titan_mm.models.qwen3.model import Qwen3Model
 from titan_mm.models.qwen3_vl.model import EmbedOutput
 
 
 class Qwen2_5OmniModel(OmniThinker, Qwen2_5_VLModel):
-    """Qwen2.5-VL's model (rope, trunk, head) with the audio tower and the thinkers' embed (thinker.py), which
-    places both encoders' tokens through one host-built ``mm_index``."""
+    """Qwen2.5-VL's model (rope, trunk, head) with the audio tower and the thinkers' embed and forward (thinker.py):
+    both encoders' tokens placed through one host-built ``mm_index``, TMRoPE positions from :func:`prepare_batch`."""
 
     def __init__(self, cfg: Qwen2_5OmniConfig):
         nn.Module.__init__(self)
@@ -56,39 +54,6 @@ class Qwen2_5OmniModel(OmniThinker, Qwen2_5_VLModel):
         self.audio_tower = AudioEncoder(cfg.audio)
         self.embed_out = EmbedOutput()
         apply_freeze(self, cfg)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        attn: AttnMeta | None = None,
-        labels: torch.Tensor | None = None,
-        logits_at: torch.Tensor | None = None,
-        pixel_values: torch.Tensor | None = None,
-        pixel_values_videos: torch.Tensor | None = None,
-        input_features: torch.Tensor | None = None,
-        omni_meta: OmniMeta | None = None,
-        mm_index: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        video_grid_thw: torch.Tensor | None = None,
-        video_second_per_grid: torch.Tensor | None = None,
-        audio_feature_lengths: torch.Tensor | None = None,
-        use_audio_in_video: bool | None = None,
-        loss_weights: torch.Tensor | None = None,
-        loss: Callable | None = None,
-    ) -> ModelOutput:
-        """position_ids [3, B, S] TMRoPE (or [B, S] for text only; default arange); ``omni_meta`` / ``mm_index``
-        from :func:`prepare_batch`. The grids, second_per_grid, audio lengths and use_audio_in_video are accepted
-        for interface compatibility and not read (prepare_batch turned them into metadata on the host). ``loss``:
-        an objective's, as Qwen3Model.forward's."""
-        lm = self.language_model
-        B, S = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
-        stream = self.embed(input_ids, pixel_values, pixel_values_videos, input_features, omni_meta, mm_index)
-        stream = lm.trunk(stream, self.rope(position_ids, stream.h.dtype), attn)
-        out = lm.head(stream, attn, labels, logits_at, loss_weights, hidden=loss is not None)
-        return finish(self, out, attn, loss)
 
 
 # ---- TMRoPE (host) ----

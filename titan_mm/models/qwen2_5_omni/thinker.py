@@ -17,9 +17,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from titan_mm.models.qwen3.model import finish
 from titan_mm.models.qwen3_vl.model import split_by_part, vision_backend, visual_index
 from titan_mm.models.qwen3_vl.model import param_kind as vl_param_kind
-from titan_mm.nn.output import Stream
+from titan_mm.nn.attention import AttnMeta
+from titan_mm.nn.output import ModelOutput, Stream
 
 
 class OmniMeta(NamedTuple):
@@ -70,8 +72,8 @@ def param_groups(model: nn.Module, cfg, groups: list[dict[str, Any]], base_lr: f
 
 
 class OmniThinker:
-    """The VL model's weights plus the audio tower's, and the embed of both encoders (mixed in before the VL
-    model class, whose rope, trunk and head the thinker keeps)."""
+    """The VL model's weights plus the audio tower's, the embed of both encoders and the forward (mixed in before
+    the VL model class, whose rope, trunk and head the thinker keeps)."""
 
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         super().init_weights(buffer_device)
@@ -121,6 +123,39 @@ class OmniThinker:
         h_BSD, adds = self.embed_out(h_ND.view(B, S, -1), adds)
         return Stream(h_BSD, None, tuple(adds))
 
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attn: AttnMeta | None = None,
+        labels: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        input_features: torch.Tensor | None = None,
+        omni_meta: OmniMeta | None = None,
+        mm_index: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        video_second_per_grid: torch.Tensor | None = None,
+        audio_feature_lengths: torch.Tensor | None = None,
+        use_audio_in_video: bool | None = None,
+        loss_weights: torch.Tensor | None = None,
+        loss: Callable | None = None,
+    ) -> ModelOutput:
+        """position_ids [3, B, S] (the family's, or [B, S] for text only; default arange); ``omni_meta`` /
+        ``mm_index`` from :func:`prepare_batch`. The grids, second_per_grid, audio lengths and use_audio_in_video
+        are accepted for interface compatibility and not read (prepare_batch turned them into metadata on the
+        host). ``loss``: an objective's, as Qwen3Model.forward's."""
+        lm = self.language_model
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
+        stream = self.embed(input_ids, pixel_values, pixel_values_videos, input_features, omni_meta, mm_index)
+        stream = lm.trunk(stream, self.rope(position_ids, stream.h.dtype), attn)
+        out = lm.head(stream, attn, labels, logits_at, loss_weights, hidden=loss is not None)
+        return finish(self, out, attn, loss)
 
 # ---- host side ----
 def documents(batch: dict[str, Any]) -> list[tuple[int, int, int]]:
