@@ -72,7 +72,7 @@ class Qwen2_5OmniConfig(Qwen2_5_VLConfig):
     """use_audio_in_video: video and audio tokens interleave in chunks of this many seconds."""
     user_token_id: int = 872
     """Written back to config.json (the thinker does not use it)."""
-    # ---- training modes (model.py: apply_freeze, param_groups) ----
+    # ---- training modes (thinker.py: apply_freeze, param_groups) ----
     freeze_audio: bool = False
     """Freeze the audio encoder (convs, blocks, ln_post, proj)."""
     audio_lr: float | None = None

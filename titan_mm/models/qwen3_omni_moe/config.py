@@ -89,7 +89,7 @@ class Qwen3OmniMoeConfig(Qwen3VLConfig):
     """Temporal M-RoPE positions per second of video (t = frame index * second_per_grid * this)."""
     user_token_id: int = 872
     """Written back to config.json (the thinker does not use it)."""
-    # ---- training modes (qwen2_5_omni.model: apply_freeze, param_groups) ----
+    # ---- training modes (qwen2_5_omni.thinker: apply_freeze, param_groups) ----
     freeze_audio: bool = False
     """Freeze the audio encoder (conv stem, blocks, ln_post, projections)."""
     audio_lr: float | None = None
