@@ -9,7 +9,7 @@ Cost model (:class:`RowCost`, :class:`CostCoefficients`), in seconds of forward 
 
 A segment is one image or one temporal slice of a video (the vision tower attends within it), P its patches
 before the merge; L counts every token of a document, visual tokens included. The coefficients come from
-``cost_coefficients.json`` (keyed ``"<family>:<flavor>"``, e.g. ``"qwen3_vl:2b"``), else from the family's FLOP
+``cost_coefficients.json`` (keyed ``"<family>:<flavor>"``: the spec's name and flavor), else from the family's FLOP
 counter (:func:`coefficients_from_flops`: ``spec.flops`` probed at a few shapes, divided by an assumed 400 TFLOP/s).
 The shipped values are those FLOP-derived ones, marked provisional until they are fitted on the H200.
 
