@@ -4,6 +4,7 @@ over with one line; the lock goes away on every exit path."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -62,19 +63,24 @@ def test_a_held_lock_refuses_a_second_taker_and_release_removes_it(tmp_path):
 
 @pytest.mark.parametrize("case", ["dead_pid", "reused_pid", "other_host_expired"])
 def test_a_stale_lock_is_taken_over_with_one_line(tmp_path, capsys, case):
-    fields = {"dead_pid": {}, "reused_pid": {"pid": os.getpid(), "proc_start": _proc_start(os.getpid()) + 1},
-              "other_host_expired": {"host": "elsewhere", "renewed": time.time() - 1000}}[case]
-    if case == "reused_pid" and fields["proc_start"] is None:
+    start = _proc_start(os.getpid())
+    if case == "reused_pid" and start is None:
         pytest.skip("no /proc: a reused PID is not detectable here")
+    fields = {"dead_pid": {}, "reused_pid": {"pid": os.getpid(), "proc_start": (start or 0) + 1},
+              "other_host_expired": {"host": "elsewhere", "renewed": time.time() - 1000}}[case]
     old = write_lock(tmp_path, **fields)
     lock = RunLock(tmp_path)
     lock.acquire()
     assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == lock.body["token"]
     err = capsys.readouterr().err.strip().splitlines()
-    why = ("is no longer running" if case != "other_host_expired"
-           else "has not renewed it for 1000 s (lease 300 s)")
-    assert err == [f"[titan_mm] taking over the stale lock {tmp_path / LOCK_FILE}: PID {old['pid']} on host "
-                   f"{old['host']} since {since(old)} {why}"]
+    head = (f"[titan_mm] taking over the stale lock {tmp_path / LOCK_FILE}: PID {old['pid']} on host {old['host']} "
+            f"since {since(old)} ")
+    if case == "other_host_expired":  # the idle time counts on while the test runs
+        assert len(err) == 1 and err[0].startswith(head), err
+        idle = re.fullmatch(r"has not renewed it for (\d+) s \(lease 300 s\)", err[0][len(head):])
+        assert idle and int(idle.group(1)) >= 1000, err
+    else:
+        assert err == [head + "is no longer running"]
     lock.release()
     assert sorted(os.listdir(tmp_path)) == []
 
@@ -84,6 +90,20 @@ def test_another_hosts_lock_within_its_lease_is_held(tmp_path):
     with pytest.raises(RunLockError, match=r"in use by another trainer: PID \d+ on host elsewhere since .*, "
                                            r"renewed \d+ s ago"):
         RunLock(tmp_path).acquire()
+
+
+def test_an_unreadable_lock_is_held_briefly_then_taken_over(tmp_path, capsys):
+    (tmp_path / LOCK_FILE).write_text("{not json")
+    with pytest.raises(RunLockError, match=r"in use by another trainer: an unreadable lock less than 10 s old"):
+        RunLock(tmp_path).acquire()
+    old = time.time() - 100
+    os.utime(tmp_path / LOCK_FILE, (old, old))
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(rf"\[titan_mm\] taking over the stale lock {re.escape(str(tmp_path / LOCK_FILE))}: its body is "
+                        r"unreadable and 1\d\d s old", err), err
+    lock.release()
 
 
 def test_the_holder_renews_and_a_taken_over_lock_is_not_deleted(tmp_path, capsys):

@@ -31,7 +31,7 @@ LOCK_FILE = "run.lock"
 LEASE_S = 300.0
 """Another host's lock not renewed for this long is stale (the holder renews it every RENEW_S)."""
 RENEW_S = 30.0
-_YOUNG_S = 10.0  # an unreadable lock younger than this may be mid-takeover by another trainer: wait for it
+_YOUNG_S = 10.0  # an unreadable lock (bodies are written whole, so a damaged file) is stale after this long
 
 
 class RunLockError(RuntimeError):
@@ -83,7 +83,6 @@ class RunLock:
         now = time.time()
         body = {"pid": os.getpid(), "host": self.host, "since": now, "renewed": now, "token": uuid.uuid4().hex,
                 "proc_start": _proc_start(os.getpid())}
-        deadline = time.monotonic() + 2 * _YOUNG_S
         while True:
             if self._create(body):
                 self.body = body
@@ -94,9 +93,6 @@ class RunLock:
             if seen is None and raw is None:  # released meanwhile
                 continue
             why = self._stale(seen)
-            if why is None and time.monotonic() < deadline and seen is None:
-                time.sleep(0.2)  # an unreadable, young lock: another trainer may be writing it
-                continue
             if why is None:
                 raise RunLockError(self._refusal(seen))
             if self._take_over(raw):
@@ -163,7 +159,7 @@ class RunLock:
 
     def _refusal(self, body: dict | None) -> str:
         what = (f"{_holder(body)}, renewed {time.time() - float(body['renewed']):.0f} s ago" if body is not None
-                else "a trainer whose lock is still being written")
+                else f"an unreadable lock less than {_YOUNG_S:.0f} s old")
         return (f"run folder {self.path.parent} is in use by another trainer: {what} (lock {self.path}); wait for it "
                 "to finish or stop it, or use another --job.name")
 
@@ -209,7 +205,7 @@ def hold_run_folder(run_dir: str | Path) -> RunLock | _NoLock:
     """Rank 0 takes ``run_dir``'s lock and broadcasts the verdict (needs the process group when world > 1): every
     rank raises the same RunLockError when it is refused."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))  # never two holders
     lock: RunLock | _NoLock = _NoLock()
     refusal = None
     if rank == 0:
