@@ -178,6 +178,8 @@ def test_build_objective_choices_and_mistakes():
                                objective_options=lambda c: {"flow_matching": {"sampler": "shifted", "shift": 3.0}})
     obj = build_objective(cfg, both, mc)
     assert obj.terms == ("ce", "mse") and obj.mask_kind == "causal" and obj.parts[1].shift == 3.0
+    for o in (obj, FlowMatching()):  # causal or the family's own mask: the family's FLOPs as they are
+        assert o.flops(spec, mc, [7, 9]) == spec.flops(mc, [7, 9])
     dllm = load_config(["--config", "debug_dllm_qwen3"])
     with pytest.raises(ConfigError, match="replaces the causal LM, which model 'qwen3' does not train"):
         build_objective(dllm, dataclasses.replace(spec, objectives=("flow_matching",)), mc)

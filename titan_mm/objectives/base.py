@@ -72,10 +72,11 @@ class Objective:
         return lambda model, out: self.loss_sums(model, out, batch)
 
     def flops(self, spec, model_cfg, doc_lens, **grids) -> float:
-        """Training FLOPs of a micro-batch: the family's count (causal attention pairs), plus, for another mask
-        kind, the attention pairs it adds (bidirectional: L^2 per document, block-causal: every key of the query's
-        block too) at 12 x heads x head_dim per pair and layer (docs/flops.md)."""
-        if self.mask_kind in (None, "causal"):
+        """Training FLOPs of a micro-batch: the family's count (causal attention pairs), plus, for a bidirectional
+        or block-causal mask, the attention pairs it adds (L^2 per document; every key of the query's block too) at
+        12 x heads x head_dim per pair and layer (docs/flops.md). Other kinds (causal, a family's segments) are the
+        family's count."""
+        if self.mask_kind not in ("bidirectional", "block_causal"):
             return spec.flops(model_cfg, doc_lens, **grids)
         lens = [int(x) for x in (doc_lens.tolist() if hasattr(doc_lens, "tolist") else doc_lens)]
         d = spec.dims(model_cfg)
