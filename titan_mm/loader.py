@@ -87,8 +87,9 @@ def resolve_source(path: str | os.PathLike) -> Source:
                           "or a titan_mm run or checkpoint folder")
     try:
         return Source(Path(local_hf_dir(str(path), weights=True)))
-    except HFPathNotFound as e:
-        raise ConfigError(str(e)) from None
+    except HFPathNotFound as e:  # its words are model.hf_path's: say first what was looked for here
+        raise ConfigError(f"{path} is no local run, checkpoint or HF folder, nor a Hub model that can be fetched: "
+                          f"{e}") from None
 
 
 def model_from_config(cfg: JobConfig, device: torch.device) -> tuple[ModelSpec, Any]:
