@@ -48,9 +48,9 @@ def test_padded_experts_equal_unpadded():
     x, top_w, dy = torch.randn(N, D, generator=g), torch.rand(N, K, generator=g), torch.randn(N, D, generator=g)
     seen, real_swiglu = [], moe.grouped_swiglu
 
-    def spy(x_AD, counts_E, *w):
-        seen.append((x_AD.detach().clone(), counts_E.clone(), w[-1]))
-        return real_swiglu(x_AD, counts_E, *w)
+    def spy(x_AD, counts_E, w1, w3, w2, float8, mm):
+        seen.append((x_AD.detach().clone(), counts_E.clone(), float8))
+        return real_swiglu(x_AD, counts_E, w1, w3, w2, float8, mm)
 
     results = []
     moe.grouped_swiglu = spy
