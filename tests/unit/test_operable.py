@@ -89,9 +89,9 @@ def test_run_train_sh_mistakes_exit_2_with_one_line(tmp_path):
     r = run_sh(["--config", "debug_qwen3.toml", "--training.steps", "abc"])
     assert (r.returncode, r.stderr) == (2, "config error: --training.steps expects int, got 'abc'\n")
     r = run_sh(["--config", "debug_qwen3.toml", "--job.dump_folder", str(tmp_path)], NPROC="3")
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.splitlines() == ["config error: training.global_batch_size=4 is not a multiple of "
-                                     "data.micro_batch_size (2) x data-parallel degree (3) = 6"]
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("config error: training.global_batch_size=4 ") and "(3)" in lines[0], lines
     assert not any(tmp_path.iterdir())  # nothing started, nothing written
 
 
