@@ -58,6 +58,54 @@ def test_full_disk_is_one_line_and_the_last_good_checkpoint_loads(tmp_path, monk
         assert torch.equal(v, good[k]), k
 
 
+def test_a_failed_or_interrupted_resave_of_a_committed_step_keeps_it(tmp_path, monkeypatch, capsys):
+    """Resumed with load_step=2 while step 4 is committed: the new save of step 4 keeps the old one aside until it
+    commits; a full disk puts it back, and so does the next start after a crash mid-save."""
+    st = make_state()
+    mgr = CheckpointManager(tmp_path, interval=2, keep_last=0, async_mode="disabled")
+    run_steps(st, 2)
+    mgr.save(st)
+    run_steps(st, 2)
+    mgr.save(st)
+    old4 = snapshot(st)
+    old_commit = (tmp_path / "step-00000004" / "commit.json").read_bytes()
+    mgr.close()
+
+    monkeypatch.setenv("TITAN_MM_FAULT_ENOSPC_AT_STEP", "4")
+    branch = make_state(seed=3)
+    mgr = CheckpointManager(tmp_path, interval=2, keep_last=0, async_mode="disabled")
+    assert mgr.resume(branch, load_step=2) == 2
+    branch.optimizer.param_groups[0]["lr"] *= 3  # another trajectory from step 2
+    run_steps(branch, 2)
+    with pytest.raises(CheckpointSaveError, match="^" + line(4, tmp_path, 2) + "$"):
+        mgr.save(branch)
+    mgr.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000004"]
+    assert (tmp_path / "step-00000004" / "commit.json").read_bytes() == old_commit  # the old step 4, whole
+    verify_checkpoint(tmp_path / "step-00000004")
+
+    # a crash in the middle of the new save: an uncommitted step-4 beside the old one set aside
+    (tmp_path / "step-00000004").rename(tmp_path / "step-00000004.replaced")
+    (tmp_path / "step-00000004").mkdir()
+    (tmp_path / "step-00000004" / "__0_0.distcp").write_bytes(b"partial")
+    capsys.readouterr()
+    fresh = make_state(seed=4)
+    assert CheckpointManager(tmp_path, interval=2).resume(fresh) == 4
+    assert f"restored {tmp_path / 'step-00000004'}: the save that was replacing it was interrupted" in (
+        capsys.readouterr().err)
+    for k, v in snapshot(fresh).items():
+        assert torch.equal(v, old4[k]), k
+
+    monkeypatch.delenv("TITAN_MM_FAULT_ENOSPC_AT_STEP")  # and a save that commits replaces it
+    mgr = CheckpointManager(tmp_path, interval=2, keep_last=0, async_mode="disabled")
+    mgr.resume(branch, load_step=2)
+    run_steps(branch, 2)
+    mgr.save(branch)
+    mgr.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000004"]
+    assert (tmp_path / "step-00000004" / "commit.json").read_bytes() != old_commit
+
+
 def test_a_full_disk_at_the_first_save_says_there_is_none(tmp_path, monkeypatch):
     monkeypatch.setenv("TITAN_MM_FAULT_ENOSPC_AT_STEP", "1")
     st = make_state()

@@ -35,7 +35,9 @@ interleave with the training ones. A new save (or the end of training) first wai
 A save that fails on an OSError (a full disk, a quota, an I/O error; the async one when it is waited on) raises
 CheckpointSaveError, one line: "no space left on device writing checkpoint step-N to DIR; the last good checkpoint
 step-M is kept; ...". Its partial folder is removed at once (it holds the space the next try needs). Nothing else is
-touched: older checkpoints are pruned only after a newer one is committed. DCP's writer is wrapped so that the
+touched: older checkpoints are pruned only after a newer one is committed, and a save of a step that is already
+committed (a run resumed with checkpoint.load_step before it) keeps the old folder as step-N.replaced until the new
+one commits; a failed save puts it back, and so does the next start after a crash. DCP's writer is wrapped so that the
 OSError itself reaches every rank: torch.save reports a full disk as "unexpected pos 704 vs 598", with the OSError
 only in ``__context__``, which DCP's gather of the ranks' failures drops.
 """
@@ -75,6 +77,7 @@ from titan_mm.train.state import TrainState, from_bytes, to_bytes
 COMMIT_FILE = "commit.json"
 CONFIG_FILE = "config.toml"
 _PREFIX = "step-"
+_REPLACED = ".replaced"  # a committed step folder that a new save of the same step replaces once it commits
 _HASH = "crc32"
 _CHUNK = 8 << 20
 _FAULT_ROOM = 64 << 10  # TITAN_MM_FAULT_ENOSPC_AT_STEP: bytes written before the disk is "full" (inside torch.save)
@@ -102,6 +105,10 @@ def _step_of(p: Path) -> int | None:
         return int(p.name[len(_PREFIX):])
     except ValueError:
         return None
+
+
+def _aside(path: Path) -> Path:
+    return path.with_name(path.name + _REPLACED)
 
 
 def list_checkpoints(folder: str | Path, committed_only: bool = True) -> list[Path]:
@@ -430,7 +437,11 @@ class CheckpointManager:
         blocking = (self.async_mode == "disabled") if blocking is None else blocking
         try:
             if self.rank == 0:
-                if path.exists():  # an earlier, uncommitted attempt at this step (or a re-run step)
+                if (path / COMMIT_FILE).is_file():  # a re-run step (resumed with load_step before it): kept aside
+                    aside = _aside(path)  # until the new save commits, so a failed save does not cost it
+                    shutil.rmtree(aside, ignore_errors=True)
+                    path.rename(aside)
+                elif path.exists():  # an earlier, uncommitted attempt at this step
                     shutil.rmtree(path)
                 path.mkdir(parents=True)
                 (path / CONFIG_FILE).write_text(self.config_toml)
@@ -502,13 +513,16 @@ class CheckpointManager:
             raise
 
     def _save_failed(self, step: int, path: Path, e: BaseException) -> None:
-        """Raise CheckpointSaveError (one line) for a save that failed on an OSError, after removing its partial
-        folder (rank 0); return for any other error, which the caller re-raises as it is."""
+        """Remove the failed save's partial folder and put back the committed one it was replacing (rank 0); then
+        raise CheckpointSaveError (one line) for a save that failed on an OSError, or return for any other error,
+        which the caller re-raises as it is."""
+        if self.rank == 0 and not (path / COMMIT_FILE).is_file():
+            shutil.rmtree(path, ignore_errors=True)
+            if _aside(path).is_dir():
+                _aside(path).rename(path)
         err = _os_error(e)
         if err is None:
             return
-        if self.rank == 0 and not (path / COMMIT_FILE).is_file():
-            shutil.rmtree(path, ignore_errors=True)
         kept = [p for p in list_checkpoints(self.folder) if p != path]
         full = err.errno in (errno.ENOSPC, errno.EDQUOT)
         what = (err.strerror or type(err).__name__).lower() if err.errno else f"{type(err).__name__}: {err}"
@@ -543,6 +557,7 @@ class CheckpointManager:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path / COMMIT_FILE)
+            shutil.rmtree(_aside(path), ignore_errors=True)
             self._prune()
         self.last_saved_step = step
 
@@ -555,13 +570,21 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
     def cleanup_incomplete(self) -> None:
-        """Delete step folders without a commit marker (interrupted saves). Rank 0 only; call at start."""
+        """Delete step folders without a commit marker (interrupted saves), and put back a committed one that an
+        interrupted save was replacing. Rank 0 only; call at start."""
         if self.rank == 0:
             committed = set(list_checkpoints(self.folder))
             for p in list_checkpoints(self.folder, committed_only=False):
                 if p not in committed:
                     _log(f"removing incomplete checkpoint {p} (no {COMMIT_FILE}: its save was interrupted)")
                     shutil.rmtree(p, ignore_errors=True)
+            for aside in self.folder.glob(f"{_PREFIX}*{_REPLACED}") if self.folder.is_dir() else ():
+                p = aside.with_name(aside.name[: -len(_REPLACED)])
+                if p.exists():  # the new save committed: the old one is done with
+                    shutil.rmtree(aside, ignore_errors=True)
+                else:
+                    aside.rename(p)
+                    _log(f"restored {p}: the save that was replacing it was interrupted")
         self._barrier()
 
     def set_aside(self) -> None:
