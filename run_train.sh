@@ -19,6 +19,10 @@ fi
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 PYTHON="${PYTHON:-python3}"
 NPROC="${NPROC:-1}"
+if ! [[ "${NPROC}" =~ ^[1-9][0-9]*$ ]]; then
+  echo "run_train.sh: NPROC must be a positive number of processes, got '${NPROC}'" >&2
+  exit 2
+fi
 if [[ "${NPROC}" -gt 1 ]]; then
   if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
     export OMP_NUM_THREADS=1

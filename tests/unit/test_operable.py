@@ -81,11 +81,13 @@ def _one_line_error(argv: list[str], pattern: str) -> None:
 
 
 def test_run_train_sh_mistakes_exit_2_with_one_line(tmp_path):
-    """A bare ./run_train.sh prints usage (no run), a bad value is one ``config error:`` line, and with NPROC=3
-    the launcher finds the global batch that does not divide before any worker starts: one line, exit 2."""
+    """A bare ./run_train.sh prints usage (no run); an NPROC that is not a number and a bad value are one line; with
+    NPROC=3 the launcher finds the global batch that does not divide before any worker starts: one line. Exit 2."""
     r = run_sh([], cwd=tmp_path)  # a default run would write tmp_path/outputs/run
     assert r.returncode == 2 and r.stderr.startswith("usage: ./run_train.sh --config NAME_OR_PATH"), r.stderr
     assert "debug_qwen3.toml" in r.stderr and not any(tmp_path.iterdir())
+    r = run_sh(["--config", "debug_qwen3.toml"], NPROC="two")
+    assert (r.returncode, r.stderr) == (2, "run_train.sh: NPROC must be a positive number of processes, got 'two'\n")
     r = run_sh(["--config", "debug_qwen3.toml", "--training.steps", "abc"])
     assert (r.returncode, r.stderr) == (2, "config error: --training.steps expects int, got 'abc'\n")
     r = run_sh(["--config", "debug_qwen3.toml", "--job.dump_folder", str(tmp_path)], NPROC="3")
