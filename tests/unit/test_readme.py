@@ -81,7 +81,9 @@ def _run(cmd: str, cwd: Path, env: dict) -> None:
 
 def _serve(cmd: str, clients: list[str], cwd: Path, env: dict, log: Path) -> None:
     """Start the server of ``cmd``, run ``clients`` once it is healthy, stop it."""
-    port = int(re.search(r"--port (\d+)", cmd).group(1))
+    m = re.search(r"--port (\d+)", cmd)
+    assert m, f"{cmd}: a README server line names its --port (the curl lines use it)"
+    port = int(m.group(1))
     with open(log, "w") as out:
         p = subprocess.Popen(["bash", "-c", f"exec {cmd}"], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                              start_new_session=True)
