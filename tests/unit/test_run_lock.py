@@ -2,6 +2,7 @@
 and exits 2 before it builds anything; a stale lock (a dead process here, or another host's expired lease) is taken
 over with one line; the lock goes away on every exit path."""
 
+import errno
 import json
 import os
 import re
@@ -131,6 +132,17 @@ def test_a_run_folder_that_cannot_be_made_is_one_line(tmp_path):
     with pytest.raises(RunLockError, match=r"cannot take the run lock .*/file/run/run.lock: Not a directory; check "
                                            "that the run folder is writable"):
         hold_run_folder(tmp_path / "file" / "run")
+
+
+def test_a_full_disk_at_the_lock_is_one_line_and_leaves_no_file(tmp_path, monkeypatch):
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(RunLockError, match=r"^cannot take the run lock .*/run.lock: No space left on device; free some "
+                                           r"space$"):
+        hold_run_folder(tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
 def start(tmp_path, name, args, stderr_name):

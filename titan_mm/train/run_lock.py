@@ -16,6 +16,7 @@ winner's fresh lock.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -101,14 +102,14 @@ class RunLock:
     def _create(self, body: dict) -> bool:
         """Write ``body`` to a private file and link it to the lock's name; False when the name exists."""
         tmp = self.path.with_name(f"{LOCK_FILE}.{body['token']}")
-        tmp.write_text(json.dumps(body))
         try:
+            tmp.write_text(json.dumps(body))
             os.link(tmp, self.path)
             return True
         except FileExistsError:
             return False
         finally:
-            tmp.unlink()
+            tmp.unlink(missing_ok=True)  # also a partial one (a full disk)
 
     def _read(self) -> tuple[dict | None, bytes | None]:
         """(body or None if unreadable, raw bytes or None if the file is gone)."""
@@ -180,6 +181,7 @@ class RunLock:
                 tmp.write_text(json.dumps(self.body))
                 os.replace(tmp, self.path)
             except OSError as e:  # a full disk must not end the run: the lease only runs out sooner
+                tmp.unlink(missing_ok=True)
                 _log(f"WARNING: could not renew the run lock {self.path}: {e}")
 
     def release(self) -> None:
@@ -215,7 +217,8 @@ def hold_run_folder(run_dir: str | Path) -> RunLock | _NoLock:
         except RunLockError as e:
             refusal = str(e)
         except OSError as e:
-            refusal = f"cannot take the run lock {lock.path}: {e.strerror or e}; check that the run folder is writable"
+            fix = "free some space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "check that the run folder is writable"
+            refusal = f"cannot take the run lock {lock.path}: {e.strerror or e}; {fix}"
     if world > 1:
         verdict = [refusal]
         dist.broadcast_object_list(verdict, src=0)
