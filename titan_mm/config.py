@@ -20,20 +20,26 @@ Section ownership (several people edit this file): ``DataConfig`` belongs to the
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import importlib.util
+import inspect
 import json
 import logging
 import math
 import os
 import sys
+import textwrap
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import tyro
+from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "train_configs"
@@ -745,8 +751,6 @@ def _json_object(text: str, flag: str) -> dict:
 
 def _cli_registry():
     """tyro reads a dict-typed field (data.mixture) as one JSON-object flag, not one flag per default key."""
-    from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec
-
     registry = ConstructorRegistry()
 
     @registry.primitive_rule
@@ -787,8 +791,6 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
 
     The run name defaults to the config file's stem.
     """
-    import tyro
-
     argv = list(sys.argv[1:] if argv is None else argv)
     config_name, rest = _split_config_arg(argv)
     if config_name is not None:
@@ -983,10 +985,6 @@ def run_dir(cfg: JobConfig) -> Path:
 
 def field_docs(cls) -> dict[str, str]:
     """{field: docstring} of a section class, read from its source (the string after each field)."""
-    import ast
-    import inspect
-    import textwrap
-
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     out = {}

@@ -234,7 +234,7 @@ def _fla():
     global _FLA
     if _FLA is None:
         try:
-            import fla
+            import fla  # optional: fla-core (Triton) is a GPU extra; CPUs run the PyTorch reference
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
 
             _FLA = (fn, tuple(int(x) for x in fla.__version__.split(".")[:2]) >= (0, 5))

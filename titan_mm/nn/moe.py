@@ -94,6 +94,7 @@ def float8_grouped_mm(x_AD: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Ten
     """x's rows of group e times w[e]^T through torchao's float8 grouped GEMM (rowwise scales, float8 backward too;
     CUDA SM>=90) -> [A, N] in x's dtype. ``offs_E``: the int32 group ends, every group a multiple of FLOAT8_ALIGN
     rows (torchao 0.17 / 0.18 pad nothing themselves: their forward asserts that its padding flag is off)."""
+    # deferred: only float8.moe_experts needs torchao (~0.6 s to import), and its prototype may be absent
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
 
     # w [E, N, K] contiguous: its transpose is the column-major B that torchao takes

@@ -24,11 +24,20 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titan_mm.config import JobConfig
 from titan_mm.dtypes import torch_dtype
+from titan_mm.kernels import upcast
+from titan_mm.parallel.cp import apply_cp
+from titan_mm.parallel.ep import apply_ep
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
+from titan_mm.parallel.tp import apply_tp
+from titan_mm.quant.float8 import apply_float8
 
 logger = logging.getLogger(__name__)
 
@@ -64,21 +73,13 @@ def parallelize(model: nn.Module, plan: ParallelizePlan, parallel_dims: Parallel
     cast = one_rank_cast(pd.world_size, cfg, param_dtype, pipelined=fsdp_roots is not None)
 
     if cfg.float8.enable:
-        from titan_mm.quant.float8 import apply_float8
-
         apply_float8(model, cfg.float8, on_cuda=on_cuda, fsdp=not cast)
 
     if pd.tp_enabled:
-        from titan_mm.parallel.tp import apply_tp
-
         apply_tp(model, plan, pd, cfg.parallel)
     if pd.ep_enabled:
-        from titan_mm.parallel.ep import apply_ep
-
         apply_ep(model, plan, pd)
     if pd.cp_enabled:
-        from titan_mm.parallel.cp import apply_cp
-
         apply_cp(model, plan, pd, cfg.parallel)
 
     # no units at all (a pipeline rank whose stages run no block: titan_mm.parallel.pipeline) is nothing to do
@@ -123,8 +124,6 @@ def apply_ac(model: nn.Module, units: tuple[str, ...], mode: str, selective_opti
     """Wrap each AC unit: ``full`` recomputes the whole unit; ``selective`` = ``op`` (keep matmul/attention/
     collective outputs, recompute the rest) or an integer N (full AC on every N-th unit). ``num_layers`` > 0:
     only the first that many units (in model order) are candidates."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     if mode not in ("full", "selective"):
         raise ValueError(f"activation_checkpoint.mode must be none, full or selective, got {mode!r}.")
     targets = _top_level(match_modules(model, units))
@@ -138,8 +137,6 @@ def apply_ac(model: nn.Module, units: tuple[str, ...], mode: str, selective_opti
     context_fn = None
     if mode == "selective":
         if selective_option == "op":
-            from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
             save = _sac_save_ops()
 
             def policy(ctx, op, *args, **kwargs):
@@ -207,8 +204,6 @@ def apply_fsdp(
     params after its forward and gathers them again for its backward; "never" keeps them from the forward
     through the backward (no backward all-gather; one unsharded copy of the weights more at the peak).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     if reshard_after_forward not in ("always", "never"):
         raise ValueError(f"parallel.fsdp_reshard_after_forward={reshard_after_forward!r}: expected always or never.")
     reshard = reshard_after_forward == "always"
@@ -290,8 +285,6 @@ class CastCopies:
         elif held.dtype == p.dtype:
             held.add_(g)
         else:
-            from titan_mm.kernels import upcast
-
             self._grads[id(p)] = upcast(held, p.dtype).add_(g)
 
     def grad(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -341,8 +334,6 @@ class _Cast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *gs: torch.Tensor | None):
-        from titan_mm.kernels import upcast
-
         out: list[torch.Tensor | None] = [None] * len(gs)
         gs = list(gs)
         if ctx.kept is not None:
@@ -439,16 +430,12 @@ def apply_param_cast(model: nn.Module, dtype: torch.dtype, keep: bool = False) -
     # parameters back: its inner module casts them again for that pass (the same values; outside the graph, which
     # the recompute only fills with saved tensors). In the forward itself it finds the copies and does nothing;
     # inside a compiled unit the recompute is part of the compiled backward.
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
     unit_slots: dict[int, list[tuple[nn.Module, str]]] = {}  # per AC unit's inner module, filled below
     recast: dict[int, list[tuple[nn.Module, str, nn.Parameter]]] = {}
 
     def recast_in(module, args):
         if torch.compiler.is_compiling():
             return
-        from torch.utils._python_dispatch import _disable_current_modes
-
         swapped = recast.setdefault(id(module), [])
         for mod, name in unit_slots[id(module)]:
             p = mod._parameters[name]

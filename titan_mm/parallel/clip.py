@@ -18,6 +18,7 @@ from collections import defaultdict
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 __all__ = ["clip_coef", "clip_grad_norm_", "total_grad_norm"]
@@ -58,8 +59,6 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0, foreach: 
 
 
 def _over_pp(local: torch.Tensor, norm_type: float, group, grads: list[torch.Tensor]) -> torch.Tensor:
-    import torch.distributed as dist
-
     dev = next((g.device for g in grads), local.device)
     comm = dev if dist.get_backend(group) == "nccl" else torch.device("cpu")
     if math.isinf(norm_type):

@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from titan_mm.config import ConfigError
+
 ATTN_WEIGHT = 1.5e-4
 """Per-segment attention cost relative to one patch's matmuls: v_attn / v_patch of ``qwen3_vl:2b`` in
 titan_mm/data/cost_coefficients.json (7.37e-10 / 4.93e-6, FLOP-derived)."""
@@ -191,8 +193,6 @@ def balance_planner(group) -> Callable | None:
 def check_family(spec, model_cfg) -> None:
     """Refuse ``parallel.encoder_balance`` for a model without a vision tower or whose family does not plan the
     exchange (ModelSpec.encoder_balance)."""
-    from titan_mm.config import ConfigError
-
     if spec.dims(model_cfg).vision is None:
         raise ConfigError(f"[parallel] encoder_balance: model {spec.name!r} has no vision tower to balance; set "
                           "parallel.encoder_balance = false")

@@ -72,6 +72,10 @@ import fnmatch
 import math
 from dataclasses import dataclass
 
+import torch
+
+from titan_mm.parallel.pipeline import balanced_split, make_layout
+from titan_mm.parallel.pp_schedule import action_lists, replay, virtual_stages
 from titan_mm.registry import BlockBytes, MemoryTerms, ModelSpec, spec_for_config
 
 __all__ = ["GiB", "BlockBytes", "MemoryTerms", "ParamCounts", "Topology", "count_params", "estimate",
@@ -152,8 +156,6 @@ def count_params(model_cfg, plan, encoder_tp: bool = False, keep: tuple[str, ...
     with ``encoder_tp``, the encoder entries. Blocks are the plan's FSDP units; those holding a module that
     ``plan.encoder_tp`` names are encoder blocks. ``keep``: count only the parameters under these module FQNs (a
     pipeline rank's part)."""
-    import torch
-
     spec = spec_for_config(model_cfg)
     with torch.device("meta"):
         model = spec.build(model_cfg)
@@ -264,9 +266,6 @@ def pp_layout(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: int, p
               n_micro: int = 0, **kw):
     """(titan_mm.parallel.pipeline.Layout, replay of the schedule's action list with unit costs) of ``topo``'s
     pipeline: its ``pp_layers``, else :func:`pp_balance`'s split."""
-    from titan_mm.parallel.pipeline import make_layout
-    from titan_mm.parallel.pp_schedule import action_lists, replay
-
     par = _PPConfig(topo.pp, topo.pp_schedule, topo.pp_virtual, list(topo.pp_layers), list(topo.pp_split))
     M = topo.pp_micro or n_micro
     n_blocks = spec_for_config(model_cfg).dims(model_cfg).num_layers
@@ -289,8 +288,6 @@ class _PPConfig:  # the [parallel] fields titan_mm.parallel.pipeline.make_layout
 
 def _pp_parts(model_cfg, plan) -> tuple[int, int]:
     """Parameters of the plan's pp_first and pp_last modules (the first / last stage's extra)."""
-    import torch
-
     with torch.device("meta"):
         model = spec_for_config(model_cfg).build(model_cfg)
     names = [n for n, _ in model.named_parameters()]
@@ -302,9 +299,6 @@ def _pp_parts(model_cfg, plan) -> tuple[int, int]:
 def _balance(model_cfg, plan, topo: Topology, seq_len: int, micro_batch: int, a: int, n_micro: int, n_blocks: int,
              n_stages: int, *, kernels: bool | None = None, compile: bool = True, float8: bool = False,
              vision_patches: int = 0, grad_accum: int = 1) -> list[int]:
-    from titan_mm.parallel.pipeline import balanced_split
-    from titan_mm.parallel.pp_schedule import action_lists, replay, virtual_stages
-
     spec = spec_for_config(model_cfg)
     v = virtual_stages(topo.pp_schedule, topo.pp_virtual)
     unit = [1.0 / v] * n_stages

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -67,8 +69,6 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("init_distributed(backend='nccl') needs CUDA; use backend='gloo' (or None) on CPU.")
     if "RANK" not in os.environ:
-        import socket
-
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -229,8 +229,6 @@ class ParallelDims:
         m["tp"] = root["tp"]
         m["fsdp"] = root["dp_shard", "cp"]._flatten("dp_shard_cp")
         if self.dp_replicate > 1:
-            import warnings
-
             with warnings.catch_warnings():  # torch>=2.11 warns about slicing a flattened dim; it still works
                 warnings.simplefilter("ignore", UserWarning)
                 m["hsdp"] = root["dp_replicate", "dp_shard_cp"]

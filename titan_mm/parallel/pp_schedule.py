@@ -27,6 +27,7 @@ import types
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.pipelining import schedules
 
 __all__ = ["SCHEDULES", "SPLIT_BACKWARD", "Timeline", "action_lists", "replay", "schedule_class", "stage_ids",
            "virtual_stages"]
@@ -50,8 +51,6 @@ def schedule_class(name: str):
     """torch's schedule class for ``name``; ValueError (one line) when the name is unknown or this torch lacks it."""
     if name not in SCHEDULES:
         raise ValueError(f"parallel.pp_schedule={name!r} is not a schedule; use one of {', '.join(SCHEDULES)}.")
-    from torch.distributed.pipelining import schedules
-
     try:
         return schedules.get_schedule_class(name)
     except (ValueError, AttributeError):
@@ -60,8 +59,6 @@ def schedule_class(name: str):
 
 
 def _available(name: str) -> bool:
-    from torch.distributed.pipelining import schedules
-
     try:
         schedules.get_schedule_class(name)
         return True

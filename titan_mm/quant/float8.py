@@ -33,6 +33,7 @@ def apply_float8(model: nn.Module, cfg: Float8, on_cuda: bool, fsdp: bool = True
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
         raise RuntimeError(f"float8 training needs SM>=89; this GPU is SM{major}{minor}. Set --float8.enable false.")
+    # deferred: importing torchao costs ~0.6 s and logs warnings; only float8 runs need it
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     skip = set(cfg.filter_fqns)
@@ -60,7 +61,7 @@ def check_float8_experts(device: torch.device) -> None:
         raise ConfigError(f"float8.moe_experts needs SM>=90 (float8 grouped GEMMs); this GPU is SM{major}{minor}: "
                           "set --float8.moe_experts false")
     try:
-        import torchao.prototype.moe_training  # noqa: F401
+        import torchao.prototype.moe_training  # noqa: F401  (optional: a prototype some torchao builds lack)
     except ImportError as e:
         raise ConfigError(f"float8.moe_experts needs torchao's MoE training (torchao >= 0.17, "
                           f"torchao.prototype.moe_training): {e}; pip install torchao, or set --float8.moe_experts "
@@ -77,6 +78,7 @@ def float8_after_optimizer(model: nn.Module, cfg: Float8) -> Callable[[], None] 
         logger.info(f"float8.precompute_scale is not used with float8.recipe={cfg.recipe!r}: the precomputed scales "
                     "are the per-tensor ones of the tensorwise FSDP float8 all-gather")
         return None
+    # deferred: importing torchao costs ~0.6 s and logs warnings; only float8 runs need it
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     from torchao.float8.float8_linear import Float8Linear
 

@@ -9,6 +9,9 @@ import numpy as np
 import torch
 
 from titan_mm.config import Data
+from titan_mm.data import vision
+from titan_mm.data.processors import ProcessorConfig
+from titan_mm.data.sources import SkipSample, media_bytes
 from titan_mm.registry import DataNeeds
 from titan_mm.serve.errors import BadRequest
 from titan_mm.serve.sequence import Image
@@ -17,10 +20,6 @@ from titan_mm.serve.sequence import Image
 def expand_images(prompt: list[int], images: list, needs: DataNeeds, data: Data):
     """(prompt with each image pad repeated per merged token, [Image], M-RoPE positions [3, L] or None, delta).
     ``images``: PIL images, encoded bytes, ``data:`` URIs, arrays or MediaItems, one per pad of the prompt."""
-    from titan_mm.data import vision
-    from titan_mm.data.processors import ProcessorConfig
-    from titan_mm.data.sources import SkipSample, media_bytes
-
     tok = needs.special_tokens
     pad = tok.get("image_pad")
     if images and not needs.patch_size:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_mm.serve.sampling import RowSampling, Sampled, target_probs
+from titan_mm.serve.sampling import RowSampling, Sampled, sample, target_probs
 from titan_mm.serve.scheduler import Row
 
 
@@ -121,8 +121,6 @@ class DraftProposer:
     def propose(self, rows: list[Row], samplings: list[RowSampling], copies) -> list[tuple[list[int], torch.Tensor]]:
         """For each row (a decoding sequence with ``lookahead`` slots): catch the draft cache up to the sequence's
         last token, then draw ``lookahead`` guesses one forward at a time. -> [(guesses, q [k, V])]."""
-        from titan_mm.serve.sampling import sample
-
         self.runner.copy_blocks(copies)
         guesses: list[list[int]] = [[] for _ in rows]
         qs: list[list[torch.Tensor]] = [[] for _ in rows]

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from titan_mm.config import ConfigError, JobConfig, Parallel, Training
+from titan_mm.parallel.apply import parallelize
+from titan_mm.parallel.mesh import ParallelDims, init_distributed
 
 # workers wait in the control broadcast for as long as the server idles: no timeout that an idle night reaches
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
@@ -33,8 +35,6 @@ class TensorParallel:
     ``parallelize`` reads, and a gloo group for the control messages (host objects, also under nccl)."""
 
     def __init__(self, size: int, device: torch.device):
-        from titan_mm.parallel.mesh import ParallelDims, init_distributed
-
         if not dist.is_initialized() and "RANK" not in os.environ:
             raise ConfigError(f"serve.tensor_parallel_size={size} needs {size} processes; launch with torchrun "
                               f"--nproc-per-node {size}")
@@ -60,8 +60,6 @@ class TensorParallel:
 
     def shard(self, model: torch.nn.Module, spec, model_cfg, what: str = "the model") -> torch.nn.Module:
         """``model`` (on meta, or materialised and the same on every rank) split by its family's plan."""
-        from titan_mm.parallel.apply import parallelize
-
         self.check(spec, model_cfg, what)
         if not spec.plan(model_cfg).loss_parallel:  # the logits must be the same bytes on every rank (above)
             raise ConfigError(f"serve.tensor_parallel_size={self.size}: the plan of {spec.name!r} names no head to "

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import argparse
 
+from titan_mm.config import ConfigError, load_config
 from titan_mm.dtypes import torch_dtype
+from titan_mm.models.hf_io import HFPathNotFound, local_hf_dir
 from titan_mm.parallel.apply import one_rank_cast
 from titan_mm.parallel.memory import GiB, Topology, count_params, estimate_phases, format_table, peak_phase, suggest
+from titan_mm.registry import SpecError, resolve_model
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,10 +49,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     ap = _parser()
     args, rest = ap.parse_known_args(argv)
-
-    from titan_mm.config import ConfigError, load_config
-    from titan_mm.models.hf_io import HFPathNotFound, local_hf_dir
-    from titan_mm.registry import SpecError, resolve_model
 
     try:
         cfg = load_config(["--config", args.config, *rest])
