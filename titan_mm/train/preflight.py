@@ -7,6 +7,7 @@ Checked, in order:
 - the model: flavor, or ``model.hf_path`` (a local folder or a Hub repo id, fetched here) with its config.json
   and model_type, then ``model.overrides``; the weight files when they will be loaded;
 - the parallel degrees against the world size and the model's shapes, and the global batch;
+- the objective: its options, the mask token and the attention kind it asks for (``build_objective``);
 - [eval] when on: tasks only with the causal objective, sources listed (the task files: the [eval] callback);
 - unless ``data.dataset = "synthetic"``: every source of ``data.dataset`` / ``data.mixture`` lists its files
   (or built-in parts), and the tokenizer loads, gives the family's special tokens their ids and emits no id
@@ -22,6 +23,7 @@ import os
 import sys
 
 from titan_mm.config import ConfigError, Data, JobConfig
+from titan_mm.objectives import build_objective
 from titan_mm.train.setup import check_parallel, grad_accum_steps, model_from_config, parallel_dims, pick_device
 
 
@@ -34,6 +36,7 @@ def preflight(cfg: JobConfig, world: int | None = None) -> None:
     pd = parallel_dims(cfg, world or int(os.environ.get("WORLD_SIZE", "1")))
     check_parallel(cfg, pd, spec, model_cfg)
     grad_accum_steps(cfg, pd.dp)
+    build_objective(cfg, spec, model_cfg)
     _check_eval(cfg, spec)
     if cfg.data.dataset == "synthetic":  # the trainer's rule (build_data): random rows, no files, no tokenizer
         return
