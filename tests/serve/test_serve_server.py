@@ -148,6 +148,34 @@ def test_health_and_models(server):
     assert [m.id for m in models.data] == ["tiny"]
 
 
+def test_startup_line_names_what_runs(server):
+    """One line, whatever the log level (the servers run at "warning"), before the port opens."""
+    lines = [ln for ln in server.output(None).splitlines() if ln.startswith("engine ready:")]
+    assert len(lines) == 1, server.output()
+    line = lines[0]
+    for part in ("(qwen3)", "dtype float32", f"max_model_len {MAX_LEN}", "KV blocks ", "captured graphs 0",
+                 "serving it as 'tiny'", f":{server.port}"):
+        assert part in line, line
+
+
+def test_n_at_temperature_0_gives_identical_choices(server, engine):
+    """OpenAI accepts n > 1 greedy: n identical choices (the engine runs one sequence for them), both endpoints,
+    plain and streamed; usage counts every choice's tokens."""
+    want = _offline(engine, engine.tokenizer.encode("Hello world"), 6)
+    r = server.client.completions.create(model="tiny", prompt="Hello world", max_tokens=6, n=3, **GREEDY)
+    assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [(i, want, "length") for i in range(3)]
+    assert r.usage.completion_tokens == 3 * 6
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    r = server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, n=2, **GREEDY)
+    assert len(r.choices) == 2 and r.choices[0].message.content == r.choices[1].message.content
+    texts = {}
+    for chunk in server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, n=2, stream=True,
+                                                       **GREEDY):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert texts == {0: r.choices[0].message.content, 1: r.choices[0].message.content}
+
+
 def test_plain_answers_match_the_engine(server, engine):
     tok = engine.tokenizer
     r = server.client.completions.create(model="tiny", prompt="Hello world", max_tokens=8, **GREEDY)
@@ -406,4 +434,8 @@ def test_a_failing_step_is_500_and_the_server_goes_on(vl_app, monkeypatch):
     r = client.post("/v1/completions", json=body | {"stream": True})
     assert r.status_code == 200 and "injected step failure" in r.text and "[DONE]" not in r.text
     assert client.get("/health").json() == {"status": "ok"}
+    # the step thread reports the aborted request on its next step, which may come after the error event
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert engine.stats()["kv_blocks_used"] == 0 and not engine.has_unfinished()
