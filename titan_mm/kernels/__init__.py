@@ -54,12 +54,12 @@ import torch
 
 from titan_mm.nn.kv_cache import paged_decode_reference
 from titan_mm.nn.loss import chunked_cross_entropy
+from titan_mm.nn.mlp import bias_gelu as _bias_gelu_ref
+from titan_mm.nn.mlp import silu_mul
 from titan_mm.nn.moe import combine as _combine_ref
 from titan_mm.nn.moe import expand_rows as _expand_rows_ref
 from titan_mm.nn.moe import grouped_linear as _grouped_linear_ref
 from titan_mm.nn.moe import route_stats as _route_stats_ref
-from titan_mm.nn.mlp import bias_gelu as _bias_gelu_ref
-from titan_mm.nn.mlp import silu_mul
 from titan_mm.nn.norm import add_rms_norm as _add_rms_norm_ref
 from titan_mm.nn.norm import rms_norm as _rms_norm_ref
 from titan_mm.nn.rope import apply_rope as _apply_rope_ref
@@ -123,10 +123,14 @@ def resolve_ops(spec) -> frozenset:
         out = out - names if neg else out | names
     return frozenset(out)
 
-if HAS_TRITON:
+if HAS_TRITON:  # optional: triton is absent on some CPU machines, where every op takes its reference
+    from .adamw import adamw_step_ as _adamw
     from .bias_gelu import BiasGeluFunction, bias_gelu_op
+    from .cast import upcast as _upcast
     from .cross_entropy import (LinearCrossEntropyFunction, VocabParallelLinearCrossEntropyFunction,
                                 linear_cross_entropy_op)
+    from .greedy import greedy_pick as _greedy_pick
+    from .grouped_gemm import GroupedMMFunction
     from .moe_moves import CombineFunction, ExpandFunction, moe_combine_op
     from .moe_router import MAX_E as _ROUTING_MAX_E
     from .moe_router import RoutingFunction, moe_routing_op
@@ -270,8 +274,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts_E: torch.Tensor) -> torc
         raise ValueError(f"grouped_mm: x [A, K] = {list(x.shape)}, w [E, N, K] = {list(w.shape)} and counts [E] = "
                          f"{list(counts_E.shape)} must agree on K and E")
     if use_triton(x, w):
-        from .grouped_gemm import GroupedMMFunction
-
         return GroupedMMFunction.apply(x, w, counts_E)
     return _grouped_linear_ref(x, w.to(x.dtype), counts_E)
 
@@ -281,8 +283,6 @@ def upcast(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     and for a non-contiguous ``x``."""
     if (use_triton(x) and x.is_contiguous() and x.is_floating_point() and x.dtype != dtype
             and torch.finfo(dtype).bits > torch.finfo(x.dtype).bits):
-        from .cast import upcast as _upcast
-
         return _upcast(x, dtype)
     return x.to(dtype)
 
@@ -292,8 +292,6 @@ def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [R, V] -> (tokens int64 [R]: each row's argmax, its first index on ties; logprobs fp32 [R]: that
     token's logit - logsumexp of the row, in fp32)."""
     if use_triton(logits) and logits.dim() == 2 and logits.stride(-1) == 1:
-        from .greedy import greedy_pick as _greedy_pick
-
         return _greedy_pick(logits)
     x = logits.float()
     tokens = x.argmax(1)
@@ -309,8 +307,6 @@ def adamw_step_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
     ``found_inf != 0`` skips the update. One Triton pass on CUDA (titan_mm/kernels/adamw.py), the same arithmetic
     in torch ops elsewhere."""
     if use_triton(p, g, m, v, copy) and all(t.is_contiguous() for t in (p, g, m, v, copy)):
-        from .adamw import adamw_step_ as _adamw
-
         return _adamw(p, g, m, v, copy, step, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf)
     keep = None if found_inf is None else (found_inf != 0)
     old = None if keep is None else (p.clone(), m.clone(), v.clone())

@@ -20,8 +20,10 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
 from . import _utils
+from ._dispatch import use_triton
 
 
 def _grads(outs, inputs):
@@ -34,6 +36,7 @@ def _grads(outs, inputs):
 def _calls(shapes, on, tokens: int, dtype, device, vision_tokens: int | None):
     """[(name, fn)]: one forward + backward of each kernel that ``on`` (the resolved op set) turns on, at the
     model's widths (``shapes``: titan_mm.registry.KernelShapes of one rank)."""
+    # cycle: the package defines the ops after it imports this module
     from . import add_rms_norm, apply_rope, bias_gelu, linear_cross_entropy, rms_norm, swiglu
 
     n = tokens
@@ -111,7 +114,7 @@ def tune_for_model(shapes, kernels: bool | str, tokens: int, dtype: torch.dtype,
     Returns {"tuned": {tuner: [key, ...]}, "seconds", "skipped": [reason, ...]}; nothing runs (a reason in
     "skipped") when no op is on, when the Triton path is not taken on ``device`` or with TITAN_KERNELS_TUNE=0.
     On the CPU interpreter every key caches config 0 (bookkeeping only)."""
-    from . import resolve_ops, use_triton
+    from . import resolve_ops  # cycle: the package defines it after it imports this module
 
     report: dict = {"tuned": {}, "seconds": 0.0, "skipped": []}
     device = torch.device(device)
@@ -151,8 +154,6 @@ def share_picks(src: int = 0, group=None) -> None:
     """Every rank of ``group`` takes rank ``src``'s picks (a collective: call it on every rank, after
     tune_for_model, outside the forward), so replicated computations launch the same configs and round alike
     on every rank. A no-op without an initialized process group of more than one rank."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     picks = [_utils.export_picks()]

@@ -15,6 +15,7 @@ Legend: N tokens, D hidden, V vocabulary, C chunk rows.
 
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
@@ -221,8 +222,6 @@ def lce_vocab_parallel_impl(h, w, labels, vocab_start, group, ignore_index, z_lo
     logit on every rank), a Triton pass writing the shard's d(loss)/d(logits) in place, then the gradient
     matmuls. grad_W is this shard's; grad_h is all-reduced over ``group`` once at the end. Same loss on every
     rank. ``weights``: per-token weights [N] (None: 1)."""
-    import torch.distributed as dist
-
     h2 = as_rows(h).contiguous()
     w = w.contiguous()
     lab = labels.reshape(-1).contiguous()

@@ -13,12 +13,39 @@ Run with titan_mm.kernels._utils.POISON = True so every output buffer starts NaN
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
 import os
+import subprocess
 import sys
+import traceback
+from types import SimpleNamespace
 
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._higher_order_ops import triton_kernel_wrap as tkw
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+from torch._inductor.utils import run_and_get_code
+from torch.library import opcheck
+
+import titan_mm.kernels as K
+from titan_mm.kernels import _dispatch, _utils, use_triton
+from titan_mm.kernels.bias_gelu import bias_gelu_op
+from titan_mm.kernels.cross_entropy import linear_cross_entropy_op
+from titan_mm.kernels.rms_norm import _BWD as _RMS_BWD
+from titan_mm.kernels.rms_norm import _FWD as _RMS_FWD
+from titan_mm.kernels.rms_norm import add_rms_norm_op, rms_norm_op
+from titan_mm.kernels.rope import rope_op
+from titan_mm.kernels.swiglu import swiglu_op
+from titan_mm.models.qwen3.config import Qwen3Config
+from titan_mm.models.qwen3.model import Qwen3Model
+from titan_mm.nn.loss import chunked_cross_entropy
+from titan_mm.nn.mlp import bias_gelu, silu_mul
+from titan_mm.nn.norm import add_rms_norm, rms_norm
+from titan_mm.nn.rope import apply_rope
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy", "bias_gelu", "compile", "opcheck",
@@ -75,9 +102,6 @@ def _compare(recs, op, dtype, case, outs, refs, ins, ref_ins, grads):
 
 
 def check_rms_norm(device, dtype, big):
-    import titan_mm.kernels as K
-    from titan_mm.nn.norm import rms_norm
-
     recs = []
     shapes = [(16384, 4096), (3, 1000, 4099), (16384 * 8, 128)] if big else [(3, 7, 37), (5, 64), (3, 1000, 9), (2, 5, 1030)]
     for shape in shapes:
@@ -98,9 +122,6 @@ def check_rms_norm(device, dtype, big):
 
 
 def check_add_rms_norm(device, dtype, big):
-    import titan_mm.kernels as K
-    from titan_mm.nn.norm import add_rms_norm
-
     recs = []
     shapes = [(16384, 4096), (3, 1000, 4099), (16384 * 8, 128)] if big else [(3, 7, 37), (5, 64), (3, 1000, 9), (2, 5, 1030)]
     for shape in shapes:
@@ -121,9 +142,6 @@ def check_add_rms_norm(device, dtype, big):
 
 
 def check_swiglu(device, dtype, big):
-    import titan_mm.kernels as K
-    from titan_mm.nn.mlp import silu_mul
-
     recs = []
     shapes = [(16384, 12288), (2, 999, 4097)] if big else [(3, 5, 45), (7, 130), (3, 2100)]
     for shape in shapes:
@@ -149,9 +167,6 @@ def _rope_tables(lead, half, dtype, device, full: bool):
 
 
 def check_rope(device, dtype, big):
-    import titan_mm.kernels as K
-    from titan_mm.nn.rope import apply_rope
-
     recs = []
     # (B, S, Hq, Hk, Dh)
     cfgs = [(4, 4096, 32, 8, 128), (1, 999, 5, 3, 64)] if big else [(2, 5, 3, 1, 8), (1, 7, 4, 2, 6)]
@@ -176,9 +191,6 @@ def check_rope(device, dtype, big):
 
 
 def check_linear_cross_entropy(device, dtype, big):
-    import titan_mm.kernels as K
-    from titan_mm.nn.loss import chunked_cross_entropy
-
     recs = []
     # (N, D, V, chunk)
     cfgs = [(16384, 4096, 151936, 0), (1023, 257, 15001, 100)] if big else [(13, 16, 100, 4), (9, 24, 77, 0)]
@@ -216,9 +228,6 @@ def check_linear_cross_entropy(device, dtype, big):
 
 
 def check_bias_gelu(device, dtype, big):
-    import titan_mm.kernels as K
-    from titan_mm.nn.mlp import bias_gelu
-
     recs = []
     shapes = [(16384, 4304), (999, 1153)] if big else [(33, 19), (2, 9, 40), (21, 700)]
     for shape in shapes:
@@ -234,8 +243,6 @@ def check_bias_gelu(device, dtype, big):
 
 def check_compile(device, dtype, big, backend: str | None = None):
     """torch.compile(fullgraph=True) over every public op, forward + backward, equals eager."""
-    import titan_mm.kernels as K
-
     backend = backend or ("inductor" if device.type == "cuda" else "aot_eager")
     torch._dynamo.reset()
     recs = []
@@ -275,14 +282,6 @@ def check_compile(device, dtype, big, backend: str | None = None):
 
 def check_opcheck(device, dtype, big):
     """torch.library.opcheck: schema, fake (meta) impl, autograd registration, AOT dispatch."""
-    from torch.library import opcheck
-
-    from titan_mm.kernels.bias_gelu import bias_gelu_op
-    from titan_mm.kernels.cross_entropy import linear_cross_entropy_op
-    from titan_mm.kernels.rms_norm import add_rms_norm_op, rms_norm_op
-    from titan_mm.kernels.rope import rope_op
-    from titan_mm.kernels.swiglu import swiglu_op
-
     t = lambda *s: torch.randn(*s, dtype=dtype, device=device, requires_grad=True)  # noqa: E731
     cos, sin = _rope_tables((2, 5), 4, dtype, device, full=True)
     labels = torch.tensor([1, -100, 3, 4, -100, 0, 2], device=device)
@@ -312,8 +311,6 @@ def check_opcheck(device, dtype, big):
 def _twin_models(cfg_a, cfg_b, device, dtype, B: int, S: int):
     """Two Qwen3 models (configs a and b) with the same random weights in ``dtype``, and a random batch
     (input ids, position ids, labels) of B x S tokens."""
-    from titan_mm.models.qwen3.model import Qwen3Model
-
     with torch.device(device):
         a = Qwen3Model(cfg_a)
         a.init_weights()
@@ -331,10 +328,6 @@ def _twin_models(cfg_a, cfg_b, device, dtype, B: int, S: int):
 def check_model(device, dtype, big):
     """Integration: a Qwen3 model with kernels=True equals kernels=False (loss_sum and every gradient).
     The models pick titan_mm.kernels through their config (Ops in titan_mm/models/qwen3/model.py)."""
-    import dataclasses
-
-    from titan_mm.models.qwen3.config import Qwen3Config
-
     if dtype != torch.float32:  # two low-precision models drift apart by more than one op's tolerance
         return []
     if big:
@@ -370,8 +363,6 @@ CONFIGS_PER_OP = {"bias_gelu": 6, "linear_cross_entropy": 5}  # the longest cand
 def _kernel_name(k) -> str:
     """The Python function's name behind a kernel recorded by torch's triton tracing (an Autotuner that holds
     the launch's num_warps, around the JITFunction or, in the interpreter, its twin)."""
-    import inspect
-
     while not inspect.isfunction(k):
         k = k.fn
     return k.__name__
@@ -379,8 +370,6 @@ def _kernel_name(k) -> str:
 
 def graph_launches(gm) -> tuple[list[tuple[str, dict]], list[str]]:
     """([(kernel name, launch kwargs)] of the triton_kernel_wrapper_* nodes, [titan_mm op nodes]) of an FX graph."""
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-
     hops = (torch.ops.higher_order.triton_kernel_wrapper_functional, torch.ops.higher_order.triton_kernel_wrapper_mutation)
     launches, opaque = [], []
     for node in gm.graph.nodes:
@@ -402,12 +391,6 @@ def use_declared_writes() -> None:
     weights and aliased arguments then look mutated, which the AOT graphs of a whole block do not survive).
     Use the kernels' declared written arguments (titan_mm.kernels._utils.WRITES) instead; on the GPU
     check_graph checks that torch's own analysis agrees with them."""
-    from types import SimpleNamespace
-
-    from torch._higher_order_ops import triton_kernel_wrap as tkw
-
-    from titan_mm.kernels import _utils
-
     if getattr(tkw.identify_accessed_tensors, "_titan_declared", False):
         return
     orig = tkw.identify_accessed_tensors
@@ -430,18 +413,6 @@ def check_graph(device, dtype, big):
     (picked while tracing without timing, even inside `tuning()` with timing possible); the compiled blocks
     equal the eager kernels (loss and every gradient). On CUDA also: inductor's generated code launches the
     kernels itself (their names in the code, no torch.ops.titan_mm call)."""
-    import dataclasses
-
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    import importlib
-
-    rms_mod = importlib.import_module("titan_mm.kernels.rms_norm")  # the package attribute is the function
-    from titan_mm.kernels import _utils
-    from titan_mm.models.qwen3.config import Qwen3Config
-    from titan_mm.models.qwen3.model import Qwen3Model
-
     cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                       max_position_embeddings=256, kernels="rms_norm,add_rms_norm,swiglu,rope")
@@ -470,12 +441,12 @@ def check_graph(device, dtype, big):
     key = (_utils.next_pow2(cfg.hidden_size), dtype, False)
     for t in _utils.Tuner.registry:
         for k in list(t.best):
-            if t is not rms_mod._FWD and t is not rms_mod._BWD or k[0] != key[0]:
+            if t is not _RMS_FWD and t is not _RMS_BWD or k[0] != key[0]:
                 del t.best[k]
-    cands = rms_mod._FWD.configs(key)
+    cands = _RMS_FWD.configs(key)
     pick = next(c for c in cands if c["BR"] != cands[0]["BR"])
     timed = []
-    rms_mod._FWD.best[key] = pick
+    _RMS_FWD.best[key] = pick
     _utils.can_time = lambda: True  # a pick that tried to time while tracing would reach bench_ms
 
     def _no_bench(fn):
@@ -526,8 +497,6 @@ def check_graph(device, dtype, big):
     flag(f"no timing while tracing inside tuning() ({len(timed)} timed)", not timed)
     flag(f"launches clone only the kernels' outputs (extra: {sorted(extra_clones)})", not extra_clones)
     if device.type == "cuda":  # inductor: the launches are in its generated wrapper code
-        from torch._inductor.utils import run_and_get_code
-
         torch._dynamo.reset()
         with torch.device(device):
             ind = Qwen3Model(cfg)
@@ -548,8 +517,6 @@ def check_configs(device, dtype, big):
     """Every launch config of every tuned kernel (not only the one the tuner would pick): the op checks
     rerun with titan_mm.kernels._utils.FORCE_CONFIG = 1, 2, ... (config 0 is what the plain checks run on
     CPU). Small shapes even on the GPU: this is about each config's code path, not the full-shape numbers."""
-    from titan_mm.kernels import _utils
-
     recs = []
     before = _utils.FORCE_CONFIG
     try:
@@ -561,8 +528,6 @@ def check_configs(device, dtype, big):
                 try:
                     new = CHECKS[op](device, dtype, False)
                 except Exception as e:  # recorded under the op's name, so that op's test fails
-                    import traceback
-
                     new = [{"op": op, "dtype": str(dtype).replace("torch.", ""), "case": "exception",
                             "what": "".join(traceback.format_exception(e))[-3000:], "err": float("nan"),
                             "tol": TOL[dtype], "ok": False}]
@@ -590,8 +555,6 @@ CHECKS = {
 
 
 def run(ops, device, dtypes, big: bool) -> dict:
-    from titan_mm.kernels import _utils, use_triton
-
     poison_before, _utils.POISON = _utils.POISON, True
     # fp32 tolerances assume true fp32 GEMMs: another test in the session may have enabled TF32
     prec_before = torch.get_float32_matmul_precision()
@@ -609,8 +572,6 @@ TUNED_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "bias_gelu", "linear_
 def _tune_for_check(op, device, dtype, big) -> None:
     """GPU: run the check once inside `_utils.tuning()` (records dropped), so the recorded run launches the
     tuned configs on outputs no timing launch has written (the NaN poison still catches unwritten elements)."""
-    from titan_mm.kernels import _utils
-
     try:
         with _utils.tuning():
             CHECKS[op](device, dtype, big)
@@ -619,8 +580,6 @@ def _tune_for_check(op, device, dtype, big) -> None:
 
 
 def _run(ops, device, dtypes, big: bool) -> dict:
-    from titan_mm.kernels import _dispatch, use_triton
-
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     probe = torch.empty(1, device=device)
@@ -650,8 +609,6 @@ def _run(ops, device, dtypes, big: bool) -> dict:
                     try:
                         new = CHECKS[op](device, dt, big)
                     except Exception as e:  # one broken check must not hide the others; it fails its own test
-                        import traceback
-
                         new = [{"op": op, "dtype": str(dt).replace("torch.", ""), "case": "exception",
                                 "what": "".join(traceback.format_exception(e))[-3000:], "err": float("nan"),
                                 "tol": TOL[dt], "ok": False}]
@@ -691,8 +648,6 @@ def run_in_interpreter(ops: list[str], timeout: float = 600) -> dict:
 
 
 def _run_interpreter_process(ops: list[str], timeout: float) -> dict:
-    import subprocess
-
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env.update(TRITON_INTERPRET="1", TITAN_KERNELS_POISON="1", CUDA_VISIBLE_DEVICES="")
