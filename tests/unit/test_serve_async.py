@@ -26,12 +26,17 @@ def workload():
     return [prompt(3 + 7 * i, seed=i) for i in range(len(ps))], ps
 
 
-def outputs(e: Engine):
+def outputs(e: Engine, approx: bool = False):
+    """Per output: tokens, text, logprobs, finish reason, cumulative logprob. ``approx``: the logprobs as expected
+    values to 1e-5. An asynchronous step keeps a row for a sequence the previous step's tokens ended (void), so its
+    batch shape differs from the step in turn's, and fp32 CPU matmuls regroup their sums by shape: the logits
+    (|x| < 16, ulp ~1e-6) may move by a few ulp. Tokens, text and finish reasons stay exact."""
     ids, ps = workload()
     outs = e.generate(ids, ps)
     assert e.stats()["kv_blocks_used"] == 0
-    return [[(c.token_ids, c.text, c.logprobs, c.finish_reason, round(c.cumulative_logprob, 4))
-             for c in o.outputs] for o in outs]
+    near = (lambda v, tol: pytest.approx(v, abs=tol)) if approx else (lambda v, tol: v)
+    return [[(c.token_ids, c.text, [{t: near(v, 1e-5) for t, v in lp.items()} for lp in c.logprobs or []],
+              c.finish_reason, near(c.cumulative_logprob, 1e-4)) for c in o.outputs] for o in outs]
 
 
 def counting(monkeypatch) -> list:
@@ -45,7 +50,7 @@ def counting(monkeypatch) -> list:
                                  {"num_blocks": 24, "enable_prefix_caching": False}],
                          ids=["plain", "chunked", "preempting"])
 def test_async_steps_give_the_outputs_of_steps_in_turn(cfg, monkeypatch):
-    sync = outputs(engine(eos=EOS, async_scheduling=False, **cfg))
+    sync = outputs(engine(eos=EOS, async_scheduling=False, **cfg), approx=True)
     calls = counting(monkeypatch)
     e = engine(eos=EOS, **cfg)
     assert outputs(e) == sync

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=2, best_of=1), "best_of"),
     (dict(logprobs=21), "logprobs"), (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(temperature=0.0, n=2), "n"), (dict(use_beam_search=True, stop=["x"]), "stop"),
+    (dict(use_beam_search=True, stop=["x"]), "stop"),
     (dict(presence_penalty=3.0), "presence_penalty"), (dict(max_tokens=True), "max_tokens"),
 ])
 def test_validate_names_the_field(kw, field):
@@ -135,6 +135,26 @@ def test_n_outputs_share_the_prompt_blocks():
     outs = e.generate([prompt(16)], SamplingParams(temperature=1.0, n=3, max_tokens=6, seed=0))[0].outputs
     assert len(outs) == 3 and len({tuple(c.token_ids) for c in outs}) == 3
     assert [c.index for c in outs] == [0, 1, 2]
+
+
+def test_greedy_n_gives_n_identical_outputs_from_one_sequence():
+    """temperature 0 with n > 1 (and best_of) runs one sequence: its output is every choice, equal to n = 1's."""
+    e = engine(block_size=4)
+    one = e.generate([prompt(9)], SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0]
+    e.add_request("r", prompt(9), SamplingParams(temperature=0.0, n=3, best_of=4, max_tokens=6, logprobs=1))
+    seen = {i: [] for i in range(3)}
+    while e.has_unfinished():
+        out = e.step()
+        if out:
+            assert e.stats()["num_running_seqs"] <= 1
+            for c in out[0].outputs:
+                seen[c.index] += c.new_token_ids
+    assert [c.index for c in out[0].outputs] == [0, 1, 2]
+    assert all(c.token_ids == one.token_ids and c.text == one.text and c.finish_reason == one.finish_reason
+               for c in out[0].outputs)
+    assert seen == {i: one.token_ids for i in range(3)}  # every choice streams every delta
+    assert out[0].outputs[0].logprobs == out[0].outputs[2].logprobs
+    assert e.stats()["kv_blocks_used"] == 0
 
 
 def test_best_of_returns_the_most_likely():

@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = a.served_model_name or Path(a.model).resolve().name
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not engine.tp_rank:  # whatever the log level: what runs, before the port opens
+        print(f"{engine.describe(a.model)}; serving it as {name!r} on http://{a.host}:{a.port}", file=sys.stderr,
+              flush=True)
     if engine.tp_rank:  # tensor parallel: rank 0 serves; this rank follows its steps until it shuts down
         engine.run_worker()
         return 0

@@ -147,6 +147,7 @@ class Engine:
             r.capture_graphs()  # at start-up, as vLLM does: no request waits for a capture
         if cfg.speculative_method:
             self.scheduler.lookahead = self._lookahead
+        log.info("%s", self.describe())
         self._guesses: dict[int, list[int]] = {}
         self._async = cfg.async_scheduling and not cfg.speculative_method  # guesses are proposed from the tokens
         self._inflight: _Inflight | None = None
@@ -182,6 +183,17 @@ class Engine:
         kw.setdefault("eos_token_ids", got.eos_ids)
         return cls(got.model, got.spec, got.model_cfg, cfg, tokenizer=got.tokenizer, device=device, data=got.data,
                    **kw)
+
+    def describe(self, model: str | None = None) -> str:
+        """The start-up line: the model (``model``: its path or served name; default: the family), dtype, context,
+        KV pool and captured CUDA graphs."""
+        b, graphs = self.blocks, self.runner.captured
+        shown = f"{model} ({self.spec.name})" if model else self.spec.name
+        tp = f", tensor_parallel_size {self.cfg.tensor_parallel_size}" if self.tp is not None else ""
+        return (f"engine ready: model {shown}, dtype {str(self.dtype).removeprefix('torch.')}, max_model_len "
+                f"{self.max_model_len}, KV blocks {b.num_blocks} x {b.block_size} tokens, captured graphs "
+                f"{len(graphs)}" + (f" (decode batch sizes {graphs[0]}..{graphs[-1]})" if graphs else "") + tp
+                + f", device {self.device}")
 
     def _shard(self, model, spec, model_cfg, what: str):
         """Tensor parallel: ``model`` split by its family's plan, unless from_pretrained already did."""
@@ -665,6 +677,8 @@ class Engine:
             comps = self._final(req) if done else []
         else:
             comps = [self._completion(i, s, done, p.stop) for i, s in enumerate(req.seqs)]
+            if len(comps) < p.n:  # greedy: its one sequence stands for the n identical outputs
+                comps = [comps[0].as_index(i) for i in range(p.n)]
         return RequestOutput(req.request_id, comps, req.prompt, done, req.metrics)
 
     def _completion(self, index: int, s: Seq, done: bool, stops: list[str]) -> CompletionOutput:

@@ -230,6 +230,11 @@ class ModelRunner:
                     self.decode([], B)
             torch.cuda.synchronize(self.device)
 
+    @property
+    def captured(self) -> list[int]:
+        """The decode batch sizes whose CUDA graph is captured."""
+        return sorted(B for B, st in self._decode.items() if st.graph is not None)
+
     def _pool(self):
         if self._static.get("pool") is None:
             self._static["pool"] = torch.cuda.graph_pool_handle()  # one pool: the sizes never run at once

@@ -54,7 +54,7 @@ class SamplingParams:
     logprobs: int | None = None
     """Per generated token, its logprob and the ``logprobs`` most likely tokens' (0: only its own)."""
     n: int = 1
-    """Outputs returned."""
+    """Outputs returned (greedy: n identical ones, as OpenAI's API answers)."""
     best_of: int | None = None
     """Sequences generated (default n): beam search's width, or with sampling the n of best_of with the highest
     cumulative logprob are returned."""
@@ -70,7 +70,10 @@ class SamplingParams:
 
     @property
     def width(self) -> int:
-        """Sequences a request runs: best_of, else n."""
+        """Sequences a request runs: best_of, else n; greedy sampling runs one, whose output stands for the n
+        identical ones."""
+        if self.greedy and not self.use_beam_search:
+            return 1
         return self.best_of if self.best_of is not None else self.n
 
     @property
@@ -117,12 +120,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise BadRequest("stop_token_ids", f"must be a list of token ids >= 0, got {self.stop_token_ids!r}")
-        if self.use_beam_search:
-            if self.stop:
-                raise BadRequest("stop", "stop strings do not combine with beam search; use stop_token_ids")
-        elif self.greedy and self.width > 1:
-            raise BadRequest("n", f"greedy decoding (temperature 0) would give {self.width} identical outputs; "
-                             "use temperature > 0 or use_beam_search")
+        if self.use_beam_search and self.stop:
+            raise BadRequest("stop", "stop strings do not combine with beam search; use stop_token_ids")
 
 
 @dataclass(slots=True)  # one per row and step

@@ -201,6 +201,14 @@ class CompletionOutput:
         self._ids, self._lps = token_ids, logprobs
         self._lens = (len(token_ids), len(logprobs) if logprobs is not None else 0)  # None: copied
 
+    def as_index(self, index: int) -> CompletionOutput:
+        """This output as choice ``index`` (greedy n > 1: one sequence stands for n identical outputs)."""
+        c = CompletionOutput.__new__(CompletionOutput)
+        for k in self.__slots__:
+            setattr(c, k, getattr(self, k))
+        c.index = index
+        return c
+
     def _copy(self) -> None:
         if self._lens is not None:
             n, k = self._lens
