@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os as _os
 import time
 
 import torch
+from torch.library import wrap_triton as _wrap
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +58,7 @@ def _interpreter_twin(kernel):
     kernel, so the ops trace into triton_kernel_wrapper nodes on CPU too (the CPU tests; never on a GPU)."""
     twin = _TWINS.get(id(kernel))
     if twin is None:
-        from triton.runtime.jit import JITFunction
+        from triton.runtime.jit import JITFunction  # optional: triton is absent on some CPU machines
 
         class _Twin(JITFunction):
             def run(self, *args, grid, warmup, **kwargs):
@@ -65,8 +67,6 @@ def _interpreter_twin(kernel):
         twin = _TWINS[id(kernel)] = _Twin(kernel.fn)
         # JITFunction's cache key walks the kernel's globals and rejects the interpreted helpers it calls;
         # the twin is never compiled, so a hash of its own source stands in (torch hashes kernels it records)
-        import hashlib
-
         twin.hash = hashlib.sha256(twin.src.encode()).hexdigest()
     return twin
 
@@ -91,11 +91,45 @@ def wrap_triton(kernel):
     nodes of the graph (inductor then emits the launch in its own wrapper code); when the op runs eagerly
     (triton_op's dispatcher implementation turns wrapping off) the kernel itself. ``wrap_triton(k) is not k``
     therefore means "being traced": no timing and no host syncs then (Tuner.pick with launch=None)."""
-    from torch.library import wrap_triton as _wrap
-
     k = _interpreter_twin(kernel) if INTERPRET else kernel
     w = _wrap(k)
     return kernel if w is k else w
+
+
+def two_input_op(name: str, fwd, bwd, function_name: str):
+    """(``titan_mm::<name>``, the eager autograd.Function ``function_name``) of an op y = fwd(a, b) whose backward
+    (da, db) = bwd(dy, a, b) needs only the two inputs. fwd / bwd take ``op=True`` from the triton_op bodies
+    (launches through `wrap_triton`); the Function calls them plainly, without the dispatcher's overhead."""
+
+    # triton_op: the body is the fake implementation too, and under torch.compile it is traced into the graph.
+    @torch.library.triton_op(f"titan_mm::{name}", mutates_args=())
+    def op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return fwd(a, b, op=True)
+
+    @torch.library.triton_op(f"titan_mm::{name}_bwd", mutates_args=())
+    def bwd_op(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return bwd(dy, a, b, op=True)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def backward(ctx, dy):
+        return bwd_op(dy, *ctx.saved_tensors)
+
+    op.register_autograd(backward, setup_context=setup)
+
+    def eager_forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return fwd(a, b)
+
+    def eager_backward(ctx, dy):
+        return bwd(dy, *ctx.saved_tensors)
+
+    # built by name so that autograd names its graph nodes after it (<function_name>Backward)
+    function = type(function_name, (torch.autograd.Function,), {
+        "__doc__": "The eager fast path (same kernels, without the custom-op dispatcher's overhead).",
+        "__module__": fwd.__module__, "forward": staticmethod(eager_forward), "backward": staticmethod(eager_backward)})
+    return op, function
 
 
 # ---------------------------------------------------------------------------------------------- tuning
@@ -133,7 +167,7 @@ def can_time() -> bool:
 
 def bench_ms(fn) -> float:
     """Device time of fn() in ms (median, L2 flushed). Synchronizes: called only inside `tuning()`."""
-    import triton.testing
+    import triton.testing  # optional: triton is absent on some CPU machines
 
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ._tl import col_sums, load_tile_pair
-from ._utils import Tuner, as_rows, new_empty, next_pow2, sm_count, wrap_triton, writes
+from ._utils import Tuner, as_rows, new_empty, next_pow2, sm_count, two_input_op, wrap_triton, writes
 
 # module-level constexprs: inductor copies them next to the kernel source when it compiles the traced launch
 _GELU_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
@@ -164,38 +164,4 @@ def bias_gelu_bwd(dy, x, b, op=False):
     return dx, col_sums(db_part, b.dtype, op)
 
 
-# triton_op: the body is the fake implementation too, and under torch.compile it is traced into the graph.
-@torch.library.triton_op("titan_mm::bias_gelu", mutates_args=())
-def bias_gelu_op(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return bias_gelu_fwd(x, b, op=True)
-
-
-@torch.library.triton_op("titan_mm::bias_gelu_bwd", mutates_args=())
-def bias_gelu_bwd_op(dy: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return bias_gelu_bwd(dy, x, b, op=True)
-
-
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _backward(ctx, dy):
-    x, b = ctx.saved_tensors
-    return bias_gelu_bwd_op(dy, x, b)
-
-
-bias_gelu_op.register_autograd(_backward, setup_context=_setup)
-
-
-class BiasGeluFunction(torch.autograd.Function):
-    """The eager fast path (same kernels, without the custom-op dispatcher's overhead)."""
-
-    @staticmethod
-    def forward(ctx, x, b):
-        ctx.save_for_backward(x, b)
-        return bias_gelu_fwd(x, b)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, b = ctx.saved_tensors
-        return bias_gelu_bwd(dy, x, b)
+bias_gelu_op, BiasGeluFunction = two_input_op("bias_gelu", bias_gelu_fwd, bias_gelu_bwd, "BiasGeluFunction")

@@ -9,11 +9,10 @@ Legend: N rows (tokens), F MLP width.
 """
 
 
-import torch
 import triton
 import triton.language as tl
 
-from ._utils import Tuner, as_rows, new_empty, next_pow2, wrap_triton, writes
+from ._utils import Tuner, as_rows, new_empty, next_pow2, two_input_op, wrap_triton, writes
 
 
 def _configs(key):
@@ -119,38 +118,4 @@ def swiglu_bwd(dy, gate, up, op=False):
     return dg, du
 
 
-# triton_op: the body is the fake implementation too, and under torch.compile it is traced into the graph.
-@torch.library.triton_op("titan_mm::swiglu", mutates_args=())
-def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return swiglu_fwd(gate, up, op=True)
-
-
-@torch.library.triton_op("titan_mm::swiglu_bwd", mutates_args=())
-def swiglu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return swiglu_bwd(dy, gate, up, op=True)
-
-
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _backward(ctx, dy):
-    gate, up = ctx.saved_tensors
-    return swiglu_bwd_op(dy, gate, up)
-
-
-swiglu_op.register_autograd(_backward, setup_context=_setup)
-
-
-class SwiGLUFunction(torch.autograd.Function):
-    """The eager fast path (same kernels, without the custom-op dispatcher's overhead)."""
-
-    @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        return swiglu_fwd(gate, up)
-
-    @staticmethod
-    def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        return swiglu_bwd(dy, gate, up)
+swiglu_op, SwiGLUFunction = two_input_op("swiglu", swiglu_fwd, swiglu_bwd, "SwiGLUFunction")

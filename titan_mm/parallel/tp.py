@@ -69,6 +69,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from titan_mm import kernels as K
 from titan_mm.config import Parallel
 from titan_mm.nn.loss import chunked_cross_entropy
 from titan_mm.parallel.mesh import ParallelDims
@@ -146,7 +147,7 @@ def _install_seq_hooks(mod: nn.Module, style: str, mesh) -> None:
         mod.register_forward_pre_hook(pre, with_kwargs=True)
         mod.register_forward_hook(post)
     elif style == "seq_gather_output":
-        _install_grad_sum_self(mod, mesh.get_group())
+        _install_grad_sum(mod, mesh.get_group())
 
         def post(m, args, out):
             return _gather_local(out, mesh)
@@ -174,41 +175,26 @@ class _SumGradOverGroup(torch.autograd.Function):
         return g, None
 
 
-def _install_grad_sum(parent: nn.Module, child_name: str, group) -> None:
+def _install_grad_sum(mod: nn.Module, group, child_name: str | None = None) -> None:
+    """grad_sum: for the length of ``mod``'s forward its own parameters (``child_name``: those of that child, which
+    its parent's forward uses without calling it as a module; looked up at each call) pass through
+    _SumGradOverGroup."""
     stash: dict[str, Any] = {}
 
-    def pre(mod, args):
-        child = getattr(mod, child_name)
-        for pname, p in list(child._parameters.items()):
-            if p is None:
-                continue
-            stash[pname] = p
-            child._parameters[pname] = _SumGradOverGroup.apply(p, group)
-
-    def post(mod, args, out):
-        child = getattr(mod, child_name)
-        for pname, p in stash.items():
-            child._parameters[pname] = p
-        stash.clear()
-        return out
-
-    parent.register_forward_pre_hook(pre)
-    parent.register_forward_hook(post)
-
-
-def _install_grad_sum_self(mod: nn.Module, group) -> None:
-    """grad_sum for a module that is called as a module (its own hooks swap its own parameters)."""
-    stash: dict[str, Any] = {}
+    def holder(m: nn.Module) -> nn.Module:
+        return m if child_name is None else getattr(m, child_name)
 
     def pre(m, args):
-        for pname, p in list(m._parameters.items()):
+        h = holder(m)
+        for pname, p in list(h._parameters.items()):
             if p is not None:
                 stash[pname] = p
-                m._parameters[pname] = _SumGradOverGroup.apply(p, group)
+                h._parameters[pname] = _SumGradOverGroup.apply(p, group)
 
     def post(m, args, out):
+        h = holder(m)
         for pname, p in stash.items():
-            m._parameters[pname] = p
+            h._parameters[pname] = p
         stash.clear()
         return out
 
@@ -240,8 +226,6 @@ def vocab_parallel_cross_entropy(h_ND, w_VD, labels_N, chunk_size: int = 4096, z
     v0 = mesh.get_local_rank() * math.ceil(V / mesh.size())  # torch.chunk layout of Shard(0)
     w_local = w_VD.to_local()
     if fused:
-        from titan_mm import kernels as K
-
         if K.use_triton(h_ND, w_local) and h_ND.dtype == w_local.dtype:
             return K.vocab_parallel_linear_cross_entropy(h_ND, w_local, labels_N, v0, mesh.get_group(),
                                                          z_loss=float(z_loss_weight), chunk_size=chunk_size,
@@ -352,7 +336,7 @@ def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, par: Par
             elif style == "grad_sum":
                 parent_name, _, child = fqn.rpartition(".")
                 parent = model.get_submodule(parent_name) if parent_name else model
-                _install_grad_sum(parent, child, tp_mesh.get_group())
+                _install_grad_sum(parent, tp_mesh.get_group(), child)
 
 
 def _check_divisible(n: int, tp: int, fqn: str, style: str) -> None:
