@@ -26,9 +26,10 @@ from titan_mm.objectives.base import Objective, attention_pairs, noise_generator
 from titan_mm.objectives.causal import CausalLM
 from titan_mm.objectives.diffusion import MASK_KINDS, DiffusionLM, build_diffusion
 from titan_mm.objectives.flow_matching import FlowMatching
+from titan_mm.objectives.policy import Policy
 
-__all__ = ["CausalLM", "Combined", "DiffusionLM", "FlowMatching", "Objective", "attention_pairs", "build_objective",
-           "noise_generator", "register"]
+__all__ = ["CausalLM", "Combined", "DiffusionLM", "FlowMatching", "Objective", "Policy", "attention_pairs",
+           "build_objective", "noise_generator", "register"]
 
 Factory = Callable[[JobConfig, Any, Any, dict], Objective]
 _REGISTRY: dict[str, Factory] = {}
@@ -70,6 +71,7 @@ class Combined(Objective):
     loss_keys = property(lambda self: self._union("loss_keys"))
     host_keys = property(lambda self: self._union("host_keys"))
     seq_keys = property(lambda self: self._union("seq_keys"))
+    stats = property(lambda self: self._union("stats"))
     mask_kind = property(lambda self: next((p.mask_kind for p in self.parts if p.mask_kind), None))
     block_size = property(lambda self: next((p.block_size for p in self.parts if p.block_size), None))
 
@@ -100,6 +102,8 @@ register("causal", lambda cfg, spec, model_cfg, options: CausalLM())
 for _kind in MASK_KINDS:
     register(_kind, _diffusion)
 register("flow_matching", _flow_matching)
+register("policy", lambda cfg, spec, model_cfg, options: Policy(
+    eps_low=cfg.rl.eps_low, eps_high=cfg.rl.eps_high, kl_coef=cfg.rl.kl_coef, loss_norm=cfg.rl.loss_norm))
 
 
 def build_objective(cfg: JobConfig, spec, model_cfg) -> Objective:
@@ -107,11 +111,12 @@ def build_objective(cfg: JobConfig, spec, model_cfg) -> Objective:
     ``[objective] kind`` in the causal LM's place when it names a diffusion LM. Mistakes are ConfigErrors (the mask
     token, the kind x attention backend, options), raised before anything heavy is built."""
     names = tuple(spec.objectives)
-    kind = cfg.objective.kind
+    kind = "policy" if cfg.rl.enable else cfg.objective.kind  # [rl]: the policy loss over rollouts (docs/rl.md)
     if kind != "causal":
         if "causal" not in names:
-            raise ConfigError(f"objective.kind={kind!r} replaces the causal LM, which model {spec.name!r} does not "
-                              f"train (its objectives: {', '.join(names)}); drop objective.kind")
+            what = "rl.enable" if cfg.rl.enable else f"objective.kind={kind!r}"
+            raise ConfigError(f"{what} replaces the causal LM, which model {spec.name!r} does not train (its "
+                              f"objectives: {', '.join(names)}); drop {what.split('=')[0]}")
         names = tuple(kind if n == "causal" else n for n in names)
     options = spec.objective_options(model_cfg) if spec.objective_options else {}
     parts = tuple(_factory(n)(cfg, spec, model_cfg, options.get(n, {})) for n in names)

@@ -53,6 +53,9 @@ class Objective:
     """Attention mask kind it trains with (titan_mm.nn.attention KINDS); None: no preference (the family's)."""
     block_size: int | None = None
     """Block size of the "block_causal" kind."""
+    stats: tuple[str, ...] = ()
+    """Terms that are logged only (a policy's entropy, its clipped fraction): among ``terms``, each with its own
+    count, detached, and left out of the loss."""
 
     def prepare(self, micro_batches: list[dict], step: int, dp_rank: int = 0) -> list[dict]:
         """The micro-batches the model trains on at optimizer step ``step`` (0-based) on dp rank ``dp_rank``

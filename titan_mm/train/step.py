@@ -214,8 +214,9 @@ def model_inputs(b: dict[str, Any], objective: Objective) -> dict[str, Any]:
     return {k: v for k, v in b.items() if k not in STEP_KEYS and k not in objective.loss_keys}
 
 
-def _denoms(counts: dict[str, int]) -> list[float]:
-    return [float(max(n, 1)) for n in counts.values()]
+def _denoms(counts: dict[str, int], stats: tuple[str, ...] = ()) -> list[float]:
+    # a logged-only term (Objective.stats, detached) divides by inf: it adds exactly 0 to the loss
+    return [math.inf if t in stats else float(max(n, 1)) for t, n in counts.items()]
 
 
 def _objective_loss(terms: torch.Tensor, denoms: list[float]) -> torch.Tensor:
@@ -276,7 +277,7 @@ def forward_backward(model, micro_batches: list[dict], ctx: StepContext, counts:
     loss scale when ``scaler`` is given); ``counts``: :func:`global_counts`.
 
     Returns (local term sums [T], local aux sum) as device tensors (detached, fp32)."""
-    denoms = _denoms(counts)
+    denoms = _denoms(counts, ctx.objective.stats)
     n_micro = len(micro_batches)
     aux_scale = 1.0 / (n_micro * ctx.loss_world)
     loss_acc = torch.zeros(len(denoms), dtype=torch.float32, device=ctx.device)
@@ -321,7 +322,7 @@ def _pp_forward_backward(model, micro_batches: list[dict], ctx: StepContext, cou
     metadata, attention metadata or the CP split) and the same loss (sum_t term_t / counts[t] + aux / (n_micro x
     dp x cp), times the loss scale), run by ``ctx.pipeline``'s schedule; the last stage computes it. Returns
     (local term sums [T], local aux sum), the same on every pp rank."""
-    return ctx.pipeline.run(_pp_micros(micro_batches, ctx), _denoms(counts),
+    return ctx.pipeline.run(_pp_micros(micro_batches, ctx), _denoms(counts, ctx.objective.stats),
                             1.0 / (len(micro_batches) * ctx.loss_world), None if scaler is None else scaler.scale,
                             ctx.inject_nan)
 
@@ -411,7 +412,7 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
     host = torch.cat([t.cpu() for t in host_reads]).tolist()
     n_terms = len(counts)
     terms = {t: host[i] / max(n, 1) for i, (t, n) in enumerate(counts.items())}
-    loss = sum(terms.values())
+    loss = sum(v for t, v in terms.items() if t not in ctx.objective.stats)
     aux = host[n_terms] / (len(micro_batches) * ctx.loss_world)
     gnorm = host[n_terms + 1]
     loss_scale = host[n_terms + 2] if scaler is not None else None
