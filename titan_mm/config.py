@@ -468,6 +468,54 @@ class Eval:
 
 
 @dataclass
+class Rl:
+    """GRPO-style post-training on rollouts of titan_mm's own serving engine on the live weights (docs/rl.md)."""
+
+    enable: bool = False
+    """Train a policy on sampled completions (the objective "policy" replaces the family's causal LM); the batches
+    come from rollouts, not from [data] (whose seq_len bounds prompt + completion)."""
+    prompts: str = "builtin:qa"
+    """Prompts with references: builtin:qa (built-in QA, its training part; [eval] tasks = ["qa"] scores the held-out
+    part), builtin:<name> of another built-in chat set, or a JSONL file of {"messages" | "prompt", "reference"}."""
+    prompts_per_step: int = 4
+    """Prompts per optimizer step (global); training.global_batch_size must be prompts_per_step x group_size."""
+    group_size: int = 4
+    """G: completions sampled per prompt; advantages are normalized within each group."""
+    max_tokens: int = 8
+    """Most tokens sampled per completion (prompt + completion must fit data.seq_len)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0). The importance ratio uses the model's own logprobs (temperature 1), as the
+    engine reports them."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the most likely tokens whose probability reaches top_p."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a completion ends before the first one (besides the model's EOS tokens)."""
+    rewards: dict[str, float] = field(default_factory=lambda: {"exact_match": 1.0})
+    """{reward: weight}, summed: exact_match (stripped completion == reference), numeric (the completion's first
+    number equals the reference's), format (the completion ended by itself and matches rl.format_regex), or a
+    function "pkg.module:function"(completion, reference) -> float."""
+    format_regex: str = r"\s*-?\d+(\.\d+)?\s*"
+    """The whole completion must match it (Python re.fullmatch) for the format reward."""
+    std_normalize: bool = True
+    """Advantage = (reward - group mean) / (group std + 1e-6); false: reward - group mean (Dr. GRPO)."""
+    loss_norm: Literal["token", "sequence"] = "token"
+    """token: the loss is the mean over every completion token of the global batch (DAPO); sequence: each
+    completion's token mean, averaged over completions (the original GRPO)."""
+    eps_low: float = 0.2
+    """Clip the importance ratio below at 1 - eps_low."""
+    eps_high: float = 0.2
+    """Clip it above at 1 + eps_high (DAPO's clip-higher: 0.28)."""
+    kl_coef: float = 0.0
+    """Weight of the KL term to the frozen reference (k3 estimator); 0: no reference model."""
+    reference: str = "init"
+    """The frozen reference of the KL term: init (model.hf_path, the weights this run started from) or a path of an
+    HF folder or a titan_mm run / checkpoint."""
+    staleness: int = 0
+    """k: the rollouts a step trains on come from weights at most k steps old; 0: on-policy (made right before the
+    step); k >= 1: the rollouts of step s + k are made at step s (what an asynchronous rollout worker allows)."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -484,6 +532,7 @@ class JobConfig:
     kernels: Kernels = field(default_factory=Kernels)
     objective: Objective = field(default_factory=Objective)
     eval: Eval = field(default_factory=Eval)
+    rl: Rl = field(default_factory=Rl)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -854,6 +903,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_precision(cfg)
     _validate_parallel(cfg.parallel)
     _validate_objective(cfg.objective)
+    _validate_rl(cfg)
     if cfg.model.overrides:
         try:
             o = json.loads(cfg.model.overrides)
@@ -883,6 +933,37 @@ def _validate_objective(o: Objective) -> None:
     if o.sft and o.kind == "causal":
         raise ConfigError("objective.sft applies to the diffusion kinds; the causal objective already scores only "
                           "the tokens the data labels: drop objective.sft or pick a diffusion objective.kind")
+
+
+def _validate_rl(cfg: JobConfig) -> None:
+    r = cfg.rl
+    if not r.enable:
+        return
+    for name in ("prompts_per_step", "max_tokens"):
+        if getattr(r, name) < 1:
+            raise ConfigError(f"rl.{name} must be >= 1, got {getattr(r, name)}")
+    if r.group_size < 2:
+        raise ConfigError(f"rl.group_size must be >= 2 (advantages compare completions of one prompt), got "
+                          f"{r.group_size}")
+    if r.staleness < 0:
+        raise ConfigError(f"rl.staleness must be >= 0 (0: on-policy), got {r.staleness}")
+    if r.temperature <= 0 or not 0 < r.top_p <= 1:
+        raise ConfigError(f"rl.temperature must be > 0 and rl.top_p in (0, 1], got {r.temperature} and {r.top_p}")
+    if not (0 <= r.eps_low < 1 and r.eps_high >= 0) or r.kl_coef < 0:
+        raise ConfigError(f"rl.eps_low must be in [0, 1), rl.eps_high and rl.kl_coef >= 0; got {r.eps_low}, "
+                          f"{r.eps_high}, {r.kl_coef}")
+    if not r.rewards:
+        raise ConfigError("rl.rewards is empty; name at least one reward, e.g. {exact_match = 1.0}")
+    rows = r.prompts_per_step * r.group_size
+    if cfg.training.global_batch_size != rows:
+        raise ConfigError(f"rl: training.global_batch_size ({cfg.training.global_batch_size}) must equal "
+                          f"rl.prompts_per_step x rl.group_size = {rows} (one completion per row)")
+    if cfg.objective.kind != "causal":
+        raise ConfigError(f"rl.enable trains the policy objective; objective.kind={cfg.objective.kind!r} would "
+                          "replace it: drop objective.kind")
+    if cfg.eval.dataset or cfg.eval.mixture:
+        raise ConfigError("rl.enable: a held-out loss (eval.dataset / eval.mixture) needs rollouts, which the held-out "
+                          "text lacks; score the policy with eval.tasks (e.g. [\"qa\"]) instead")
 
 
 def _validate_parallel(p: Parallel) -> None:

@@ -142,18 +142,7 @@ class Evaluator:
     # ---- generation ----
     def gathered_model(self):
         """(a model of the run's family on the live weights, gathered in memory; its config for generation)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        run = self.run
-        sd = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True))
-        if run.ctx.pipeline is not None:  # this rank holds its stages only: the others' come from their pp ranks
-            sd = run.ctx.pipeline.gather_state_dict(sd)
-        gen_cfg = run.spec.with_runtime(run.model_cfg, attn_backend="sdpa", kernels=False)
-        with torch.device("meta"):
-            model = run.spec.build(gen_cfg)
-        model.load_state_dict(sd, strict=True, assign=True)  # shares the tensors (the engine casts a copy)
-        model.init_buffers(run.device)
-        return model, gen_cfg
+        return gathered_model(self.run)
 
     def generate(self) -> dict[str, float]:
         from titan_mm.data.processors import Processor, ProcessorConfig
@@ -195,6 +184,29 @@ class Evaluator:
             torch.cuda.empty_cache()
         m["eval/generate_s"] = time.perf_counter() - t0
         return m
+
+
+def live_state_dict(run: Run) -> dict[str, torch.Tensor]:
+    """The live parameters as full tensors on every rank (a collective under FSDP / TP / PP; no disk). On one rank
+    without sharding they are the trainer's own tensors."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True))
+    if run.ctx.pipeline is not None:  # this rank holds its stages only: the others' come from their pp ranks
+        sd = run.ctx.pipeline.gather_state_dict(sd)
+    return sd
+
+
+def gathered_model(run: Run):
+    """(a model of the run's family on the live weights, gathered in memory; its config for generation): the
+    hand-off of online eval and of RL rollouts (titan_mm.rl)."""
+    gen_cfg = run.spec.with_runtime(run.model_cfg, attn_backend="sdpa", kernels=False)
+    with torch.device("meta"):
+        model = run.spec.build(gen_cfg)
+    # shares the tensors (the engine casts a copy where its dtype or device differs)
+    model.load_state_dict(live_state_dict(run), strict=True, assign=True)
+    model.init_buffers(run.device)
+    return model, gen_cfg
 
 
 def eval_engine(model, spec, model_cfg, tokenizer, device: torch.device, data: Data):

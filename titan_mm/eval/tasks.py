@@ -52,7 +52,8 @@ def _callable(path: str, task: str) -> Callable[[str, str], float]:
     return f
 
 
-def _jsonl_items(path: Path, task: str) -> list[dict]:
+def read_jsonl_items(path: Path, task: str, key: str = "eval.tasks") -> list[dict]:
+    """{"messages" | "prompt", "reference"} per line of ``path``; ConfigErrors say ``key`` ``task``."""
     items = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -60,15 +61,15 @@ def _jsonl_items(path: Path, task: str) -> list[dict]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"eval.tasks {task!r}: line {n} is not JSON ({e})") from None
+            raise ConfigError(f"{key} {task!r}: line {n} is not JSON ({e})") from None
         ref = rec.get("reference", rec.get("answer")) if isinstance(rec, dict) else None
         has = [k for k in ("messages", "prompt") if isinstance(rec, dict) and k in rec]
         if len(has) != 1 or not isinstance(ref, str):
-            raise ConfigError(f"eval.tasks {task!r}: line {n} needs one of \"messages\" or \"prompt\" and a string "
+            raise ConfigError(f"{key} {task!r}: line {n} needs one of \"messages\" or \"prompt\" and a string "
                               "\"reference\"")
         items.append({has[0]: rec[has[0]], "reference": ref})
     if not items:
-        raise ConfigError(f"eval.tasks {task!r}: {path} holds no prompts")
+        raise ConfigError(f"{key} {task!r}: {path} holds no prompts")
     return items
 
 
@@ -90,7 +91,7 @@ def load_task(spec: str, limit: int = 0) -> Task:
             raise ConfigError(f"eval.tasks {spec!r} is not a built-in task ({', '.join(BUILTIN)}) or an existing "
                               ".jsonl file")
         task = Task(path.stem, fn.rpartition(":")[2] if fn else "exact_match",
-                    _callable(fn, spec) if fn else exact_match, _jsonl_items(path, spec))
+                    _callable(fn, spec) if fn else exact_match, read_jsonl_items(path, spec))
     if limit:
         task.items = task.items[:limit]
     return task

@@ -146,22 +146,25 @@ def check_resume_step(cfg: JobConfig, out_dir) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ loop
-def train(cfg: JobConfig, make_eval: Callable[[Run], Any] | None = None) -> dict[str, Any]:
+def train(cfg: JobConfig, make_eval: Callable[[Run], Any] | None = None,
+          make_data: Callable[[Run], Any] | None = None) -> dict[str, Any]:
     """Run the job; returns a summary (final step, last loss, run folder). ``make_eval(run)``: the [eval] callback,
     an object with ``due(step) -> bool`` and ``(step, n_saved) -> metrics``, called after the step's update and
-    before its save (titan_mm.eval.evaluator.online_eval builds it; train/ does not import eval/)."""
+    before its save (titan_mm.eval.evaluator.online_eval builds it; train/ does not import eval/).
+    ``make_data(run)``: the micro-batches in place of [data]'s loader (an [rl] job's rollouts: titan_mm.rl.rl_data),
+    with the loader's state_dict / load_state_dict (and optionally metrics)."""
     preflight(cfg)  # every cheap user-error check, before the process group, the model and the run folder
     out_dir = run_dir(cfg)
     check_resume_step(cfg, out_dir)
     setup_distributed(cfg, pick_device(cfg))  # the process group first: the lock's verdict reaches every rank
     lock = hold_run_folder(out_dir)  # before anything heavy; RunLockError names the trainer that holds it
     try:
-        return _train_locked(cfg, out_dir, make_eval)
+        return _train_locked(cfg, out_dir, make_eval, make_data)
     finally:
         lock.release()
 
 
-def _train_locked(cfg: JobConfig, out_dir, make_eval) -> dict[str, Any]:
+def _train_locked(cfg: JobConfig, out_dir, make_eval, make_data=None) -> dict[str, Any]:
     """train() once the run folder is held: everything heavy."""
     run = setup(cfg)
     device, rank, world, pd, spec, model_cfg = run.device, run.rank, run.world, run.pd, run.spec, run.model_cfg
@@ -171,7 +174,7 @@ def _train_locked(cfg: JobConfig, out_dir, make_eval) -> dict[str, Any]:
         save_config(cfg, out_dir / "config.toml")
         if cfg.job.print_config:
             print(resolved_toml(cfg))
-    loader = build_data(cfg, spec, model_cfg, run.dp_rank, run.dp_world, n_micro)
+    loader = make_data(run) if make_data else build_data(cfg, spec, model_cfg, run.dp_rank, run.dp_world, n_micro)
     state.dataloader = loader
     rebalance = Rebalancer.for_run(cfg.data.balance, run, cfg.model.flavor)  # after the loader: its state stays
     model = state.model
@@ -321,11 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # the entry point composes the rooms: eval/ builds on train/, and train() takes its callback
         from titan_mm.eval.evaluator import online_eval
+        from titan_mm.rl import rl_data
 
         make_eval = online_eval(cfg)  # reads [eval] tasks: a bad one fails here, before anything is built
+        make_data = rl_data(cfg)  # [rl]: reads the prompts and rewards, likewise
         if pick_device(cfg).type == "cpu":
             keep_host_heap()
-        train(cfg, make_eval)
+        train(cfg, make_eval, make_data)
     except ConfigError as e:  # found before the first step (preflight, setup): nothing was written
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,190 @@
+"""RL post-training (docs/rl.md): the policy objective against a written-out reference, rewards, group advantages,
+the engine's logprobs against the trainer's, the weight sync, the replay buffer's staleness, and resume."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_mm.config import ConfigError, Rl, load_config
+from titan_mm.nn.attention import build_attn_meta
+from titan_mm.objectives import Policy
+from titan_mm.objectives.policy import policy_sums
+from titan_mm.observe.metrics import read_metrics
+from titan_mm.rl.rewards import build_reward
+from titan_mm.rl.rollout import RolloutSource, group_advantages, token_logprobs
+from titan_mm.train.setup import setup
+from titan_mm.train.trainer import main
+
+ROOT = Path(__file__).resolve().parents[2]
+# a small model on the real tokenizer (the QA prompts): one layer, hidden 64
+SMALL = ['--model.overrides', '{"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, '
+         '"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}',
+         "--data.seq_len", "32", "--data.micro_batch_size", "4", "--training.global_batch_size", "8",
+         "--rl.prompts_per_step", "2", "--rl.group_size", "4", "--rl.max_tokens", "4",
+         "--metrics.enable_tensorboard", "False", "--training.deterministic", "True"]
+# operator.lt(completion, reference): 0 / 1 rewards that vary for an untrained model's text
+VARIED = ["--rl.rewards", '{"operator:lt": 1.0}']
+
+
+def cfg_of(*extra):
+    return load_config(["--config", str(ROOT / "train_configs/debug_rl_qwen3.toml"), *SMALL, *extra])
+
+
+# ---------------------------------------------------------------------------------------------- the objective
+def _reference_terms(logits, labels, old, adv, w, ref, eps_low, eps_high, kl_coef):
+    """Per token, written out in float64: -min(r A, clip(r) A), kl_coef (e^(ref-lp) - (ref-lp) - 1), entropy."""
+    out = {"pg": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0}
+    logp_all = torch.log_softmax(logits.double(), -1)
+    for b in range(labels.shape[0]):
+        for t in range(labels.shape[1]):
+            if labels[b, t] == -100:
+                continue
+            lp = float(logp_all[b, t, labels[b, t]])
+            r = math.exp(lp - float(old[b, t]))
+            a = float(adv[b, t])
+            cr = min(max(r, 1 - eps_low), 1 + eps_high)
+            out["pg"] += float(w[b, t]) * -min(r * a, cr * a)
+            d = float(ref[b, t]) - lp
+            out["kl"] += kl_coef * float(w[b, t]) * (math.exp(d) - d - 1)
+            out["entropy"] += float(-(logp_all[b, t].exp() * logp_all[b, t]).sum())
+            out["clip_frac"] += float(cr * a < r * a)
+    return out
+
+
+def test_policy_terms_match_the_written_out_reference():
+    g = torch.Generator().manual_seed(0)
+    B, S, V = 3, 7, 11
+    logits = torch.randn(B, S, V, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (B, S), generator=g)
+    labels[:, :2] = -100
+    labels[2, 5:] = -100
+    logp_all = logits.log_softmax(-1)
+    lp = logp_all.gather(-1, labels.clamp(min=0)[..., None])[..., 0].where(labels != -100, 0.0)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    # old logprobs 0.5 away on either side: ratios e^(+-0.5) fall outside [0.8, 1.28], so both clips act
+    old = lp + 0.5 * torch.where(torch.rand(B, S, generator=g) < 0.5, -1.0, 1.0).double()
+    batch = {"old_logprobs": old, "advantages": torch.randn(B, 1, generator=g).double().expand(B, S),
+             "rl_weights": torch.rand(B, S, generator=g).double(), "ref_logprobs": lp - 0.3}
+    obj = Policy(eps_low=0.2, eps_high=0.28, kl_coef=0.05)
+    got = policy_sums(lp, ent, labels, batch, obj)
+    want = _reference_terms(logits, labels, old, batch["advantages"], batch["rl_weights"], batch["ref_logprobs"],
+                            0.2, 0.28, 0.05)
+    assert set(got) == set(obj.terms) == {"pg", "kl", "entropy", "clip_frac"}
+    for k in want:  # the arithmetic is float64 here; sums of ~15 terms of order 1
+        assert abs(float(got[k]) - want[k]) < 1e-12, (k, float(got[k]), want[k])
+    assert 0 < want["clip_frac"] < (labels != -100).sum()
+
+
+def test_policy_counts_token_and_sequence_norm():
+    labels = torch.tensor([[-100, 5, 6, -100], [-100, -100, -100, -100], [-100, 7, -100, -100]])
+    assert Policy().counts({"labels": labels}) == {"pg": 3, "entropy": 3, "clip_frac": 3}
+    assert Policy(loss_norm="sequence", kl_coef=0.1).counts({"labels": labels}) == {
+        "pg": 2, "kl": 2, "entropy": 3, "clip_frac": 3}
+
+
+# ---------------------------------------------------------------------------------------------- rewards, advantages
+def test_rewards_builtin_weighted_and_imported():
+    r = build_reward(Rl(rewards={"exact_match": 1.0, "numeric": 0.5, "format": 0.25}))
+    assert r(" 348 ", "348", True) == 1.75
+    assert r("348.0", "348", False) == 0.5  # numeric only: not the exact text, and cut at max_tokens (no format)
+    assert r("it is 348", "348", True) == 0.5
+    assert r("abc", "348", True) == 0.0
+    assert build_reward(Rl(rewards={"operator:eq": 2.0}))("x", "x", False) == 2.0
+
+
+@pytest.mark.parametrize("rewards, says", [({"exact_mach": 1.0}, "did you mean 'exact_match'"),
+                                            ({"no_such_mod:f": 1.0}, "cannot import"),
+                                            ({"math:pi": 1.0}, "is not callable")])
+def test_reward_mistakes_are_one_line(rewards, says):
+    with pytest.raises(ConfigError, match=says):
+        build_reward(Rl(rewards=rewards))
+
+
+def test_group_advantages():
+    r = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    a = group_advantages(r, 4, std_normalize=True)
+    h = 0.5 / (math.sqrt(1 / 3) + 1e-6)  # deviations +-0.5, unbiased std sqrt(4 x 0.25 / 3)
+    assert a[:4] == pytest.approx([h, -h, -h, h], abs=1e-12)
+    assert a[4:] == [0.0] * 4  # a group of equal rewards teaches nothing
+    assert group_advantages(r, 4, std_normalize=False)[:4] == [0.5, -0.5, -0.5, 0.5]
+
+
+def test_config_mistakes_are_one_line():
+    with pytest.raises(ConfigError, match="must equal rl.prompts_per_step x rl.group_size = 8"):
+        cfg_of("--training.global_batch_size", "16")
+    with pytest.raises(ConfigError, match="rl.group_size must be >= 2"):
+        cfg_of("--rl.group_size", "1", "--training.global_batch_size", "2")
+    assert main(["--config", str(ROOT / "train_configs/debug_rl_qwen3.toml"), *SMALL,
+                 "--rl.prompts", "nope.jsonl"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------- engine vs trainer
+def _trainer_logprobs(run, source, rollouts):
+    batch = source.collate(rollouts)
+    got = token_logprobs(run.model, batch, run.device)
+    mask = batch["labels"] != -100
+    return got[mask], batch["old_logprobs"][mask]
+
+
+def test_engine_logprobs_equal_the_trainers_and_follow_the_weights(tmp_path):
+    cfg = cfg_of("--job.dump_folder", str(tmp_path), *VARIED)
+    run = setup(cfg)
+    source = RolloutSource(cfg, run)
+    b0 = source.generate(0)
+    assert source.metrics()["rl/sync_bytes"] == 0  # one rank: the engine runs on the trainer's own tensors
+    assert len(b0.rollouts) == 8 and b0.version == 0
+    ours, engine = _trainer_logprobs(run, source, b0.rollouts)
+    assert ours.numel() >= 8
+    assert (ours - engine).abs().max() <= 1e-5  # fp32, the same weights: paged decode vs the training forward
+
+    # a sharded trainer hands over gathered copies: the engine's model holds its own tensors, synced by copy
+    source.gen_model.load_state_dict({k: v.clone() for k, v in source.gen_model.state_dict().items()}, assign=True)
+    with torch.no_grad():
+        for p in run.model.parameters():
+            p.mul_(1.5)  # an update of the live weights, in place as the optimizer makes it
+    b1 = source.generate(0)
+    assert source.metrics()["rl/sync_bytes"] == sum(p.numel() * 4 for p in run.model.parameters())
+    ours1, engine1 = _trainer_logprobs(run, source, b1.rollouts)
+    assert (ours1 - engine1).abs().max() <= 1e-5
+    # the same seeds on other weights: other logprobs (the engine did not keep the old ones)
+    assert [r.logprobs for r in b1.rollouts] != [r.logprobs for r in b0.rollouts]
+
+
+def test_trainer_and_reference_forward_agree():
+    """token_logprobs (the reference's path) equals the policy objective's hook inside the train step's forward."""
+    cfg = cfg_of()
+    run = setup(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1000, (2, 16), generator=g)
+    labels = ids.roll(-1, 1).masked_fill(torch.arange(16) < 8, -100)
+    batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(16).expand(2, 16)}
+    got = token_logprobs(run.model, batch, run.device)
+    logits = run.model(ids, position_ids=batch["position_ids"], attn=build_attn_meta(batch, "sdpa", run.device)).logits
+    want = logits.float().log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0].where(labels != -100, 0)
+    assert (got - want.detach()).abs().max() <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- the trainer
+def _metrics(run_dir):
+    return read_metrics(Path(run_dir) / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_staleness_and_resume_bitwise(tmp_path, k):
+    """k = 0 trains on rollouts of the current weights, k = 1 on those of the step before; a run stopped after the
+    save of step 2 and resumed trains steps 3-4 bitwise as the straight one."""
+    common = ["--config", str(ROOT / "train_configs/debug_rl_qwen3.toml"), *SMALL, *VARIED,
+              "--job.dump_folder", str(tmp_path), "--rl.staleness", str(k), "--checkpoint.interval", "2",
+              "--checkpoint.async_mode", "disabled"]
+    assert main([*common, "--job.name", "straight", "--training.steps", "4"]) == 0
+    assert main([*common, "--job.name", "resumed", "--training.steps", "2"]) == 0
+    assert main([*common, "--job.name", "resumed", "--training.steps", "4"]) == 0
+    a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "resumed")
+    assert [a[s]["data/rl/staleness"] for s in (1, 2, 3, 4)] == [0, min(1, k), k, k]
+    assert [a[s]["data/rl/buffer_size"] for s in (1, 2, 3, 4)] == [k] * 4
+    assert any(a[s]["loss/pg"] != 0 for s in a)  # the rewards vary: a real gradient
+    for s in (3, 4):
+        for key in ("loss", "loss/pg", "grad_norm", "data/rl/reward_mean", "data/rl/completion_len"):
+            assert a[s][key] == b[s][key], (s, key, a[s][key], b[s][key])  # bitwise
