@@ -12,17 +12,18 @@ from collections.abc import Callable
 
 from titan_mm.config import JobConfig
 from titan_mm.rl.rewards import build_reward
-from titan_mm.rl.rollout import RolloutSource, load_prompts
+from titan_mm.rl.rollout import RolloutSource, load_prompts, reference_path
 from titan_mm.train.setup import Run
 
 __all__ = ["RolloutSource", "rl_data"]
 
 
 def rl_data(cfg: JobConfig) -> Callable[[Run], RolloutSource] | None:
-    """The trainer's data callback of an [rl] job (None when rl.enable is off). The prompts and rewards are read
-    here, before anything is built, so a bad one is one ConfigError line."""
+    """The trainer's data callback of an [rl] job (None when rl.enable is off). The prompts, the rewards and the
+    reference's path are checked here, before anything is built, so a bad one is one ConfigError line."""
     if not cfg.rl.enable:
         return None
     build_reward(cfg.rl)
     load_prompts(cfg.rl.prompts)
+    reference_path(cfg)
     return lambda run: RolloutSource(cfg, run)

@@ -92,6 +92,18 @@ def load_prompts(source: str) -> list[dict]:
     return read_jsonl_items(path, source, key="rl.prompts")
 
 
+def reference_path(cfg: JobConfig) -> str:
+    """The KL reference's folder ("" without a KL term); rl.reference "init" is model.hf_path."""
+    rl = cfg.rl
+    if not rl.kl_coef:
+        return ""
+    path = cfg.model.hf_path if rl.reference == "init" else rl.reference
+    if not path:
+        raise ConfigError("rl.kl_coef > 0 with rl.reference = 'init' needs model.hf_path (the weights the run starts "
+                          "from); or set rl.reference to an HF folder or a titan_mm run / checkpoint")
+    return path
+
+
 def _seed(*parts) -> int:
     key = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(key, "little") >> 2  # the engine adds the output index: stay below 2**63
@@ -130,7 +142,7 @@ class RolloutSource:
         if longest + rl.max_tokens > cfg.data.seq_len:
             raise ConfigError(f"rl.prompts: the longest prompt has {longest} tokens, + rl.max_tokens {rl.max_tokens} "
                               f"> data.seq_len {cfg.data.seq_len}; raise data.seq_len or lower rl.max_tokens")
-        self.reference = self._reference_path()
+        self.reference = reference_path(cfg)
         self.ref_model = None
         if self.reference:
             self.ref_model = load_model(self.reference, run.device).model
@@ -207,16 +219,6 @@ class RolloutSource:
         self._stats.update({"rl/sync_s": sync_s, "rl/sync_bytes": copied,
                             "rl/generate_s": time.perf_counter() - t0 - sync_s})
         return batch
-
-    def _reference_path(self) -> str:
-        rl = self.rl
-        if not rl.kl_coef:
-            return ""
-        path = self.cfg.model.hf_path if rl.reference == "init" else rl.reference
-        if not path:
-            raise ConfigError("rl.kl_coef > 0 with rl.reference = 'init' needs model.hf_path (the weights the run "
-                              "starts from); or set rl.reference to an HF folder or a titan_mm run / checkpoint")
-        return path
 
     @torch.no_grad()
     def _reference_logprobs(self, rollouts: list[Rollout]) -> None:

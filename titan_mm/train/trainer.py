@@ -176,7 +176,8 @@ def _train_locked(cfg: JobConfig, out_dir, make_eval, make_data=None) -> dict[st
             print(resolved_toml(cfg))
     loader = make_data(run) if make_data else build_data(cfg, spec, model_cfg, run.dp_rank, run.dp_world, n_micro)
     state.dataloader = loader
-    rebalance = Rebalancer.for_run(cfg.data.balance, run, cfg.model.flavor)  # after the loader: its state stays
+    # after the loader: its state stays; a data callback places its own rows ([rl]: whole groups, one length)
+    rebalance = None if make_data else Rebalancer.for_run(cfg.data.balance, run, cfg.model.flavor)
     model = state.model
 
     topo = Topology(world_size=world, dp_rank=run.dp_rank, dp_world=run.dp_world,
