@@ -8,6 +8,7 @@ import pytest
 
 from tests.unit._serve_helpers import engine, prompt
 from titan_mm.serve.engine import Engine
+from titan_mm.serve.handlers import Sampling
 from titan_mm.serve.sampling import SamplingParams
 from titan_mm.serve.sequence import PENDING
 
@@ -41,8 +42,8 @@ def outputs(e: Engine, approx: bool = False):
 
 def counting(monkeypatch) -> list:
     calls = []
-    real = Engine._resolve
-    monkeypatch.setattr(Engine, "_resolve", lambda self, *a: (calls.append(1), real(self, *a)))
+    real = Sampling.resolve
+    monkeypatch.setattr(Sampling, "resolve", lambda self, *a: (calls.append(1), real(self, *a)))
     return calls
 
 

@@ -1,4 +1,4 @@
-"""Incremental detokenization (engine.Detokenizer): the texts added token by token, multi-byte characters split
+"""Incremental detokenization (output_processor.Detokenizer): the texts added token by token, multi-byte characters split
 across tokens included, concatenate to the decoding of the whole output, with the real Qwen3 tokenizer; the
 cached one-token texts save a tokenizer call per token."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from titan_mm.serve.engine import Detokenizer
+from titan_mm.serve.output_processor import Detokenizer
 from titan_mm.serve.sequence import Sequence
 
 

@@ -101,3 +101,39 @@ class ServeConfig:
         if self.token_rate_limit < 0 or self.token_rate_burst_s <= 0:
             raise ConfigError(f"serve.token_rate_limit must be >= 0 and token_rate_burst_s > 0, got "
                               f"{self.token_rate_limit}, {self.token_rate_burst_s}")
+
+    def check_model(self, name: str, max_model_len: int, linear: bool, kv_cache: bool = True) -> None:
+        """The rules that depend on the model ``name`` (its context ``max_model_len``, after serve.max_model_len;
+        ``linear``: it has linear-attention layers; ``kv_cache``: it decodes through the paged KV cache)."""
+        if not kv_cache:
+            raise ConfigError(f"model {name!r} does not decode through the paged KV cache yet, so the engine "
+                              "cannot serve it; its spec needs a KV-cache path first (docs/models.md)")
+        if not max_model_len:
+            raise ConfigError(f"{name} does not name its context length; set serve.max_model_len")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ConfigError(f"serve.enable_chunked_prefill=false needs max_num_batched_tokens >= max_model_len "
+                              f"({self.max_num_batched_tokens} < {max_model_len}); raise it, lower "
+                              "max_model_len, or enable chunked prefill")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"serve.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                              f"({self.max_num_seqs}): every running sequence needs its decode token each step")
+        if self.speculative_method and linear:
+            raise ConfigError(f"serve.speculative_method={self.speculative_method!r}: model {name!r} has "
+                              "linear-attention layers, whose recurrent state cannot be rolled back past rejected "
+                              "guesses; set serve.speculative_method = ''")
+
+    def check_draft(self, has_draft: bool, vocab: int | None = None, draft_vocab: int | None = None,
+                    draft_name: str = "", draft_linear: bool = False) -> None:
+        """speculative_method "draft" and a draft model come together; the draft shares the target's vocabulary
+        and has no linear-attention layers."""
+        if (self.speculative_method == "draft") != has_draft:
+            raise ConfigError("serve.speculative_method='draft' needs a draft model (serve.draft_model), and a draft "
+                              "model needs speculative_method='draft'")
+        if not has_draft:
+            return
+        if draft_vocab != vocab:
+            raise ConfigError(f"the draft model's vocabulary ({draft_vocab}) differs from the target's ({vocab}); "
+                              "pick a draft of the same tokenizer")
+        if draft_linear:
+            raise ConfigError(f"the draft model {draft_name!r} has linear-attention layers, whose state cannot "
+                              "be rolled back past rejected guesses; pick a draft of full-attention layers only")

@@ -102,6 +102,28 @@ def _host_available() -> int:
     return info.get("MemAvailable", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
+def pool_blocks(model, cfg, dims, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                draft_dims=None) -> int:
+    """KV blocks (``cfg``: the ServeConfig) from the memory left after the weights and a profiling forward of
+    max_num_batched_tokens; ``draft_dims``: a draft model's, whose pool shares the block layout."""
+    act = 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        n = min(cfg.max_num_batched_tokens, max_model_len)
+        with torch.inference_mode():
+            model(torch.zeros(1, n, dtype=torch.long, device=device), logits_at=torch.tensor([n - 1], device=device))
+        act = torch.cuda.max_memory_allocated(device) - base
+        torch.cuda.empty_cache()
+    tp = cfg.tensor_parallel_size
+    act += state_bytes(dims, cfg.max_num_seqs + 1, dtype, tp)
+    cap = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
+    per = kv_bytes_per_block(dims, cfg.block_size, dtype, tp)
+    if draft_dims is not None:
+        per += kv_bytes_per_block(draft_dims, cfg.block_size, dtype, tp)
+    return ModelRunner.blocks_from_memory(per, device, cfg.gpu_memory_utilization, act, cap)
+
+
 class ModelRunner:
     def __init__(self, model, spec, model_cfg, device: torch.device, dtype: torch.dtype, block_size: int,
                  num_blocks: int, max_num_seqs: int, tp: int = 1, paged_decode: bool = True, max_model_len: int = 0,

@@ -15,11 +15,15 @@ admission), so preempting the others always lets the first one run: there is no 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+import torch
 
 from titan_mm.serve.block_manager import BlockManager, StateSlots, block_keys
 from titan_mm.serve.config import ServeConfig
+from titan_mm.serve.sampling import Sampled
 from titan_mm.serve.sequence import Request, Sequence, Status, now
 
 
@@ -92,11 +96,16 @@ def _outside_images(req: Request, n_tokens: int, block_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, cfg: ServeConfig, blocks: BlockManager, slots: StateSlots | None = None):
+    def __init__(self, cfg: ServeConfig, blocks: BlockManager, slots: StateSlots | None = None,
+                 copy_state: Callable[[int, int], None] | None = None, clock: Callable[[], float] = now):
         self.cfg = cfg
         self.blocks = blocks
         self.slots = slots
         """Linear-attention families: a state slot per running sequence (None: KV blocks only)."""
+        self.copy_state = copy_state
+        """Linear-attention families: copies a state slot to another (the runner's; a fork goes on from it)."""
+        self.clock = clock
+        self.seq_ids = itertools.count()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -114,8 +123,11 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def finish(self, req: Request) -> None:
-        """Take ``req`` out of the queues and free every block (and state slot) it holds."""
+    def finish(self, req: Request, reason: str | None = None) -> None:
+        """End ``req``: every live sequence gets ``reason``; it leaves the queues and every block (and state slot)
+        it holds is freed."""
+        for s in req.live:
+            s.finish_reason = reason
         for seq in req.seqs:
             self.free_seq(seq)
         if req in self.running:
@@ -123,12 +135,62 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = Status.FINISHED
+        req.metrics.finished = self.clock()
 
     def free_seq(self, seq: Sequence) -> None:
         self.blocks.free(seq.table)
         if self.slots is not None:
             self.slots.free(seq.state_slot)
             seq.state_slot = None
+
+    # ---- after a forward ----
+    def computed(self, rows: Iterable[Row]) -> None:
+        """The rows' k/v are in the cache (a row of a sequence that ended meanwhile is void)."""
+        for r in rows:
+            if not r.seq.finished:
+                r.seq.num_computed = r.start + r.n
+                self.register(r.req, r.seq)
+
+    def register(self, req: Request, seq: Sequence) -> None:
+        """Record the prefix keys of ``seq``'s newly computed full blocks."""
+        bs = self.blocks.block_size
+        if self.blocks.prefix_caching and seq.num_computed // bs > len(seq.table.keys):
+            parent = seq.table.keys[-1] if seq.table.keys else None
+            self.blocks.register(seq.table, sequence_keys(req, seq, seq.num_computed, bs, len(seq.table.keys), parent))
+
+    def update_from_output(self, sampled: Iterable[tuple[Request, Sequence, Sampled]],
+                           take: Callable[[Request, Sequence, Sampled], bool]) -> dict[str, Request]:
+        """The sampled tokens, in order, into their sequences through ``take`` (the output processor's: text and
+        stops; True: it ended the sequence). An ended sequence is freed, a request left without a live one
+        finishes. A sequence that ended before its pending token was read loses that token. -> the requests
+        that got tokens."""
+        got: dict[str, Request] = {}
+        for req, seq, token in sampled:
+            if seq.finished:  # aborted or past its deadline while its token was in flight
+                seq.drop_pending()
+                continue
+            got[req.request_id] = req
+            if take(req, seq, token):
+                self.free_seq(seq)
+                if req.status is not Status.FINISHED and not req.live:
+                    self.finish(req)
+        return got
+
+    def fork(self, req: Request, seq: Sequence, generator: torch.Generator | None) -> Sequence:
+        """A child of ``seq`` sharing its blocks (and starting from a copy of its linear-attention state)."""
+        child = Sequence(next(self.seq_ids), list(seq.tokens), seq.num_prompt, self.blocks.fork(seq.table),
+                         seq.num_computed, generator, list(seq.logprobs), seq.cum_logprob, text=seq.text,
+                         detok_offsets=seq.detok_offsets, detok_tail=seq.detok_tail,
+                         draft_computed=seq.draft_computed)
+        if self.slots is not None:
+            child.state_slot = self.slots.take()
+            self.copy_state(seq.state_slot, child.state_slot)
+        req.seqs.append(child)
+        return child
+
+    def drop(self, req: Request, seq: Sequence) -> None:
+        self.free_seq(seq)
+        req.seqs.remove(seq)
 
     # ---- one step ----
     def schedule(self) -> Schedule:
