@@ -68,7 +68,7 @@ def test_a_stale_lock_is_taken_over_with_one_line(tmp_path, capsys, case):
     if case == "reused_pid" and start is None:
         pytest.skip("no /proc: a reused PID is not detectable here")
     fields = {"dead_pid": {}, "reused_pid": {"pid": os.getpid(), "proc_start": (start or 0) + 1},
-              "other_host_expired": {"host": "elsewhere", "renewed": time.time() - 1000}}[case]
+              "other_host_expired": {"host": "elsewhere", "renewed": 1.0e9}}[case]  # renewed in 2001
     old = write_lock(tmp_path, **fields)
     lock = RunLock(tmp_path)
     lock.acquire()
