@@ -113,7 +113,7 @@ def test_abort_and_deadline_meet_a_step_in_flight():
     e.add_request("b", prompt(8, seed=2), SamplingParams(temperature=0.0, max_tokens=6))
     for _ in range(4):
         e.step()
-    assert e._inflight is not None  # a step is in flight now
+    assert e.core.inflight is not None  # a step is in flight now
     e.abort("a")
     clock.t = 10.0
     final = {}

@@ -1,4 +1,4 @@
-"""Incremental detokenization (output_processor.Detokenizer): the texts added token by token, multi-byte characters split
+"""Incremental detokenization (Detokenizer): the texts added token by token, multi-byte characters split
 across tokens included, concatenate to the decoding of the whole output, with the real Qwen3 tokenizer; the
 cached one-token texts save a tokenizer call per token."""
 

@@ -38,16 +38,11 @@ from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.dtypes import torch_dtype
 from titan_mm.loader import load_model
 from titan_mm.models.hf_io import is_sharded
-from titan_mm.serve.block_manager import BlockManager, StateSlots
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.errors import BadRequest, QueueFull
-from titan_mm.serve.handlers import BeamSearch, Sampling, Speculative
-from titan_mm.serve.output_processor import OutputProcessor
-from titan_mm.serve.requests import InputProcessor, seq_generator
-from titan_mm.serve.runner import ModelRunner, pool_blocks
+from titan_mm.serve.engine_core import EngineCore
+from titan_mm.serve.requests import InputProcessor
 from titan_mm.serve.sampling import SamplingParams
-from titan_mm.serve.scheduler import Row, Scheduler
-from titan_mm.serve.spec_decode import DraftProposer
 from titan_mm.serve.sequence import Request, RequestOutput, Status, now
 from titan_mm.serve.tp import tensor_parallel
 
@@ -85,40 +80,14 @@ class Engine:
                              (i for i in (self.tokenizer.eos_id, self.tokenizer.endoftext_id) if i is not None))
         self.model = self._on_device(model, spec, model_cfg, "the model")
         self.draft = None if draft is None else (self._on_device(*draft, "the draft model"), *draft[1:])
-        num_blocks = cfg.num_blocks or pool_blocks(self.model, cfg, dims, self.device, self.dtype, self.max_model_len,
-                                                   d_dims)
-        if self.tp is not None and not cfg.num_blocks:  # free memory differs per rank; the pools must not
-            num_blocks = self.tp.min(num_blocks)
-        if num_blocks < 1:
-            raise ConfigError(f"no memory is left for the KV cache after the weights (serve.gpu_memory_utilization="
-                              f"{cfg.gpu_memory_utilization}); raise it, set serve.num_blocks, or lower "
-                              "max_num_batched_tokens")
-        runner = dict(block_size=cfg.block_size, num_blocks=num_blocks, max_num_seqs=cfg.max_num_seqs, tp=tp,
-                      paged_decode=cfg.paged_decode, max_model_len=self.max_model_len, cuda_graphs=cfg.cuda_graphs,
-                      packed_prefill=cfg.packed_prefill)
-        self.runner = ModelRunner(self.model, spec, model_cfg, self.device, self.dtype, **runner)
-        # the draft's own pool has the target's block layout and tables
-        self.proposer = None if draft is None else DraftProposer(ModelRunner(*self.draft, self.device, self.dtype,
-                                                                             **runner))
-        for r in [self.runner] + ([self.proposer.runner] if self.proposer is not None else []):
-            r.capture_graphs()  # at start-up, as vLLM does: no request waits for a capture
-        # a hybrid model's cached KV blocks are useless without the linear layers' state at their end: no prefix
-        # caching for families with linear-attention layers (their states live in one slot per sequence)
-        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching and dims.linear is None)
-        self.slots = StateSlots(cfg.max_num_seqs) if dims.linear is not None else None
-        self.scheduler = Scheduler(cfg, self.blocks, self.slots, self.runner.copy_state, clock)
-        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, clock)
-        seed = int.from_bytes(os.urandom(8), "little") >> 1
-        self.generator = torch.Generator(self.device).manual_seed(self.tp.broadcast(seed) if self.tp else seed)
-        gen = seq_generator(self.device)
+        self.core = EngineCore(cfg, self.model, spec, model_cfg, self.device, self.dtype, self.max_model_len,
+                               self.tokenizer, clock, self.tp, self.draft)
+        core = self.core
+        self.runner, self.proposer, self.blocks, self.slots, self.scheduler = (
+            core.runner, core.proposer, core.blocks, core.slots, core.scheduler)
         self.inputs = InputProcessor(cfg, dims.vocab_size, spec.data_needs(model_cfg), self.data, self.tokenizer,
-                                     self.eos, self.max_model_len, self.blocks, self.scheduler.seq_ids, gen, clock)
-        parts = (self.scheduler, self.outputs, self.generator, gen)
-        self.sampling, self.beam = Sampling(*parts), BeamSearch(*parts)
-        self.speculative = Speculative(*parts, cfg=cfg, max_model_len=self.max_model_len, proposer=self.proposer) \
-            if cfg.speculative_method else None
-        self._async = cfg.async_scheduling and not cfg.speculative_method  # guesses are proposed from the tokens
-        self._inflight = None
+                                     self.eos, self.max_model_len, self.blocks, self.scheduler.seq_ids,
+                                     core.seq_generator, clock)
         self.requests: dict[str, Request] = {}
         self._inbox: deque = deque()
         self._lock = threading.Lock()  # guards requests and the inbox (add_request / abort from other threads)
@@ -212,62 +181,14 @@ class Engine:
             return self._step_at(self._drain("step"))
 
     def _step_at(self, t: float) -> list[RequestOutput]:
-        touched = self._expire(t)
-        sched = self.scheduler.schedule()
-        prev, self._inflight = self._inflight, None
-        fed = prev.fed if prev is not None else None
-        if sched.rows:
-            per_row = self.speculative.propose(sched) if self.speculative is not None else 1
-            logits = self.runner.run(sched.rows, sched.copies, per_row, fed)
-        launched = self._launch(sched.rows, logits, fed) if sched.rows and self._async else None
-        if prev is not None:  # the GPU runs this step's forward while the host takes the previous one's tokens
-            self.sampling.resolve(prev, touched)
-        if sched.rows and launched is None:
-            self._update(sched.rows, logits, touched)
-        outs = [self.outputs.output(r) for r in touched.values()]
-        if launched is not None:  # after the outputs: they must not hold the PENDING tokens
-            self._inflight = self.sampling.pend(sched.rows, *launched)
-        self._forget(touched.values())
-        return outs
-
-    def _launch(self, rows: list[Row], logits: torch.Tensor, fed):
-        """The asynchronous launch when every sampling row can go without the host (else None: steps in turn)."""
-        if all(self.sampling.overlaps(r.req) for r in rows if r.samples):
-            return self.sampling.launch(rows, logits, fed)
-        return None
-
-    def _update(self, rows: list[Row], logits: torch.Tensor, touched: dict[str, Request]) -> None:
-        """The step's rows that reached their last token, each through its handler (speculation, beam search,
-        sampling, in that order); the others' k/v count as computed."""
-        live = [(i, r) for i, r in enumerate(rows) if not r.seq.finished]  # else ended by the previous step's tokens
-        self.scheduler.computed(r for _, r in live if not r.lookahead)
-        first = logits[:, 0] if logits.dim() == 3 else logits
-        for handler, lg, mine in ((self.speculative, logits, lambda r: r.lookahead),
-                                  (self.beam, first, lambda r: r.samples and not r.lookahead and r.req.beam),
-                                  (self.sampling, first, lambda r: r.samples and not r.lookahead and not r.req.beam)):
-            at = [i for i, r in live if mine(r)]
-            if at:
-                picked = lg if len(at) == len(lg) else lg[torch.tensor(at, device=lg.device)]
-                handler.advance([rows[i] for i in at], picked, touched)
-
-    def _expire(self, t: float) -> dict[str, Request]:
-        """Requests past their deadline at ``t`` end ("abort"); with the aborted ones, -> the step's first outputs."""
-        touched: dict[str, Request] = {}
-        for req in [r for r in self.scheduler.running + self.scheduler.waiting if r.deadline is not None]:
-            if t > req.deadline:
-                req.metrics.deadline_exceeded = True
-                self.scheduler.finish(req, "abort")
-                touched[req.request_id] = req
-        for req in self._aborted:
-            touched[req.request_id] = req
+        outs = self.core.step(t, self._aborted)
         self._aborted = []
-        return touched
-
-    def _forget(self, reqs) -> None:
         with self._lock:
-            for r in reqs:
-                if r.status is Status.FINISHED and self.requests.get(r.request_id) is r:
-                    del self.requests[r.request_id]
+            for o in outs:  # finished ones are forgotten (an id aborted and reused since belongs to the new one)
+                req = self.requests.get(o.request_id)
+                if o.finished and req is not None and req.status is Status.FINISHED:
+                    del self.requests[o.request_id]
+        return outs
 
     def _drain(self, kind: str = "drain") -> float:
         """Apply the requests added / aborted since the last call; -> the clock for the step. Tensor parallel: rank
@@ -290,7 +211,8 @@ class Engine:
                 req = self.requests.get(x)
                 if req is not None and req.status is not Status.FINISHED:
                     self.scheduler.finish(req, "abort")
-                    self._forget([req])
+                    with self._lock:
+                        del self.requests[x]
                     self._aborted.append(req)
 
     # ---- tensor parallel: the ranks other than 0 ----
@@ -367,19 +289,9 @@ class Engine:
             self._send("release")
 
     def stats(self) -> dict[str, Any]:
-        b, s = self.blocks, self.scheduler
         with self._lock:  # the server scrapes from another thread while add_request inserts
             waiting = [r for r in self.requests.values() if r.status is Status.WAITING]
-        return {
-            "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.num_blocks,
-            "kv_usage": b.num_used / b.num_blocks, "kv_blocks_cached": len(b.cached),
-            "prefix_cache_hit_rate": b.hit_rate, "prefix_cache_hit_tokens": b.hit_tokens,
-            "prefix_cache_query_tokens": b.query_tokens, "num_preemptions": s.num_preemptions,
-            "num_evictions": b.num_evictions, "num_running": len(s.running), "num_waiting": len(waiting),
-            "num_running_seqs": s.num_running_seqs,
+        return self.core.stats() | {
+            "num_waiting": len(waiting), "max_model_len": self.max_model_len,
             "waiting_by_priority": {p: sum(1 for r in waiting if r.priority == p)
-                                    for p in range(self.cfg.priority_levels)},
-            "block_size": b.block_size, "max_model_len": self.max_model_len,
-            "state_slots_used": self.slots.num_used if self.slots is not None else 0,
-            "state_slots_total": self.slots.num_slots if self.slots is not None else 0,
-        }
+                                    for p in range(self.cfg.priority_levels)}}
