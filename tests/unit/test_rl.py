@@ -2,6 +2,9 @@
 the engine's logprobs against the trainer's, the weight sync, the replay buffer's staleness, and resume."""
 
 import math
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ from titan_mm.objectives.policy import policy_sums
 from titan_mm.observe.metrics import read_metrics
 from titan_mm.rl import rl_data
 from titan_mm.rl.rewards import build_reward
-from titan_mm.rl.rollout import RolloutSource, group_advantages, token_logprobs
+from titan_mm.rl.rollout import RolloutSource, group_advantages, load_prompts, token_logprobs
 from titan_mm.train.setup import setup
 from titan_mm.train.trainer import main
 
@@ -112,6 +115,21 @@ def test_group_advantages():
     assert group_advantages(r, 4, std_normalize=False)[:4] == [0.5, -0.5, -0.5, 0.5]
 
 
+def test_prompts_from_builtin_and_jsonl(tmp_path):
+    qa = load_prompts("builtin:qa")
+    assert len(qa) == 1438 and qa[0]["messages"][-1]["role"] == "user" and qa[0]["reference"].isdigit()
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "2+2=", "answer": "4"}\n\n{"messages": [{"role": "user", "content": "hi"}], '
+                 '"reference": "hello"}\n')
+    assert load_prompts(str(f)) == [{"prompt": "2+2=", "reference": "4"},
+                                    {"messages": [{"role": "user", "content": "hi"}], "reference": "hello"}]
+    f.write_text('{"prompt": "2+2="}\n')
+    with pytest.raises(ConfigError, match="rl.prompts .* line 1 needs"):
+        load_prompts(str(f))
+    with pytest.raises(ConfigError, match="rl.prompts 'builtin:text' is not a built-in chat set"):
+        load_prompts("builtin:text")
+
+
 def test_config_mistakes_are_one_line():
     with pytest.raises(ConfigError, match="must equal rl.prompts_per_step x rl.group_size = 8"):
         cfg_of("--training.global_batch_size", "16")
@@ -206,3 +224,22 @@ def test_staleness_and_resume_bitwise(tmp_path, k):
     for s in (3, 4):
         for key in ("loss", "loss/pg", "grad_norm", "data/rl/reward_mean", "data/rl/completion_len"):
             assert a[s][key] == b[s][key], (s, key, a[s][key], b[s][key])  # bitwise
+
+
+@pytest.mark.slow  # three launches of the trainer, ~40 s on 2 cores
+def test_sigkill_and_resume_bitwise(tmp_path):
+    """kill -9 in the middle of step 4 (after the save of step 2), k = 1: the rerun resumes from step 2 with the
+    buffer of rollouts made at version 1 and trains steps 3-4 bitwise as the straight run."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    common = [str(ROOT / "run_train.sh"), "--config", "debug_rl_qwen3.toml", *SMALL, *VARIED, "--job.dump_folder",
+              str(tmp_path), "--rl.staleness", "1", "--training.steps", "4", "--checkpoint.interval", "2",
+              "--checkpoint.async_mode", "disabled"]
+    runs = [("straight", {}), ("killed", {"TITAN_MM_FAULT_KILL_AT_STEP": "3"}), ("killed", {})]
+    codes = [subprocess.run([*common, "--job.name", name], env={**env, **extra}, cwd=ROOT, capture_output=True,
+                            text=True, timeout=400) for name, extra in runs]
+    assert [c.returncode for c in codes] == [0, -signal.SIGKILL, 0], codes[-1].stderr[-3000:]
+    assert "resumed from" in codes[2].stderr and "step-00000002" in codes[2].stderr
+    a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "killed")
+    for s in (3, 4):
+        for key in ("loss", "grad_norm", "data/rl/reward_mean", "data/rl/staleness"):
+            assert a[s][key] == b[s][key], (s, key, a[s][key], b[s][key])
