@@ -958,6 +958,10 @@ def _validate_rl(cfg: JobConfig) -> None:
     if cfg.training.global_batch_size != rows:
         raise ConfigError(f"rl: training.global_batch_size ({cfg.training.global_batch_size}) must equal "
                           f"rl.prompts_per_step x rl.group_size = {rows} (one completion per row)")
+    p = cfg.parallel
+    if max(p.tp, p.cp, p.pp) > 1:
+        raise ConfigError(f"rl.enable runs on data parallelism (FSDP / DDP) only for now (the policy hook reads "
+                          f"whole-vocabulary logits); got parallel.tp={p.tp}, cp={p.cp}, pp={p.pp}: set them to 1")
     if cfg.objective.kind != "causal":
         raise ConfigError(f"rl.enable trains the policy objective; objective.kind={cfg.objective.kind!r} would "
                           "replace it: drop objective.kind")

@@ -130,13 +130,18 @@ def test_prompts_from_builtin_and_jsonl(tmp_path):
         load_prompts("builtin:text")
 
 
-def test_config_mistakes_are_one_line():
+def test_config_mistakes_are_one_line(monkeypatch):
     with pytest.raises(ConfigError, match="must equal rl.prompts_per_step x rl.group_size = 8"):
         cfg_of("--training.global_batch_size", "16")
+    with pytest.raises(ConfigError, match="data parallelism .* only"):
+        cfg_of("--parallel.tp", "2")
     with pytest.raises(ConfigError, match="rl.group_size must be >= 2"):
         cfg_of("--rl.group_size", "1", "--training.global_batch_size", "2")
     assert main(["--config", str(ROOT / "train_configs/debug_rl_qwen3.toml"), *SMALL,
                  "--rl.prompts", "nope.jsonl"]) == 2
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"rl.prompts_per_step \(2\) must divide by the 4 data-parallel"):
+        rl_data(cfg_of())
 
 
 # ---------------------------------------------------------------------------------------------- engine vs trainer

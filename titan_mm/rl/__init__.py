@@ -8,9 +8,10 @@ callback, as it receives eval's: ``train(cfg, make_eval, make_data=rl_data(cfg))
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
-from titan_mm.config import JobConfig
+from titan_mm.config import ConfigError, JobConfig
 from titan_mm.rl.rewards import build_reward
 from titan_mm.rl.rollout import RolloutSource, load_prompts, reference_path
 from titan_mm.train.setup import Run
@@ -23,6 +24,10 @@ def rl_data(cfg: JobConfig) -> Callable[[Run], RolloutSource] | None:
     reference's path are checked here, before anything is built, so a bad one is one ConfigError line."""
     if not cfg.rl.enable:
         return None
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # every rank is a dp rank: the config refuses tp / cp / pp
+    if cfg.rl.prompts_per_step % world:
+        raise ConfigError(f"rl.prompts_per_step ({cfg.rl.prompts_per_step}) must divide by the {world} data-parallel "
+                          "ranks: each rank samples whole groups")
     build_reward(cfg.rl)
     load_prompts(cfg.rl.prompts)
     reference_path(cfg)

@@ -42,7 +42,7 @@ from titan_mm.objectives.policy import IGNORE
 from titan_mm.rl.rewards import build_reward
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.engine import Engine
-from titan_mm.serve.sampling import SamplingParams
+from titan_mm.serve.sampling_params import SamplingParams
 from titan_mm.train.setup import Run
 from titan_mm.train.state import from_bytes, to_bytes
 
@@ -124,13 +124,7 @@ class RolloutSource:
 
     def __init__(self, cfg: JobConfig, run: Run):
         self.cfg, self.run, self.rl = cfg, run, cfg.rl
-        rl, pd = cfg.rl, run.pd
-        if pd.tp > 1 or pd.cp > 1 or pd.pp > 1:
-            raise ConfigError("rl.enable runs on data parallelism (FSDP / DDP) only for now: the policy hook reads "
-                              "whole-vocabulary logits; set parallel.tp, cp and pp to 1")
-        if rl.prompts_per_step % run.dp_world:
-            raise ConfigError(f"rl.prompts_per_step ({rl.prompts_per_step}) must divide by the {run.dp_world} data-"
-                              "parallel ranks: each rank samples whole groups")
+        rl = cfg.rl  # tp / cp / pp > 1 are refused by the config's checks, an uneven dp split by rl_data
         self.reward = build_reward(rl)
         self.items = load_prompts(rl.prompts)
         self.tok = load_tokenizer(tokenizer_path(cfg))
