@@ -41,10 +41,14 @@ def numeric(text: str, reference: str) -> float:
     return float(got is not None and got == want)
 
 
+def _format(rl: Rl) -> Reward:
+    pattern = re.compile(rl.format_regex)
+    return lambda text, ref, ended: float(ended and pattern.fullmatch(text) is not None)
+
+
 register("exact_match", lambda rl: lambda text, ref, ended: exact_match(text, ref))
 register("numeric", lambda rl: lambda text, ref, ended: numeric(text, ref))
-register("format", lambda rl: (lambda pattern: lambda text, ref, ended: float(
-    ended and pattern.fullmatch(text) is not None))(re.compile(rl.format_regex)))
+register("format", _format)
 
 
 def _imported(path: str) -> Reward:
