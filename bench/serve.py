@@ -208,7 +208,7 @@ def warm_lens(prompts: list[list[int]]) -> list[int]:
 
 def run_titan(engine, prompts: list[list[int]], news: list[int], cap_s: float, vocab: int) -> dict:
     """Every request added at t0, steps until all finish or ``cap_s`` passes."""
-    from titan_mm.serve.sampling import SamplingParams
+    from titan_mm.serve.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(1)
     engine.generate([random_ids(g, n, vocab) for n in warm_lens(prompts)],
@@ -347,7 +347,7 @@ def titan_vs_hf(spec, flavor, prompts, news, device, shape, cap_s, cpu, seed) ->
     for r in (t, h):
         r.pop("first_tokens", None)
     dims = spec.dims(cfg)
-    from titan_mm.serve.runner import kv_bytes_per_block
+    from titan_mm.serve.runner.model_runner import kv_bytes_per_block
 
     out["weight_bytes"] = weight_bytes(model, dims, dtype)
     out["kv_bytes_per_token"] = kv_bytes_per_block(dims, 1, dtype)

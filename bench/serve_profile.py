@@ -59,7 +59,7 @@ def batch1_kernels(spec, cfg, model, device, shape, vocab, steps: int = 20) -> d
     """One 512-token request decoding alone: kernels launched and GPU busy time per decode step (profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from titan_mm.serve.sampling import SamplingParams
+    from titan_mm.serve.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(1)
     prompt = [sb.random_ids(g, 512, vocab)]
@@ -88,7 +88,7 @@ def host_cost(rows: int = 256, new: int = 600, warm: int = 400, steps: int = 30)
     import dataclasses
 
     from titan_mm.registry import get_model_spec
-    from titan_mm.serve.sampling import SamplingParams
+    from titan_mm.serve.sampling_params import SamplingParams
 
     cpu = torch.device("cpu")
     spec = get_model_spec("qwen3")
@@ -131,7 +131,7 @@ def prefill_padding(reps: int = 5) -> dict:
 
     from titan_mm.nn.kv_cache import plan_step
     from titan_mm.registry import get_model_spec
-    from titan_mm.serve.sampling import SamplingParams
+    from titan_mm.serve.sampling_params import SamplingParams
 
     cpu = torch.device("cpu")
     spec = get_model_spec("qwen3")
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     prompts = [sb.random_ids(g, n, vocab) for n in plens]
     model = sb.random_model(spec, flavor, device, 0, shape["kernels"])
     engine = sb.titan_engine(model, spec, cfg, prompts, news, device, shape)
-    from titan_mm.serve.sampling import SamplingParams
+    from titan_mm.serve.sampling_params import SamplingParams
 
     engine.generate([sb.random_ids(g, 16, vocab) for _ in range(2)], SamplingParams(temperature=0.0, max_tokens=4))
     acc: dict = defaultdict(float)

@@ -135,7 +135,7 @@ def load_weights(model: torch.nn.Module, spec: ModelSpec, source: Source | str) 
 def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", *, shard=None,
                kernels: bool = False) -> Loaded:
     """The model of ``path`` (module docstring) on ``device``, in eval mode. ``shard(model, spec, config)``: tensor
-    parallel (titan_mm.serve.tp), applied to the meta-built model of an HF folder, so that each rank materialises
+    parallel (titan_mm.serve.runner.tp), applied to the meta-built model of an HF folder, so that each rank materialises
     and reads only its shards; a checkpoint is read whole, then sharded. ``kernels``: an HF folder's model runs
     the fused titan_mm.kernels ops on CUDA (a checkpoint keeps its run's [kernels] as resolved on the CPU)."""
     device = torch.device(device)

@@ -18,7 +18,7 @@ from tests.parity._qwen3_helpers import titan_twin
 from tests.parity.test_serve_generate import CASES, MAX_NEW, draft_model, text_reference, text_setup, vl_setup
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.engine import Engine
-from titan_mm.serve.sampling import SamplingParams
+from titan_mm.serve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -115,7 +115,7 @@ def test_async_steps_wait_only_for_their_tokens(moe, monkeypatch):
     stop checks, outputs) run under set_sync_debug_mode("error") but for the wait on the previous step's tokens,
     and the greedy tokens equal the steps in turn (EOS ignored, so both run the same batches); a third of the
     requests are penalized (their counts read the pending token on the device)."""
-    from titan_mm.serve.sampling import Draw
+    from titan_mm.serve.runner.sampler import Draw
 
     tm, spec, prompts, _, _, _, data = text_setup(moe)
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True,

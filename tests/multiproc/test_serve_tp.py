@@ -1,4 +1,4 @@
-"""Tensor-parallel serving on 2 gloo processes (titan_mm/serve/tp.py): greedy outputs of 16 mixed-length prompts
+"""Tensor-parallel serving on 2 gloo processes (titan_mm/serve/runner/tp.py): greedy outputs of 16 mixed-length prompts
 batched together are token-identical to transformers' ``generate`` and to the single-process engine, for Qwen3
 (loaded from an HF folder: meta build, the plan, each rank reads its shards) and Qwen3-MoE (a model in memory,
 split by the plan; its experts stay replicated over tp, as the plan has them). One launch runs every case of a
@@ -38,7 +38,7 @@ FAST = ("prefix_cache", "sampled")  # the quick suite; preemption, chunks, specu
 def _run_cases(cases, make_engine, prompts, draft):
     """{case: (token ids per prompt on this rank, stats)}; a rank > 0 records the outputs its steps produced."""
     from titan_mm.serve.config import ServeConfig
-    from titan_mm.serve.sampling import SamplingParams
+    from titan_mm.serve.sampling_params import SamplingParams
 
     got = {}
     for case in cases:
@@ -73,7 +73,7 @@ def _config_errors(spec, model_cfg) -> list[str]:
     import dataclasses
 
     from titan_mm.config import ConfigError
-    from titan_mm.serve.tp import tensor_parallel
+    from titan_mm.serve.runner.tp import tensor_parallel
 
     msgs = []
     for fn in (lambda: tensor_parallel(4, "cpu"),
@@ -128,7 +128,7 @@ def _worker(rank, world, cases, folder, moe, draft, prompts):
 def test_tp2_matches_one_process_and_transformers(tmp_path, cases):
     from titan_mm.serve.config import ServeConfig
     from titan_mm.serve.engine import Engine
-    from titan_mm.serve.sampling import SamplingParams
+    from titan_mm.serve.sampling_params import SamplingParams
 
     refs, prompts, single = {}, {}, {}
     folder = tmp_path / "qwen3"
@@ -201,7 +201,7 @@ def test_torchrun_server_answers_as_one_process(tmp_path):
 
     from titan_mm.serve.config import ServeConfig
     from titan_mm.serve.engine import Engine
-    from titan_mm.serve.sampling import SamplingParams
+    from titan_mm.serve.sampling_params import SamplingParams
 
     hf, *_ = text_reference(False)
     hf.save_pretrained(tmp_path)
@@ -238,7 +238,7 @@ def test_torchrun_server_answers_as_one_process(tmp_path):
 def _vl_worker(rank, world, cases):
     from titan_mm.serve.config import ServeConfig
     from titan_mm.serve.engine import Engine
-    from titan_mm.serve.sampling import SamplingParams
+    from titan_mm.serve.sampling_params import SamplingParams
 
     out = {}
     for name, (tm, spec, prompts, images, eos, data) in cases.items():

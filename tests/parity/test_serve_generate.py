@@ -25,7 +25,7 @@ from titan_mm.data.processors import ProcessorConfig  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
 from titan_mm.serve.config import ServeConfig  # noqa: E402
 from titan_mm.serve.engine import Engine  # noqa: E402
-from titan_mm.serve.sampling import SamplingParams  # noqa: E402
+from titan_mm.serve.sampling_params import SamplingParams  # noqa: E402
 
 MAX_NEW = 10
 N = 16

@@ -24,7 +24,7 @@ from titan_mm.config import ConfigError  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
 from titan_mm.serve.config import ServeConfig  # noqa: E402
 from titan_mm.serve.engine import Engine  # noqa: E402
-from titan_mm.serve.sampling import SamplingParams  # noqa: E402
+from titan_mm.serve.sampling_params import SamplingParams  # noqa: E402
 
 MAX_NEW = 8
 LENS = (3, 17, 40, 1, 70, 9, 25, 12)

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from titan_mm.registry import resolve_model  # noqa: E402
 from titan_mm.serve.config import ServeConfig  # noqa: E402
 from titan_mm.serve.engine import Engine  # noqa: E402
-from titan_mm.serve.sampling import SamplingParams  # noqa: E402
+from titan_mm.serve.sampling_params import SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LEN = 256
@@ -372,7 +372,7 @@ def _png(w=64, h=48) -> str:
 def vl_app():
     from fastapi.testclient import TestClient
 
-    from titan_mm.serve.server import build_app
+    from titan_mm.serve.entrypoints.server import build_app
 
     spec, cfg = resolve_model("qwen3_vl", "debug", overrides={"text": {"num_hidden_layers": 2}})
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ from titan_mm.config import ConfigError, Data, JobConfig, _leaf_type, all_keys, 
 from titan_mm.data.loader import build_dataloader
 from titan_mm.export import main as export_main
 from titan_mm.observe.metrics import ConsoleSink
-from titan_mm.serve.openai_protocol import CompletionRequest, RequestError, parse_body
+from titan_mm.serve.entrypoints.openai_protocol import CompletionRequest, RequestError, parse_body
 from titan_mm.train import torchrun
 from titan_mm.train.trainer import main as train_main
 

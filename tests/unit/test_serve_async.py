@@ -8,9 +8,9 @@ import pytest
 
 from tests.unit._serve_helpers import engine, prompt
 from titan_mm.serve.engine import Engine
-from titan_mm.serve.handlers import Sampling
-from titan_mm.serve.sampling import SamplingParams
-from titan_mm.serve.sequence import PENDING
+from titan_mm.serve.core.handlers import Sampling
+from titan_mm.serve.sampling_params import SamplingParams
+from titan_mm.serve.core.sequence import PENDING
 
 EOS = tuple(range(0, 256, 9))  # ~11% of the vocabulary: some sequences stop early
 

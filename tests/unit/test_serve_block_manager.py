@@ -4,7 +4,7 @@ hashes (tokens and images), LRU eviction of unreferenced cached blocks, and that
 
 import random
 
-from titan_mm.serve.block_manager import BlockManager, BlockTable, block_keys
+from titan_mm.serve.core.block_manager import BlockManager, BlockTable, block_keys
 
 BS = 4
 

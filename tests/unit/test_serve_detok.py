@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from titan_mm.serve.output_processor import Detokenizer
-from titan_mm.serve.sequence import Sequence
+from titan_mm.serve.core.output_processor import Detokenizer
+from titan_mm.serve.core.sequence import Sequence
 
 
 class _Counting:

@@ -8,7 +8,7 @@ from titan_mm.config import ConfigError
 from titan_mm.export import export
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.engine import Engine
-from titan_mm.serve.sampling import SamplingParams
+from titan_mm.serve.sampling_params import SamplingParams
 from titan_mm.train.trainer import main
 
 ONE_STEP = ["--training.steps", "1", "--checkpoint.interval", "1", "--checkpoint.async_mode", "disabled",

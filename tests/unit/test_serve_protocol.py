@@ -1,4 +1,4 @@
-"""The OpenAI request bodies (titan_mm/serve/openai_protocol.py): every mistake is one RequestError that names the
+"""The OpenAI request bodies (serve/entrypoints/openai_protocol.py): every mistake is one RequestError that names the
 field; a valid body maps onto SamplingParams with the endpoint's defaults."""
 
 import json
@@ -6,8 +6,9 @@ import json
 import pytest
 
 from titan_mm.serve.errors import BadRequest
-from titan_mm.serve.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
-from titan_mm.serve.sampling import SamplingParams
+from titan_mm.serve.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest, RequestError,
+                                                        parse_body)
+from titan_mm.serve.sampling_params import SamplingParams
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMP = {"model": "m", "prompt": "hi"}

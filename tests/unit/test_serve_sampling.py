@@ -12,7 +12,8 @@ from scipy.stats import chisquare
 
 from tests.unit._serve_helpers import engine, prompt
 from titan_mm.serve.errors import BadRequest
-from titan_mm.serve.sampling import RowSampling, SamplingParams, sample, target_probs
+from titan_mm.serve.runner.sampler import RowSampling, sample, target_probs
+from titan_mm.serve.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,12 +17,12 @@ import torch
 
 from tests.unit._serve_helpers import engine, prompt
 from titan_mm.config import ConfigError
-from titan_mm.serve.block_manager import BlockManager
+from titan_mm.serve.core.block_manager import BlockManager
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.errors import BadRequest, QueueFull
-from titan_mm.serve.sampling import SamplingParams
-from titan_mm.serve.scheduler import Scheduler
-from titan_mm.serve.sequence import Image, Request, RequestMetrics, Sequence, Status
+from titan_mm.serve.sampling_params import SamplingParams
+from titan_mm.serve.core.scheduler import Scheduler
+from titan_mm.serve.core.sequence import Image, Request, RequestMetrics, Sequence, Status
 
 _ids = itertools.count()
 

@@ -13,8 +13,9 @@ from scipy.stats import chisquare
 from tests.unit._serve_helpers import VOCAB, engine, prompt, tiny_model
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.registry import get_model_spec
-from titan_mm.serve.sampling import RowSampling, SamplingParams, target_probs
-from titan_mm.serve.spec_decode import ngram_propose, verify
+from titan_mm.serve.runner.sampler import RowSampling, target_probs
+from titan_mm.serve.sampling_params import SamplingParams
+from titan_mm.serve.core.spec_decode import ngram_propose, verify
 
 
 def test_ngram_lookup_takes_the_latest_longest_match():

@@ -34,7 +34,7 @@ from titan_mm.loader import tokenizer_path
 from titan_mm.observe.health import peak_memory_gb, reset_peak_memory
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.engine import Engine
-from titan_mm.serve.sampling import SamplingParams
+from titan_mm.serve.sampling_params import SamplingParams
 from titan_mm.train.setup import Run, build_data
 from titan_mm.train.state import get_rng_state, set_rng_state
 from titan_mm.train.step import eval_loss_sums

@@ -1,4 +1,5 @@
-"""The serving engine on the training model code (docs/serving.md): paged KV blocks with prefix caching
-(block_manager), continuous batching with chunked prefill and preemption (scheduler), sampling and beam search
-(sampling, beam), one forward per step through the model's KV-cache path (runner), and the engine that ties them
-(engine). Import the pieces from their modules: ``from titan_mm.serve.engine import Engine``."""
+"""The serving engine on the training model code (docs/serving.md), grouped by layer: core/ (requests, blocks,
+scheduler, output processor, decoding handlers, EngineCore), runner/ (model execution, CUDA graphs, the sampler,
+tensor parallel), entrypoints/ (the OpenAI server and the CLI). The public pieces sit here: ``config``
+(ServeConfig), ``sampling_params`` (SamplingParams), ``errors`` and ``engine`` (Engine):
+``from titan_mm.serve.engine import Engine``."""

@@ -6,19 +6,15 @@
         for out in engine.step():
             print(out.request_id, out.outputs[0].new_text, out.finished)
 
-A step (vLLM v1's EngineCore.step): apply the requests added / aborted since the last step (``add_request`` and
-``abort`` are thread-safe: they queue, the step applies) and drop those past their deadline; **schedule**
-(titan_mm.serve.scheduler); **execute** one forward (titan_mm.serve.runner); **update**: the step's handler
-(titan_mm.serve.handlers: sampling, beam search, speculation) turns the logits into tokens, which the scheduler's
-``update_from_output`` takes through the output processor (titan_mm.serve.output_processor: text, stops,
-outputs). Requests are checked and admitted by titan_mm.serve.requests (:class:`BadRequest`, :class:`QueueFull`).
+Engine is the front (vLLM's LLMEngine): ``add_request`` and ``abort`` are thread-safe (they queue; a step applies
+them first), requests are checked and admitted by core/requests.py (:class:`BadRequest`, :class:`QueueFull`), and
+each step runs core/engine_core.py's EngineCore: schedule (core/scheduler.py), execute one forward
+(runner/model_runner.py), update (the handlers of core/handlers.py turn the logits into tokens, which the
+scheduler's ``update_from_output`` takes through core/output_processor.py: text, stops, outputs).
 
-Asynchronous steps (serve.async_scheduling): a step's tokens are drawn on the device and read back during the
-next step, after its forward was launched (:class:`~titan_mm.serve.handlers.Sampling`: launch, resolve, pend).
-
-Tensor parallel (``serve.tensor_parallel_size``, titan_mm/serve/tp.py): every rank runs this engine on its shards;
-rank 0 takes the requests, and each of its steps starts by broadcasting what the step applies, which the other
-ranks (:meth:`Engine.run_worker`) apply and step on in turn.
+Tensor parallel (``serve.tensor_parallel_size``, runner/tp.py): every rank runs this engine on its shards; rank 0
+takes the requests, and each of its steps starts by broadcasting what the step applies, which the other ranks
+(:meth:`Engine.run_worker`) apply and step on in turn.
 """
 
 from __future__ import annotations
@@ -40,11 +36,11 @@ from titan_mm.loader import load_model
 from titan_mm.models.hf_io import is_sharded
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.errors import BadRequest, QueueFull
-from titan_mm.serve.engine_core import EngineCore
-from titan_mm.serve.requests import InputProcessor
-from titan_mm.serve.sampling import SamplingParams
-from titan_mm.serve.sequence import Request, RequestOutput, Status, now
-from titan_mm.serve.tp import tensor_parallel
+from titan_mm.serve.core.engine_core import EngineCore
+from titan_mm.serve.core.requests import InputProcessor
+from titan_mm.serve.sampling_params import SamplingParams
+from titan_mm.serve.core.sequence import Request, RequestOutput, Status, now
+from titan_mm.serve.runner.tp import tensor_parallel
 
 __all__ = ["Engine", "RequestOutput", "BadRequest", "QueueFull", "SamplingParams", "ServeConfig"]
 
@@ -68,7 +64,7 @@ class Engine:
         d_dims = draft[1].dims(draft[2]) if draft is not None else None
         cfg.check_draft(draft is not None, dims.vocab_size, d_dims and d_dims.vocab_size,
                         draft and draft[1].name, d_dims is not None and d_dims.linear is not None)
-        # tensor parallel (titan_mm/serve/tp.py): rank 0 drives, the other ranks follow its steps (run_worker)
+        # tensor parallel (titan_mm/serve/runner/tp.py): rank 0 drives, the other ranks follow its steps (run_worker)
         tp = cfg.tensor_parallel_size
         self.tp = tensor_parallel(tp, self.device.type) if tp > 1 else None
         self.tp_rank = self.tp.rank if self.tp is not None else 0
@@ -170,7 +166,7 @@ class Engine:
             return bool(self.requests) or bool(self._aborted)
 
     def chat_prompt(self, messages: list[dict]) -> tuple[list[int], list]:
-        """(prompt ids, images) of OpenAI-style chat ``messages`` (titan_mm.serve.requests)."""
+        """(prompt ids, images) of OpenAI-style chat ``messages`` (titan_mm.serve.core.requests)."""
         return self.inputs.chat_prompt(messages)
 
     # ---- the loop ----

@@ -3,7 +3,7 @@
   * :class:`Sampling`: greedy and sampled rows (the n / best_of fork at the first token), and the asynchronous
     steps (serve.async_scheduling: ``launch`` draws on the device, ``pend`` marks the tokens in flight,
     ``resolve`` reads them back a step later).
-  * :class:`BeamSearch`: a beam waits for its siblings' logprobs, then titan_mm.serve.beam advances them all.
+  * :class:`BeamSearch`: a beam waits for its siblings' logprobs, then titan_mm.serve.core.beam advances them all.
   * :class:`Speculative`: guesses before the forward (``lookahead``, ``propose``), rejection sampling after.
 
 Each hands its tokens to the scheduler's ``update_from_output`` with the output processor's ``take``.
@@ -16,14 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_mm.serve.beam import beam_step
+from titan_mm.serve.core.beam import beam_step
 from titan_mm.serve.config import ServeConfig
-from titan_mm.serve.output_processor import OutputProcessor
-from titan_mm.serve.runner import Fed
-from titan_mm.serve.sampling import Draw, RowSampling, SamplingParams, draw, sample
-from titan_mm.serve.scheduler import Row, Schedule, Scheduler
-from titan_mm.serve.sequence import PENDING, Request, Sequence
-from titan_mm.serve.spec_decode import DraftProposer, ngram_propose, verify
+from titan_mm.serve.core.output_processor import OutputProcessor
+from titan_mm.serve.runner.model_runner import Fed
+from titan_mm.serve.runner.sampler import Draw, RowSampling, draw, sample
+from titan_mm.serve.sampling_params import SamplingParams
+from titan_mm.serve.core.scheduler import Row, Schedule, Scheduler
+from titan_mm.serve.core.sequence import PENDING, Request, Sequence
+from titan_mm.serve.core.spec_decode import DraftProposer, ngram_propose, verify
 
 Touched = dict[str, Request]
 

@@ -9,15 +9,15 @@ import os
 import torch
 
 from titan_mm.config import ConfigError
-from titan_mm.serve.block_manager import BlockManager, StateSlots
+from titan_mm.serve.core.block_manager import BlockManager, StateSlots
 from titan_mm.serve.config import ServeConfig
-from titan_mm.serve.handlers import BeamSearch, Inflight, Sampling, Speculative
-from titan_mm.serve.output_processor import OutputProcessor
-from titan_mm.serve.requests import seq_generator
-from titan_mm.serve.runner import ModelRunner, pool_blocks
-from titan_mm.serve.scheduler import Row, Scheduler
-from titan_mm.serve.sequence import Request, RequestOutput
-from titan_mm.serve.spec_decode import DraftProposer
+from titan_mm.serve.core.handlers import BeamSearch, Inflight, Sampling, Speculative
+from titan_mm.serve.core.output_processor import OutputProcessor
+from titan_mm.serve.core.requests import seq_generator
+from titan_mm.serve.runner.model_runner import ModelRunner, pool_blocks
+from titan_mm.serve.core.scheduler import Row, Scheduler
+from titan_mm.serve.core.sequence import Request, RequestOutput
+from titan_mm.serve.core.spec_decode import DraftProposer
 
 
 class EngineCore:

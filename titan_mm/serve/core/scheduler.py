@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from titan_mm.serve.block_manager import BlockManager, StateSlots, block_keys
+from titan_mm.serve.core.block_manager import BlockManager, StateSlots, block_keys
 from titan_mm.serve.config import ServeConfig
-from titan_mm.serve.sampling import Sampled
-from titan_mm.serve.sequence import Request, Sequence, Status, now
+from titan_mm.serve.runner.sampler import Sampled
+from titan_mm.serve.core.sequence import Request, Sequence, Status, now
 
 
 @dataclass(slots=True)  # one per row and step

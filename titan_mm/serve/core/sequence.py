@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from titan_mm.serve.block_manager import BlockTable
-from titan_mm.serve.sampling import SamplingParams
+from titan_mm.serve.core.block_manager import BlockTable
+from titan_mm.serve.sampling_params import SamplingParams
 
 
 PENDING = -1

@@ -26,8 +26,8 @@ import torch
 
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.nn.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, plan_step, state_shapes
-from titan_mm.serve.scheduler import Row
-from titan_mm.serve.sequence import PENDING
+from titan_mm.serve.core.scheduler import Row
+from titan_mm.serve.core.sequence import PENDING
 
 
 _ROW_FIELDS = ("positions", "valid", "new_tokens", "slot_mapping", "block_tables", "seq_lens", "state_slots")

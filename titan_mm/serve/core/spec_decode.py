@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_mm.serve.sampling import RowSampling, Sampled, sample, target_probs
-from titan_mm.serve.scheduler import Row
+from titan_mm.serve.runner.sampler import RowSampling, Sampled, sample, target_probs
+from titan_mm.serve.core.scheduler import Row
 
 
 def ngram_propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -112,7 +112,7 @@ def verify(logits: torch.Tensor, rows: list[RowSampling], drafts: list[list[int]
 
 
 class DraftProposer:
-    """Guesses from a small model whose KV pool shares the target's block tables (titan_mm.serve.runner)."""
+    """Guesses from a small model whose KV pool shares the target's block tables (runner/model_runner.py)."""
 
     def __init__(self, runner):
         self.runner = runner

@@ -14,7 +14,7 @@ from titan_mm.data.processors import ProcessorConfig
 from titan_mm.data.sources import SkipSample, media_bytes
 from titan_mm.registry import DataNeeds
 from titan_mm.serve.errors import BadRequest
-from titan_mm.serve.sequence import Image
+from titan_mm.serve.core.sequence import Image
 
 
 def expand_images(prompt: list[int], images: list, needs: DataNeeds, data: Data):

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from titan_mm.data.tokenizer import Tokenizer
-from titan_mm.serve.sampling import Sampled
-from titan_mm.serve.sequence import CompletionOutput, Request, RequestOutput, Sequence, Status, now
+from titan_mm.serve.runner.sampler import Sampled
+from titan_mm.serve.core.sequence import CompletionOutput, Request, RequestOutput, Sequence, Status, now
 
 
 class OutputProcessor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from titan_mm.serve.sequence import Request, Sequence
+from titan_mm.serve.core.sequence import Request, Sequence
 
 
 @dataclass

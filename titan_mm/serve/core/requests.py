@@ -12,13 +12,13 @@ from titan_mm.config import Data
 from titan_mm.data.processors import Processor, ProcessorConfig
 from titan_mm.data.schema import parse_record
 from titan_mm.data.sources import SkipSample
-from titan_mm.serve.beam import BeamState
-from titan_mm.serve.block_manager import BlockManager
+from titan_mm.serve.core.beam import BeamState
+from titan_mm.serve.core.block_manager import BlockManager
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.errors import BadRequest, QueueFull
-from titan_mm.serve.media import expand_images
-from titan_mm.serve.sampling import SamplingParams
-from titan_mm.serve.sequence import Request, RequestMetrics, Sequence
+from titan_mm.serve.core.media import expand_images
+from titan_mm.serve.sampling_params import SamplingParams
+from titan_mm.serve.core.sequence import Request, RequestMetrics, Sequence
 
 
 class InputProcessor:

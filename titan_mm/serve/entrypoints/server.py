@@ -3,7 +3,7 @@
     app = build_app(engine, model_name="debug")      # python -m titan_mm.serve runs it under uvicorn
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream by SSE with ``"stream": true``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, titan_mm/serve/metrics.py).
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, titan_mm/serve/entrypoints/metrics.py).
 
 Errors are OpenAI's error object: 400 for a bad body or a request the engine refuses (``param`` names the field),
 404 for another model name, 429 when the engine's queue or token budget is full, 500 when a step fails (the server
@@ -25,12 +25,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from titan_mm.serve.async_engine import AsyncEngine, RequestStream
+from titan_mm.serve.entrypoints.async_engine import AsyncEngine, RequestStream
 from titan_mm.serve.errors import BadRequest, QueueFull
-from titan_mm.serve.metrics import ServerMetrics
-from titan_mm.serve.openai_protocol import (ChatCompletionRequest, CompletionRequest, RequestError, dumps,
+from titan_mm.serve.entrypoints.metrics import ServerMetrics
+from titan_mm.serve.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest, RequestError, dumps,
                                             error_body, parse_body)
-from titan_mm.serve.sampling import SamplingParams
+from titan_mm.serve.sampling_params import SamplingParams
 
 
 CLIENT_GONE = 499  # nginx's "client closed request": the answer to a request whose client left (nobody reads it)
