@@ -104,6 +104,8 @@ def test_cuda_graph_decode_equals_eager(moe, kernels):
         assert all((st.graph is not None) == graphs for st in engine.runner._decode.values())
         if graphs:
             assert sorted(engine.runner._decode) == engine.runner.sizes
+        # the start-up line counts them (issue 49)
+        assert f"captured graphs {len(engine.runner.sizes) if graphs else 0}" in engine.describe()
         outs.append(drive(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), None, check=False))
         assert engine.stats()["kv_blocks_used"] == 0
     assert outs[0] == outs[1]

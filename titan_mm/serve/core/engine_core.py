@@ -15,7 +15,7 @@ from titan_mm.serve.core.handlers import BeamSearch, Inflight, Sampling, Specula
 from titan_mm.serve.core.output_processor import OutputProcessor
 from titan_mm.serve.core.requests import seq_generator
 from titan_mm.serve.runner.model_runner import ModelRunner, pool_blocks
-from titan_mm.serve.core.scheduler import Row, Scheduler
+from titan_mm.serve.core.scheduler import Row, Schedule, Scheduler
 from titan_mm.serve.core.sequence import Request, RequestOutput
 from titan_mm.serve.core.spec_decode import DraftProposer
 
@@ -63,19 +63,22 @@ class EngineCore:
         touched = self._expire(t, aborted)
         sched = self.scheduler.schedule()
         prev, self.inflight = self.inflight, None
-        fed = prev.fed if prev is not None else None
-        if sched.rows:
-            per_row = self.speculative.propose(sched) if self.speculative is not None else 1
-            logits = self.runner.run(sched.rows, sched.copies, per_row, fed)
-        launched = self._launch(sched.rows, logits, fed) if sched.rows and self.overlap else None
-        if prev is not None:  # the GPU runs this step's forward while the host takes the previous one's tokens
-            self.sampling.resolve(prev, touched)
-        if sched.rows and launched is None:
-            self._update(sched.rows, logits, touched)
+        logits, launched = self._execute(sched, prev)
+        self._update(sched.rows, logits, launched, prev, touched)
         outs = [self.outputs.output(r) for r in touched.values()]
         if launched is not None:  # after the outputs: they must not hold the PENDING tokens
             self.inflight = self.sampling.pend(sched.rows, *launched)
         return outs
+
+    def _execute(self, sched: Schedule, prev: Inflight | None):
+        """The forward of ``sched`` (speculation: guesses proposed first; ``prev``: the previous step's tokens,
+        still on the device); -> (logits, the asynchronous launch or None: this step's tokens are sampled in turn)."""
+        if not sched.rows:
+            return None, None
+        fed = prev.fed if prev is not None else None
+        per_row = self.speculative.propose(sched) if self.speculative is not None else 1
+        logits = self.runner.run(sched.rows, sched.copies, per_row, fed)
+        return logits, self._launch(sched.rows, logits, fed) if self.overlap else None
 
     def _launch(self, rows: list[Row], logits: torch.Tensor, fed):
         """The asynchronous launch when every sampling row can go without the host (else None: steps in turn)."""
@@ -83,9 +86,14 @@ class EngineCore:
             return self.sampling.launch(rows, logits, fed)
         return None
 
-    def _update(self, rows: list[Row], logits: torch.Tensor, touched: dict[str, Request]) -> None:
-        """The step's rows that reached their last token, each through its handler (speculation, beam search,
-        sampling, in that order); the others' k/v count as computed."""
+    def _update(self, rows: list[Row], logits, launched, prev: Inflight | None, touched: dict[str, Request]) -> None:
+        """The previous step's tokens, read back while this step's forward runs; then, unless launched, the rows
+        that reached their last token, each through its handler (speculation, beam search, sampling, in that
+        order); the others' k/v count as computed."""
+        if prev is not None:
+            self.sampling.resolve(prev, touched)
+        if logits is None or launched is not None:
+            return
         live = [(i, r) for i, r in enumerate(rows) if not r.seq.finished]  # else ended by the previous step's tokens
         self.scheduler.computed(r for _, r in live if not r.lookahead)
         first = logits[:, 0] if logits.dim() == 3 else logits
