@@ -9,7 +9,7 @@ import torch
 
 from tests.unit.test_objectives import TextAndLatents, mixed_batch
 from titan_mm.objectives import CausalLM, Combined, FlowMatching
-from titan_mm.train.step import STEP_KEYS, model_inputs
+from titan_mm.train.step import model_inputs, to_device
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ def test_combined_objective_is_sync_free_and_matches_cpu():
     ref = _terms_and_grads(TextAndLatents().double(), mb, obj)
     torch.manual_seed(0)
     model = TextAndLatents().double().cuda()
-    b = {k: v.cuda() if k not in STEP_KEYS and k not in obj.host_keys else v for k, v in mb.items()}
+    b = to_device(mb, torch.device("cuda"), obj.host_keys)  # as the step moves it
     torch.cuda.synchronize()
     for check in (False, True):  # the first call warms up cuBLAS; the second must not sync
         torch.cuda.set_sync_debug_mode("error" if check else 0)
