@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import warnings
 from dataclasses import dataclass, field
 
@@ -68,14 +67,20 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("init_distributed(backend='nccl') needs CUDA; use backend='gloo' (or None) on CPU.")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = None
     if "RANK" not in os.environ:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # the store binds the port itself (0: any free one), so no other process can take it between a probe and
+        # the bind (a probed port was taken so once on the H100)
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(store.port))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
 
 
