@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_mm import kernels as K
 from titan_mm.nn import init
 from titan_mm.nn.attention import Attention, AttnMeta
 from titan_mm.nn.loss import chunked_cross_entropy
@@ -59,11 +60,8 @@ def select_ops(use_kernels: bool | str, moe_float8: bool = False) -> Ops:
     per op: e.g. "rms_norm,swiglu" or "all,-linear_cross_entropy" (see titan_mm.kernels.resolve_ops).
     ``moe_float8``: the MoE experts' GEMMs in float8 (Ops.moe_float8)."""
     if not use_kernels:
-        return Ops(cross_entropy=_torch_ce, moe_float8=moe_float8)
-    try:
-        from titan_mm import kernels as K
-    except ImportError as e:
-        raise ImportError(f"kernels=True needs titan_mm.kernels, which failed to import ({e}); set kernels=false") from e
+        # the experts' CUDA GEMMs in a dtype torch._grouped_mm lacks (fp32) stay sync-free with the references too
+        return Ops(cross_entropy=_torch_ce, moe_moves=TokenMoves(grouped_mm=K.grouped_mm), moe_float8=moe_float8)
     on = K.resolve_ops(use_kernels)
 
     def kernel_ce(h, w, labels, chunk_size, z_loss_weight, weights_N=None):
