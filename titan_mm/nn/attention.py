@@ -351,6 +351,11 @@ def _flex(q, k, v, block_mask):
         fn = _FLEX_EAGER
     else:
         if _FLEX_COMPILED is None:
+            # one graph per shape (heads, lengths, dtype, mask): a multimodal model's towers and varying image
+            # sizes pass dynamo's default 8 recompiles of flex_attention, past which it falls back to the eager
+            # flex (all scores materialized, host syncs); the H100 vl tests hit it
+            dynamo_config = torch._dynamo.config
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
             _FLEX_COMPILED = torch.compile(_FLEX_EAGER, dynamic=False)
         fn = _FLEX_COMPILED
     return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
