@@ -28,8 +28,8 @@ if [[ "${NPROC}" -gt 1 ]]; then
     export OMP_NUM_THREADS=1
   fi
   # shellcheck disable=SC2086
-  exec "${PYTHON}" -m titan_mm.train.torchrun --standalone --nproc_per_node "${NPROC}" ${TORCHRUN_ARGS:-} \
-    -m titan_mm.train.trainer "$@"
+  exec "${PYTHON}" -m titan_mm.launch.torchrun --standalone --nproc_per_node "${NPROC}" ${TORCHRUN_ARGS:-} \
+    -m titan_mm.launch.train "$@"
 else
-  exec "${PYTHON}" -m titan_mm.train.trainer "$@"
+  exec "${PYTHON}" -m titan_mm.launch.train "$@"
 fi

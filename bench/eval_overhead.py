@@ -26,12 +26,12 @@ sys.path.insert(0, str(ROOT))
 
 
 def trainer_metrics(args: list[str], what: str = "the run") -> dict[int, dict]:
-    """The metrics.jsonl rows, by step, of one ``titan_mm.train.trainer`` run with ``args`` (a temporary run
+    """The metrics.jsonl rows, by step, of one ``titan_mm.launch.train`` run with ``args`` (a temporary run
     folder; no checkpoints, no TensorBoard). A failed run stops the bench with its stderr."""
     from titan_mm.observe.metrics import read_metrics
 
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "-m", "titan_mm.train.trainer", *args, "--job.dump_folder", d,
+        cmd = [sys.executable, "-m", "titan_mm.launch.train", *args, "--job.dump_folder", d,
                "--checkpoint.enable", "False", "--metrics.enable_tensorboard", "False"]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if r.returncode:

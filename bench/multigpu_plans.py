@@ -1,6 +1,6 @@
 """TP / EP / CP plans on several GPUs (issue 9): loss equality against one GPU, and MFU runs, through the trainer.
 
-Part 1, loss equality (``--cases``). Every case launches ``python -m titan_mm.train.trainer`` with
+Part 1, loss equality (``--cases``). Every case launches ``python -m titan_mm.launch.train`` with
 ``data.dataset = synthetic`` (the global batch depends only on (seed, step, row)) on its world size and
 compares steps 1..``--steps`` (20) of loss and grad norm with the 1-process run of the same model and the
 same global batch (8 rows; 1 row per data-parallel rank per micro-batch, the rest is accumulation):
@@ -252,7 +252,7 @@ def run_equality(args, models: dict, bounds: dict, dump: Path, W: int) -> list[d
         shutil.rmtree(dump / name, ignore_errors=True)
         argv = trainer_argv(models[mk], seq=models[mk]["seq"], name=name, **common)
         print(f"[plans] {name}: 1 process, {G} rows x {models[mk]['seq']}", flush=True)
-        res = launch(1, ["-m", "titan_mm.train.trainer"], argv, dump / f"{name}.log", args.timeout, args.cpu)
+        res = launch(1, ["-m", "titan_mm.launch.train"], argv, dump / f"{name}.log", args.timeout, args.cpu)
         refs[mk] = (res, read_metrics(dump / name))
     rows = []
     if args.control:  # the noise floor: the same model and batch on 1 process, another exact attention kernel
@@ -261,7 +261,7 @@ def run_equality(args, models: dict, bounds: dict, dump: Path, W: int) -> list[d
             shutil.rmtree(dump / name, ignore_errors=True)
             argv = trainer_argv(models[mk], seq=models[mk]["seq"], name=name, **common, extra=args.control.split())
             print(f"[plans] {name}: 1 process, {args.control} (noise floor)", flush=True)
-            res = launch(1, ["-m", "titan_mm.train.trainer"], argv, dump / f"{name}.log", args.timeout, args.cpu)
+            res = launch(1, ["-m", "titan_mm.launch.train"], argv, dump / f"{name}.log", args.timeout, args.cpu)
             row = dict(kind="control", case="control", model=mk, flavor=models[mk]["flavor"], world=1,
                        parallel={"control": args.control}, dp=1, global_batch_rows=G, wall_s=res["seconds"])
             ref_res, ref_m = refs[mk]
@@ -280,7 +280,7 @@ def run_equality(args, models: dict, bounds: dict, dump: Path, W: int) -> list[d
         shutil.rmtree(dump / name, ignore_errors=True)
         argv = trainer_argv(models[mk], seq=models[mk]["seq"], name=name, parallel=flags, **common)
         print(f"[plans] {name}: {world} processes, {flags}", flush=True)
-        res = launch(world, ["-m", "titan_mm.train.trainer"], argv, dump / f"{name}.log", args.timeout, args.cpu)
+        res = launch(world, ["-m", "titan_mm.launch.train"], argv, dump / f"{name}.log", args.timeout, args.cpu)
         m = read_metrics(dump / name)
         row = dict(kind="loss_equality", case=c, model=mk, flavor=models[mk]["flavor"], world=world, parallel=flags,
                    dp=dp_degree(flags, world), global_batch_rows=G, wall_s=res["seconds"])
@@ -326,7 +326,7 @@ def run_mfu(args, dump: Path, W: int) -> list[dict]:
             entry = [str(Path(__file__).resolve()), "--vl-worker", "--synthetic", spec["synthetic"],
                      "--image-hw", "x".join(map(str, spec["image_hw"])), "--text-per-sample", str(spec["text"]), "--trainer-flags"]
         else:
-            entry = ["-m", "titan_mm.train.trainer"]
+            entry = ["-m", "titan_mm.launch.train"]
         res = launch(W, entry, argv, dump / f"{name}.log", args.timeout, args.cpu)
         m = read_metrics(dump / name)
         flops = None

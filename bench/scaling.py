@@ -1,6 +1,6 @@
 """FSDP2 weak scaling, loss equality and checkpoint resharding across GPUs (issue 7), through the real trainer.
 
-For each model and each world size N in ``--nprocs`` this launches ``python -m titan_mm.train.trainer``
+For each model and each world size N in ``--nprocs`` this launches ``python -m titan_mm.launch.train``
 (under ``torch.distributed.run --standalone`` when N > 1) on synthetic packed rows
 (``data.dataset = synthetic``: row r of step t depends only on (seed, t, r), so every N sees the same
 global batch) and reads the run's ``metrics.jsonl``:
@@ -245,7 +245,7 @@ def perf(metrics: dict[int, dict], world: int, warmup: int, flops: dict[int, flo
 def trainer_argv(model: dict, *, seq: int, mb: int, global_batch: int, steps: int, name: str, dump: Path,
                  cpu: bool, compile_: bool, float8: bool, ac: str, ckpt_interval: int = 0,
                  parallel: dict | None = None, lr: float = DEFAULT_LR, extra: list[str] | None = None) -> list[str]:
-    """CLI overrides of titan_mm.train.trainer for one run (no TOML: JobConfig defaults + these)."""
+    """CLI overrides of titan_mm.launch.train for one run (no TOML: JobConfig defaults + these)."""
     a = ["--model.name", model["name"], "--model.flavor", model["flavor"],
          "--data.dataset", "synthetic", "--data.seq_len", str(seq), "--data.micro_batch_size", str(mb),
          "--training.global_batch_size", str(global_batch), "--training.steps", str(steps), "--training.seed", "0",
@@ -385,7 +385,7 @@ def run_model(key: str, model: dict, nprocs: list[int], args, bounds: dict, dump
                             ckpt_interval=half if src_ckpt else 0)
         print(f"[scaling] {name}: {n} process(es), {G} rows x {seq} per step ({G // (mb * n)} micro-batches of "
               f"{mb} per GPU), {args.steps} steps", flush=True)
-        res = launch(n, ["-m", "titan_mm.train.trainer"], argv, dump / f"{name}.log", args.timeout, args.cpu)
+        res = launch(n, ["-m", "titan_mm.launch.train"], argv, dump / f"{name}.log", args.timeout, args.cpu)
         m = read_metrics(dump / name)
         metrics[n] = m
         row = dict(model=key, flavor=model["flavor"], world=n, float8=args.float8, compile=args.compile, ac=ac, seq=seq,
@@ -410,7 +410,7 @@ def run_model(key: str, model: dict, nprocs: list[int], args, bounds: dict, dump
                                 cpu=args.cpu, compile_=args.compile, float8=args.float8, ac=ac, lr=args.lr,
                                 extra=args.control.split())
             print(f"[scaling] {name}: 1 process, {args.control} (noise floor)", flush=True)
-            res = launch(1, ["-m", "titan_mm.train.trainer"], argv, dump / f"{name}.log", args.timeout, args.cpu)
+            res = launch(1, ["-m", "titan_mm.launch.train"], argv, dump / f"{name}.log", args.timeout, args.cpu)
             row.update(compare(read_metrics(dump / name), metrics[1], list(range(1, args.steps + 1)), bounds))
             if "error" in res:
                 row.update(ok=False, error=res["error"])
@@ -434,7 +434,7 @@ def run_model(key: str, model: dict, nprocs: list[int], args, bounds: dict, dump
             argv = trainer_argv(model, seq=seq, mb=mb, global_batch=G, steps=args.steps, name=name, dump=dump,
                                 cpu=args.cpu, compile_=args.compile, float8=args.float8, ac=ac, lr=args.lr, ckpt_interval=half)
             print(f"[scaling] {name}: resume step {half} on {mres} process(es)", flush=True)
-            res = launch(mres, ["-m", "titan_mm.train.trainer"], argv, dump / f"{name}.log", args.timeout, args.cpu)
+            res = launch(mres, ["-m", "titan_mm.launch.train"], argv, dump / f"{name}.log", args.timeout, args.cpu)
             m = read_metrics(dump / name)
             later = list(range(half + 1, args.steps + 1))
             logtxt = (dump / f"{name}.log").read_text(errors="replace")

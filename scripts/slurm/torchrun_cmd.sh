@@ -40,7 +40,7 @@ torchrun_cmd() {
     --rdzv-backend c10d
     --rdzv-endpoint "${hosts[0]}:${RDZV_PORT:-29500}"
     --rdzv-id "$SLURM_JOB_ID"
-    -m titan_mm.train.trainer "$@")
+    -m titan_mm.launch.train "$@")
 }
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then

@@ -10,7 +10,7 @@ import torch
 
 from titan_mm.observe.metrics import read_metrics
 from titan_mm.observe.profile import ProfileWindow
-from titan_mm.train.trainer import main
+from titan_mm.launch.train import main
 
 pytestmark = pytest.mark.gpu
 

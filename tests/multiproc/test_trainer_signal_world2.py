@@ -1,6 +1,6 @@
 """SIGTERM to torchrun (NPROC=2, gloo): torchrun forwards it to both workers, which agree on the stop step (one
 all-reduce per step), save one checkpoint together and exit; rank 0 prints the one line and the launcher
-(titan_mm.train.torchrun) exits 128 + SIGTERM without a traceback."""
+(titan_mm.launch.torchrun) exits 128 + SIGTERM without a traceback."""
 
 import os
 import signal
@@ -36,7 +36,7 @@ def test_sigterm_to_torchrun_saves_one_checkpoint_on_both_ranks(tmp_path):
     assert len(lines) == 1, text[-3000:]  # rank 0 only
     n = int(lines[0].split()[3].rstrip(";"))
     assert lines[0] == f"interrupted at step {n}; checkpoint step-{n:08d} saved; rerun the same command to resume"
-    assert rc == 128 + signal.SIGTERM, text[-3000:]  # titan_mm.train.torchrun: no SignalException traceback
+    assert rc == 128 + signal.SIGTERM, text[-3000:]  # titan_mm.launch.torchrun: no SignalException traceback
     assert "Traceback" not in text, text[-3000:]
     ck = list_checkpoints(tmp_path / "j" / "checkpoints")[-1]
     meta = read_commit(ck)

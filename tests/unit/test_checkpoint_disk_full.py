@@ -26,7 +26,7 @@ from titan_mm.train.checkpoint import (
     verify_checkpoint,
 )
 from titan_mm.train.run_lock import LOCK_FILE
-from titan_mm.train.trainer import main
+from titan_mm.launch.train import main
 
 
 def line(step, folder, kept):

@@ -19,7 +19,7 @@ from titan_mm.train.checkpoint import (
     read_commit,
     verify_checkpoint,
 )
-from titan_mm.train.trainer import main
+from titan_mm.launch.train import main
 
 TINY = ["--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}', "--data.dataset", "synthetic",
         "--data.seq_len", "32", "--data.micro_batch_size", "2", "--metrics.enable_tensorboard", "False",

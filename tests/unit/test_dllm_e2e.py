@@ -22,7 +22,7 @@ def test_debug_dllm_config_trains_exports_and_samples(tmp_path, capsys):
     from titan_mm.nn.attention import build_attn_meta
     from titan_mm.registry import spec_for_hf_dir
     from titan_mm.tools.eval_dllm import main as eval_main
-    from titan_mm.train.trainer import main
+    from titan_mm.launch.train import main
 
     assert main(["--config", "debug_dllm_qwen3", "--job.dump_folder", str(tmp_path), *SHORT]) == 0
     run = tmp_path / "debug_dllm_qwen3"
@@ -67,7 +67,7 @@ def test_debug_dllm_config_trains_exports_and_samples(tmp_path, capsys):
 def test_debug_dllm_config_learns_the_qa(tmp_path, capsys, all_threads):
     """The full debug run (300 steps; docs/dllm.md records its time): held-out exact match rises over training."""
     from titan_mm.tools.eval_dllm import main as eval_main
-    from titan_mm.train.trainer import main
+    from titan_mm.launch.train import main
 
     assert main(["--config", "debug_dllm_qwen3", "--job.dump_folder", str(tmp_path),
                  "--metrics.enable_tensorboard", "False"]) == 0

@@ -217,7 +217,7 @@ def test_mask_token_resolution(tmp_path):
 
 def test_config_mistakes_fail_before_the_model_is_built(tmp_path, capsys):
     from titan_mm.train.setup import model_from_config
-    from titan_mm.train.trainer import main
+    from titan_mm.launch.train import main
 
     cfg = load_config(["--config", "debug_dllm_qwen3", "--model.attn_backend", "varlen",
                        "--objective.kind", "block_diffusion", "--training.param_dtype", "bfloat16"])
@@ -260,7 +260,7 @@ TINY = ["--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}', "--d
 
 def test_moe_backbone_trains_one_step_as_a_block_diffusion_lm(tmp_path):
     from titan_mm.observe.metrics import read_metrics
-    from titan_mm.train.trainer import main
+    from titan_mm.launch.train import main
 
     assert main(["--model.name", "qwen3_moe", "--model.flavor", "debug_moe", *TINY, "--job.dump_folder", str(tmp_path),
                  "--job.name", "moe", "--objective.kind", "block_diffusion", "--objective.block_size", "4",
@@ -271,7 +271,7 @@ def test_moe_backbone_trains_one_step_as_a_block_diffusion_lm(tmp_path):
 
 def test_resume_is_bitwise_with_the_diffusion_noise(tmp_path):
     from titan_mm.observe.metrics import read_metrics
-    from titan_mm.train.trainer import main
+    from titan_mm.launch.train import main
 
     common = [*TINY, "--job.dump_folder", str(tmp_path), "--objective.kind", "masked_diffusion",
               "--checkpoint.interval", "2", "--checkpoint.async_mode", "disabled",

@@ -13,7 +13,7 @@ from titan_mm.config import ConfigError, load_config
 from titan_mm.eval.__main__ import main as eval_main
 from titan_mm.eval.tasks import exact_match, load_task
 from titan_mm.observe.metrics import read_metrics
-from titan_mm.train.trainer import main as train_main
+from titan_mm.launch.train import main as train_main
 
 VL = ["--config", "debug_qwen3_vl", "--metrics.enable_tensorboard", "False", "--eval.dataset",
       "builtin:digits_test", "--eval.max_batches", "1", "--eval.task_limit", "12", "--eval.max_new_tokens", "3"]

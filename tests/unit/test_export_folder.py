@@ -26,7 +26,7 @@ from titan_mm.export import export, hf_folder_files  # noqa: E402
 from titan_mm.loader import checkpoint_config, load_model  # noqa: E402
 from titan_mm.train.checkpoint import resolve_checkpoint  # noqa: E402
 from titan_mm.train.setup import model_from_config  # noqa: E402
-from titan_mm.train.trainer import main  # noqa: E402
+from titan_mm.launch.train import main  # noqa: E402
 
 ONE_STEP = ["--training.steps", "1", "--checkpoint.interval", "1", "--checkpoint.async_mode", "disabled",
             "--metrics.enable_tensorboard", "False", "--training.global_batch_size", "0",

@@ -185,7 +185,7 @@ def test_trainer_logs_the_loss_scale(tmp_path):
     """The trainer with --training.param_dtype float16 on CPU: setup builds the scaler from [training], the loss
     falls, and metrics.jsonl has loss_scale every step."""
     from titan_mm.observe.metrics import read_metrics
-    from titan_mm.train.trainer import main
+    from titan_mm.launch.train import main
 
     args = ["--job.dump_folder", str(tmp_path), "--job.name", "fp16", "--training.steps", "4",
             "--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}', "--data.dataset", "synthetic",

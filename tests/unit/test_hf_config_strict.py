@@ -31,7 +31,7 @@ from titan_mm.models.qwen3_5.config import Qwen3_5Config
 from titan_mm.models.qwen3_omni_moe.config import FLAVORS as OMNI3
 from titan_mm.models.qwen3_omni_moe.config import Qwen3OmniMoeConfig
 from titan_mm.serve.__main__ import main as serve_main
-from titan_mm.train.trainer import main as train_main
+from titan_mm.launch.train import main as train_main
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)

@@ -57,7 +57,7 @@ from titan_mm.config import load_config
 from titan_mm.models.hf_io import local_hf_dir
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.train.setup import build_model, model_from_config
-from titan_mm.train.trainer import main
+from titan_mm.launch.train import main
 from titan_mm.tools.memory import main as memory
 cfg = load_config(["--config", "debug_qwen3", "--model.hf_path", "tiny-org/tiny-qwen3"])
 spec, mcfg = model_from_config(cfg, torch.device("cpu"))

@@ -3,9 +3,6 @@ and its HF export load the same model; the trainer's HF path fills its built mod
 digits tool decodes through the engine, whose answers equal a greedy re-run of the training forward; train/ imports
 eval/ only where its entry points compose the two."""
 
-import ast
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +17,8 @@ from titan_mm.loader import load_model, load_weights, resolve_source
 from titan_mm.tools.eval_digits import main as digits_main
 from titan_mm.train.checkpoint import CheckpointError
 from titan_mm.train.setup import setup
-from titan_mm.train.trainer import main as train_main
+from titan_mm.launch.train import main as train_main
 
-PKG = Path(__file__).resolve().parents[2] / "titan_mm"
 ONE_STEP = ["--training.steps", "1", "--checkpoint.interval", "1", "--checkpoint.async_mode", "disabled",
             "--metrics.enable_tensorboard", "False", "--eval.interval", "0", "--data.micro_batch_size", "1",
             "--training.global_batch_size", "0", "--lr_scheduler.warmup_steps", "0"]
@@ -98,27 +94,3 @@ def test_eval_digits_answers_are_the_training_forwards_greedy_answers(vl, capsys
     assert digits_main(["--checkpoint", str(run.parent / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not exist" in err[0]
-
-
-def _eval_imports(path: Path) -> list[tuple[str, str]]:
-    """(enclosing top-level function or '', module) of every import of titan_mm.eval in ``path``."""
-    out = []
-    tree = ast.parse(path.read_text())
-    for top in tree.body:
-        where = top.name if isinstance(top, (ast.FunctionDef, ast.ClassDef)) else ""
-        for node in ast.walk(top):
-            mods = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
-                    [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-            out += [(where, m) for m in mods if m.startswith("titan_mm.eval")]
-    return out
-
-
-ENTRY_POINTS = {("train/trainer.py", "main"), ("train/torchrun.py", "check_job")}  # the commands' checks and runs
-
-
-def test_train_imports_eval_only_in_its_entry_points():
-    """eval/ builds on train/ (setup, step, checkpoint); train() takes the [eval] callback, and only the commands'
-    entry points (the trainer's main, the torchrun launcher's check) compose the two."""
-    found = [(str(p.relative_to(PKG)), where, m) for p in sorted((PKG / "train").rglob("*.py"))
-             for where, m in _eval_imports(p)]
-    assert found and all((p, where) in ENTRY_POINTS for p, where, _ in found), json.dumps(found)

@@ -20,8 +20,8 @@ from titan_mm.data.loader import build_dataloader
 from titan_mm.export import main as export_main
 from titan_mm.observe.metrics import ConsoleSink
 from titan_mm.serve.entrypoints.openai_protocol import CompletionRequest, RequestError, parse_body
-from titan_mm.train import torchrun
-from titan_mm.train.trainer import main as train_main
+from titan_mm.launch import torchrun
+from titan_mm.launch.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}', "--data.dataset", "synthetic",
@@ -122,7 +122,7 @@ def test_launcher_refuses_a_finished_run_and_a_bad_eval_task_once(finished_run, 
     """torchrun for 2 processes on a run folder already at training.steps, or with an eval task that does not
     exist: the launcher's one line, exit 2, no worker started."""
     run, args = finished_run
-    argv = ["--standalone", "--nproc_per_node", "2", "-m", "titan_mm.train.trainer", *args]
+    argv = ["--standalone", "--nproc_per_node", "2", "-m", "titan_mm.launch.train", *args]
     assert torchrun.main(argv) == 2
     assert capsys.readouterr().err == (f"config error: run folder {run} is already at step 1 >= training.steps 1; "
                                        "raise --training.steps or use a new --job.name\n")

@@ -14,7 +14,7 @@ from titan_mm.data.tokenizer import qwen3_tokenizer_dir, tokenizer_for
 from titan_mm import registry
 from titan_mm.registry import get_model_spec
 from titan_mm.train.preflight import preflight
-from titan_mm.train.trainer import main
+from titan_mm.launch.train import main
 
 BUILTIN_IDS = 151669  # ids of the built-in Qwen3 tokenizer (max id 151668)
 

@@ -10,7 +10,7 @@ from torch.autograd.profiler_util import FunctionEvent
 from titan_mm.observe.metrics import read_metrics
 from titan_mm.observe.profile import (ProfileWindow, intersection_length, is_collective, length, split_events, union,
                                       window_stats)
-from titan_mm.train.trainer import main
+from titan_mm.launch.train import main
 
 TINY = ["--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}', "--data.dataset", "synthetic",
         "--data.seq_len", "32", "--data.micro_batch_size", "2", "--metrics.enable_tensorboard", "False",

@@ -19,7 +19,7 @@ from titan_mm.rl import rl_data
 from titan_mm.rl.rewards import build_reward
 from titan_mm.rl.rollout import RolloutSource, group_advantages, load_prompts, token_logprobs
 from titan_mm.train.setup import setup
-from titan_mm.train.trainer import main
+from titan_mm.launch.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
 # a small model on the real tokenizer (the QA prompts): one layer, hidden 64

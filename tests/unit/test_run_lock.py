@@ -17,7 +17,7 @@ import pytest
 
 from titan_mm.observe.metrics import read_metrics
 from titan_mm.train.run_lock import LOCK_FILE, RunLock, RunLockError, _proc_start, hold_run_folder
-from titan_mm.train.trainer import main
+from titan_mm.launch.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}', "--data.dataset", "synthetic",

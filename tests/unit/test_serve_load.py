@@ -9,7 +9,7 @@ from titan_mm.export import export
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.engine import Engine
 from titan_mm.serve.sampling_params import SamplingParams
-from titan_mm.train.trainer import main
+from titan_mm.launch.train import main
 
 ONE_STEP = ["--training.steps", "1", "--checkpoint.interval", "1", "--checkpoint.async_mode", "disabled",
             "--metrics.enable_tensorboard", "False", "--training.global_batch_size", "0",

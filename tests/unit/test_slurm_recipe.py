@@ -101,7 +101,7 @@ def test_torchrun_command_from_the_allocation(tmp_path):
     assert shlex.split(r.stdout) == [
         "python3", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu-07:29500", "--rdzv-id", "4242",
-        "-m", "titan_mm.train.trainer", "--config", "qwen3_1.7b.toml", "--training.steps", "100",
+        "-m", "titan_mm.launch.train", "--config", "qwen3_1.7b.toml", "--training.steps", "100",
         "--model.overrides", overrides]
     # a longer list, the GPU count Slurm reports, another port and Python
     env = _env(tmp_path / "b", SLURM_JOB_NODELIST="node[003,010-011],login1", SLURM_NNODES="4",
@@ -111,7 +111,7 @@ def test_torchrun_command_from_the_allocation(tmp_path):
     assert shlex.split(r.stdout) == [
         "/opt/py/bin/python", "-m", "torch.distributed.run", "--nnodes", "4", "--nproc-per-node", "4",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "node003:29611", "--rdzv-id", "4242",
-        "-m", "titan_mm.train.trainer", "--config=debug_qwen3"]
+        "-m", "titan_mm.launch.train", "--config=debug_qwen3"]
 
 
 def test_torchrun_command_refuses_outside_slurm_and_without_config(tmp_path):
@@ -169,7 +169,7 @@ def test_time_limit_signal_saves_then_requeues(tmp_path):
     assert (log / "requeue").read_text() == "4242\n"
     assert "requeueing job 4242" in err
     started = (log / "trainer").read_text().splitlines()[0]
-    assert started.endswith("-m titan_mm.train.trainer --config debug_qwen3")
+    assert started.endswith("-m titan_mm.launch.train --config debug_qwen3")
     assert "--ntasks-per-node=1" in (log / "srun_args").read_text()
 
 

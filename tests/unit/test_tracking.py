@@ -16,7 +16,7 @@ import pytest
 
 from titan_mm.config import ConfigError, Metrics, load_config
 from titan_mm.observe.metrics import build_logger, prometheus_name, read_metrics
-from titan_mm.train.trainer import main
+from titan_mm.launch.train import main
 
 TINY = ["--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}', "--data.dataset", "synthetic",
         "--data.seq_len", "32", "--data.micro_batch_size", "2", "--metrics.enable_tensorboard", "False",

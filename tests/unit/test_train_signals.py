@@ -1,4 +1,4 @@
-"""Preemption and runs that would do nothing, on a real ``python -m titan_mm.train.trainer`` process.
+"""Preemption and runs that would do nothing, on a real ``python -m titan_mm.launch.train`` process.
 
 SIGTERM / SIGINT: the step finishes, a checkpoint is saved, one line, exit 128 + signal, and the same command
 resumes from it. A repeated SIGTERM is ignored (Slurm + torchrun deliver one each); a SIGINT after the first
@@ -17,7 +17,7 @@ import pytest
 
 from titan_mm.observe.metrics import read_metrics
 from titan_mm.train.checkpoint import COMMIT_FILE, list_checkpoints, read_commit, verify_checkpoint
-from titan_mm.train.trainer import main
+from titan_mm.launch.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}', "--data.dataset", "synthetic",
@@ -28,7 +28,7 @@ TINY = ["--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}', "--d
 def start(tmp_path, name, args, env_extra=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {}))
     out, err = open(tmp_path / f"{name}.out", "w"), open(tmp_path / f"{name}.err", "w")
-    return subprocess.Popen([sys.executable, "-m", "titan_mm.train.trainer", "--job.dump_folder", str(tmp_path),
+    return subprocess.Popen([sys.executable, "-m", "titan_mm.launch.train", "--job.dump_folder", str(tmp_path),
                              "--job.name", name, *TINY, *args], stdout=out, stderr=err, env=env, cwd=ROOT)
 
 
@@ -137,7 +137,7 @@ def test_sigterm_to_the_whole_process_group_with_loader_workers(tmp_path):
     args = ["--model.overrides", '{"num_hidden_layers": 1}', "--data.dataset", "builtin", "--data.seq_len", "64",
             "--data.micro_batch_size", "1", "--data.num_workers", "2", "--training.global_batch_size", "2",
             "--metrics.enable_tensorboard", "False", "--training.steps", "100000", "--checkpoint.interval", "1000"]
-    p = subprocess.Popen([sys.executable, "-m", "titan_mm.train.trainer", "--config", "debug_qwen3",
+    p = subprocess.Popen([sys.executable, "-m", "titan_mm.launch.train", "--config", "debug_qwen3",
                           "--job.dump_folder", str(tmp_path), "--job.name", "job", *args],
                          stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT, start_new_session=True)
     wait_for(lambda: steps_logged(run) >= 2, p, "step 2")

@@ -1,4 +1,4 @@
-"""The training loop: ``python -m titan_mm.train.trainer --config debug_qwen3.toml [--section.key value ...]``.
+"""The training loop: ``train(cfg, make_eval, make_data)`` (the command is titan_mm.launch.train).
 
     config -> process group + ParallelDims meshes -> ModelSpec (registry) -> build on meta ->
     parallelize (AC / compile / float8 / FSDP2) -> materialize (init or HF weights) -> optimizer, schedule ->
@@ -26,11 +26,9 @@ the middle of step k+1 (after its data is fetched, before its update) - a crash,
 
 from __future__ import annotations
 
-import faulthandler
 import gc
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,17 +37,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_mm.config import ConfigError, JobConfig, load_config, resolved_toml, run_dir, save_config, to_dict
-from titan_mm.data.sources import DataError
-from titan_mm.models.hf_io import HFCheckpointError
-from titan_mm.observe.health import NonFiniteError, StepTimes, peak_memory_gb, reset_peak_memory
+from titan_mm.config import ConfigError, JobConfig, resolved_toml, run_dir, save_config, to_dict
+from titan_mm.observe.health import StepTimes, peak_memory_gb, reset_peak_memory
 from titan_mm.observe.metrics import build_logger
 from titan_mm.observe.mfu import doc_lens_from_batch, encoder_inputs, mfu, peak_tflops
 from titan_mm.observe.profile import ProfileWindow
 from titan_mm.parallel.balance_dispatch import Rebalancer
-from titan_mm.train.checkpoint import CheckpointError, CheckpointManager, Topology, committed_step, step_dir_name
+from titan_mm.train.checkpoint import CheckpointManager, Topology, committed_step, step_dir_name
 from titan_mm.train.preflight import preflight
-from titan_mm.train.run_lock import RunLockError, hold_run_folder
+from titan_mm.train.run_lock import hold_run_folder
 from titan_mm.train.setup import KERNEL_PICKS, Run, build_data, pick_device, setup, setup_distributed, tune_kernels
 from titan_mm.train.step import train_step
 
@@ -294,68 +290,3 @@ def _train_locked(cfg: JobConfig, out_dir, make_eval, make_data=None) -> dict[st
     logger.info(f"done: step {state.step}, " + (f"loss {last['loss']:.4f}, " if last else "no step run, ")
                 + f"step time p50 {times.p50:.3f}s p90 {times.p90:.3f}s; run folder {out_dir}")
     return {"step": state.step, "loss": last.get("loss"), "run_dir": str(out_dir)}
-
-
-def keep_host_heap() -> None:
-    """Make glibc keep freed host memory instead of unmapping it (CPU jobs). A CPU step frees and reallocates
-    tensors of tens of MB (a 152k-row embedding's gradient, the optimizer's temporaries). By default each one is
-    mapped fresh, so its pages fault again: 200k faults a step, a third of the CPU time of debug_qwen2_5_omni.toml
-    (0.84 -> 0.55 s a step). The setting is process-wide, so the command sets it, not ``train()``."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    except (OSError, AttributeError, TypeError):  # not glibc: nothing to set
-        return
-    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
-    mallopt(m_mmap_max, 0)
-    mallopt(m_trim_threshold, 2**31 - 1)
-    mallopt(m_top_pad, 256 << 20)
-
-
-def main(argv: list[str] | None = None) -> int:
-    if not faulthandler.is_enabled():  # a native abort or crash (a gloo terminate, a segfault) prints the stacks
-        faulthandler.enable(sys.__stderr__)
-    try:
-        cfg = load_config(argv)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        # the entry point composes the rooms: eval/ builds on train/, and train() takes its callback
-        from titan_mm.eval.evaluator import online_eval
-        from titan_mm.rl import rl_data
-
-        make_eval = online_eval(cfg)  # reads [eval] tasks: a bad one fails here, before anything is built
-        make_data = rl_data(cfg)  # [rl]: reads the prompts and rewards, likewise
-        if pick_device(cfg).type == "cpu":
-            keep_host_heap()
-        train(cfg, make_eval, make_data)
-    except ConfigError as e:  # found before the first step (preflight, setup): nothing was written
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except DataError as e:  # the loader's error-rate stop (re-raised from a worker: its reason, one line)
-        print(f"data error: {e.reason}", file=sys.stderr)
-        return 1
-    except RunLockError as e:  # another trainer holds the run folder (every rank prints it)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (CheckpointError, NonFiniteError, HFCheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except Interrupted as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(e, file=sys.stderr)
-        return e.code
-    except KeyboardInterrupt:  # Ctrl-C before the loop installed its handler
-        print("interrupted during start-up, before the first step; nothing was saved", file=sys.stderr)
-        return 128 + signal.SIGINT
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
-"""torchrun as run_train.sh launches it (``NPROC>1``): ``python -m titan_mm.train.torchrun [torchrun args] -m ...``.
+"""torchrun as run_train.sh launches it (``NPROC>1``): ``python -m titan_mm.launch.torchrun [torchrun args] -m ...``.
 
 The same launcher (torch.distributed.run), with three differences:
-- Before it starts the workers of ``-m titan_mm.train.trainer``, it checks the job once, as one process does
+- Before it starts the workers of ``-m titan_mm.launch.train``, it checks the job once, as one process does
   first: the config (load + validate), the [eval] tasks, ``preflight`` at the world size it will start (fixed
   ``--nnodes`` x ``--nproc_per_node``; not with an elastic node range) and the finished-run refusal. A mistake
   is one ``config error: ...`` line and exit 2, not one line per rank and torchrun's ChildFailedError.
@@ -24,11 +24,12 @@ from torch.distributed.run import determine_local_world_size, parse_args, parse_
 from torch.distributed.run import main as torchrun_main
 
 from titan_mm.config import ConfigError, load_config, run_dir
+from titan_mm.eval.evaluator import online_eval
 from titan_mm.models.hf_io import HFCheckpointError
 from titan_mm.train.preflight import preflight
 from titan_mm.train.trainer import check_resume_step
 
-TRAINER = "titan_mm.train.trainer"
+TRAINER = "titan_mm.launch.train"
 
 
 def check_job(argv: list[str]) -> None:
@@ -38,9 +39,6 @@ def check_job(argv: list[str]) -> None:
     if not (args.module and args.training_script == TRAINER):
         return
     cfg = load_config(args.training_script_args)
-    # the entry point composes the rooms, as the trainer's main does: eval/ builds on train/, not train/ on eval/
-    from titan_mm.eval.evaluator import online_eval
-
     online_eval(cfg)  # reads the [eval] tasks: a bad one is a ConfigError
     lo, hi = parse_min_max_nnodes(args.nnodes)
     if lo == hi:  # elastic (a node range): the world size is not known before the rendezvous
