@@ -72,7 +72,8 @@ def imports(path: Path) -> list[tuple[str, bool]]:
             base = node.module or ""
             if node.level:
                 base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
-            names = [f"{base}.{a.name}" for a in node.names] if node.module is None else [base]
+            # `from titan_mm import kernels` names a room by the imported name, not by the package
+            names = [f"{base}.{a.name}" for a in node.names] if node.module is None or base == "titan_mm" else [base]
             out.extend((m, at_top) for m in names if m.startswith("titan_mm"))
         elif isinstance(node, ast.Import):
             out.extend((a.name, at_top) for a in node.names if a.name.startswith("titan_mm"))
@@ -151,7 +152,7 @@ def dot(info: dict) -> str:
            "digraph titan_mm {",
            '  graph [rankdir=BT, fontname="Helvetica", fontsize=12, nodesep=0.25, ranksep=0.5, pad=0.3, labelloc=t,',
            '         label=<<b>titan_mm: rooms and their imports</b><br/><font point-size="10">a room per box '
-           '(files, lines); an arrow from a room to a room it imports (statements); floors bottom up</font>>];',
+           '(files, lines); an arrow from a room to a room it imports (statements); the ground floor on top</font>>];',
            '  node [shape=box, style="rounded,filled", fillcolor="#f5f5f5", fontname="Helvetica", fontsize=10];',
            '  edge [color="#9e9e9e", arrowsize=0.6, fontname="Helvetica", fontsize=8, fontcolor="#757575"];']
     for f in sorted(set(fl.values())):

@@ -4,14 +4,21 @@
 - low rooms (nn/, models/, data/, kernels/, registry.py) import nothing from train/, parallel/ or tools/, except the
   plan data type (titan_mm.parallel.plan) that a family's plan.py returns;
 - train/, parallel/ and kernels/ name no model family and read no family config field by getattr / hasattr:
-  they ask the ModelSpec (titan_mm.registry); data/ names no family either (the family's DataNeeds says how).
+  they ask the ModelSpec (titan_mm.registry); data/ names no family either (the family's DataNeeds says how);
+- every room imports only the rooms WALLS allows it (imports inside functions count), and the rooms table and picture
+  of docs/architecture.md are the ones scripts/architecture.py draws from the code today.
 """
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import architecture  # noqa: E402  (scripts/ is no package: the doc generator, whose survey the walls read)
 
 PKG = Path(__file__).resolve().parents[2] / "titan_mm"
 LOW = ["nn", "models", "data", "kernels", "registry.py"]
@@ -102,3 +109,41 @@ def test_nn_is_the_ground_floor():
 def test_kernels_and_parallel_do_not_reach_into_models(room):
     bad = [f"{p.relative_to(PKG)}: {m}" for p in _py(room) for m in _imports(p) if m.startswith("titan_mm.models")]
     assert not bad, f"{room}/ imports models/: {bad}"
+
+
+WALLS = {
+    "_quiet": set(), "config": set(), "dtypes": set(), "nn": set(),
+    "kernels": {"nn"},
+    "quant": {"config"},
+    "observe": {"config"},
+    "registry": {"models"},  # the built-in families register themselves when first named (lazily)
+    "data": {"config", "nn", "registry"},
+    "parallel": {"config", "data", "dtypes", "kernels", "nn", "quant", "registry"},
+    "models": {"data", "kernels", "nn", "parallel", "registry"},  # parallel: the plan type; data: synthetic samples
+    "objectives": {"config", "data", "models", "nn", "registry"},
+    "loader": {"config", "data", "kernels", "models", "quant", "registry", "train"},  # train: DCP checkpoints
+    "train": {"config", "data", "dtypes", "kernels", "loader", "models", "nn", "objectives", "observe", "parallel",
+              "quant", "registry"},
+    "serve": {"config", "data", "dtypes", "kernels", "loader", "models", "nn", "parallel", "registry"},
+    "eval": {"config", "data", "loader", "nn", "observe", "serve", "train"},
+    "rl": {"config", "data", "eval", "loader", "nn", "objectives", "serve", "train"},
+    "export": {"config", "data", "dtypes", "loader", "objectives", "train"},
+    "launch": {"config", "data", "eval", "models", "observe", "rl", "train"},
+    "tools": None,  # above everything: any room
+}
+"""Room -> the rooms it may import. train/ never imports eval/, rl/ or serve/ (launch/ composes them); serve/ never
+imports train/; the ground floor (nn/, config, dtypes) imports nothing."""
+
+
+def test_every_room_keeps_its_walls():
+    info = architecture.survey()
+    assert set(info) == set(WALLS), f"rooms without walls (add them to WALLS): {sorted(set(info) ^ set(WALLS))}"
+    bad = {r: sorted(set(i["imports"]) - WALLS[r]) for r, i in info.items()
+           if WALLS[r] is not None and set(i["imports"]) - WALLS[r]}
+    assert not bad, f"imports through a wall: {bad}"
+
+
+def test_the_architecture_page_is_drawn_from_the_code():
+    r = subprocess.run([sys.executable, str(PKG.parent / "scripts/architecture.py"), "--check"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr

@@ -1,4 +1,4 @@
-"""Shared pure ops for every model family (norm, rope, attention, mlp, moe, loss, HF safetensors IO)."""
+"""Shared pure ops for every model family, the ground floor (norm, rope, attention over segment descriptions, mlp, moe, loss, kv cache, media layouts)."""
 
 from titan_mm.nn.attention import AttnMeta, build_attn_meta
 from titan_mm.nn.output import ModelOutput, Stream

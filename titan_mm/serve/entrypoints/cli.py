@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from titan_mm.registry import SpecError
     from titan_mm.serve.engine import Engine
     from titan_mm.serve.entrypoints.server import build_app
-    from titan_mm.train.checkpoint import CheckpointError
+    from titan_mm.loader import CheckpointError
 
     try:
         a = parse_args(list(sys.argv[1:] if argv is None else argv))
