@@ -130,18 +130,23 @@ def floors(info: dict) -> dict[str, int]:
     return {r: depth(r, frozenset()) for r in info}
 
 
+def about(n: int) -> str:
+    """A size rounded to 100 lines, so the page changes with the code's shape, not with every edit."""
+    return f"~{max(100, round(n, -2)):,}"
+
+
 def table(info: dict) -> str:
     fl = floors(info)
     order = sorted(info, key=lambda r: (fl[r], r))
-    rows = ["| floor | room | files | lines | what it holds (its docstring) | imports (statements; in functions) |",
+    rows = ["| floor | room | files | lines (rounded) | what it holds (its docstring) | imports (statements; in functions) |",
             "|---|---|---|---|---|---|"]
     for r in order:
         i = info[r]
         room = f"`{r}/`" if (PKG / r).is_dir() else f"`{r}.py`"
         imp = ", ".join(f"`{d}` {n}" + (f" ({k})" if k else "") for d, (n, k) in i["imports"].items()) or "nothing"
-        rows.append(f"| {fl[r]} | {room} | {i['files']} | {i['lines']} | {i['what']} | {imp} |")
+        rows.append(f"| {fl[r]} | {room} | {i['files']} | {about(i['lines'])} | {i['what']} | {imp} |")
     total = sum(i["lines"] for i in info.values())
-    rows.append(f"\n{len(info)} rooms, {total} lines; rooms that import each other: "
+    rows.append(f"\n{len(info)} rooms, {about(total)} lines; rooms that import each other: "
                 + (", ".join(f"`{a}` <-> `{b}`" for a, b in cycles(info)) or "none") + ".")
     return "\n".join(rows)
 
@@ -162,7 +167,7 @@ def dot(info: dict) -> str:
         i = info[r]
         name = f"{r}/" if (PKG / r).is_dir() else f"{r}.py"
         out.append(f'  "{r}" [label=<<b>{name}</b><br/><font point-size="8">{i["files"]} files, '
-                   f'{i["lines"]} lines</font>>];')
+                   f'{about(i["lines"])} lines</font>>];')
     for r in sorted(info):
         for d, (n, _) in info[r]["imports"].items():
             out.append(f'  "{r}" -> "{d}" [label="{n}"];')
