@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -164,8 +165,6 @@ def orthogonalize(jobs: list[_Job], compile_ns: bool) -> None:
 
 # ------------------------------------------------------------------------------------------ DTensor side
 def _is_dtensor(t: Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(t, DTensor)
 
 
@@ -210,8 +209,6 @@ def orthogonalized_updates(directions: list[tuple[Tensor, Tensor, int, Any, str]
     rank's local tensor: ``direction`` is the local tensor of the parameter's direction (placed like ``param``,
     a plain tensor or a DTensor). Collective when some parameter is a DTensor that splits its matrices: every
     rank of its mesh must call this with the same list."""
-    from torch.distributed.tensor import DTensor, Partial
-
     def dtype_for(t):
         return ns_dtype or (torch.bfloat16 if t.is_cuda else torch.float32)
 

@@ -20,11 +20,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan_mm.config import ConfigError, JobConfig, LRScheduler
 from titan_mm.parallel.apply import CastCopies
 from titan_mm.train.cast_adamw import CastAdamW
+from titan_mm.train.muon import MuonAdamW
 
 _EMBED_HINTS = ("embed", "tok_embeddings", "wte")
 
@@ -88,8 +90,6 @@ def split_dtensor_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Split every group that holds both DTensor and plain parameters into two groups with the same options.
     The foreach / fused AdamW kernels cannot take both kinds in one call; tensor parallelism without FSDP
     leaves the replicated parameters (norms; the embedding when it is not sharded) plain next to DTensors."""
-    from torch.distributed.tensor import DTensor
-
     out = []
     for g in groups:
         dt = [p for p in g["params"] if isinstance(p, DTensor)]
@@ -197,7 +197,6 @@ def build_optimizer(model: nn.Module, cfg: JobConfig, param_groups: list[dict] |
         kwargs["foreach"] = impl == "foreach"
     if o.name == "adamw":
         return torch.optim.AdamW(groups, **kwargs) if copies is None else CastAdamW(groups, copies=copies, **kwargs)
-    from titan_mm.train.muon import MuonAdamW
 
     layouts = fused_layouts(model, fused) if (o.muon_split_fused and fused) else {}
     return MuonAdamW(groups, momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,

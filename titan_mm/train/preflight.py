@@ -22,7 +22,14 @@ from __future__ import annotations
 import os
 import sys
 
+from safetensors import SafetensorError
+
 from titan_mm.config import ConfigError, Data, JobConfig
+from titan_mm.data.loader import resolve_sources
+from titan_mm.data.processors import Processor, ProcessorConfig
+from titan_mm.data.sources import list_units
+from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
+from titan_mm.models.hf_io import HFCheckpointError, local_hf_dir, safetensors_files
 from titan_mm.objectives import build_objective
 from titan_mm.train.setup import check_parallel, grad_accum_steps, model_from_config, parallel_dims, pick_device
 
@@ -60,10 +67,6 @@ def _check_eval(cfg: JobConfig, spec) -> None:
 
 
 def _check_weights(hf_path: str) -> None:
-    from safetensors import SafetensorError
-
-    from titan_mm.models.hf_io import HFCheckpointError, local_hf_dir, safetensors_files
-
     try:
         safetensors_files(local_hf_dir(hf_path, weights=True))
     except (HFCheckpointError, SafetensorError, OSError) as e:
@@ -71,9 +74,6 @@ def _check_weights(hf_path: str) -> None:
 
 
 def _check_sources(data: Data, section: str = "data") -> None:
-    from titan_mm.data.loader import resolve_sources
-    from titan_mm.data.sources import list_units
-
     key = f"{section}.mixture" if data.mixture else f"{section}.dataset"
     try:
         sources = resolve_sources(data.dataset, data.mixture)
@@ -90,10 +90,6 @@ def _check_sources(data: Data, section: str = "data") -> None:
 
 
 def _check_tokenizer(cfg: JobConfig, spec, model_cfg) -> None:
-    from titan_mm.data.processors import Processor, ProcessorConfig
-    from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
-    from titan_mm.models.hf_io import local_hf_dir
-
     hf_dir = local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None
     path = tokenizer_for(cfg.data.tokenizer_path, hf_dir)
     try:

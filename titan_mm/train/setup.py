@@ -12,15 +12,36 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from titan_mm import kernels as K
 from titan_mm.config import ConfigError, Data, JobConfig
+from titan_mm.data.loader import build_dataloader
 from titan_mm.data.packing import padded_seq_len
+from titan_mm.data.tokenizer import tokenizer_for
+from titan_mm.dtypes import torch_dtype
 from titan_mm.loader import load_weights, model_from_config
+from titan_mm.models.hf_io import local_hf_dir
+from titan_mm.nn.init import seeded_init
+from titan_mm.objectives import build_objective
+from titan_mm.observe.health import NanGuard
+from titan_mm.parallel.apply import cast_copies, parallelize
+from titan_mm.parallel.clip import clip_grad_norm_
+from titan_mm.parallel.encoder_balance import balance_group, balance_planner, check_family
+from titan_mm.parallel.memory import pp_balance
+from titan_mm.parallel.mesh import ParallelDims, init_distributed
+from titan_mm.parallel.pipeline import StageBuilder, make_layout
+from titan_mm.quant.float8 import float8_after_optimizer
 from titan_mm.registry import ModelSpec
+from titan_mm.train.optim import build_lr_scheduler, build_optimizer
+from titan_mm.train.state import TrainState
+from titan_mm.train.step import LossScaler, StepContext
+from titan_mm.train.synthetic import SyntheticLoader
 
 
 @dataclass
@@ -59,7 +80,6 @@ def setup_distributed(cfg: JobConfig, device: torch.device) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and device.type == "cpu":
         return 0, 1
-    from titan_mm.parallel.mesh import init_distributed
 
     backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
     if backend is None and device.type == "cpu":
@@ -68,10 +88,6 @@ def setup_distributed(cfg: JobConfig, device: torch.device) -> tuple[int, int]:
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
-    import random
-
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -84,8 +100,6 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def parallel_dims(cfg: JobConfig, world: int):
     """titan_mm.parallel.mesh.ParallelDims of ``[parallel]`` for ``world`` processes (meshes not built yet)."""
-    from titan_mm.parallel.mesh import ParallelDims
-
     try:
         return ParallelDims.from_config(cfg.parallel, world)
     except ValueError as e:
@@ -98,8 +112,6 @@ def check_parallel(cfg: JobConfig, pd, spec: ModelSpec, model_cfg) -> None:
     vs cp * tp, cp on a model whose plan declares no context-parallel attention."""
     d = spec.dims(model_cfg)
     if cfg.parallel.encoder_balance:
-        from titan_mm.parallel.encoder_balance import check_family
-
         check_family(spec, model_cfg)
     if pd.cp > 1 and not spec.plan(model_cfg).cp:
         raise ConfigError(f"[parallel] cp={pd.cp}, but model {spec.name!r} does not support context parallelism "
@@ -120,9 +132,6 @@ def build_model(cfg: JobConfig, spec: ModelSpec, model_cfg, parallel_dims, devic
     plain or FSDP-sharded models). ``stages`` (parallel.pp > 1): the titan_mm.parallel.pipeline.StageBuilder that
     prunes the meta model to this rank's pipeline stages, roots FSDP at them and draws the init in the full
     model's order."""
-    from titan_mm.nn.init import seeded_init
-    from titan_mm.parallel.apply import parallelize
-
     with torch.device("meta"):
         model = spec.build(model_cfg)
     plan = spec.plan(model_cfg) if stages is None else stages.prune(model)  # pipeline: this rank's part of the plan
@@ -162,8 +171,6 @@ def tune_kernels(cfg: JobConfig, spec: ModelSpec, model_cfg, pd, device: torch.d
     kernels = spec.runtime(model_cfg).kernels
     if device.type != "cuda" or not kernels:
         return None
-    from titan_mm import kernels as K
-    from titan_mm.dtypes import torch_dtype
 
     if picks:
         K.load_picks(K.current_picks(picks))  # a checkpoint of an older titan_mm may hold configs it no longer has
@@ -211,9 +218,6 @@ def grad_accum_steps(cfg: JobConfig, dp_world: int) -> int:
 def pipeline_stages(cfg: JobConfig, spec: ModelSpec, model_cfg, pd, n_micro: int):
     """This rank's titan_mm.parallel.pipeline.StageBuilder (parallel.pp > 1): the configured split, else the
     memory-balanced one (titan_mm.parallel.memory.pp_balance)."""
-    from titan_mm.parallel.memory import pp_balance
-    from titan_mm.parallel.pipeline import StageBuilder, make_layout
-
     dims = spec.dims(model_cfg)
     try:
         layout = make_layout(cfg.parallel, dims.num_layers, n_micro,
@@ -231,14 +235,9 @@ def build_data(cfg: JobConfig, spec: ModelSpec, model_cfg, dp_rank: int, dp_worl
     ``data``: another [data] section (held-out eval sources) in place of cfg.data; ``epochs`` > 0: a finite pass."""
     data = data or cfg.data
     if data.dataset == "synthetic":
-        from titan_mm.train.synthetic import SyntheticLoader
-
         return SyntheticLoader(vocab_size=spec.dims(model_cfg).vocab_size, seq_len=data.seq_len,
                                micro_batch_size=data.micro_batch_size, n_micro=n_micro,
                                dp_rank=dp_rank, dp_world=dp_world, seed=cfg.training.seed)
-    from titan_mm.data.loader import build_dataloader
-    from titan_mm.data.tokenizer import tokenizer_for
-    from titan_mm.models.hf_io import local_hf_dir
 
     tok = tokenizer_for(data.tokenizer_path, local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None)
     return build_dataloader(data, needs=spec.data_needs(model_cfg), dp_rank=dp_rank, dp_world=dp_world,
@@ -249,16 +248,6 @@ def setup(cfg: JobConfig, model_fn=None) -> Run:
     """Device, process group, meshes, model, optimizer, schedule and step context from ``cfg``.
     ``model_fn(spec, model_cfg, pd, device) -> nn.Module`` replaces build_model (bench/mfu.py's hand-built
     baseline); the rest is the same for it."""
-    from titan_mm.observe.health import NanGuard
-    from titan_mm.quant.float8 import float8_after_optimizer
-    from titan_mm.objectives import build_objective
-    from titan_mm.parallel.apply import cast_copies
-    from titan_mm.parallel.clip import clip_grad_norm_
-    from titan_mm.train.optim import build_lr_scheduler, build_optimizer
-    from titan_mm.train.state import TrainState
-    from titan_mm.train.step import LossScaler, StepContext
-    from titan_mm.parallel.encoder_balance import balance_group, balance_planner
-
     device = pick_device(cfg)
     rank, world = setup_distributed(cfg, device)
     if device.type == "cuda":

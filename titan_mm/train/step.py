@@ -41,11 +41,13 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titan_mm.nn.attention import batch_rows, build_attn_meta
 from titan_mm.objectives import CausalLM, Objective
 from titan_mm.observe.health import NanGuard, NonFiniteError
 from titan_mm.parallel.clip import clip_coef, clip_grad_norm_
+from titan_mm.parallel.cp import prepare_cp_batch
 from titan_mm.train.optim import supports_found_inf
 from titan_mm.train.state import TrainState
 
@@ -236,8 +238,6 @@ def _prepare(mb: dict, ctx: StepContext):
     pd = ctx.parallel_dims
     kind, block = ctx.objective.mask_kind or "causal", ctx.objective.block_size
     if pd is not None and pd.cp_enabled:
-        from titan_mm.parallel.cp import prepare_cp_batch
-
         return prepare_cp_batch(mb, pd, ctx.attn_backend, ctx.device, ctx.sliding_window, mode=ctx.cp_mode,
                                 seq_keys=ctx.seq_keys + ctx.objective.seq_keys, kind=kind, block_size=block)
     return mb, build_attn_meta(mb, ctx.attn_backend, ctx.device, sliding_window=ctx.sliding_window, kind=kind,
@@ -251,7 +251,6 @@ def sdpa_priority(device: torch.device):
     choice is made at trace time, which happens within this context."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     return sdpa_kernel(order, set_priority=True)

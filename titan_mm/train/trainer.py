@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from titan_mm.config import ConfigError, JobConfig, resolved_toml, run_dir, save_config, to_dict
+from titan_mm.kernels import export_picks, untuned_keys
 from titan_mm.observe.health import StepTimes, peak_memory_gb, reset_peak_memory
 from titan_mm.observe.metrics import build_logger
 from titan_mm.observe.mfu import doc_lens_from_batch, encoder_inputs, mfu, peak_tflops
@@ -196,8 +197,6 @@ def _train_locked(cfg: JobConfig, out_dir, make_eval, make_data=None) -> dict[st
 
     tune_report = tune_kernels(cfg, spec, model_cfg, pd, device, picks=state.extra.get(KERNEL_PICKS))
     if tune_report is not None:
-        from titan_mm.kernels import export_picks
-
         state.extra[KERNEL_PICKS] = export_picks()  # checkpointed with the train state: a resume launches the same
         tuned = sum(len(v) for v in tune_report["tuned"].values())
         logger.info(f"kernels: tuned {tuned} launch configs in {tune_report['seconds']:.1f}s"
@@ -237,7 +236,6 @@ def _train_locked(cfg: JobConfig, out_dir, make_eval, make_data=None) -> dict[st
                 torch.cuda.synchronize(device)
             if check_untuned:  # after the first step: keys the model met that tune_kernels did not cover
                 check_untuned = False
-                from titan_mm.kernels import untuned_keys
 
                 if untuned_keys():
                     logger.info(f"kernels: these launch-config keys ran untuned (first config): {untuned_keys()}")
