@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import torch
 
 from titan_mm.data.sources import SkipSample
 from titan_mm.data.vision import MediaItem
@@ -33,7 +34,7 @@ N_FFT, HOP = 400, 160
 
 def decode_audio(payload, rate: int = 16000) -> np.ndarray:
     """Mono float32 samples at ``rate`` Hz of the first audio stream of any container (a video's own track too)."""
-    import av
+    import av  # PyAV (FFmpeg) only for audio payloads: a text or image run never loads it
 
     try:
         src = io.BytesIO(payload) if isinstance(payload, (bytes, bytearray)) else payload
@@ -97,8 +98,6 @@ def mel_filters(n_mels: int, sr: int = 16000, n_fft: int = N_FFT) -> np.ndarray:
 
 def log_mel(wave: np.ndarray, n_mels: int = 128) -> np.ndarray:
     """[n_mels, len(wave) // 160] Whisper log-mel of the whole waveform (its max sets the floor)."""
-    import torch
-
     x = torch.from_numpy(wave)
     spec = torch.stft(x, N_FFT, HOP, window=torch.hann_window(N_FFT), return_complex=True)
     power = (spec[..., :-1].abs() ** 2).contiguous()  # contiguous as HF's: the strided matmul rounds otherwise

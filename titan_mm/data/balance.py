@@ -38,6 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from titan_mm.registry import get_model_spec
 
 COEFFICIENTS_FILE = Path(__file__).with_name("cost_coefficients.json")
 ASSUMED_TFLOPS = 400.0
@@ -123,8 +126,6 @@ def _fit_quadratic(f, x1: int, x2: int) -> tuple[float, float]:
 def coefficients_from_flops(spec, cfg, tflops: float = ASSUMED_TFLOPS) -> CostCoefficients:
     """Provisional coefficients from the family's FLOP counter (``spec.flops``) at ``tflops`` TFLOP/s: one
     document of L tokens gives the decoder terms, one image of P patches (no text) the vision terms."""
-    import torch
-
     s = 1.0 / (tflops * 1e12)
     a_tok, a_attn = _fit_quadratic(lambda n: spec.flops(cfg, [n]), 1024, 4096)
     v_patch = v_attn = 0.0
@@ -257,8 +258,6 @@ def lower_bound(costs, n_ranks: int) -> float:
 
 def _write_flops_derived(path: Path = COEFFICIENTS_FILE) -> None:
     """Recompute every flops-derived entry of the coefficient file (fitted entries are kept)."""
-    from titan_mm.registry import get_model_spec
-
     doc = json.loads(path.read_text())
     for key, entry in doc["entries"].items():
         if entry.get("source") != PROVISIONAL:

@@ -23,6 +23,7 @@ Parquet one row group at a time, tar shards member by member.
 
 from __future__ import annotations
 
+import base64
 import difflib
 import hashlib
 import json
@@ -34,6 +35,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import fsspec
+import pyarrow.parquet as pq
+
+from titan_mm.data.builtin import NUM_PARTS, builtin_num_parts, builtin_records
 
 log = logging.getLogger("titan_mm.data")
 
@@ -98,8 +102,6 @@ def list_units(spec: str, name: str | None = None) -> list[Unit]:
     """Enumerate the units of a source (reads only file listings and Parquet footers)."""
     name = name or source_name(spec)
     if spec.startswith("builtin:"):
-        from titan_mm.data.builtin import builtin_num_parts
-
         n = builtin_num_parts(spec[len("builtin:"):])
         return [Unit(name, spec, "builtin", i, n) for i in range(n)]
     fs, _, paths = fsspec.get_fs_token_paths(spec)
@@ -111,8 +113,6 @@ def list_units(spec: str, name: str | None = None) -> list[Unit]:
         elif fs.exists(p):
             files.append(p)
     if not files:
-        from titan_mm.data.builtin import NUM_PARTS
-
         near = difflib.get_close_matches(spec, list(NUM_PARTS), n=1)
         raise FileNotFoundError(
             f"data source {spec!r} matched no files ({_nearby(fs, spec)}); "
@@ -124,8 +124,6 @@ def list_units(spec: str, name: str | None = None) -> list[Unit]:
         url = f if proto in ("file", "local") else f"{proto}://{f}" if "://" not in f else f
         fmt = detect_format(f)
         if fmt == "parquet":
-            import pyarrow.parquet as pq
-
             try:
                 with fsspec.open(url, "rb") as fh:
                     n_rg = pq.ParquetFile(fh).metadata.num_row_groups
@@ -238,8 +236,6 @@ def _read_json(unit: Unit, start: int, token: Any, order: tuple | None = None) -
 
 
 def _read_parquet(unit: Unit, start: int, token: Any, order: tuple | None = None) -> Iterator:
-    import pyarrow.parquet as pq
-
     if unit.part < 0:
         raise SkipSample("unreadable_shard", f"{unit.url}: Parquet footer could not be read")
     with fsspec.open(unit.url, "rb") as fh:
@@ -300,8 +296,6 @@ def _read_tar(unit: Unit, start: int, token: Any, order: tuple | None = None) ->
 
 
 def _read_builtin(unit: Unit, start: int, token: Any, order: tuple | None = None) -> Iterator:
-    from titan_mm.data.builtin import builtin_records
-
     recs = builtin_records(unit.url[len("builtin:"):])[unit.part :: unit.nparts]  # slice `part` of `nparts`
     perm = _shuffled(len(recs), order)
     for pos in range(start, len(recs)):
@@ -473,8 +467,6 @@ def open_media(ref: str, unit: Unit, media_root: str = "") -> bytes:
 def media_bytes(spec: Any, rec: dict, unit: Unit, media_root: str = "") -> bytes:
     """Resolve a media part's payload: raw bytes, {"bytes": ...}, a data: URI, a member of the tar shard,
     or a path/URL."""
-    import base64
-
     if isinstance(spec, (bytes, bytearray)):
         return bytes(spec)
     if isinstance(spec, dict):

@@ -33,7 +33,10 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 from einops import rearrange
+from PIL import Image
 
 from titan_mm.data.sources import SkipSample
 from titan_mm.nn.media import VisionLayout, chunk_bounds, merge_by_time, mrope_index
@@ -112,8 +115,6 @@ def patchify(frames_TCHW: np.ndarray, patch: int, temporal: int, merge: int) -> 
 
 
 def _load_pil(payload):
-    from PIL import Image
-
     if isinstance(payload, Image.Image):
         return payload
     if isinstance(payload, np.ndarray):
@@ -129,8 +130,6 @@ def _load_pil(payload):
 def to_rgb(img):
     """RGB, with any transparency (RGBA, LA, PA, P or RGB with a transparent colour) composited onto white, as
     transformers' image processors do (``convert_to_rgb``); a plain convert would keep the hidden colours."""
-    from PIL import Image
-
     if "A" not in img.getbands() and img.info.get("transparency") is None:
         return img.convert("RGB")
     rgba = img.convert("RGBA")
@@ -139,8 +138,6 @@ def to_rgb(img):
 
 def _image_patches(img, h: int, w: int, patch: int, temporal: int, merge: int,
                    layout: VisionLayout | None = None) -> np.ndarray:
-    from PIL import Image
-
     img = to_rgb(img).resize((w, h), resample=Image.Resampling.BICUBIC)
     x = np.asarray(img).astype(np.float64) * (1 / 255)
     x = normalize(x.transpose(2, 0, 1), layout)[None]  # [1, C, H, W]
@@ -192,7 +189,7 @@ def decode_video(payload, pick=None) -> tuple[list[np.ndarray], float]:
     With ``pick(total_frames, fps) -> indices`` only the picked frames are kept while decoding, so a long
     video never sits in memory whole (the frame count comes from the container; when the container does
     not say, a first pass counts frames without converting them)."""
-    import av
+    import av  # PyAV (FFmpeg) only for video payloads: a text or image run never loads it
 
     def _open():
         return av.open(io.BytesIO(payload) if isinstance(payload, (bytes, bytearray)) else payload)
@@ -241,8 +238,6 @@ def sample_frame_indices_strided(total: int, video_fps: float, fps: float, min_f
     """Qwen2VLVideoProcessor.sample_frames at ``fps``: a multiple of ``temporal`` frames, at int(k * total / n)
     (float32, as torch.arange gives them). A clip shorter than one temporal patch is taken whole (HF's sampling
     would divide by zero; its unsampled path takes every frame)."""
-    import torch
-
     top = math.floor(min(max_frames, total) / temporal) * temporal
     n = math.floor(min(max(total / video_fps * fps, min_frames), top, total) / temporal) * temporal
     if n == 0:
@@ -260,9 +255,6 @@ def frame_timestamps(indices, video_fps: float, temporal: int) -> list[float]:
 
 def resize_frames(frames_THWC: np.ndarray, h: int, w: int) -> np.ndarray:
     """Bicubic antialiased resize of uint8 frames as torchvision does on tensors: float, round, clamp."""
-    import torch
-    import torch.nn.functional as F
-
     x = torch.from_numpy(np.ascontiguousarray(frames_THWC)).permute(0, 3, 1, 2).float()
     if x.shape[-2:] != (h, w):
         x = F.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)

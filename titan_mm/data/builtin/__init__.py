@@ -21,6 +21,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
+from titan_mm.data.builtin.dtmf import dtmf_records
+from titan_mm.data.builtin.images import digits_records, photo_records
+from titan_mm.data.builtin.qa import qa_records
+from titan_mm.data.builtin.text import text_corpus
+
 NUM_PARTS = {"text": 16, "digits": 16, "digits_test": 4, "photos": 1, "qa": 8, "qa_test": 2,
              "dtmf": 16, "dtmf_test": 4, "dtmf_digits": 16, "dtmf_digits_test": 4, "dtmf_seq": 16,
              "dtmf_seq_test": 4}
@@ -35,24 +40,14 @@ def builtin_num_parts(name: str) -> int:
 @lru_cache(maxsize=8)
 def builtin_records(name: str) -> Sequence[dict]:
     if name == "text":
-        from titan_mm.data.builtin.text import text_corpus
-
         return [{"text": t} for t in text_corpus()]
     if name in ("digits", "digits_test"):
-        from titan_mm.data.builtin.images import digits_records
-
         return digits_records(test=name == "digits_test")
     if name in ("qa", "qa_test"):
-        from titan_mm.data.builtin.qa import qa_records
-
         return qa_records(test=name == "qa_test")
     if name in NUM_PARTS and name.startswith("dtmf"):
-        from titan_mm.data.builtin.dtmf import dtmf_records
-
         return dtmf_records(name.removesuffix("_test"), test=name.endswith("_test"))
     if name == "photos":
-        from titan_mm.data.builtin.images import photo_records
-
         return photo_records()
     builtin_num_parts(name)  # raises with the list of names
     return []

@@ -31,6 +31,8 @@ from functools import partial
 
 import numpy as np
 
+from titan_mm.data.builtin.images import digit_image, digits_data, png
+
 KEYS = "123456789*0#"  # row-major on the keypad
 ROW_HZ = (697, 770, 852, 941)
 COL_HZ = (1209, 1336, 1477)
@@ -81,8 +83,6 @@ def dtmf_record(i: int, variant: str = "dtmf") -> dict:
     which = "Which keys were pressed" if max_keys > 1 else "Which key was pressed"
     content, answer = [clip, {"type": "text", "text": which + "?"}], keys
     if mixed:
-        from titan_mm.data.builtin.images import digit_image, digits_data, png
-
         images, target = digits_data()
         pool = split(len(target), test=i % 5 == 0)
         j = pool[r.randrange(len(pool))]

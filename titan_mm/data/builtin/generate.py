@@ -18,6 +18,9 @@ import random
 import tarfile
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
 
 _WORDS = ("the a cat dog runs jumps over under big small red blue house tree river stone bird sings "
           "quickly slowly today tomorrow one two three four five green old new light dark").split()
@@ -29,8 +32,6 @@ def _text(r: random.Random) -> str:
 
 
 def _png(r: random.Random, size: int = 64) -> bytes:
-    from PIL import Image
-
     rng = np.random.default_rng(r.randrange(1 << 30))
     arr = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
     buf = io.BytesIO()
@@ -69,9 +70,6 @@ def generate(out: str, n: int, fmt: str = "jsonl", shards: int = 4, images: floa
                             g.write(png)
                     f.write(json.dumps(rec) + "\n")
         elif fmt == "parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
             p = os.path.join(out, f"shard-{s:05d}.parquet")
             texts, msgs, imgs = [], [], []
             for i in range(lo, hi):

@@ -6,14 +6,13 @@ import io
 from functools import lru_cache
 
 import numpy as np
+from PIL import Image
 
 DIGIT_QUESTION = "What digit is this?"
 DIGIT_SIZE = 64  # the 8x8 digits are upscaled 8x (nearest) to 64x64 RGB
 
 
 def png(arr: np.ndarray) -> bytes:
-    from PIL import Image
-
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="PNG")
     return buf.getvalue()
@@ -29,7 +28,7 @@ def digit_image(x8x8: np.ndarray) -> np.ndarray:
 @lru_cache(maxsize=1)
 def digits_data() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's digits: images [1797, 8, 8] in [0, 16] and their labels [1797]."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # scikit-learn takes seconds to import; only builtin:digits needs it
 
     d = load_digits()
     return d.images, d.target
@@ -71,7 +70,7 @@ PHOTOS = {
 
 def photo_records() -> list[dict]:
     """A few real photos from scikit-image's data module with one-sentence captions."""
-    import skimage.data as skd
+    import skimage.data as skd  # scikit-image takes seconds to import; only builtin:photos needs it
 
     out = []
     for name, caption in PHOTOS.items():
