@@ -25,10 +25,15 @@ import sys
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 from titan_mm.config import ConfigError, JobConfig
+from titan_mm.data.chat_templates import chat_template_jinja
+from titan_mm.data.processors import ProcessorConfig
+from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.dtypes import DTYPES, torch_dtype
 from titan_mm.loader import checkpoint_config, load_model, model_from_config, tokenizer_path
+from titan_mm.objectives.diffusion import write_hf_note
 from titan_mm.train.checkpoint import CheckpointError, resolve_checkpoint
 
 # copied from the tokenizer's folder when there (tokenizer.json always; tokenizer_config.json is rewritten)
@@ -41,10 +46,6 @@ def hf_folder_files(cfg: JobConfig) -> dict[str, str | Path]:
     else the model's HF folder when it holds one, else the built-in Qwen3 tokenizer); the chat template is the
     one its processors rendered (data.chat_template, else the family's); the vision sizes come from the
     family's DataNeeds and the resize bounds from [data]."""
-    from titan_mm.data.chat_templates import chat_template_jinja
-    from titan_mm.data.processors import ProcessorConfig
-    from titan_mm.data.tokenizer import load_tokenizer
-
     spec, model_cfg = model_from_config(cfg, torch.device("cpu"))
     needs = spec.data_needs(model_cfg)
     try:
@@ -72,7 +73,6 @@ def hf_folder_files(cfg: JobConfig) -> dict[str, str | Path]:
         gen["bos_token_id"] = tok.token_to_id(conf["bos_token"])
     files["generation_config.json"] = json.dumps(gen, indent=2)
     if needs.patch_size:  # titan_mm.data.vision: RGB, PIL bicubic resize, x / 255, (x - mean) / std of the layout
-        from PIL import Image
 
         d = cfg.data
         mean, std = needs.vision_layout.mean, needs.vision_layout.std
@@ -105,7 +105,6 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) ->
     mode = (out / "config.json").stat().st_mode & 0o777  # safetensors writes 0600; the weights get the others' mode
     for f in out.glob("*.safetensors"):
         f.chmod(mode)
-    from titan_mm.objectives.diffusion import write_hf_note
 
     write_hf_note(out, got.job, got.spec, got.model_cfg)  # diffusion LMs: "titan_mm_objective" in config.json
     for name, body in files.items():

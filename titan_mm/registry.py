@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from titan_mm.models.hf_io import HFCheckpointError, local_hf_dir, read_hf_config
+
 if TYPE_CHECKING:  # the media-layout types of DataNeeds (titan_mm.nn.media); named for annotations only
     from titan_mm.nn.media import AudioFrontEnd, VisionLayout
 
@@ -355,8 +357,6 @@ def get_model_spec(name: str) -> ModelSpec:
 
 def spec_for_hf_dir(hf_dir: str) -> ModelSpec:
     """The spec whose hf_model_types contains config.json's model_type."""
-    from titan_mm.models.hf_io import read_hf_config
-
     mt = read_hf_config(hf_dir).get("model_type")
     for n in _BUILTIN:
         get_model_spec(n)
@@ -409,8 +409,6 @@ def resolve_model(name: str, flavor: str, hf_path: str | None = None, overrides:
     of the same name that every MoE family's config has. Every mistake is a :class:`SpecError` naming what to fix."""
     spec = get_model_spec(name)
     if hf_path:
-        from titan_mm.models.hf_io import HFCheckpointError, local_hf_dir, read_hf_config
-
         try:  # a local folder or a Hub repo id (config files only: the weights are fetched by their reader)
             folder = local_hf_dir(hf_path)
             mt = read_hf_config(folder).get("model_type")

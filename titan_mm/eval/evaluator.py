@@ -28,7 +28,10 @@ import torch
 import torch.distributed as dist
 
 from titan_mm.config import Data, JobConfig
+from titan_mm.data.loader import resolve_sources
+from titan_mm.data.processors import Processor, ProcessorConfig
 from titan_mm.data.tokenizer import load_tokenizer
+from titan_mm.eval.forward_decode import greedy_texts
 from titan_mm.eval.tasks import Task, load_task
 from titan_mm.loader import tokenizer_path
 from titan_mm.observe.health import peak_memory_gb, reset_peak_memory
@@ -64,8 +67,6 @@ def read_tasks(cfg: JobConfig) -> list[Task]:
 class Evaluator:
     def __init__(self, cfg: JobConfig, run: Run, tasks: list[Task] | None = None):
         """``tasks``: eval.tasks already read (:func:`online_eval`); None: read here."""
-        from titan_mm.data.loader import resolve_sources
-
         self.cfg, self.run, e = cfg, run, cfg.eval
         sources = resolve_sources(e.dataset, e.mixture) if (e.dataset or e.mixture) else []
         names = [source_name(s) for s, _ in sources]
@@ -145,9 +146,6 @@ class Evaluator:
         return gathered_model(self.run)
 
     def generate(self) -> dict[str, float]:
-        from titan_mm.data.processors import Processor, ProcessorConfig
-        from titan_mm.eval.forward_decode import greedy_texts
-
         run, e = self.run, self.cfg.eval
         t0 = time.perf_counter()
         model, gen_cfg = self.gathered_model()
@@ -189,6 +187,7 @@ class Evaluator:
 def live_state_dict(run: Run) -> dict[str, torch.Tensor]:
     """The live parameters as full tensors on every rank (a collective under FSDP / TP / PP; no disk). On one rank
     without sharding they are the trainer's own tensors."""
+    # torch.distributed.checkpoint is slow to import; only an eval that gathers the live weights pays for it
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_mm.config import ConfigError
+from titan_mm.data.builtin import builtin_records
 
 # name -> (built-in source, metric name, decoded by the serving engine; False: through the training forward,
 # titan_mm.eval.forward_decode, for media the engine does not serve yet)
@@ -76,8 +77,6 @@ def read_jsonl_items(path: Path, task: str, key: str = "eval.tasks") -> list[dic
 def load_task(spec: str, limit: int = 0) -> Task:
     """The task named by one ``[eval] tasks`` entry, its first ``limit`` prompts (0: all)."""
     if spec in BUILTIN:
-        from titan_mm.data.builtin import builtin_records
-
         name, metric, engine = BUILTIN[spec]
         records = builtin_records(name)
         if limit:  # the dtmf records are made when read: take the first ``limit`` before reading them
