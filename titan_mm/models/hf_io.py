@@ -14,6 +14,10 @@ import re
 from collections.abc import Iterable, Mapping
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -47,9 +51,15 @@ def local_hf_dir(hf_path: str, weights: bool = False) -> str:
         raise HFPathNotFound(f"model.hf_path {hf_path!r} is not a directory nor a Hub repo id (org/name); give a "
                              "local HF model folder (config.json + *.safetensors) or a Hub id such as "
                              "Qwen/Qwen3-1.7B, or drop model.hf_path to use a flavor")
+    # huggingface_hub is slow to import; only a Hub repo id (not a local folder) needs it
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, \
-        RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     try:
         return snapshot_download(hf_path, allow_patterns=_META_FILES + (_WEIGHT_FILES if weights else []))
@@ -105,7 +115,6 @@ def safetensors_files(hf_dir: str | os.PathLike) -> dict[str, str]:
     if not files:
         raise HFCheckpointError(f"no *.safetensors in {hf_dir} (.bin checkpoints are not read: convert them "
                                 "with transformers' save_pretrained(safe_serialization=True))")
-    from safetensors import safe_open
 
     out: dict[str, str] = {}
     for fn in files:
@@ -117,8 +126,6 @@ def safetensors_files(hf_dir: str | os.PathLike) -> dict[str, str]:
 
 def read_safetensors(hf_dir: str | os.PathLike, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """Read tensors (all, or ``names``) from a local HF directory onto CPU."""
-    from safetensors import safe_open
-
     where = safetensors_files(hf_dir)
     wanted = list(where) if names is None else list(names)
     by_file: dict[str, list[str]] = {}
@@ -149,8 +156,6 @@ def read_thinker(hf_dir: str | os.PathLike, other_parts: tuple[str, ...], log) -
 
 def safetensors_shapes(hf_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """tensor name -> shape without reading the data."""
-    from safetensors import safe_open
-
     where = safetensors_files(hf_dir)
     out: dict[str, tuple[int, ...]] = {}
     for path in sorted(set(where.values())):
@@ -197,8 +202,6 @@ def write_safetensors(
 ) -> list[str]:
     """Write HF-named tensors as model.safetensors, or model-0000i-of-0000n.safetensors + index.json when
     larger than ``max_shard_bytes``. Returns the file names written."""
-    from safetensors.torch import save_file
-
     os.makedirs(out_dir, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -249,8 +252,6 @@ class ShardedWriter:
         self.total += _nbytes(t)
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         tmp = f".tmp-shard-{len(self.files):05d}.safetensors"
         save_file(self.cur, os.path.join(self.out_dir, tmp), metadata={"format": "pt"})
         self.files.append((tmp, sorted(self.cur)))
@@ -277,8 +278,6 @@ class ShardedWriter:
 def iter_full_tensors(model: torch.nn.Module):
     """(name, full tensor) over ``model.state_dict()`` in order, all-gathering DTensors one at a time
     (collective: every rank must iterate to the end)."""
-    from torch.distributed.tensor import DTensor
-
     for name, t in model.state_dict().items():
         yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
 
@@ -294,8 +293,6 @@ def save_hf_folder(model_or_sd, cfg, out_dir: str | os.PathLike, to_hf, dtype: t
     """A family's save_hf in one piece: the full state dict (gathered: collective for a sharded model, every rank
     calls it, rank 0 writes) mapped by ``to_hf(sd, cfg)`` to HF names, safetensors shards, and config.json from
     ``cfg.to_hf_dict(dtype=...)``. ``dtype``: cast on export (default: keep)."""
-    import torch.distributed as dist
-
     sd = full_state_dict(model_or_sd) if isinstance(model_or_sd, torch.nn.Module) else dict(model_or_sd)
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
@@ -309,8 +306,6 @@ def save_hf_folder(model_or_sd, cfg, out_dir: str | os.PathLike, to_hf, dtype: t
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """True when the model holds DTensor parameters (FSDP2 / TP / EP)."""
-    from torch.distributed.tensor import DTensor
-
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
@@ -318,6 +313,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) CPU state dict; collective when the model holds DTensors (call on every rank;
     with cpu_offload only rank 0 keeps the tensors)."""
     if is_sharded(model):
+        # torch.distributed.checkpoint is slow to import; only a sharded model needs it
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -328,6 +324,7 @@ def load_full_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor], st
     """Load full tensors (titan names) into a plain, meta or sharded model. ``strict=False`` loads a part
     (used layer by layer for sharded models, after the names were checked)."""
     if is_sharded(model):
+        # torch.distributed.checkpoint is slow to import; only a sharded model needs it
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=strict))

@@ -5,14 +5,13 @@ Qwen2Config.decoder() derives (no qk-norm, q/k/v bias, no o_proj bias); this fol
 names and config.json, and the contract's answers, each delegating to Qwen3's on that decoder config.
 """
 
+from titan_mm.models.qwen2 import flops, hf, memory, plan, spec
 from titan_mm.models.qwen2.config import FLAVORS, Qwen2Config
 from titan_mm.models.qwen2.model import build
+from titan_mm.registry import ModelSpec, register
 
 
 def _register() -> None:
-    from titan_mm.models.qwen2 import flops, hf, memory, plan, spec
-    from titan_mm.registry import ModelSpec, register
-
     register(
         ModelSpec(
             name="qwen2",

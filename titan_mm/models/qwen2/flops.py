@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from titan_mm.models.qwen2.config import Qwen2Config, as_decoder
+from titan_mm.models.qwen2.model import build
 from titan_mm.models.qwen3 import flops as qwen3_flops
 
 
@@ -27,9 +30,5 @@ def flops_per_token(cfg: Qwen2Config, seq_len: int) -> float:
 
 def num_params(cfg: Qwen2Config) -> int:
     """All parameters as stored (tied head once, q/k/v biases included), counted on a meta-built model."""
-    import torch
-
-    from titan_mm.models.qwen2.model import build
-
     with torch.device("meta"):
         return sum(p.numel() for p in build(cfg).parameters())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 from titan_mm.models import hf_io
 from titan_mm.models.qwen2.config import MODEL_TYPE, Qwen2Config, as_decoder
@@ -48,8 +49,6 @@ def save_hf(model_or_sd, cfg: Qwen2Config, out_dir: str | os.PathLike, dtype: to
 
     The tensors are written by Qwen3's save_hf (collective for a sharded model: every rank calls it, rank 0
     writes, one layer gathered at a time); config.json is then rewritten as Qwen2's, with the dtype written."""
-    import torch.distributed as dist
-
     if not isinstance(cfg, Qwen2Config):
         raise TypeError(f"qwen2 save_hf needs the family's Qwen2Config (it writes model_type 'qwen2'), "
                         f"got {type(cfg).__name__}")

@@ -5,14 +5,13 @@ Qwen2.5-VL's model (titan_mm/models/qwen2_5_vl: the Qwen2 decoder, the window-at
 plus the Whisper-style audio encoder of audio.py and TMRoPE positions built on the host (model.prepare_batch).
 Batch keys: model.py's docstring."""
 
+from titan_mm.models.qwen2_5_omni import flops, hf, memory, plan, spec
 from titan_mm.models.qwen2_5_omni.config import FLAVORS, AudioConfig, Qwen2_5OmniConfig
 from titan_mm.models.qwen2_5_omni.model import Qwen2_5OmniModel, build, param_groups, prepare_batch
+from titan_mm.registry import ModelSpec, register
 
 
 def _register() -> None:
-    from titan_mm.models.qwen2_5_omni import flops, hf, memory, plan, spec
-    from titan_mm.registry import ModelSpec, register
-
     register(ModelSpec(name="qwen2_5_omni", config_cls=Qwen2_5OmniConfig, flavors=FLAVORS, build=build,
                        config_from_hf=Qwen2_5OmniConfig.from_hf, load_hf=hf.load_hf, save_hf=hf.save_hf,
                        flops=flops.flops, plan=plan.plan, dims=spec.dims, runtime=spec.runtime,

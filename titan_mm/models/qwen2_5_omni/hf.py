@@ -20,6 +20,7 @@ import torch
 
 from titan_mm.models import hf_io
 from titan_mm.models.qwen2_5_omni.config import FULL_MODEL_TYPE, MODEL_TYPE, Qwen2_5OmniConfig
+from titan_mm.models.qwen2_5_omni.model import Qwen2_5OmniModel
 from titan_mm.models.qwen2_5_vl import hf as vl_hf
 from titan_mm.models.qwen3_vl import hf as vl3_hf
 
@@ -72,8 +73,6 @@ def describe(titan_name: str) -> str:
 
 
 def expected_titan_shapes(cfg: Qwen2_5OmniConfig) -> dict[str, tuple[int, ...]]:
-    from titan_mm.models.qwen2_5_omni.model import Qwen2_5OmniModel
-
     with torch.device("meta"):
         m = Qwen2_5OmniModel(cfg)
     return {k: tuple(v.shape) for k, v in m.state_dict().items()}

@@ -20,14 +20,13 @@ import torch
 
 from titan_mm.data.packing import Doc, collate_rows
 from titan_mm.models.qwen3_vl.synthetic import next_token_labels, place
+from titan_mm.registry import spec_for_config
 
 FRAMES_PER_SECOND = 100  # log-mel hop 160 at 16 kHz
 
 
 def audio_tokens(cfg, frames: int) -> int:
     """<|audio_pad|> tokens of a clip of ``frames`` mel frames for ``cfg``'s audio encoder (its DataNeeds')."""
-    from titan_mm.registry import spec_for_config
-
     return int(spec_for_config(cfg).data_needs(cfg).audio.tokens(int(frames)))
 
 
@@ -75,8 +74,6 @@ def make_sample(cfg, segments, generator: torch.Generator | None = None, text_vo
 
 def positions(cfg, batch: dict) -> torch.Tensor:
     """[3, B, S] TMRoPE positions of a collated batch: those the family's prepare_batch builds (on the host)."""
-    from titan_mm.registry import spec_for_config
-
     return spec_for_config(cfg).prepare_batch(cfg, dict(batch), "cpu")["position_ids"]
 
 

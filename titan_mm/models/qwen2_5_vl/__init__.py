@@ -3,15 +3,14 @@
 The Qwen2 decoder with chunked M-RoPE, and the window-attention ViT of vision.py; the model, the visual-token
 scatter, freezing and per-part learning rates are Qwen3-VL's (titan_mm/models/qwen3_vl), imported."""
 
+from titan_mm.models.qwen2_5_vl import flops, hf, memory, plan, spec
 from titan_mm.models.qwen2_5_vl.config import FLAVORS, Qwen2_5_VLConfig, VisionConfig
 from titan_mm.models.qwen2_5_vl.model import Qwen2_5_VLModel, build, prepare_batch
+from titan_mm.models.qwen3_vl.model import param_groups
+from titan_mm.registry import ModelSpec, register
 
 
 def _register() -> None:
-    from titan_mm.models.qwen2_5_vl import flops, hf, memory, plan, spec
-    from titan_mm.models.qwen3_vl.model import param_groups
-    from titan_mm.registry import ModelSpec, register
-
     register(ModelSpec(name="qwen2_5_vl", config_cls=Qwen2_5_VLConfig, flavors=FLAVORS, build=build,
                        config_from_hf=Qwen2_5_VLConfig.from_hf, load_hf=hf.load_hf, save_hf=hf.save_hf,
                        flops=flops.flops, plan=plan.plan, dims=spec.dims, runtime=spec.runtime,

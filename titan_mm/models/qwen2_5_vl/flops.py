@@ -15,6 +15,7 @@ import torch
 
 from titan_mm.models.qwen2 import flops as qwen2_flops
 from titan_mm.models.qwen2_5_vl.config import Qwen2_5_VLConfig, VisionConfig
+from titan_mm.models.qwen2_5_vl.vision import window_order
 from titan_mm.models.qwen3 import flops as qwen3_flops
 
 
@@ -25,7 +26,6 @@ def vision_flops(vcfg: VisionConfig, grid_thw) -> float:
     grids = torch.as_tensor(grid_thw, dtype=torch.long).reshape(-1, 3)
     if not len(grids):
         return 0.0
-    from titan_mm.models.qwen2_5_vl.vision import window_order
 
     D, I, O, m2 = vcfg.hidden_size, vcfg.intermediate_size, vcfg.out_hidden_size, vcfg.spatial_merge_size**2
     n_patch = int(grids.prod(-1).sum())

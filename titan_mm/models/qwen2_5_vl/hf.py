@@ -18,7 +18,8 @@ from typing import NamedTuple
 import torch
 
 from titan_mm.models import hf_io
-from titan_mm.models.qwen2_5_vl.config import VisionConfig, Qwen2_5_VLConfig
+from titan_mm.models.qwen2_5_vl.config import Qwen2_5_VLConfig, VisionConfig
+from titan_mm.models.qwen2_5_vl.model import Qwen2_5_VLModel
 from titan_mm.models.qwen3.config import Qwen3Config
 from titan_mm.models.qwen3_vl import hf as vl_hf
 
@@ -61,8 +62,6 @@ def titan_to_hf(sd: dict[str, torch.Tensor], cfg: Qwen2_5_VLConfig) -> dict[str,
 
 
 def expected_titan_shapes(cfg: Qwen2_5_VLConfig) -> dict[str, tuple[int, ...]]:
-    from titan_mm.models.qwen2_5_vl.model import Qwen2_5_VLModel
-
     with torch.device("meta"):
         m = Qwen2_5_VLModel(cfg)
     return {k: tuple(v.shape) for k, v in m.state_dict().items()}

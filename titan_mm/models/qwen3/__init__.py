@@ -1,13 +1,12 @@
 """Qwen3 and Qwen3-MoE (one family: num_experts == 0 is dense). Importing registers "qwen3" and "qwen3_moe"."""
 
+from titan_mm.models.qwen3 import flops, hf, memory, plan, spec
 from titan_mm.models.qwen3.config import FLAVORS, Qwen3Config
 from titan_mm.models.qwen3.model import Qwen3Model, build
+from titan_mm.registry import ModelSpec, register
 
 
 def _register() -> None:
-    from titan_mm.models.qwen3 import flops, hf, memory, plan, spec
-    from titan_mm.registry import ModelSpec, register
-
     register(
         ModelSpec(
             name="qwen3",

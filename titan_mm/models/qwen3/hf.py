@@ -18,9 +18,11 @@ import os
 import re
 
 import torch
+import torch.distributed as dist
 
 from titan_mm.models import hf_io
 from titan_mm.models.qwen3.config import Qwen3Config
+from titan_mm.models.qwen3.model import Qwen3Model
 
 _LAYER_MAP = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -133,8 +135,6 @@ def titan_to_hf(sd: dict[str, torch.Tensor], cfg: Qwen3Config, fused_experts: bo
 
 def expected_titan_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
     """Titan name -> shape for a config, without building the model."""
-    from titan_mm.models.qwen3.model import Qwen3Model
-
     with torch.device("meta"):
         m = Qwen3Model(cfg)
     return {k: tuple(v.shape) for k, v in m.state_dict().items()}
@@ -233,8 +233,6 @@ def save_hf(model_or_sd, cfg: Qwen3Config, out_dir: str | os.PathLike, dtype: to
     parameters: FSDP / TP / EP) is gathered one decoder layer at a time; the call is collective (every
     rank calls it), rank 0 writes, and host memory stays at about one shard file. ``dtype``: cast on
     export (default: keep)."""
-    import torch.distributed as dist
-
     rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     if isinstance(model_or_sd, torch.nn.Module):
         items = hf_io.iter_full_tensors(model_or_sd)

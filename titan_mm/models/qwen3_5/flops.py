@@ -25,10 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from titan_mm.nn.linear_attention import CHUNK
+import torch
+
 from titan_mm.models.qwen3 import flops as qwen3_flops
 from titan_mm.models.qwen3_5.config import Qwen3_5Config, Qwen3_5TextConfig
+from titan_mm.models.qwen3_5.model import Qwen3_5Model
 from titan_mm.models.qwen3_vl import flops as vl_flops
+from titan_mm.nn.linear_attention import CHUNK
 
 
 def conv_channels(t: Qwen3_5TextConfig) -> int:
@@ -90,10 +93,6 @@ def flops(cfg: Qwen3_5Config, doc_lens, image_grid_thw=None, video_grid_thw=None
 
 def num_params(cfg: Qwen3_5Config) -> dict:
     """Parameter counts as stored (tied head once), from a meta-device build: llm, vision, total."""
-    import torch
-
-    from titan_mm.models.qwen3_5.model import Qwen3_5Model
-
     with torch.device("meta"):
         m = Qwen3_5Model(cfg)
     llm = sum(p.numel() for p in m.language_model.parameters())

@@ -30,6 +30,7 @@ import torch
 from titan_mm.models import hf_io
 from titan_mm.models.qwen3 import hf as qwen3_hf
 from titan_mm.models.qwen3_5.config import Qwen3_5Config
+from titan_mm.models.qwen3_5.model import Qwen3_5Model
 from titan_mm.models.qwen3_vl import hf as vl_hf
 
 _LM = "model.language_model."
@@ -136,8 +137,6 @@ def titan_to_hf(sd: dict[str, torch.Tensor], cfg: Qwen3_5Config) -> dict[str, to
 
 
 def expected_titan_shapes(cfg: Qwen3_5Config) -> dict[str, tuple[int, ...]]:
-    from titan_mm.models.qwen3_5.model import Qwen3_5Model
-
     with torch.device("meta"):
         m = Qwen3_5Model(cfg)
     return {k: tuple(v.shape) for k, v in m.state_dict().items()}

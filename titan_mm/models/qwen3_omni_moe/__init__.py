@@ -5,14 +5,13 @@ Qwen3-VL-MoE's model (titan_mm/models/qwen3_vl: the Qwen3-MoE decoder, the DeepS
 the Qwen3-Omni audio encoder of audio.py and HF's Qwen3-Omni positions built on the host (model.prepare_batch).
 Batch keys: model.py's docstring."""
 
+from titan_mm.models.qwen3_omni_moe import flops, hf, memory, plan, spec
 from titan_mm.models.qwen3_omni_moe.config import FLAVORS, AudioConfig, Qwen3OmniMoeConfig
 from titan_mm.models.qwen3_omni_moe.model import Qwen3OmniMoeModel, build, param_groups, prepare_batch
+from titan_mm.registry import ModelSpec, register
 
 
 def _register() -> None:
-    from titan_mm.models.qwen3_omni_moe import flops, hf, memory, plan, spec
-    from titan_mm.registry import ModelSpec, register
-
     register(ModelSpec(name="qwen3_omni_moe", config_cls=Qwen3OmniMoeConfig, flavors=FLAVORS, build=build,
                        config_from_hf=Qwen3OmniMoeConfig.from_hf, load_hf=hf.load_hf, save_hf=hf.save_hf,
                        flops=flops.flops, plan=plan.plan, dims=spec.dims, runtime=spec.runtime,

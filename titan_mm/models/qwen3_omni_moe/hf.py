@@ -26,6 +26,7 @@ import torch
 from titan_mm.models import hf_io
 from titan_mm.models.qwen3 import hf as qwen3_hf
 from titan_mm.models.qwen3_omni_moe.config import FULL_MODEL_TYPE, MODEL_TYPE, Qwen3OmniMoeConfig
+from titan_mm.models.qwen3_omni_moe.model import Qwen3OmniMoeModel
 from titan_mm.models.qwen3_vl import hf as vl_hf
 
 logger = logging.getLogger(__name__)
@@ -99,8 +100,6 @@ def describe(titan_name: str) -> str:
 
 
 def expected_titan_shapes(cfg: Qwen3OmniMoeConfig) -> dict[str, tuple[int, ...]]:
-    from titan_mm.models.qwen3_omni_moe.model import Qwen3OmniMoeModel
-
     with torch.device("meta"):
         m = Qwen3OmniMoeModel(cfg)
     return {k: tuple(v.shape) for k, v in m.state_dict().items()}

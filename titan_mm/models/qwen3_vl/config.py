@@ -21,6 +21,7 @@ from titan_mm.models.hf_config import check_hf, hf_types, within
 from titan_mm.models.hf_io import read_hf_config
 from titan_mm.models.qwen3.config import HF_TYPES as TEXT_HF_TYPES
 from titan_mm.models.qwen3.config import Qwen3Config
+from titan_mm.registry import override
 
 logger = logging.getLogger(__name__)
 
@@ -279,8 +280,6 @@ VISION_HF_TYPES = hf_types(VisionConfig, patch_size=int | list[int], temporal_pa
 def with_overrides(cfg: Qwen3VLConfig, overrides: dict[str, Any]) -> Qwen3VLConfig:
     """A copy of ``cfg`` with fields replaced; ``{"text": {...}, "vision": {...}}`` reach inside (the registry's
     one override rule). Unknown keys raise with the closest valid names."""
-    from titan_mm.registry import override
-
     return override(cfg, overrides, "Qwen3-VL config")
 
 

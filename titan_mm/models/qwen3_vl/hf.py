@@ -30,6 +30,7 @@ from einops import rearrange
 from titan_mm.models import hf_io
 from titan_mm.models.qwen3 import hf as qwen3_hf
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
+from titan_mm.models.qwen3_vl.model import Qwen3VLModel
 
 _VIS = "model.visual."
 _LM = "model.language_model."
@@ -118,8 +119,6 @@ def titan_to_hf(sd: dict[str, torch.Tensor], cfg: Qwen3VLConfig) -> dict[str, to
 
 
 def expected_titan_shapes(cfg: Qwen3VLConfig) -> dict[str, tuple[int, ...]]:
-    from titan_mm.models.qwen3_vl.model import Qwen3VLModel
-
     with torch.device("meta"):
         m = Qwen3VLModel(cfg)
     return {k: tuple(v.shape) for k, v in m.state_dict().items()}

@@ -220,7 +220,7 @@ def vision_backend(cfg: Qwen3VLConfig, device: torch.device) -> str:
     if device.type != "cuda":
         return "sdpa"
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (a probe: older torch has no varlen_attn)
 
         return "varlen"
     except ImportError:

@@ -22,10 +22,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import repeat
 from torch.distributed.tensor import DTensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from titan_mm.nn import init
-from titan_mm.nn.rope import rotate_half
 from titan_mm.models.qwen3_vl.config import VisionConfig
+from titan_mm.nn import init
+from titan_mm.nn.attention import _varlen_fn, varlen_attention
+from titan_mm.nn.rope import rotate_half
 
 
 # --------------------------------------------------------------------------------------------------
@@ -121,8 +123,6 @@ def build_vision_meta(
             doc = torch.repeat_interleave(torch.arange(len(seg)), seg_t.long())
             mask = (doc[:, None] == doc[None, :])[None, None]
     elif backend == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
-
         doc = torch.repeat_interleave(torch.arange(len(seg)), seg_t.long()).to(device or "cpu")
 
         def same_doc(b, h_, q, k):
@@ -131,8 +131,6 @@ def build_vision_meta(
         dev = torch.device(device or "cpu")
         mask = create_block_mask(same_doc, None, None, n, n, device=str(dev), _compile=dev.type == "cuda")
     elif backend == "varlen":
-        from titan_mm.nn.attention import _varlen_fn
-
         _varlen_fn()  # resolve torch's varlen_attn here (clear error if missing), not inside the forward
     else:
         raise ValueError(f"unknown vision attention backend {backend!r}; use 'sdpa', 'flex' or 'varlen'.")
@@ -197,8 +195,6 @@ def vision_attention_core(q_NHD, k_NHD, v_NHD, meta: VisionMeta) -> torch.Tensor
     mask = meta.mask
     if meta.backend == "varlen":
         if q_NHD.dtype in (torch.float16, torch.bfloat16):
-            from titan_mm.nn.attention import varlen_attention
-
             return varlen_attention(q_NHD, k_NHD, v_NHD, meta.cu_seqlens, meta.max_seqlen, causal=False)
         # float32 (a debug recipe on CUDA): varlen's flash kernels take half types only, so a dense
         # block-diagonal mask from cu_seqlens, built on the device (no host sync)
@@ -224,8 +220,6 @@ def _flex_attention():
     """flex_attention, compiled once on accelerators (eager flex materializes scores; fine on CPU)."""
     global _FLEX
     if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
         _FLEX = torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
     return _FLEX
 
