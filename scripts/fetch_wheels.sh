@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download the Python wheels the GPU machine lacks (it has no network) into ./.whl of this checkout; the device
-# call carries .whl and `source scripts/gpu_setup.sh` installs them there. From /work/shared/gpu/fetch_wheels.sh,
+# call carries .whl and `source scripts/gpu_setup.sh` installs them there. From ../shared/gpu/fetch_wheels.sh,
 # plus flash-linear-attention (fla-core: Qwen3.5's Gated DeltaNet kernel; pure-Python wheels, Triton inside).
 # fla 0.4.2, not the newest: 0.5+ refuses the backward on Hopper with Triton < 3.7.1 (fla #640; the GPU image has
 # Triton 3.6), see titan_mm/nn/linear_attention.py.

@@ -21,6 +21,7 @@ matching); docs/models.md lists the hooks.
 from __future__ import annotations
 
 import hashlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ def noise_generator(seed: int, step: int, slot: int, salt: str = "") -> torch.Ge
     return torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
 
 
-class Objective:
+class Objective(ABC):
     """The base of every objective: what the step asks. A subclass is a frozen dataclass of its options; it sets
     these class attributes (or properties) and overrides the methods."""
 
@@ -62,13 +63,13 @@ class Objective:
         (host; noise seeded by the global micro-batch slot dp_rank x n_micro + i). Default: as they come."""
         return micro_batches
 
+    @abstractmethod
     def counts(self, batch: dict[str, Any]) -> dict[str, int]:
         """Each term's normalizer share of this (prepared, not yet CP-split) micro-batch, on the host."""
-        raise NotImplementedError
 
+    @abstractmethod
     def loss_sums(self, model, out, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """{term: fp32 scalar SUM over this micro-batch} from the model's output (called inside its forward)."""
-        raise NotImplementedError
 
     def bind(self, batch: dict[str, Any]) -> Callable:
         """The ``loss`` argument of a family's forward for ``batch`` (device tensors)."""

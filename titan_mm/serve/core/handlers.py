@@ -11,6 +11,7 @@ Each hands its tokens to the scheduler's ``update_from_output`` with the output 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from titan_mm.serve.core.spec_decode import DraftProposer, ngram_propose, verify
 Touched = dict[str, Request]
 
 
-class Handler:
+class Handler(ABC):
     """Turns the logits of rows that reached their last token (``logits``: theirs, in their order) into tokens,
     beams or kept guesses; the requests that changed join ``touched``."""
 
@@ -37,8 +38,9 @@ class Handler:
                  seq_generator: Callable[[SamplingParams, int], torch.Generator | None]):
         self.scheduler, self.outputs, self.generator, self.seq_generator = scheduler, outputs, generator, seq_generator
 
+    @abstractmethod
     def advance(self, rows: list[Row], logits: torch.Tensor, touched: Touched) -> None:
-        raise NotImplementedError
+        """Consume ``logits`` of ``rows``; the requests that changed join ``touched``."""
 
     def _fork(self, req: Request, seq: Sequence, index: int) -> Sequence:
         return self.scheduler.fork(req, seq, self.seq_generator(req.params, index))
