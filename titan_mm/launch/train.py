@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import faulthandler
+import logging
+import os
 import signal
 import sys
 
@@ -81,5 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_worker(code: int) -> None:
+    """End a process of a multi-process job without the interpreter's finalization: c10d's native threads can
+    outlive the destroyed groups and abort it ("terminate called without an active exception", exit -6, seen on
+    gloo CPU runs after a clean last step). train() has closed its files and the groups are destroyed by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        exit_worker(rc)
+    sys.exit(rc)
