@@ -1,15 +1,22 @@
 """float8 experts on the CPU: the padded token layout (every expert's group a multiple of 16 rows, the layout the
 float8 grouped GEMMs need) gives the unpadded layout's outputs and gradients (fp32; the GEMMs are the loop over
-experts on both layouts), the switch reaches the experts from the job config, and a config that cannot run it stops
-before the model is built. The float8 GEMMs themselves run on the H200 (tests/gpu/test_grouped_mm_gpu.py)."""
+experts on both layouts), the switch reaches the experts from the job config, the trainer refuses it until it pays
+(0.70x bf16 measured), and a config that cannot run it stops before the model is built. The float8 GEMMs themselves run on the H200 (tests/gpu/test_grouped_mm_gpu.py)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from titan_mm.config import ConfigError, load_config
+from titan_mm.config import MEASURE_FLOAT8_EXPERTS, ConfigError, load_config
 from titan_mm.nn import moe
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _top_i(N, K, E, g):
@@ -95,9 +102,29 @@ def test_the_switch_reaches_the_experts():
     assert vl.text.moe_float8
 
 
-def test_config_errors_before_the_model_is_built():
+def test_float8_experts_are_refused_until_they_pay(monkeypatch):
+    """0.70x bf16 measured: the switch is one config error (exit 2 from the trainer's CLI) before anything is built,
+    saying why and what to use; dense float8 stays allowed; the bench's variable lets it through."""
+    monkeypatch.delenv(MEASURE_FLOAT8_EXPERTS, raising=False)
+    argv = ["--model.name", "qwen3_moe", "--model.flavor", "debug_moe", "--training.param_dtype", "bfloat16"]
+    with pytest.raises(ConfigError, match=r"float8.moe_experts is refused: .* 0.70x .* >= 1.2x; drop "
+                                          r"--float8.moe_experts .*--float8.enable still"):
+        load_config(argv + ["--float8.moe_experts", "true"])
+    assert load_config(argv + ["--float8.enable", "true"]).float8.enable
+    env = {k: v for k, v in os.environ.items() if k != MEASURE_FLOAT8_EXPERTS}
+    r = subprocess.run([sys.executable, "-m", "titan_mm.launch.train", *argv, "--float8.moe_experts", "true"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: float8.moe_experts is refused"), r.stderr
+    monkeypatch.setenv(MEASURE_FLOAT8_EXPERTS, "1")
+    assert load_config(argv + ["--float8.moe_experts", "true"]).float8.moe_experts
+
+
+def test_config_errors_before_the_model_is_built(monkeypatch):
     from titan_mm.train.setup import model_from_config
 
+    monkeypatch.setenv(MEASURE_FLOAT8_EXPERTS, "1")  # the checks behind the refusal, as bench/mfu.py meets them
     with pytest.raises(ConfigError, match="float8.moe_experts needs training.param_dtype='bfloat16'"):
         load_config(["--model.name", "qwen3_moe", "--model.flavor", "debug_moe", "--float8.moe_experts", "true"])
     bf16 = ["--float8.moe_experts", "true", "--training.param_dtype", "bfloat16"]
