@@ -8,7 +8,7 @@ What a path names (:func:`resolve_source`):
   (titan_mm.models.hf_io.local_hf_dir): the family its config.json names, its tokenizer, the image resize bounds of
   its preprocessor_config.json and the stop ids of its generation_config.json;
 - a titan_mm run folder, checkpoints folder or step folder: the newest committed checkpoint whose files pass their
-  checksums (titan_mm.train.checkpoint.resolve_verified); the architecture from the config.toml saved inside it,
+  checksums (titan_mm.checkpoint_io.resolve_verified); the architecture from the config.toml saved inside it,
   only the model's weights read from DCP (one process, whatever the world that wrote them), the run's tokenizer.
 
 Export, the serving engine, eval and the tools call :func:`load_model`. The trainer builds its model itself (on
@@ -26,13 +26,14 @@ from typing import Any
 
 import torch
 
+from titan_mm.checkpoint_io import CONFIG_FILE, CheckpointError, load_model_weights, resolve_verified
 from titan_mm.config import ConfigError, Data, JobConfig, load_toml
 from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
 from titan_mm.kernels import resolve_ops
 from titan_mm.models.hf_config import HFConfigError, conforms
 from titan_mm.models.hf_io import HFCheckpointError, HFPathNotFound, local_hf_dir
+from titan_mm.quant.float8 import check_float8_experts  # imports torchao itself only when float8 is asked for
 from titan_mm.registry import ModelSpec, SpecError, resolve_model, spec_for_hf_dir
-from titan_mm.train.checkpoint import CONFIG_FILE, CheckpointError, load_model_weights, resolve_verified
 
 
 @dataclass
@@ -109,8 +110,6 @@ def model_from_config(cfg: JobConfig, device: torch.device) -> tuple[ModelSpec, 
     except SpecError as e:
         raise ConfigError(str(e)) from None
     if cfg.float8.moe_experts:
-        from titan_mm.quant.float8 import check_float8_experts  # torchao: imported only when float8 is asked for
-
         check_float8_experts(device)
     return resolved
 

@@ -40,6 +40,9 @@ committed (a run resumed with checkpoint.load_step before it) keeps the old fold
 one commits; a failed save puts it back, and so does the next start after a crash. DCP's writer is wrapped so that the
 OSError itself reaches every rank: torch.save reports a full disk as "unexpected pos 704 vs 598", with the OSError
 only in ``__context__``, which DCP's gather of the ranks' failures drops.
+
+Reading a run folder (the committed step folders, commit.json's checksums, a model's weights alone) lives one room
+down, in titan_mm.checkpoint_io, which the one model loader (titan_mm.loader) reads too; this module writes and resumes.
 """
 
 from __future__ import annotations
@@ -48,10 +51,7 @@ import errno
 import json
 import os
 import shutil
-import sys
 import time
-import warnings
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,187 +61,40 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titan_mm.checkpoint_io import (
+    COMMIT_FILE,
+    CONFIG_FILE,
+    STEP_PREFIX,
+    CheckpointError,
+    ModelItem,
+    file_record,
+    list_checkpoints,
+    rank0_log,
+    read_commit,
+    step_dir_name,
+    step_of,
+    verify_checkpoint,
+)
+# reading a run folder lives one room down (loader.py reads it too); the trainer, eval, export and tools import these
+# from here as well
+from titan_mm.checkpoint_io import committed_step, load_model_weights, resolve_checkpoint, resolve_verified  # noqa: F401
 from titan_mm.train.state import TrainState, from_bytes, to_bytes
 
-COMMIT_FILE = "commit.json"
-CONFIG_FILE = "config.toml"
-_PREFIX = "step-"
 _REPLACED = ".replaced"  # a committed step folder that a new save of the same step replaces once it commits
-_HASH = "crc32"
-_CHUNK = 8 << 20
 _FAULT_ROOM = 64 << 10  # TITAN_MM_FAULT_ENOSPC_AT_STEP: bytes written before the disk is "full" (inside torch.save)
-
-# DCP warns on every single-process call that it "assumes the intent is to save/load in a single process".
-warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 class CheckpointSaveError(CheckpointError):
     """A save failed on an OSError (one line naming the error, the step and the checkpoint that is kept)."""
 
 
-def step_dir_name(step: int) -> str:
-    return f"{_PREFIX}{step:08d}"
-
-
-def _step_of(p: Path) -> int | None:
-    if not p.name.startswith(_PREFIX):
-        return None
-    try:
-        return int(p.name[len(_PREFIX):])
-    except ValueError:
-        return None
-
-
 def _aside(path: Path) -> Path:
     return path.with_name(path.name + _REPLACED)
-
-
-def list_checkpoints(folder: str | Path, committed_only: bool = True) -> list[Path]:
-    """Checkpoint folders sorted by step, oldest first."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    out = []
-    for p in folder.iterdir():
-        s = _step_of(p)
-        if s is None or not p.is_dir():
-            continue
-        if committed_only and not (p / COMMIT_FILE).is_file():
-            continue
-        out.append((s, p))
-    return [p for _, p in sorted(out)]
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint step folder, or a run / checkpoints folder (-> its newest committed checkpoint)."""
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"checkpoint path {str(p)!r} does not exist; give a step-NNNNNNNN folder or a run folder")
-    if (p / COMMIT_FILE).is_file():
-        return p
-    if (p / ".metadata").is_file():
-        raise CheckpointError(
-            f"{p} has DCP files but no {COMMIT_FILE}: the save did not finish, so it may be incomplete; "
-            "use an earlier checkpoint"
-        )
-    for cand in (p, p / "checkpoints"):
-        cks = list_checkpoints(cand)
-        if cks:
-            return cks[-1]
-    raise CheckpointError(f"no committed checkpoint (a step-NNNNNNNN folder with {COMMIT_FILE}) under {p}")
-
-
-def read_commit(ckpt_dir: str | Path) -> dict[str, Any]:
-    return json.loads((Path(ckpt_dir) / COMMIT_FILE).read_text())
-
-
-def committed_step(folder: str | Path, load_step: int = -1) -> int | None:
-    """The step a resume from ``folder`` would start at, from commit.json alone (no tensor is read):
-    ``load_step`` if that checkpoint is committed, else the newest committed one; None when there is none."""
-    cks = list_checkpoints(folder)
-    if load_step >= 0:
-        cks = [p for p in cks if _step_of(p) == load_step]
-    return read_commit(cks[-1])["step"] if cks else None
-
-
-def file_record(path: str | Path) -> dict[str, Any]:
-    """{"size": bytes, "crc32": hex} of one file, read in 8 MiB chunks."""
-    crc, size, buf = 0, 0, bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
-    return {"size": size, _HASH: f"{crc:08x}"}
-
-
-def _file_problem(ckpt_dir: Path, name: str, want: dict[str, Any]) -> str | None:
-    p = ckpt_dir / name
-    try:
-        size = p.stat().st_size
-        if size != want["size"]:  # the cheap check first: a truncated or extended file
-            return f"{name}: size {size} != {want['size']} bytes recorded in {COMMIT_FILE}"
-        got = file_record(p)[_HASH]
-    except OSError as e:
-        return f"{name}: {type(e).__name__}: {e.strerror or e}"
-    if got != want[_HASH]:
-        return f"{name}: checksum mismatch ({_HASH} expected {want[_HASH]}, got {got})"
-    return None
-
-
-def verify_checkpoint(ckpt_dir: str | Path, group=None) -> None:
-    """Check every file listed in commit.json (size, then CRC-32); raise CheckpointError naming the first bad
-    one. With a process ``group`` the ranks split the files and all raise together (call it on every rank).
-    A checkpoint from before checksums were recorded is loaded unverified, with one warning line."""
-    ckpt_dir = Path(ckpt_dir)
-    files = read_commit(ckpt_dir).get("files")
-    if files is None:
-        _log(f"WARNING: {ckpt_dir} records no checksums (written by an older titan_mm): loading it unverified")
-        return
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    names = sorted(files, key=lambda n: (-files[n]["size"], n))[rank::world]  # big files spread over the ranks
-    problems = [m for m in (_file_problem(ckpt_dir, n, files[n]) for n in names) if m]
-    if world > 1:
-        every: list = [None] * world
-        dist.all_gather_object(every, problems, group=group)
-        problems = [m for r in every for m in r]
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointError(problems[0] + more)
-
-
-def resolve_verified(path: str | Path) -> Path:
-    """resolve_checkpoint, then verify_checkpoint. A step folder that fails its check is an error; for a run or
-    checkpoints folder the newest checkpoint that passes is taken, and each skipped one is reported."""
-    ck = resolve_checkpoint(path)
-    if (Path(path) / COMMIT_FILE).is_file():
-        verify_checkpoint(ck)
-        return ck
-    failures = []
-    for cand in list_checkpoints(ck.parent)[::-1]:
-        try:
-            verify_checkpoint(cand)
-        except (CheckpointError, OSError, ValueError) as e:  # ValueError: an unreadable commit.json
-            failures.append(f"{cand.name}: {e}")
-            _log(f"WARNING: checkpoint {cand} is corrupt ({e}); falling back to the previous one")
-            continue
-        if failures:
-            _log(f"using {cand} after skipping {len(failures)} corrupt checkpoint(s)")
-        return cand
-    raise CheckpointError(f"every checkpoint under {ck.parent} failed its check: " + "; ".join(failures))
-
-
-class _ModelItem(Stateful):
-    def __init__(self, model):
-        self.model = model
-
-    def state_dict(self):
-        return get_model_state_dict(self.model)
-
-    def load_state_dict(self, sd):
-        set_model_state_dict(self.model, sd, options=StateDictOptions(strict=True))
-
-
-def load_model_weights(model, ckpt_dir: str | Path) -> int:
-    """Only the model of a verified checkpoint folder into ``model`` (built as the run built it); -> its step."""
-    verify_checkpoint(ckpt_dir)
-    dcp.load({"model": _ModelItem(model)}, checkpoint_id=str(ckpt_dir))
-    return read_commit(ckpt_dir)["step"]
 
 
 class _OptimItem(Stateful):
@@ -376,11 +229,6 @@ class _FillingStream:
         return getattr(self._f, name)
 
 
-def _log(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"[titan_mm] {msg}", file=sys.stderr, flush=True)
-
-
 class CheckpointManager:
     """Saves and restores a TrainState under ``<run>/<checkpoint.folder>``.
 
@@ -416,7 +264,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ items
     def _items(self, state: TrainState) -> dict[str, Any]:
         items = {
-            "model": _ModelItem(state.model),
+            "model": ModelItem(state.model),
             "optimizer": _OptimItem(state.model, state.optimizer),
             "train": _TrainItem(state),
         }
@@ -576,15 +424,15 @@ class CheckpointManager:
             committed = set(list_checkpoints(self.folder))
             for p in list_checkpoints(self.folder, committed_only=False):
                 if p not in committed:
-                    _log(f"removing incomplete checkpoint {p} (no {COMMIT_FILE}: its save was interrupted)")
+                    rank0_log(f"removing incomplete checkpoint {p} (no {COMMIT_FILE}: its save was interrupted)")
                     shutil.rmtree(p, ignore_errors=True)
-            for aside in self.folder.glob(f"{_PREFIX}*{_REPLACED}") if self.folder.is_dir() else ():
+            for aside in self.folder.glob(f"{STEP_PREFIX}*{_REPLACED}") if self.folder.is_dir() else ():
                 p = aside.with_name(aside.name[: -len(_REPLACED)])
                 if p.exists():  # the new save committed: the old one is done with
                     shutil.rmtree(aside, ignore_errors=True)
                 else:
                     aside.rename(p)
-                    _log(f"restored {p}: the save that was replacing it was interrupted")
+                    rank0_log(f"restored {p}: the save that was replacing it was interrupted")
         self._barrier()
 
     def set_aside(self) -> None:
@@ -593,7 +441,7 @@ class CheckpointManager:
         if self.enable and self.rank == 0 and list_checkpoints(self.folder, committed_only=False):
             dest = self.folder.with_name(f"{self.folder.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
             self.folder.rename(dest)
-            _log(f"checkpoint.resume is false: moved the earlier checkpoints to {dest}; starting from step 0")
+            rank0_log(f"checkpoint.resume is false: moved the earlier checkpoints to {dest}; starting from step 0")
         self._barrier()
 
     # ------------------------------------------------------------------ load
@@ -609,7 +457,7 @@ class CheckpointManager:
             if want not in cks:
                 raise CheckpointError(
                     f"checkpoint.load_step={load_step}: no committed checkpoint {want}; "
-                    f"available steps: {[_step_of(p) for p in cks] or 'none'}"
+                    f"available steps: {[step_of(p) for p in cks] or 'none'}"
                 )
             return [want]
         return cks[::-1]
@@ -655,17 +503,18 @@ class CheckpointManager:
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported, then an older one is tried
                 msg = _short_error(e)
                 failures.append((ck, msg))
-                _log(f"WARNING: checkpoint {ck} is corrupt or unreadable ({msg}); falling back to the previous one")
+                rank0_log(f"WARNING: checkpoint {ck} is corrupt or unreadable ({msg}); falling back to the previous "
+                          "one")
                 continue
             step = read_commit(ck)["step"]
             self.last_saved_step = step  # ensure_saved at this step must not rewrite (delete first) the checkpoint
             if state.step != step:
                 raise CheckpointError(f"{ck}: commit.json says step {step} but the saved train state says {state.step}")
             if failures:
-                _log(f"resumed from {ck} (step {step}) after skipping {len(failures)} unreadable checkpoint(s): "
+                rank0_log(f"resumed from {ck} (step {step}) after skipping {len(failures)} unreadable checkpoint(s): "
                      + ", ".join(p.name for p, _ in failures))
             else:
-                _log(f"resumed from {ck} (step {step})")
+                rank0_log(f"resumed from {ck} (step {step})")
             return step
         if failures:
             raise CheckpointError(
