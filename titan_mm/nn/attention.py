@@ -486,15 +486,20 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias if o_bias is None else o_bias)  # Qwen2: q/k/v only
+        # serving's layout (titan_mm/serve/runner/weights.py): q, k, v in one [q+k+v, D] projection, split by sizes
+        self.wqkv: nn.Linear | None = None
+        self.qkv_sizes: tuple[int, int, int] = (0, 0, 0)
         self.layer_id = layer_id  # which layer of a KV cache this module reads and writes
         self.q_norm = RMSNorm(head_dim, eps, norm_impl) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, norm_impl) if qk_norm else None
 
     def forward(self, x_BSD, cos_BSK, sin_BSK, meta: AttnMeta | None, window: int | None = None):
         B, S, _ = x_BSD.shape
-        q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
-        k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
-        v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        if self.wqkv is not None:  # one GEMM; q, k, v are column views of its output
+            q, k, v = self.wqkv(x_BSD).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
+        q, k, v = (t.view(B, S, -1, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)

@@ -32,8 +32,11 @@ class SwiGLU(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w13: nn.Linear | None = None  # serving's layout: gate and up in one [2F, D] (serve/runner/weights.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w13 is not None:  # one GEMM; gate and up are column views of its output
+            return self.w2(self.act_mul(*self.w13(x).chunk(2, dim=-1)))
         return self.w2(self.act_mul(self.w1(x), self.w3(x)))
 
     def reset_parameters(self, std: float) -> None:
