@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
+import torch
+
 from titan_mm.config import ConfigError
+from titan_mm.dtypes import torch_dtype
+
+QUANTIZATIONS = ("none", "int8_weight_only", "fp8_weight_only", "fp8_rowwise", "int4_weight_only")
+"""serve.quantization's modes (titan_mm/serve/runner/weights.py: torchao's configs)."""
+FP8_CAPABILITY = (8, 9)  # float8 GEMMs and casts: Ada / Hopper and newer
 
 
 @dataclass
@@ -71,6 +79,17 @@ class ServeConfig:
     """ngram: the shortest tail looked up."""
     draft_model: str = ""
     """draft: an HF folder or a titan_mm run / checkpoint of the draft model (Engine.from_pretrained)."""
+    fuse_projections: bool = True
+    """Models the engine owns (from_pretrained, or Engine(owns_weights=True)) run q/k/v as one GEMM and gate/up as
+    one (titan_mm/serve/runner/weights.py): two launches fewer per attention and one per dense MLP in every step.
+    Training keeps its layout; a model passed to Engine() otherwise is served as it was given (the trainer's, in
+    eval and RL)."""
+    quantization: str = "none"
+    """torchao weight quantization of the attention and dense-MLP projections of a model the engine owns (the head,
+    embeddings, MoE routers and experts, and vision towers keep the serving dtype): none; int8_weight_only (per-row
+    int8 weights; CPU and CUDA); fp8_weight_only (per-row float8 e4m3 weights) and fp8_rowwise (w8a8: those weights
+    times per-row dynamic float8 activations), both CUDA capability >= 8.9; int4_weight_only (groups of 128,
+    tinygemm; CUDA, dtype bfloat16). Not with tensor_parallel_size > 1 yet."""
     tensor_parallel_size: int = 1
     """Processes the model is split over by its family's tensor-parallel plan (heads, kv heads and vocabulary must
     divide); launch that many with torchrun. Rank 0 takes the requests and serves HTTP; the others follow its steps."""
@@ -101,6 +120,40 @@ class ServeConfig:
         if self.token_rate_limit < 0 or self.token_rate_burst_s <= 0:
             raise ConfigError(f"serve.token_rate_limit must be >= 0 and token_rate_burst_s > 0, got "
                               f"{self.token_rate_limit}, {self.token_rate_burst_s}")
+        if self.quantization not in QUANTIZATIONS:
+            near = difflib.get_close_matches(self.quantization, QUANTIZATIONS, n=1)
+            raise ConfigError(f"serve.quantization={self.quantization!r} is not a mode"
+                              + (f"; did you mean {near[0]!r}?" if near else "") + f" (modes: {', '.join(QUANTIZATIONS)})")
+        if self.quantization != "none" and self.tensor_parallel_size > 1:
+            raise ConfigError(f"serve.quantization={self.quantization!r} with tensor_parallel_size="
+                              f"{self.tensor_parallel_size}: quantized weights are not split over tp yet; set one of "
+                              "them back (quantization none, or tensor_parallel_size 1)")
+
+    def serving_dtype(self, device: torch.device) -> torch.dtype:
+        """Weights and KV-cache dtype on ``device`` (``dtype``; auto: bfloat16 on CUDA, float32 elsewhere)."""
+        if self.dtype != "auto":
+            return torch_dtype(self.dtype)
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def check_weights(self, device: torch.device, owned: bool, capability: tuple[int, int] | None = None) -> None:
+        """The rules of the load-time transforms on ``device`` (``capability``: its CUDA compute capability); ``owned``:
+        the engine owns the model's weights (from_pretrained, or Engine(owns_weights=True))."""
+        q = self.quantization
+        if q == "none":
+            return
+        if not owned:
+            raise ConfigError(f"serve.quantization={q!r} rewrites the model's weights, and Engine() serves a caller's "
+                              "model as given; load it with Engine.from_pretrained or pass Engine(owns_weights=True)")
+        on = f"this device is {device.type}" + (f" of capability {capability[0]}.{capability[1]}" if capability else "")
+        if q.startswith("fp8") and (device.type != "cuda" or capability is None or capability < FP8_CAPABILITY):
+            raise ConfigError(f"serve.quantization={q!r} needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper "
+                              f"or newer); {on}: use int8_weight_only or none")
+        if q == "int4_weight_only" and device.type != "cuda":
+            raise ConfigError(f"serve.quantization='int4_weight_only' needs CUDA (torch's int4 GEMM); {on}: use "
+                              "int8_weight_only or none")
+        if q == "int4_weight_only" and self.serving_dtype(device) != torch.bfloat16:
+            raise ConfigError(f"serve.quantization='int4_weight_only' needs serve.dtype bfloat16 (auto on CUDA), "
+                              f"got {self.dtype!r}")
 
     def check_model(self, name: str, max_model_len: int, linear: bool, kv_cache: bool = True) -> None:
         """The rules that depend on the model ``name`` (its context ``max_model_len``, after serve.max_model_len;

@@ -31,7 +31,6 @@ import torch
 
 from titan_mm.config import ConfigError, Data
 from titan_mm.data.tokenizer import load_tokenizer
-from titan_mm.dtypes import torch_dtype
 from titan_mm.loader import load_model
 from titan_mm.models.hf_io import is_sharded
 from titan_mm.serve.config import ServeConfig
@@ -40,6 +39,7 @@ from titan_mm.serve.core.engine_core import EngineCore
 from titan_mm.serve.core.requests import InputProcessor
 from titan_mm.serve.sampling_params import SamplingParams
 from titan_mm.serve.core.sequence import Request, RequestOutput, Status, now
+from titan_mm.serve.runner import weights
 from titan_mm.serve.runner.tp import tensor_parallel
 
 __all__ = ["Engine", "RequestOutput", "BadRequest", "QueueFull", "SamplingParams", "ServeConfig"]
@@ -47,12 +47,19 @@ __all__ = ["Engine", "RequestOutput", "BadRequest", "QueueFull", "SamplingParams
 log = logging.getLogger(__name__)
 
 
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device`` (None elsewhere): serve.quantization's float8 rule."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, spec, model_cfg, serve_cfg: ServeConfig | None = None, *,
                  tokenizer=None, device: torch.device | str = "cpu", data: Data | None = None,
-                 eos_token_ids: Sequence[int] | None = None, clock: Callable[[], float] = now, draft=None):
+                 eos_token_ids: Sequence[int] | None = None, clock: Callable[[], float] = now, draft=None,
+                 owns_weights: bool = False):
         """``model``: built by ``spec`` from ``model_cfg`` with its weights (moved to ``device`` and the serving
-        dtype here). ``data``: the [data] section the model trained with (image resize bounds). ``eos_token_ids``:
+        dtype here; with ``owns_weights``, also fused and quantized in place as serve.fuse_projections and
+        serve.quantization say: from_pretrained's own, or a copy the caller gives away; the draft never is). ``data``: the [data] section the model trained with (image resize bounds). ``eos_token_ids``:
         tokens that end a sequence (default: the tokenizer's <|im_end|> and <|endoftext|>). ``draft``: (model, spec,
         config) of the draft model for speculative_method "draft" (from_pretrained loads serve.draft_model)."""
         cfg = serve_cfg or ServeConfig()
@@ -68,13 +75,14 @@ class Engine:
         tp = cfg.tensor_parallel_size
         self.tp = tensor_parallel(tp, self.device.type) if tp > 1 else None
         self.tp_rank = self.tp.rank if self.tp is not None else 0
-        self.dtype = torch_dtype(cfg.dtype) if cfg.dtype != "auto" else (
-            torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dtype = cfg.serving_dtype(self.device)
+        cfg.check_weights(self.device, owns_weights, _capability(self.device))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
         self.data = data or Data()
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else
                              (i for i in (self.tokenizer.eos_id, self.tokenizer.endoftext_id) if i is not None))
         self.model = self._on_device(model, spec, model_cfg, "the model")
+        self.transforms = weights.prepare(self.model, cfg.fuse_projections, cfg.quantization) if owns_weights else {}
         self.draft = None if draft is None else (self._on_device(*draft, "the draft model"), *draft[1:])
         self.core = EngineCore(cfg, self.model, spec, model_cfg, self.device, self.dtype, self.max_model_len,
                                self.tokenizer, clock, self.tp, self.draft)
@@ -100,6 +108,7 @@ class Engine:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cfg = serve_cfg or ServeConfig()
         cfg.check()
+        cfg.check_weights(device, True, _capability(device))  # before the weights load
         shard = None
         if cfg.tensor_parallel_size > 1:  # each rank builds on meta and reads only its shards
             shard = tensor_parallel(cfg.tensor_parallel_size, device.type).shard
@@ -111,7 +120,7 @@ class Engine:
             kw["draft"] = (d.model, d.spec, d.model_cfg)
         kw.setdefault("eos_token_ids", got.eos_ids)
         return cls(got.model, got.spec, got.model_cfg, cfg, tokenizer=got.tokenizer, device=device, data=got.data,
-                   **kw)
+                   owns_weights=True, **kw)
 
     def _on_device(self, model, spec, model_cfg, what: str) -> torch.nn.Module:
         """``model`` in the serving dtype on the device; under tensor parallel split by its family's plan, unless
@@ -126,6 +135,10 @@ class Engine:
         b, graphs = self.blocks, self.runner.captured
         shown = f"{model} ({self.spec.name})" if model else self.spec.name
         tp = f", tensor_parallel_size {self.cfg.tensor_parallel_size}" if self.tp is not None else ""
+        if self.transforms.get("fused_gemms_saved"):
+            tp += f", fused projections ({self.transforms['fused_gemms_saved']} GEMMs fewer per forward)"
+        if self.transforms.get("quantized_linears"):
+            tp += f", quantization {self.cfg.quantization} ({self.transforms['quantized_linears']} linears)"
         return (f"engine ready: model {shown}, dtype {str(self.dtype).removeprefix('torch.')}, max_model_len "
                 f"{self.max_model_len}, KV blocks {b.num_blocks} x {b.block_size} tokens, captured graphs "
                 f"{len(graphs)}" + (f" (decode batch sizes {graphs[0]}..{graphs[-1]})" if graphs else "") + tp
@@ -133,13 +146,17 @@ class Engine:
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, images=None,
-                    priority: int = 0, deadline_s: float | None = None) -> None:
+                    videos=None, audios=None, priority: int = 0, deadline_s: float | None = None) -> None:
         """Queue a request (thread-safe); raises :class:`BadRequest` for a request that can never run as given
         and :class:`QueueFull` when it cannot be taken now. ``prompt_ids`` hold one image-pad token per image of
-        ``images`` (PIL images, encoded bytes, ``data:`` URIs, arrays, or titan_mm.data.vision.MediaItem); the
-        engine expands them with the family's processor, as in training."""
+        ``images`` (PIL images, encoded bytes, ``data:`` URIs, arrays, or titan_mm.data.vision.MediaItem) and one
+        video-pad token per video of ``videos`` (encoded bytes, ``data:video/...`` URIs, or MediaItems of
+        titan_mm.data.vision.process_video) and one audio-pad token per clip of ``audios`` (encoded wav / flac bytes,
+        ``data:audio/...`` URIs, 16 kHz mono waveforms as 1-D float arrays, or MediaItems of
+        titan_mm.data.audio.process_audio); the engine expands them with the family's processor, as in training."""
         self._driver_only("add_request")
-        req, cost = self.inputs.make(request_id, prompt_ids, params, images, priority, deadline_s)
+        req, cost = self.inputs.make(request_id, prompt_ids, params, images, videos, priority, deadline_s,
+                                     audios=audios)
         t = req.metrics.arrival
         with self._lock:
             if request_id in self.requests:
@@ -147,7 +164,8 @@ class Engine:
             self.inputs.admit(sum(1 for r in self.requests.values() if r.status is Status.WAITING), cost, t)
             self.requests[request_id] = req
             # what the other tp ranks rebuild it from: the arguments and the arrival time
-            self._inbox.append(("add", req, (request_id, prompt_ids, params, images, priority, deadline_s, t)))
+            self._inbox.append(("add", req, (request_id, prompt_ids, params, images, videos, priority, deadline_s,
+                                             t, audios)))
 
     def abort(self, request_id: str) -> None:
         """Drop a request (thread-safe): its blocks are freed at once when no step runs, else when it ends; the
@@ -166,8 +184,18 @@ class Engine:
             return bool(self.requests) or bool(self._aborted)
 
     def chat_prompt(self, messages: list[dict]) -> tuple[list[int], list]:
-        """(prompt ids, images) of OpenAI-style chat ``messages`` (titan_mm.serve.core.requests)."""
-        return self.inputs.chat_prompt(messages)
+        """(prompt ids, images) of OpenAI-style chat ``messages`` (titan_mm.serve.core.requests); a chat with
+        video or audio parts is refused: :meth:`chat_media` returns those too."""
+        ids, images, videos, audios = self.inputs.chat_media(messages)
+        if videos or audios:
+            raise BadRequest("messages", "holds video or audio parts; Engine.chat_media returns (ids, images, videos, "
+                             "audios)")
+        return ids, images
+
+    def chat_media(self, messages: list[dict]) -> tuple[list[int], list, list, list]:
+        """(prompt ids, images, videos, audios) of OpenAI-style chat ``messages``: add_request's ``prompt_ids``,
+        ``images``, ``videos`` and ``audios``."""
+        return self.inputs.chat_media(messages)
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
@@ -257,8 +285,10 @@ class Engine:
 
     # ---- offline ----
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 images: list | None = None, *, skip_bad: bool = False) -> list[RequestOutput | None]:
-        """Run ``prompts`` to completion (``images[i]``: the images of prompt i); -> their final outputs in order.
+                 images: list | None = None, *, videos: list | None = None, audios: list | None = None,
+                 skip_bad: bool = False) -> list[RequestOutput | None]:
+        """Run ``prompts`` to completion (``images[i]`` / ``videos[i]`` / ``audios[i]``: the images / videos / audio
+        clips of prompt i); -> their final outputs in order.
         ``skip_bad``: a prompt add_request refuses (BadRequest: too long, bad ids) gives None instead of raising."""
         if self.tp_rank:  # follow rank 0's generate: same prompts, so the same steps; rank 0 has the outputs
             self.run_worker(until="release")
@@ -269,7 +299,8 @@ class Engine:
             taken = []
             for i, ids in enumerate(prompts):
                 try:
-                    self.add_request(f"{base}{i}", ids, ps[i], images=images[i] if images else None)
+                    self.add_request(f"{base}{i}", ids, ps[i], images=images[i] if images else None,
+                                     videos=videos[i] if videos else None, audios=audios[i] if audios else None)
                 except BadRequest:
                     if not skip_bad:
                         raise

@@ -1,0 +1,124 @@
+"""Load-time transforms of the weights an engine owns (Engine.from_pretrained's, or Engine(owns_weights=True)); the
+training model keeps its layout.
+
+- :func:`fuse_projections`: each ``nn.attention.Attention``'s wq, wk, wv become one [q+k+v, D] linear ``wqkv`` and
+  each ``nn.mlp.SwiGLU``'s w1, w3 one [2F, D] linear ``w13`` (rows stacked, so each output is the same dot product
+  as before), so a layer launches one GEMM where it launched three and two. Under tensor parallel each rank stacks
+  its own shards: rank r's wqkv is [q_r; k_r; v_r] (the plan split wq, wk, wv colwise by heads), so q, k and v are
+  each split over tp inside the fused weight and the GEMM's input and output stay the rank's local ones.
+- :func:`quantize`: torchao weight quantization (``serve.quantization``) of those projections (and wo, w2). The head,
+  embeddings, MoE routers and experts, and vision towers keep the serving dtype.
+- :func:`perplexity`: exp of the mean next-token NLL of a model on token ids (the quantization's quality check:
+  bench/serve.py and the tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from titan_mm.config import ConfigError
+from titan_mm.nn.attention import Attention
+from titan_mm.nn.mlp import SwiGLU
+
+
+def _local(t: torch.Tensor, what: str) -> torch.Tensor:
+    """A rank's rows of a colwise-split (Shard(0)) DTensor weight or bias, or the plain tensor."""
+    if not isinstance(t, DTensor):
+        return t
+    if not all(p.is_shard(0) for p in t.placements):
+        raise ValueError(f"{what}: cannot fuse a projection placed {t.placements}; only rows split over tp "
+                         "(colwise, Shard(0)) or whole weights fuse")
+    return t.to_local()
+
+
+def _stack(lins: list[nn.Linear], what: str) -> tuple[nn.Linear, tuple[int, ...]]:
+    """One linear whose weight (and bias) rows are ``lins``' local rows, in order, and each one's row count."""
+    ws = [_local(lin.weight, what) for lin in lins]
+    fused = nn.Linear(ws[0].shape[1], sum(w.shape[0] for w in ws), bias=lins[0].bias is not None, device="meta")
+    fused.weight = nn.Parameter(torch.cat([w.detach() for w in ws]), requires_grad=False)
+    if lins[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([_local(lin.bias, what).detach() for lin in lins]), requires_grad=False)
+    return fused, tuple(w.shape[0] for w in ws)
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse q/k/v and gate/up in place (idempotent); -> GEMMs per forward saved (2 per attention, 1 per SwiGLU)."""
+    saved = 0
+    for name, m in list(model.named_modules()):
+        if isinstance(m, Attention) and m.wqkv is None:
+            m.wqkv, m.qkv_sizes = _stack([m.wq, m.wk, m.wv], f"{name}.wq/wk/wv")
+            del m.wq, m.wk, m.wv
+            saved += 2
+        elif isinstance(m, SwiGLU) and m.w13 is None:
+            m.w13, _ = _stack([m.w1, m.w3], f"{name}.w1/w3")
+            del m.w1, m.w3
+            saved += 1
+    return saved
+
+
+def _torchao_config(mode: str):
+    """torchao's config of a serve.quantization mode (ServeConfig.check names them). torchao is imported here: only
+    serve.quantization needs it, and importing it costs ~0.6 s and logs its missing CUDA extensions on CPU."""
+    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig,
+                                      Int4WeightOnlyConfig, Int8WeightOnlyConfig, PerRow)
+
+    # set_inductor_config off: torchao would change torch._inductor's global settings for the whole process
+    return {
+        "int8_weight_only": lambda: Int8WeightOnlyConfig(set_inductor_config=False),  # per-row symmetric int8
+        "fp8_weight_only": lambda: Float8WeightOnlyConfig(set_inductor_config=False),  # per-row e4m3
+        "fp8_rowwise": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(),
+                                                                         set_inductor_config=False),
+        # tinygemm's packing (torch's own int4 GEMM on CUDA); torchao's default "plain" needs the mslk package
+        "int4_weight_only": lambda: Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d",
+                                                         set_inductor_config=False),
+    }[mode]()
+
+
+def quantize(model: nn.Module, mode: str) -> int:
+    """Quantize the attention and dense-MLP projections in place by ``mode`` (a serve.quantization value other than
+    "none"); -> how many linears were quantized. A ConfigError when there were some and none took it (int4 skips a
+    weight whose input size is not a multiple of its group of 128)."""
+    from torchao.quantization import quantize_  # torchao only for serve.quantization (_torchao_config says why)
+
+    targets = {id(lin) for m in model.modules() if isinstance(m, (Attention, SwiGLU))
+               for lin in m.children() if isinstance(lin, nn.Linear)}
+    if not targets:
+        return 0
+    quantize_(model, _torchao_config(mode), filter_fn=lambda mod, fqn: id(mod) in targets)
+    done = sum(type(m.weight) is not nn.Parameter for m in model.modules() if id(m) in targets)
+    if not done:
+        raise ConfigError(f"serve.quantization={mode!r} quantized none of the model's {len(targets)} projections "
+                          "(int4 takes input sizes that are a multiple of 128); pick another mode or none")
+    return done
+
+
+def prepare(model: nn.Module, fuse: bool, quantization: str) -> dict:
+    """The transforms a ServeConfig asks for, on an engine's own model (in the serving dtype, on its device, after
+    any tensor-parallel split): fusion first, so a fused weight is quantized whole (per-row scales are those of its
+    rows either way). -> what was done, for the engine's start-up line."""
+    done = {}
+    if fuse:
+        done["fused_gemms_saved"] = fuse_projections(model)
+    if quantization != "none":
+        done["quantized_linears"] = quantize(model, quantization)
+    return done
+
+
+@torch.inference_mode()
+def perplexity(model: nn.Module, ids: list[int], window: int = 256) -> float:
+    """exp(mean NLL) of every next token of ``ids`` under ``model``, read in windows of ``window`` tokens (each
+    window starts a fresh context; the last one may be shorter)."""
+    dev = next(model.parameters()).device
+    total, count = 0.0, 0
+    for s in range(0, len(ids) - 1, window):
+        chunk = torch.tensor(ids[s: s + window + 1], device=dev)
+        if len(chunk) < 2:
+            break
+        out = model(chunk[None, :-1], labels=chunk[None, 1:])
+        total += float(out.loss_sum)
+        count += len(chunk) - 1
+    return math.exp(total / count)
