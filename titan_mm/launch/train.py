@@ -83,18 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_worker(code: int) -> None:
-    """End a process of a multi-process job without the interpreter's finalization: c10d's native threads can
-    outlive the destroyed groups and abort it ("terminate called without an active exception", exit -6, seen on
-    gloo CPU runs after a clean last step). train() has closed its files and the groups are destroyed by now."""
+def exit_worker() -> None:
+    """End a process of a multi-process job that finished cleanly without the interpreter's finalization: c10d's
+    native threads can outlive the destroyed groups and abort it ("terminate called without an active exception",
+    exit -6, seen on gloo CPU runs after a clean last step). train() has closed its files and the groups are
+    destroyed by now. Failures exit normally: torchrun stops the other ranks as soon as one fails, so a rank that
+    left early would cut off their one-line errors."""
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
-    os._exit(code)
+    os._exit(0)
 
 
 if __name__ == "__main__":
     rc = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        exit_worker(rc)
+    if rc == 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        exit_worker()
     sys.exit(rc)
