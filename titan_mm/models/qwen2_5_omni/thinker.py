@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from titan_mm.models.qwen3.model import finish
-from titan_mm.models.qwen3_vl.model import split_by_part, vision_backend, visual_index
+from titan_mm.models.qwen3_vl.model import GRID_KEYS, consume, split_by_part, vision_backend, visual_index
 from titan_mm.models.qwen3_vl.model import param_kind as vl_param_kind
 from titan_mm.nn.attention import AttnMeta
 from titan_mm.nn.output import ModelOutput, Stream
@@ -136,18 +136,12 @@ class OmniThinker:
         input_features: torch.Tensor | None = None,
         omni_meta: OmniMeta | None = None,
         mm_index: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        video_grid_thw: torch.Tensor | None = None,
-        video_second_per_grid: torch.Tensor | None = None,
-        audio_feature_lengths: torch.Tensor | None = None,
-        use_audio_in_video: bool | None = None,
         loss_weights: torch.Tensor | None = None,
         loss: Callable | None = None,
     ) -> ModelOutput:
         """position_ids [3, B, S] (the family's, or [B, S] for text only; default arange); ``omni_meta`` /
-        ``mm_index`` from :func:`prepare_batch`. The grids, second_per_grid, audio lengths and use_audio_in_video
-        are accepted for interface compatibility and not read (prepare_batch turned them into metadata on the
-        host). ``loss``: an objective's, as Qwen3Model.forward's."""
+        ``mm_index`` from :func:`prepare_batch`, which consumes :data:`CONSUMED_KEYS` into them. ``loss``: an
+        objective's, as Qwen3Model.forward's."""
         lm = self.language_model
         B, S = input_ids.shape
         if position_ids is None:
@@ -230,9 +224,31 @@ def encoder_inputs(cfg, batch: dict[str, Any], device: torch.device | str, visio
     return {"omni_meta": meta, "mm_index": idx.to(device, non_blocking=True)}
 
 
+CONSUMED_KEYS = (*GRID_KEYS, "video_second_per_grid", "audio_feature_lengths", "use_audio_in_video")
+"""What a thinker's prepare_batch turns into ``position_ids``, ``omni_meta`` and ``mm_index`` (or, HF's
+``use_audio_in_video``, checks against the tokens) and takes out of the batch: the forward takes none of them."""
+
+
+def check_audio_in_video(cfg, batch: dict[str, Any]) -> None:
+    """HF's batch-wide ``use_audio_in_video``, when given, must say what the tokens say (they decide: each video whose
+    <vision_start> is followed by <audio_start> has its audio interleaved)."""
+    flag = batch.get("use_audio_in_video")
+    if flag is None:
+        return
+    ids = batch["input_ids"].cpu()
+    after = ids[:, 1:][ids[:, :-1] == cfg.vision_start_token_id]
+    n_aiv, n_alone = int((after == cfg.audio_start_token_id).sum()), int((after == cfg.video_token_id).sum())
+    if (n_alone if bool(flag) else n_aiv):
+        raise ValueError(f"use_audio_in_video={bool(flag)}, but {n_alone if bool(flag) else n_aiv} video(s) of the "
+                         f"batch {'have no' if bool(flag) else 'have their'} audio interleaved in their tokens; the "
+                         "tokens decide per video: drop the flag or place the tokens it says")
+
+
 def prepare_batch(cfg, batch: dict[str, Any], device: torch.device | str, rope_index: Callable,
                   vision_meta: Callable, audio_enc: OmniAudio) -> dict[str, Any]:
     """A thinker's ModelSpec.prepare_batch, on the host before the batch moves to the device and before any
-    context-parallel split: the batch with :func:`positions` and :func:`encoder_inputs`."""
-    return {**batch, "position_ids": positions(cfg, batch, rope_index),
+    context-parallel split: the batch with :func:`positions` and :func:`encoder_inputs` in place of
+    :data:`CONSUMED_KEYS`."""
+    check_audio_in_video(cfg, batch)
+    return {**consume(batch, CONSUMED_KEYS), "position_ids": positions(cfg, batch, rope_index),
             **encoder_inputs(cfg, batch, device, vision_meta, audio_enc)}

@@ -22,7 +22,8 @@ from titan_mm.nn.media import mrope_index
 from titan_mm.models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from titan_mm.models.qwen2_5_vl.vision import VisionTower, build_window_meta
 from titan_mm.models.qwen3.model import Qwen3Model
-from titan_mm.models.qwen3_vl.model import EmbedOutput, Qwen3VLModel, apply_freeze, vision_backend, visual_index
+from titan_mm.models.qwen3_vl.model import (GRID_KEYS, EmbedOutput, Qwen3VLModel, apply_freeze, consume,
+                                            vision_backend, visual_index)
 
 
 def chunked_mrope_cos_sin(position_ids_3BS: torch.Tensor, inv_freq_F: torch.Tensor, section: tuple[int, int, int],
@@ -87,12 +88,15 @@ def vision_inputs(cfg: Qwen2_5_VLConfig, batch: dict[str, Any], device: torch.de
     return {"vision_meta": meta._replace(n_image_tokens=n_img), "visual_index": idx.to(device, non_blocking=True)}
 
 
+CONSUMED_KEYS = (*GRID_KEYS, "video_second_per_grid")
+"""What prepare_batch consumes: the grids (into ``vision_meta`` / ``visual_index``) and ``video_second_per_grid``,
+which the data pipeline's ``position_ids`` already hold (:func:`rope_index`). The forward takes none of them."""
+
+
 def prepare_batch(cfg: Qwen2_5_VLConfig, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    """The family's ModelSpec.prepare_batch: the batch plus :func:`vision_inputs`, on the host, before the batch
-    moves to the device and before any context-parallel split. ``video_second_per_grid`` is dropped: the data
-    pipeline's ``position_ids`` already hold it (:func:`rope_index`), and the forward does not read it."""
-    rest = {k: v for k, v in batch.items() if k != "video_second_per_grid"}
-    return {**rest, **vision_inputs(cfg, batch, device)}
+    """The family's ModelSpec.prepare_batch: the batch with :func:`vision_inputs` in place of
+    :data:`CONSUMED_KEYS`, on the host, before the batch moves to the device and before any context-parallel split."""
+    return {**consume(batch, CONSUMED_KEYS), **vision_inputs(cfg, batch, device)}
 
 
 def build(cfg: Qwen2_5_VLConfig) -> Qwen2_5_VLModel:

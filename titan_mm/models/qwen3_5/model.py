@@ -56,8 +56,8 @@ from titan_mm.nn.norm import RMSNorm, rms_norm
 from titan_mm.nn.rope import apply_rope, rope_inv_freq
 from titan_mm.models.qwen3.model import Ops, Qwen3Model, select_ops
 from titan_mm.models.qwen3_5.config import Qwen3_5Config, Qwen3_5TextConfig
-from titan_mm.models.qwen3_vl.model import (EmbedOutput, Qwen3VLModel, apply_freeze, mrope_cos_sin, param_groups,
-                                            vision_inputs)
+from titan_mm.models.qwen3_vl.model import (GRID_KEYS, EmbedOutput, Qwen3VLModel, apply_freeze, consume,
+                                            mrope_cos_sin, param_groups, vision_inputs)
 from titan_mm.models.qwen3_vl.vision import VisionTower
 
 __all__ = ["HybridAttnMeta", "Qwen3_5Model", "Qwen3_5TextModel", "build", "param_groups", "prepare_batch",
@@ -352,7 +352,6 @@ class Qwen3_5Model(Qwen3VLModel):
                 labels: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
                 pixel_values: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
                 vision_meta: Any = None, visual_index: torch.Tensor | None = None,
-                image_grid_thw: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
                 loss_weights: torch.Tensor | None = None, linear_meta: LinearMeta | None = None,
                 loss: Callable | None = None):
         """As Qwen3VLModel.forward, plus ``linear_meta`` (None: every row one document, which ``attn`` must agree
@@ -360,14 +359,14 @@ class Qwen3_5Model(Qwen3VLModel):
         return super().forward(input_ids, position_ids=position_ids, attn=with_linear(attn, linear_meta),
                                labels=labels, logits_at=logits_at, pixel_values=pixel_values,
                                pixel_values_videos=pixel_values_videos, vision_meta=vision_meta,
-                               visual_index=visual_index, image_grid_thw=image_grid_thw,
-                               video_grid_thw=video_grid_thw, loss_weights=loss_weights, loss=loss)
+                               visual_index=visual_index, loss_weights=loss_weights, loss=loss)
 
 
 def prepare_batch(cfg: Qwen3_5Config, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
     """The family's ModelSpec.prepare_batch, on the host before the batch moves to the device: Qwen3-VL's vision
-    inputs (``vision_meta``, ``visual_index``) and ``linear_meta``, the documents of packed rows."""
-    out = {**batch, **vision_inputs(cfg, batch, device)}
+    inputs (``vision_meta``, ``visual_index``) in place of the grids (GRID_KEYS) and ``linear_meta``, the documents
+    of packed rows."""
+    out = {**consume(batch, GRID_KEYS), **vision_inputs(cfg, batch, device)}
     lin = build_linear_meta(batch, device)
     if lin is not None:
         out["linear_meta"] = lin

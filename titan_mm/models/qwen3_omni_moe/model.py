@@ -12,16 +12,17 @@ Batch keys (what :func:`prepare_batch` and the forward read):
   pixel_values_videos [Nv, P], video_grid_thw [n_videos, 3], video_second_per_grid [n_videos] (float, host)
   input_features [n_mels, T] float: every clip's log-mel frames concatenated along T (as HF flattens them)
   audio_feature_lengths [n_clips] long (host): frames per clip, in the order of ``input_features``
-  use_audio_in_video (bool, optional, host): HF's flag, accepted and not read (each video's tokens say it)
+  use_audio_in_video (bool, optional, host): HF's flag, checked against the tokens (each video's tokens say it)
   doc_ids [B, S] (optional): packed documents; positions restart per document
 Media of each kind are numbered row-major over the batch, in the order of their placeholders.
 
-:func:`prepare_batch` (host) adds ``position_ids`` [3, B, S] (= HF's get_rope_index per document; int64, or
-float32 when a video's second_per_grid * position_id_per_seconds is fractional, as HF's are), ``omni_meta`` (the
-ViT metadata, the audio chunk / window metadata) and ``mm_index`` [B, S] (the row of cat(visual tokens, audio
-tokens) each position takes, -1 on text). A batch without images / videos (or without audio) gets a stand-in: the
-tower runs on a tiny zero input and its output enters the graph times 0, so every rank runs the same encoder
-collectives (FSDP) whatever its batch holds.
+:func:`prepare_batch` (host) consumes the host keys (thinker.CONSUMED_KEYS: the grids, seconds per grid, clip
+lengths and the flag; the forward takes none of them) and adds ``position_ids`` [3, B, S] (= HF's get_rope_index
+per document; int64, or float32 when a video's second_per_grid * position_id_per_seconds is fractional, as HF's
+are), ``omni_meta`` (the ViT metadata, the audio chunk / window metadata) and ``mm_index`` [B, S] (the row of
+cat(visual tokens, audio tokens) each position takes, -1 on text). A batch without images / videos (or without
+audio) gets a stand-in: the tower runs on a tiny zero input and its output enters the graph times 0, so every
+rank runs the same encoder collectives (FSDP) whatever its batch holds.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Parameter names (titan):
 
 Forward (no host syncs; metadata from :func:`prepare_batch`, the family's ``ModelSpec.prepare_batch``, on the
 host first):
-    batch = prepare_batch(cfg, batch, device)        # + vision_meta, visual_index when the batch has pixels
+    batch = prepare_batch(cfg, batch, device)        # grids -> vision_meta, visual_index (when it has pixels)
     out = model(input_ids, position_ids=pos_3BS, attn=attn_meta, labels=labels, pixel_values=...,
                 pixel_values_videos=..., vision_meta=..., visual_index=...)
 
@@ -188,17 +188,15 @@ class Qwen3VLModel(nn.Module):
         pixel_values_videos: torch.Tensor | None = None,
         vision_meta: VisionMeta | None = None,
         visual_index: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        video_grid_thw: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
         vision_balance: EncoderBalance | None = None,
         loss: Callable | None = None,
     ) -> ModelOutput:
         """input_ids [B, S]; position_ids [3, B, S] M-RoPE positions (or [B, S] for text only; default
         arange); attn from build_attn_meta; labels [B, S] already shifted. ``vision_meta`` / ``visual_index``
-        come from :func:`prepare_batch` (host); the grids are accepted for interface compatibility and not
-        read (they were turned into vision_meta on the host). ``logits_at`` [B] (decoding): without labels,
-        logits only at these positions, [B, V]. ``loss_weights`` [B, S]: per-token loss weights (None: 1).
+        come from :func:`prepare_batch` (host), which consumes the grids (:data:`GRID_KEYS`) into them.
+        ``logits_at`` [B] (decoding): without labels, logits only at these positions, [B, V]. ``loss_weights``
+        [B, S]: per-token loss weights (None: 1).
         ``vision_balance``: the encoder-balance plan from :func:`prepare_batch` (see :meth:`embed`). ``loss``: an
         objective's, as Qwen3Model.forward's."""
         lm = self.language_model
@@ -263,12 +261,22 @@ def vision_inputs(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.devic
     return {"vision_meta": meta, "visual_index": idx.to(device, non_blocking=True), **extra}
 
 
+GRID_KEYS = ("image_grid_thw", "video_grid_thw")
+"""Host keys that prepare_batch turns into ``vision_meta`` / ``visual_index`` and consumes: no forward takes them."""
+
+
+def consume(batch: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """``batch`` without ``keys``: what a prepare_batch turned into metadata leaves the batch (a new dict)."""
+    return {k: v for k, v in batch.items() if k not in keys}
+
+
 def prepare_batch(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.device | str,
                   encoder_balance=None) -> dict[str, Any]:
-    """The family's ModelSpec.prepare_batch: the batch plus :func:`vision_inputs`, on the host, before the batch
-    moves to the device and before any context-parallel split (``visual_index`` is a sequence key CP cuts).
-    ``encoder_balance``: parallel.encoder_balance's planner (the train step passes it when on)."""
-    return {**batch, **vision_inputs(cfg, batch, device, encoder_balance)}
+    """The family's ModelSpec.prepare_batch: the batch with :func:`vision_inputs` in place of the grids
+    (:data:`GRID_KEYS`), on the host, before the batch moves to the device and before any context-parallel split
+    (``visual_index`` is a sequence key CP cuts). ``encoder_balance``: parallel.encoder_balance's planner (the
+    train step passes it when on)."""
+    return {**consume(batch, GRID_KEYS), **vision_inputs(cfg, batch, device, encoder_balance)}
 
 
 # ---- training modes ----
