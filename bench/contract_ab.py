@@ -10,6 +10,7 @@ then here:
 
     python bench/contract_ab.py --before before.json --after after.json --label "issue 18" \
         --out bench/results/mfu_contract.json --doc docs/benchmarks.md
+    python bench/contract_ab.py --render bench/results/mfu_contract.json --doc docs/benchmarks.md   # the table again
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.devices import device_label, device_of  # noqa: E402
 
 def replace_between(doc: Path, marker: str, text: str) -> None:
     """Put ``text`` between ``<!-- marker:begin -->`` and ``<!-- marker:end -->`` in ``doc`` (appended once)."""
@@ -39,7 +43,7 @@ def pair(before: list[dict], after: list[dict]) -> list[dict]:
         b = old.get(key(r))
         if b is None or "error" in r:
             continue
-        out.append({"case": r["case"], "stack": r["stack"], "ac": r.get("ac", "none"),
+        out.append({"case": r["case"], "stack": r["stack"], "ac": r.get("ac", "none"), "device": device_of(r),
                     "before_tokens_per_s": b["tokens_per_s"], "after_tokens_per_s": r["tokens_per_s"],
                     "ratio": r["tokens_per_s"] / b["tokens_per_s"],
                     "before_peak_gb": b["peak_mem_gb"], "after_peak_gb": r["peak_mem_gb"],
@@ -48,28 +52,35 @@ def pair(before: list[dict], after: list[dict]) -> list[dict]:
 
 
 def render(res: dict) -> str:
+    """The table; a row without its own device takes the file's (``device``: results written before rows named it)."""
     lines = [f"{res['label']} ({res['when']}): one device call, every case on the old tree, then on the new one.", "",
-             "| case | stack | before tok/s | after tok/s | after / before | peak GB before / after |",
-             "|---|---|---|---|---|---|"]
+             "| case | device | stack | before tok/s | after tok/s | after / before | peak GB before / after |",
+             "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         peak = f"{r['before_peak_gb']:.1f} / {r['after_peak_gb']:.1f}"
-        lines.append(f"| {r['case']} | {r['stack']} | {r['before_tokens_per_s']:,.0f} | "
+        lines.append(f"| {r['case']} | {device_label(device_of(r, res.get('device')))} | {r['stack']} | {r['before_tokens_per_s']:,.0f} | "
                      f"{r['after_tokens_per_s']:,.0f} | {r['ratio']:.3f} | {peak} |")
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", required=True)
-    ap.add_argument("--after", required=True)
+    ap.add_argument("--before", default="")
+    ap.add_argument("--after", default="")
+    ap.add_argument("--render", default="", help="a results JSON of this script: its table (with --doc: into the doc)")
     ap.add_argument("--label", default="before / after")
     ap.add_argument("--when", default="")
     ap.add_argument("--out", default=str(ROOT / "bench/results/mfu_contract.json"))
     ap.add_argument("--doc", default="", help="replace the table between <!-- mfu-contract:begin/end --> here")
     a = ap.parse_args()
-    rows = pair(json.loads(Path(a.before).read_text())["rows"], json.loads(Path(a.after).read_text())["rows"])
-    res = {"label": a.label, "when": a.when, "rows": rows}
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    if a.render:
+        res = json.loads(Path(a.render).read_text())
+    elif a.before and a.after:
+        rows = pair(json.loads(Path(a.before).read_text())["rows"], json.loads(Path(a.after).read_text())["rows"])
+        res = {"label": a.label, "when": a.when, "rows": rows}
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    else:
+        ap.error("give --before and --after (two bench/mfu.py results), or --render RESULTS.json")
     table = render(res)
     print(table)
     if a.doc:

@@ -2,11 +2,12 @@
 
 MFU is bench/mfu.py's: the step's training FLOPs from the registry's FLOP counter (titan_mm's counter, docs/flops.md)
 over the batch's documents, the vision tower and the audio encoder included, divided by the median step time and by
-989 TFLOP/s (H200 dense bf16 peak, bench/mfu.py's PEAK_TFLOPS). "MFU (LLM only)" counts the decoder's FLOPs alone
+989 TFLOP/s (the H100 SXM's and the H200's dense bf16 datasheet peak, bench/mfu.py's PEAK_TFLOPS); every row names its
+device (bench/devices.py), and an H100 row stands beside an H200 row of the same key. "MFU (LLM only)" counts the decoder's FLOPs alone
 (the encoders left out: what lmms-engine reports). The diffusion LM rows (bench/dllm.py) count the objective's FLOPs
 (the family's plus the attention pairs its mask adds). Every figure is read from bench/results/; none is typed here.
 
-Which row a (case, stack, AC, kernel ops, reshard) shows: the files of RESULTS are read in that order and the first
+Which row a (case, stack, AC, kernel ops, reshard, device) shows: the files of RESULTS are read in that order and the first
 file that has the key wins; inside one file the last row wins (bench/mfu.py appends a re-run). mfu.json comes first
 because it is the reference table of docs/benchmarks.md; the family and experiment files after it only add rows it
 lacks. Rows with "error", rows without figures and experiment rows the trainer never runs (skip_guard_eval_unsafe)
@@ -29,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.devices import device_of  # noqa: E402
 from bench.mfu import CASES, PEAK_TFLOPS, render  # noqa: E402
 
 RESULTS = ("mfu.json", "mfu_qwen3_5.json", "mfu_kernels.json", "mfu_reshard.json", "mfu_ac_layers.json",
@@ -53,7 +55,7 @@ BEGIN, END = "<!-- efficiency:begin -->", "<!-- efficiency:end -->"
 
 def _key(r: dict) -> tuple:
     reshard = None if r.get("reshard") == "always" else r.get("reshard")
-    return r["case"], r["stack"], r.get("ac"), r.get("kernel_ops"), reshard
+    return r["case"], r["stack"], r.get("ac"), r.get("kernel_ops"), reshard, device_of(r)
 
 
 def load(results: Path = ROOT / "bench/results") -> dict[str, list[dict]]:
@@ -110,8 +112,10 @@ def report(results: Path = ROOT / "bench/results") -> str:
         out += ["### Not measured yet", "", *missing, ""]
     out += ["### Published peer figures (reference only)", "",
             "Published by the peer for its own runs on its own hardware; not measured here, not comparable 1:1.", "",
-            "| peer | data | MFU (published) |", "|---|---|---|", *(f"| {p} | {d} | {m} |" for p, d, m in PUBLISHED)]
-    return f"MFU against {PEAK_TFLOPS:.0f} TFLOP/s (dense bf16, one H200).\n\n" + "\n".join(out).rstrip() + "\n"
+            "| peer | device | data | MFU (published) |", "|---|---|---|---|",
+            *(f"| {p} | not stated (the peer's) | {d} | {m} |" for p, d, m in PUBLISHED)]
+    return (f"MFU against {PEAK_TFLOPS:.0f} TFLOP/s (dense bf16 datasheet peak of the H100 SXM and the H200); the device "
+            "column names each row's card.\n\n" + "\n".join(out).rstrip() + "\n")
 
 
 def main() -> int:

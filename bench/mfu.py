@@ -56,6 +56,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.devices import device_label, device_of  # noqa: E402
+
 PEAK_TFLOPS = 989.0
 
 # name -> registry model, flavor, overrides of the flavor's config (JSON-able: --model.overrides; a dict reaches
@@ -440,26 +443,22 @@ def _row_order(r: dict):
             r.get("model_overrides") or "")
 
 
-def _device(row: dict) -> str | None:
-    """A row's device (rows before 2026-12-05 name it ``gpu`` only)."""
-    return row.get("device", row.get("gpu"))
-
-
 def render(rows: list[dict]) -> str:
-    out = ["| case | stack | AC | tokens/s | TFLOP/s | MFU | MFU (LLM only) | peak GiB | vs best peer |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| case | device | stack | AC | tokens/s | TFLOP/s | MFU | MFU (LLM only) | peak GiB | vs best peer |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=_row_order):
+        dev = device_label(device_of(r))
         if "error" in r:
-            out.append(f"| {r['case']} | {r['stack']} | {r.get('ac', '')} | failed: {r['error'][:60]} | | | | | |")
+            out.append(f"| {r['case']} | {dev} | {r['stack']} | {r.get('ac', '')} | failed: {r['error'][:60]} | | | | | |")
             continue
         peers = [p["tokens_per_s"] for p in rows if p["case"] == r["case"] and "error" not in p
-                 and not p["stack"].startswith("titan") and _device(p) == _device(r)]
+                 and not p["stack"].startswith("titan") and device_of(p) == device_of(r)]
         ratio = f"{r['tokens_per_s'] / max(peers):.2f}x" if peers else ""
         stack = r["stack"] + (f" (ops {r['kernel_ops']})" if r.get("kernel_ops") else "") \
             + (f" ({r['model_overrides']})" if r.get("model_overrides") else "") \
             + (f" (reshard {r['reshard']})" if r.get("reshard") else "") \
             + (" (guards skipped)" if r.get("skip_guard_eval_unsafe") else "")
-        out.append(f"| {r['case']} | {stack} | {r['ac']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
+        out.append(f"| {r['case']} | {dev} | {stack} | {r['ac']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
                    f"{100 * r['mfu']:.1f}% | {100 * r.get('mfu_llm_only', r['mfu']):.1f}% | {r['peak_mem_gb']:.1f} | {ratio} |")
     return "\n".join(out)
 
@@ -595,7 +594,7 @@ def _write(out: Path, rows: list[dict], ceil: dict) -> list[dict]:
         and r.get("kernel_ops") == n.get("kernel_ops") and r.get("reshard") == n.get("reshard")
         and r.get("model_overrides") == n.get("model_overrides")
         and r.get("skip_guard_eval_unsafe") == n.get("skip_guard_eval_unsafe")
-        and _device(r) == _device(n) for n in rows)]
+        and device_of(r) == device_of(n) for n in rows)]
     out.write_text(json.dumps({"peak_tflops": PEAK_TFLOPS, "ceilings": ceil, "rows": keep + rows}, indent=1))
     return keep + rows
 

@@ -74,9 +74,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.devices import device_label, device_of  # noqa: E402
 from bench.scaling import (  # noqa: E402
     BOUNDS_CPU, BOUNDS_GPU, PEAK_TFLOPS, add_render_args, apply_noise_floor, batch_flops, case_model, compare, env_info,
-    fmt, launch, merge_rows, perf, read_metrics, render_into, step_flops, trainer_argv, verdict,
+    fmt, launch, merge_rows, perf, read_metrics, render_into, stamp_device, step_flops, trainer_argv, verdict,
 )
 
 GPU_MODELS = {
@@ -352,23 +353,25 @@ def run_mfu(args, dump: Path, W: int) -> list[dict]:
     return rows
 
 
-def render(checks: list[dict], mfu: list[dict]) -> str:
-    out = ["| case | model | GPUs | parallel | loss rel. (step 1 / max) | grad-norm rel. (step 1 / max) | ok |",
-           "|---|---|---|---|---|---|---|"]
+def render(checks: list[dict], mfu: list[dict], device: str | None = None) -> str:
+    """The checks and MFU tables; ``device``: the file's (meta gpu), for rows written before they named theirs."""
+    out = ["| case | model | device | GPUs | parallel | loss rel. (step 1 / max) | grad-norm rel. (step 1 / max) | ok |",
+           "|---|---|---|---|---|---|---|---|"]
     for c in checks:
-        out.append(f"| {c['case']} | {c['flavor']} | {c['world']} | {c['parallel']} | "
+        out.append(f"| {c['case']} | {c['flavor']} | {device_label(device_of(c, device))} | {c['world']} | {c['parallel']} | "
                    f"{fmt(c.get('loss_rel_first'), '.1e')} / {fmt(c.get('loss_rel_max'), '.1e')} | "
                    f"{fmt(c.get('gnorm_rel_first'), '.1e')} / {fmt(c.get('gnorm_rel_max'), '.1e')} | "
                    f"{verdict(c)} |")
-    out += ["", "| MFU case | model (layers) | GPUs | parallel | seq | tok/s/GPU | TFLOP/s/GPU | MFU | peak GB |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    out += ["", "| MFU case | model (layers) | device | GPUs | parallel | seq | tok/s/GPU | TFLOP/s/GPU | MFU | peak GB |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in mfu:
+        where = f"{r['flavor']} ({r['layers'] or 'all'}) | {device_label(device_of(r, device))}"
         if "tokens_per_s_per_gpu" not in r:
-            out.append(f"| {r['case']} | {r['flavor']} ({r['layers'] or 'all'}) | {r['world']} | {r['parallel']} | {r['seq']} | "
+            out.append(f"| {r['case']} | {where} | {r['world']} | {r['parallel']} | {r['seq']} | "
                        f"failed: {r.get('error', '')[:60]!r} | | | |")
             continue
         mfu_s = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a (CPU)"
-        out.append(f"| {r['case']} | {r['flavor']} ({r['layers'] or 'all'}) | {r['world']} | {r['parallel']} | {r['seq']} | "
+        out.append(f"| {r['case']} | {where} | {r['world']} | {r['parallel']} | {r['seq']} | "
                    f"{r['tokens_per_s_per_gpu']:,.0f} | {fmt(r.get('tflops_per_gpu'), '.1f')} | {mfu_s} | "
                    f"{r.get('mem_peak_gb', 0):.1f} |")
     return "\n".join(out)
@@ -420,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.render:
         doc = json.loads(Path(args.render).read_text())
-        print(render_into(render(doc["checks"], doc["mfu"]), args.doc, "multigpu-plans"))
+        print(render_into(render(doc["checks"], doc["mfu"], doc["meta"].get("gpu")), args.doc, "multigpu-plans"))
         return 0
     if args.compile is None:
         args.compile = not args.cpu
@@ -440,8 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or ROOT / f"bench/results/multigpu_plans{'_cpu' if args.cpu else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     prev = json.loads(out.read_text()) if out.exists() else {}
+    info = env_info(args.cpu)
+    checks, mfu = stamp_device(checks, info["gpu"]), stamp_device(mfu, info["gpu"])
     doc = dict(
-        meta=dict(env_info(args.cpu), mode="cpu" if args.cpu else "gpu", world=W, bounds=bounds,
+        meta=dict(info, mode="cpu" if args.cpu else "gpu", world=W, bounds=bounds,
                   peak_tflops=None if args.cpu else args.peak_tflops,
                   bounds_note="relative |a-b|/|b| of loss and grad norm vs the 1-process run; see bench/scaling.py",
                   command="python bench/multigpu_plans.py " + " ".join(argv)),
@@ -449,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         mfu=merge_rows(prev.get("mfu", []), mfu, lambda r: (r["case"], r["world"], r["float8"])),
     )
     out.write_text(json.dumps(doc, indent=1))
-    print(render(doc["checks"], doc["mfu"]))
+    print(render(doc["checks"], doc["mfu"], doc["meta"]["gpu"]))
     failed = [c for c in doc["checks"] if c in checks and not c.get("ok")
               and (c.get("kind") != "control" or "error" in c)] + \
         [r for r in mfu if "error" in r]

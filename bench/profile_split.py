@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.devices import device_label, device_of  # noqa: E402
 from bench.trace_gaps import GPU_CATS, gpu_busy, load_events  # noqa: E402
 
 # first match wins: communication and attention before GEMMs (cuDNN's attention kernels name their wgmma tiles),
@@ -85,12 +86,12 @@ def split(events: list[dict], steps: int, top: int = 8) -> tuple[dict, dict]:
 def render(rows: list[dict]) -> str:
     """Markdown: one line per profiled row, ms per step by category."""
     cols = [c for c in ORDER if any(r["profile_ms"].get(c, 0) >= 0.05 for r in rows)]
-    out = ["| case | stack | step ms | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols)]
+    out = ["| case | device | stack | step ms | " + " | ".join(cols) + " |", "|---|---|---|---|" + "---|" * len(cols)]
     for r in rows:
         p = r["profile_ms"]
         label = r["stack"] + (f" ({r['model_overrides']})" if r.get("model_overrides") else "") \
             + (f", {r['profile_label']}" if r.get("profile_label") else "")
-        out.append(f"| {r['case']} | {label} | {p['step']:.1f} | " + " | ".join(f"{p.get(c, 0):.1f}" for c in cols)
+        out.append(f"| {r['case']} | {device_label(device_of(r))} | {label} | {p['step']:.1f} | " + " | ".join(f"{p.get(c, 0):.1f}" for c in cols)
                    + " |")
     return "\n".join(out)
 

@@ -54,6 +54,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.devices import device_label, device_of  # noqa: E402
 PEAK_TFLOPS = 989.0
 
 # GPU bounds (bf16) and CPU bounds (fp32); see the module docstring.
@@ -321,6 +323,11 @@ def default_nprocs(cpu: bool) -> list[int]:
     return [w for w in (1, 2, 4, 8) if w <= n] or [1]
 
 
+def stamp_device(rows: list[dict], device: str) -> list[dict]:
+    """This run's rows with the device they ran on (a merged file holds rows of several runs, its meta the last's)."""
+    return [dict(r, device=device_of(r, device)) for r in rows]
+
+
 def fmt(x, spec: str = ".3g") -> str:
     return "" if x is None else format(x, spec)
 
@@ -459,26 +466,28 @@ def run_model(key: str, model: dict, nprocs: list[int], args, bounds: dict, dump
     return runs, equal
 
 
-def render(runs: list[dict], checks: list[dict]) -> str:
-    out = ["| model | float8 | GPUs | tok/s/GPU | TFLOP/s/GPU | MFU | weak-scaling eff. | peak GB | loss = 1 GPU |",
-           "|---|---|---|---|---|---|---|---|---|"]
+def render(runs: list[dict], checks: list[dict], device: str | None = None) -> str:
+    """The runs and checks tables; ``device``: the file's (meta gpu), for rows written before they named theirs."""
+    out = ["| model | device | float8 | GPUs | tok/s/GPU | TFLOP/s/GPU | MFU | weak-scaling eff. | peak GB | loss = 1 GPU |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
+        dev = device_label(device_of(r, device))
         if "error" in r and "tokens_per_s_per_gpu" not in r:
-            out.append(f"| {r['model']} | {r['float8']} | {r['world']} | failed: {r['error'][:60]!r} | | | | | |")
+            out.append(f"| {r['model']} | {dev} | {r['float8']} | {r['world']} | failed: {r['error'][:60]!r} | | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a (CPU)"
         eq = {True: "yes", False: "NO"}.get(r.get("loss_equal"), "ref" if r.get("weak_scaling_base_world") == r["world"] else "")
-        out.append(f"| {r['model']} | {r['float8']} | {r['world']} | {r['tokens_per_s_per_gpu']:,.0f} | "
+        out.append(f"| {r['model']} | {dev} | {r['float8']} | {r['world']} | {r['tokens_per_s_per_gpu']:,.0f} | "
                    f"{fmt(r.get('tflops_per_gpu'), '.1f')} | {mfu} | {100 * r.get('weak_scaling_eff', 0):.1f}% | "
                    f"{r.get('mem_peak_gb', 0):.1f} | {eq} |")
-    out += ["", "| check | model | float8 | runs | steps | loss rel. (step 1 / max) | grad-norm rel. (step 1 / max) | ok |",
-            "|---|---|---|---|---|---|---|---|"]
+    out += ["", "| check | model | device | float8 | runs | steps | loss rel. (step 1 / max) | grad-norm rel. (step 1 / max) "
+            "| ok |", "|---|---|---|---|---|---|---|---|---|"]
     for c in checks:
         runs_s = (f"{c['world']} vs {c['ref_world']} GPU" if c["kind"] == "loss_equality"
                   else f"1 vs 1 GPU, `{control_of(c)}`" if control_of(c)
                   else f"written on {c['written_world']}, resumed on {c['resumed_world']}")
         st = f"{c['steps'][0]}-{c['steps'][1]}" if c.get("steps") else ""
-        out.append(f"| {c['kind']} | {c['model']} | {c['float8']} | {runs_s} | {st} | "
+        out.append(f"| {c['kind']} | {c['model']} | {device_label(device_of(c, device))} | {c['float8']} | {runs_s} | {st} | "
                    f"{fmt(c.get('loss_rel_first'), '.1e')} / {fmt(c.get('loss_rel_max'), '.1e')} | "
                    f"{fmt(c.get('gnorm_rel_first'), '.1e')} / {fmt(c.get('gnorm_rel_max'), '.1e')} | "
                    f"{verdict(c)} |")
@@ -533,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.render:
         doc = json.loads(Path(args.render).read_text())
-        print(render_into(render(doc["runs"], doc["checks"]), args.doc, "scaling"))
+        print(render_into(render(doc["runs"], doc["checks"], doc["meta"].get("gpu")), args.doc, "scaling"))
         return 0
     if args.compile is None:
         args.compile = not args.cpu
@@ -565,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         """Merge rows into --out (rows of other models / worlds / float8 settings are kept), then recompute
         efficiencies and loss equality over the merged rows."""
         prev = json.loads(out.read_text()) if out.exists() else {}
+        runs, checks = stamp_device(runs, meta["gpu"]), stamp_device(checks, meta["gpu"])
         merged = merge_rows(prev.get("runs", []), runs, lambda r: (r["model"], r["float8"], r["world"]))
         eq = analyze(merged, bounds)
         key = lambda c: (c["kind"], c["model"], c["float8"], c.get("world"), c.get("written_world"),  # noqa: E731
@@ -582,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         all_runs += r
         all_checks += c
     doc = save([], [])
-    print(render(doc["runs"], doc["checks"]))
+    print(render(doc["runs"], doc["checks"], meta["gpu"]))
     failed = [r for r in all_runs if "error" in r] + [c for c in doc["checks"] if not c.get("ok") and c["model"] in keys]
     print(f"[scaling] wrote {out}; {len(failed)} failed run(s)/check(s)", flush=True)
     return 1 if failed else 0

@@ -98,7 +98,7 @@ def test_scaling_cpu(tmp_path):
     assert rs["resumed_log_line"] and rs["loss_rel_max"] <= 1e-4
     # the writer's checkpoints are deleted after the resharding check (disk on the GPU machines)
     assert not (tmp_path / "runs" / "debug_w2" / "checkpoints").exists()
-    assert "| debug | False | 2 |" in p.stdout and "(noise floor: 1 GPU vs 1 GPU)" in p.stdout
+    assert "| debug | cpu (gloo) | False | 2 |" in p.stdout and "(noise floor: 1 GPU vs 1 GPU)" in p.stdout
 
 
 def test_plans_cpu_tp2(tmp_path):

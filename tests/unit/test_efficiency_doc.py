@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 eff = pytest.importorskip("bench.efficiency")
+dev = pytest.importorskip("bench.devices")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -27,6 +28,6 @@ def test_every_titan_row_of_the_1_7b_case_appears():
     doc = _between_markers()
     own = doc[doc.index("`bench/results/mfu.json`:"):].split("\n\n`bench/results/")[0]  # mfu.json's own table
     for r in titan:
-        want = (f"| qwen3_1.7b | {r['stack']} | {r['ac']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
+        want = (f"| qwen3_1.7b | {dev.device_label(dev.device_of(r))} | {r['stack']} | {r['ac']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
                 f"{100 * r['mfu']:.1f}% |")
         assert any(ln.startswith(want) for ln in own.splitlines()), want
