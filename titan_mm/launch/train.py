@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data error: {e.reason}", file=sys.stderr)
         return 1
     except RunLockError as e:  # another trainer holds the run folder (every rank prints it)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if dist.is_initialized():  # every rank got the verdict: none leaves (torchrun then stops the rest) unprinted
+            dist.barrier()
         return 2
     except (CheckpointError, NonFiniteError, HFCheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
