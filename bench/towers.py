@@ -1,0 +1,301 @@
+"""The encoders alone: each vision tower and audio encoder at a bench shape, forward + backward, with MFU on its own
+FLOPs and a profile split (GEMM, attention, norms + elementwise, idle) from torch.profiler.
+
+A multimodal step's MFU counts the encoders in, and the VL / Omni rows of docs/efficiency.md sit well under the
+text models' (docs/efficiency.md: "MFU" against "MFU (LLM only)"): this says which tower holds them down, away
+from the decoder. Each tower is built the family's way (``spec.build`` of the flavor on meta, the tower's module
+taken out, materialized on the device and initialized by its own ``init_weights``), with the trainer's runtime:
+bf16 on CUDA (fp32 on the CPU), kernels on CUDA (``kernels.ops`` all), the encoders' attention backend the
+trainer picks (``vision_backend``: varlen on CUDA when torch has it, else flex; sdpa on the CPU), each block
+compiled on CUDA (``--no-compile``: eager). Its host metadata is built once, before the timed steps, as the
+trainer's ``prepare_batch`` does. The loss is the mean square of the tower's outputs (the DeepStack features
+included), so the backward reaches every parameter.
+
+FLOPs are the family's own counter (titan_mm/models/<family>/flops.py: ``vision_flops`` / ``audio_flops``,
+training FLOPs = 3x forward), MFU against 989 TFLOP/s (the H100 SXM's and the H200's dense bf16 peak; none on the
+CPU). The profile split is bench/profile_split.py's over two profiled steps on CUDA (GPU kernels by name; idle =
+the span minus the kernels' union); on the CPU the ops' self times by the same kind of rules (idle = wall time not
+in any op: the host's Python). Towers (``TOWERS``; the bench shapes are the VL / Omni cases' of bench/mfu.py):
+
+  qwen3_vl_vit          Qwen3-VL-2B's ViT (24 x 1024, DeepStack): 8 images of 512 x 512 (8,192 patches)
+  qwen2_5_vl_vit        Qwen2.5-VL-7B's windowed ViT (32 x 1280, full attention in 4 blocks): 8 images of 504 x 504
+  qwen2_5_omni_audio    Qwen2.5-Omni-7B's audio encoder (32 x 1280, Whisper blocks per 2 s chunk): 8 clips, 10-30 s
+  qwen3_omni_moe_audio  Qwen3-Omni-30B-A3B's audio encoder (conv stem, windowed Whisper blocks): the same clips
+
+  python3 bench/towers.py                                  # on the GPU: bench/results/towers_<device>.json
+  python3 bench/towers.py --towers qwen3_vl_vit --profile-dir DIR   # + each tower's kernel table
+  python3 bench/towers.py --cpu --tiny --out /tmp/t.json   # the smoke (debug flavors, a few steps)
+  python3 bench/towers.py --render bench/results/towers_h100.json --doc docs/efficiency.md   # the table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.devices import device_label, device_of, device_slug  # noqa: E402
+from bench.profile_split import split as split_gpu  # noqa: E402
+from bench.trace_gaps import load_events  # noqa: E402
+from titan_mm.models.qwen2_5_omni import audio as omni_audio, flops as omni_flops  # noqa: E402
+from titan_mm.models.qwen2_5_vl import flops as vl25_flops  # noqa: E402
+from titan_mm.models.qwen2_5_vl.vision import build_window_meta  # noqa: E402
+from titan_mm.models.qwen3_omni_moe import audio as omni3_audio, flops as omni3_flops  # noqa: E402
+from titan_mm.models.qwen3_vl import flops as vl3_flops  # noqa: E402
+from titan_mm.models.qwen3_vl.model import vision_backend  # noqa: E402
+from titan_mm.models.qwen3_vl.vision import build_vision_meta  # noqa: E402
+from titan_mm.registry import get_model_spec, resolve_model  # noqa: E402
+
+PEAK_TFLOPS = 989.0
+CLIPS = (1000, 1500, 2000, 2500, 3000, 1200, 1800, 2200)  # mel frames (100 a second): 10-30 s, as bench/mfu.py's Omni
+TINY_CLIPS = (37, 120, 260)
+
+# name -> family (registry model), flavor, the tower's module in the built model, its inputs (grids in patches
+# (t, h, w), or clips in mel frames), the host metadata builder and the family's FLOP counter; tiny: the smoke's
+TOWERS: dict[str, dict] = {
+    "qwen3_vl_vit": dict(model="qwen3_vl", flavor="2B", module="visual", grids=[(1, 32, 32)] * 8,
+                         meta=build_vision_meta, flops=vl3_flops.vision_flops,
+                         tiny=dict(flavor="debug", grids=[(1, 8, 8), (1, 4, 6), (1, 6, 10)])),
+    "qwen2_5_vl_vit": dict(model="qwen2_5_vl", flavor="7B", module="visual", grids=[(1, 36, 36)] * 8,
+                           meta=build_window_meta, flops=vl25_flops.vision_flops,
+                           tiny=dict(flavor="debug", grids=[(1, 8, 8), (1, 4, 6), (1, 6, 10)])),
+    "qwen2_5_omni_audio": dict(model="qwen2_5_omni", flavor="7B", module="audio_tower", clips=CLIPS,
+                               meta=omni_audio.build_audio_meta, flops=omni_flops.audio_flops,
+                               tiny=dict(flavor="debug", clips=TINY_CLIPS)),
+    "qwen3_omni_moe_audio": dict(model="qwen3_omni_moe", flavor="30B-A3B", module="audio_tower", clips=CLIPS,
+                                 meta=omni3_audio.build_audio_meta, flops=omni3_flops.audio_flops,
+                                 tiny=dict(flavor="debug", clips=TINY_CLIPS)),
+}
+
+# the CPU's ops (self time) by kind; first match wins, the rest is elementwise
+CPU_RULES = (("attention", ("attention", "sdpa", "flash", "softmax")),
+             ("gemm", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "convolution", "aten::_convolution")),
+             ("norms", ("norm", "rsqrt")))
+# the table's columns: bench/profile_split.py's categories, norms and the memory-bound rest taken together
+COLUMNS = (("GEMM", ("gemm",)), ("attention", ("attention",)), ("norms + elementwise", ("norms", "elementwise", "copies")),
+           ("other", ("other", "loss", "moe_routing", "moe_permute", "optimizer", "comm")), ("idle", ("idle",)))
+
+
+def tower_config(name: str, tiny: bool, device: torch.device):
+    """(tower spec with the tiny shape applied, family config with the trainer's runtime on ``device``)."""
+    t = dict(TOWERS[name])
+    small = t.pop("tiny")
+    if tiny:
+        t.update(small)
+    cuda = device.type == "cuda"
+    _, cfg = resolve_model(t["model"], t["flavor"], attn_backend="flex" if cuda else "sdpa",
+                           kernels="all" if cuda else False)
+    return t, cfg
+
+
+def encoder_config(t: dict, cfg):
+    return cfg.audio if "clips" in t else cfg.vision
+
+
+def build_tower(t: dict, cfg, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The family's tower: the whole model built on meta (its own ops and kernels), the tower taken out,
+    materialized here and initialized by its own init_weights (audio: its sinusoid table too)."""
+    with torch.device("meta"):
+        model = get_model_spec(t["model"]).build(cfg)
+    tower = getattr(model, t["module"])
+    tower.to_empty(device=device)
+    tower.init_weights()
+    if "clips" in t:
+        tower.init_buffers(device)
+    return tower.to(dtype)
+
+
+def tower_inputs(t: dict, cfg, device: torch.device, seed: int = 0):
+    """(input tensor, host metadata on the device, training FLOPs, inputs' description, encoder tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    enc = encoder_config(t, cfg)
+    backend = vision_backend(cfg, device)
+    if "clips" in t:
+        lens = torch.tensor(t["clips"])
+        x = torch.randn(enc.num_mel_bins, int(lens.sum()), generator=g)
+        meta = t["meta"](lens, enc, backend, device)
+        return x.to(device), meta, t["flops"](enc, lens), f"{len(lens)} clips, {int(lens.sum())} mel frames", \
+            int(meta.attn.cu_seqlens[-1])
+    grid = torch.tensor(t["grids"])
+    n = int(grid.prod(-1).sum())
+    x = torch.randn(n, enc.patch_dim, generator=g)
+    meta = t["meta"](grid, enc, backend, device)
+    return x.to(device), meta, t["flops"](enc, grid), f"{len(grid)} images, {n} patches", n
+
+
+def cpu_split(prof, wall_s: float, steps: int) -> dict:
+    """ms per step by kind from the ops' self CPU times; idle = the wall time in no op."""
+    ms: dict = defaultdict(float)
+    for e in prof.key_averages():
+        low = e.key.lower()
+        kind = next((k for k, keys in CPU_RULES if any(s in low for s in keys)), "elementwise")
+        ms[kind] += e.self_cpu_time_total / 1e3 / steps
+    busy = sum(ms.values())
+    out = {k: round(v, 3) for k, v in ms.items()}
+    out["step"] = round(wall_s * 1e3 / steps, 3)
+    out["idle"] = round(max(out["step"] - busy, 0.0), 3)
+    return out
+
+
+def run_tower(name: str, args, device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    t, cfg = tower_config(name, args.tiny, device)
+    torch.manual_seed(0)
+    tower = build_tower(t, cfg, device, dtype)
+    compiled = cuda and not args.no_compile
+    if compiled:  # the trainer's compile units: one per block
+        for blk in tower.blocks:
+            blk.compile()
+    x, meta, flops, what, tokens = tower_inputs(t, cfg, device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step():
+        out = tower(x, meta)
+        outs = [out[0], *out[1]] if isinstance(out, tuple) else [out]  # the ViTs: (merged, DeepStack features)
+        sum(o.float().square().mean() for o in outs).backward()
+
+    for _ in range(args.warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    prof_steps = 2
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(prof_steps):
+            step()
+        sync()
+        wall = time.perf_counter() - t0
+    if cuda:
+        with tempfile.TemporaryDirectory() as d:
+            trace = Path(d) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            split_ms, kernels = split_gpu(load_events(trace), steps=prof_steps)
+    else:
+        split_ms, kernels = cpu_split(prof, wall, prof_steps), {}
+    if args.profile_dir:
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        (Path(args.profile_dir) / f"towers_{name}.txt").write_text(
+            prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=100)
+            + "\n\n" + json.dumps(kernels, indent=1))
+    tflops = flops / med / 1e12
+    return dict(tower=name, model=t["model"], flavor=t["flavor"], inputs=what, tokens=tokens,
+                backend=vision_backend(cfg, device), compiled=compiled, dtype=str(dtype).removeprefix("torch."),
+                flops=flops, step_time_s=med, tflops=tflops, mfu=tflops / PEAK_TFLOPS if cuda else None,
+                profile_ms=split_ms, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+                warmup=args.warmup, steps=args.steps, tiny=args.tiny)
+
+
+def render(rows: list[dict]) -> str:
+    """The towers table: one row per (tower, device), the split as ms per step."""
+    head = ["tower", "device", "flavor", "inputs", "step ms", "TFLOP/s", "MFU", *(c for c, _ in COLUMNS)]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: (list(TOWERS).index(r["tower"]) if r["tower"] in TOWERS else 99,
+                                         device_of(r) or "")):
+        dev = device_label(device_of(r))
+        if "error" in r:
+            out.append(f"| {r['tower']} | {dev} | failed: {r['error'][:80]} |" + " |" * (len(head) - 3))
+            continue
+        p = r["profile_ms"]
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a (CPU)"
+        parts = [f"{sum(p.get(k, 0.0) for k in keys):.1f}" for _, keys in COLUMNS]
+        out.append(f"| {r['tower']} | {dev} | {r['model']} {r['flavor']} | {r['inputs']} | {1e3 * r['step_time_s']:.1f} "
+                   f"| {r['tflops']:.3g} | {mfu} | " + " | ".join(parts) + " |")
+    return "\n".join(out)
+
+
+def render_doc(paths: list[Path]) -> str:
+    """The block docs/efficiency.md includes: the GPU results' table, or what to run while there are none."""
+    rows = [r for p in paths for r in json.loads(p.read_text())["rows"] if device_of(r) != "cpu"]
+    if not rows:
+        return ("Not measured on a GPU yet: `python3 bench/towers.py` on the GPU machine writes "
+                "`bench/results/towers_<device>.json`; then `python3 bench/towers.py --doc docs/efficiency.md`.")
+    return (f"The encoders alone, forward + backward (`bench/towers.py`; "
+            f"{', '.join(f'`bench/results/{p.name}`' for p in paths)}): ms per step by kernel kind, MFU of the "
+            f"tower's own FLOPs against {PEAK_TFLOPS:.0f} TFLOP/s.\n\n" + render(rows))
+
+
+def write_rows(out: Path, rows: list[dict]) -> None:
+    """Merge into ``out``: a row replaces the earlier one of its tower, device and shape (tiny or not)."""
+    prev = json.loads(out.read_text())["rows"] if out.exists() else []
+    new = {(r["tower"], device_of(r), r.get("tiny")) for r in rows}
+    keep = [r for r in prev if (r["tower"], device_of(r), r.get("tiny")) not in new]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"peak_tflops": PEAK_TFLOPS, "rows": keep + rows}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--towers", default=",".join(TOWERS), help=f"comma list of {list(TOWERS)}")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (fp32, eager; with --tiny: the smoke)")
+    ap.add_argument("--tiny", action="store_true", help="the families' debug flavors at a few small inputs")
+    ap.add_argument("--no-compile", action="store_true", help="CUDA: eager blocks (the default compiles each)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default="", help="results JSON (default bench/results/towers_<device>.json)")
+    ap.add_argument("--profile-dir", default="", help="also write each tower's kernel table here")
+    ap.add_argument("--render", default="", help="print the table of this results JSON and exit")
+    ap.add_argument("--doc", default="", help="replace the text between the towers markers here (the GPU results "
+                    "bench/results/towers_*.json, or --render's file) and exit")
+    args = ap.parse_args(argv)
+    names = [n for n in args.towers.split(",") if n]
+    unknown = [n for n in names if n not in TOWERS]
+    if unknown:
+        ap.error(f"--towers: unknown {unknown}; choose from {list(TOWERS)}")
+    if args.doc:
+        paths = [Path(args.render)] if args.render else sorted((ROOT / "bench/results").glob("towers_*.json"))
+        doc = Path(args.doc).read_text()
+        a, b = "<!-- towers:begin -->", "<!-- towers:end -->"
+        if a not in doc or b not in doc:
+            ap.error(f"{args.doc} has no {a} ... {b} markers; add them where the table goes")
+        Path(args.doc).write_text(doc[: doc.index(a) + len(a)] + "\n" + render_doc(paths) + "\n" + doc[doc.index(b):])
+        return 0
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())["rows"]))
+        return 0
+    if not args.cpu and not torch.cuda.is_available():
+        ap.error("no CUDA device here: run on the GPU machine, or give --cpu (with --tiny for the smoke)")
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    out = Path(args.out) if args.out else \
+        ROOT / "bench/results" / f"towers_{device_slug(torch.cuda.get_device_name() if not args.cpu else 'cpu')}.json"
+    rows = []
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            r = run_tower(name, args, device)
+        except Exception as e:  # one tower's failure is its row; the others still run
+            r = dict(tower=name, device=torch.cuda.get_device_name() if not args.cpu else "cpu",
+                     error=f"{type(e).__name__}: {e}", tiny=args.tiny)
+        rows.append(r)
+        write_rows(out, rows)  # after every tower: a run cut short keeps what it measured
+        print(f"[{time.perf_counter() - t0:5.0f}s] {name}: " + (
+            f"{1e3 * r['step_time_s']:.1f} ms, {r['tflops']:.1f} TFLOP/s" if "error" not in r else r["error"]),
+            flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    print(render(rows))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

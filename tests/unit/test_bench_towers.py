@@ -1,0 +1,64 @@
+"""bench/towers.py's CPU smoke (``--cpu --tiny``: the families' debug flavors, one timed step, in this process): every
+tower runs forward + backward, its FLOPs are its family's counter's, its profile split has GEMM and attention time,
+the JSON and the table name the device; a wrong tower name is one error and exit 2; docs/efficiency.md's towers
+block is what the generator renders from the committed GPU results (none yet: what to run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_mm.models.qwen2_5_vl.vision import VisionTower
+
+ROOT = Path(__file__).resolve().parents[2]
+towers = pytest.importorskip("bench.towers")
+
+
+def test_cpu_tiny_smoke(tmp_path, capsys):
+    out = tmp_path / "towers.json"
+    assert towers.main(["--cpu", "--tiny", "--warmup", "1", "--steps", "1", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    rows = {r["tower"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == set(towers.TOWERS)
+    cpu = torch.device("cpu")
+    for name, r in rows.items():
+        assert "error" not in r, r
+        t, cfg = towers.tower_config(name, True, cpu)
+        enc = towers.encoder_config(t, cfg)
+        want = t["flops"](enc, torch.tensor(t["clips"] if "clips" in t else t["grids"]))
+        assert r["flops"] == want > 0  # the family's own counter, on the inputs it ran
+        assert r["device"] == "cpu" and r["mfu"] is None and r["backend"] == "sdpa" and not r["compiled"]
+        p_ms = r["profile_ms"]
+        assert p_ms["gemm"] > 0 and p_ms["attention"] > 0 and p_ms["step"] > 0 and p_ms["idle"] >= 0
+        assert r["tflops"] == pytest.approx(r["flops"] / r["step_time_s"] / 1e12)
+    assert "| qwen3_vl_vit | CPU | qwen3_vl debug | 3 images, 148 patches |" in stdout
+    assert "| qwen3_omni_moe_audio | CPU | qwen3_omni_moe debug | 3 clips, 417 mel frames |" in stdout
+
+
+def test_wrong_tower_is_one_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        towers.main(["--towers", "qwen3_vl_vitt", "--cpu"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: --towers: unknown ['qwen3_vl_vitt']; choose from " + str(list(towers.TOWERS)))
+
+
+def test_the_tower_is_the_familys():
+    """The tower the bench times is the module the family's model holds, with the trainer's init."""
+    t, cfg = towers.tower_config("qwen2_5_vl_vit", True, torch.device("cpu"))
+    tower = towers.build_tower(t, cfg, torch.device("cpu"), torch.float32)
+    assert type(tower) is VisionTower and not any(p.is_meta for p in tower.parameters())
+    x, meta, flops, what, n = towers.tower_inputs(t, cfg, torch.device("cpu"))
+    merged, deepstack = tower(x, meta)
+    assert merged.shape == (n // cfg.vision.spatial_merge_size**2, cfg.vision.out_hidden_size) and deepstack == []
+
+
+def test_efficiency_doc_towers_block_is_current():
+    doc = (ROOT / "docs/efficiency.md").read_text()
+    a, b = "<!-- towers:begin -->", "<!-- towers:end -->"
+    block = doc[doc.index(a) + len(a): doc.index(b)]
+    want = towers.render_doc(sorted((ROOT / "bench/results").glob("towers_*.json")))
+    assert block == "\n" + want + "\n", "rerun: python3 bench/towers.py --doc docs/efficiency.md"
