@@ -16,6 +16,18 @@ greedy, EOS ignored, so every request makes exactly its max_tokens. Parts (``--p
 - ``C``: speculative decoding on repetitive prompts: n-gram lookup and a registry draft model against none. With
   random weights another flavor's guesses are almost never kept, so the draft row shows the cost (on CPU the target
   drafts for itself, every guess kept: a check of the path).
+- ``Q``: weight quantization (``--quantization``, serve.quantization): batch1's decode tokens / s per mode, and the
+  perplexity of the served model on the built-in text corpus (Qwen3 tokens) over the unquantized one's (bf16 on
+  the GPU). The weights are random, so the perplexity itself is near the vocabulary size: only the ratio means
+  something. A mode the device cannot run is recorded as refused (its ServeConfig line).
+- ``kernels``: kernels per batch-1 decode step (torch.profiler; the kernels inside a replayed CUDA graph are
+  counted one by one, checked against the eager step's count), GEMMs among them, with and without fused
+  projections, beside the step's ceilings measured in this run: the launch floor (kernels x the replay cost of a
+  one-element kernel) and the weight roofline. On CPU: the aten GEMMs (mm / addmm) per decode step.
+
+Titan's engines serve their own copy of the model, fused as Engine.from_pretrained serves it
+(``--fuse_projections``, serve.fuse_projections; the shared model is first cast to the serving dtype in place, so
+transformers runs on the same bf16 tensors).
 
 Timing: titan from the engine's per-request metrics (``arrival``, ``first_token``, ``finished``); transformers from
 its per-token timestamps (``record_timestamps``) against ``created_time``. TTFT includes queueing (every request
@@ -31,6 +43,7 @@ first add to the last token. Each engine run stops at ``--cap_s`` and then count
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import gc
 import json
@@ -47,22 +60,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import ceilings  # noqa: E402  (this machine's copy bandwidth: the HBM ceiling of the rooflines)
+from titan_mm.serve.config import QUANTIZATIONS  # noqa: E402
 
 # the workloads, on the H200 and in the CPU smoke (a tiny debug model, every code path)
 SHAPES = {
     "gpu": dict(flavors=("0.6B", "1.7B"), spec=("1.7B", "0.6B"), max_num_seqs=256, budget=16384, cap_s=50.0,
                 async_scheduling=True, packed_prefill=False, peer=True,
                 A=dict(n=256, lo=100, hi=1024), batch1=dict(prompt=512, new=512),
-                B=dict(n=128, prefix=2048, lo=16, hi=64, new=32), C=dict(n=16, snippet=16, prompt=256, new=128)),
+                B=dict(n=128, prefix=2048, lo=16, hi=64, new=32), C=dict(n=16, snippet=16, prompt=256, new=128),
+                quantization=QUANTIZATIONS, ppl_tokens=8192, ppl_window=1024, kernel_steps=20, fuse_projections=True),
     "cpu": dict(flavors=("debug",), spec=("debug", "debug"), max_num_seqs=8, budget=256, cap_s=30.0,
                 async_scheduling=True, packed_prefill=False, peer=True,
                 A=dict(n=6, lo=4, hi=16), batch1=dict(prompt=16, new=8),
-                B=dict(n=6, prefix=64, lo=4, hi=8, new=4), C=dict(n=2, snippet=4, prompt=32, new=12)),
+                B=dict(n=6, prefix=64, lo=4, hi=8, new=4), C=dict(n=2, snippet=4, prompt=32, new=12),
+                quantization=("none", "int8_weight_only"), ppl_tokens=256, ppl_window=128, kernel_steps=4, fuse_projections=True),
 }
 # H200 seconds per part with the default flavors, guessed before any run (titan eager, no CUDA graphs yet).
 # A: per flavor two engine runs of at most cap_s, transformers' CUDA-graph warm-up, builds; batch1: 512 tokens
 # at ~10-20 ms per token per stack and flavor; C: the draft run (1.7B + 4 x 0.6B per step) dominates
-EXPECT_S = {"A": 240, "batch1": 50, "B": 20, "C": 40}
+EXPECT_S = {"A": 240, "batch1": 50, "B": 20, "C": 40, "Q": 90, "kernels": 30}
 PARTS = tuple(EXPECT_S)
 
 
@@ -181,7 +197,8 @@ def roofline_s(prompts: list[int], news: list[int], concurrency: int, w_bytes: i
 def titan_engine(model, spec, cfg, prompts: list[list[int]], news: list[int], device, shape: dict, draft=None,
                  **serve_kw):
     """An engine whose pool holds every request at once (no preemption; the rest of the memory stays free for the
-    padded mixed steps), with the bench's seats and token budget."""
+    padded mixed steps), with the bench's seats and token budget, on its own copy of ``model`` (fused and quantized
+    as serve_kw and ``shape`` say; ``model`` itself is only cast to the serving dtype, in place)."""
     from titan_mm.serve.config import ServeConfig
     from titan_mm.serve.engine import Engine
 
@@ -193,8 +210,9 @@ def titan_engine(model, spec, cfg, prompts: list[list[int]], news: list[int], de
     sc = ServeConfig(block_size=bs, num_blocks=blocks, max_num_seqs=min(shape["max_num_seqs"], max(len(prompts), 1)),
                      max_num_batched_tokens=max(shape["budget"], shape["max_num_seqs"]), max_model_len=longest + k + 16,
                      **{"async_scheduling": shape["async_scheduling"], "packed_prefill": shape["packed_prefill"],
-                        **serve_kw})
-    return Engine(model, spec, cfg, sc, device=device, draft=draft, tokenizer=tokenizer())
+                        "fuse_projections": shape["fuse_projections"], **serve_kw})
+    own = copy.deepcopy(model.to(device, sc.serving_dtype(torch.device(device))))
+    return Engine(own, spec, cfg, sc, device=device, draft=draft, tokenizer=tokenizer(), owns_weights=True)
 
 
 WARM_NEW = 4
@@ -445,7 +463,155 @@ def part_C(spec, shape, device, cap_s, cpu, seed, vocab) -> dict:
     return res
 
 
-RUN = {"A": part_A, "batch1": part_batch1, "B": part_B, "C": part_C}
+@functools.cache
+def text_ids(n: int) -> tuple[int, ...]:
+    """The first ``n`` Qwen3 tokens of the built-in text corpus (titan_mm.data.builtin.text)."""
+    from titan_mm.data.builtin.text import text_corpus
+
+    ids: list[int] = []
+    for doc in text_corpus(4 * n // 50 + 10, seed=7):  # ~50 tokens a document
+        ids += tokenizer().encode(doc)
+        if len(ids) >= n:
+            break
+    return tuple(ids[:n])
+
+
+def part_Q(spec, shape, device, cap_s, cpu, seed, vocab) -> dict:
+    """Per flavor and serve.quantization mode: batch1's decode rate and the served model's perplexity on the
+    built-in text over the unquantized model's (the first mode, "none", is the reference)."""
+    from titan_mm.config import ConfigError
+    from titan_mm.serve.runner.weights import perplexity
+
+    s = shape["batch1"]
+    g = torch.Generator().manual_seed(seed + 1)
+    prompts, news = [random_ids(g, s["prompt"], vocab)], [s["new"]]
+    text = list(text_ids(shape["ppl_tokens"]))
+    res = {"prompt": s["prompt"], "new": s["new"], "ppl_tokens": len(text), "modes": list(shape["quantization"])}
+    for flavor in shape["flavors"]:
+        cfg = spec.flavor(flavor)
+        model = random_model(spec, flavor, device, seed, shape["kernels"])
+        rows, base = {}, None
+        for mode in shape["quantization"]:
+            def one(mode=mode):
+                try:
+                    engine = titan_engine(model, spec, cfg, prompts, news, device, shape, quantization=mode)
+                except ConfigError as e:  # the device lacks the mode: its one line, not a failure
+                    return {"refused": str(e)}
+                r = run_titan(engine, prompts, news, cap_s, vocab)
+                r.pop("first_tokens", None)
+                r["perplexity"] = round(perplexity(engine.model, text, window=shape["ppl_window"]), 2)
+                r["describe"] = engine.describe()
+                return r
+
+            rows[mode] = r = guarded(one)
+            free_memory(device)
+            if mode == "none" and "perplexity" in r:
+                base = r
+            elif base is not None and "perplexity" in r:
+                r["ppl_over_none"] = round(r["perplexity"] / base["perplexity"], 5)
+                if r.get("request_decode_tokens_per_s") and base.get("request_decode_tokens_per_s"):
+                    r["speedup"] = round(r["request_decode_tokens_per_s"] / base["request_decode_tokens_per_s"], 3)
+        res[flavor] = rows
+        print(f"Q {flavor}: {json.dumps(rows)}", flush=True)
+    return res
+
+
+GEMM_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "matmul", "splitk")  # cuBLAS / cuBLASLt / CUTLASS / Triton mm
+
+
+def launch_floor_us(device, n: int = 1000, reps: int = 20) -> float:
+    """Microseconds per kernel of a replayed CUDA graph of ``n`` one-element adds: the least a decode step's
+    kernel costs, whatever it computes (the floor under batch-1 TPOT = kernels per step x this)."""
+    x = torch.zeros(1, device=device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            x.add_(1)
+    g.replay()
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t) / reps / n * 1e6
+
+
+def decode_step_kernels(engine, prompt: list[int], steps: int) -> dict:
+    """Profile ``steps`` decode steps of one request alone: per step, the CUDA kernels (graph replays counted as
+    the kernels inside them), GEMMs among them, copies / fills, GPU busy time and wall time; on CPU the aten GEMMs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from titan_mm.serve.sampling_params import SamplingParams
+
+    cuda = engine.device.type == "cuda"
+    engine.add_request("k", prompt, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(4):  # the prefill and a few decode steps
+        engine.step()
+    sync(engine.device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(engine.device)
+        wall = (time.perf_counter() - t) / steps
+    engine.abort("k")
+    while engine.has_unfinished():
+        engine.step()
+    if not cuda:
+        mm = [e for e in prof.events() if e.name in ("aten::mm", "aten::addmm")]
+        return dict(gemms_per_step=round(len(mm) / steps, 2), wall_ms_per_step=round(wall * 1e3, 3))
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = [e for e in ev if e.name.startswith(("Memcpy", "Memset"))]
+    kern = [e for e in ev if not e.name.startswith(("Memcpy", "Memset"))]
+    gemms = [e for e in kern if any(k in e.name.lower() for k in GEMM_NAMES)]
+    return dict(kernels_per_step=round(len(kern) / steps, 1), gemms_per_step=round(len(gemms) / steps, 1),
+                copies_per_step=round(len(copies) / steps, 1),
+                gpu_busy_us_per_step=round(sum(e.device_time for e in ev) / steps, 1),
+                wall_ms_per_step=round(wall * 1e3, 3))
+
+
+def part_kernels(spec, shape, device, cap_s, cpu, seed, vocab) -> dict:
+    """Kernels per batch-1 decode step of each flavor, unfused and fused (CUDA graphs, as served), and the fused
+    step eager (its count checks that the profiler saw inside the graph replays); the ceilings of this run."""
+    s, steps = shape["batch1"], shape["kernel_steps"]
+    g = torch.Generator().manual_seed(seed + 4)
+    prompt = random_ids(g, s["prompt"], vocab)
+    floor = launch_floor_us(device) if device.type == "cuda" else None
+    res = {"prompt": s["prompt"], "steps": steps, "launch_floor_us": floor and round(floor, 3),
+           "copy_tb_s": shape["copy_tb_s"]}
+    for flavor in shape["flavors"]:
+        cfg = spec.flavor(flavor)
+        model = random_model(spec, flavor, device, seed, shape["kernels"])
+        row = {}
+        for name, kw in (("unfused", dict(fuse_projections=False)), ("fused", dict(fuse_projections=True)),
+                         ("fused_eager", dict(fuse_projections=True, cuda_graphs=False))):
+            def one(kw=kw):
+                engine = titan_engine(model, spec, cfg, [prompt], [steps + 8], device, dict(shape, **kw))
+                return decode_step_kernels(engine, prompt, steps)
+
+            row[name] = guarded(one)
+            free_memory(device)
+        dims = spec.dims(cfg)
+        dtype = next(model.parameters()).dtype
+        w = weight_bytes(model, dims, dtype)
+        row["weight_roofline_us_per_step"] = round(w / (shape["copy_tb_s"] * 1e12) * 1e6, 1)
+        for name in ("unfused", "fused"):
+            r = row[name]
+            if floor and "kernels_per_step" in r:
+                r["launch_floor_us_per_step"] = round(r["kernels_per_step"] * floor, 1)
+        f, e = row["fused"], row["fused_eager"]
+        if "kernels_per_step" in f and "kernels_per_step" in e:
+            row["graph_kernels_seen"] = f["kernels_per_step"] >= 0.9 * e["kernels_per_step"]
+        u = row["unfused"]
+        if "gemms_per_step" in u and "gemms_per_step" in f:
+            row["gemms_saved_per_step"] = round(u["gemms_per_step"] - f["gemms_per_step"], 1)
+            row["gemms_saved_expected"] = 3 * dims.num_layers  # 2 per attention + 1 per dense MLP
+        res[flavor] = row
+        print(f"kernels {flavor}: {json.dumps(row)}", flush=True)
+    return res
+
+
+RUN = {"A": part_A, "batch1": part_batch1, "B": part_B, "C": part_C, "Q": part_Q, "kernels": part_kernels}
 
 
 # ---- report ----
@@ -517,6 +683,34 @@ def table(res: dict) -> str:
             x = c.get(k, {})
             row = _err(x) or f"{x['tokens_per_s']:,.0f} | {x['spec_acceptance']} | {x.get('speedup', '-')}"
             out.append(f"| {name} | {row} |")
+    if "Q" in parts:
+        q = parts["Q"]
+        out += ["", f"**Q** (batch 1, {q.get('prompt')} prompt + {q.get('new')} output tokens; perplexity on "
+                f"{q.get('ppl_tokens')} built-in text tokens, random weights: only the ratio means something)", "",
+                "| flavor | quantization | decode tokens/s | speed-up | perplexity / none |", "|---|---|---|---|---|"]
+        for flavor, rows in q.items():
+            for mode, x in rows.items() if isinstance(rows, dict) else ():
+                if not isinstance(x, dict):  # the row's device
+                    continue
+                if "refused" in x or "error" in x:
+                    cells = f"{x['refused'][:100] if 'refused' in x else _err(x)} | |"
+                else:
+                    cells = (f"{x.get('request_decode_tokens_per_s') or '-'} | {x.get('speedup', '-')} | "
+                             f"{x.get('ppl_over_none', 1.0 if mode == 'none' else '-')}")
+                out.append(f"| {flavor} | {mode} | {cells} |")
+    if "kernels" in parts:
+        k = parts["kernels"]
+        out += ["", f"**kernels per batch-1 decode step** (launch floor {k.get('launch_floor_us')} us a kernel; "
+                f"{k.get('copy_tb_s')} TB/s)", "",
+                "| flavor | layout | kernels | GEMMs | GPU busy us | wall ms | launch floor us | weight roofline us |",
+                "|---|---|---|---|---|---|---|---|"]
+        for flavor, row in k.items():
+            for name in ("unfused", "fused", "fused_eager") if isinstance(row, dict) and "fused" in row else ():
+                x = row[name]
+                cells = _err(x) or " | ".join(str(x.get(c, "-")) for c in (
+                    "kernels_per_step", "gemms_per_step", "gpu_busy_us_per_step", "wall_ms_per_step",
+                    "launch_floor_us_per_step"))
+                out.append(f"| {flavor} | {name} | {cells} | {row.get('weight_roofline_us_per_step')} |")
     if res.get("targets"):
         out += ["", "targets: " + "; ".join(f"{k} {'met' if v else 'missed'}" for k, v in res["targets"].items())]
     return "\n".join(out)
@@ -553,6 +747,10 @@ def main(argv: list[str] | None = None) -> int:
                     "prefill chunks as one packed row through varlen attention; 0, the default: rows padded to the "
                     "longest)")
     ap.add_argument("--peer", type=int, default=1, help="0: skip transformers (titan's runs only)")
+    ap.add_argument("--fuse_projections", type=int, default=1, help="titan's serve.fuse_projections (1, the default, "
+                    "as from_pretrained serves: q/k/v and gate/up one GEMM each; 0: the training layout)")
+    ap.add_argument("--quantization", default="", help=f"part Q's serve.quantization modes, comma-separated, of "
+                    f"{', '.join(QUANTIZATIONS)} (default: all; --cpu none,int8_weight_only); none comes first")
     ap.add_argument("--out", default=str(ROOT / "bench/results/serve.json"))
     ap.add_argument("--table", metavar="JSON", help="print the markdown tables of a results file and stop")
     a = ap.parse_args(argv)
@@ -570,6 +768,13 @@ def main(argv: list[str] | None = None) -> int:
     shape["async_scheduling"] = bool(a.async_scheduling)
     shape["packed_prefill"] = bool(a.packed_prefill)
     shape["peer"] = bool(a.peer)
+    shape["fuse_projections"] = bool(a.fuse_projections)
+    if a.quantization:
+        modes = a.quantization.split(",")
+        bad = [m for m in modes if m not in QUANTIZATIONS]
+        if bad:
+            ap.error(f"unknown --quantization mode(s) {bad}; modes are {', '.join(QUANTIZATIONS)}")
+        shape["quantization"] = ("none", *[m for m in modes if m != "none"])  # the reference first
     parts = a.parts.split(",")
     bad = [p for p in parts if p not in RUN]
     if bad:

@@ -38,46 +38,12 @@ def timed(obj, name: str, acc: dict, device) -> None:
     setattr(obj, name, wrapper)
 
 
-def launch_floor(device, n: int = 1000, reps: int = 20) -> float:
-    """Microseconds per kernel of a replayed CUDA graph of ``n`` one-element adds: the least a decode step's
-    kernel costs, whatever it computes (the floor under batch-1 TPOT = kernels per step x this)."""
-    x = torch.zeros(1, device=device)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            x.add_(1)
-    g.replay()
-    torch.cuda.synchronize(device)
-    t = time.perf_counter()
-    for _ in range(reps):
-        g.replay()
-    torch.cuda.synchronize(device)
-    return (time.perf_counter() - t) / reps / n * 1e6
-
-
 def batch1_kernels(spec, cfg, model, device, shape, vocab, steps: int = 20) -> dict:
     """One 512-token request decoding alone: kernels launched and GPU busy time per decode step (profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from titan_mm.serve.sampling_params import SamplingParams
-
     g = torch.Generator().manual_seed(1)
-    prompt = [sb.random_ids(g, 512, vocab)]
-    engine = sb.titan_engine(model, spec, cfg, prompt, [steps + 8], device, shape)
-    engine.add_request("b1", prompt[0], SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
-    for _ in range(4):  # the prefill and a few decode steps
-        engine.step()
-    sb.sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sb.sync(device)
-        wall = (time.perf_counter() - t) / steps
-    kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(e.device_time for e in kern) / steps  # us
-    return dict(kernels_per_step=round(len(kern) / steps, 1), gpu_busy_us_per_step=round(busy, 1),
-                wall_ms_per_step=round(wall * 1e3, 3))
+    prompt = sb.random_ids(g, 512, vocab)
+    engine = sb.titan_engine(model, spec, cfg, [prompt], [steps + 8], device, shape)
+    return sb.decode_step_kernels(engine, prompt, steps)
 
 
 def host_cost(rows: int = 256, new: int = 600, warm: int = 400, steps: int = 30) -> dict:
@@ -231,7 +197,7 @@ def main(argv=None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     trace = floor = b1 = None
     if not a.cpu:
-        floor = round(launch_floor(device), 3)
+        floor = round(sb.launch_floor_us(device), 3)
         b1 = batch1_kernels(spec, cfg, model, device, shape, vocab)
         print(json.dumps(dict(launch_floor_us=floor, batch1=b1)), flush=True)
         from torch.profiler import ProfilerActivity, profile

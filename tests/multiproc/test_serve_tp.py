@@ -1,10 +1,10 @@
 """Tensor-parallel serving on 2 gloo processes (titan_mm/serve/runner/tp.py): greedy outputs of 16 mixed-length prompts
 batched together are token-identical to transformers' ``generate`` and to the single-process engine, for Qwen3
-(loaded from an HF folder: meta build, the plan, each rank reads its shards) and Qwen3-MoE (a model in memory,
-split by the plan; its experts stay replicated over tp, as the plan has them). One launch runs every case of a
-test: prefix caching and unseeded sampling (whose tokens must agree between the ranks: the engine's seed is rank
-0's). Every block comes back, each rank's pool holds its kv heads only, and a tp degree the world or the heads
-cannot take is one line. Marked slow: forced preemption, chunked prefill under a 16-token budget, n-gram and
+(loaded from an HF folder: meta build, the plan, each rank reads its shards and stacks its q/k/v and gate/up
+shards into one GEMM each) and Qwen3-MoE (a model in memory, split by the plan; its experts stay replicated over
+tp, as the plan has them). One launch runs every case of a test: prefix caching and unseeded sampling (whose
+tokens must agree between the ranks: the engine's seed is rank 0's). Every block comes back, each rank's pool
+holds its kv heads only, and a tp degree the world or the heads cannot take is one line. Marked slow: forced preemption, chunked prefill under a 16-token budget, n-gram and
 draft-model speculation, beam search (against one process); Qwen3-VL and Qwen3-VL-MoE with images; the server
 under torchrun.
 
@@ -64,6 +64,7 @@ def _run_cases(cases, make_engine, prompts, draft):
         st = {k: st[k] for k in ("kv_blocks_used", "num_running", "num_preemptions", "prefix_cache_hit_tokens",
                                  "kv_blocks_total")}
         st["kv_heads"] = engine.runner.cache.k[0].shape[2]  # this rank's pool: its local kv heads only
+        st["qkv_sizes"] = engine.model.layers["0"].attn.qkv_sizes  # fused (from_pretrained): this rank's q, k, v rows
         got[case] = (tokens, st)
     return got
 
@@ -169,6 +170,9 @@ def test_tp2_matches_one_process_and_transformers(tmp_path, cases):
             if case == "prefix_cache":
                 assert s0["prefix_cache_hit_tokens"] > 0, (where, s0)
             assert s0["kv_heads"] == 1, (where, s0)  # 2 kv heads over 2 ranks
+            # the dense model came from a folder: fused, each of q, k, v split over the ranks inside wqkv (4 heads, 2
+            # kv heads of 16); the MoE model was given to Engine(): served as given
+            assert s0["qkv_sizes"] == ((32, 16, 16) if name == "qwen3" else (0, 0, 0)), (where, s0)
     assert ranks[0]["errors"] == [
         "serve.tensor_parallel_size=4 but 2 processes were launched; start torchrun with --nproc-per-node 4",
         "serve.tensor_parallel_size=2 cannot split the model: tp(2) does not divide num_key_value_heads(1).",

@@ -1,0 +1,60 @@
+"""The engine with fused projections (serve.fuse_projections on a model it owns: q/k/v in one GEMM, gate/up in one)
+serves the same greedy tokens as transformers' ``generate``, and so as the unfused engine of
+tests/parity/test_serve_generate.py, on every one of its serving cases (prefix cache, padded and packed prefill,
+preemption, chunked and whole prefill, n-gram and draft speculation) for Qwen3, Qwen3-MoE (its attention fused;
+no dense MLP), Qwen3-VL and Qwen3-VL-MoE with images. The fused GEMM computes the same dot products in another
+blocking (tests/unit/test_serve_weights.py bounds each projection), so the tokens must agree wherever the
+unfused engine's do. The unfused engine's cases run in test_serve_generate.py.
+
+Run: pytest -q tests/parity/test_serve_fused.py
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.parity.test_serve_generate import CASES, MAX_NEW, MODELS, N, draft_model  # noqa: E402
+from titan_mm.serve.config import ServeConfig  # noqa: E402
+from titan_mm.serve.engine import Engine  # noqa: E402
+from titan_mm.serve.sampling_params import SamplingParams  # noqa: E402
+
+FAST = ("prefix_cache", "padded_prefill")  # the quick suite; -m slow runs the rest of the cases
+
+
+def _cases():
+    return [pytest.param(c, marks=() if c in FAST else pytest.mark.slow) for c in CASES]
+
+
+_FUSED: dict = {}
+
+
+def fused_copy(name: str, tm):
+    """The engine's own fused copy of the reference's titan model (once per model; the reference stays unfused)."""
+    if name not in _FUSED:
+        _FUSED[name] = copy.deepcopy(tm)
+    return _FUSED[name]
+
+
+@pytest.mark.parametrize("case", _cases())
+@pytest.mark.parametrize("model", list(MODELS))
+def test_fused_engine_greedy_matches_transformers_generate(model, case):
+    tm, spec, prompts, images, eos, refs, data = MODELS[model]()
+    cfg = ServeConfig(max_model_len=256, **{"packed_prefill": True, **CASES[case]})
+    text = tm.language_model if model.startswith("qwen3_vl") else tm
+    draft = draft_model(text) if cfg.speculative_method == "draft" else None
+    engine = Engine(fused_copy(model, tm), spec, tm.cfg, cfg, eos_token_ids=[eos], data=data, draft=draft,
+                    owns_weights=True)
+    lm = engine.model.language_model if model.startswith("qwen3_vl") else engine.model
+    attn = lm.layers["0"].attn
+    assert attn.wqkv is not None and not hasattr(attn, "wq")  # the fused layout is what served
+    with torch.no_grad():
+        outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), images=images)
+    got = [o.outputs[0].token_ids for o in outs]
+    bad = [i for i in range(N) if got[i] != refs[i]]
+    assert not bad, f"prompts {bad} differ from HF generate: got {[got[i] for i in bad]}, HF {[refs[i] for i in bad]}"
+    assert engine.stats()["kv_blocks_used"] == 0
