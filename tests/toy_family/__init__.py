@@ -92,7 +92,7 @@ def toy_doc(rng: np.random.Generator, mix: np.ndarray, sid: str) -> Doc:
 
 
 def toy_batches(seed: int, rows: int, seq_len: int, channels: int = 4):
-    """Packed batches forever: best-fit rows of toy docs; ``noise_unit`` is each latent's document in its row."""
+    """Packed batches forever: best-fit rows of toy docs (:func:`toy_collate`)."""
     rng = np.random.default_rng(seed)
     mix = np.random.default_rng(1234).standard_normal((channels, channels)).astype(np.float32)
     packer, i = BestFitPacker(seq_len, open_rows=4), 0
@@ -100,6 +100,11 @@ def toy_batches(seed: int, rows: int, seq_len: int, channels: int = 4):
         while (got := packer.pop_rows(rows)) is None:
             packer.add(toy_doc(rng, mix, str(i)))
             i += 1
-        b = collate_rows(got, seq_len, 0, False, multiple=1, schema=SCHEMA)
-        b["noise_unit"] = torch.where(b["latent_mask"], b["doc_ids"].long(), -1)
-        yield b
+        yield toy_collate(got, seq_len)
+
+
+def toy_collate(rows: list[list[Doc]], seq_len: int) -> dict:
+    """The batch of these rows of toy docs; ``noise_unit`` is each latent's document in its row."""
+    b = collate_rows(rows, seq_len, 0, False, multiple=1, schema=SCHEMA)
+    b["noise_unit"] = torch.where(b["latent_mask"], b["doc_ids"].long(), -1)
+    return b

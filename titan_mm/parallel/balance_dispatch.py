@@ -6,7 +6,8 @@ resume are untouched; the batch content and the loss normalization (the global l
     micro = rebalance(micro)                         # the same n_micro x B rows per rank, other rows
     m.update(rebalance.metrics(step_seconds, measure=True))
 
-Each rank cuts its micro-batches into rows (:func:`split_rows`), prices them on the host
+Each rank cuts its micro-batches into rows along the family's BatchSchema (:func:`split_rows`; a batch need not hold
+tokens), prices them on the host
 (:func:`row_cost` -> titan_mm.data.balance), the costs are all-gathered, every rank computes the same
 placement (titan_mm.data.balance.place), and the rows travel in one ``all_to_all_single`` of pickled row
 slices (byte tensors: gloo on the CPU, NCCL on the GPU), then are re-collated into micro-batches of B rows
@@ -26,35 +27,57 @@ import torch.distributed as dist
 from titan_mm.config import ConfigError
 from titan_mm.data.balance import RowCost, coefficients_for, place, rank_loads
 from titan_mm.data.packing import IGNORE_INDEX
+from titan_mm.nn.attention import batch_rows
+from titan_mm.registry import BatchSchema
 
-ROW_KEYS = ("input_ids", "labels", "doc_ids", "prefix_mask")  # [B, S]; position_ids is [B, S] or [3, B, S]
 DERIVED = ("cu_seqlens", "max_seqlen", "num_label_tokens")  # rebuilt from the rows
 # (patches, grids, pad role, per-item keys split with the grids)
 MEDIA = (("pixel_values", "image_grid_thw", "image_pad", ()),
          ("pixel_values_videos", "video_grid_thw", "video_pad", ("video_second_per_grid",)))
-KNOWN = {*ROW_KEYS, "position_ids", *DERIVED, *(k for m in MEDIA for k in (*m[:2], *m[3]))}
+MEDIA_KEYS = {k for m in MEDIA for k in (*m[:2], *m[3])}
 
 
 # ---------------------------------------------------------------- rows of a micro-batch
-def split_rows(batch: dict, pads: dict[str, int], merge: int) -> list[dict[str, np.ndarray]]:
-    """The B rows of a collated micro-batch (titan_mm.data.packing.collate_rows) as numpy slices: the [S] row
-    tensors, ``segments`` (the row's cu_seqlens lengths, its padding segment included) and the row's images /
-    videos (grids and patches; they are in row order, and a row holds as many as its pad tokens cover, one pad
-    per merged token). ``pads``: the pad token ids by role (DataNeeds.special_tokens); ``merge``: merge size."""
-    extra = sorted(set(batch) - KNOWN)
+def _row_axes(batch: dict, schema: BatchSchema) -> dict[str, int]:
+    """{key: its row axis (B)} of the batch keys cut into rows: the schema's sequence keys ([..., B, S, *trailing]:
+    position_ids [3, B, S] too) and its per-row keys ([B, ...])."""
+    seq = {k.name: k for k in schema.seq_keys}
+    extra = sorted(set(batch) - set(seq) - set(schema.row) - set(DERIVED) - MEDIA_KEYS)
     if extra:
-        raise ValueError(f"data.balance: micro-batch keys {extra} have no row split; set --data.balance none or "
-                         "teach titan_mm/parallel/balance_dispatch.py")
-    ids = batch["input_ids"].numpy()
-    B, S = ids.shape
+        raise ValueError(f"data.balance: micro-batch keys {extra} have no row split (neither keys of the family's "
+                         "BatchSchema nor images / videos); set --data.balance none, or declare them in the schema")
+    B, S = batch_rows(batch)
+    axes = {}
+    for k, v in batch.items():
+        if k in seq:
+            ax = seq[k].axis(v) - 1
+            if ax < 0 or tuple(v.shape[ax:ax + 2]) != (B, S):
+                raise ValueError(f"data.balance: batch[{k!r}] of shape {list(v.shape)} is not [..., {B}, {S}] before "
+                                 f"its declared trailing dims {seq[k].trailing}; declare them in the family's "
+                                 "BatchSchema")
+            axes[k] = ax
+        elif k in schema.row:
+            if v.dim() == 0 or v.shape[0] != B:
+                raise ValueError(f"data.balance: per-row batch[{k!r}] of shape {list(v.shape)} has no {B} rows")
+            axes[k] = 0
+    return axes
+
+
+def split_rows(batch: dict, pads: dict[str, int], merge: int,
+               schema: BatchSchema | None = None) -> list[dict[str, np.ndarray]]:
+    """The B rows of a collated micro-batch (titan_mm.data.packing.collate_rows) as numpy slices: every key of the
+    family's ``schema`` (default: a token batch) cut at its row axis, ``segments`` (the row's cu_seqlens lengths, its
+    padding segment included) and the row's images / videos (grids and patches; they are in row order, and a row
+    holds as many as its pad tokens cover, one pad per merged token). A batch without tokens (``input_ids``) is cut
+    the same way. ``pads``: the pad token ids by role (DataNeeds.special_tokens); ``merge``: merge size."""
+    schema = schema or BatchSchema()
+    axes = _row_axes(batch, schema)
+    B, S = batch_rows(batch)
     rows: list[dict[str, np.ndarray]] = [{} for _ in range(B)]
-    for k in ROW_KEYS:
-        if k in batch:
-            for b in range(B):
-                rows[b][k] = batch[k].numpy()[b]
-    pos = batch["position_ids"].numpy()
-    for b in range(B):
-        rows[b]["position_ids"] = pos[..., b, :]
+    for k, ax in axes.items():
+        a = batch[k].numpy()
+        for b in range(B):
+            rows[b][k] = a[(slice(None),) * ax + (b,)]
     cu = batch["cu_seqlens"].numpy().astype(np.int64)
     cuts = np.searchsorted(cu, np.arange(B + 1) * S)  # every row ends on a segment boundary
     if (cu[cuts] != np.arange(B + 1) * S).any() or cuts[-1] != len(cu) - 1:
@@ -64,8 +87,10 @@ def split_rows(batch: dict, pads: dict[str, int], merge: int) -> list[dict[str, 
     for pix_key, grid_key, role, per_item in MEDIA:
         if pix_key not in batch:
             continue
-        if role not in pads:
-            raise ValueError(f"data.balance: the batch has {pix_key} but the family names no {role} token")
+        if role not in pads or "input_ids" not in batch:
+            raise ValueError(f"data.balance: the batch has {pix_key} but no {role} tokens to place them by (the "
+                             "family names no such token, or the batch has no input_ids)")
+        ids = batch["input_ids"].numpy()
         grids, pix = batch[grid_key].numpy(), batch[pix_key].numpy()
         patches = grids.prod(-1)
         tok_cum = np.concatenate([[0], np.cumsum(patches // merge**2)])
@@ -83,15 +108,22 @@ def split_rows(batch: dict, pads: dict[str, int], merge: int) -> list[dict[str, 
     return rows
 
 
-def join_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
-    """The micro-batch of these rows, as collate_rows builds it (media keys only where a row has media)."""
-    out = {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in ROW_KEYS if k in rows[0]}
-    pos = [r["position_ids"] for r in rows]
-    out["position_ids"] = torch.from_numpy(np.stack(pos, axis=pos[0].ndim - 1))
+def join_rows(rows: list[dict[str, np.ndarray]], schema: BatchSchema | None = None) -> dict[str, torch.Tensor]:
+    """The micro-batch of these rows, as collate_rows builds it (media keys only where a row has media;
+    ``num_label_tokens`` where the rows hold labels). ``schema``: the one the rows were split with."""
+    schema = schema or BatchSchema()
+    seq = {k.name: k for k in schema.seq_keys}
+    out = {}
+    for k, a in rows[0].items():
+        if k in seq:  # the row lost its B axis just before S: it comes back there
+            out[k] = torch.from_numpy(np.stack([r[k] for r in rows], axis=a.ndim - 1 - len(seq[k].trailing)))
+        elif k in schema.row:
+            out[k] = torch.from_numpy(np.stack([r[k] for r in rows]))
     segs = np.concatenate([r["segments"] for r in rows])
     out["cu_seqlens"] = torch.from_numpy(np.concatenate([[0], np.cumsum(segs)]).astype(np.int32))
     out["max_seqlen"] = torch.tensor(int(segs.max()) if segs.size else 0, dtype=torch.int64)
-    out["num_label_tokens"] = torch.tensor(int((out["labels"] != IGNORE_INDEX).sum()), dtype=torch.int64)
+    if "labels" in out:
+        out["num_label_tokens"] = torch.tensor(int((out["labels"] != IGNORE_INDEX).sum()), dtype=torch.int64)
     for pix_key, grid_key, _, per_item in MEDIA:
         have = [r for r in rows if grid_key in r and len(r[grid_key])]
         if have:
@@ -112,8 +144,9 @@ class Rebalancer:
     """One step's placement and row exchange over the data-parallel ``group`` (rank ``rank`` of ``world``)."""
 
     def __init__(self, method: str, coeffs, pads: dict[str, int], merge: int, group, rank: int, world: int,
-                 comm_device: torch.device):
+                 comm_device: torch.device, schema: BatchSchema | None = None):
         self.method, self.coeffs, self.pads, self.merge = method, coeffs, pads, merge
+        self.schema = schema or BatchSchema()
         self.group, self.rank, self.world, self.comm = group, rank, world, comm_device
         self.last: dict[str, float] = {}
 
@@ -130,7 +163,7 @@ class Rebalancer:
         except ValueError as e:  # e.g. a FLOP counter the cost model cannot fit: say which flag turns it off
             raise ConfigError(f"data.balance={method!r}: {e}; or run with --data.balance none") from None
         return cls(method, coeffs, dict(needs.special_tokens), needs.merge_size or 1, group, run.dp_rank,
-                   run.dp_world, comm)
+                   run.dp_world, comm, run.spec.schema())
 
     def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
         out = [torch.empty_like(x, device=self.comm) for _ in range(self.world)]
@@ -140,7 +173,7 @@ class Rebalancer:
     def __call__(self, micro: list[dict]) -> list[dict]:
         """This rank's micro-batches after the placement: the same count and shapes, other rows."""
         t0, n_micro = time.perf_counter(), len(micro)
-        rows = [r for mb in micro for r in split_rows(mb, self.pads, self.merge)]
+        rows = [r for mb in micro for r in split_rows(mb, self.pads, self.merge, self.schema)]
         local = torch.from_numpy(self.coeffs.costs([row_cost(r) for r in rows]))
         costs = self._all_gather(local).numpy()
         slots = place(costs, self.world, n_micro, self.method)  # [world, n_micro, B] global row indices
@@ -149,7 +182,7 @@ class Rebalancer:
         self.last = {"balance/pred_imbalance_before": float(before.max() / max(before.mean(), 1e-30)),
                      "balance/pred_imbalance_after": float(after.max() / max(after.mean(), 1e-30))}
         mine = self._exchange(rows, slots.reshape(self.world, -1))
-        out = [join_rows([mine[int(i)] for i in slots[self.rank, m]]) for m in range(n_micro)]
+        out = [join_rows([mine[int(i)] for i in slots[self.rank, m]], self.schema) for m in range(n_micro)]
         self.last["balance/dispatch_s"] = time.perf_counter() - t0
         return out
 
