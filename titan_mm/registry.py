@@ -98,6 +98,17 @@ class ModelDims:
 
 
 @dataclass(frozen=True)
+class TokenizerNames:
+    """A family's built-in tokenizer (``data.tokenizer_path = "builtin:<family>"``): a built-in vocabulary of
+    titan_mm.data.tokenizer with some of its added tokens renamed, at the same ids and with the same BPE."""
+
+    base: str
+    """The built-in vocabulary it renames (a key of titan_mm.data.tokenizer.BUILTIN)."""
+    renames: dict[int, str]
+    """Added-token id -> the family's name for that token."""
+
+
+@dataclass(frozen=True)
 class Runtime:
     """Settings of a built model that the step and the tuner read (they are runtime fields of its config)."""
 
@@ -305,6 +316,9 @@ class ModelSpec:
     objective_options: Callable[[Any], dict[str, dict]] | None = None
     """objective_options(cfg) -> {objective name: its options} (e.g. flow matching's sampler and timestep shift from
     the model config); None: every objective with its defaults."""
+    tokenizer: TokenizerNames | None = None
+    """The family's built-in tokenizer, ``builtin:<name>``, where its special tokens carry other names than the base
+    vocabulary's (Qwen2.5-Omni's ``<|AUDIO|>``, ...); None: it has none of its own."""
 
     def schema(self) -> BatchSchema:
         """The family's :class:`BatchSchema`: ``batch_schema``, or the token batch with ``seq_keys``."""

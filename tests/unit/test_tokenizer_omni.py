@@ -1,5 +1,6 @@
 """Special tokens by role under Qwen3 or Qwen2.5-Omni names, the built-in Qwen2.5-Omni tokenizer (Qwen3's BPE with
-Qwen2.5-Omni's special tokens), placeholders written by the tokenizer's own names, and the dtmf eval tasks."""
+the special-token names the family declares, ModelSpec.tokenizer), placeholders written by the tokenizer's own names,
+and the dtmf eval tasks."""
 
 import json
 import pickle
@@ -12,9 +13,9 @@ from titan_mm.data.builtin.dtmf import dtmf_record
 from titan_mm.data.packing import IGNORE_INDEX
 from titan_mm.data.processors import Processor, ProcessorConfig, check_special_tokens
 from titan_mm.data.schema import parse_record
-from titan_mm.data.tokenizer import QWEN2_5_OMNI_NAMES, Tokenizer, load_tokenizer, qwen2_5_omni_tokenizer_dir
+from titan_mm.data.tokenizer import Tokenizer, load_tokenizer, renamed_tokenizer_dir, tokenizer_dir
 from titan_mm.models.qwen2_5_omni.config import FLAVORS
-from titan_mm.registry import get_model_spec
+from titan_mm.registry import TokenizerNames, get_model_spec
 
 OMNI = "builtin:qwen2_5_omni"
 SRC = "The keypad tones 4*07 and #, then <think> and digits 12345."
@@ -34,7 +35,7 @@ def test_builtin_omni_has_qwen2_5_omni_tokens_at_their_ids(omni):
     assert omni.names == {"vision_start": "<|vision_bos|>", "vision_end": "<|vision_eos|>", "image_pad": "<|IMAGE|>",
                           "video_pad": "<|VIDEO|>", "audio_start": "<|audio_bos|>", "audio_end": "<|audio_eos|>",
                           "audio_pad": "<|AUDIO|>"}
-    for i, name in QWEN2_5_OMNI_NAMES.items():
+    for i, name in get_model_spec("qwen2_5_omni").tokenizer.renames.items():
         assert omni.token_to_id(name) == i and omni.id_to_token(i) == name
     assert (omni.audio_pad_id, omni.audio_start_id, omni.audio_end_id) == (151646, 151647, 151648)
     assert (omni.image_pad_id, omni.video_pad_id, omni.vision_start_id, omni.vision_end_id) == (
@@ -57,7 +58,18 @@ def test_builtin_folder_is_written_once(tmp_path, monkeypatch):
     assert sorted(p.name for p in folder.iterdir()) == ["merges.txt", "tokenizer.json", "tokenizer_config.json",
                                                         "vocab.json"]
     stamp = (folder / "tokenizer.json").stat().st_mtime_ns
-    assert qwen2_5_omni_tokenizer_dir() == str(folder) and (folder / "tokenizer.json").stat().st_mtime_ns == stamp
+    assert tokenizer_dir(OMNI) == str(folder) and (folder / "tokenizer.json").stat().st_mtime_ns == stamp
+    # other renames are another folder: a changed declaration never reads a stale one
+    other = renamed_tokenizer_dir("qwen2_5_omni", TokenizerNames("qwen3", {151646: "<|AUDIO|>"}))
+    assert Path(other).parent == folder.parent and other != str(folder)
+
+
+def test_a_bad_declaration_is_one_line():
+    for names, msg in ((TokenizerNames("nope", {}), r"renames the vocabulary 'nope'.*built-in ones \(qwen3\)"),
+                       (TokenizerNames("qwen3", {5: "<|x|>"}), r"renames ids \[5\], which are no added tokens")):
+        with pytest.raises(ValueError, match=msg) as e:
+            renamed_tokenizer_dir("fam", names)
+        assert "\n" not in str(e.value)
 
 
 def test_unknown_builtin_is_one_line():
@@ -93,14 +105,13 @@ def test_placeholders_use_the_tokenizers_names(omni, needs):
     np.testing.assert_array_equal(prompt.positions, doc.positions[:, :first + 1])
 
 
-def test_dtmf_tasks_decode_through_the_forward():
+def test_dtmf_tasks():  # decoded by the serving engine: tests/unit/test_eval_omni.py
     from titan_mm.eval.tasks import load_task
 
     t = load_task("dtmf", limit=3)
-    assert (t.name, t.metric_name, t.engine, len(t.items)) == ("dtmf", "accuracy", False, 3)
+    assert (t.name, t.metric_name, len(t.items)) == ("dtmf", "accuracy", 3)
     assert t.items[0]["reference"] == dtmf_record(0)["keys"]
     assert t.items[0]["messages"][-1]["role"] == "user"
     m = load_task("dtmf_digits", limit=2)
-    assert m.items[1]["reference"].startswith("key ") and not m.engine
+    assert m.items[1]["reference"].startswith("key ")
     assert load_task("dtmf_seq", limit=1).items[0]["reference"] == dtmf_record(0, "dtmf_seq")["keys"]
-    assert load_task("digits", limit=1).engine

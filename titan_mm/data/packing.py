@@ -161,7 +161,7 @@ class BestFitPacker:
 def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool,
                  multiple: int = PAD_MULTIPLE, schema: BatchSchema | None = None) -> dict[str, torch.Tensor]:
     """Build the contract batch (docs/architecture.md, "Batch") from packed rows: the one collator of the
-    data pipeline and of the synthetic loaders (titan_mm.train.synthetic, titan_mm.models.qwen3_vl.synthetic).
+    data pipeline and of the synthetic loaders (titan_mm.train.synthetic, a vision family's synthetic.py).
 
     Rows are padded to ``S = round_up(seq_len, multiple)`` (16 by default; the synthetic loaders pass 1 to
     keep their exact row length). ``cu_seqlens`` runs over the flattened B*S tokens:

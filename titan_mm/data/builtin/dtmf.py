@@ -12,7 +12,7 @@ noise of standard deviation 0-0.05: a 16 kHz mono float32 waveform (0.1-0.6 s fo
     dtmf_seq / dtmf_seq_test         1-6 keys: "<audio> Which keys were pressed?" -> "4*07"
 
 The one-key variants are what the debug Omni configs learn on 2 CPU cores in minutes; ordered sequences of keys
-take the tiny models far longer (docs/qwen2_5_omni.md).
+take the tiny models far longer (the Omni families' pages in docs/).
 
 Record ``i`` of a variant is a pure function of (variant, i): keys, lengths, level and noise come from
 ``random.Random("<variant>:<i>")`` (the same on every machine and Python version), the noise samples from numpy's

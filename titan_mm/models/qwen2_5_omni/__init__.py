@@ -18,7 +18,7 @@ def _register() -> None:
                        with_runtime=spec.with_runtime, data_needs=spec.data_needs, kernel_shapes=spec.kernel_shapes,
                        memory_terms=memory.memory_terms, prepare_batch=prepare_batch, seq_keys=("mm_index",),
                        param_groups=param_groups, fused_params=spec.fused_params,
-                       hf_model_types=("qwen2_5_omni_thinker", "qwen2_5_omni")))
+                       hf_model_types=("qwen2_5_omni_thinker", "qwen2_5_omni"), tokenizer=spec.TOKENIZER))
 
 
 _register()
