@@ -61,6 +61,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import flex_attention as _FLEX_EAGER
 
 from titan_mm.nn import init
 from titan_mm.nn.norm import RMSNorm, rms_norm
@@ -156,8 +158,6 @@ def _mask_dense(mask_mod, B: int, S: int, device) -> torch.Tensor:
 
 
 def _block_mask(mask_mod, B: int | None, S: int, device):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     return create_block_mask(mask_mod, B, None, S, S, device=device, _compile=torch.device(device).type == "cuda")
 
 
@@ -336,8 +336,6 @@ def _cache_meta(cache: KVCache, backend: str, kind: str, sliding_window: int | N
     return AttnMeta(backend=backend, packed=False, sliding_window=sliding_window, valid_BS=step.valid,
                     kv_cache=cache)
 
-
-from torch.nn.attention.flex_attention import flex_attention as _FLEX_EAGER  # noqa: E402
 
 _FLEX_COMPILED = None  # torch.compile(flex_attention), made on the first eager CUDA call (importing dynamo
                        # at module import would cost every process ~3 s of start-up)

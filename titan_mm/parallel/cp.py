@@ -47,11 +47,13 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
+from torch.nn.attention.flex_attention import create_block_mask
 
 from titan_mm.config import Parallel
-from titan_mm.nn.attention import KINDS, batch_rows, check_kind
+from titan_mm.nn.attention import KINDS, attention, batch_rows, build_attn_meta, check_kind
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 from titan_mm.registry import ATTN_KEYS, TOKEN_KEYS, SeqKey
@@ -75,8 +77,6 @@ class CPAttention:
     """Callable stored in ``AttnMeta.cp``: attention over the full sequence from local sequence shards."""
 
     def __init__(self, mode: str, mesh, full_meta, S: int, device):
-        from titan_mm.nn.attention import attention  # noqa: F401  (fail early if absent)
-
         self.mode, self.mesh, self.cp = mode, mesh, mesh.size()
         self.group = mesh.get_group()
         self.rank = mesh.get_local_rank()
@@ -127,8 +127,6 @@ class CPAttention:
         return {w: [d[:, :, self.local][:, :, :, c].contiguous() for c in cols] for w, d in out.items()}
 
     def __call__(self, q_BSHK, k_BSGK, v_BSGK, window):
-        from titan_mm.nn.attention import attention
-
         if self.mode == "ulysses":
             q, k, v = (self._seq_to_heads(t) for t in (q_BSHK, k_BSGK, v_BSGK))
             o = attention(q, k, v, self.inner, window)
@@ -170,8 +168,6 @@ def _check_dense(m, mode: str) -> None:
 
 def _ring_shift(t: torch.Tensor, group, rank: int, cp: int) -> torch.Tensor:
     """Send ``t`` to the next cp rank and return what the previous one sent (p2p, waits for both)."""
-    import torch.distributed as dist
-
     nxt = dist.get_global_rank(group, (rank + 1) % cp)
     prv = dist.get_global_rank(group, (rank - 1) % cp)
     recv = torch.empty_like(t)
@@ -256,8 +252,6 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _local_block_masks(lm, B):  # pragma: no cover - CUDA path (flex kernels)
-    from torch.nn.attention.flex_attention import create_block_mask
-
     out = []
     for dense in (lm.sdpa_mask, lm.sdpa_mask_swa):
         if dense is None:
@@ -287,8 +281,6 @@ def prepare_cp_batch(
     ``seq_keys``: the family's keys laid out along the sequence (``BatchSchema.seq``; a bare name is a [..., B, S]
     key), cut like input_ids; the tokens and the attention keys (titan_mm.registry TOKEN_KEYS, ATTN_KEYS) always.
     ``kind`` / ``block_size``: the attention mask kind, passed to build_attn_meta (MODE_KINDS says which run)."""
-    from titan_mm.nn.attention import build_attn_meta
-
     if mode not in MODES:
         raise ValueError(f"parallel.cp_mode must be one of {MODES}, got {mode!r}.")
     if not parallel_dims.cp_enabled:

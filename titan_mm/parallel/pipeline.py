@@ -52,6 +52,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
 
 from titan_mm.nn.attention import batch_rows
 from titan_mm.nn.output import Stream
@@ -328,8 +329,6 @@ class StageBuilder:
         self.model.init_buffers(device)
 
     def pipeline(self, pp_group, device: torch.device) -> "Pipeline":
-        from torch.distributed.pipelining import PipelineStage
-
         mods = self.modules()
         stages = [PipelineStage(w, w.stage, self.layout.n_stages, device, group=pp_group) for w in mods]
         return Pipeline(self.layout, mods, stages, self.book, pp_group, device)

@@ -17,7 +17,17 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import torch
+import tyro
+import uvicorn
+
+from titan_mm.config import ConfigError, _closest, _normalize_bools
+from titan_mm.loader import CheckpointError
+from titan_mm.models.hf_io import HFCheckpointError
+from titan_mm.registry import SpecError
 from titan_mm.serve.config import ServeConfig
+from titan_mm.serve.engine import Engine
+from titan_mm.serve.entrypoints.server import build_app
 
 
 @dataclass
@@ -39,8 +49,6 @@ class ServerArgs:
 
 def _check_flags(argv: list[str]) -> None:
     """Unknown flags and a missing --model as one line with a hint (before tyro's multi-line box)."""
-    from titan_mm.config import ConfigError, _closest
-
     known = [f"--{f.name}" for f in fields(ServerArgs) if f.name != "serve"]
     known += [f"--serve.{f.name}" for f in fields(ServeConfig)]
     given = ["--" + a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")]
@@ -64,10 +72,6 @@ def _aliases(argv: list[str]) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> ServerArgs:
-    import tyro
-
-    from titan_mm.config import _normalize_bools
-
     argv = _aliases(argv)
     _check_flags(argv)
     return tyro.cli(ServerArgs, args=_normalize_bools(argv), prog="python -m titan_mm.serve",
@@ -75,16 +79,6 @@ def parse_args(argv: list[str]) -> ServerArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-    import uvicorn
-
-    from titan_mm.config import ConfigError
-    from titan_mm.models.hf_io import HFCheckpointError
-    from titan_mm.registry import SpecError
-    from titan_mm.serve.engine import Engine
-    from titan_mm.serve.entrypoints.server import build_app
-    from titan_mm.loader import CheckpointError
-
     try:
         a = parse_args(list(sys.argv[1:] if argv is None else argv))
         device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
