@@ -42,7 +42,8 @@ def _randomize(m: torch.nn.Module, std: float, seed: int = 0) -> torch.nn.Module
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in m.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in n else std * torch.randn(p.shape, generator=g))
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in n else std * noise)
     return m
 
 
@@ -69,10 +70,11 @@ def _rope(s: int):
     return torch.ones(1, s, 16), torch.zeros(1, s, 16)
 
 
-def tiny(vocab: int = 256, std: float = 0.1, seed: int = 0):
-    """A 2-layer Qwen3 of ``vocab`` tokens with seeded N(0, std) weights (peaked enough for a perplexity to move)."""
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+def tiny(vocab: int = 256, std: float = 0.1, seed: int = 0, hidden: int = 64, intermediate: int = 128):
+    """A 2-layer Qwen3 of ``vocab`` tokens with seeded N(0, std) weights (peaked enough for a perplexity to move);
+    4 heads of hidden / 4 (2 kv heads)."""
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512)
     spec = get_model_spec("qwen3")
     model = spec.build(cfg)
     model.init_weights()
