@@ -19,7 +19,7 @@ from titan_mm.observe.metrics import read_metrics
 from titan_mm.train.checkpoint import (
     CheckpointManager,
     CheckpointSaveError,
-    _ModelItem,
+    ModelItem,
     _os_error,
     _Writer,
     list_checkpoints,
@@ -121,7 +121,7 @@ def test_the_writer_raises_a_picklable_os_error(tmp_path):
     """DCP gathers the ranks' failures by pickling them, which drops __context__: the writer's OSError survives."""
     w = _Writer(tmp_path / "ck", fault_room=1000)
     with pytest.raises(CheckpointException) as e:
-        dcp.save({"model": _ModelItem(make_state().model)}, storage_writer=w)
+        dcp.save({"model": ModelItem(make_state().model)}, storage_writer=w)
     inner = e.value.failures[0][0]
     assert isinstance(inner, OSError) and inner.errno == errno.ENOSPC  # not the RuntimeError torch.save raised
     back = pickle.loads(pickle.dumps(inner))
