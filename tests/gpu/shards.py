@@ -45,7 +45,8 @@ AREAS: dict[str, dict[str, int]] = {
               "tests/gpu/test_checkpoint_faults_gpu.py": 90},
     "eval": {"tests/gpu/test_eval_gpu.py": 120, "tests/gpu/test_profile_gpu.py": 60, "tests/gpu/test_fp16_gpu.py": 60,
              "tests/gpu/test_rl_gpu.py": 90},
-    "serve": {"tests/gpu/test_serve_gpu.py": 300, "tests/gpu/test_serve_weights_gpu.py": 90},
+    "serve": {"tests/gpu/test_serve_gpu.py": 300, "tests/gpu/test_serve_media_gpu.py": 90,
+              "tests/gpu/test_serve_weights_gpu.py": 90},
 }
 
 

@@ -23,7 +23,7 @@ from titan_mm.models.qwen2_5_vl.model import Qwen2_5_VLModel, rope_index, vision
 from titan_mm.models.qwen2_5_vl.vision import build_window_meta  # noqa: E402
 from titan_mm.registry import get_model_spec, spec_for_hf_dir  # noqa: E402
 
-from test_qwen3_vl_parity import randomize_  # noqa: E402
+from tests.parity.test_qwen3_vl_parity import randomize_  # noqa: E402
 
 VOCAB = 160
 TOK = dict(image_token_id=151, video_token_id=152, vision_start_token_id=150, vision_end_token_id=153)

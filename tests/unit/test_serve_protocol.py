@@ -48,7 +48,7 @@ def _err(cls, body) -> RequestError:
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": 3}}]}]},
      "messages[0].content[1].image_url.url", ["string", "got an integer"]),
     (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": [{"type": "audio"}]}]},
-     "messages[0].content[0].type", ["'text' or 'image_url'"]),
+     "messages[0].content[0].type", ["'text', 'image_url'", "'video_url'"]),
 ])
 def test_bad_bodies_name_the_field(cls, body, field, words):
     e = _err(cls, body)

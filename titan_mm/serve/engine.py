@@ -59,7 +59,8 @@ class Engine:
                  owns_weights: bool = False):
         """``model``: built by ``spec`` from ``model_cfg`` with its weights (moved to ``device`` and the serving
         dtype here; with ``owns_weights``, also fused and quantized in place as serve.fuse_projections and
-        serve.quantization say: from_pretrained's own, or a copy the caller gives away; the draft never is). ``data``: the [data] section the model trained with (image resize bounds). ``eos_token_ids``:
+        serve.quantization say: from_pretrained's own, or a copy the caller gives away; the draft never is).
+        ``data``: the [data] section the model trained with (image resize bounds). ``eos_token_ids``:
         tokens that end a sequence (default: the tokenizer's <|im_end|> and <|endoftext|>). ``draft``: (model, spec,
         config) of the draft model for speculative_method "draft" (from_pretrained loads serve.draft_model)."""
         cfg = serve_cfg or ServeConfig()

@@ -1,66 +1,206 @@
-"""A prompt's images, processed the way training processes them (titan_mm.data.vision): each image pad of the
-prompt becomes one pad per merged visual token, and M-RoPE positions come from the expanded prompt."""
+"""A prompt's images and videos, processed the way training processes them (titan_mm.data.vision, the family's
+vision layout): each image pad of the prompt becomes one pad per merged visual token, each video pad the video's
+placeholder (one run of pads, or the layout's ``<t seconds><|vision_start|>pads<|vision_end|>`` frame groups), and
+M-RoPE positions come from the expanded prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import numpy as np
 import torch
 
 from titan_mm.config import Data
-from titan_mm.data import vision
-from titan_mm.data.processors import ProcessorConfig
+from titan_mm.data import audio, vision
+from titan_mm.data.processors import ProcessorConfig, check_special_tokens
 from titan_mm.data.sources import SkipSample, media_bytes
 from titan_mm.registry import DataNeeds
 from titan_mm.serve.errors import BadRequest
-from titan_mm.serve.core.sequence import Image
+from titan_mm.serve.core.sequence import Audio, Image
+
+KINDS = ("image", "video")
+"""Media kinds of a prompt, in the order the vision tower takes them (and visual_index counts them)."""
+MEDIA_KEYS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+"""A span's kind -> the family's batch keys of its patches and grids (the processor's tensors)."""
 
 
-def expand_images(prompt: list[int], images: list, needs: DataNeeds, data: Data):
-    """(prompt with each image pad repeated per merged token, [Image], M-RoPE positions [3, L] or None, delta).
-    ``images``: PIL images, encoded bytes, ``data:`` URIs, arrays or MediaItems, one per pad of the prompt."""
-    tok = needs.special_tokens
-    pad = tok.get("image_pad")
-    if images and not needs.patch_size:
-        raise BadRequest("images", "this model takes no images")
-    if tok.get("video_pad") is not None and tok["video_pad"] in prompt:
-        raise BadRequest("prompt", "holds a video pad token; videos are not served yet")
-    n_pads = sum(1 for t in prompt if t == pad) if pad is not None else 0
-    if n_pads != len(images):
-        raise BadRequest("images", f"the prompt holds {n_pads} image pad token(s) (id {pad}) but {len(images)} "
-                         "image(s) came; put one pad per image where it goes (the chat template does)")
+def expand_media(prompt: list[int], images: list, videos: list, needs: DataNeeds, data: Data, tokenizer):
+    """(prompt with each image / video pad replaced by its tokens, [Image] spans in prompt order, M-RoPE positions
+    [3, L] or None, rope delta). ``images``: PIL images, encoded bytes, ``data:`` URIs, arrays or MediaItems;
+    ``videos``: encoded video bytes (PyAV decodes them), ``data:video/...`` URIs or MediaItems of
+    titan_mm.data.vision.process_video; one per pad of the prompt, in order. ``tokenizer``: the model's (a frame
+    group's timestamp is text)."""
+    pads = {k: needs.special_tokens.get(f"{k}_pad") for k in KINDS}
+    given = {"image": images, "video": videos}
+    for kind in KINDS:
+        _check_pads(prompt, pads[kind], given[kind], kind, needs)
     pcfg = ProcessorConfig(data, needs)
-    out, imgs, grids = [], [], []
-    it = iter(images)
+    expand = {"image": _image_tokens, "video": _video_tokens}
+    kind_of = {pads[k]: k for k in KINDS if pads[k] is not None and given[k]}
+    left = {k: iter(enumerate(given[k])) for k in KINDS}
+    out, spans, items = [], [], []
     for t in prompt:
-        if t != pad or pad is None:
+        kind = kind_of.get(t)
+        if kind is None:
             out.append(t)
             continue
-        i = len(imgs)
-        payload = next(it)
-        try:
-            if isinstance(payload, vision.MediaItem):
-                item = payload
-            else:
-                if isinstance(payload, str) and payload.startswith("data:"):
-                    payload = media_bytes(payload, {}, None)
-                elif isinstance(payload, (str, dict)):  # the engine opens no paths or URLs
-                    raise SkipSample("bad_image", "give image bytes, a PIL image, an array or a data: URI")
-                item = vision.process_image(payload, pcfg)
-        except SkipSample as e:
-            raise BadRequest(f"images[{i}]", str(e)) from None
-        pv = torch.as_tensor(np.asarray(item.tensors["pixel_values"]), dtype=torch.float32)
-        grid = torch.as_tensor(np.asarray(item.tensors["image_grid_thw"]), dtype=torch.long).view(1, 3)
-        key = int.from_bytes(hashlib.blake2b(pv.numpy().tobytes() + grid.numpy().tobytes(),
+        i, payload = next(left[kind])
+        item, ids = expand[kind](payload, i, pcfg, tokenizer)
+        pk, gk = MEDIA_KEYS[kind]
+        pv = torch.as_tensor(np.asarray(item.tensors[pk]), dtype=torch.float32)
+        grid = torch.as_tensor(np.asarray(item.tensors[gk]), dtype=torch.long).view(1, 3)
+        key = int.from_bytes(hashlib.blake2b(kind.encode() + pv.numpy().tobytes() + grid.numpy().tobytes(),
                                              digest_size=8).digest(), "little")
-        imgs.append(Image(len(out), len(out) + item.n_tokens, pv, grid, key))
-        grids.append(item.grid)
-        out += [pad] * item.n_tokens
+        spans.append(Image(len(out), len(out) + len(ids), pv, grid, key, kind))
+        items.append(item)
+        out += ids
     if needs.positions != "mrope":
-        return out, imgs, None, 0
+        return out, spans, None, 0
+    pos = torch.from_numpy(_mrope(out, spans, items, pads, needs))
+    return out, spans, pos, int(pos.max()) + 1 - len(out)
+
+
+def _check_pads(prompt: list[int], pad: int | None, given: list, kind: str, needs: DataNeeds) -> None:
+    """One item per pad of its kind, for a model that takes the kind."""
+    field = f"{kind}s"
+    if given and (not needs.patch_size or (kind == "video" and not needs.video)):
+        raise BadRequest(field, f"this model takes no {field}")
+    n = sum(1 for t in prompt if t == pad) if pad is not None else 0
+    if n != len(given):
+        raise BadRequest(field, f"the prompt holds {n} {kind} pad token(s) (id {pad}) but {len(given)} {kind}(s) "
+                         f"came; put one pad per {kind} where it goes (the chat template does)")
+
+
+def _image_tokens(payload, i: int, pcfg: ProcessorConfig, tokenizer) -> tuple[vision.MediaItem, list[int]]:
+    """(the processed image, its pads)."""
+    try:
+        if isinstance(payload, vision.MediaItem):
+            item = payload
+        else:
+            if isinstance(payload, str) and payload.startswith("data:"):
+                payload = media_bytes(payload, {}, None)
+            elif isinstance(payload, (str, dict)):  # the engine opens no paths or URLs
+                raise SkipSample("bad_image", "give image bytes, a PIL image, an array or a data: URI")
+            item = vision.process_image(payload, pcfg)
+    except SkipSample as e:
+        raise BadRequest(f"images[{i}]", str(e)) from None
+    return item, [pcfg.needs.special_tokens["image_pad"]] * item.n_tokens
+
+
+def _video_tokens(payload, i: int, pcfg: ProcessorConfig, tokenizer) -> tuple[vision.MediaItem, list[int]]:
+    """(the processed video, its placeholder: one run of pads, or the layout's timestamped frame groups)."""
+    needs = pcfg.needs
+    try:
+        if isinstance(payload, vision.MediaItem):
+            if payload.kind != "video":
+                raise SkipSample("bad_video", f"a MediaItem of kind {payload.kind!r}; give a video "
+                                 "(titan_mm.data.vision.process_video)")
+            item = payload
+        else:
+            if isinstance(payload, str) and payload.startswith("data:"):
+                payload = media_bytes(payload, {}, None)
+            elif not isinstance(payload, (bytes, bytearray)):  # the engine opens no paths or URLs
+                raise SkipSample("bad_video", "give encoded video bytes, a data:video/...;base64 URI or a "
+                                 "MediaItem of titan_mm.data.vision.process_video")
+            item = vision.process_video(payload, pcfg)
+    except SkipSample as e:
+        raise BadRequest(f"videos[{i}]", str(e)) from None
+    if needs.vision_layout.one_run:
+        if "video_second_per_grid" not in item.tensors:
+            raise BadRequest(f"videos[{i}]", "the MediaItem has no video_second_per_grid; build it with this "
+                             "model's processing (titan_mm.data.vision.process_video)")
+        return item, [needs.special_tokens["video_pad"]] * item.n_tokens
+    try:  # the frame groups' timestamps are text: the tokenizer must be the model's
+        check_special_tokens(tokenizer, needs)
+    except ValueError as e:
+        raise BadRequest("videos", f"this model's videos carry timestamps as text, which needs its own tokenizer: "
+                         f"{e}") from None
+    return item, vision.video_placeholder_ids(item, tokenizer).tolist()
+
+
+def _mrope(out: list[int], spans: list[Image], items: list, pads: dict, needs: DataNeeds) -> np.ndarray:
+    """[3, L] positions of the expanded prompt (titan_mm.nn.media.mrope_index, as the data pipeline places them):
+    a span's pads are its kind's run(s), the text of a frame group's timestamps is text."""
+    ids = np.asarray(out, dtype=np.int64)
     kinds = np.zeros(len(out), dtype=np.int64)
-    for im in imgs:
-        kinds[im.start:im.end] = 1
-    pos = torch.from_numpy(vision.mrope_index(kinds, grids, [], needs.merge_size))
-    return out, imgs, pos, int(pos.max()) + 1 - len(out)
+    for s in spans:
+        k = KINDS.index(s.kind) + 1
+        kinds[s.start:s.end] = np.where(ids[s.start:s.end] == pads[s.kind], k, 0)
+    grids = {k: [it.grid for it, s in zip(items, spans) if s.kind == k] for k in KINDS}
+    secs = None
+    if needs.vision_layout is not None and needs.vision_layout.one_run:  # one run per video, timed
+        secs = [float(x) for it, s in zip(items, spans) if s.kind == "video"
+                for x in np.asarray(it.tensors["video_second_per_grid"]).reshape(-1)]
+    return vision.mrope_index(kinds, grids["image"], grids["video"], needs.merge_size, secs,
+                              needs.video_tokens_per_second)
+
+
+# ---- audio (the Omni thinkers) ----
+def expand_audio(prompt: list[int], audios: list, needs: DataNeeds, data: Data) -> tuple[list[int], list[Audio]]:
+    """(prompt with each audio pad repeated per output token of the family's audio tower, [Audio] in prompt
+    order), the clips processed as training processes them (titan_mm.data.audio: the family's front end).
+    ``audios``: encoded audio bytes (wav, flac: PyAV decodes them), ``data:audio/...`` URIs, 16 kHz mono
+    waveforms (1-D float arrays) or MediaItems of titan_mm.data.audio.process_audio; one per audio pad, in order.
+    Runs before :func:`expand_media`, whose positions then count the audio pads as text, as the data pipeline's
+    do (the Omni thinkers' TMRoPE places a clip alone the same way); :func:`after_media` moves the spans."""
+    pad = needs.special_tokens.get("audio_pad")
+    if audios and needs.audio is None:
+        raise BadRequest("audios", "this model takes no audio")
+    n = sum(1 for t in prompt if t == pad) if pad is not None else 0
+    if n != len(audios):
+        raise BadRequest("audios", f"the prompt holds {n} audio pad token(s) (id {pad}) but {len(audios)} audio "
+                         "clip(s) came; put one pad per clip where it goes (the chat template does)")
+    if not audios:
+        return prompt, []
+    pcfg = ProcessorConfig(data, needs)
+    out, clips = [], []
+    it = iter(audios)
+    for t in prompt:
+        if t != pad:
+            out.append(t)
+            continue
+        item = _audio_item(next(it), len(clips), pcfg)
+        feats = torch.as_tensor(np.asarray(item.tensors["input_features"]), dtype=torch.float32)  # [frames, mels]
+        key = int.from_bytes(hashlib.blake2b(b"audio" + feats.numpy().tobytes(), digest_size=8).digest(), "little")
+        clips.append(Audio(len(out), len(out) + item.n_tokens, feats, key))
+        out += [pad] * item.n_tokens
+    return out, clips
+
+
+def _audio_item(payload, i: int, pcfg: ProcessorConfig) -> vision.MediaItem:
+    try:
+        if isinstance(payload, vision.MediaItem):
+            if payload.kind != "audio":
+                raise SkipSample("bad_audio", f"a MediaItem of kind {payload.kind!r}; give an audio clip "
+                                 "(titan_mm.data.audio.process_audio)")
+            return payload
+        if isinstance(payload, str) and payload.startswith("data:"):
+            payload = media_bytes(payload, {}, None)
+        elif not isinstance(payload, (bytes, bytearray, np.ndarray)):
+            raise SkipSample("bad_audio", "the engine opens no paths or URLs: give encoded audio bytes (wav, flac), "
+                             "a data:audio/...;base64 URI, a 16 kHz mono waveform (1-D float array) or a MediaItem")
+        return audio.process_audio(payload, pcfg)
+    except SkipSample as e:
+        raise BadRequest(f"audios[{i}]", str(e)) from None
+
+
+def after_media(clips: list[Audio], spans: list[Image]) -> list[Audio]:
+    """``clips`` (spans of :func:`expand_audio`'s prompt) moved to the prompt :func:`expand_media` made of it, where
+    each of ``spans`` took the place of one pad token."""
+    grown, replaced = 0, []  # (the pad's index in the audio-expanded prompt, tokens it grew by)
+    for s in spans:
+        replaced.append((s.start - grown, s.end - s.start - 1))
+        grown += s.end - s.start - 1
+    out = []
+    for c in clips:
+        d = sum(g for at, g in replaced if at < c.start)
+        out.append(dataclasses.replace(c, start=c.start + d, end=c.end + d))
+    return out
+
+
+def audio_inputs(clips: list[Audio], device: torch.device, dtype: torch.dtype) -> dict:
+    """The family's batch keys of ``clips`` as the collator makes them: ``input_features`` [n_mels, sum frames]
+    (clips side by side, on ``device``) and ``audio_feature_lengths`` [n_clips] (host)."""
+    return {"input_features": torch.cat([c.features for c in clips]).T.to(device, dtype, non_blocking=True),
+            "audio_feature_lengths": torch.tensor([c.features.shape[0] for c in clips])}

@@ -1,6 +1,6 @@
-"""Requests in: the checks of a request that can never run as given (:class:`BadRequest`), its images expanded
-by the family's processor, chat messages through the training chat template, and admission (:class:`QueueFull`:
-the waiting queue is full or the token rate is spent). vLLM v1's input processor."""
+"""Requests in: the checks of a request that can never run as given (:class:`BadRequest`), its images, videos
+and audio clips expanded by the family's processor, chat messages through the training chat template, and
+admission (:class:`QueueFull`: the waiting queue is full or the token rate is spent). vLLM v1's input processor."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from titan_mm.serve.core.beam import BeamState
 from titan_mm.serve.core.block_manager import BlockManager
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.errors import BadRequest, QueueFull
-from titan_mm.serve.core.media import expand_images
+from titan_mm.serve.core.media import after_media, expand_audio, expand_media
 from titan_mm.serve.sampling_params import SamplingParams
 from titan_mm.serve.core.sequence import Request, RequestMetrics, Sequence
 
@@ -30,8 +30,8 @@ class InputProcessor:
         self._bucket = cfg.token_rate_limit * cfg.token_rate_burst_s
         self._bucket_t = clock()
 
-    def make(self, request_id, prompt_ids, params, images, priority, deadline_s,
-             t: float | None = None) -> tuple[Request, int]:
+    def make(self, request_id, prompt_ids, params, images, videos, priority, deadline_s,
+             t: float | None = None, audios=None) -> tuple[Request, int]:
         """(the checked, expanded request arriving at ``t`` (default: now, after its checks), its tokens: prompt +
         max_tokens x width); BadRequest for one that can never run. The same on every tp rank."""
         if not isinstance(request_id, str) or not request_id:
@@ -53,13 +53,17 @@ class InputProcessor:
         if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
                                        or deadline_s <= 0):
             raise BadRequest("deadline_s", f"must be a positive number of seconds, got {deadline_s!r}")
-        if images is not None and not isinstance(images, (list, tuple)):
-            raise BadRequest("images", f"must be a list of images, got {type(images).__name__}")
-        prompt, imgs, positions, delta = expand_images(list(prompt_ids), list(images or []), self.needs, self.data)
+        for field, given in (("images", images), ("videos", videos), ("audios", audios)):
+            if given is not None and not isinstance(given, (list, tuple)):
+                raise BadRequest(field, f"must be a list of {field}, got {type(given).__name__}")
+        prompt, clips = expand_audio(list(prompt_ids), list(audios or []), self.needs, self.data)
+        prompt, imgs, positions, delta = expand_media(prompt, list(images or []), list(videos or []),
+                                                      self.needs, self.data, self.tokenizer)
+        clips = after_media(clips, imgs)
         L, cap = len(prompt), self.max_model_len
         if L >= cap:
-            raise BadRequest("prompt", f"has {L} tokens{' after expanding its images' if imgs else ''}; the engine "
-                             f"takes at most {cap - 1} (max_model_len {cap} includes the output)")
+            raise BadRequest("prompt", f"has {L} tokens{' after expanding its media' if imgs or clips else ''}; the "
+                             f"engine takes at most {cap - 1} (max_model_len {cap} includes the output)")
         max_new = params.max_tokens if params.max_tokens is not None else cap - L
         if L + max_new > cap:
             raise BadRequest("max_tokens", f"prompt ({L}) + max_tokens ({max_new}) exceeds max_model_len ({cap}); "
@@ -72,7 +76,7 @@ class InputProcessor:
         seq = Sequence(next(self.seq_ids), list(prompt), L, generator=self.seq_generator(params, 0))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
         req = Request(request_id, prompt, params, priority, None if deadline_s is None else t + deadline_s,
-                      RequestMetrics(arrival=t), [seq], imgs, positions, delta, stop_ids=stop_ids)
+                      RequestMetrics(arrival=t), [seq], imgs, positions, delta, stop_ids=stop_ids, audios=clips)
         if params.use_beam_search:
             req.beam = BeamState(params.width, stop_ids, L + max_new)
         return req, L + max_new * params.width
@@ -92,18 +96,19 @@ class InputProcessor:
                                 f"{-self._bucket / rate:.1f}s")
             self._bucket -= cost
 
-    def chat_prompt(self, messages: list[dict]) -> tuple[list[int], list]:
-        """(prompt ids, images) of OpenAI-style chat ``messages`` through the family's chat template (the
-        processors' renderer, as in training), ending with the assistant's turn opened."""
+    def chat_media(self, messages: list[dict]) -> tuple[list[int], list, list, list]:
+        """(prompt ids, images, videos, audios) of OpenAI-style chat ``messages`` through the family's chat template
+        (the processors' renderer, as in training), ending with the assistant's turn opened."""
         try:
             sample = parse_record({"messages": messages})
             text, _, media = Processor(self.tokenizer, ProcessorConfig(self.data, self.needs)).render(
                 sample, add_generation_prompt=True)
         except SkipSample as e:
             raise BadRequest("messages", str(e)) from None
-        if any(m.type != "image" for m in media):
-            raise BadRequest("messages", "only text and image parts are served (no video or audio yet)")
-        return self.tokenizer.encode(text), [m.ref for m in media]
+        if any(m.use_audio_in_video for m in media):
+            raise BadRequest("messages", "a video part with use_audio_in_video is not served yet")
+        return (self.tokenizer.encode(text), *([m.ref for m in media if m.type == kind]
+                                               for kind in ("image", "video", "audio")))
 
 
 def seq_generator(device: torch.device) -> Callable[[SamplingParams, int], torch.Generator | None]:

@@ -8,7 +8,7 @@ One step mixes decode tokens and prefill chunks under ``max_num_batched_tokens``
      (``max_num_seqs``), tokens and blocks last. A new sequence first takes the longest cached prefix of its
      tokens. A waiting request of a higher class may preempt running requests of a preemptible class
      (``preemptible_priority``) to get in.
-A chunk never ends inside an image (the vision tower sees whole images), so an image may take a step past the
+A chunk never ends inside an image or audio clip (the encoders see whole items), so one may take a step past the
 token budget when it runs alone. No request can need more blocks than the pool holds (the engine refuses it at
 admission), so preempting the others always lets the first one run: there is no deadlock.
 """
@@ -67,9 +67,10 @@ class Schedule:
 
 
 def media_extra(req: Request, n_blocks: int, block_size: int) -> list[tuple]:
-    """Per block, the keys of the images overlapping it (what its k/v depend on besides the tokens)."""
+    """Per block, the keys of the media (images, videos, audio clips) overlapping it (what its k/v depend on
+    besides the tokens)."""
     extra = [()] * n_blocks
-    for im in req.images:
+    for im in req.media:
         for b in range(im.start // block_size, min(n_blocks, -(-im.end // block_size))):
             extra[b] = extra[b] + (im.key,)
     return extra
@@ -88,7 +89,7 @@ def _outside_images(req: Request, n_tokens: int, block_size: int) -> int:
     moved = True
     while moved:
         moved = False
-        for im in req.images:
+        for im in req.media:
             if im.start < n_tokens < im.end:
                 n_tokens = im.start // block_size * block_size
                 moved = True
@@ -253,7 +254,7 @@ class Scheduler:
             if not self.cfg.enable_chunked_prefill and n > budget:
                 return None if hits and not plan else plan
             n = min(n, budget)
-            if req.images:
+            if req.media:
                 n = self._clip(req, start, n, alone=not out.rows and not plan)
             k = 0
             if self.lookahead is not None and n == 1 and seq.to_compute == 1 and len(seq.tokens) > seq.num_prompt:
@@ -266,7 +267,7 @@ class Scheduler:
     def _clip(req: Request, start: int, n: int, alone: bool) -> int:
         """``n`` cut so that the chunk from ``start`` ends at an image's edge, not inside it."""
         end = start + n
-        for im in req.images:
+        for im in req.media:
             if im.start < end < im.end:
                 if im.start > start:
                     return im.start - start

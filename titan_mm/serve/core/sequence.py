@@ -30,17 +30,34 @@ class Status(enum.Enum):
 
 @dataclass
 class Image:
-    """One image of a prompt, processed: where its pad tokens sit in the expanded prompt and its patches."""
+    """One image or video of a prompt, processed: where its tokens sit in the expanded prompt and its patches."""
 
     start: int
     end: int
-    """Pad tokens at prompt positions start .. end-1."""
+    """Its tokens at prompt positions start .. end-1."""
     pixel_values: torch.Tensor
     """[patches, patch_dim] float32 (CPU)."""
     grid_thw: torch.Tensor
     """[1, 3] int64 (CPU)."""
     key: int
-    """Content hash (pixels and grid): part of the prefix keys of the blocks it overlaps."""
+    """Content hash (kind, pixels and grid): part of the prefix keys of the blocks it overlaps."""
+    kind: str = "image"
+    """"image" or "video" (pixel_values_videos / video_grid_thw; its span holds its whole placeholder, frame
+    groups and their timestamps included)."""
+
+
+@dataclass
+class Audio:
+    """One audio clip of a prompt, processed: where its pad tokens sit in the expanded prompt and its log-mel
+    features (titan_mm.data.audio, the family's front end)."""
+
+    start: int
+    end: int
+    """Pad tokens at prompt positions start .. end-1 (one per output token of the family's audio tower)."""
+    features: torch.Tensor
+    """[frames, n_mels] float32 (CPU)."""
+    key: int
+    """Content hash (features): part of the prefix keys of the blocks it overlaps."""
 
 
 @dataclass
@@ -149,6 +166,7 @@ class Request:
     metrics: RequestMetrics
     seqs: list[Sequence]
     images: list[Image] = field(default_factory=list)
+    """The prompt's images and videos, in prompt order."""
     positions: torch.Tensor | None = None
     """[3, len(prompt)] M-RoPE positions of the prompt (None: 1-D positions)."""
     rope_delta: int = 0
@@ -160,6 +178,13 @@ class Request:
     abort_reason: str | None = None
     stop_ids: frozenset[int] = frozenset()
     """Tokens that end a sequence: params.stop_token_ids, and the model's EOS tokens unless ignore_eos."""
+    audios: list[Audio] = field(default_factory=list)
+    """The prompt's audio clips, in prompt order."""
+
+    @property
+    def media(self) -> list[Image | Audio]:
+        """Every media span of the prompt (what a chunk never cuts and a block's prefix key includes)."""
+        return [*self.images, *self.audios]
 
     @property
     def live(self) -> list[Sequence]:

@@ -2,7 +2,8 @@
 coroutine through an asyncio queue (``loop.call_soon_threadsafe``).
 
     aeng = AsyncEngine(engine)                      # starts the step thread
-    stream = aeng.submit([(rid, prompt_ids, params, images)], priority=0, deadline_s=None)  # BadRequest / QueueFull now
+    stream = aeng.submit([(rid, prompt_ids, params, {"images": images, "videos": videos})],
+                         priority=0, deadline_s=None)       # BadRequest / QueueFull now
     async for out in stream:                        # RequestOutputs of the stream's requests, until all finish
         ...
     await stream.aclose()                           # aborts what is unfinished (client gone) and frees its blocks
@@ -82,18 +83,19 @@ class AsyncEngine:
 
     def submit(self, requests: Sequence[tuple[str, list[int], Any, Any]], *, priority: int = 0,
                deadline_s: float | None = None) -> RequestStream:
-        """Add ``(request_id, prompt_ids, params, images)`` requests as one stream; call from the event loop.
+        """Add ``(request_id, prompt_ids, params, media)`` requests as one stream (``media``: add_request's
+        ``images`` / ``videos`` keywords, or None); call from the event loop.
         If one is refused (BadRequest / QueueFull), the ones already added are aborted and the error raised."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         stream = RequestStream(self, [r[0] for r in requests])
         added = []
         try:
-            for rid, ids, params, images in requests:
+            for rid, ids, params, media in requests:
                 with self._lock:
                     self._streams[rid] = stream
                 added.append(rid)
-                self.engine.add_request(rid, ids, params, images=images, priority=priority, deadline_s=deadline_s)
+                self.engine.add_request(rid, ids, params, **(media or {}), priority=priority, deadline_s=deadline_s)
         except BaseException:
             for rid in added[:-1]:
                 self.engine.abort(rid)

@@ -92,18 +92,37 @@ class ImageURL(_Strict):
     detail: Literal["auto", "low", "high"] | None = None
 
 
+class VideoURL(_Strict):
+    url: str
+    """A ``data:video/...;base64,...`` URI of an encoded clip (mp4, webm, ...: what PyAV decodes; the server fetches
+    nothing); its frames are sampled as in training."""
+
+
+class InputAudio(_Strict):
+    data: str
+    """The encoded clip in base64, as OpenAI sends it (no ``data:`` prefix); decoded by PyAV, resampled to 16 kHz
+    mono and turned into log-mel features as in training."""
+    format: Literal["wav", "flac"]
+
+
+PAYLOADS = ("text", "image_url", "video_url", "input_audio")
+"""A content part's payload fields: the one its type names is required, the others refused."""
+
+
 class ContentPart(_Strict):
-    type: Literal["text", "image_url"]
+    type: Literal["text", "image_url", "video_url", "input_audio"]
     text: str | None = None
     image_url: ImageURL | None = None
+    video_url: VideoURL | None = None
+    input_audio: InputAudio | None = None
 
     @model_validator(mode="after")
     def _one_payload(self):
-        want, other = ("text", "image_url") if self.type == "text" else ("image_url", "text")
-        if getattr(self, want) is None:
-            raise PydanticCustomError("missing_payload", f"a '{self.type}' part needs '{want}'")
-        if getattr(self, other) is not None:
-            raise PydanticCustomError("extra_payload", f"a '{self.type}' part takes no '{other}'")
+        if getattr(self, self.type) is None:
+            raise PydanticCustomError("missing_payload", f"a '{self.type}' part needs '{self.type}'")
+        for other in PAYLOADS:
+            if other != self.type and getattr(self, other) is not None:
+                raise PydanticCustomError("extra_payload", f"a '{self.type}' part takes no '{other}'")
         return self
 
 
@@ -228,7 +247,7 @@ def _explain(err: dict) -> RequestError:
         if name in UNSUPPORTED:
             return RequestError(path, f"{path!r} is not supported by this server", "unsupported")
         known = {f for c in (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, ImageURL,
-                             StreamOptions) for f in c.model_fields}
+                             VideoURL, InputAudio, StreamOptions) for f in c.model_fields}
         near = difflib.get_close_matches(str(name), sorted(known), n=1, cutoff=0.6)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         return RequestError(path, f"unknown field {path!r}{hint}", "unknown_field")

@@ -14,6 +14,8 @@ the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import functools
 import time
@@ -70,12 +72,14 @@ class OpenAIServer:
                             "model_not_found")
 
     @staticmethod
-    def _bad(req, e: BadRequest, images_at: list[str] = ()) -> HTTPError:
-        """A 400 naming the request's field; the engine's ``images[i]`` is the chat part that held image i."""
+    def _bad(req, e: BadRequest, media_at: dict[str, list[str]] | None = None) -> HTTPError:
+        """A 400 naming the request's field; the engine's ``images[i]`` / ``videos[i]`` is the chat part that held
+        image / video i (``media_at``: the parts' fields by the engine's argument)."""
         field = e.field
-        if images_at and field.startswith("images"):
-            i = int(field[len("images["):-1]) if field.startswith("images[") else 0
-            field = images_at[i]
+        kind = field.split("[", 1)[0]
+        if (media_at or {}).get(kind):
+            i = int(field[len(kind) + 1:-1]) if field.startswith(f"{kind}[") else 0
+            field = media_at[kind][i]
         param = req.param_of(field)
         return HTTPError(400, f"{param}: {e.message}", param, "invalid_value")
 
@@ -87,16 +91,17 @@ class OpenAIServer:
             raise self._bad(req, e) from None
         return params
 
-    async def _submit(self, req, prompts: list[tuple[list[int], list | None]], params: SamplingParams,
-                      prefix: str, images_at: list[str] = ()) -> RequestStream:
+    async def _submit(self, req, prompts: list[tuple[list[int], dict | None]], params: SamplingParams,
+                      prefix: str, media_at: dict[str, list[str]] | None = None) -> RequestStream:
+        """``prompts``: (ids, add_request's media keywords: images, videos)."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        reqs = [(f"{rid}-{i}", ids, params, images) for i, (ids, images) in enumerate(prompts)]
+        reqs = [(f"{rid}-{i}", ids, params, media) for i, (ids, media) in enumerate(prompts)]
         submit = functools.partial(self.aeng.submit, reqs, priority=req.priority or 0, deadline_s=req.deadline_s)
         try:
-            # add_request decodes and patches images: off the event loop, so that other streams keep flowing
-            return await asyncio.to_thread(submit) if images_at else submit()
+            # add_request decodes and patches images and videos: off the event loop, so that other streams flow
+            return await asyncio.to_thread(submit) if media_at and any(media_at.values()) else submit()
         except BadRequest as e:
-            raise self._bad(req, e, images_at) from None
+            raise self._bad(req, e, media_at) from None
         except QueueFull as e:
             raise HTTPError(429, str(e), None, "queue_full", "rate_limit_error") from None
 
@@ -177,9 +182,9 @@ class OpenAIServer:
     async def chat_completions(self, request: Request):
         req = parse_body(ChatCompletionRequest, await request.body())
         self._check_model(req.model)
-        ids, images, images_at = self.chat_prompt(req)
+        ids, media, media_at = self.chat_prompt(req)
         params = self._params(req)
-        stream = await self._submit(req, [(ids, images or None)], params, "chatcmpl", images_at)
+        stream = await self._submit(req, [(ids, media)], params, "chatcmpl", media_at)
         head = {"id": stream.request_ids[0].rsplit("-", 1)[0], "created": int(time.time()),
                 "model": self.model_name}
         want_lp = params.logprobs is not None
@@ -216,26 +221,33 @@ class OpenAIServer:
         return JSONResponse(body)
 
     # ------------------------------------------------------------------ chat prompts
-    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], list[str], list[str]]:
-        """(prompt ids, image data URIs, the field of each image) of the messages, rendered by the engine with
-        the training processors' chat template."""
-        messages, images_at = [], []
+    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], dict, dict[str, list[str]]]:
+        """(prompt ids, add_request's media keywords: the image / video data URIs and the audio clips' bytes, the
+        field of each such part) of the messages, rendered by the engine with the training processors' chat
+        template."""
+        messages, media_at = [], {"images": [], "videos": [], "audios": []}
         for i, m in enumerate(req.messages):
             parts = []
             for j, p in enumerate(m.content or []):
                 if p.type == "text":
                     parts.append({"type": "text", "text": p.text})
-                else:
-                    at = f"messages[{i}].content[{j}].image_url"
-                    if not p.image_url.url.startswith("data:"):
-                        raise RequestError(at, f"{at}: give the image inline as a data:image/...;base64 URI (the "
-                                           "server fetches no URLs)", "invalid_value")
-                    parts.append({"type": "image_url", "image_url": p.image_url.url})
-                    images_at.append(at)
+                    continue
+                if p.type == "input_audio":
+                    at = f"messages[{i}].content[{j}].input_audio"
+                    parts.append({"type": "audio", "audio": _audio_bytes(p.input_audio, at)})
+                    media_at["audios"].append(at)
+                    continue
+                at, kind = f"messages[{i}].content[{j}].{p.type}", p.type.split("_")[0]
+                url = getattr(p, p.type).url
+                if not url.startswith("data:"):
+                    raise RequestError(at, f"{at}: give the {kind} inline as a data:{kind}/...;base64 URI (the "
+                                       "server fetches no URLs)", "invalid_value")
+                parts.append({"type": p.type, p.type: url})
+                media_at[f"{kind}s"].append(at)
             # OpenAI's "developer" is the system turn of the chat templates
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": parts})
-        ids, images = self.engine.chat_prompt(messages)
-        return ids, images, images_at
+        ids, images, videos, audios = self.engine.chat_media(messages)
+        return ids, {"images": images or None, "videos": videos or None, "audios": audios or None}, media_at
 
     # ------------------------------------------------------------------ transport
     def _finished(self, outs, post_s: float) -> None:
@@ -303,6 +315,16 @@ class OpenAIServer:
                 await stream.aclose()
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _audio_bytes(part, at: str) -> bytes:
+    """The file of the input_audio part at ``at``, checked here so that a 400 names the field (whether it decodes
+    as audio, the engine says)."""
+    try:
+        return base64.b64decode(part.data, validate=True)
+    except binascii.Error as e:
+        raise RequestError(f"{at}.data", f"{at}.data: is not base64 ({e}); give the {part.format} file's bytes in "
+                           "base64", "invalid_value") from None
 
 
 async def _disconnected(request: Request) -> None:

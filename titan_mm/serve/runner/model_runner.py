@@ -27,7 +27,8 @@ import torch
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.nn.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, plan_step, state_shapes
 from titan_mm.serve.core.scheduler import Row
-from titan_mm.serve.core.sequence import PENDING
+from titan_mm.serve.core.media import MEDIA_KEYS, audio_inputs
+from titan_mm.serve.core.sequence import PENDING, Audio
 
 
 _ROW_FIELDS = ("positions", "valid", "new_tokens", "slot_mapping", "block_tables", "seq_lens", "state_slots")
@@ -136,9 +137,7 @@ class ModelRunner:
         dims = spec.dims(model_cfg)
         rt = spec.runtime(model_cfg)
         self.backend, self.window = rt.attn_backend, rt.sliding_window
-        needs = spec.data_needs(model_cfg)
-        self.mrope = needs.positions == "mrope"
-        self.media_pads = [needs.special_tokens[k] for k in ("image_pad", "video_pad") if k in needs.special_tokens]
+        self.mrope = spec.data_needs(model_cfg).positions == "mrope"
         self.sizes = decode_sizes(max_num_seqs)
         # tensor parallel: each rank's attention writes only its local kv heads (the plan splits wk / wv by heads);
         # one block more than the block manager hands out: the scratch block of a decode step's pad rows (and
@@ -192,7 +191,7 @@ class ModelRunner:
         self.copy_blocks(copies)
         one = [] if per_row > 1 or self.decode_attention is None else \
             [i for i, r in enumerate(rows) if r.n == 1 and len(r.seq.table.blocks) <= self.max_table
-             and not (r.req.images and self._has_media(r))]
+             and not (r.req.media and self._has_media(r))]
         if not one:
             return self.forward(self.prepare(rows, per_row, fed))
         if len(one) == len(rows):
@@ -204,7 +203,7 @@ class ModelRunner:
         return out[order.to(out.device, non_blocking=True)]
 
     def _has_media(self, r: Row) -> bool:
-        return any(r.start <= im.start and im.end <= r.start + r.n for im in r.req.images)
+        return any(r.start <= m.start and m.end <= r.start + r.n for m in r.req.media)
 
     # ---- decode steps: static buffers, CUDA graphs ----
     @torch.inference_mode()
@@ -386,24 +385,34 @@ class ModelRunner:
         return pos.to(self.device, non_blocking=True)
 
     def _media(self, rows: list[Row], ids: torch.Tensor, at: tuple[np.ndarray, np.ndarray]) -> dict:
-        """The family's host-built inputs for the whole images inside the rows' chunks (the scheduler never cuts
-        one). Generated tokens that happen to be media pads are text: hidden from the placement."""
-        place = ids.clone()
-        pix, grids = [], []
+        """The family's host-built inputs for the whole images, videos and audio clips inside the rows' chunks (the
+        scheduler never cuts one), each kind in row-major order as its pads. The placement sees only their spans'
+        tokens: generated tokens that happen to be media pads are text, and a start token whose media the chunk
+        does not hold opens no part (the Omni thinkers' prepare_batch reads those tokens for positions, which the
+        runner takes from the request instead)."""
+        place = torch.zeros_like(ids)
+        got: dict[str, tuple[list, list]] = {}
+        clips = []
         for i, r in enumerate(rows):
-            L = len(r.req.prompt)
-            if r.start + r.n > L:
-                row, o = int(at[0][i]), int(at[1][i])
-                tail = place[row, o + max(L - r.start, 0): o + r.n]
-                for pad in self.media_pads:
-                    tail[tail == pad] = 0
-            for im in r.req.images:
-                if r.start <= im.start and im.end <= r.start + r.n:
-                    pix.append(im.pixel_values)
-                    grids.append(im.grid_thw)
-        if not pix:
+            row, o = int(at[0][i]), int(at[1][i])
+            for m in r.req.media:
+                if r.start <= m.start and m.end <= r.start + r.n:
+                    a, b = o + m.start - r.start, o + m.end - r.start
+                    place[row, a:b] = ids[row, a:b]
+                    if isinstance(m, Audio):
+                        clips.append(m)
+                        continue
+                    pix, grids = got.setdefault(m.kind, ([], []))
+                    pix.append(m.pixel_values)
+                    grids.append(m.grid_thw)
+        if not got and not clips:
             return {}
-        batch = {"input_ids": place, "pixel_values": torch.cat(pix).to(self.device, self.dtype, non_blocking=True),
-                 "image_grid_thw": torch.cat(grids)}
+        batch = {"input_ids": place}
+        for kind, (pix, grids) in got.items():
+            pk, gk = MEDIA_KEYS[kind]
+            batch[pk] = torch.cat(pix).to(self.device, self.dtype, non_blocking=True)
+            batch[gk] = torch.cat(grids)
+        if clips:
+            batch.update(audio_inputs(clips, self.device, self.dtype))
         batch = self.spec.prepare_batch(self.cfg, batch, self.device)
-        return {k: v for k, v in batch.items() if k != "input_ids"}
+        return {k: v for k, v in batch.items() if k not in ("input_ids", "position_ids")}
