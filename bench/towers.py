@@ -24,6 +24,8 @@ in any op: the host's Python). Towers (``TOWERS``; the bench shapes are the VL /
 
   python3 bench/towers.py                                  # on the GPU: bench/results/towers_<device>.json
   python3 bench/towers.py --towers qwen3_vl_vit --profile-dir DIR   # + each tower's kernel table
+  python3 bench/towers.py --towers qwen3_vl_vit --vary 8 [--bucket 4096]   # sizes that change every step,
+                                                           # without and with bucketed patch counts (same outputs)
   python3 bench/towers.py --cpu --tiny --out /tmp/t.json   # the smoke (debug flavors, a few steps)
   python3 bench/towers.py --render bench/results/towers_h100.json --doc docs/efficiency.md   # the table
 """
@@ -61,10 +63,11 @@ CLIPS = (1000, 1500, 2000, 2500, 3000, 1200, 1800, 2200)  # mel frames (100 a se
 TINY_CLIPS = (37, 120, 260)
 
 # name -> family (registry model), flavor, the tower's module in the built model, its inputs (grids in patches
-# (t, h, w), or clips in mel frames), the host metadata builder and the family's FLOP counter; tiny: the smoke's
+# (t, h, w), or clips in mel frames), the host metadata builder and the family's FLOP counter; buckets: its
+# metadata takes --bucket (build_vision_meta's bucketed patch counts); tiny: the smoke's
 TOWERS: dict[str, dict] = {
     "qwen3_vl_vit": dict(model="qwen3_vl", flavor="2B", module="visual", grids=[(1, 32, 32)] * 8,
-                         meta=build_vision_meta, flops=vl3_flops.vision_flops,
+                         meta=build_vision_meta, flops=vl3_flops.vision_flops, buckets=True,
                          tiny=dict(flavor="debug", grids=[(1, 8, 8), (1, 4, 6), (1, 6, 10)])),
     "qwen2_5_vl_vit": dict(model="qwen2_5_vl", flavor="7B", module="visual", grids=[(1, 36, 36)] * 8,
                            meta=build_window_meta, flops=vl25_flops.vision_flops,
@@ -115,8 +118,10 @@ def build_tower(t: dict, cfg, device: torch.device, dtype: torch.dtype) -> torch
     return tower.to(dtype)
 
 
-def tower_inputs(t: dict, cfg, device: torch.device, seed: int = 0):
-    """(input tensor, host metadata on the device, training FLOPs, inputs' description, encoder tokens)."""
+def tower_inputs(t: dict, cfg, device: torch.device, seed: int = 0, bucket: int = 0):
+    """(input tensor, host metadata on the device, training FLOPs, inputs' description, encoder tokens).
+    ``bucket``: the patch count rounded up to a multiple of it (towers with ``buckets``); the FLOPs stay the real
+    patches' (the padding is work the bucket adds, not the model's)."""
     g = torch.Generator().manual_seed(seed)
     enc = encoder_config(t, cfg)
     backend = vision_backend(cfg, device)
@@ -129,8 +134,20 @@ def tower_inputs(t: dict, cfg, device: torch.device, seed: int = 0):
     grid = torch.tensor(t["grids"])
     n = int(grid.prod(-1).sum())
     x = torch.randn(n, enc.patch_dim, generator=g)
-    meta = t["meta"](grid, enc, backend, device)
+    meta = t["meta"](grid, enc, backend, device, **({"bucket": bucket} if bucket else {}))
     return x.to(device), meta, t["flops"](enc, grid), f"{len(grid)} images, {n} patches", n
+
+
+def varied(t: dict, i: int, tiny: bool) -> dict:
+    """Input set ``i`` of --vary: as many images (clips) as the tower's, of sizes drawn from seed ``i``: image sides
+    16-48 patches (tiny: 2-10) in steps of 2 (the merge), clips 10-30 s (tiny: 20-300 frames)."""
+    g = torch.Generator().manual_seed(1000 + i)
+    if "clips" in t:
+        lo, hi = (20, 300) if tiny else (1000, 3000)
+        return dict(t, clips=tuple(torch.randint(lo, hi + 1, (len(t["clips"]),), generator=g).tolist()))
+    lo, hi = (1, 5) if tiny else (8, 24)
+    sides = (2 * torch.randint(lo, hi + 1, (len(t["grids"]), 2), generator=g)).tolist()
+    return dict(t, grids=[(1, h, w) for h, w in sides])
 
 
 def cpu_split(prof, wall_s: float, steps: int) -> dict:
@@ -157,10 +174,17 @@ def run_tower(name: str, args, device: torch.device) -> dict:
     if compiled:  # the trainer's compile units: one per block
         for blk in tower.blocks:
             blk.compile()
-    x, meta, flops, what, tokens = tower_inputs(t, cfg, device)
+    sets = [tower_inputs(varied(t, i, args.tiny) if args.vary else t, cfg, device, seed=i, bucket=args.bucket)
+            for i in range(max(args.vary, 1))]
+    flops = statistics.mean(s[2] for s in sets)
+    what, tokens = (sets[0][3], sets[0][4]) if not args.vary else (f"{args.vary} input sets like {sets[0][3]}",
+                                                                    round(statistics.mean(s[4] for s in sets)))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    calls = [0]
 
     def step():
+        x, meta = sets[calls[0] % len(sets)][:2]  # --vary: the next input set, as a trainer's next micro-batch
+        calls[0] += 1
         out = tower(x, meta)
         outs = [out[0], *out[1]] if isinstance(out, tuple) else [out]  # the ViTs: (merged, DeepStack features)
         sum(o.float().square().mean() for o in outs).backward()
@@ -202,7 +226,8 @@ def run_tower(name: str, args, device: torch.device) -> dict:
                 flops=flops, step_time_s=med, tflops=tflops, mfu=tflops / PEAK_TFLOPS if cuda else None,
                 profile_ms=split_ms, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                 device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-                warmup=args.warmup, steps=args.steps, tiny=args.tiny)
+                warmup=args.warmup, steps=args.steps, tiny=args.tiny, bucket=args.bucket or None,
+                vary=args.vary or None)
 
 
 def render(rows: list[dict]) -> str:
@@ -216,9 +241,11 @@ def render(rows: list[dict]) -> str:
             out.append(f"| {r['tower']} | {dev} | failed: {r['error'][:80]} |" + " |" * (len(head) - 3))
             continue
         p = r["profile_ms"]
+        name = r["tower"] + (f" (bucket {r['bucket']})" if r.get("bucket") else "") \
+            + (f" (vary {r['vary']})" if r.get("vary") else "")
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a (CPU)"
         parts = [f"{sum(p.get(k, 0.0) for k in keys):.1f}" for _, keys in COLUMNS]
-        out.append(f"| {r['tower']} | {dev} | {r['model']} {r['flavor']} | {r['inputs']} | {1e3 * r['step_time_s']:.1f} "
+        out.append(f"| {name} | {dev} | {r['model']} {r['flavor']} | {r['inputs']} | {1e3 * r['step_time_s']:.1f} "
                    f"| {r['tflops']:.3g} | {mfu} | " + " | ".join(parts) + " |")
     return "\n".join(out)
 
@@ -235,10 +262,13 @@ def render_doc(paths: list[Path]) -> str:
 
 
 def write_rows(out: Path, rows: list[dict]) -> None:
-    """Merge into ``out``: a row replaces the earlier one of its tower, device and shape (tiny or not)."""
+    """Merge into ``out``: a row replaces the earlier one of its tower, device, shape (tiny or not) and bucket."""
+    def key(r):
+        return r["tower"], device_of(r), r.get("tiny"), r.get("bucket"), r.get("vary")
+
     prev = json.loads(out.read_text())["rows"] if out.exists() else []
-    new = {(r["tower"], device_of(r), r.get("tiny")) for r in rows}
-    keep = [r for r in prev if (r["tower"], device_of(r), r.get("tiny")) not in new]
+    new = {key(r) for r in rows}
+    keep = [r for r in prev if key(r) not in new]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"peak_tflops": PEAK_TFLOPS, "rows": keep + rows}, indent=1))
 
@@ -249,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (fp32, eager; with --tiny: the smoke)")
     ap.add_argument("--tiny", action="store_true", help="the families' debug flavors at a few small inputs")
     ap.add_argument("--no-compile", action="store_true", help="CUDA: eager blocks (the default compiles each)")
+    ap.add_argument("--bucket", type=int, default=0, help="the ViT's patch count rounded up to a multiple of this "
+                    "(build_vision_meta's bucket; towers with buckets only); the row records it and keys on it")
+    ap.add_argument("--vary", type=int, default=0, help="N input sets of drawn sizes, one per step in turn (a "
+                    "trainer's micro-batches: new shapes recompile unless --bucket repeats them); FLOPs: their mean")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default="", help="results JSON (default bench/results/towers_<device>.json)")
@@ -261,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in TOWERS]
     if unknown:
         ap.error(f"--towers: unknown {unknown}; choose from {list(TOWERS)}")
+    no_bucket = [n for n in names if args.bucket and not TOWERS[n].get("buckets")]
+    if no_bucket:
+        ap.error(f"--bucket {args.bucket}: {no_bucket} take no bucket; give --towers "
+                 f"{','.join(n for n in TOWERS if TOWERS[n].get('buckets'))} with it")
     if args.doc:
         paths = [Path(args.render)] if args.render else sorted((ROOT / "bench/results").glob("towers_*.json"))
         doc = Path(args.doc).read_text()

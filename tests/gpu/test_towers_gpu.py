@@ -1,6 +1,7 @@
 """bench/towers.py on CUDA at the tiny shapes (the path the full-shape run takes: bf16, kernels, the encoders'
 CUDA attention backend, compiled blocks, the kernel-level profile split): every tower runs, its MFU is counted and
-its split has GEMM and attention kernels. The full-shape figures: ``python3 bench/towers.py`` (docs/efficiency.md)."""
+its split has GEMM and attention kernels; and with bucketed patch counts (``--bucket``). The full-shape figures:
+``python3 bench/towers.py`` (docs/efficiency.md). The bucketed ViT against the unpadded one on varlen in bf16."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import json
 
 import pytest
 import torch
+
+from tests.unit.test_vision_bucket import CFG, GRID, _run, _tower
+from titan_mm.models.qwen3_vl.vision import build_vision_meta
 
 towers = pytest.importorskip("bench.towers")
 
@@ -23,3 +27,23 @@ def test_towers_tiny_on_cuda(tmp_path):
         assert r["device"] == torch.cuda.get_device_name() and r["dtype"] == "bfloat16" and r["compiled"]
         assert r["backend"] in ("varlen", "flex") and 0 < r["mfu"] < 1
         assert r["profile_ms"]["gemm"] > 0 and r["profile_ms"]["attention"] > 0, r["profile_ms"]
+    assert towers.main(["--tiny", "--towers", "qwen3_vl_vit", "--vary", "3", "--bucket", "256", "--warmup", "2",
+                        "--steps", "3", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["rows"][-1]
+    assert r["bucket"] == 256 and r["vary"] == 3 and "error" not in r and r["backend"] in ("varlen", "flex")
+
+
+@pytest.mark.gpu
+def test_bucketed_vit_matches_unpadded_varlen():
+    """The bucketed Qwen3-VL ViT on CUDA's varlen attention in bf16 (tests/unit/test_vision_bucket.py proves it in
+    fp32 on the CPU) against the unpadded one: outputs and gradients. bf16 stores every op's output with 8 bits, so
+    a reordered fp32 accumulation may round a value to its neighbour: one bf16 ulp (2^-8 relative) per reduction on
+    the path, at most 2 depth + 4 of them."""
+    tower = _tower().to("cuda", torch.bfloat16)
+    x = torch.randn(int(GRID.prod(-1).sum()), CFG.patch_dim, device="cuda")
+    ref = _run(tower, x, build_vision_meta(GRID, CFG, "varlen", "cuda"), True)
+    got = _run(tower, x, build_vision_meta(GRID, CFG, "varlen", "cuda", bucket=256), True)
+    rtol = (2 * CFG.depth + 4) * 2.0**-8
+    for g, w in zip(got, ref):
+        err = ((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-30)).item()
+        assert err <= rtol, f"relative error {err:.2e} over {rtol:.2e}"

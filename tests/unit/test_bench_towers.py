@@ -38,12 +38,31 @@ def test_cpu_tiny_smoke(tmp_path, capsys):
     assert "| qwen3_omni_moe_audio | CPU | qwen3_omni_moe debug | 3 clips, 417 mel frames |" in stdout
 
 
-def test_wrong_tower_is_one_error(capsys):
-    with pytest.raises(SystemExit) as e:
-        towers.main(["--towers", "qwen3_vl_vitt", "--cpu"])
-    assert e.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        "error: --towers: unknown ['qwen3_vl_vitt']; choose from " + str(list(towers.TOWERS)))
+def test_varied_sizes_on_bucketed_patch_counts(tmp_path, capsys):
+    """--vary: a new input set each step (FLOPs: the family counter's mean over the sets); --bucket: the ViT on
+    patch counts rounded up (the row records both and keys on them, beside the plain row)."""
+    out = tmp_path / "towers.json"
+    argv = ["--cpu", "--tiny", "--towers", "qwen3_vl_vit", "--warmup", "1", "--steps", "2", "--out", str(out)]
+    assert towers.main(argv) == 0
+    assert towers.main(argv + ["--vary", "3", "--bucket", "256"]) == 0
+    plain, r = json.loads(out.read_text())["rows"]
+    assert plain.get("bucket") is None and r["bucket"] == 256 and r["vary"] == 3 and "error" not in r
+    t, cfg = towers.tower_config("qwen3_vl_vit", True, torch.device("cpu"))
+    sets = [towers.varied(t, i, True)["grids"] for i in range(3)]
+    assert len({tuple(g) for g in sets}) == 3
+    assert r["flops"] == pytest.approx(sum(t["flops"](cfg.vision, torch.tensor(g)) for g in sets) / 3, rel=1e-12)
+    assert "| qwen3_vl_vit (bucket 256) (vary 3) | CPU |" in capsys.readouterr().out
+
+
+def test_mistakes_are_one_error(capsys):
+    for argv, want in ((["--towers", "qwen3_vl_vitt", "--cpu"],
+                        "error: --towers: unknown ['qwen3_vl_vitt']; choose from " + str(list(towers.TOWERS))),
+                       (["--towers", "qwen2_5_vl_vit", "--bucket", "64", "--cpu"],
+                        "error: --bucket 64: ['qwen2_5_vl_vit'] take no bucket; give --towers qwen3_vl_vit with it")):
+        with pytest.raises(SystemExit) as e:
+            towers.main(argv)
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(want)
 
 
 def test_the_tower_is_the_familys():

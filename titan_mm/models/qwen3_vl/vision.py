@@ -53,6 +53,9 @@ class VisionMeta(NamedTuple):
     """Longest segment (a host int; varlen kernels need it)."""
     n_image_tokens: int = 0
     """Merged tokens that belong to images (the rest are videos'); images' patches come first."""
+    n_pad: int = 0
+    """Zero patches the tower appends after the real ones (``bucket`` of :func:`build_vision_meta`) and drops
+    from its outputs; the fields above count them (their own attention segments, zero position taps)."""
 
 
 def _merge_order_rows_cols(t: int, h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,9 +81,16 @@ def build_vision_meta(
     cfg: VisionConfig,
     backend: str = "sdpa",
     device: torch.device | str | None = None,
+    bucket: int = 0,
 ) -> VisionMeta:
     """Host-side metadata for one vision forward over the images/videos described by ``grid_thw``
-    ([n, 3] (t, h, w) in patches, in the order their patches appear in ``pixel_values``)."""
+    ([n, 3] (t, h, w) in patches, in the order their patches appear in ``pixel_values``).
+
+    ``bucket`` > 0 (a multiple of spatial_merge_size**2): the tower runs on the patch count rounded up to a
+    multiple of it, so micro-batches of other image sizes repeat the blocks' shapes (compiled graphs, kernel
+    configs). The extra zero patches attend only among themselves, in segments no longer than the longest
+    image's (the attention's longest row stays), and their merged tokens are dropped: the real patches' outputs
+    and every gradient are the unpadded ones (the same arithmetic; sums over the patch axis add exact zeros)."""
     if grid_thw.device.type != "cpu":
         raise ValueError(
             "build_vision_meta wants grid_thw on the CPU (it reads its values); the data pipeline "
@@ -107,6 +117,16 @@ def build_vision_meta(
         wts.append((rw[:, :, None] * cw[:, None, :]).reshape(-1, 4).float())
         hw.append(torch.stack([rows, cols], -1))
         seg += [h * w] * t
+    if bucket and bucket % merge**2:
+        raise ValueError(f"vision bucket={bucket} is not a multiple of spatial_merge_size**2={merge**2}: the padded "
+                         "patches must merge into whole tokens; pick a multiple of it (or 0 for no bucket).")
+    n_pad = -sum(seg) % bucket if bucket and seg else 0
+    if n_pad:  # pad segments, each at most the longest real one
+        longest = max(seg)
+        seg += [longest] * (n_pad // longest) + ([n_pad % longest] if n_pad % longest else [])
+        idx.append(torch.zeros(n_pad, 4, dtype=torch.int64))
+        wts.append(torch.zeros(n_pad, 4))
+        hw.append(torch.zeros(n_pad, 2, dtype=torch.int64))
     if not seg:  # no images (a rank the encoder balance gives none): zero-size metadata, the tower runs on nothing
         z = torch.zeros(0, 4, dtype=torch.int64)
         meta = VisionMeta(z, z.float(), z[:, :2], backend, None, torch.zeros(1, dtype=torch.int32), 0)
@@ -142,6 +162,7 @@ def build_vision_meta(
         mask=mask,
         cu_seqlens=cu,
         max_seqlen=max_seqlen,
+        n_pad=n_pad,
     )
     return meta if device is None else move_vision_meta(meta, device)
 
@@ -329,6 +350,8 @@ class VisionTower(nn.Module):
 
     def forward(self, pixels_NP: torch.Tensor, meta: VisionMeta) -> tuple[torch.Tensor, list[torch.Tensor]]:
         w = self.patch_embed.weight
+        if meta.n_pad:  # the bucket's zero patches (build_vision_meta), dropped from the outputs below
+            pixels_NP = F.pad(pixels_NP, (0, 0, 0, meta.n_pad))
         x = self.patch_embed(pixels_NP.to(w.dtype))
         pos = (self.pos_embed(meta.pos_idx) * meta.pos_w[:, :, None].to(self.pos_embed.weight.dtype)).sum(1)
         x = x + pos.to(x.dtype)
@@ -339,7 +362,10 @@ class VisionTower(nn.Module):
             x = blk(x, cos, sin, meta)
             if i in ds_index:
                 deepstack.append(self.deepstack_merger_list[ds_index[i]](x))
-        return self.merger(x), deepstack
+        if not meta.n_pad:
+            return self.merger(x), deepstack
+        m = (x.shape[0] - meta.n_pad) // self.cfg.spatial_merge_size**2  # the real merged tokens
+        return self.merger(x)[:m], [d[:m] for d in deepstack]
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02):
