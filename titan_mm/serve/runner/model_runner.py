@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from titan_mm.kernels import paged_decode_attention
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.nn.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, plan_step, state_shapes
 from titan_mm.serve.core.scheduler import Row
@@ -129,8 +130,6 @@ class ModelRunner:
     def __init__(self, model, spec, model_cfg, device: torch.device, dtype: torch.dtype, block_size: int,
                  num_blocks: int, max_num_seqs: int, tp: int = 1, paged_decode: bool = True, max_model_len: int = 0,
                  cuda_graphs: bool = True, packed_prefill: bool = False):
-        from titan_mm.kernels import paged_decode_attention
-
         self.model, self.spec, self.cfg = model, spec, model_cfg
         self.decode_attention = paged_decode_attention if paged_decode else None
         self.device, self.dtype = device, dtype
