@@ -178,8 +178,9 @@ def main(argv=None) -> int:
         timed(engine.scheduler, name, acc, device)
     for name in ("prepare", "decode", "forward"):  # decode: the one-token rows (its eager forward inside)
         timed(engine.runner, name, acc, device)
-    for name in ("_launch", "_resolve", "_advance", "_output"):  # asynchronous steps: _launch + _resolve
-        timed(engine, name, acc, device)
+    for name in ("_launch", "_update"):  # EngineCore: the asynchronous launch, then the tokens into the sequences
+        timed(engine.core, name, acc, device)
+    timed(engine.core.outputs, "output", acc, device)  # each touched request's RequestOutput
     for i, (p, n) in enumerate(zip(prompts, news)):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     rows = []
