@@ -64,13 +64,13 @@ TINY_CLIPS = (37, 120, 260)
 
 # name -> family (registry model), flavor, the tower's module in the built model, its inputs (grids in patches
 # (t, h, w), or clips in mel frames), the host metadata builder and the family's FLOP counter; buckets: its
-# metadata takes --bucket (build_vision_meta's bucketed patch counts); tiny: the smoke's
+# metadata takes --bucket (build_vision_meta's / build_window_meta's bucketed patch counts); tiny: the smoke's
 TOWERS: dict[str, dict] = {
     "qwen3_vl_vit": dict(model="qwen3_vl", flavor="2B", module="visual", grids=[(1, 32, 32)] * 8,
                          meta=build_vision_meta, flops=vl3_flops.vision_flops, buckets=True,
                          tiny=dict(flavor="debug", grids=[(1, 8, 8), (1, 4, 6), (1, 6, 10)])),
     "qwen2_5_vl_vit": dict(model="qwen2_5_vl", flavor="7B", module="visual", grids=[(1, 36, 36)] * 8,
-                           meta=build_window_meta, flops=vl25_flops.vision_flops,
+                           meta=build_window_meta, flops=vl25_flops.vision_flops, buckets=True,
                            tiny=dict(flavor="debug", grids=[(1, 8, 8), (1, 4, 6), (1, 6, 10)])),
     "qwen2_5_omni_audio": dict(model="qwen2_5_omni", flavor="7B", module="audio_tower", clips=CLIPS,
                                meta=omni_audio.build_audio_meta, flops=omni_flops.audio_flops,
@@ -85,7 +85,8 @@ CPU_RULES = (("attention", ("attention", "sdpa", "flash", "softmax")),
              ("gemm", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "convolution", "aten::_convolution")),
              ("norms", ("norm", "rsqrt")))
 # the table's columns: bench/profile_split.py's categories, norms and the memory-bound rest taken together
-COLUMNS = (("GEMM", ("gemm",)), ("attention", ("attention",)), ("norms + elementwise", ("norms", "elementwise", "copies")),
+COLUMNS = (("GEMM", ("gemm",)), ("attention", ("attention",)),
+           ("norms + elementwise", ("norms", "elementwise", "copies")),
            ("other", ("other", "loss", "moe_routing", "moe_permute", "optimizer", "comm")), ("idle", ("idle",)))
 
 

@@ -57,8 +57,9 @@ def test_varied_sizes_on_bucketed_patch_counts(tmp_path, capsys):
 def test_mistakes_are_one_error(capsys):
     for argv, want in ((["--towers", "qwen3_vl_vitt", "--cpu"],
                         "error: --towers: unknown ['qwen3_vl_vitt']; choose from " + str(list(towers.TOWERS))),
-                       (["--towers", "qwen2_5_vl_vit", "--bucket", "64", "--cpu"],
-                        "error: --bucket 64: ['qwen2_5_vl_vit'] take no bucket; give --towers qwen3_vl_vit with it")):
+                       (["--towers", "qwen2_5_omni_audio", "--bucket", "64", "--cpu"],
+                        "error: --bucket 64: ['qwen2_5_omni_audio'] take no bucket; give --towers "
+                        "qwen3_vl_vit,qwen2_5_vl_vit with it")):
         with pytest.raises(SystemExit) as e:
             towers.main(argv)
         assert e.value.code == 2

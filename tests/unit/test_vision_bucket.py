@@ -13,8 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from titan_mm.models.qwen2_5_vl.vision import build_window_meta
 from titan_mm.models.qwen3_vl.config import VisionConfig
 from titan_mm.models.qwen3_vl.vision import VisionTower, build_vision_meta
+from titan_mm.registry import get_model_spec, resolve_model
 
 CFG = VisionConfig(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, temporal_patch_size=2,
                    spatial_merge_size=2, out_hidden_size=48, num_position_embeddings=36,
@@ -32,6 +34,10 @@ def _tower() -> VisionTower:
     return t
 
 
+def _pixels(cfg, seed: int) -> torch.Tensor:
+    return torch.randn(int(GRID.prod(-1).sum()), cfg.patch_dim, generator=torch.Generator().manual_seed(seed))
+
+
 def _run(tower, x, meta, grad: bool):
     """(merged, *DeepStack, and with ``grad``: the pixels' gradient and every parameter's) of one forward."""
     tower.zero_grad(set_to_none=True)
@@ -46,8 +52,8 @@ def _run(tower, x, meta, grad: bool):
     return [o.detach() for o in outs] + [xi.grad] + [p.grad for p in tower.parameters()]
 
 
-def _close(got, want, k: int):
-    rtol = (2 * CFG.depth + 4) * k * U
+def _close(got, want, k: int, depth: int = CFG.depth):
+    rtol = (2 * depth + 4) * k * U
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.shape == w.shape
@@ -57,7 +63,7 @@ def _close(got, want, k: int):
 
 @pytest.mark.parametrize("bucket", [64, 256])
 def test_bucketed_tower_equals_unpadded_sdpa(bucket):
-    tower, x = _tower(), torch.randn(int(GRID.prod(-1).sum()), CFG.patch_dim, generator=torch.Generator().manual_seed(1))
+    tower, x = _tower(), _pixels(CFG, 1)
     meta = build_vision_meta(GRID, CFG, "sdpa", bucket=bucket)
     n = x.shape[0]
     assert meta.n_pad == -n % bucket and (n + meta.n_pad) % bucket == 0 and meta.pos_idx.shape[0] == n + meta.n_pad
@@ -68,7 +74,7 @@ def test_bucketed_tower_equals_unpadded_sdpa(bucket):
 
 def test_bucketed_tower_equals_unpadded_flex_forward():
     """flex has no CPU backward: the forward of its BlockMask path (pads as their own documents)."""
-    tower, x = _tower(), torch.randn(int(GRID.prod(-1).sum()), CFG.patch_dim, generator=torch.Generator().manual_seed(2))
+    tower, x = _tower(), _pixels(CFG, 2)
     meta = build_vision_meta(GRID, CFG, "flex", bucket=256)
     with torch.no_grad():
         _close(_run(tower, x, meta, False), _run(tower, x, build_vision_meta(GRID, CFG, "flex"), False), 256)
@@ -85,3 +91,20 @@ def test_bucket_shapes_repeat_and_mistakes_are_one_error():
         build_vision_meta(GRID, CFG, "sdpa", bucket=6)
     empty = build_vision_meta(torch.zeros(0, 3, dtype=torch.int64), CFG, "sdpa", bucket=64)
     assert empty.n_pad == 0 and empty.pos_idx.shape[0] == 0  # no images: nothing to pad
+
+
+@pytest.mark.parametrize("bucket", [64, 256])
+def test_bucketed_windowed_tower_equals_unpadded(bucket):
+    """Qwen2.5-VL's windowed ViT (the debug flavor's tower, random weights): window and full-attention blocks."""
+    _, cfg = resolve_model("qwen2_5_vl", "debug", attn_backend="sdpa")
+    torch.manual_seed(0)
+    tower = get_model_spec("qwen2_5_vl").build(cfg).visual.float()
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.copy_(0.15 * torch.randn(p.shape))
+    x, n = _pixels(cfg.vision, 3), int(GRID.prod(-1).sum())
+    meta = build_window_meta(GRID, cfg.vision, "sdpa", bucket=bucket)
+    assert meta.full.n_pad == meta.window.n_pad == -n % bucket and meta.order.shape[0] == n + meta.full.n_pad
+    assert torch.equal(meta.order[n:], torch.arange(n, n + meta.full.n_pad)) and meta.inverse.shape[0] == n // 4
+    ref = build_window_meta(GRID, cfg.vision, "sdpa")
+    _close(_run(tower, x, meta, True), _run(tower, x, ref, True), n + meta.full.n_pad, cfg.vision.depth)

@@ -70,17 +70,20 @@ def window_order(grid_thw: torch.Tensor, cfg: VisionConfig) -> tuple[torch.Tenso
 
 
 def build_window_meta(grid_thw: torch.Tensor, cfg: VisionConfig, backend: str = "sdpa",
-                      device: torch.device | str | None = None) -> WindowMeta:
+                      device: torch.device | str | None = None, bucket: int = 0) -> WindowMeta:
     """Host-side metadata for one vision forward over the images / videos of ``grid_thw`` ([n, 3] (t, h, w) in
     patches, in the order of their patches in the pixel values). Raises when a grid is not a multiple of the
-    merge size (as build_vision_meta does)."""
+    merge size (as build_vision_meta does). ``bucket``: the patch count rounded up to a multiple of it, as
+    build_vision_meta's (the zero patches go last in the window order too, and ``inverse`` never reads their
+    merged tokens)."""
     m2 = cfg.spatial_merge_size**2
     # the inner metas are built on ``device``: a flex mask cannot move after it is built (see move_vision_meta)
-    full = build_vision_meta(grid_thw, segments_config(cfg.spatial_merge_size), backend, device)  # checks grids
+    full = build_vision_meta(grid_thw, segments_config(cfg.spatial_merge_size), backend, device, bucket)  # checks grids
     units, lens = window_order(grid_thw, cfg)
     order = (units[:, None] * m2 + torch.arange(m2)).reshape(-1)
+    order = torch.cat([order, torch.arange(len(order), len(order) + full.n_pad)])  # the bucket's pads stay last
     seg = torch.tensor([[1, 1, n] for n in lens])
-    window = build_vision_meta(seg, segments_config(1), backend, device)
+    window = build_vision_meta(seg, segments_config(1), backend, device, bucket)
     empty = torch.zeros(0, 4, dtype=torch.int64)
     strip = dict(pos_idx=empty, pos_w=empty.float(), rope_hw=empty[:, :2])  # Qwen2.5-VL has no position table
     meta = WindowMeta(order=order, inverse=torch.argsort(units), rope_hw=full.rope_hw[order.to(full.rope_hw.device)],
@@ -155,6 +158,8 @@ class VisionTower(nn.Module):
 
     def forward(self, pixels_NP: torch.Tensor, meta: WindowMeta) -> tuple[torch.Tensor, list[torch.Tensor]]:
         w = self.patch_embed.weight
+        if meta.full.n_pad:  # the bucket's zero patches (build_window_meta); ``inverse`` drops their tokens
+            pixels_NP = F.pad(pixels_NP, (0, 0, 0, meta.full.n_pad))
         x = F.linear(pixels_NP.index_select(0, meta.order).to(w.dtype), w)  # window order
         cos, sin = vision_rope(meta.rope_hw, self.head_dim, self.cfg.rope_theta)
         for blk in self.blocks:
