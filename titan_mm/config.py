@@ -459,7 +459,7 @@ class Eval:
     tasks: list[str] = field(default_factory=list)
     """Generation tasks run through the serving engine on the live weights: digits (VL: held-out digit images),
     qa (held-out text QA, exact match), dtmf / dtmf_digits / dtmf_seq (Omni: held-out key tones, one key alone or
-    with a digits image, or 1-6 keys; decoded through the training forward, which takes audio), or a JSONL file
+    with a digits image, or 1-6 keys), or a JSONL file
     of {"messages" | "prompt", "reference"} lines, scored by exact match or by "FILE.jsonl|pkg.module:function"
     (function(prediction, reference) -> float)."""
     task_limit: int = 64

@@ -10,7 +10,6 @@ import torch
 from titan_mm.config import ConfigError, load_config
 from titan_mm.data.processors import Processor, ProcessorConfig
 from titan_mm.eval.evaluator import engine_texts, eval_engine
-from titan_mm.eval.forward_decode import greedy_texts
 from titan_mm.eval.tasks import load_task
 from titan_mm.export import export
 from titan_mm.loader import load_model, load_weights, resolve_source
@@ -18,6 +17,8 @@ from titan_mm.tools.eval_digits import main as digits_main
 from titan_mm.train.checkpoint import CheckpointError
 from titan_mm.train.setup import setup
 from titan_mm.launch.train import main as train_main
+
+from tests.unit._greedy_forward import forward_greedy
 
 ONE_STEP = ["--training.steps", "1", "--checkpoint.interval", "1", "--checkpoint.async_mode", "disabled",
             "--metrics.enable_tensorboard", "False", "--eval.interval", "0", "--data.micro_batch_size", "1",
@@ -79,8 +80,7 @@ def test_eval_digits_answers_are_the_training_forwards_greedy_answers(vl, capsys
     items = load_task("digits", limit=6).items
     engine = eval_engine(got.model, got.spec, got.model_cfg, got.tokenizer, torch.device("cpu"), got.data)
     proc = Processor(got.tokenizer, ProcessorConfig(got.data, got.spec.data_needs(got.model_cfg)))
-    ref = greedy_texts(got.model, got.spec, got.model_cfg, proc, [it["messages"] for it in items], 3,
-                       torch.device("cpu"))
+    ref = forward_greedy(got.model, got.spec, got.model_cfg, proc, [it["messages"] for it in items], 3)
     assert engine_texts(engine, items, 3) == ref
 
     capsys.readouterr()

@@ -6,9 +6,8 @@ with the training layout of micro-batch slots (so the rows do not depend on the 
 eval.max_batches global batches are kept and scored at every eval by titan_mm.train.step.eval_loss_sums (the
 mesh and plan as trained, no grads). Generation: the live parameters are gathered in memory
 (get_model_state_dict, full tensors on every rank; no disk), put into a model of the same family built on meta,
-and an Engine with a pool sized for this eval runs the tasks greedily, each rank taking every world-th prompt (tasks
-with audio, which the engine does not serve yet, decode through that model's forward: titan_mm.eval.forward_decode);
-the engine and the gathered tensors are freed before training goes on. RNG state is put back afterwards, so a
+and an Engine with a pool sized for this eval runs the tasks greedily (images and audio clips included), each rank
+taking every world-th prompt; the engine and the gathered tensors are freed before training goes on. RNG state is put back afterwards, so a
 run with eval trains the same steps as one without.
 """
 
@@ -29,9 +28,7 @@ import torch.distributed as dist
 
 from titan_mm.config import Data, JobConfig
 from titan_mm.data.loader import resolve_sources
-from titan_mm.data.processors import Processor, ProcessorConfig
 from titan_mm.data.tokenizer import load_tokenizer
-from titan_mm.eval.forward_decode import greedy_texts
 from titan_mm.eval.tasks import Task, load_task
 from titan_mm.loader import tokenizer_path
 from titan_mm.observe.health import peak_memory_gb, reset_peak_memory
@@ -150,17 +147,11 @@ class Evaluator:
         t0 = time.perf_counter()
         model, gen_cfg = self.gathered_model()
         tok = load_tokenizer(tokenizer_path(self.cfg))
-        engine = (eval_engine(model, run.spec, gen_cfg, tok, run.device, self.cfg.data)
-                  if any(t.engine for t in self.tasks) else None)
+        engine = eval_engine(model, run.spec, gen_cfg, tok, run.device, self.cfg.data)
         m: dict[str, Any] = {"eval/handoff_s": time.perf_counter() - t0}
         for task in self.tasks:
             mine = task.items[run.rank::run.world]
-            if task.engine:
-                texts = engine_texts(engine, mine, e.max_new_tokens)
-            else:
-                proc = Processor(tok, ProcessorConfig(self.cfg.data, run.spec.data_needs(gen_cfg)))
-                texts = greedy_texts(model, run.spec, gen_cfg, proc, [it["messages"] for it in mine],
-                                     e.max_new_tokens, run.device)
+            texts = engine_texts(engine, mine, e.max_new_tokens)
             score = sum(task.metric(x, it["reference"]) for x, it in zip(texts, mine) if x is not None)
             t = torch.tensor([score, sum(x is not None for x in texts), sum(x is None for x in texts)],
                              dtype=torch.float64)
@@ -221,11 +212,12 @@ def eval_engine(model, spec, model_cfg, tokenizer, device: torch.device, data: D
 def engine_texts(engine, items: list[dict], max_new_tokens: int) -> list[str | None]:
     """The engine's greedy answer to each task item ({"messages": [...]} rendered by the chat template with the
     assistant's turn opened, or {"prompt": raw text}); None for a prompt the engine refuses (too long)."""
-    prompts, images = [], []
+    prompts, images, videos, audios = [], [], [], []
     for it in items:
-        ids, imgs = (engine.chat_prompt(it["messages"]) if "messages" in it else
-                     (engine.tokenizer.encode(it["prompt"]), []))
-        prompts.append(ids)
-        images.append(imgs)
+        ids, im, vi, au = (engine.chat_media(it["messages"]) if "messages" in it else
+                           (engine.tokenizer.encode(it["prompt"]), [], [], []))
+        for got, x in ((prompts, ids), (images, im), (videos, vi), (audios, au)):
+            got.append(x)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-    return [o.outputs[0].text if o else None for o in engine.generate(prompts, params, images, skip_bad=True)]
+    outs = engine.generate(prompts, params, images, videos=videos, audios=audios, skip_bad=True)
+    return [o.outputs[0].text if o else None for o in outs]

@@ -19,11 +19,9 @@ from pathlib import Path
 from titan_mm.config import ConfigError
 from titan_mm.data.builtin import builtin_records
 
-# name -> (built-in source, metric name, decoded by the serving engine; False: through the training forward,
-# titan_mm.eval.forward_decode, for media the engine does not serve yet)
-BUILTIN = {"digits": ("digits_test", "accuracy", True), "qa": ("qa_test", "exact_match", True),
-           "dtmf": ("dtmf_test", "accuracy", False), "dtmf_digits": ("dtmf_digits_test", "accuracy", False),
-           "dtmf_seq": ("dtmf_seq_test", "accuracy", False)}
+# name -> (built-in source, metric name)
+BUILTIN = {"digits": ("digits_test", "accuracy"), "qa": ("qa_test", "exact_match"), "dtmf": ("dtmf_test", "accuracy"),
+           "dtmf_digits": ("dtmf_digits_test", "accuracy"), "dtmf_seq": ("dtmf_seq_test", "accuracy")}
 
 
 def exact_match(prediction: str, reference: str) -> float:
@@ -38,8 +36,6 @@ class Task:
     metric: Callable[[str, str], float]
     items: list[dict]
     """{"messages": [...] | "prompt": str, "reference": str}, in file order."""
-    engine: bool = True
-    """Decoded by the serving engine; False: by titan_mm.eval.forward_decode (chat prompts only)."""
 
 
 def _callable(path: str, task: str) -> Callable[[str, str], float]:
@@ -77,12 +73,12 @@ def read_jsonl_items(path: Path, task: str, key: str = "eval.tasks") -> list[dic
 def load_task(spec: str, limit: int = 0) -> Task:
     """The task named by one ``[eval] tasks`` entry, its first ``limit`` prompts (0: all)."""
     if spec in BUILTIN:
-        name, metric, engine = BUILTIN[spec]
+        name, metric = BUILTIN[spec]
         records = builtin_records(name)
         if limit:  # the dtmf records are made when read: take the first ``limit`` before reading them
             records = records[:limit]
         items = [{"messages": r["messages"][:-1], "reference": r["answer"]} for r in records]
-        task = Task(spec, metric, exact_match, items, engine)
+        task = Task(spec, metric, exact_match, items)
     else:
         file, _, fn = spec.partition("|")
         path = Path(file)
