@@ -6,7 +6,8 @@
 What a path names (:func:`resolve_source`):
 - an HF model folder (config.json + safetensors), or a Hub repo id fetched into the HF cache
   (titan_mm.models.hf_io.local_hf_dir): the family its config.json names, its tokenizer, the image resize bounds of
-  its preprocessor_config.json and the stop ids of its generation_config.json;
+  its preprocessor_config.json, the video bounds and frame sampling of its video_preprocessor_config.json and the
+  stop ids of its generation_config.json;
 - a titan_mm run folder, checkpoints folder or step folder: the newest committed checkpoint whose files pass their
   checksums (titan_mm.checkpoint_io.resolve_verified); the architecture from the config.toml saved inside it,
   only the model's weights read from DCP (one process, whatever the world that wrote them), the run's tokenizer.
@@ -56,7 +57,7 @@ class Loaded:
     spec: ModelSpec
     model_cfg: Any
     data: Data
-    """The [data] the model trained with (a checkpoint), else defaults with the HF folder's image resize bounds."""
+    """The [data] the model trained with (a checkpoint), else defaults with the HF folder's image / video processing."""
     tokenizer: Any
     """titan_mm.data.tokenizer.Tokenizer: the run's, or the HF folder's."""
     eos_ids: list[int] | None
@@ -141,7 +142,7 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", *, s
     src = resolve_source(path)
     if src.is_hf:
         spec, model_cfg = hf_model_config(src.path, attn_backend="sdpa", kernels=kernels and device.type == "cuda")
-        data, eos, tok = _hf_image_bounds(src.path), _hf_eos(src.path), tokenizer_for(None, str(src.path))
+        data, eos, tok = _hf_media_bounds(src.path), _hf_eos(src.path), tokenizer_for(None, str(src.path))
     else:  # the architecture as the run resolved it, with the CPU's runtime defaults (sdpa; kernels as configured)
         spec, model_cfg = model_from_config(src.job, torch.device("cpu"))
         data, eos, tok = src.job.data, None, tokenizer_path(src.job)
@@ -191,17 +192,32 @@ def _hf_json(f: Path) -> dict:
     return d
 
 
-def _hf_image_bounds(folder: Path) -> Data:
-    """[data] image resize bounds from an exported folder's preprocessor_config.json (defaults otherwise)."""
-    f = folder / "preprocessor_config.json"
-    size = _hf_json(f).get("size") or {}
+_HF_PROCESSING = {
+    "preprocessor_config.json": {("size", "shortest_edge"): "image_min_pixels",
+                                 ("size", "longest_edge"): "image_max_pixels"},
+    "video_preprocessor_config.json": {("size", "shortest_edge"): "video_min_pixels",
+                                       ("size", "longest_edge"): "video_max_pixels", ("fps",): "video_fps",
+                                       ("min_frames",): "video_min_frames", ("max_frames",): "video_max_frames"},
+}
+"""An HF folder's processor files -> (key path -> the [data] field the training processor reads it as)."""
+
+
+def _hf_media_bounds(folder: Path) -> Data:
+    """[data] image and video processing (resize bounds, frame sampling) from an HF folder's preprocessor_config.json
+    and video_preprocessor_config.json (Data's defaults for what they do not say)."""
     kw = {}
-    for key, name in (("shortest_edge", "image_min_pixels"), ("longest_edge", "image_max_pixels")):
-        v = size.get(key) if isinstance(size, dict) else None
-        if v is not None and not (conforms(v, float) and v > 0):
-            raise ConfigError(f"{f}: size.{key} = {v!r} must be a positive number of pixels")
-        if v is not None:
-            kw[name] = int(v)
+    for name, keys in _HF_PROCESSING.items():
+        f = folder / name
+        d = _hf_json(f)
+        for path, field in keys.items():
+            v = d
+            for k in path:
+                v = v.get(k) if isinstance(v, dict) else None
+            if v is None:
+                continue
+            if not (conforms(v, float) and v > 0):
+                raise ConfigError(f"{f}: {'.'.join(path)} = {v!r} must be a positive number")
+            kw[field] = type(getattr(Data, field))(v)
     return Data(**kw)
 
 

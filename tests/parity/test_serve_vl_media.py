@@ -31,10 +31,11 @@ av = pytest.importorskip("av")
 from tests.parity.test_qwen3_vl_parity import hf_config as q3_hf_config, randomize_  # noqa: E402
 from tests.parity.test_qwen2_5_vl_parity import hf_config as q25_hf_config  # noqa: E402
 from tests.parity.test_serve_generate import left_padded  # noqa: E402
-from titan_mm.config import Data  # noqa: E402
+from titan_mm.config import ConfigError, Data  # noqa: E402
 from titan_mm.data import vision  # noqa: E402
 from titan_mm.data.processors import ProcessorConfig  # noqa: E402
 from titan_mm.data.tokenizer import load_tokenizer  # noqa: E402
+from titan_mm.loader import load_model  # noqa: E402
 from titan_mm.models.qwen2_5_vl import Qwen2_5_VLConfig, hf as q25_hf  # noqa: E402
 from titan_mm.models.qwen3_vl import hf as q3_hf  # noqa: E402
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig  # noqa: E402
@@ -151,12 +152,16 @@ def check(outs, expanded, refs):
 
 @pytest.fixture(scope="module")
 def q25_folder(tmp_path_factory):
-    """The tiny Qwen2.5-VL as transformers writes it, with the image bounds of DATA in its preprocessor config."""
+    """The tiny Qwen2.5-VL as transformers writes it, with DATA's image and video processing in its processor
+    configs (as HF's image and video processors save theirs)."""
     hf = models("qwen2_5_vl")[0]
     d = tmp_path_factory.mktemp("q25vl")
     hf.save_pretrained(d)
     (d / "preprocessor_config.json").write_text(json.dumps(
         {"size": {"shortest_edge": DATA.image_min_pixels, "longest_edge": DATA.image_max_pixels}}))
+    (d / "video_preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": DATA.video_min_pixels, "longest_edge": DATA.video_max_pixels},
+         "fps": DATA.video_fps, "min_frames": DATA.video_min_frames, "max_frames": DATA.video_max_frames}))
     return d
 
 
@@ -196,13 +201,19 @@ def video_case(family: str):
 
 @pytest.mark.parametrize("serve", [dict(), dict(max_num_batched_tokens=16, max_num_seqs=4)],
                          ids=["packed", "chunked"])
-def test_qwen2_5_vl_images_from_hf_folder(q25_folder, serve):
-    prompts, images, _, expanded, refs = image_case()
+def test_qwen2_5_vl_from_hf_folder(q25_folder, serve, tmp_path):
+    """Images (and the videos of test_videos_match_hf_generate) through Engine.from_pretrained, which reads the
+    folder's image and video processing."""
     engine = Engine.from_pretrained(q25_folder, ServeConfig(block_size=4, num_blocks=128, max_model_len=256,
                                                             **serve), device="cpu")
-    assert engine.spec.name == "qwen2_5_vl" and engine.data.image_max_pixels == DATA.image_max_pixels
-    check(engine.generate(prompts, GREEDY, images=images), expanded, refs)
+    assert engine.spec.name == "qwen2_5_vl" and engine.data == DATA
+    for prompts, images, videos, expanded, refs in (image_case(), video_case("qwen2_5_vl")):
+        check(engine.generate(prompts, GREEDY, images=images, videos=videos), expanded, refs)
     assert engine.stats()["kv_blocks_used"] == 0
+    (tmp_path / "config.json").symlink_to(q25_folder / "config.json")  # read before any weight
+    (tmp_path / "video_preprocessor_config.json").write_text('{"fps": "fast"}')
+    with pytest.raises(ConfigError, match=r"video_preprocessor_config.json: fps = 'fast' must be a positive number"):
+        load_model(tmp_path)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
