@@ -205,18 +205,25 @@ def titan_argv(case: dict, stack: str, args) -> list[str]:
     return argv
 
 
+def titan_config(case: dict, stack: str, args):
+    """The JobConfig of a titan stack on a case (titan_argv). The float8-expert stacks first set
+    MEASURE_FLOAT8_EXPERTS in this (worker) process: the config refuses float8.moe_experts otherwise."""
+    from titan_mm.config import MEASURE_FLOAT8_EXPERTS, load_config
+
+    if stack in F8_EXPERT_STACKS:  # measure what the trainer refuses (each (case, stack) is its own process)
+        os.environ[MEASURE_FLOAT8_EXPERTS] = "1"
+    return load_config(titan_argv(case, stack, args))
+
+
 def _titan_builder(case, stack, args, device):
     """The trainer's setup(cfg) (titan_mm.train.setup: meshes, registry model -> parallelize -> materialize,
     optimizer, schedule, step context) for the case; titan_plain hands it its hand-built model."""
     import torch
 
-    from titan_mm.config import MEASURE_FLOAT8_EXPERTS, load_config
     from titan_mm.train.setup import setup, tune_kernels
     from titan_mm.train.step import train_step
 
-    if stack in F8_EXPERT_STACKS:  # measure what the trainer refuses (this worker process only)
-        os.environ[MEASURE_FLOAT8_EXPERTS] = "1"
-    cfg = load_config(titan_argv(case, stack, args))
+    cfg = titan_config(case, stack, args)
     run = setup(cfg, model_fn=_plain_model if stack == "titan_plain" else None)
     spec, mc, device = run.spec, run.model_cfg, run.device
     batch = case_batch(case, spec, mc, device)
@@ -481,7 +488,7 @@ def does_not_fit(case: str, stack: str, ceil: dict) -> str | None:
     return None
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="qwen3_1.7b")
     ap.add_argument("--stacks", default="titan,titan_f8,torchtitan,hf_liger")
@@ -511,6 +518,11 @@ def main() -> int:
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--stack", help=argparse.SUPPRESS)
     ap.add_argument("--trace-file", default="", help=argparse.SUPPRESS)
+    return ap
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
     try:
         if not isinstance(json.loads(args.model_overrides or "{}"), dict):

@@ -121,6 +121,21 @@ def test_float8_experts_are_refused_until_they_pay(monkeypatch):
     assert load_config(argv + ["--float8.moe_experts", "true"]).float8.moe_experts
 
 
+def test_bench_still_measures_float8_experts(monkeypatch):
+    """bench/mfu.py's float8-expert stacks get their config (the variable set in their worker); the others do not
+    set it, and their configs keep the experts in bf16."""
+    mfu = pytest.importorskip("bench.mfu")
+    monkeypatch.delenv(MEASURE_FLOAT8_EXPERTS, raising=False)
+    args = mfu.build_parser().parse_args(["--cases", "qwen3_30b_a3b_4l"])
+    case = mfu.CASES["qwen3_30b_a3b_4l"]
+    assert not mfu.titan_config(case, "titan_opt", args).float8.moe_experts
+    assert os.environ.get(MEASURE_FLOAT8_EXPERTS) is None
+    for stack in mfu.F8_EXPERT_STACKS:
+        cfg = mfu.titan_config(case, stack, args)
+        assert cfg.float8.moe_experts and cfg.training.param_dtype == "bfloat16"
+    assert os.environ[MEASURE_FLOAT8_EXPERTS] == "1"  # monkeypatch removes it after the test
+
+
 def test_config_errors_before_the_model_is_built(monkeypatch):
     from titan_mm.train.setup import model_from_config
 
