@@ -1,14 +1,15 @@
 """Audio in the serving engine (a tiny random Qwen2.5-Omni thinker, the built-in Qwen2.5-Omni tokenizer): OpenAI
-``input_audio`` parts through /v1/chat/completions (FastAPI's TestClient) answer what ``Engine.generate`` answers;
-a bad audio part is a 400 naming its field; the engine's own checks of ``audios``; a clip's pads sit where the
-training processor puts them, with the family's TMRoPE positions; two prompts of the same tokens with different
-clips share the prefix-cache keys of the blocks before the clip only. Greedy parity with transformers:
-tests/parity/test_serve_omni.py."""
+``input_audio`` parts (wav, flac) through /v1/chat/completions (FastAPI's TestClient) answer what
+``Engine.generate`` answers; a bad audio part is a 400 naming its field; the engine's own checks of ``audios``; a
+clip's pads sit where the training processor puts them, with the family's TMRoPE positions; two prompts of the
+same tokens with different clips share the prefix-cache keys of the blocks before the clip only. Greedy parity
+with transformers: tests/parity/test_serve_omni.py."""
 
 import base64
 import io
 import wave
 
+import av
 import numpy as np
 import pytest
 import torch
@@ -38,6 +39,17 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 def sine(ms: int, hz: float = 440.0, rate: int = 16000) -> np.ndarray:
     t = np.arange(ms * rate // 1000) / rate
     return (0.5 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
+
+
+def flac_bytes(x: np.ndarray, rate: int) -> bytes:
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="flac") as c:
+        st = c.add_stream("flac", rate=rate, layout="mono")
+        frame = av.AudioFrame.from_ndarray((x * 32767).astype(np.int16)[None], format="s16", layout="mono")
+        frame.sample_rate = rate
+        for packet in [*st.encode(frame), *st.encode(None)]:
+            c.mux(packet)
+    return buf.getvalue()
 
 
 def wav_bytes(x: np.ndarray, rate: int) -> bytes:
@@ -82,6 +94,11 @@ def test_input_audio_parts_and_bad_ones(omni):
         (ref,) = engine.generate([ids], GREEDY, audios=[audios])
         assert r.json()["choices"][0]["message"]["content"] == ref.outputs[0].text
         assert r.json()["usage"]["prompt_tokens"] == len(ref.prompt_token_ids) > len(ids)  # expanded audio pads
+        flac = flac_bytes(sine(300), 16000)
+        r = client.post("/v1/chat/completions", json=body | {"messages": _chat({"type": "input_audio", "input_audio": {
+            "data": base64.b64encode(flac).decode(), "format": "flac"}})})
+        (ref,) = engine.generate([ids], GREEDY, audios=[[flac]])
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ref.outputs[0].text
 
         at = "messages[0].content[1].input_audio"
         for audio_part, param, words in (
