@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from tests.unit.test_vision_bucket import CFG, GRID, _run, _tower
+from tests.unit.test_vision_bucket import CFG, GRID, _pixels, _run, _tower, windowed_tower
+from titan_mm.models.qwen2_5_vl.vision import build_window_meta
 from titan_mm.models.qwen3_vl.vision import build_vision_meta
 
 towers = pytest.importorskip("bench.towers")
@@ -34,16 +35,22 @@ def test_towers_tiny_on_cuda(tmp_path):
 
 
 @pytest.mark.gpu
-def test_bucketed_vit_matches_unpadded_varlen():
-    """The bucketed Qwen3-VL ViT on CUDA's varlen attention in bf16 (tests/unit/test_vision_bucket.py proves it in
-    fp32 on the CPU) against the unpadded one: outputs and gradients. bf16 stores every op's output with 8 bits, so
-    a reordered fp32 accumulation may round a value to its neighbour: one bf16 ulp (2^-8 relative) per reduction on
+@pytest.mark.parametrize("tower", ["qwen3_vl", "qwen2_5_vl_windowed"])
+def test_bucketed_vit_matches_unpadded_varlen(tower):
+    """The bucketed ViTs on CUDA's varlen attention in bf16 (tests/unit/test_vision_bucket.py proves them in fp32 on
+    the CPU) against the unpadded ones: outputs and gradients. bf16 stores every op's output with 8 bits, so a
+    reordered fp32 accumulation may round a value to its neighbour: one bf16 ulp (2^-8 relative) per reduction on
     the path, at most 2 depth + 4 of them."""
-    tower = _tower().to("cuda", torch.bfloat16)
-    x = torch.randn(int(GRID.prod(-1).sum()), CFG.patch_dim, device="cuda")
-    ref = _run(tower, x, build_vision_meta(GRID, CFG, "varlen", "cuda"), True)
-    got = _run(tower, x, build_vision_meta(GRID, CFG, "varlen", "cuda", bucket=256), True)
-    rtol = (2 * CFG.depth + 4) * 2.0**-8
+    if tower == "qwen3_vl":
+        model, vcfg, build = _tower(), CFG, build_vision_meta
+    else:
+        model, cfg = windowed_tower()
+        vcfg, build = cfg.vision, build_window_meta
+    model = model.to("cuda", torch.bfloat16)
+    x = _pixels(vcfg, 0).cuda()
+    ref = _run(model, x, build(GRID, vcfg, "varlen", "cuda"), True)
+    got = _run(model, x, build(GRID, vcfg, "varlen", "cuda", bucket=256), True)
+    rtol = (2 * vcfg.depth + 4) * 2.0**-8
     for g, w in zip(got, ref):
         err = ((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-30)).item()
         assert err <= rtol, f"relative error {err:.2e} over {rtol:.2e}"

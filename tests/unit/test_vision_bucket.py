@@ -34,6 +34,17 @@ def _tower() -> VisionTower:
     return t
 
 
+def windowed_tower():
+    """(Qwen2.5-VL debug flavor's windowed ViT with random fp32 weights, the family config)."""
+    _, cfg = resolve_model("qwen2_5_vl", "debug", attn_backend="sdpa")
+    torch.manual_seed(0)
+    tower = get_model_spec("qwen2_5_vl").build(cfg).visual.float()
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.copy_(0.15 * torch.randn(p.shape))
+    return tower, cfg
+
+
 def _pixels(cfg, seed: int) -> torch.Tensor:
     return torch.randn(int(GRID.prod(-1).sum()), cfg.patch_dim, generator=torch.Generator().manual_seed(seed))
 
@@ -96,12 +107,7 @@ def test_bucket_shapes_repeat_and_mistakes_are_one_error():
 @pytest.mark.parametrize("bucket", [64, 256])
 def test_bucketed_windowed_tower_equals_unpadded(bucket):
     """Qwen2.5-VL's windowed ViT (the debug flavor's tower, random weights): window and full-attention blocks."""
-    _, cfg = resolve_model("qwen2_5_vl", "debug", attn_backend="sdpa")
-    torch.manual_seed(0)
-    tower = get_model_spec("qwen2_5_vl").build(cfg).visual.float()
-    with torch.no_grad():
-        for p in tower.parameters():
-            p.copy_(0.15 * torch.randn(p.shape))
+    tower, cfg = windowed_tower()
     x, n = _pixels(cfg.vision, 3), int(GRID.prod(-1).sum())
     meta = build_window_meta(GRID, cfg.vision, "sdpa", bucket=bucket)
     assert meta.full.n_pad == meta.window.n_pad == -n % bucket and meta.order.shape[0] == n + meta.full.n_pad
