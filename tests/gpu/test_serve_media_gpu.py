@@ -1,5 +1,5 @@
 """Images and videos in served prompts on a GPU: Qwen2.5-VL (windowed ViT, chunked M-RoPE) with images, and
-videos for Qwen2.5-VL and Qwen3-VL (tests/parity/test_serve_vl_media.py's prompts): every model step of the engine
+videos for Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (tests/parity/test_serve_vl_media.py's prompts): every model step of the engine
 runs under torch.cuda.set_sync_debug_mode("error") (a host sync raises), packed and under a 16-token chunked-prefill
 budget, and the fp32 greedy tokens equal transformers' generate on the CPU.
 
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.gpu
 
 CASES = {"qwen2_5_vl_images": ("qwen2_5_vl", image_case),
          "qwen2_5_vl_videos": ("qwen2_5_vl", lambda: video_case("qwen2_5_vl")),
-         "qwen3_vl_videos": ("qwen3_vl", lambda: video_case("qwen3_vl"))}
+         "qwen3_vl_videos": ("qwen3_vl", lambda: video_case("qwen3_vl")),
+         "qwen3_vl_moe_videos": ("qwen3_vl_moe", lambda: video_case("qwen3_vl_moe"))}
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["packed", "chunked"])

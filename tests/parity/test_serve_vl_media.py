@@ -59,13 +59,14 @@ def models(family: str):
     """(HF model, spec, titan config, titan twin) with the same random weights, Qwen's vocabulary and ids."""
     if family not in _CACHE:
         torch.manual_seed(0)
-        base = q25_hf_config() if family == "qwen2_5_vl" else q3_hf_config(False)
+        base = q25_hf_config() if family == "qwen2_5_vl" else q3_hf_config(family == "qwen3_vl_moe")
         d = base.to_dict()
         d["text_config"]["vocab_size"] = VOCAB
         d.update(TOK)
         hcfg = type(base).from_dict(d)
-        cls = (transformers.Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl"
-               else transformers.Qwen3VLForConditionalGeneration)
+        cls = {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+               "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+               "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration}[family]
         hf = cls._from_config(hcfg, attn_implementation="sdpa").float().eval()
         randomize_(hf)
         spec = get_model_spec(family)
@@ -73,6 +74,8 @@ def models(family: str):
         cfg = cfg_cls.from_hf_dict(hcfg.to_dict(), vision_attn_backend="sdpa")
         tm = spec.build(cfg).float()
         tm.load_state_dict(io_.hf_to_titan(dict(hf.state_dict()), cfg), strict=True)
+        if family == "qwen3_vl_moe":  # batched generate: no aux loss over padded rows
+            hf.config.text_config.output_router_logits = False
         _CACHE[family] = hf, spec, cfg, tm.eval()
     return _CACHE[family]
 
@@ -216,7 +219,7 @@ def test_qwen2_5_vl_from_hf_folder(q25_folder, serve, tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_videos_match_hf_generate(family):
     _, spec, cfg, tm = models(family)
     prompts, images, videos, expanded, refs = video_case(family)
