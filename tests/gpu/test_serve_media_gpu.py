@@ -1,7 +1,7 @@
 """Images and videos in served prompts on a GPU: Qwen2.5-VL (windowed ViT, chunked M-RoPE) with images, and
-videos for Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (tests/parity/test_serve_vl_media.py's prompts): every model step of the engine
-runs under torch.cuda.set_sync_debug_mode("error") (a host sync raises), packed and under a 16-token chunked-prefill
-budget, and the fp32 greedy tokens equal transformers' generate on the CPU.
+videos for Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (tests/parity/test_serve_vl_media.py's prompts): every model
+step of the engine runs under torch.cuda.set_sync_debug_mode("error") (a host sync raises), packed and under a
+16-token chunked-prefill budget, and the fp32 greedy tokens equal transformers' generate on the CPU.
 
 Run: PYTHONPATH=$PWD python -m pytest -q -m gpu tests/gpu/test_serve_media_gpu.py
 """
