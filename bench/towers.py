@@ -5,7 +5,8 @@ A multimodal step's MFU counts the encoders in, and the VL / Omni rows of docs/e
 text models' (docs/efficiency.md: "MFU" against "MFU (LLM only)"): this says which tower holds them down, away
 from the decoder. Each tower is built the family's way (``spec.build`` of the flavor on meta, the tower's module
 taken out, materialized on the device and initialized by its own ``init_weights``), with the trainer's runtime:
-bf16 on CUDA (fp32 on the CPU), kernels on CUDA (``kernels.ops`` all), the encoders' attention backend the
+bf16 on CUDA (fp32 on the CPU), kernels on CUDA (``kernels.ops`` all; their launch configs tuned in one eager
+step first, as the trainer's ``tune_kernels`` picks them before its first step), the encoders' attention backend the
 trainer picks (``vision_backend``: varlen on CUDA when torch has it, else flex; sdpa on the CPU), each block
 compiled on CUDA (``--no-compile``: eager). Its host metadata is built once, before the timed steps, as the
 trainer's ``prepare_batch`` does. The loss is the mean square of the tower's outputs (the DeepStack features
@@ -56,6 +57,7 @@ from titan_mm.models.qwen3_omni_moe import audio as omni3_audio, flops as omni3_
 from titan_mm.models.qwen3_vl import flops as vl3_flops  # noqa: E402
 from titan_mm.models.qwen3_vl.model import vision_backend  # noqa: E402
 from titan_mm.models.qwen3_vl.vision import build_vision_meta  # noqa: E402
+from titan_mm.kernels import tuning as kernel_tuning  # noqa: E402
 from titan_mm.registry import get_model_spec, resolve_model  # noqa: E402
 
 PEAK_TFLOPS = 989.0
@@ -171,10 +173,6 @@ def run_tower(name: str, args, device: torch.device) -> dict:
     t, cfg = tower_config(name, args.tiny, device)
     torch.manual_seed(0)
     tower = build_tower(t, cfg, device, dtype)
-    compiled = cuda and not args.no_compile
-    if compiled:  # the trainer's compile units: one per block
-        for blk in tower.blocks:
-            blk.compile()
     sets = [tower_inputs(varied(t, i, args.tiny) if args.vary else t, cfg, device, seed=i, bucket=args.bucket)
             for i in range(max(args.vary, 1))]
     flops = statistics.mean(s[2] for s in sets)
@@ -190,6 +188,14 @@ def run_tower(name: str, args, device: torch.device) -> dict:
         outs = [out[0], *out[1]] if isinstance(out, tuple) else [out]  # the ViTs: (merged, DeepStack features)
         sum(o.float().square().mean() for o in outs).backward()
 
+    if cuda:  # the kernels' launch configs picked before the timed steps, as the trainer's tune_kernels does
+        with kernel_tuning():  # (eager: the compiled blocks then find every key tuned)
+            step()
+        sync()
+    compiled = cuda and not args.no_compile
+    if compiled:  # the trainer's compile units: one per block
+        for blk in tower.blocks:
+            blk.compile()
     for _ in range(args.warmup):
         step()
     sync()
