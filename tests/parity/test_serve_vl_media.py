@@ -24,6 +24,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from fastapi.testclient import TestClient
+from PIL import Image
 
 transformers = pytest.importorskip("transformers")
 av = pytest.importorskip("av")
@@ -42,11 +44,13 @@ from titan_mm.models.qwen3_vl.config import Qwen3VLConfig  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
 from titan_mm.serve.config import ServeConfig  # noqa: E402
 from titan_mm.serve.engine import BadRequest, Engine  # noqa: E402
+from titan_mm.serve.entrypoints.server import build_app  # noqa: E402
 from titan_mm.serve.sampling_params import SamplingParams  # noqa: E402
 
 MAX_NEW = 8
 VOCAB = 151936
-IMG, VID, VS, VE = 151655, 151656, 151652, 151653  # Qwen's <|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|>
+# Qwen's <|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|>
+IMG, VID, VS, VE = 151655, 151656, 151652, 151653
 TOK = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
 # tiny media: 4-pixel patches, 2x2 merge; a clip of 8 frames at 4 fps -> 4 frames sampled at 2 fps (2 temporal patches)
 DATA = Data(image_min_pixels=64, image_max_pixels=32 * 32, video_min_pixels=64, video_max_pixels=4 * 24 * 24,
@@ -81,8 +85,6 @@ def models(family: str):
 
 
 def image(h: int, w: int, seed: int):
-    from PIL import Image
-
     return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8))
 
 
@@ -231,10 +233,6 @@ def test_videos_match_hf_generate(family):
 
 
 def test_bad_video_parts_name_the_field():
-    from fastapi.testclient import TestClient
-
-    from titan_mm.serve.entrypoints.server import build_app
-
     hf, spec, cfg, tm = models("qwen3_vl")
     engine = Engine(tm, spec, cfg, ServeConfig(block_size=4, num_blocks=128, max_model_len=256), data=DATA)
     p = text(3, 1) + [VS, VID, VE]
