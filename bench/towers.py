@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from bench.devices import device_label, device_of, device_slug  # noqa: E402
 from bench.profile_split import split as split_gpu  # noqa: E402
 from bench.trace_gaps import load_events  # noqa: E402
+from titan_mm.kernels import tuning as kernel_tuning  # noqa: E402
 from titan_mm.models.qwen2_5_omni import audio as omni_audio, flops as omni_flops  # noqa: E402
 from titan_mm.models.qwen2_5_vl import flops as vl25_flops  # noqa: E402
 from titan_mm.models.qwen2_5_vl.vision import build_window_meta  # noqa: E402
@@ -57,7 +58,6 @@ from titan_mm.models.qwen3_omni_moe import audio as omni3_audio, flops as omni3_
 from titan_mm.models.qwen3_vl import flops as vl3_flops  # noqa: E402
 from titan_mm.models.qwen3_vl.model import vision_backend  # noqa: E402
 from titan_mm.models.qwen3_vl.vision import build_vision_meta  # noqa: E402
-from titan_mm.kernels import tuning as kernel_tuning  # noqa: E402
 from titan_mm.registry import get_model_spec, resolve_model  # noqa: E402
 
 PEAK_TFLOPS = 989.0
@@ -113,7 +113,7 @@ def build_tower(t: dict, cfg, device: torch.device, dtype: torch.dtype) -> torch
     materialized here and initialized by its own init_weights (audio: its sinusoid table too)."""
     with torch.device("meta"):
         model = get_model_spec(t["model"]).build(cfg)
-    tower = getattr(model, t["module"])
+    tower = model.get_submodule(t["module"])
     tower.to_empty(device=device)
     tower.init_weights()
     if "clips" in t:
@@ -137,7 +137,7 @@ def tower_inputs(t: dict, cfg, device: torch.device, seed: int = 0, bucket: int 
     grid = torch.tensor(t["grids"])
     n = int(grid.prod(-1).sum())
     x = torch.randn(n, enc.patch_dim, generator=g)
-    meta = t["meta"](grid, enc, backend, device, **({"bucket": bucket} if bucket else {}))
+    meta = t["meta"](grid, enc, backend, device, bucket=bucket)
     return x.to(device), meta, t["flops"](enc, grid), f"{len(grid)} images, {n} patches", n
 
 
