@@ -142,7 +142,8 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
     (dict(quantization="fp8_weight_only"), CPU, None, True, "capability >= 8.9 (Ada, Hopper or newer); this device "
                                                               "is cpu"),
     (dict(quantization="fp8_rowwise"), CUDA, (8, 0), True, "this device is cuda of capability 8.0"),
-    (dict(quantization="int4_weight_only"), CPU, None, True, "needs CUDA"),
+    (dict(quantization="int4_weight_only"), CPU, None, True, "needs CUDA of compute capability >= 8.0"),
+    (dict(quantization="int4_weight_only"), CUDA, (7, 5), True, "this device is cuda of capability 7.5"),
     (dict(quantization="int4_weight_only", dtype="float32"), CUDA, (9, 0), True, "needs serve.dtype bfloat16"),
 ])
 def test_quantization_rules_are_one_line(fields, device, cap, owned, says):

@@ -13,6 +13,7 @@ from titan_mm.dtypes import torch_dtype
 QUANTIZATIONS = ("none", "int8_weight_only", "fp8_weight_only", "fp8_rowwise", "int4_weight_only")
 """serve.quantization's modes (titan_mm/serve/runner/weights.py: torchao's configs)."""
 FP8_CAPABILITY = (8, 9)  # float8 GEMMs and casts: Ada / Hopper and newer
+INT4_CAPABILITY = (8, 0)  # tinygemm's int4 GEMM: tensor cores of Ampere and newer
 
 
 @dataclass
@@ -89,7 +90,7 @@ class ServeConfig:
     embeddings, MoE routers and experts, and vision towers keep the serving dtype): none; int8_weight_only (per-row
     int8 weights; CPU and CUDA); fp8_weight_only (per-row float8 e4m3 weights) and fp8_rowwise (w8a8: those weights
     times per-row dynamic float8 activations), both CUDA capability >= 8.9; int4_weight_only (groups of 128,
-    tinygemm; CUDA, dtype bfloat16). Not with tensor_parallel_size > 1 yet."""
+    tinygemm; CUDA capability >= 8.0, dtype bfloat16). Not with tensor_parallel_size > 1 yet."""
     tensor_parallel_size: int = 1
     """Processes the model is split over by its family's tensor-parallel plan (heads, kv heads and vocabulary must
     divide); launch that many with torchrun. Rank 0 takes the requests and serves HTTP; the others follow its steps."""
@@ -122,8 +123,9 @@ class ServeConfig:
                               f"{self.token_rate_limit}, {self.token_rate_burst_s}")
         if self.quantization not in QUANTIZATIONS:
             near = difflib.get_close_matches(self.quantization, QUANTIZATIONS, n=1)
-            raise ConfigError(f"serve.quantization={self.quantization!r} is not a mode"
-                              + (f"; did you mean {near[0]!r}?" if near else "") + f" (modes: {', '.join(QUANTIZATIONS)})")
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"serve.quantization={self.quantization!r} is not a mode{hint} (modes: "
+                              f"{', '.join(QUANTIZATIONS)})")
         if self.quantization != "none" and self.tensor_parallel_size > 1:
             raise ConfigError(f"serve.quantization={self.quantization!r} with tensor_parallel_size="
                               f"{self.tensor_parallel_size}: quantized weights are not split over tp yet; set one of "
@@ -148,9 +150,9 @@ class ServeConfig:
         if q.startswith("fp8") and (device.type != "cuda" or capability is None or capability < FP8_CAPABILITY):
             raise ConfigError(f"serve.quantization={q!r} needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper "
                               f"or newer); {on}: use int8_weight_only or none")
-        if q == "int4_weight_only" and device.type != "cuda":
-            raise ConfigError(f"serve.quantization='int4_weight_only' needs CUDA (torch's int4 GEMM); {on}: use "
-                              "int8_weight_only or none")
+        if q == "int4_weight_only" and (device.type != "cuda" or capability is None or capability < INT4_CAPABILITY):
+            raise ConfigError(f"serve.quantization='int4_weight_only' needs CUDA of compute capability >= 8.0 (torch's "
+                              f"int4 tensor-core GEMM); {on}: use int8_weight_only or none")
         if q == "int4_weight_only" and self.serving_dtype(device) != torch.bfloat16:
             raise ConfigError(f"serve.quantization='int4_weight_only' needs serve.dtype bfloat16 (auto on CUDA), "
                               f"got {self.dtype!r}")
