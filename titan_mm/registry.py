@@ -288,9 +288,10 @@ class ModelSpec:
     """memory_terms(cfg, topo, act_bytes, kernels=..., compile=..., float8=...) ->
     MemoryTerms: the family's activation bytes per token / patch."""
     prepare_batch: Callable[[Any, dict, torch.device], dict] | None = None
-    """prepare_batch(cfg, batch, device) -> batch with the host-built metadata the forward needs (vision grids
-    -> VisionMeta, visual-token indices), called on the host before the batch moves to the device and before
-    any context-parallel split. None: the batch is the forward's input as it is."""
+    """prepare_batch(cfg, batch, device) -> a new batch with the host-built metadata the forward needs in place of
+    the keys it was built from (vision grids -> VisionMeta, visual-token indices; the forward takes no grid),
+    called on the host before the batch moves to the device and before any context-parallel split. None: the
+    batch is the forward's input as it is."""
     seq_keys: tuple[str, ...] = ()
     """Keys that prepare_batch adds laid out along the sequence ([B, S] or [..., B, S]): context parallelism
     splits them with input_ids."""
