@@ -97,7 +97,7 @@ def prompts(tok: dict):
     head = text(5)
     out = [
         (head + clip + text(3), [sine(300)], []),
-        (text(3) + clip + text(2) + clip + text(4), [sine(300, 660.0), noise(200, 1)], []),
+        (text(3) + clip + text(2) + clip + text(4), [sine(300, 660.0), noise(1300, 1)], []),  # 2 chunks at 1 s
         ([tok["vs"], tok["img"], tok["ve"]] + text(2) + clip + text(3), [noise(200, 2)], [_image(16, 24, 0)]),
         (text(6), [], []),
     ]

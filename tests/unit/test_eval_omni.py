@@ -33,10 +33,7 @@ def test_dtmf_tasks_decode_through_the_engine_as_the_training_forward(family):
     tok = load_tokenizer(tokenizer_path(cfg))
     items = load_task("dtmf", limit=3).items + load_task("dtmf_digits", limit=2).items
     engine = eval_engine(model, spec, mcfg, tok, torch.device("cpu"), cfg.data)
-    if family == "qwen2_5_omni":  # every clip is encoded alone: the prompts prefill together
-        got = engine_texts(engine, items, MAX_NEW)
-    else:  # HF's quirk, kept: the clips of one forward are padded to its longest chunk (docs/serving.md)
-        got = [engine_texts(engine, [it], MAX_NEW)[0] for it in items]
+    got = engine_texts(engine, items, MAX_NEW)  # the prompts prefill together; each one's clips encode apart
     proc = Processor(tok, ProcessorConfig(cfg.data, spec.data_needs(mcfg)))
     assert got == forward_greedy(model, spec, mcfg, proc, [it["messages"] for it in items], MAX_NEW)
     assert len(set(got)) > 1, got  # the answers depend on the prompt: a mix-up of clips would show

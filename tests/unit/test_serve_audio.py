@@ -23,6 +23,7 @@ from titan_mm.data.packing import collate_rows  # noqa: E402
 from titan_mm.data.processors import Processor, ProcessorConfig  # noqa: E402
 from titan_mm.data.schema import parse_record  # noqa: E402
 from titan_mm.data.tokenizer import load_tokenizer  # noqa: E402
+from titan_mm.models.qwen3_omni_moe.audio import build_audio_meta  # noqa: E402
 from titan_mm.registry import resolve_model  # noqa: E402
 from titan_mm.serve.config import ServeConfig  # noqa: E402
 from titan_mm.serve.core.scheduler import sequence_keys  # noqa: E402
@@ -175,3 +176,29 @@ def test_clips_are_part_of_the_prefix_keys(omni):
     ka, kb = (sequence_keys(r, r.seqs[0], len(r.prompt), bs) for r in reqs)
     first = a.audios[0].start // bs  # the first block the clip overlaps
     assert ka[:first] == kb[:first] and all(x != y for x, y in zip(ka[first:], kb[first:]))
+
+
+def test_each_requests_clips_encode_as_a_call_of_their_own():
+    """Qwen3-Omni's audio tower pads a call's chunks to its longest, unmasked (HF's quirk, kept for training):
+    with ``groups`` a forward of several requests' clips gives each clip the tokens of its own request's call."""
+    spec, cfg = resolve_model("qwen3_omni_moe", "debug")
+    torch.manual_seed(0)
+    tower = spec.build(cfg).audio_tower.eval()
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # biases off zero: the padding's conv output is not zero
+    g = torch.Generator().manual_seed(0)
+    lens = [37, 230, 12, 150]  # one chunk, three chunks (the last short), one short chunk, two chunks
+    feats = [torch.randn(cfg.audio.num_mel_bins, n, generator=g) for n in lens]
+    groups = [0, 1, 1, 2]
+
+    def encode(idx, groups=None):
+        meta = build_audio_meta([lens[i] for i in idx], cfg.audio, "sdpa", "cpu", groups)
+        with torch.no_grad():
+            return tower(torch.cat([feats[i] for i in idx], 1), meta)
+
+    alone = torch.cat([encode([0]), encode([1, 2]), encode([3])])
+    together = encode([0, 1, 2, 3], groups)
+    # the same arithmetic in other shapes (fp32 matmuls of other sizes round apart): a few ulps of outputs ~3
+    assert torch.allclose(together, alone, rtol=0, atol=1e-5), (together - alone).abs().max()
+    assert not torch.allclose(encode([0, 1, 2, 3]), alone, rtol=0, atol=1e-3)  # one group: the quirk shows

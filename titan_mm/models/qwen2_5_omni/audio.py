@@ -58,10 +58,11 @@ class AudioMeta(NamedTuple):
 
 
 def build_audio_meta(lengths, cfg: AudioConfig, backend: str = "sdpa",
-                     device: torch.device | str | None = None) -> AudioMeta:
+                     device: torch.device | str | None = None, groups=None) -> AudioMeta:
     """Host side, from the clips' mel-frame counts (``audio_feature_lengths``, [n_clips]) in the order their frames
     are concatenated in ``input_features``. Each clip is cut into chunks of 2 * n_window frames (the last one
-    shorter); chunks are padded to the longest chunk."""
+    shorter); chunks are padded to the longest chunk, and the convs mask the padding, so a clip's tokens do not
+    depend on the other clips: ``groups`` (thinker.OmniAudio.build_meta's) changes nothing here."""
     lens = np.asarray(torch.as_tensor(lengths).cpu(), dtype=np.int64).reshape(-1)
     if len(lens) == 0 or (lens < 3).any():
         raise ValueError(f"audio_feature_lengths {lens.tolist()}: every clip needs >= 3 mel frames (one token).")

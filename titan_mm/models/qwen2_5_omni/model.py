@@ -11,6 +11,8 @@ Batch keys (what :func:`prepare_batch` and the forward read):
   pixel_values_videos [Nv, P], video_grid_thw [n_videos, 3], video_second_per_grid [n_videos] (float, host)
   input_features [n_mels, T] float: every clip's log-mel frames concatenated along T (as HF flattens them)
   audio_feature_lengths [n_clips] long (host): frames per clip, in the order of ``input_features``
+  audio_groups [n_clips] (optional, host): clips encoded as calls of their own per group (the serving engine's
+    requests; the audio encoder's build_audio_meta); absent: one group
   use_audio_in_video (bool, optional, host): HF's flag, checked against the tokens (each video's tokens say it)
   doc_ids [B, S] (optional): packed documents; positions restart per document
 Media of each kind are numbered row-major over the batch, in the order of their placeholders.

@@ -41,7 +41,9 @@ class OmniAudio(NamedTuple):
     """A thinker's audio encoder, as the host side sees it."""
 
     build_meta: Callable
-    """(lengths [n_clips], audio config, backend, device) -> the encoder's metadata."""
+    """(lengths [n_clips], audio config, backend, device, groups) -> the encoder's metadata; ``groups`` ([n_clips]
+    or None, the batch's ``audio_groups``): clips encoded as calls of their own per group (the serving engine's
+    requests), None: as one call."""
     tokens: Callable
     """Output tokens of clips of ``frames`` mel frames (an integer array), = <|audio_pad|> placeholders per clip."""
     dummy_frames: int
@@ -212,7 +214,8 @@ def encoder_inputs(cfg, batch: dict[str, Any], device: torch.device | str, visio
     if has_audio and batch.get("audio_feature_lengths") is None:
         raise ValueError("batch has input_features but no audio_feature_lengths (mel frames per clip).")
     lens = batch["audio_feature_lengths"].cpu() if has_audio else torch.tensor([audio_enc.dummy_frames])
-    audio = audio_enc.build_meta(lens, cfg.audio, vision_backend(cfg, device), device)
+    groups = batch.get("audio_groups") if has_audio else None
+    audio = audio_enc.build_meta(lens, cfg.audio, vision_backend(cfg, device), device, groups)
     pads = ids == cfg.audio_token_id
     n_out = int(audio_enc.tokens(lens.numpy()).sum()) if has_audio else 0
     if int(pads.sum()) != n_out:
@@ -224,7 +227,7 @@ def encoder_inputs(cfg, batch: dict[str, Any], device: torch.device | str, visio
     return {"omni_meta": meta, "mm_index": idx.to(device, non_blocking=True)}
 
 
-CONSUMED_KEYS = (*GRID_KEYS, "video_second_per_grid", "audio_feature_lengths", "use_audio_in_video")
+CONSUMED_KEYS = (*GRID_KEYS, "video_second_per_grid", "audio_feature_lengths", "audio_groups", "use_audio_in_video")
 """What a thinker's prepare_batch turns into ``position_ids``, ``omni_meta`` and ``mm_index`` (or, HF's
 ``use_audio_in_video``, checks against the tokens) and takes out of the batch: the forward takes none of them."""
 

@@ -6,7 +6,9 @@ chunks' worth of tokens; then ln_post, proj1, GELU, proj2.
 
 HF's quirks are kept on purpose, since they change the numbers: the chunks are padded to the longest chunk of the
 micro-batch and the convs run over the padding unmasked (a short chunk's last tokens see the padding's conv
-output), and the attention window is measured in the longest chunk's token count.
+output), and the attention window is measured in the longest chunk's token count. The serving engine groups a
+forward's clips by request (``audio_groups``): each group gets the padding and window of a call of its own (masks
+after the convs stand for the shorter tensor's edge), so a request's tokens do not depend on its neighbours.
 
 Everything that depends on the clip lengths is built on the host by :func:`build_audio_meta` (the frame gather,
 the valid-token rows, the windows' attention metadata), so the forward has no host syncs. The attention core is
@@ -52,6 +54,9 @@ class AudioMeta(NamedTuple):
     """[N] int64: rows of the flattened [C * L3] conv output that are real tokens, chunk by chunk."""
     attn: VisionMeta
     """Bidirectional attention within each window (one segment per window, N tokens)."""
+    conv_masks: tuple[torch.Tensor, ...] | None = None
+    """Clips in groups (:func:`build_audio_meta`): per conv, [C, 1, 1, length after it] float, 0 past the length a
+    chunk would have had in its own group's padded tensor (as that conv's zero padding sees it); None: one group."""
 
 
 def _chunk_lengths(lens: np.ndarray, w2: int) -> np.ndarray:
@@ -64,14 +69,20 @@ def _chunk_lengths(lens: np.ndarray, w2: int) -> np.ndarray:
 
 
 def build_audio_meta(lengths, cfg: AudioConfig, backend: str = "sdpa",
-                     device: torch.device | str | None = None) -> AudioMeta:
+                     device: torch.device | str | None = None, groups=None) -> AudioMeta:
     """Host side, from the clips' mel-frame counts (``audio_feature_lengths``, [n_clips]) in the order their frames
-    are concatenated in ``input_features``."""
+    are concatenated in ``input_features``. ``groups`` ([n_clips] ints; the serving engine's requests): each group's
+    clips are encoded as one HF call of their own would encode them (padded to the group's longest chunk, windows in
+    its tokens), whatever else the forward holds; None: one group, HF's batched forward (training)."""
     lens = np.asarray(torch.as_tensor(lengths).cpu(), dtype=np.int64).reshape(-1)
     if len(lens) == 0 or (lens < 1).any():
         raise ValueError(f"audio_feature_lengths {lens.tolist()}: every clip needs at least one mel frame.")
     w2 = 2 * cfg.n_window
-    chunks = _chunk_lengths(lens, w2)
+    per_clip = [_chunk_lengths(lens[i:i + 1], w2) for i in range(len(lens))]
+    chunks = np.concatenate(per_clip)
+    group = np.zeros(len(lens), np.int64) if groups is None else np.asarray(torch.as_tensor(groups).cpu()).reshape(-1)
+    longest = {g: max(int(c.max()) for c, h in zip(per_clip, group) if h == g) for g in set(group.tolist())}
+    chunk_group_len = np.concatenate([np.full(len(c), longest[g]) for c, g in zip(per_clip, group.tolist())])
     starts = np.concatenate([[0], np.cumsum(chunks)[:-1]])
     L = int(chunks.max())
     pos = np.arange(L)
@@ -79,21 +90,30 @@ def build_audio_meta(lengths, cfg: AudioConfig, backend: str = "sdpa",
     tok = output_lengths(chunks)
     L3 = int(tok.max())  # = _conv3(L): the padded chunk's length after the convs
     valid = (np.arange(len(chunks))[:, None] * L3 + np.arange(L3)[None, :])[np.arange(L3)[None, :] < tok[:, None]]
-    window = L3 * (cfg.n_window_infer // w2)  # HF: in units of the longest chunk's tokens
     seg = []
-    for n in output_lengths(lens).tolist():
+    for n, g in zip(output_lengths(lens).tolist(), group.tolist()):
+        window = int(output_lengths(longest[g])) * (cfg.n_window_infer // w2)  # HF: in its longest chunk's tokens
         seg += [window] * (n // window) + ([n % window] if n % window else [])
     seg_t = torch.tensor([[1, 1, s] for s in seg])
     attn = build_vision_meta(seg_t, segments_config(1), backend, device)  # on device: flex masks do not move
     empty = torch.zeros(0, 4, dtype=torch.int64)
     attn = attn._replace(pos_idx=empty, pos_w=empty.float(), rope_hw=empty[:, :2])  # no ViT tables here
-    meta = AudioMeta(torch.from_numpy(frame_index), torch.from_numpy(valid.astype(np.int64)), attn)
+    masks = None
+    if (chunk_group_len < L).any():  # a group padded less than the forward: zero what its convs would not see
+        lk, gk, masks = L, chunk_group_len, []
+        for _ in range(3):
+            lk, gk = (lk - 1) // 2 + 1, (gk - 1) // 2 + 1
+            masks.append(torch.from_numpy((np.arange(lk)[None, :] < gk[:, None]).astype(np.float32))[:, None, None])
+        masks = tuple(masks)
+    meta = AudioMeta(torch.from_numpy(frame_index), torch.from_numpy(valid.astype(np.int64)), attn, masks)
     return meta if device is None else move_audio_meta(meta, device)
 
 
 def move_audio_meta(meta: AudioMeta, device: torch.device | str) -> AudioMeta:
+    masks = None if meta.conv_masks is None else tuple(m.to(device, non_blocking=True) for m in meta.conv_masks)
     return meta._replace(frame_index=meta.frame_index.to(device, non_blocking=True),
-                         valid=meta.valid.to(device, non_blocking=True), attn=move_vision_meta(meta.attn, device))
+                         valid=meta.valid.to(device, non_blocking=True), attn=move_vision_meta(meta.attn, device),
+                         conv_masks=masks)
 
 
 class AudioBlock(_Qwen2_5AudioBlock):
@@ -137,8 +157,10 @@ class AudioEncoder(nn.Module):
         C, L = meta.frame_index.shape
         x = F.pad(input_features.to(w.dtype), (0, 1))  # a zero frame at T for the padding
         x = x.index_select(1, meta.frame_index.reshape(-1)).view(-1, C, L).transpose(0, 1)[:, None]  # [C,1,mel,L]
-        for conv in (self.conv2d1, self.conv2d2, self.conv2d3):
+        for k, conv in enumerate((self.conv2d1, self.conv2d2, self.conv2d3)):
             x = F.gelu(conv(x))
+            if meta.conv_masks is not None:
+                x = x * meta.conv_masks[k].to(x.dtype)
         c, ch, f, t = x.shape
         h = self.conv_out(x.permute(0, 3, 1, 2).reshape(c, t, ch * f))  # [C, L3, D]
         h = h + self.positional_embedding[:t].to(h.dtype)

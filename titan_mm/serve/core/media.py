@@ -199,8 +199,11 @@ def after_media(clips: list[Audio], spans: list[Image]) -> list[Audio]:
     return out
 
 
-def audio_inputs(clips: list[Audio], device: torch.device, dtype: torch.dtype) -> dict:
+def audio_inputs(clips: list[Audio], groups: list[int], device: torch.device, dtype: torch.dtype) -> dict:
     """The family's batch keys of ``clips`` as the collator makes them: ``input_features`` [n_mels, sum frames]
-    (clips side by side, on ``device``) and ``audio_feature_lengths`` [n_clips] (host)."""
+    (clips side by side, on ``device``) and ``audio_feature_lengths`` [n_clips] (host), with ``audio_groups``
+    [n_clips] (host): each clip's request, whose clips the audio tower encodes as one call of their own would, not
+    with the other requests' of the step."""
     return {"input_features": torch.cat([c.features for c in clips]).T.to(device, dtype, non_blocking=True),
-            "audio_feature_lengths": torch.tensor([c.features.shape[0] for c in clips])}
+            "audio_feature_lengths": torch.tensor([c.features.shape[0] for c in clips]),
+            "audio_groups": torch.tensor(groups)}

@@ -391,7 +391,7 @@ class ModelRunner:
         runner takes from the request instead)."""
         place = torch.zeros_like(ids)
         got: dict[str, tuple[list, list]] = {}
-        clips = []
+        clips, groups = [], []
         for i, r in enumerate(rows):
             row, o = int(at[0][i]), int(at[1][i])
             for m in r.req.media:
@@ -400,6 +400,7 @@ class ModelRunner:
                     place[row, a:b] = ids[row, a:b]
                     if isinstance(m, Audio):
                         clips.append(m)
+                        groups.append(i)
                         continue
                     pix, grids = got.setdefault(m.kind, ([], []))
                     pix.append(m.pixel_values)
@@ -412,6 +413,6 @@ class ModelRunner:
             batch[pk] = torch.cat(pix).to(self.device, self.dtype, non_blocking=True)
             batch[gk] = torch.cat(grids)
         if clips:
-            batch.update(audio_inputs(clips, self.device, self.dtype))
+            batch.update(audio_inputs(clips, groups, self.device, self.dtype))
         batch = self.spec.prepare_batch(self.cfg, batch, self.device)
         return {k: v for k, v in batch.items() if k not in ("input_ids", "position_ids")}
