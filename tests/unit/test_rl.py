@@ -36,6 +36,12 @@ def cfg_of(*extra):
     return load_config(["--config", str(ROOT / "train_configs/debug_rl_qwen3.toml"), *SMALL, *extra])
 
 
+# the VL config (debug Qwen3-VL, builtin:digits prompts with their images), shrunk to 2 prompts x 4 a step
+VL = ["--config", str(ROOT / "train_configs/debug_rl_qwen3_vl.toml"), "--data.micro_batch_size", "4",
+      "--training.global_batch_size", "8", "--rl.prompts_per_step", "2", "--rl.group_size", "4",
+      "--metrics.enable_tensorboard", "False", *VARIED]
+
+
 # ---------------------------------------------------------------------------------------------- the objective
 def _reference_terms(logits, labels, old, adv, w, ref, eps_low, eps_high, kl_coef):
     """Per token, written out in float64: -min(r A, clip(r) A), kl_coef (e^(ref-lp) - (ref-lp) - 1), entropy."""
@@ -96,6 +102,9 @@ def test_rewards_builtin_weighted_and_imported():
     assert r("it is 348", "348", True) == 0.5
     assert r("abc", "348", True) == 0.0
     assert build_reward(Rl(rewards={"operator:eq": 2.0}))("x", "x", False) == 2.0
+    partial = build_reward(Rl(rewards={"char_match": 1.0}))  # per character position, over the longer string
+    assert [partial(x, "348", True) for x in (" 348", "347", "358", "3481", "9", "")] == [1.0, 2 / 3, 2 / 3, 0.75,
+                                                                                         0.0, 0.0]
 
 
 @pytest.mark.parametrize("rewards, says", [({"exact_mach": 1.0}, "did you mean 'exact_match'"),
@@ -174,6 +183,38 @@ def test_engine_logprobs_equal_the_trainers_and_follow_the_weights(tmp_path):
     assert (ours1 - engine1).abs().max() <= 1e-5
     # the same seeds on other weights: other logprobs (the engine did not keep the old ones)
     assert [r.logprobs for r in b1.rollouts] != [r.logprobs for r in b0.rollouts]
+
+
+def test_vl_rollouts_carry_images_and_logprobs_equal_the_trainers(tmp_path):
+    """Image prompts (builtin:digits): the engine samples from the prompt with its image, the batch carries the
+    image's patches, grid and M-RoPE positions, and the trainer's recompute (the family's prepare_batch, the vision
+    tower) gives the engine's logprobs (fp32, <= 1e-5). Without the image the recompute differs: it is used."""
+    cfg = load_config([*VL, "--job.dump_folder", str(tmp_path)])
+    run = setup(cfg)
+    source = RolloutSource(cfg, run)
+    b = source.generate(0)
+    batch = source.collate(b.rollouts)
+    doc = source.prompt_doc(b.rollouts[0].prompt)
+    per_image = int(doc.media["image_grid_thw"][0].prod())  # patches of one 64x64 digit
+    assert batch["image_grid_thw"].shape == (8, 3) and batch["pixel_values"].shape[0] == 8 * per_image
+    assert batch["position_ids"].shape[0] == 3 and len(b.rollouts[0].prompt_ids) == len(doc) > len(
+        source.prompt_ids[b.rollouts[0].prompt])  # the image pad expanded to its merged tokens
+    got = token_logprobs(run.model, batch, run.device, run.ctx.prepare_batch)
+    mask = batch["labels"] != -100
+    assert mask.sum() >= 8 and (got[mask] - batch["old_logprobs"][mask]).abs().max() <= 1e-5
+    blank = dict(batch, pixel_values=torch.zeros_like(batch["pixel_values"]))
+    other = token_logprobs(run.model, blank, run.device, run.ctx.prepare_batch)
+    assert (other[mask] - got[mask]).abs().max() > 1e-4
+
+
+@pytest.mark.slow  # the trainer's launch on the VL model, ~15-30 s on 2 busy cores
+def test_vl_rl_job_trains(tmp_path):
+    """The VL job end to end: 2 steps of the trainer on image rollouts, a real gradient each."""
+    assert main([*VL, "--job.dump_folder", str(tmp_path), "--job.name", "vl", "--training.steps", "2",
+                 "--checkpoint.enable", "False"]) == 0
+    rows = _metrics(tmp_path / "vl")
+    assert sorted(rows) == [1, 2] and all(rows[s]["grad_norm"] > 0 for s in rows)
+    assert all(rows[s]["count/pg"] > 0 for s in rows)
 
 
 def test_reference_model_of_the_initial_weights_gives_zero_kl(tmp_path):

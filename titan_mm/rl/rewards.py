@@ -4,7 +4,8 @@
     r = reward(text, reference, ended)       # ended: the completion stopped by itself (EOS / stop string)
 
 Built-in: ``exact_match`` (the stripped completion equals the reference: eval's metric), ``numeric`` (the first
-number in the completion equals the reference's), ``format`` (the completion ended by itself and its whole text
+number in the completion equals the reference's), ``char_match`` (partial credit: the share of character positions
+where the stripped completion and the reference agree, over the longer of the two), ``format`` (the completion ended by itself and its whole text
 matches ``rl.format_regex``). Any other name is ``pkg.module:function`` with function(completion, reference) ->
 float, as eval's task metrics; ``register(name, fn)`` adds a built-in.
 """
@@ -41,6 +42,11 @@ def numeric(text: str, reference: str) -> float:
     return float(got is not None and got == want)
 
 
+def char_match(text: str, reference: str) -> float:
+    got, want = text.strip(), reference.strip()
+    return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want), 1)
+
+
 def _format(rl: Rl) -> Reward:
     pattern = re.compile(rl.format_regex)
     return lambda text, ref, ended: float(ended and pattern.fullmatch(text) is not None)
@@ -48,6 +54,7 @@ def _format(rl: Rl) -> Reward:
 
 register("exact_match", lambda rl: lambda text, ref, ended: exact_match(text, ref))
 register("numeric", lambda rl: lambda text, ref, ended: numeric(text, ref))
+register("char_match", lambda rl: lambda text, ref, ended: char_match(text, ref))
 register("format", _format)
 
 

@@ -14,6 +14,8 @@ version that made it; it is saved in checkpoints (the ``data`` items, one per dp
 position and the reference model's path, so a resumed run trains the same steps bitwise.
 
 Each dp rank makes the rollouts of its own rows (whole groups: rl.prompts_per_step divides by the dp degree).
+Prompts with images (builtin:digits, a VL family): the engine takes the prompt and its images; the training rows
+carry the image's patches, grid and M-RoPE positions, rebuilt from the prompt's index by the data processors.
 """
 
 from __future__ import annotations
@@ -33,17 +35,20 @@ import torch.distributed as dist
 from titan_mm.config import ConfigError, JobConfig
 from titan_mm.data.builtin import builtin_records
 from titan_mm.data.packing import Doc, collate_rows
+from titan_mm.data.processors import Processor, ProcessorConfig
+from titan_mm.data.schema import parse_record
 from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.eval.evaluator import gathered_model, live_state_dict
 from titan_mm.eval.tasks import read_jsonl_items
 from titan_mm.loader import load_model, tokenizer_path
 from titan_mm.nn.attention import build_attn_meta
-from titan_mm.objectives.policy import IGNORE
+from titan_mm.objectives.policy import IGNORE, Policy
 from titan_mm.rl.rewards import build_reward
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.engine import Engine
 from titan_mm.serve.sampling_params import SamplingParams
 from titan_mm.train.setup import Run
+from titan_mm.train.step import model_inputs, to_device
 from titan_mm.train.state import from_bytes, to_bytes
 
 ENGINE_MAX_SEQS = 64
@@ -62,6 +67,9 @@ class Rollout:
     """It stopped by itself (EOS or a stop string), not at rl.max_tokens."""
     advantage: float = 0.0
     ref_logprobs: list[float] | None = None
+    prompt: int = -1
+    """The prompt's index in the prompt set where it carries images (its media and M-RoPE positions are rebuilt
+    from it at collate time, not stored in the buffer); -1 for a text prompt."""
 
 
 @dataclass
@@ -130,9 +138,19 @@ class RolloutSource:
         self.tok = load_tokenizer(tokenizer_path(cfg))
         self.needs = run.spec.data_needs(run.model_cfg)
         self.engine, self.gen_model = self._engine()
-        self.prompt_ids = [self.engine.chat_prompt(it["messages"])[0] if "messages" in it else
-                           self.tok.encode(it["prompt"]) for it in self.items]
-        longest = max(map(len, self.prompt_ids))
+        prompts = [self.engine.chat_prompt(it["messages"]) if "messages" in it else (self.tok.encode(it["prompt"]), [])
+                   for it in self.items]
+        self.prompt_ids = [ids for ids, _ in prompts]
+        self.prompt_images = [imgs for _, imgs in prompts]
+        self.processor = Processor(self.tok, ProcessorConfig(cfg.data, self.needs))
+        # an image prompt's length is its expanded one (a pad per merged visual token): every built-in image has one
+        # size, so the first image prompt stands for the rest; a file's larger one fails in its step's collate
+        lens = [len(ids) for ids in self.prompt_ids]
+        longest = max((n for n, imgs in zip(lens, self.prompt_images) if not imgs), default=0)
+        first = next((i for i, imgs in enumerate(self.prompt_images) if imgs), None)
+        if first is not None:
+            grown = len(self.prompt_doc(first)) - lens[first]
+            longest = max(longest, grown + max(n for n, imgs in zip(lens, self.prompt_images) if imgs))
         if longest + rl.max_tokens > cfg.data.seq_len:
             raise ConfigError(f"rl.prompts: the longest prompt has {longest} tokens, + rl.max_tokens {rl.max_tokens} "
                               f"> data.seq_len {cfg.data.seq_len}; raise data.seq_len or lower rl.max_tokens")
@@ -174,6 +192,12 @@ class RolloutSource:
         return time.perf_counter() - t0, copied
 
     # ---- prompts and rollouts ----
+    @functools.lru_cache(maxsize=256)
+    def prompt_doc(self, i: int) -> Doc:
+        """The training-side prompt of image prompt ``i``: ids with each image pad expanded, pixel values, grids and
+        M-RoPE positions, processed as the engine processes its images (titan_mm.serve.core.media)."""
+        return self.processor.prompt_doc(parse_record({"messages": self.items[i]["messages"]}))
+
     def prompts_of(self, step: int) -> list[int]:
         """This rank's prompt indices for ``step``: a fixed shuffle per pass over the prompts (training.seed)."""
         rl, n = self.rl, len(self.items)
@@ -196,15 +220,17 @@ class RolloutSource:
         params = [SamplingParams(max_tokens=rl.max_tokens, temperature=rl.temperature, top_p=rl.top_p,
                                  stop=list(rl.stop), n=rl.group_size, logprobs=1,
                                  seed=_seed(self.cfg.training.seed, step, i)) for i in idx]
-        outs = self.engine.generate([self.prompt_ids[i] for i in idx], params)
+        outs = self.engine.generate([self.prompt_ids[i] for i in idx], params, [self.prompt_images[i] for i in idx])
         batch = RolloutBatch(step, self.run.state.step)
         for i, o in zip(idx, outs):
+            vl = bool(self.prompt_images[i])
+            prompt = self.prompt_doc(i).input_ids.tolist() if vl else list(self.prompt_ids[i])
             for c in o.outputs:
                 ids = list(c.token_ids)
                 batch.rollouts.append(Rollout(
-                    list(self.prompt_ids[i]), ids, [lp[t] for lp, t in zip(c.logprobs, ids)],
+                    prompt, ids, [lp[t] for lp, t in zip(c.logprobs, ids)],
                     self.reward(c.text, self.items[i]["reference"], c.finish_reason == "stop"),
-                    c.finish_reason == "stop"))
+                    c.finish_reason == "stop", prompt=i if vl else -1))
         adv = group_advantages([r.reward for r in batch.rollouts], rl.group_size, rl.std_normalize)
         for r, a in zip(batch.rollouts, adv):
             r.advantage = a
@@ -220,7 +246,7 @@ class RolloutSource:
         for k in range(0, len(rollouts), mbs):
             part = rollouts[k:k + mbs]
             b = self.collate(part)
-            logp = token_logprobs(self.ref_model, b, self.run.device)
+            logp = token_logprobs(self.ref_model, b, self.run.device, self.run.ctx.prepare_batch)
             for row, r in enumerate(part):
                 p = len(r.prompt_ids)
                 r.ref_logprobs = logp[row, p - 1:p - 1 + len(r.completion_ids)].tolist()
@@ -243,7 +269,13 @@ class RolloutSource:
             seq["rl_weights"][at] = 1.0 if self.rl.loss_norm == "token" else 1.0 / max(c, 1)
             if r.ref_logprobs is not None:
                 seq["ref_logprobs"][at] = r.ref_logprobs
-            docs.append([Doc(np.asarray(r.prompt_ids + r.completion_ids, dtype=np.int64), labels, seq=seq)])
+            doc = Doc(np.asarray(r.prompt_ids + r.completion_ids, dtype=np.int64), labels, seq=seq)
+            if r.prompt >= 0:  # the prompt's images; the completion's M-RoPE positions go on from the prompt's max
+                pd = self.prompt_doc(r.prompt)
+                after = pd.positions.max() + 1 + np.arange(c, dtype=np.int64)
+                doc.positions = np.concatenate([pd.positions, np.broadcast_to(after, (pd.positions.shape[0], c))], 1)
+                doc.media, doc.n_patches = pd.media, pd.n_patches
+            docs.append([doc])
         return collate_rows(docs, self.cfg.data.seq_len, self.tok.pad_id, self.needs.positions == "mrope")
 
     def _fill(self, step: int) -> None:
@@ -311,11 +343,15 @@ class RolloutSource:
         self._queue = []
 
 
-def token_logprobs(model, batch: dict, device: torch.device) -> torch.Tensor:
+def token_logprobs(model, batch: dict, device: torch.device, prepare=None) -> torch.Tensor:
     """[B, S] fp32 log p of ``batch["labels"]`` under ``model`` (0 where -100): a causal forward through the family's
-    policy hook, as the train step runs it."""
+    policy hook, as the train step runs it. ``prepare``: the family's prepare_batch (the run's
+    ``ctx.prepare_batch``; images become the vision tower's inputs)."""
+    if prepare is not None:
+        batch = prepare(batch, device)
     attn = build_attn_meta(batch, "sdpa", device)
-    labels = batch["labels"].to(device)
-    out = model(batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device), attn=attn,
-                loss=lambda m, o: {"logp": m.token_logprobs(o.hidden, labels)[0]})
+    b = to_device(batch, device)
+    labels = b["labels"]
+    out = model(b["input_ids"], position_ids=b["position_ids"], attn=attn,
+                loss=lambda m, o: {"logp": m.token_logprobs(o.hidden, labels)[0]}, **model_inputs(b, Policy()))
     return out.terms["logp"].float().cpu()
