@@ -1,7 +1,8 @@
 """A prompt's images and videos, processed the way training processes them (titan_mm.data.vision, the family's
 vision layout): each image pad of the prompt becomes one pad per merged visual token, each video pad the video's
 placeholder (one run of pads, or the layout's ``<t seconds><|vision_start|>pads<|vision_end|>`` frame groups), and
-M-RoPE positions come from the expanded prompt."""
+M-RoPE positions come from the expanded prompt. Audio clips (titan_mm.data.audio, the family's front end) are
+expanded first, one pad per audio-tower token (:func:`expand_audio`)."""
 
 from __future__ import annotations
 
