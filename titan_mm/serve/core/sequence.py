@@ -180,11 +180,12 @@ class Request:
     """Tokens that end a sequence: params.stop_token_ids, and the model's EOS tokens unless ignore_eos."""
     audios: list[Audio] = field(default_factory=list)
     """The prompt's audio clips, in prompt order."""
+    media: list[Image | Audio] = field(init=False, repr=False)
+    """Every media span of the prompt (what a chunk never cuts and a block's prefix key includes): made once, as
+    the scheduler and the runner read it for every row of every step."""
 
-    @property
-    def media(self) -> list[Image | Audio]:
-        """Every media span of the prompt (what a chunk never cuts and a block's prefix key includes)."""
-        return [*self.images, *self.audios]
+    def __post_init__(self):
+        self.media = [*self.images, *self.audios]
 
     @property
     def live(self) -> list[Sequence]:
