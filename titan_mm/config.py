@@ -419,7 +419,8 @@ class Kernels:
     """auto: Triton kernels on CUDA SM>=80, PyTorch reference elsewhere; triton forces them; reference disables them."""
     ops: str = "all"
     """Which ops come from titan_mm.kernels when kernels are on: "all", "none", a comma list (rms_norm,
-    add_rms_norm, swiglu, rope, linear_cross_entropy, bias_gelu, moe_moves, moe_routing) or "all,-op" (docs/kernels.md)."""
+    add_rms_norm, swiglu, rope, linear_cross_entropy, bias_gelu, moe_moves, moe_routing, norm_rope_cache) or "all,-op"
+    (docs/kernels.md)."""
 
 
 @dataclass

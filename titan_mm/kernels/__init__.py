@@ -16,6 +16,9 @@ see docs/kernels.md):
     bias_gelu(x, b) -> gelu_tanh(x + b)
     paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, window=None) -> o
         (serving's one-token decode step over a paged KV pool, keys read in place; no backward)
+    norm_rope_cache(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots) -> q
+        (serving's decode step before that attention: q/k RMSNorm, RoPE, k and v written into their cache slots;
+        one launch; no backward)
     grouped_mm(x, w, counts) -> y     x [A, K] rows sorted by expert, w [E, N, K], counts [E] on the device
         (the MoE experts in the dtypes torch._grouped_mm lacks on CUDA, no host sync; eager autograd)
     upcast(x, dtype) -> x in a wider dtype (bf16 / fp16 -> fp32: a vectorized copy; no autograd)
@@ -78,6 +81,7 @@ __all__ = [
     "vocab_parallel_linear_cross_entropy",
     "bias_gelu",
     "paged_decode_attention",
+    "norm_rope_cache",
     "grouped_mm",
     "upcast",
     "greedy_pick",
@@ -100,7 +104,7 @@ __all__ = [
 ]
 
 KERNEL_OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy", "bias_gelu", "moe_moves",
-              "moe_routing")
+              "moe_routing", "norm_rope_cache")
 
 
 def resolve_ops(spec) -> frozenset:
@@ -134,6 +138,7 @@ if HAS_TRITON:  # optional: triton is absent on some CPU machines, where every o
     from .moe_moves import CombineFunction, ExpandFunction, moe_combine_op
     from .moe_router import MAX_E as _ROUTING_MAX_E
     from .moe_router import RoutingFunction, moe_routing_op
+    from .norm_rope_cache import norm_rope_cache as _norm_rope_cache
     from .paged_decode import paged_decode
     from .rms_norm import AddRMSNormFunction, RMSNormFunction, add_rms_norm_op, rms_norm_op
     from .rms_norm import _fwd as _rms_fwd
@@ -265,6 +270,34 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if use_triton(q, k_pool, v_pool):  # any block size: tiles of 64 tokens look up each token's block
         return paged_decode(q, k_pool, v_pool, block_tables, seq_lens, window)
     return paged_decode_reference(q, k_pool, v_pool, block_tables, seq_lens, window)
+
+
+@torch.no_grad()
+def norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torch.Tensor | None,
+                    k_w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                    v_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A one-token decode step's attention prologue: q [B, H, K] and k [B, G, K] RMSNormed by ``q_w`` / ``k_w`` [K]
+    (None: no q/k norm) and rotated by cos / sin [B, X] or [X] (X = K or K / 2; per token, so M-RoPE tables too);
+    k and v [B, G, K] written into slot ``slots[b]`` of the pools [NB, BS, G, K]. -> q normed and rotated [B, H, K].
+    One Triton launch (titan_mm/kernels/norm_rope_cache.py); elsewhere the references composed: nn's rms_norm,
+    apply_rope, and KVCache.write's index_copy_."""
+    B, H, D = q.shape
+    G = k.shape[1]
+    if cos.shape[-1] not in (D, D // 2) or k_pool.shape[2:] != (G, D) or slots.shape != (B,):
+        raise ValueError(f"norm_rope_cache: q {list(q.shape)}, k {list(k.shape)}, cos {list(cos.shape)}, pool "
+                         f"{list(k_pool.shape)}, slots {list(slots.shape)}: cos / sin need K or K / 2 entries "
+                         f"(partial rotary: apply its RoPE unfused), the pool [NB, BS, G, K], one slot per row")
+    cos, sin = cos.expand(B, cos.shape[-1]), sin.expand(B, sin.shape[-1])
+    norm = () if q_w is None else (q_w, k_w)
+    if (use_triton(q, k, v, cos, sin, k_pool, v_pool, *norm) and all(w.dtype == q.dtype for w in norm)
+            and k.dtype == q.dtype and all(t.stride(-1) == 1 for t in (q, k, v, cos, sin, k_pool, v_pool))):
+        return _norm_rope_cache(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots)
+    if q_w is not None:
+        q, k = _rms_norm_ref(q, q_w, eps), _rms_norm_ref(k, k_w, eps)
+    q, k = _apply_rope_ref(q, k, cos, sin)
+    for pool, new in ((k_pool, k), (v_pool, v)):
+        pool.view(-1, G, D).index_copy_(0, slots, new.to(pool.dtype))
+    return q
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

@@ -380,10 +380,11 @@ def _varlen_fn():
 
 def attention(
     q_BSHK: torch.Tensor, k_BSGK: torch.Tensor, v_BSGK: torch.Tensor, meta: AttnMeta | None, window: int | None,
-    layer_id: int = 0,
+    layer_id: int = 0, written: bool = False,
 ) -> torch.Tensor:
     """Scaled dot-product attention (scale 1/sqrt(K)) -> o_BSHK. ``meta=None``: plain causal via SDPA.
-    ``layer_id``: the layer of ``meta.kv_cache`` that this call writes and reads."""
+    ``layer_id``: the layer of ``meta.kv_cache`` that this call writes and reads. ``written``: on an in-place
+    decode step (:func:`fused_decode_step`), k and v are in the cache already (the fused prologue wrote them)."""
     if meta is not None and meta.cp is not None:
         return meta.cp(q_BSHK, k_BSGK, v_BSGK, window)
     B, S, H, K = q_BSHK.shape
@@ -396,7 +397,8 @@ def attention(
         cache = meta.kv_cache
         st = cache.step
         if st.decode_attention is not None:  # one token per sequence, paged: the keys are read in place
-            cache.write(layer_id, k_BSGK, v_BSGK)
+            if not written:
+                cache.write(layer_id, k_BSGK, v_BSGK)
             o = st.decode_attention(q_BSHK[:, 0], cache.k[layer_id], cache.v[layer_id], st.block_tables, st.seq_lens,
                                     window)
             return o[:, None]
@@ -424,6 +426,15 @@ def attention(
     q, k, v = (t.reshape(B * S, t.shape[2], K) for t in (q_BSHK, k_BSGK, v_BSGK))
     o = varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, causal=causal, window=window)
     return o.reshape(B, S, H, K)
+
+
+def fused_decode_step(meta: AttnMeta | None, B: int, S: int) -> bool:
+    """True on an in-place paged decode step (the serving engine's) whose B rows each write one new token: the step
+    a fused prologue (q/k norm, RoPE, cache write in one op) may run. Shapes only: no host sync."""
+    if meta is None or meta.cp is not None or meta.kv_cache is None:
+        return False
+    st = meta.kv_cache.step
+    return st.decode_attention is not None and S == 1 and st.slot_mapping.shape[0] == B
 
 
 def _sdpa(q_BSHK, k_BLGK, v_BLGK, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
@@ -476,9 +487,12 @@ class Attention(nn.Module):
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, bias: bool, eps: float,
                  qk_norm: bool = True, norm_impl=rms_norm, rope_impl=apply_rope, o_bias: bool | None = None,
-                 layer_id: int = 0):
+                 layer_id: int = 0, decode_prologue=None):
         super().__init__()
         self.rope_impl = rope_impl
+        # on an in-place decode step: (q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots) -> q, the norms, RoPE
+        # and the cache write in one op (titan_mm.kernels.norm_rope_cache); None: those ops one by one
+        self.decode_prologue = decode_prologue
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
@@ -498,11 +512,19 @@ class Attention(nn.Module):
         else:
             q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
         q, k, v = (t.view(B, S, -1, self.head_dim) for t in (q, k, v))
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rope_impl(q, k, cos_BSK, sin_BSK)
-        o = attention(q, k, v, meta, window, self.layer_id)
+        if self.decode_prologue is not None and fused_decode_step(meta, B, S):
+            cache, norm = meta.kv_cache, self.q_norm is not None
+            q = self.decode_prologue(q[:, 0], k[:, 0], v[:, 0], self.q_norm.weight if norm else None,
+                                     self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
+                                     cos_BSK[..., 0, :], sin_BSK[..., 0, :], cache.k[self.layer_id],
+                                     cache.v[self.layer_id], cache.step.slot_mapping)[:, None]
+            o = attention(q, k, v, meta, window, self.layer_id, written=True)
+        else:
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            q, k = self.rope_impl(q, k, cos_BSK, sin_BSK)
+            o = attention(q, k, v, meta, window, self.layer_id)
         return self.wo(o.reshape(B, S, -1))
 
     def reset_parameters(self, std: float) -> None:

@@ -49,6 +49,7 @@ class Ops:
     moe_moves: TokenMoves = TokenMoves()  # the MoE layers' token gathers and weighted sums
     moe_routing: Callable = route_stats  # (logits_NE, top_k, norm_topk_prob, valid_N) -> (top_w, top_i, aux stats)
     moe_float8: bool = False  # the MoE experts' grouped GEMMs in float8 (the config's moe_float8; nn/moe.py)
+    norm_rope_cache: Callable | None = None  # serving decode steps: q/k norm, RoPE, cache write in one op (Attention)
 
 
 def _torch_ce(h, w, labels, chunk_size, z_loss_weight, weights_N=None):
@@ -83,6 +84,7 @@ def select_ops(use_kernels: bool | str, moe_float8: bool = False) -> Ops:
                    else TokenMoves(grouped_mm=K.grouped_mm)),
         moe_routing=K.moe_routing if "moe_routing" in on else route_stats,
         moe_float8=moe_float8,
+        norm_rope_cache=K.norm_rope_cache if "norm_rope_cache" in on else None,
     )
 
 
@@ -98,7 +100,8 @@ class Qwen3Block(nn.Module):
         o_bias = cfg.attention_bias if cfg.attention_output_bias is None else cfg.attention_output_bias
         self.attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                               cfg.attention_bias, cfg.rms_norm_eps, qk_norm=cfg.qk_norm, o_bias=o_bias,
-                              norm_impl=ops.rms_norm, rope_impl=ops.apply_rope, layer_id=layer_id)
+                              norm_impl=ops.rms_norm, rope_impl=ops.apply_rope, layer_id=layer_id,
+                              decode_prologue=ops.norm_rope_cache)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
         self.add_norm = ops.add_rms_norm  # residual add + ffn_norm (one Triton kernel when add_rms_norm is on)
         if cfg.is_moe_layer(layer_id):
