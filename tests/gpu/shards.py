@@ -32,7 +32,8 @@ SMOKE: dict[str, int] = {
 }
 
 AREAS: dict[str, dict[str, int]] = {
-    "kernels": {"tests/gpu/test_kernels_gpu.py": 240, "tests/gpu/test_paged_decode_gpu.py": 45},
+    "kernels": {"tests/gpu/test_kernels_gpu.py": 240, "tests/gpu/test_paged_decode_gpu.py": 45,
+                "tests/gpu/test_norm_rope_cache_gpu.py": 150},
     "ops": {"tests/gpu/test_moe_routing_gpu.py": 60, "tests/gpu/test_grouped_mm_gpu.py": 60,
             "tests/unit/test_attention_kinds.py": 150, "tests/unit/test_kv_cache.py": 30,
             "tests/unit/test_muon.py": 20},

@@ -49,7 +49,8 @@ def _inputs(H, G, D, BS, dt, norm, table, fused, B, device, g):
             cos, sin = cos[:, : D // 2], sin[:, : D // 2]
     else:
         sec = (24, 20, 20) if D == 128 else (16, 8, 8)
-        cos, sin = (t[:, 0] for t in (mrope_cos_sin if table == "mrope3" else chunked_mrope_cos_sin)(pos3, inv, sec, dt))
+        mrope = mrope_cos_sin if table == "mrope3" else chunked_mrope_cos_sin
+        cos, sin = (t[:, 0] for t in mrope(pos3, inv, sec, dt))
     NB = B // BS + 4
     kp, vp = torch.randn(NB, BS, G, D, generator=g).to(dt), torch.randn(NB, BS, G, D, generator=g).to(dt)
     slots = torch.randperm((NB - 1) * BS, generator=g)[:B]

@@ -90,7 +90,7 @@ def _count(model) -> list[int]:
 def test_engine_on_cpu_serves_the_unfused_tokens(qk_norm, bias):
     """Kernels on (every op; on CPU each one its reference) takes the fused prologue on every decode step of every
     layer, fused projections or not, and serves the tokens of the model without it and of the plain ops."""
-    sc = dict(max_model_len=128, block_size=4, num_blocks=128, max_num_seqs=4)
+    sc = {"max_model_len": 128, "block_size": 4, "num_blocks": 128, "max_num_seqs": 4}
     p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = _prompts(256)
     want = None
