@@ -109,7 +109,8 @@ def drop_page_cache(folder) -> None:
 
 
 def one_save(state, root, mode: str, checksums: bool) -> dict:
-    from titan_mm.train.checkpoint import CheckpointManager, verify_checkpoint
+    from titan_mm.checkpoint_io import verify_checkpoint
+    from titan_mm.train.checkpoint import CheckpointManager
 
     folder = root / f"{mode}_{'crc' if checksums else 'none'}"
     shutil.rmtree(folder, ignore_errors=True)

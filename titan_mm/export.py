@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from titan_mm.checkpoint_io import CheckpointError, resolve_checkpoint
 from titan_mm.config import ConfigError, JobConfig
 from titan_mm.data.chat_templates import chat_template_jinja
 from titan_mm.data.processors import ProcessorConfig
@@ -34,7 +35,6 @@ from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.dtypes import DTYPES, torch_dtype
 from titan_mm.loader import checkpoint_config, load_model, model_from_config, tokenizer_path
 from titan_mm.objectives.diffusion import write_hf_note
-from titan_mm.train.checkpoint import CheckpointError, resolve_checkpoint
 
 # copied from the tokenizer's folder when there (tokenizer.json always; tokenizer_config.json is rewritten)
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json")

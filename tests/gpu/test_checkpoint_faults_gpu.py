@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_mm.train.checkpoint import list_checkpoints
+from titan_mm.checkpoint_io import list_checkpoints
 from titan_mm.train.run_lock import LOCK_FILE, _proc_start
 
 pytestmark = pytest.mark.gpu

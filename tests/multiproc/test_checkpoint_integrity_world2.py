@@ -30,7 +30,8 @@ def _worker(rank, world, root):
     import torch
     import torch.distributed as dist
 
-    from titan_mm.train.checkpoint import CheckpointManager, read_commit
+    from titan_mm.checkpoint_io import read_commit
+    from titan_mm.train.checkpoint import CheckpointManager
 
     st = _state()
     mgr = CheckpointManager(root, interval=1, keep_last=0, async_mode="async")

@@ -6,8 +6,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from titan_mm.checkpoint_io import list_checkpoints, read_commit
 from titan_mm.observe.metrics import read_metrics
-from titan_mm.train.checkpoint import list_checkpoints, read_commit
 
 ROOT = Path(__file__).resolve().parents[2]
 # synthetic rows depend only on (seed, step, global row), so 1 process x 2 micro-batches and 2 processes

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_mm.train.checkpoint import list_checkpoints, read_commit, verify_checkpoint
+from titan_mm.checkpoint_io import list_checkpoints, read_commit, verify_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 

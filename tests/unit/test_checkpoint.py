@@ -5,15 +5,10 @@ import json
 import pytest
 import torch
 
+from titan_mm.checkpoint_io import COMMIT_FILE, CheckpointError, list_checkpoints, resolve_checkpoint
 from titan_mm.config import JobConfig
 from titan_mm.registry import get_model_spec
-from titan_mm.train.checkpoint import (
-    COMMIT_FILE,
-    CheckpointError,
-    CheckpointManager,
-    list_checkpoints,
-    resolve_checkpoint,
-)
+from titan_mm.train.checkpoint import CheckpointManager
 from titan_mm.train.optim import build_lr_scheduler, build_optimizer
 from titan_mm.train.state import TrainState
 from titan_mm.train.step import StepContext, train_step

@@ -11,22 +11,15 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from test_checkpoint import make_state, run_steps, snapshot  # pytest puts tests/unit on sys.path
 from test_checkpoint_integrity import TINY
+from torch.distributed.checkpoint.api import CheckpointException
 
-from titan_mm.observe.metrics import read_metrics
-from titan_mm.train.checkpoint import (
-    CheckpointManager,
-    CheckpointSaveError,
-    ModelItem,
-    _os_error,
-    _Writer,
-    list_checkpoints,
-    verify_checkpoint,
-)
-from titan_mm.train.run_lock import LOCK_FILE
+from titan_mm.checkpoint_io import ModelItem, list_checkpoints, verify_checkpoint
 from titan_mm.launch.train import main
+from titan_mm.observe.metrics import read_metrics
+from titan_mm.train.checkpoint import CheckpointManager, CheckpointSaveError, _os_error, _Writer
+from titan_mm.train.run_lock import LOCK_FILE
 
 
 def line(step, folder, kept):

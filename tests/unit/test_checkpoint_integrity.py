@@ -10,16 +10,10 @@ import os
 import pytest
 import torch
 
+from titan_mm.checkpoint_io import COMMIT_FILE, CheckpointError, file_record, read_commit, verify_checkpoint
 from titan_mm.export import main as export_main
-from titan_mm.train.checkpoint import (
-    COMMIT_FILE,
-    CheckpointError,
-    CheckpointManager,
-    file_record,
-    read_commit,
-    verify_checkpoint,
-)
 from titan_mm.launch.train import main
+from titan_mm.train.checkpoint import CheckpointManager
 
 TINY = ["--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}', "--data.dataset", "synthetic",
         "--data.seq_len", "32", "--data.micro_batch_size", "2", "--metrics.enable_tensorboard", "False",

@@ -17,16 +17,16 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers / huggingface_hub read
 transformers = pytest.importorskip("transformers")
 from transformers import AutoImageProcessor, AutoTokenizer  # noqa: E402
 
+from titan_mm.checkpoint_io import resolve_checkpoint  # noqa: E402
 from titan_mm.config import ConfigError, load_config  # noqa: E402
 from titan_mm.data.chat_templates import chat_template_jinja  # noqa: E402
 from titan_mm.data.processors import Processor, ProcessorConfig  # noqa: E402
 from titan_mm.data.schema import parse_record  # noqa: E402
 from titan_mm.data.tokenizer import load_tokenizer, qwen3_tokenizer_dir  # noqa: E402
 from titan_mm.export import export, hf_folder_files  # noqa: E402
-from titan_mm.loader import checkpoint_config, load_model  # noqa: E402
-from titan_mm.train.checkpoint import resolve_checkpoint  # noqa: E402
-from titan_mm.train.setup import model_from_config  # noqa: E402
 from titan_mm.launch.train import main  # noqa: E402
+from titan_mm.loader import checkpoint_config, load_model  # noqa: E402
+from titan_mm.train.setup import model_from_config  # noqa: E402
 
 ONE_STEP = ["--training.steps", "1", "--checkpoint.interval", "1", "--checkpoint.async_mode", "disabled",
             "--metrics.enable_tensorboard", "False", "--training.global_batch_size", "0",

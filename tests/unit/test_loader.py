@@ -7,18 +7,17 @@ eval/ only where its entry points compose the two."""
 import pytest
 import torch
 
+from tests.unit._greedy_forward import forward_greedy
+from titan_mm.checkpoint_io import CheckpointError
 from titan_mm.config import ConfigError, load_config
 from titan_mm.data.processors import Processor, ProcessorConfig
 from titan_mm.eval.evaluator import engine_texts, eval_engine
 from titan_mm.eval.tasks import load_task
 from titan_mm.export import export
+from titan_mm.launch.train import main as train_main
 from titan_mm.loader import load_model, load_weights, resolve_source
 from titan_mm.tools.eval_digits import main as digits_main
-from titan_mm.train.checkpoint import CheckpointError
 from titan_mm.train.setup import setup
-from titan_mm.launch.train import main as train_main
-
-from tests.unit._greedy_forward import forward_greedy
 
 ONE_STEP = ["--training.steps", "1", "--checkpoint.interval", "1", "--checkpoint.async_mode", "disabled",
             "--metrics.enable_tensorboard", "False", "--eval.interval", "0", "--data.micro_batch_size", "1",

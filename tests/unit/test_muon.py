@@ -244,7 +244,7 @@ def test_exact_resume_after_sigkill_muon(tmp_path):
     checkpoint and logs bitwise the losses of the run that was never killed."""
     from test_train_e2e import TINY, losses, run_sh
 
-    from titan_mm.train.checkpoint import list_checkpoints
+    from titan_mm.checkpoint_io import list_checkpoints
 
     # blocking saves: step 2's checkpoint is committed before the kill (the async path is test_train_e2e's)
     common = ["--job.dump_folder", str(tmp_path), "--training.steps", "6", "--checkpoint.interval", "2",

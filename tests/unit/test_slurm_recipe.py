@@ -202,7 +202,7 @@ def _free_port() -> int:
 def test_real_torchrun_and_trainer_save_on_time_limit_then_resume(tmp_path):
     """The generated command for real (torchrun, c10d rendezvous, 2 gloo workers on one 'node'): USR1 to the batch
     shell -> the trainer saves and exits -> requeue; the requeued job resumes from that checkpoint."""
-    from titan_mm.train.checkpoint import list_checkpoints
+    from titan_mm.checkpoint_io import list_checkpoints
 
     env = _env(tmp_path, SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1", GPUS_PER_NODE="2",
                RDZV_PORT=str(_free_port()), PYTHON=sys.executable, OMP_NUM_THREADS="1")

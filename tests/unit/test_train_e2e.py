@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_mm.checkpoint_io import list_checkpoints
 from titan_mm.config import load_config
+from titan_mm.launch.train import main
 from titan_mm.observe.metrics import read_metrics
 from titan_mm.registry import list_models
-from titan_mm.train.checkpoint import list_checkpoints
 from titan_mm.train.setup import model_from_config
-from titan_mm.launch.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
 # a fast model for the mechanics tests: synthetic tokens over a 256-token vocabulary

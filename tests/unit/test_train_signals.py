@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from titan_mm.observe.metrics import read_metrics
-from titan_mm.train.checkpoint import COMMIT_FILE, list_checkpoints, read_commit, verify_checkpoint
+from titan_mm.checkpoint_io import COMMIT_FILE, list_checkpoints, read_commit, verify_checkpoint
 from titan_mm.launch.train import main
+from titan_mm.observe.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.overrides", '{"vocab_size": 256, "num_hidden_layers": 2}', "--data.dataset", "synthetic",

@@ -16,10 +16,10 @@ import json
 import sys
 from pathlib import Path
 
+from titan_mm.checkpoint_io import CheckpointError, resolve_checkpoint, step_dir_name
 from titan_mm.config import ConfigError, JobConfig, check_mixture, load_config
 from titan_mm.eval.evaluator import Evaluator, read_tasks
 from titan_mm.loader import Source, load_weights, resolve_source
-from titan_mm.train.checkpoint import CheckpointError, resolve_checkpoint, step_dir_name
 from titan_mm.train.setup import setup
 
 

@@ -17,13 +17,13 @@ import sys
 
 import torch.distributed as dist
 
+from titan_mm.checkpoint_io import CheckpointError
 from titan_mm.config import ConfigError, load_config
 from titan_mm.data.sources import DataError
 from titan_mm.eval.evaluator import online_eval
 from titan_mm.models.hf_io import HFCheckpointError
 from titan_mm.observe.health import NonFiniteError
 from titan_mm.rl import rl_data
-from titan_mm.train.checkpoint import CheckpointError
 from titan_mm.train.run_lock import RunLockError
 from titan_mm.train.setup import pick_device
 from titan_mm.train.trainer import Interrupted, train

@@ -17,11 +17,11 @@ import time
 
 import torch
 
+from titan_mm.checkpoint_io import CheckpointError
 from titan_mm.config import ConfigError, JobConfig, load_config
 from titan_mm.eval.evaluator import engine_texts, eval_engine
 from titan_mm.eval.tasks import load_task
 from titan_mm.loader import Loaded, load_model
-from titan_mm.train.checkpoint import CheckpointError
 
 MAX_NEW_TOKENS = 3  # a digit, <|im_end|>, and one more to see a model that does not stop
 

@@ -21,17 +21,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from titan_mm.checkpoint_io import CheckpointError, list_checkpoints
 from titan_mm.config import ConfigError, load_config
 from titan_mm.data.builtin import builtin_records
 from titan_mm.data.packing import IGNORE_INDEX
 from titan_mm.data.processors import Processor, ProcessorConfig
 from titan_mm.data.schema import parse_record
 from titan_mm.loader import load_model
-from titan_mm.serve.dllm_sample import sample
-from titan_mm.train.checkpoint import CheckpointError, list_checkpoints
 from titan_mm.objectives.diffusion import build_diffusion, objective_from_hf, run_tokenizer
+from titan_mm.serve.dllm_sample import sample
 
 
 def qa_prompts(job_cfg, spec, model_cfg, limit: int | None = None):

@@ -80,9 +80,6 @@ from titan_mm.checkpoint_io import (
     step_of,
     verify_checkpoint,
 )
-# reading a run folder lives one room down (loader.py reads it too); the trainer, eval, export and tools import these
-# from here as well
-from titan_mm.checkpoint_io import committed_step, load_model_weights, resolve_checkpoint, resolve_verified  # noqa: F401
 from titan_mm.train.state import TrainState, from_bytes, to_bytes
 
 _REPLACED = ".replaced"  # a committed step folder that a new save of the same step replaces once it commits

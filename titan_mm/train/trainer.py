@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titan_mm.checkpoint_io import committed_step, step_dir_name
 from titan_mm.config import ConfigError, JobConfig, resolved_toml, run_dir, save_config, to_dict
 from titan_mm.kernels import export_picks, untuned_keys
 from titan_mm.observe.health import StepTimes, peak_memory_gb, reset_peak_memory
@@ -44,7 +45,7 @@ from titan_mm.observe.metrics import build_logger
 from titan_mm.observe.mfu import doc_lens_from_batch, encoder_inputs, mfu, peak_tflops
 from titan_mm.observe.profile import ProfileWindow
 from titan_mm.parallel.balance_dispatch import Rebalancer
-from titan_mm.train.checkpoint import CheckpointManager, Topology, committed_step, step_dir_name
+from titan_mm.train.checkpoint import CheckpointManager, Topology
 from titan_mm.train.preflight import preflight
 from titan_mm.train.run_lock import hold_run_folder
 from titan_mm.train.setup import KERNEL_PICKS, Run, build_data, pick_device, setup, setup_distributed, tune_kernels
