@@ -49,7 +49,8 @@ layer's new k/v (after qk-norm and RoPE) into the cache by the step's slot mappi
 to all cached keys of their sequence (causal by absolute position, optional window) with SDPA over the gathered
 keys. Causal only. A packed step (one row of several sequences' new tokens) runs the varlen kernel over the
 gathered keys on CUDA, the planned block-diagonal mask elsewhere; one-token steps read the pool in place (the
-serving engine's paged decode kernel).
+serving engine's paged decode kernel), and there an Attention given a ``decode_prologue`` (titan_mm.kernels'
+norm_rope_cache) runs its q/k norms, RoPE and the cache write as that one op.
 """
 
 from __future__ import annotations
