@@ -198,10 +198,10 @@ WALLS = {
     "train": {"checkpoint_io", "config", "data", "dtypes", "kernels", "loader", "models", "nn", "objectives",
               "observe", "parallel", "quant", "registry"},
     "serve": {"config", "data", "dtypes", "kernels", "loader", "models", "nn", "parallel", "registry"},
-    "eval": {"config", "data", "loader", "nn", "observe", "serve", "train"},
+    "eval": {"checkpoint_io", "config", "data", "loader", "nn", "observe", "serve", "train"},
     "rl": {"config", "data", "eval", "loader", "nn", "objectives", "serve", "train"},
-    "export": {"config", "data", "dtypes", "loader", "objectives", "train"},
-    "launch": {"config", "data", "eval", "models", "observe", "rl", "train"},
+    "export": {"checkpoint_io", "config", "data", "dtypes", "loader", "objectives"},  # reads; never train/
+    "launch": {"checkpoint_io", "config", "data", "eval", "models", "observe", "rl", "train"},
     "tools": None,  # above everything: any room
 }
 """Room -> the rooms it may import. train/ never imports eval/, rl/ or serve/ (launch/ composes them); serve/ never
