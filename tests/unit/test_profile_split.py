@@ -32,7 +32,7 @@ def test_split_per_step_with_idle_and_overlap():
     assert ms["step"] == 0.2 and ms["idle"] == 0.065
     assert ms["gemm"] == 0.1 and ms["norms"] == 0.025 and ms["copies"] == 0.02
     assert sorted(kernels["gemm"]) == [["nvjet_a", 0.05, 0.5], ["nvjet_b", 0.05, 0.5]]
-    lines = render([dict(case="c", stack="titan", profile_ms=ms)]).splitlines()
-    # columns: the categories with at least 0.05 ms per step (gemm, idle), after the step
-    assert lines[0] == "| case | stack | step ms | gemm | idle |"
-    assert lines[2] == "| c | titan | 0.2 | 0.1 | 0.1 |"
+    lines = render([dict(case="c", stack="titan", device="NVIDIA H100 80GB HBM3", profile_ms=ms)]).splitlines()
+    # columns: the row's device, then the categories with at least 0.05 ms per step (gemm, idle), after the step
+    assert lines[0] == "| case | device | stack | step ms | gemm | idle |"
+    assert lines[2] == "| c | H100 80GB HBM3 | titan | 0.2 | 0.1 | 0.1 |"
