@@ -92,6 +92,9 @@ def write_init(a, out: Path) -> Path:
     spec.save_hf(model, model_cfg, str(hf))
     for name, body in hf_folder_files(cfg).items():
         (hf / name).write_bytes(body.read_bytes() if isinstance(body, Path) else body.encode())
+    del model
+    if dev.type == "cuda":  # the titan side's process needs the memory this one's allocator would keep
+        torch.cuda.empty_cache()
     return hf
 
 

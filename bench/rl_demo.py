@@ -98,7 +98,7 @@ def run(task: str, work: Path, **shorter) -> dict:
 
 def table(res: dict) -> str:
     lines = []
-    for task, r in res["tasks"].items():
+    for task, r in res.get("tasks", {}).items():
         steps = sorted(r["heldout"], key=int)
         lines += [f"**{task}** (SFT stopped at step {r['start']} of {r['sft_steps']}; {r['metric']}, every held-out "
                   "prompt, greedy)", "",
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rl_demo: --start {a.start} must be a multiple of --every {a.every} (a saved checkpoint)", file=sys.stderr)
         return 2
     out = Path(a.out)
-    res = json.loads(out.read_text()) if out.is_file() else {"device": "cpu", "tasks": {}}
+    res = json.loads(out.read_text()) if out.is_file() else {"device": "cpu"}
+    res.setdefault("tasks", {})  # bench/results/rl_cpu.json also holds the measured runs ("runs")
     for task in tasks:
         res["tasks"][task] = run(task, Path(a.dir), sft_steps=a.sft_steps, start=a.start, every=a.every,
                                  grpo_steps=a.grpo_steps, eval_every=a.eval_every)
