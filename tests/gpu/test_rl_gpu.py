@@ -1,6 +1,8 @@
 """RL on CUDA: the debug GRPO config (shrunk) runs 4 steps with staleness 1 on one GPU. The trainer's one-GPU FSDP2
 hands the engine gathered fp32 tensors and the engine serves in bf16, so every sync copies the whole model
-(2 bytes a parameter); the sync time is printed for docs/rl.md.
+(2 bytes a parameter); the sync time is printed for docs/rl.md. The VL job (debug Qwen3-VL, builtin:digits: the
+digit image in every prompt) runs 2 steps: the engine samples from the images on CUDA and the trainer's rows carry
+them.
 
     pytest -q tests/gpu/test_rl_gpu.py -s
 """
@@ -17,17 +19,22 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_rl_runs_on_cuda_and_syncs_by_copy(tmp_path):
+def _train(tmp_path, config: str, *args: str) -> dict:
+    """The job's metrics.jsonl rows after run_train.sh on this GPU."""
     from titan_mm.observe.metrics import read_metrics
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    args = ["--config", "debug_rl_qwen3", "--job.dump_folder", str(tmp_path), "--training.steps", "4",
-            "--rl.staleness", "1", "--rl.rewards", '{"operator:lt": 1.0}', "--checkpoint.interval", "2",
-            "--metrics.enable_tensorboard", "False"]
+    args = ["--config", config, "--job.dump_folder", str(tmp_path), "--rl.rewards", '{"operator:lt": 1.0}',
+            "--metrics.enable_tensorboard", "False", *args]
     r = subprocess.run([str(ROOT / "run_train.sh"), *args], capture_output=True, text=True, env=env, cwd=ROOT,
                        timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = read_metrics(tmp_path / "debug_rl_qwen3" / "metrics.jsonl")
+    return read_metrics(tmp_path / config / "metrics.jsonl")
+
+
+def test_rl_runs_on_cuda_and_syncs_by_copy(tmp_path):
+    rows = _train(tmp_path, "debug_rl_qwen3", "--training.steps", "4", "--rl.staleness", "1",
+                  "--checkpoint.interval", "2")
     assert sorted(rows) == [1, 2, 3, 4]
     print({s: (rows[s]["data/rl/sync_s"], rows[s]["data/rl/sync_bytes"], rows[s]["data/rl/generate_s"],
                rows[s]["step_time_s"]) for s in rows})
@@ -35,3 +42,8 @@ def test_rl_runs_on_cuda_and_syncs_by_copy(tmp_path):
     assert len(n_bytes) == 1 and n_bytes.pop() > 0  # the whole bf16 model, every step
     assert [rows[s]["data/rl/staleness"] for s in rows] == [0, 1, 1, 1]
     assert all(rows[s]["grad_norm"] > 0 for s in rows)
+
+
+def test_vl_rl_runs_on_cuda(tmp_path):
+    rows = _train(tmp_path, "debug_rl_qwen3_vl", "--training.steps", "2", "--checkpoint.enable", "False")
+    assert sorted(rows) == [1, 2] and all(rows[s]["grad_norm"] > 0 and rows[s]["count/pg"] > 0 for s in rows)
