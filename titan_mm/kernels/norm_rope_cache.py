@@ -12,8 +12,8 @@ Arithmetic, as the unfused Triton ops round (and the PyTorch references of titan
 fp32, the normalized value rounded to the input dtype before the weight multiply (HF), the product rounded to it;
 the rotation in fp32 with one rounding, to q's / k's dtype (k then to the pool's dtype, as KVCache.write casts);
 v is copied, cast to the pool's dtype. The tables cos / sin [B, X] (X = K, HF layout, or K / 2) are per token, so
-M-RoPE's (Qwen3-VL's interleaved, Qwen2.5-VL's chunked) tables, built once per step by the model, run through it
-unchanged. No norm weights (Qwen2.5): RoPE and the write only.
+M-RoPE's tables (interleaved or chunked axis sections), built once per step by the model, run through it
+unchanged. No norm weights (a model without q/k norm): RoPE and the write only.
 
 No autograd (decoding), no tuner: a fixed launch per head layout, so a captured CUDA graph replays it. Pad rows of a
 decode step write their k / v to the scratch slot their table names, like any row.
