@@ -221,7 +221,7 @@ class Bench:
             def doc(n):
                 ids = torch.randint(0, vocab, (n + 1,), generator=g).numpy()
                 return Doc(ids[:-1], ids[1:])
-            return collate_rows([[doc(n) for n, _ in docs]], seq_len, pad_id=0, mrope=False, multiple=1)
+            return collate_rows([[doc(n) for n, _ in docs]], seq_len, pad_id=0, position_axes=1, multiple=1)
         syn = importlib.import_module(self.case["synthetic"])
         m = self.spec.data_needs(self.cfg).merge_size
         samples = []

@@ -89,12 +89,12 @@ def run_naive(path: str, batches: int) -> dict:
             packer.add(Doc(a, np.concatenate([a[1:], [-100]])))
     packer.flush()
     rows = list(packer.ready)
-    collate_rows(rows[:1], BUDGET, tok.pad_id, False)
+    collate_rows(rows[:1], BUDGET, tok.pad_id, 1)
     ttfb = time.perf_counter() - t0
     t1 = time.perf_counter()
     samples = toks = 0
     for r in rows[1 : 1 + batches]:
-        collate_rows([r], BUDGET, tok.pad_id, False)
+        collate_rows([r], BUDGET, tok.pad_id, 1)
         samples += len(r)
         toks += sum(len(d) for d in r)
     dt = max(time.perf_counter() - t1, 1e-9)

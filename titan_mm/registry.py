@@ -121,6 +121,10 @@ class Runtime:
     metadata is built with it."""
 
 
+POSITION_AXES = {"1d": 1, "mrope": 3}
+"""Position kinds a family may declare (DataNeeds.positions) -> rows of its position_ids."""
+
+
 @dataclass(frozen=True)
 class DataNeeds:
     """What the data pipeline must produce for this family."""
@@ -152,6 +156,11 @@ class DataNeeds:
     """The family's audio front end (titan_mm.nn.media.AudioFrontEnd: clip padding and the audio tower's token
     count; titan_mm.data.audio follows it). None: the family takes no audio (its samples with audio parts are
     skipped and counted, unknown_modality)."""
+
+    @property
+    def position_axes(self) -> int:
+        """Rows of a batch's ``position_ids`` (1: [B, S]; 3: [3, B, S]); what the collator packs."""
+        return POSITION_AXES[self.positions]
 
 
 @dataclass(frozen=True)

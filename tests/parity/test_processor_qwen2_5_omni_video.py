@@ -237,7 +237,7 @@ def packed_row(tok, processor, a, spec, model):
     clip = (0.3 * np.sin(2 * np.pi * 697 * t)).astype(np.float32)
     b = processor(parse_record(_chat(_video_part(_video(23, 90, 122, 25, seed=3)), {"type": "audio", "audio": clip},
                                      "?")))
-    batch = collate_rows([[a, b]], len(a) + len(b), pad_id=tok.pad_id, mrope=True)
+    batch = collate_rows([[a, b]], len(a) + len(b), pad_id=tok.pad_id, position_axes=3)
     prepared = spec.prepare_batch(model, batch, "cpu")
     idx = prepared["mm_index"][0]
     n_vis = int((batch["video_grid_thw"].prod(-1) // 4).sum())

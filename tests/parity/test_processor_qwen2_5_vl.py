@@ -209,7 +209,7 @@ def test_packed_positions_match_hf_get_rope_index():
     a = mine(parse_record(_chat({"type": "image", "image": _img(100, 181)}, "and",
                                 {"type": "video", "video": _mp4(23, 90, 122, 25, seed=1)}, "same?")))
     b = mine(parse_record(_chat({"type": "video", "video": _mp4(30, 64, 64, 7, seed=2)}, "what?")))
-    batch = collate_rows([[a, b]], len(a) + len(b), pad_id=tok.pad_id, mrope=True)
+    batch = collate_rows([[a, b]], len(a) + len(b), pad_id=tok.pad_id, position_axes=3)
     assert batch["video_second_per_grid"].dtype == torch.float32 and batch["video_second_per_grid"].shape == (2,)
     secs = batch["video_second_per_grid"]
     assert secs[0].item() != 1.0 and secs[1].item() != 1.0  # non-trivial time ids: tps * sec is fractional

@@ -91,7 +91,7 @@ def pack_one(s, cfg, secs=None):
     media = {k: [s[k].numpy()] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
              if k in s}
     seq = -(-len(ids) // 16) * 16
-    return collate_rows([[Doc(ids.numpy(), lab.numpy(), positions=pos, media=media)]], seq, pad_id=0, mrope=True,
+    return collate_rows([[Doc(ids.numpy(), lab.numpy(), positions=pos, media=media)]], seq, pad_id=0, position_axes=3,
                         multiple=1)
 
 

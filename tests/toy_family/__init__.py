@@ -105,6 +105,6 @@ def toy_batches(seed: int, rows: int, seq_len: int, channels: int = 4):
 
 def toy_collate(rows: list[list[Doc]], seq_len: int) -> dict:
     """The batch of these rows of toy docs; ``noise_unit`` is each latent's document in its row."""
-    b = collate_rows(rows, seq_len, 0, False, multiple=1, schema=SCHEMA)
+    b = collate_rows(rows, seq_len, 0, 1, multiple=1, schema=SCHEMA)
     b["noise_unit"] = torch.where(b["latent_mask"], b["doc_ids"].long(), -1)
     return b

@@ -37,7 +37,7 @@ def forward_greedy(model, spec, model_cfg, proc: Processor, prompts: list[list[d
         doc, new = proc.prompt_doc(parse_record({"messages": messages})), []
         while len(new) < max_new and not (new and new[-1] in stop):
             d = _extend(doc, new)
-            batch = collate_rows([[d]], len(d), tok.pad_id, proc.cfg.mrope)
+            batch = collate_rows([[d]], len(d), tok.pad_id, proc.cfg.position_axes)
             if spec.prepare_batch is not None:
                 batch = spec.prepare_batch(model_cfg, batch, CPU)
             logits = model(batch["input_ids"], position_ids=batch["position_ids"],

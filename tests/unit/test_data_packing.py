@@ -62,7 +62,7 @@ def test_best_fit_is_dense_and_state_roundtrips():
 def test_collate_mrope_and_padding_rows():
     d = _doc(5)
     d.positions = np.stack([np.arange(5)] * 3)
-    b = collate_rows([[d], []], 16, pad_id=0, mrope=True)
+    b = collate_rows([[d], []], 16, pad_id=0, position_axes=3)
     assert b["position_ids"].shape == (3, 2, 16)
     assert b["cu_seqlens"].tolist() == [0, 5, 16, 32]
     assert (b["doc_ids"][1] == -1).all()
@@ -116,7 +116,7 @@ def test_lazy_image_equals_eager():
 
 def test_token_docs_give_the_token_batch_only():
     """Docs without seq arrays or segments: the batch of before (no segment or latent keys)."""
-    b = collate_rows([[_doc(5), _doc(4)], [_doc(9)]], 16, pad_id=0, mrope=False)
+    b = collate_rows([[_doc(5), _doc(4)], [_doc(9)]], 16, pad_id=0, position_axes=1)
     assert list(b) == ["input_ids", "labels", "position_ids", "doc_ids", "cu_seqlens", "max_seqlen",
                        "num_label_tokens"]
 
@@ -135,7 +135,7 @@ LATENT_SCHEMA = BatchSchema((SeqKey("latents", ("C",), "float32"), SeqKey("laten
 
 def test_docs_without_tokens_pack_their_seq_arrays_and_segments():
     rows = [[_latent_doc(2, 3), _latent_doc(1, 4)], [_latent_doc(3, 3)]]
-    b = collate_rows(rows, 16, pad_id=0, mrope=False, schema=LATENT_SCHEMA)
+    b = collate_rows(rows, 16, pad_id=0, position_axes=1, schema=LATENT_SCHEMA)
     assert "input_ids" not in b and "labels" not in b and "num_label_tokens" not in b
     assert b["latents"].shape == (2, 16, 3) and b["latents"].dtype == torch.float32
     assert torch.equal(b["latents"][0, :5], torch.from_numpy(rows[0][0].seq["latents"]))
@@ -150,12 +150,12 @@ def test_docs_without_tokens_pack_their_seq_arrays_and_segments():
 
 def test_docs_that_do_not_fit_the_schema_are_refused():
     with pytest.raises(ValueError, match="'latents' of shape \\[5, 3\\] is not a sequence key"):
-        collate_rows([[_latent_doc(2, 3)]], 16, 0, False, schema=BatchSchema(tokens=False))
+        collate_rows([[_latent_doc(2, 3)]], 16, 0, 1, schema=BatchSchema(tokens=False))
     with pytest.raises(ValueError, match="lacks input_ids but the family's BatchSchema says tokens=True"):
-        collate_rows([[_latent_doc(2, 3)]], 16, 0, False, schema=BatchSchema())
+        collate_rows([[_latent_doc(2, 3)]], 16, 0, 1, schema=BatchSchema())
     with pytest.raises(ValueError, match="mixes docs with and without input_ids"):
-        collate_rows([[_latent_doc(2, 3), _doc(3)]], 16, 0, False)
+        collate_rows([[_latent_doc(2, 3), _doc(3)]], 16, 0, 1)
     bad = _latent_doc(2, 3)
     bad.segments = ((2, "causal"), (2, "noisy"))
     with pytest.raises(ValueError, match="must cover its 5 tokens with kinds of"):
-        collate_rows([[bad]], 16, 0, False)
+        collate_rows([[bad]], 16, 0, 1)

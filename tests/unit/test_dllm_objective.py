@@ -82,7 +82,7 @@ def test_masked_diffusion_loss_is_llada_formula_on_a_fixed_batch():
     _, _, model = tiny_model()
     B, L, eps = 2, 12, 0.05
     obj = objective("masked_diffusion", eps=eps)
-    mbs = [collate_rows([[d] for d in rand_docs([L] * B, seed=s)], L, pad_id=0, mrope=False, multiple=1)
+    mbs = [collate_rows([[d] for d in rand_docs([L] * B, seed=s)], L, pad_id=0, position_axes=1, multiple=1)
            for s in (1, 2)]
     ref_sum = 0.0
     for slot, mb in enumerate(mbs):
@@ -115,7 +115,7 @@ def test_sft_masks_only_the_response_and_leaves_the_prompt_clean():
     cfg = load_config(["--config", "debug_dllm_qwen3"])
     proc = Processor(load_tokenizer(), ProcessorConfig(cfg.data))
     docs = [proc(parse_record(r)) for r in builtin_records("qa")[:3]]
-    batch = collate_rows([docs], 96, pad_id=0, mrope=False)
+    batch = collate_rows([docs], 96, pad_id=0, position_axes=1)
     obj = DiffusionLM(kind="masked_diffusion", mask_id=151669, sft=True)
     ids = batch["input_ids"]
     u_t, _ = obj.noise(tuple(ids.shape), 0, 0)
@@ -131,7 +131,7 @@ def test_sft_masks_only_the_response_and_leaves_the_prompt_clean():
 
 def test_shifted_labels_predict_the_next_token_and_skip_each_documents_first_token():
     docs = rand_docs([5, 7])
-    batch = collate_rows([docs], 16, pad_id=0, mrope=False, multiple=1)
+    batch = collate_rows([docs], 16, pad_id=0, position_axes=1, multiple=1)
     obj = objective("shifted_diffusion")
     ids = batch["input_ids"]
     out = obj.corrupt(batch, torch.full((1, 16), 0.999), torch.zeros(1, 16))  # t ~ 1: every maskable token masked
@@ -154,7 +154,7 @@ def test_noise_is_seeded_by_step_and_global_slot():
     a, b = obj.noise((2, 8), 5, 1), obj.noise((2, 8), 5, 1)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not torch.equal(a[1], obj.noise((2, 8), 6, 1)[1]) and not torch.equal(a[1], obj.noise((2, 8), 5, 2)[1])
-    mbs = [collate_rows([rand_docs([6, 4], seed=s)], 12, pad_id=0, mrope=False, multiple=1) for s in range(4)]
+    mbs = [collate_rows([rand_docs([6, 4], seed=s)], 12, pad_id=0, position_axes=1, multiple=1) for s in range(4)]
     one_rank = obj.prepare(mbs, 5, dp_rank=0)  # 4 micro-batches on 1 rank == rank 1 of 2 reading slots 2, 3
     other = obj.prepare(mbs[2:], 5, dp_rank=1)
     for x, y in zip(one_rank[2:], other):
@@ -171,7 +171,7 @@ def test_packed_equals_unpacked(kind, backend):
     rows = [[5, 7, 4], [9, 6]]
     docs = [rand_docs(r, seed=i) for i, r in enumerate(rows)]
     S = 20
-    packed = collate_rows(docs, S, pad_id=0, mrope=False, multiple=1)
+    packed = collate_rows(docs, S, pad_id=0, position_axes=1, multiple=1)
     u_t, u_m = obj.noise((2, S), 0, 0)
     u_t, u_m = u_t * 0.6, u_m * 0.6  # t and masks spread over both outcomes
     out = obj.corrupt(packed, u_t, u_m)
@@ -179,7 +179,7 @@ def test_packed_equals_unpacked(kind, backend):
     for b, lens in enumerate(rows):
         o = 0
         for d, n in zip(docs[b], lens):
-            alone = collate_rows([[d]], n, pad_id=0, mrope=False, multiple=1)
+            alone = collate_rows([[d]], n, pad_id=0, position_axes=1, multiple=1)
             one = obj.corrupt(alone, u_t[b:b + 1, o:o + n], u_m[b:b + 1, o:o + n])
             for k in ("input_ids", "labels", "loss_weights"):
                 assert torch.equal(one[k][0], out[k][b, o:o + n]), (k, b, o)

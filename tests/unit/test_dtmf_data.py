@@ -100,7 +100,7 @@ def test_pack_text_audio_and_audio_image(omni_tok):
     for d in docs:
         packer.add(d)
     packer.flush()
-    batch = collate_rows(packer.pop_rows(1), 2048, omni_tok.pad_id, mrope=True)
+    batch = collate_rows(packer.pop_rows(1), 2048, omni_tok.pad_id, position_axes=3)
     clips = [r["messages"][0]["content"][i]["audio"] for r, i in ((recs[1], 0), (recs[2], 1))]
     frames = [-(-w.shape[0] // 160) for w in clips]  # Qwen2.5-Omni: ceil(samples / hop), under 30 s
     assert batch["input_features"].shape == (128, sum(frames)) and batch["input_features"].is_contiguous()

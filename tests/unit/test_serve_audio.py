@@ -159,7 +159,7 @@ def test_audio_pads_and_positions_are_the_training_ones(omni):
     for c, m in zip(req.audios, audios):
         want = audio.process_audio(m, ProcessorConfig(DATA, spec.data_needs(cfg)))
         assert torch.equal(c.features, torch.from_numpy(want.tensors["input_features"]))
-    batch = spec.prepare_batch(cfg, collate_rows([[doc]], len(doc), tok.pad_id, True, multiple=1), "cpu")
+    batch = spec.prepare_batch(cfg, collate_rows([[doc]], len(doc), tok.pad_id, 3, multiple=1), "cpu")
     assert torch.equal(req.positions, batch["position_ids"][:, 0])
     assert req.rope_delta == int(req.positions.max()) + 1 - len(req.prompt)
 

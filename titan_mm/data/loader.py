@@ -395,7 +395,7 @@ class PackedStream:
             )
 
     def _emit(self, rows: list[list[Doc]]) -> dict:
-        batch = collate_rows(rows, self.S, self.tok.pad_id, self.cfg.proc.mrope)
+        batch = collate_rows(rows, self.S, self.tok.pad_id, self.cfg.proc.position_axes)
         n_docs = sum(len(r) for r in rows)
         self.counters["batches"] += 1
         meta = {"n_samples": n_docs,

@@ -158,7 +158,7 @@ class BestFitPacker:
         self.ready = deque(ready)
 
 
-def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool,
+def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, position_axes: int,
                  multiple: int = PAD_MULTIPLE, schema: BatchSchema | None = None) -> dict[str, torch.Tensor]:
     """Build the contract batch (docs/architecture.md, "Batch") from packed rows: the one collator of the
     data pipeline and of the synthetic loaders (titan_mm.train.synthetic, a vision family's synthetic.py).
@@ -186,7 +186,7 @@ def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool,
     ids = np.full((B, S), pad_id, dtype=np.int64)
     labels = np.full((B, S), IGNORE_INDEX, dtype=np.int64)
     doc_ids = np.full((B, S), -1, dtype=np.int32)
-    pos = np.zeros((3, B, S) if mrope else (B, S), dtype=np.int64)
+    pos = np.zeros((position_axes, B, S), dtype=np.int64)
     seq = {key: np.zeros((B, S) + a.shape[1:], dtype=a.dtype) for key, a in seq_like.items()}
     segmented = any(d.segments for d in docs_all)
     seg_ids = np.zeros((B, S), dtype=np.int32)
@@ -201,10 +201,7 @@ def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool,
                 ids[b, t : t + n] = d.input_ids
                 labels[b, t : t + n] = d.labels
             doc_ids[b, t : t + n] = k
-            if mrope:
-                pos[:, b, t : t + n] = d.positions if d.positions is not None else np.arange(n)
-            else:
-                pos[b, t : t + n] = d.positions[0] if d.positions is not None else np.arange(n)
+            pos[:, b, t : t + n] = d.positions[:position_axes] if d.positions is not None else np.arange(n)
             for key, a in d.seq.items():
                 seq[key][b, t : t + n] = a
             o = t
@@ -231,7 +228,7 @@ def collate_rows(rows: list[list[Doc]], seq_len: int, pad_id: int, mrope: bool,
     if tokens:
         batch.update(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels))
     batch.update({
-        "position_ids": torch.from_numpy(pos),
+        "position_ids": torch.from_numpy(pos[0] if position_axes == 1 else pos),  # [B, S] or [P, B, S]
         "doc_ids": torch.from_numpy(doc_ids),
         "cu_seqlens": torch.from_numpy(cu),
         "max_seqlen": torch.tensor(max(seg[1:]) if len(seg) > 1 else 0, dtype=torch.int64),

@@ -31,10 +31,9 @@ from titan_mm.data.schema import Sample
 from titan_mm.data.sources import SkipSample, Unit, media_bytes
 from titan_mm.data.tokenizer import Tokenizer, builtin_names, load_tokenizer
 from titan_mm.nn.media import AudioFrontEnd, VisionLayout
-from titan_mm.registry import DataNeeds
+from titan_mm.registry import POSITION_AXES, DataNeeds
 
 CHAT_TEMPLATES = ("chatml", "chatml_think")
-POSITIONS = ("1d", "mrope")
 
 
 @dataclass(frozen=True)
@@ -49,8 +48,8 @@ class ProcessorConfig:
     audio_n_mels: int = 128
 
     def __post_init__(self):
-        if self.needs.positions not in POSITIONS:
-            raise ValueError(f"DataNeeds.positions must be one of {POSITIONS}, got {self.needs.positions!r}")
+        if self.needs.positions not in POSITION_AXES:
+            raise ValueError(f"DataNeeds.positions must be one of {tuple(POSITION_AXES)}, got {self.needs.positions!r}")
         if self.needs.patch_size and not isinstance(self.needs.vision_layout, VisionLayout):
             raise ValueError(f"DataNeeds.vision_layout must be a titan_mm.nn.media.VisionLayout when patch_size is "
                              f"set (the family's image / video processing), got {self.needs.vision_layout!r}")
@@ -75,9 +74,8 @@ class ProcessorConfig:
         return self.needs.merge_size
 
     @property
-    def mrope(self) -> bool:
-        """3-D M-RoPE positions per doc (the family's positions kind)."""
-        return self.needs.positions == "mrope"
+    def position_axes(self) -> int:
+        return self.needs.position_axes
 
     @property
     def chat_template(self) -> str:
@@ -273,8 +271,9 @@ class Processor:
             for k, v in it.tensors.items():
                 doc.media.setdefault(k, []).append(v)
             doc.n_patches += it.n_patches
-        if self.cfg.mrope:
-            doc.positions = vision.mrope_positions(ids, items, self.tok, self.cfg)
+        build = vision.DOC_POSITIONS.get(self.cfg.needs.positions)  # None: 1-D, restarting per doc at collate
+        if build is not None:
+            doc.positions = build(ids, items, self.tok, self.cfg)
         return doc
 
     def __call__(self, sample: Sample, rec: dict | None = None, unit: Unit | None = None, sample_id: str = "") -> Doc:

@@ -276,7 +276,7 @@ class RolloutSource:
                 doc.positions = np.concatenate([pd.positions, np.broadcast_to(after, (pd.positions.shape[0], c))], 1)
                 doc.media, doc.n_patches = pd.media, pd.n_patches
             docs.append([doc])
-        return collate_rows(docs, self.cfg.data.seq_len, self.tok.pad_id, self.needs.positions == "mrope")
+        return collate_rows(docs, self.cfg.data.seq_len, self.tok.pad_id, self.needs.position_axes)
 
     def _fill(self, step: int) -> None:
         """Make the rollouts due at ``step`` (module docstring): steps step .. step + k not made yet."""

@@ -32,7 +32,7 @@ def _canvas(prompts: list[list[int]], gen_length: int, mask_id: int) -> dict[str
     """One document per row: prompt + gen_length masks, right-padded (padding is its own document)."""
     rows = [[Doc(np.asarray(list(p) + [mask_id] * gen_length, dtype=np.int64),
                  np.full(len(p) + gen_length, IGNORE_INDEX, dtype=np.int64))] for p in prompts]
-    return collate_rows(rows, max(len(p) for p in prompts) + gen_length, pad_id=0, mrope=False, multiple=1)
+    return collate_rows(rows, max(len(p) for p in prompts) + gen_length, pad_id=0, position_axes=1, multiple=1)
 
 
 def _blocks(start: int, end: int, objective, block_length: int | None) -> list[tuple[int, int]]:

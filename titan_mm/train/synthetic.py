@@ -54,7 +54,7 @@ def collate(rows) -> dict:
                 pos = r_pos[a:e].numpy()
                 row.append(Doc(r_ids[a:e].numpy(), r_lab[a:e].numpy(), positions=np.broadcast_to(pos, (3, e - a))))
         docs.append(row)
-    batch = collate_rows(docs, ids.shape[1], pad_id=0, mrope=False, multiple=1)
+    batch = collate_rows(docs, ids.shape[1], pad_id=0, position_axes=1, multiple=1)
     pad = batch["doc_ids"] < 0
     batch["input_ids"][pad] = ids[pad]
     return batch

@@ -94,6 +94,6 @@ def pack(samples: list[Sample], cfg, seq_len: int | None = None, rows: int = 1,
         return Doc(s.input_ids.numpy(), lab.numpy(), media=media, n_patches=int(s.image_grid_thw.prod(-1).sum()))
 
     placed, seq_len = place(samples, rows, seq_len, doc)
-    batch = collate_rows(placed, seq_len, pad_id=0, mrope=True, multiple=1)
+    batch = collate_rows(placed, seq_len, pad_id=0, position_axes=3, multiple=1)
     batch["position_ids"] = positions(cfg, batch)
     return batch

@@ -129,7 +129,7 @@ def pack(samples: list[Sample], cfg: Qwen3VLConfig, seq_len: int | None = None, 
         return Doc(s.input_ids.numpy(), lab.numpy(), positions=pos, media=media)
 
     placed, seq_len = place(samples, rows, seq_len, doc)
-    return collate_rows(placed, seq_len, pad_id=0, mrope=True, multiple=1)
+    return collate_rows(placed, seq_len, pad_id=0, position_axes=3, multiple=1)
 
 
 def synthetic_vl_batch(cfg: Qwen3VLConfig, num_tokens: int = 8192, rows: int = 1, image_hw: tuple[int, int] = (32, 32),
