@@ -1,0 +1,111 @@
+"""The wan family against diffusers' WanTransformer3DModel on tiny random configs, fp32 on CPU: predictions and
+gradients (Wan2.1 T2V: one t per clip; Wan2.2 TI2V: a t per patch, the first frame clean), and diffusers folders
+in and out, bit for bit."""
+
+import json
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")  # the optional extra [diffusers]
+
+from titan_mm.models.hf_io import HFCheckpointError  # noqa: E402
+from titan_mm.models.wan import WanConfig, WanModel, patchify, unpatchify  # noqa: E402
+from titan_mm.models.wan.hf import DIFFUSERS_SINGLE, load_hf, save_hf  # noqa: E402
+from titan_mm.nn.attention import build_attn_meta  # noqa: E402
+
+TINY = dict(patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+            text_dim=16, freq_dim=16, ffn_dim=40, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64)
+# Wan2.2-TI2V-5B's transformer differs from Wan2.1's only in sizes (48 latent channels); its pipeline gives a t per
+# patch (expand_timesteps). Here: a patch over 2 frames too, and no cross-attention norm.
+TI2V = {**TINY, "patch_size": [2, 2, 2], "in_channels": 6, "out_channels": 6, "cross_attn_norm": False}
+B, FR, H, W, L = 2, 4, 6, 8, 5
+
+
+def _pair(hf: dict, tmp_path):
+    torch.manual_seed(0)
+    ref = diffusers.WanTransformer3DModel(**hf).float()
+    for p in ref.parameters():  # diffusers zero-inits no bias here, but make every weight matter
+        torch.nn.init.normal_(p, std=0.2)
+    ref.save_pretrained(tmp_path / "transformer")
+    cfg = WanConfig.from_hf(tmp_path)  # a pipeline folder: its transformer/ subfolder
+    model = WanModel(cfg)
+    load_hf(model, tmp_path)
+    return ref, model, cfg
+
+
+def _inputs(cfg: WanConfig, per_patch: bool):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, cfg.in_channels, FR, H, W, generator=g)
+    text = torch.randn(B, L, cfg.text_dim, generator=g)
+    patches, grid = patchify(x, cfg.patch_size)
+    S = patches.shape[1]
+    t = torch.rand(B, 1, generator=g).expand(B, S).clone()
+    if per_patch:  # TI2V: the first latent frame is the clean conditioning image (t = 0)
+        t[:, grid[0, :, 0] == 0] = 0.0
+    return x, text, patches, grid, t
+
+
+@pytest.mark.parametrize("hf,per_patch", [(TINY, False), (TI2V, True)], ids=["wan2.1", "wan2.2_ti2v"])
+def test_wan_matches_diffusers(hf, per_patch, tmp_path):
+    ref, model, cfg = _pair(hf, tmp_path)
+    x, text, patches, grid, t = _inputs(cfg, per_patch)
+    x_ref, text_ref = x.clone().requires_grad_(), text.clone().requires_grad_()
+    t_ref = t * 1000 if per_patch else t[:, 0] * 1000  # diffusers' timestep = sigma x 1000
+    want = ref(x_ref, t_ref, text_ref).sample  # [B, C, F, H, W]
+
+    patches.requires_grad_()
+    text.requires_grad_()
+    meta = build_attn_meta({"doc_ids": torch.zeros(B, patches.shape[1], dtype=torch.int32)}, "sdpa", "cpu",
+                           kind="bidirectional")
+    out = model(attn=meta, noisy_latents=patches, timesteps=t, text_states=text, grid_fhw=grid)
+    pred = model.predict_velocity(out, {})
+    f, hh, ww = (n // p for n, p in zip((FR, H, W), cfg.patch_size))
+    got = unpatchify(pred, (f, hh, ww), cfg.patch_size)
+    # fp32, the same products summed in other orders (conv vs linear, per-token vs per-clip time MLP): ~1e-6
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    w = torch.randn(want.shape, generator=torch.Generator().manual_seed(2))
+    (want * w).sum().backward()
+    (got * w).sum().backward()
+    grads = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(text.grad, text_ref.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(unpatchify(patches.grad, (f, hh, ww), cfg.patch_size), x_ref.grad, atol=1e-4,
+                               rtol=1e-4)
+
+
+def test_patchify_round_trip():
+    x = torch.randn(2, 3, 4, 6, 8)
+    p, grid = patchify(x, (2, 2, 2))
+    assert p.shape == (2, 2 * 3 * 4, 24) and grid[0, -1].tolist() == [1, 2, 3]
+    assert torch.equal(unpatchify(p, (2, 3, 4), (2, 2, 2)), x)
+    with pytest.raises(ValueError, match="does not divide into patches"):
+        patchify(torch.zeros(1, 3, 3, 6, 8), (2, 2, 2))
+
+
+def test_diffusers_folder_round_trip_is_exact(tmp_path):
+    ref, model, cfg = _pair(TINY, tmp_path / "in")
+    save_hf(model, cfg, tmp_path / "out")
+    back = diffusers.WanTransformer3DModel.from_pretrained(tmp_path / "out")
+    assert dict(back.config) | {} and all(back.config[k] == ref.config[k] for k in TINY)
+    want = ref.state_dict()
+    assert set(back.state_dict()) == set(want)
+    assert all(torch.equal(v, want[k]) for k, v in back.state_dict().items())
+    assert (tmp_path / "out" / DIFFUSERS_SINGLE).is_file()
+    assert WanConfig.from_hf(tmp_path / "out") == cfg
+
+
+def test_config_and_folder_mistakes_are_one_line(tmp_path):
+    with pytest.raises(ValueError, match="num_layers = 2.5 is a float; it must be a positive int"):
+        WanConfig.from_hf_dict({"_class_name": "WanTransformer3DModel", "num_layers": 2.5})
+    with pytest.raises(ValueError, match="_class_name='UNet3D'"):
+        WanConfig.from_hf_dict({"_class_name": "UNet3D"})
+    with pytest.raises(ValueError, match="Wan2.1 I2V"):
+        WanConfig.from_hf_dict({"_class_name": "WanTransformer3DModel", "image_dim": 1280, "added_kv_proj_dim": 32})
+    ref, model, cfg = _pair(TINY, tmp_path)
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({**cfg.to_hf_dict(), "ffn_dim": 48}))
+    with pytest.raises(HFCheckpointError, match="wrong shape for blocks.0.ffn.net.0.proj.weight"):
+        load_hf(WanModel(WanConfig.from_hf(tmp_path)), tmp_path)
