@@ -13,6 +13,10 @@ from titan_mm.models.hf_io import HFCheckpointError  # noqa: E402
 from titan_mm.models.wan import WanConfig, WanModel, patchify, unpatchify  # noqa: E402
 from titan_mm.models.wan.hf import DIFFUSERS_SINGLE, load_hf, save_hf  # noqa: E402
 from titan_mm.nn.attention import build_attn_meta  # noqa: E402
+from titan_mm.objectives import FlowMatching  # noqa: E402
+from titan_mm.registry import get_model_spec  # noqa: E402
+from titan_mm.train.state import TrainState  # noqa: E402
+from titan_mm.train.step import StepContext, eval_loss_sums, train_step  # noqa: E402
 
 TINY = dict(patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
             text_dim=16, freq_dim=16, ffn_dim=40, num_layers=2, cross_attn_norm=True,
@@ -109,3 +113,52 @@ def test_config_and_folder_mistakes_are_one_line(tmp_path):
     (tmp_path / "transformer" / "config.json").write_text(json.dumps({**cfg.to_hf_dict(), "ffn_dim": 48}))
     with pytest.raises(HFCheckpointError, match="wrong shape for blocks.0.ffn.net.0.proj.weight"):
         load_hf(WanModel(WanConfig.from_hf(tmp_path)), tmp_path)
+
+
+# ---- training: flow matching on synthetic latents through the real train step ----
+
+class ClipFlow(FlowMatching):
+    """Flow matching with every clip's patches attending each other fully (Wan's self-attention)."""
+
+    mask_kind = "bidirectional"
+
+
+def _clips(seed: int, cfg: WanConfig, rows: int = 2):
+    """Batches forever of clips whose latents are a fixed function of their text states (learnable)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(cfg.text_dim, cfg.in_channels, generator=torch.Generator().manual_seed(7))
+    while True:
+        text = torch.randn(rows, L, cfg.text_dim, generator=g)
+        x = torch.tanh(text.mean(1) @ mix)[:, :, None, None, None].expand(rows, -1, FR, H, W)
+        x = x + 0.1 * torch.randn(x.shape, generator=g)
+        patches, grid = patchify(x.contiguous(), cfg.patch_size)
+        S = patches.shape[1]
+        yield {"latents": patches, "latent_mask": torch.ones(rows, S, dtype=torch.bool),
+               "noise_unit": torch.zeros(rows, S, dtype=torch.long), "grid_fhw": grid,
+               "doc_ids": torch.zeros(rows, S, dtype=torch.int32), "position_ids": torch.zeros(rows, S, dtype=torch.long),
+               "text_states": text}
+
+
+def test_wan_trains_with_flow_matching():
+    spec = get_model_spec("wan")  # registered by importing titan_mm.models.wan
+    cfg = spec.flavor("debug")
+    torch.manual_seed(0)
+    model = spec.build(cfg)
+    ctx = StepContext(device=torch.device("cpu"), objective=ClipFlow(sampler="uniform", seed=1),
+                      seq_keys=spec.schema().seq)
+    held_out = [next(_clips(99, cfg))]
+
+    def held_out_mse():
+        sums, counts = eval_loss_sums(model, held_out, ctx)
+        return sums["mse"] / counts["mse"]
+
+    before = held_out_mse()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    state = TrainState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    data = _clips(0, cfg)
+    results = [train_step(state, [next(data)], ctx) for _ in range(200)]
+    after = held_out_mse()
+    assert all(set(r.terms) == {"mse"} and r.counts["mse"] > 0 for r in results)
+    # untrained: about E|eps - x0|^2 = 1 + E x0^2 per element; a model that reads the text knows x0, and from x_t
+    # then eps, up to the clips' 0.1 noise; 1.81 -> 0.75 here
+    assert after < 0.5 * before, (before, after)
