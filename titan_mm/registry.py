@@ -317,6 +317,9 @@ class ModelSpec:
     objective_options: Callable[[Any], dict[str, dict]] | None = None
     """objective_options(cfg) -> {objective name: its options} (e.g. flow matching's sampler and timestep shift from
     the model config); None: every objective with its defaults."""
+    synthetic: Callable[[Any, int], Callable[[list[torch.Generator]], dict]] | None = None
+    """synthetic(model_cfg, seq_len) -> make_batch(generators) -> a micro-batch of the family's own rows, one
+    generator per row, for ``data.dataset = "synthetic"`` (families without tokens); None: random token rows."""
     tokenizer: TokenizerNames | None = None
     """The family's built-in tokenizer, ``builtin:<name>``, where its special tokens carry other names than the base
     vocabulary's (Qwen2.5-Omni's ``<|AUDIO|>``, ...); None: it has none of its own."""
@@ -347,6 +350,7 @@ _BUILTIN = {
     "qwen3_vl_moe": "titan_mm.models.qwen3_vl",
     "qwen3_5": "titan_mm.models.qwen3_5",
     "qwen3_5_moe": "titan_mm.models.qwen3_5",
+    "wan": "titan_mm.models.wan",
 }
 
 

@@ -34,8 +34,10 @@ class WanConfig:
     added_kv_proj_dim: int | None = None
     pos_embed_seq_len: int | None = None
     attn_backend: str = "sdpa"
+    kernels: bool | str = False
+    """The titan_mm.kernels ops spec; recorded only: Wan's fused ops (modulated norms, GELU) are a later slice."""
 
-    RUNTIME_FIELDS = ("attn_backend",)
+    RUNTIME_FIELDS = ("attn_backend", "kernels")
 
     def __post_init__(self):
         if self.image_dim is not None or self.added_kv_proj_dim is not None or self.pos_embed_seq_len is not None:

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_mm.models.wan.config import NUM_TRAIN_TIMESTEPS, WanConfig
+from titan_mm.nn import init
 from titan_mm.nn.attention import AttnMeta, attention
 from titan_mm.nn.output import ModelOutput
 
@@ -156,6 +157,19 @@ class WanModel(nn.Module):
         self.blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.num_layers))
         self.proj_out = nn.Linear(cfg.dim, cfg.patch_dim)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+
+    def init_weights(self, buffer_device=None) -> None:
+        """Random init (the trainer's, under titan_mm.nn.init.seeded_init): weights N(0, 0.02), biases 0, norms 1,
+        the modulation tables N(0, 1/D) as diffusers draws them. No buffers: RoPE angles come from the batch's grid."""
+        for name, p in self.named_parameters():
+            if name.endswith("scale_shift_table"):
+                init.normal_(p, std=self.cfg.dim**-0.5)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif "norm" in name.rsplit(".", 2)[-2]:  # norm_q / norm_k / norm2 weights
+                nn.init.ones_(p)
+            else:
+                init.normal_(p, std=0.02)
 
     def embed(self, noisy_latents, timesteps, text_states):
         """(h [B, S, D], temb [B, S, D] fp32, mod [B, S, 6, D], text [B, L, D])."""

@@ -23,13 +23,11 @@ def dims(cfg: WanConfig) -> ModelDims:
 
 
 def runtime(cfg: WanConfig) -> Runtime:
-    return Runtime(attn_backend=cfg.attn_backend, kernels=False)
+    return Runtime(attn_backend=cfg.attn_backend, kernels=cfg.kernels)
 
 
 def with_runtime(cfg: WanConfig, attn_backend: str = "sdpa", kernels: bool | str = False) -> WanConfig:
-    if kernels:
-        raise ValueError("the wan family has no fused kernels yet; set model.kernels = false")
-    return dataclasses.replace(cfg, attn_backend=attn_backend)
+    return dataclasses.replace(cfg, attn_backend=attn_backend, kernels=kernels)
 
 
 def data_needs(cfg: WanConfig) -> DataNeeds:
@@ -37,9 +35,15 @@ def data_needs(cfg: WanConfig) -> DataNeeds:
 
 
 def kernel_shapes(cfg: WanConfig, tp: int = 1, encoder_tp: bool = False) -> KernelShapes:
-    return KernelShapes(bias_gelu=(cfg.ffn_dim // tp,))
+    """The q / k RMSNorms over all heads (width D) and the FFN's tanh GELU."""
+    return KernelShapes(rms_norm=(cfg.dim,), bias_gelu=(cfg.ffn_dim // tp,))
 
 
 def memory_terms(*_, **__):
     raise NotImplementedError("the wan family has no memory estimate yet (a later slice of issue 48)")
 
+
+
+def objective_options(cfg: WanConfig) -> dict[str, dict]:
+    """Flow matching over whole clips: every patch sees every patch of its clip."""
+    return {"flow_matching": {"mask": "bidirectional"}}
