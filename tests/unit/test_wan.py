@@ -9,12 +9,14 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")  # the optional extra [diffusers]
 
+from titan_mm.config import load_config  # noqa: E402
 from titan_mm.launch.train import main  # noqa: E402
 from titan_mm.models.hf_io import HFCheckpointError  # noqa: E402
 from titan_mm.models.wan import WanConfig, WanModel, patchify, unpatchify  # noqa: E402
 from titan_mm.models.wan.hf import DIFFUSERS_SINGLE, load_hf, save_hf  # noqa: E402
 from titan_mm.nn.attention import build_attn_meta  # noqa: E402
-from titan_mm.objectives import FlowMatching  # noqa: E402
+from titan_mm.models.wan.flops import matmul_params  # noqa: E402
+from titan_mm.objectives import FlowMatching, build_objective  # noqa: E402
 from titan_mm.observe.metrics import read_metrics  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
 from titan_mm.train.state import TrainState  # noqa: E402
@@ -81,6 +83,24 @@ def test_wan_matches_diffusers(hf, per_patch, tmp_path):
     torch.testing.assert_close(text.grad, text_ref.grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(unpatchify(patches.grad, (f, hh, ww), cfg.patch_size), x_ref.grad, atol=1e-4,
                                rtol=1e-4)
+
+
+def test_flops_count_every_matmul_weight():
+    """flops.matmul_params covers every Linear / Conv3d weight once (per video token or per text token), and the
+    objective's bidirectional mask adds the other half of each clip's attention pairs to the family's causal ones."""
+    spec = get_model_spec("wan")
+    for name in ("debug", "1.3B"):
+        cfg = spec.flavor(name)
+        with torch.device("meta"):
+            m = spec.build(cfg)
+        weights = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, (torch.nn.Linear, torch.nn.Conv3d)))
+        assert sum(matmul_params(cfg)) == weights
+    cfg = spec.flavor("debug")
+    tok, text = matmul_params(cfg)
+    obj = build_objective(load_config(["--config", "debug_wan"]), spec, cfg)
+    S, T = 48, 5  # one clip of 48 patches, 5 text tokens
+    want = 6 * S * tok + 6 * T * text + 12 * cfg.dim * cfg.num_layers * (S * S + S * T)
+    assert obj.mask_kind == "bidirectional" and obj.flops(spec, cfg, [S], text_len=T) == want
 
 
 def test_patchify_round_trip():

@@ -109,6 +109,8 @@ def transformer_dir(path: str | os.PathLike) -> str:
 FLAVORS = {
     # Wan2.1-T2V-1.3B's transformer (diffusers Wan-AI/Wan2.1-T2V-1.3B-Diffusers)
     "1.3B": WanConfig(),
+    # Wan2.2-TI2V-5B's (Wan-AI/Wan2.2-TI2V-5B-Diffusers): 48 latent channels of the Wan2.2 VAE
+    "ti2v-5B": WanConfig(num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336),
     "debug": WanConfig(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
                        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=48, num_layers=2),
 }
