@@ -430,7 +430,8 @@ def resolve_model(name: str, flavor: str, hf_path: str | None = None, overrides:
     if hf_path:
         try:  # a local folder or a Hub repo id (config files only: the weights are fetched by their reader)
             folder = local_hf_dir(hf_path)
-            mt = read_hf_config(folder).get("model_type")
+            d = read_hf_config(folder)
+            mt = d.get("model_type") or d.get("_class_name")  # a diffusers config names its class instead
         except HFCheckpointError as e:
             raise SpecError(str(e)) from None
         except ValueError as e:  # json's decode error

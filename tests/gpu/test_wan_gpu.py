@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_wan import TINY, TI2V, ClipFlow, _clips, _inputs, _pair
+from tests.unit.test_wan import TI2V, TINY, ClipFlow, _clips, _inputs, _pair
 from titan_mm.models.wan import unpatchify
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.registry import get_model_spec
@@ -33,7 +33,7 @@ def test_wan_matches_diffusers_on_cuda(hf, per_patch, tmp_path):
     got.square().sum().backward()
     grads = dict(model.named_parameters())
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _step_loss(device: str, backend: str) -> float:

@@ -13,14 +13,15 @@ from titan_mm.config import load_config  # noqa: E402
 from titan_mm.launch.train import main  # noqa: E402
 from titan_mm.models.hf_io import HFCheckpointError  # noqa: E402
 from titan_mm.models.wan import WanConfig, WanModel, patchify, unpatchify  # noqa: E402
+from titan_mm.models.wan.flops import matmul_params  # noqa: E402
 from titan_mm.models.wan.hf import DIFFUSERS_SINGLE, load_hf, save_hf  # noqa: E402
 from titan_mm.nn.attention import build_attn_meta  # noqa: E402
-from titan_mm.models.wan.flops import matmul_params  # noqa: E402
 from titan_mm.objectives import FlowMatching, build_objective  # noqa: E402
 from titan_mm.observe.metrics import read_metrics  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
 from titan_mm.train.state import TrainState  # noqa: E402
 from titan_mm.train.step import StepContext, eval_loss_sums, train_step  # noqa: E402
+from titan_mm.train.synthetic import SyntheticLoader  # noqa: E402
 
 TINY = dict(patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
             text_dim=16, freq_dim=16, ffn_dim=40, num_layers=2, cross_attn_norm=True,
@@ -79,7 +80,7 @@ def test_wan_matches_diffusers(hf, per_patch, tmp_path):
     (got * w).sum().backward()
     grads = dict(model.named_parameters())
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
     torch.testing.assert_close(text.grad, text_ref.grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(unpatchify(patches.grad, (f, hh, ww), cfg.patch_size), x_ref.grad, atol=1e-4,
                                rtol=1e-4)
@@ -131,7 +132,7 @@ def test_config_and_folder_mistakes_are_one_line(tmp_path):
         WanConfig.from_hf_dict({"_class_name": "UNet3D"})
     with pytest.raises(ValueError, match="Wan2.1 I2V"):
         WanConfig.from_hf_dict({"_class_name": "WanTransformer3DModel", "image_dim": 1280, "added_kv_proj_dim": 32})
-    ref, model, cfg = _pair(TINY, tmp_path)
+    cfg = _pair(TINY, tmp_path)[2]
     (tmp_path / "transformer" / "config.json").write_text(json.dumps({**cfg.to_hf_dict(), "ffn_dim": 48}))
     with pytest.raises(HFCheckpointError, match="wrong shape for blocks.0.ffn.net.0.proj.weight"):
         load_hf(WanModel(WanConfig.from_hf(tmp_path)), tmp_path)
@@ -212,6 +213,28 @@ def test_debug_wan_trains_and_resumes_exactly(tmp_path):
     assert short(4, "stopped") == 0 and short(8, "stopped") == 0  # the second run resumes at the step-4 checkpoint
     a, b = _losses(tmp_path / "straight"), _losses(tmp_path / "stopped")
     assert sorted(b) == list(range(1, 9)) and all(a[s] == b[s] for s in range(1, 9)), (a, b)
+
+
+def test_debug_wan_starts_from_a_diffusers_folder(tmp_path):
+    """model.hf_path at a diffusers transformer folder: the run takes its config and weights (its first loss is
+    the one the folder's model gives on the run's first batch, not the random init's)."""
+    cfg = get_model_spec("wan").flavor("debug")
+    torch.manual_seed(3)
+    ref = diffusers.WanTransformer3DModel(**{k: list(v) if isinstance(v, tuple) else v
+                                             for k, v in cfg.to_hf_dict().items() if not k.startswith("_")})
+    ref.save_pretrained(tmp_path / "pipe" / "transformer")
+    args = [*RUN, "--job.dump_folder", str(tmp_path), "--training.steps", "1"]
+    assert main([*args, "--job.name", "hf", "--model.hf_path", str(tmp_path / "pipe" / "transformer")]) == 0
+    assert main([*args, "--job.name", "random"]) == 0
+    model = WanModel(cfg)
+    load_hf(model, tmp_path / "pipe")
+    ctx = StepContext(device=torch.device("cpu"), objective=FlowMatching(seed=0, mask="bidirectional"),
+                      seq_keys=get_model_spec("wan").schema().seq)
+    batch = SyntheticLoader(vocab_size=0, seq_len=48, micro_batch_size=4, seed=0,
+                            make_batch=get_model_spec("wan").synthetic(cfg, 48)).batch(0)  # the run's first batch
+    want = eval_loss_sums(model, [batch], ctx)
+    hf, rnd = _losses(tmp_path / "hf")[1], _losses(tmp_path / "random")[1]
+    assert hf != rnd and hf == pytest.approx(float(want[0]["mse"] / want[1]["mse"]), rel=1e-6)
 
 
 def test_debug_wan_mistakes_are_one_line(tmp_path, capsys):

@@ -150,7 +150,6 @@ class WanModel(nn.Module):
     def __init__(self, cfg: WanConfig):
         super().__init__()
         self.cfg = cfg
-        pt, ph, pw = cfg.patch_size
         # diffusers' Conv3d weight [D, C, pt, ph, pw]: kept in its shape so folders round-trip; a patch-wise linear
         self.patch_embedding = nn.Conv3d(cfg.in_channels, cfg.dim, cfg.patch_size, cfg.patch_size)
         self.condition_embedder = _ConditionEmbedder(cfg)
