@@ -5,14 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from titan_mm.models.wan.config import WanConfig
-from titan_mm.registry import (
-    BatchSchema,
-    DataNeeds,
-    KernelShapes,
-    ModelDims,
-    Runtime,
-    SeqKey,
-)
+from titan_mm.registry import BatchSchema, DataNeeds, KernelShapes, ModelDims, Runtime, SeqKey
 
 SCHEMA = BatchSchema(
     seq=(SeqKey("latents", ("P",), "float32"), SeqKey("latent_mask", dtype="bool"), SeqKey("noise_unit"),
