@@ -326,6 +326,9 @@ class ModelSpec:
     objective_options: Callable[[Any], dict[str, dict]] | None = None
     """objective_options(cfg) -> {objective name: its options} (e.g. flow matching's sampler and timestep shift from
     the model config); None: every objective with its defaults."""
+    synthetic: Callable[[Any, int], Callable[[list[torch.Generator]], dict]] | None = None
+    """synthetic(model_cfg, seq_len) -> make_batch(generators) -> a micro-batch of the family's own rows, one
+    generator per row, for ``data.dataset = "synthetic"`` (families without tokens); None: random token rows."""
     tokenizer: TokenizerNames | None = None
     """The family's built-in tokenizer, ``builtin:<name>``, where its special tokens carry other names than the base
     vocabulary's (Qwen2.5-Omni's ``<|AUDIO|>``, ...); None: it has none of its own."""
@@ -356,6 +359,7 @@ _BUILTIN = {
     "qwen3_vl_moe": "titan_mm.models.qwen3_vl",
     "qwen3_5": "titan_mm.models.qwen3_5",
     "qwen3_5_moe": "titan_mm.models.qwen3_5",
+    "wan": "titan_mm.models.wan",
 }
 
 
@@ -435,7 +439,8 @@ def resolve_model(name: str, flavor: str, hf_path: str | None = None, overrides:
     if hf_path:
         try:  # a local folder or a Hub repo id (config files only: the weights are fetched by their reader)
             folder = local_hf_dir(hf_path)
-            mt = read_hf_config(folder).get("model_type")
+            d = read_hf_config(folder)
+            mt = d.get("model_type") or d.get("_class_name")  # a diffusers config names its class instead
         except HFCheckpointError as e:
             raise SpecError(str(e)) from None
         except ValueError as e:  # json's decode error

@@ -96,7 +96,8 @@ def test_every_family_answers_the_contract(spec):
     names = [n for n, _ in m.named_modules()]
     plan = spec.plan(cfg)
     assert any(fnmatch.fnmatchcase(n, p) for n in names for p in plan.fsdp_units)
-    blocks = [n for n in names if n.rsplit(".", 2)[-2:-1] == ["layers"]]  # layers.{i} / language_model.layers.{i}
+    trunk = "layers" if spec.schema().tokens else "blocks"  # a DiT without tokens keeps diffusers' blocks.{i}
+    blocks = [n for n in names if n.rsplit(".", 2)[-2:-1] == [trunk]]  # layers.{i} / language_model.layers.{i}
     assert d.num_layers == len(blocks)
     ks = spec.kernel_shapes(cfg, tp=1)
     assert ks.vocab == d.vocab_size and d.hidden_size in ks.rms_norm

@@ -45,6 +45,9 @@ def test_debug_config_trains_checkpoints_and_exports(tmp_path, name):
     it and shipping its debug config)."""
     config = f"debug_{name}"
     assert (ROOT / "train_configs" / f"{config}.toml").is_file(), f"family {name!r} ships no {config}.toml"
+    spec, mcfg = model_from_config(load_config(["--config", config]), torch.device("cpu"))
+    if not spec.schema().tokens:  # no tokens, no transformers export: tests/unit/test_wan.py trains and resumes it
+        pytest.skip(f"{name} has no tokens to export to transformers")
     r = run_sh(["--config", config, "--job.dump_folder", str(tmp_path), "--training.steps", "4",
                 "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "2", "--metrics.log_freq", "1",
                 "--training.global_batch_size", "0"])  # one micro-batch per step: the mechanics, not the recipe
@@ -56,7 +59,6 @@ def test_debug_config_trains_checkpoints_and_exports(tmp_path, name):
                 "mem_peak_gb", "nan_count", "step_time_p50_s", "step_time_p90_s", "data/packing_efficiency"):
         assert key in rows[4], key
     assert rows[4]["loss"] < rows[1]["loss"] - 0.5, [rows[s]["loss"] for s in rows]
-    spec, mcfg = model_from_config(load_config(["--config", config]), torch.device("cpu"))
     if spec.dims(mcfg).is_moe:
         assert rows[4]["aux_loss"] > 0
     assert "step 4/4 (100%)" in r.stdout and "eta" in r.stdout

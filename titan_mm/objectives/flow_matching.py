@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from titan_mm.nn.attention import KINDS
 from titan_mm.objectives.base import Objective, noise_generator
 from titan_mm.registry import SeqKey
 
@@ -69,6 +70,9 @@ class FlowMatching(Objective):
     """"logit_normal": the normal's standard deviation."""
     weighting: str = "none"
     seed: int = 0
+    mask: str | None = None
+    """The attention mask kind it trains with (titan_mm.nn.attention KINDS: a video DiT's "bidirectional"); None: the
+    family's segment description decides."""
 
     terms = ("mse",)
     fields = ("latents", "latent_mask", "noise_unit")
@@ -77,7 +81,13 @@ class FlowMatching(Objective):
     seq_keys = (SeqKey("noisy_latents", ("C",), "float32"), SeqKey("timesteps", dtype="float32"),
                 SeqKey("flow_target", ("C",), "float32"), SeqKey("flow_weight", dtype="float32"))
 
+    @property
+    def mask_kind(self) -> str | None:
+        return self.mask
+
     def __post_init__(self):
+        if self.mask is not None and self.mask not in KINDS:
+            raise ValueError(f"flow matching mask {self.mask!r} is unknown; use one of {KINDS}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"flow matching sampler {self.sampler!r} is unknown; use one of {SAMPLERS}")
         if self.weighting not in WEIGHTINGS:

@@ -235,9 +235,13 @@ def build_data(cfg: JobConfig, spec: ModelSpec, model_cfg, dp_rank: int, dp_worl
     ``data``: another [data] section (held-out eval sources) in place of cfg.data; ``epochs`` > 0: a finite pass."""
     data = data or cfg.data
     if data.dataset == "synthetic":
+        try:  # a family without tokens draws its own rows (ModelSpec.synthetic)
+            make = spec.synthetic(model_cfg, data.seq_len) if spec.synthetic else None
+        except ValueError as e:
+            raise ConfigError(f"[data] {e}") from None
         return SyntheticLoader(vocab_size=spec.dims(model_cfg).vocab_size, seq_len=data.seq_len,
                                micro_batch_size=data.micro_batch_size, n_micro=n_micro,
-                               dp_rank=dp_rank, dp_world=dp_world, seed=cfg.training.seed)
+                               dp_rank=dp_rank, dp_world=dp_world, seed=cfg.training.seed, make_batch=make)
 
     tok = tokenizer_for(data.tokenizer_path, local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None)
     return build_dataloader(data, needs=spec.data_needs(model_cfg), dp_rank=dp_rank, dp_world=dp_world,

@@ -11,6 +11,8 @@ Batches come from the data pipeline's collator (titan_mm.data.packing.collate_ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -64,7 +66,11 @@ class SyntheticLoader:
     """An endless iterable of micro-batches with state_dict()/load_state_dict() like StatefulDataLoader."""
 
     def __init__(self, *, vocab_size: int, seq_len: int, micro_batch_size: int, n_micro: int = 1,
-                 dp_rank: int = 0, dp_world: int = 1, seed: int = 0):
+                 dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
+                 make_batch: Callable[[list[torch.Generator]], dict] | None = None):
+        """``make_batch(gens)``: a family's own micro-batch from its rows' generators (ModelSpec.synthetic, for
+        batches without tokens); None: random token rows."""
+        self.make_batch = make_batch
         self.vocab_size, self.seq_len, self.mb = vocab_size, seq_len, micro_batch_size
         self.n_micro, self.dp_rank, self.dp_world, self.seed = n_micro, dp_rank, dp_world, seed
         self.layout = StreamLayout(slots=n_micro * dp_world, dp_rank=dp_rank, dp_world=dp_world)
@@ -73,11 +79,11 @@ class SyntheticLoader:
     def batch(self, j: int) -> dict:
         step, i = divmod(j, self.n_micro)
         first = (self.dp_rank * self.n_micro + i) * self.mb
-        rows = []
-        for r in range(first, first + self.mb):
-            g = torch.Generator().manual_seed(hash((self.seed, step, r)) & 0x7FFFFFFF)
-            rows.append(make_row(g, self.seq_len, self.vocab_size))
-        return collate(rows)
+        gens = [torch.Generator().manual_seed(hash((self.seed, step, r)) & 0x7FFFFFFF)
+                for r in range(first, first + self.mb)]
+        if self.make_batch is not None:
+            return self.make_batch(gens)
+        return collate([make_row(g, self.seq_len, self.vocab_size) for g in gens])
 
     def __iter__(self):
         while True:

@@ -1,0 +1,116 @@
+"""Wan 2.1 / 2.2 transformer config, read from a diffusers ``transformer/config.json`` (WanTransformer3DModel)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from titan_mm.models.hf_config import PositiveInt, check_hf, hf_types
+from titan_mm.models.hf_io import read_hf_config
+
+CLASS_NAME = "WanTransformer3DModel"
+NUM_TRAIN_TIMESTEPS = 1000
+"""diffusers' FlowMatchEulerDiscreteScheduler: timestep = sigma x 1000; flow matching's t is sigma."""
+
+
+@dataclass(frozen=True)
+class WanConfig:
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    num_attention_heads: int = 12
+    attention_head_dim: int = 128
+    in_channels: int = 16
+    out_channels: int = 16
+    text_dim: int = 4096
+    freq_dim: int = 256
+    ffn_dim: int = 8960
+    num_layers: int = 30
+    cross_attn_norm: bool = True
+    qk_norm: str | None = "rms_norm_across_heads"
+    eps: float = 1e-6
+    rope_max_seq_len: int = 1024
+    image_dim: int | None = None
+    added_kv_proj_dim: int | None = None
+    pos_embed_seq_len: int | None = None
+    attn_backend: str = "sdpa"
+    kernels: bool | str = False
+    """The titan_mm.kernels ops spec; recorded only: Wan's fused ops (modulated norms, GELU) are a later slice."""
+
+    RUNTIME_FIELDS = ("attn_backend", "kernels")
+
+    def __post_init__(self):
+        if self.image_dim is not None or self.added_kv_proj_dim is not None or self.pos_embed_seq_len is not None:
+            raise ValueError("this Wan config conditions on an image encoder (image_dim / added_kv_proj_dim: the "
+                             "Wan2.1 I2V models); titan_mm's wan family reads the T2V and TI2V transformers only")
+        if self.qk_norm not in ("rms_norm_across_heads", None):
+            raise ValueError(f"qk_norm {self.qk_norm!r} is unknown; Wan uses 'rms_norm_across_heads' or null")
+        if self.attention_head_dim % 2 or self.attention_head_dim < 6:
+            raise ValueError(f"attention_head_dim {self.attention_head_dim} must be even and >= 6 (3-D RoPE)")
+
+    @property
+    def dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch of the output (and of a target latent): pt x ph x pw x out_channels."""
+        pt, ph, pw = self.patch_size
+        return pt * ph * pw * self.out_channels
+
+    @property
+    def rope_dims(self) -> tuple[int, int, int]:
+        """Head-dim split of the 3-D RoPE over (frame, height, width), as diffusers' WanRotaryPosEmbed."""
+        hw = 2 * (self.attention_head_dim // 6)
+        return self.attention_head_dim - 2 * hw, hw, hw
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], **runtime) -> WanConfig:
+        if d.get("_class_name") != CLASS_NAME:
+            raise ValueError(f"config.json has _class_name={d.get('_class_name')!r}; the wan family reads a diffusers "
+                             f"{CLASS_NAME} config (a Wan pipeline's transformer/ folder)")
+        check_hf(d, HF_TYPES)
+        names = {f.name for f in dataclasses.fields(cls)} - set(cls.RUNTIME_FIELDS)
+        kw = {k: v for k, v in d.items() if k in names}
+        if "patch_size" in kw:
+            kw["patch_size"] = tuple(kw["patch_size"])
+        if kw.get("out_channels") is None:  # diffusers: out_channels or in_channels
+            kw["out_channels"] = kw.get("in_channels", cls.in_channels)
+        return cls(**kw, **runtime)
+
+    @classmethod
+    def from_hf(cls, hf_dir: str | os.PathLike, **runtime) -> WanConfig:
+        return cls.from_hf_dict(read_hf_config(transformer_dir(hf_dir)), **runtime)
+
+    def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"_class_name": CLASS_NAME}
+        for f in dataclasses.fields(self):
+            if f.name not in self.RUNTIME_FIELDS:
+                v = getattr(self, f.name)
+                d[f.name] = list(v) if isinstance(v, tuple) else v
+        if dtype is not None:
+            d["torch_dtype"] = dtype
+        return d
+
+
+_SIZES = ("num_attention_heads", "attention_head_dim", "in_channels", "text_dim", "freq_dim", "ffn_dim", "num_layers",
+          "rope_max_seq_len")
+HF_TYPES = hf_types(WanConfig, skip=WanConfig.RUNTIME_FIELDS, _class_name=str, _diffusers_version=str,
+                    out_channels=PositiveInt | None, patch_size=tuple[PositiveInt, PositiveInt, PositiveInt],
+                    **dict.fromkeys(_SIZES, PositiveInt))
+
+
+def transformer_dir(path: str | os.PathLike) -> str:
+    """The transformer folder of a diffusers pipeline folder (its ``transformer/``), or ``path`` itself."""
+    sub = os.path.join(path, "transformer")
+    return sub if os.path.isfile(os.path.join(sub, "config.json")) else str(path)
+
+
+FLAVORS = {
+    # Wan2.1-T2V-1.3B's transformer (diffusers Wan-AI/Wan2.1-T2V-1.3B-Diffusers)
+    "1.3B": WanConfig(),
+    # Wan2.2-TI2V-5B's (Wan-AI/Wan2.2-TI2V-5B-Diffusers): 48 latent channels of the Wan2.2 VAE
+    "ti2v-5B": WanConfig(num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336),
+    "debug": WanConfig(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                       out_channels=4, text_dim=16, freq_dim=16, ffn_dim=48, num_layers=2),
+}
