@@ -1,13 +1,15 @@
 """A prompt's images and videos, processed the way training processes them (titan_mm.data.vision, the family's
 vision layout): each image pad of the prompt becomes one pad per merged visual token, each video pad the video's
 placeholder (one run of pads, or the layout's ``<t seconds><|vision_start|>pads<|vision_end|>`` frame groups), and
-M-RoPE positions come from the expanded prompt. Audio clips (titan_mm.data.audio, the family's front end) are
+the family's positions kind builds the expanded prompt's positions as the data pipeline does
+(titan_mm.data.vision.DOC_POSITIONS). Audio clips (titan_mm.data.audio, the family's front end) are
 expanded first, one pad per audio-tower token (:func:`expand_audio`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import types
 
 import numpy as np
 import torch
@@ -27,11 +29,11 @@ MEDIA_KEYS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_valu
 
 
 def expand_media(prompt: list[int], images: list, videos: list, needs: DataNeeds, data: Data, tokenizer):
-    """(prompt with each image / video pad replaced by its tokens, [Image] spans in prompt order, M-RoPE positions
-    [3, L] or None, rope delta). ``images``: PIL images, encoded bytes, ``data:`` URIs, arrays or MediaItems;
-    ``videos``: encoded video bytes (PyAV decodes them), ``data:video/...`` URIs or MediaItems of
-    titan_mm.data.vision.process_video; one per pad of the prompt, in order. ``tokenizer``: the model's (a frame
-    group's timestamp is text)."""
+    """(prompt with each image / video pad replaced by its tokens, [Image] spans in prompt order, its positions
+    [axes, L] (M-RoPE's; None for 1-D positions), rope delta). ``images``: PIL images, encoded bytes, ``data:``
+    URIs, arrays or MediaItems; ``videos``: encoded video bytes (PyAV decodes them), ``data:video/...`` URIs or
+    MediaItems of titan_mm.data.vision.process_video; one per pad of the prompt, in order. ``tokenizer``: the
+    model's (a frame group's timestamp is text)."""
     pads = {k: needs.special_tokens.get(f"{k}_pad") for k in KINDS}
     given = {"image": images, "video": videos}
     for kind in KINDS:
@@ -56,9 +58,15 @@ def expand_media(prompt: list[int], images: list, videos: list, needs: DataNeeds
         spans.append(Image(len(out), len(out) + len(ids), pv, grid, key, kind))
         items.append(item)
         out += ids
-    if needs.positions != "mrope":
+    build = vision.DOC_POSITIONS.get(needs.positions)  # None: 1-D positions, which the KV cache plans
+    if build is None:
         return out, spans, None, 0
-    pos = torch.from_numpy(_mrope(out, spans, items, pads, needs))
+    # the pads are placed by the family's ids (needs.special_tokens), whatever tokenizer came
+    pad_ids = types.SimpleNamespace(**{f"{role}_id": t for role, t in needs.special_tokens.items()})
+    try:
+        pos = torch.from_numpy(build(np.asarray(out, dtype=np.int64), items, pad_ids, pcfg))
+    except SkipSample as e:
+        raise BadRequest("prompt", str(e)) from None
     return out, spans, pos, int(pos.max()) + 1 - len(out)
 
 
@@ -118,23 +126,6 @@ def _video_tokens(payload, i: int, pcfg: ProcessorConfig, tokenizer) -> tuple[vi
         raise BadRequest("videos", f"this model's videos carry timestamps as text, which needs its own tokenizer: "
                          f"{e}") from None
     return item, vision.video_placeholder_ids(item, tokenizer).tolist()
-
-
-def _mrope(out: list[int], spans: list[Image], items: list, pads: dict, needs: DataNeeds) -> np.ndarray:
-    """[3, L] positions of the expanded prompt (titan_mm.nn.media.mrope_index, as the data pipeline places them):
-    a span's pads are its kind's run(s), the text of a frame group's timestamps is text."""
-    ids = np.asarray(out, dtype=np.int64)
-    kinds = np.zeros(len(out), dtype=np.int64)
-    for s in spans:
-        k = KINDS.index(s.kind) + 1
-        kinds[s.start:s.end] = np.where(ids[s.start:s.end] == pads[s.kind], k, 0)
-    grids = {k: [it.grid for it, s in zip(items, spans) if s.kind == k] for k in KINDS}
-    secs = None
-    if needs.vision_layout is not None and needs.vision_layout.one_run:  # one run per video, timed
-        secs = [float(x) for it, s in zip(items, spans) if s.kind == "video"
-                for x in np.asarray(it.tensors["video_second_per_grid"]).reshape(-1)]
-    return vision.mrope_index(kinds, grids["image"], grids["video"], needs.merge_size, secs,
-                              needs.video_tokens_per_second)
 
 
 # ---- audio (the Omni thinkers) ----

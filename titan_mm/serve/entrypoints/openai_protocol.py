@@ -19,7 +19,8 @@ import difflib
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from titan_mm.serve.errors import BadRequest
@@ -76,6 +77,15 @@ def _prompt(v: Any) -> list[str] | list[list[int]]:
             return v
     raise PydanticCustomError("prompt_type", "must be a string, a list of strings, a list of token ids or a list "
                               "of token-id lists")
+
+
+def _only_empty(why: str) -> AfterValidator:
+    """A field the server does not implement: empty or null passes, anything else is refused with ``why``."""
+    def check(v):
+        if v:
+            raise PydanticCustomError("unsupported", why)
+        return v
+    return AfterValidator(check)
 
 
 class _Strict(BaseModel):
@@ -147,7 +157,8 @@ class _Sampling(_Strict):
     frequency_penalty: float | None = None
     seed: int | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float] | None,
+                          _only_empty("is not supported by this server (only empty or null)")] = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -162,13 +173,6 @@ class _Sampling(_Strict):
 
     _SHARED = ("temperature", "top_p", "n", "stop", "presence_penalty", "frequency_penalty", "seed", "top_k",
                "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "use_beam_search")
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise PydanticCustomError("unsupported", "is not supported by this server (only empty or null)")
-        return v
 
     def sampling_fields(self) -> dict[str, Any]:
         """The fields by their ``SamplingParams`` names (absent and null fields keep its defaults, except each
@@ -187,14 +191,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
-    suffix: str | None = None
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise PydanticCustomError("unsupported", "(insertion) is not supported by this server")
-        return v
+    suffix: Annotated[str | None, _only_empty("(insertion) is not supported by this server")] = None
 
     def _own_fields(self) -> dict[str, Any]:
         return {"max_tokens": 16 if self.max_tokens is None else self.max_tokens,  # OpenAI's default

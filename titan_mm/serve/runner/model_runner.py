@@ -136,7 +136,8 @@ class ModelRunner:
         dims = spec.dims(model_cfg)
         rt = spec.runtime(model_cfg)
         self.backend, self.window = rt.attn_backend, rt.sliding_window
-        self.mrope = spec.data_needs(model_cfg).positions == "mrope"
+        # several position axes (registry.POSITION_AXES): the request carries its prompt's positions
+        self.axes = spec.data_needs(model_cfg).position_axes
         self.sizes = decode_sizes(max_num_seqs)
         # tensor parallel: each rank's attention writes only its local kv heads (the plan splits wk / wv by heads);
         # one block more than the block manager hands out: the scratch block of a decode step's pad rows (and
@@ -229,8 +230,8 @@ class ModelRunner:
         ids[pending, 0] = 0
         st.ids.copy_(torch.from_numpy(ids), non_blocking=True)
         self._feed(st.ids, pending, np.zeros_like(pending), [rows[i] for i in pending], fed)
-        if self.mrope:
-            st.positions.copy_(self._mrope_positions(rows, (np.arange(n), np.zeros(n, dtype=np.int64)), B, 1))
+        if self.axes > 1:
+            st.positions.copy_(self._request_positions(rows, (np.arange(n), np.zeros(n, dtype=np.int64)), B, 1))
         if st.graph is not None:
             st.graph.replay()
             return st.out[:n]
@@ -269,7 +270,7 @@ class ModelRunner:
             self._static = dict(
                 rows=R, pool=None if self._static is None else self._static["pool"],
                 ids=torch.zeros(R, 1, dtype=torch.long, device=dev),
-                positions=torch.zeros(3, R, 1, dtype=torch.long, device=dev) if self.mrope else None,
+                positions=torch.zeros(self.axes, R, 1, dtype=torch.long, device=dev) if self.axes > 1 else None,
                 at=torch.zeros(R, dtype=torch.long, device=dev),
                 step=KVStep(positions=torch.zeros(R, 1, dtype=torch.long, device=dev),
                             valid=torch.ones(R, 1, dtype=torch.bool, device=dev),
@@ -289,7 +290,7 @@ class ModelRunner:
         cache = dataclasses.replace(self.cache, step=step)
         meta = build_attn_meta({"input_ids": ids}, self.backend, self.device, sliding_window=self.window,
                                kv_cache=cache)
-        positions = s["positions"][:, :B] if self.mrope else step.positions
+        positions = s["positions"][:, :B] if self.axes > 1 else step.positions
         st = _DecodeStep(ids, positions, step, StepInputs(ids, positions, meta, s["at"][:B], {}, B))
         self._decode[B] = st
         return st
@@ -320,7 +321,7 @@ class ModelRunner:
                           decode_attention=None if self.packed else self.decode_attention,
                           state_slots=self._slots(rows, n_rows), packed=self.packed, varlen=self.packed and self.varlen)
         ids = torch.from_numpy(ids)
-        positions = self._mrope_positions(rows, at, B, S) if self.mrope else cache.step.positions
+        positions = self._request_positions(rows, at, B, S) if self.axes > 1 else cache.step.positions
         extra = self._media(rows, ids, at) if self.spec.prepare_batch is not None else {}
         meta = build_attn_meta({"input_ids": ids}, self.backend, self.device, sliding_window=self.window,
                                kv_cache=cache)
@@ -367,11 +368,11 @@ class ModelRunner:
             return out.logits[0].unflatten(0, (x.n_rows, -1)).squeeze(1)
         return out.logits[: x.n_rows]
 
-    def _mrope_positions(self, rows: list[Row], at: tuple[np.ndarray, np.ndarray], B: int,
-                         S: int) -> torch.Tensor:
-        """[3, B, S]: the prompt's M-RoPE positions, then text positions p + rope_delta; row i's tokens start at
-        (at[0][i], at[1][i])."""
-        pos = torch.zeros(3, B, S, dtype=torch.long)
+    def _request_positions(self, rows: list[Row], at: tuple[np.ndarray, np.ndarray], B: int,
+                           S: int) -> torch.Tensor:
+        """[axes, B, S]: the prompt's positions (M-RoPE's), then text positions p + rope_delta on every axis; row
+        i's tokens start at (at[0][i], at[1][i])."""
+        pos = torch.zeros(self.axes, B, S, dtype=torch.long)
         for i, r in enumerate(rows):
             req, a, b = r.req, r.start, r.start + r.n
             row, o = int(at[0][i]), int(at[1][i])
