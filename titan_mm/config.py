@@ -503,6 +503,9 @@ class Rl:
     """The whole completion must match it (Python re.fullmatch) for the format reward."""
     std_normalize: bool = True
     """Advantage = (reward - group mean) / (group std + 1e-6); false: reward - group mean (Dr. GRPO)."""
+    negative_scale: float = 1.0
+    """Multiplies the negative advantages (completions below their group's mean): 1 is GRPO; below 1 weakens the
+    push-down on wrong answers, whose freed probability goes to the whole vocabulary; 0 reinforces only the good ones."""
     loss_norm: Literal["token", "sequence"] = "token"
     """token: the loss is the mean over every completion token of the global batch (DAPO); sequence: each
     completion's token mean, averaged over completions (the original GRPO)."""
@@ -957,6 +960,9 @@ def _validate_rl(cfg: JobConfig) -> None:
     if not (0 <= r.eps_low < 1 and r.eps_high >= 0) or r.kl_coef < 0:
         raise ConfigError(f"rl.eps_low must be in [0, 1), rl.eps_high and rl.kl_coef >= 0; got {r.eps_low}, "
                           f"{r.eps_high}, {r.kl_coef}")
+    if r.negative_scale < 0:
+        raise ConfigError(f"rl.negative_scale must be >= 0 (1: GRPO, 0: positive advantages only), got "
+                          f"{r.negative_scale}")
     if not r.rewards:
         raise ConfigError("rl.rewards is empty; name at least one reward, e.g. {exact_match = 1.0}")
     rows = r.prompts_per_step * r.group_size

@@ -122,6 +122,10 @@ def test_group_advantages():
     assert a[:4] == pytest.approx([h, -h, -h, h], abs=1e-12)
     assert a[4:] == [0.0] * 4  # a group of equal rewards teaches nothing
     assert group_advantages(r, 4, std_normalize=False)[:4] == [0.5, -0.5, -0.5, 0.5]
+    # rl.negative_scale: the wrong answers' push-down scaled, the good ones' pull-up unchanged
+    assert group_advantages(r, 4, std_normalize=True, negative_scale=0.25)[:4] == pytest.approx(
+        [h, -h / 4, -h / 4, h], abs=1e-12)
+    assert group_advantages(r, 4, std_normalize=False, negative_scale=0.0)[:4] == [0.5, 0.0, 0.0, 0.5]
 
 
 def test_prompts_from_builtin_and_jsonl(tmp_path):
@@ -146,6 +150,8 @@ def test_config_mistakes_are_one_line(monkeypatch):
         cfg_of("--parallel.tp", "2")
     with pytest.raises(ConfigError, match="rl.group_size must be >= 2"):
         cfg_of("--rl.group_size", "1", "--training.global_batch_size", "2")
+    with pytest.raises(ConfigError, match="rl.negative_scale must be >= 0"):
+        cfg_of("--rl.negative_scale", "-1")
     assert main(["--config", str(ROOT / "train_configs/debug_rl_qwen3.toml"), *SMALL,
                  "--rl.prompts", "nope.jsonl"]) == 2
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -117,12 +117,15 @@ def _seed(*parts) -> int:
     return int.from_bytes(key, "little") >> 2  # the engine adds the output index: stay below 2**63
 
 
-def group_advantages(rewards: list[float], group_size: int, std_normalize: bool) -> list[float]:
-    """(r - group mean) / (group std + 1e-6) per completion (std: unbiased, as torch.std), or r - group mean."""
+def group_advantages(rewards: list[float], group_size: int, std_normalize: bool,
+                     negative_scale: float = 1.0) -> list[float]:
+    """(r - group mean) / (group std + 1e-6) per completion (std: unbiased, as torch.std), or r - group mean; the
+    negative ones times ``negative_scale``."""
     r = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
     a = r - r.mean(1, keepdim=True)
     if std_normalize:
         a = a / (r.std(1, keepdim=True) + 1e-6)
+    a = torch.where(a < 0, a * negative_scale, a)
     return a.flatten().tolist()
 
 
@@ -231,7 +234,7 @@ class RolloutSource:
                     prompt, ids, [lp[t] for lp, t in zip(c.logprobs, ids)],
                     self.reward(c.text, self.items[i]["reference"], c.finish_reason == "stop"),
                     c.finish_reason == "stop", prompt=i if vl else -1))
-        adv = group_advantages([r.reward for r in batch.rollouts], rl.group_size, rl.std_normalize)
+        adv = group_advantages([r.reward for r in batch.rollouts], rl.group_size, rl.std_normalize, rl.negative_scale)
         for r, a in zip(batch.rollouts, adv):
             r.advantage = a
         if self.ref_model is not None:
