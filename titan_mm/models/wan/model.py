@@ -62,7 +62,7 @@ class WanAttention(nn.Module):
 
     def __init__(self, cfg: WanConfig):
         super().__init__()
-        D, self.heads, self.eps = cfg.dim, cfg.num_attention_heads, cfg.eps
+        D, self.head_dim, self.eps = cfg.dim, cfg.attention_head_dim, cfg.eps
         self.to_q, self.to_k, self.to_v = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
         self.to_out = nn.ModuleList([nn.Linear(D, D)])
         self.qk_norm = cfg.qk_norm is not None
@@ -73,7 +73,7 @@ class WanAttention(nn.Module):
         q, k, v = self.to_q(x_BSD), self.to_k(ctx_BLD), self.to_v(ctx_BLD)
         if self.qk_norm:
             q, k = self.norm_q(q), self.norm_k(k)
-        q, k, v = (t.unflatten(-1, (self.heads, -1)) for t in (q, k, v))
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))  # tensor parallel: H/tp local heads
         if rope is not None:  # self-attention: the video tokens, full within each clip (meta's "bidirectional")
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             o = attention(q, k, v, meta, None)
