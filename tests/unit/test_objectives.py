@@ -75,11 +75,11 @@ def test_flow_matching_prepare_follows_the_formulas(sampler):
     out = obj.prepare([mb], 4, dp_rank=1)[0]  # one micro-batch per rank: global slot 1
     g = noise_generator(11, 4, 1, "/flow_matching")
     if sampler == "uniform":
-        t_BU = torch.rand(2, 2, generator=g)
+        s = torch.rand(2, 2, generator=g)
     else:
         n = torch.randn(2, 2, generator=g)
-        s = torch.sigmoid(n)
-        t_BU = torch.sigmoid(0.5 + 2.0 * n) if sampler == "logit_normal" else 3.0 * s / (1 + 2.0 * s)
+        s = torch.sigmoid(0.5 + 2.0 * n) if sampler == "logit_normal" else torch.sigmoid(n)
+    t_BU = 3.0 * s / (1 + 2.0 * s)  # every sampler's t, shifted
     eps = torch.randn(2, 12, C, generator=g)
     m, x0 = mb["latent_mask"], mb["latents"]
     for b, s_ in ((0, slice(3, 6)), (0, slice(8, 10)), (1, slice(2, 5))):

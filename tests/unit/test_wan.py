@@ -68,7 +68,11 @@ def test_wan_matches_diffusers(hf, per_patch, tmp_path):
     text.requires_grad_()
     meta = build_attn_meta({"doc_ids": torch.zeros(B, patches.shape[1], dtype=torch.int32)}, "sdpa", "cpu",
                            kind="bidirectional")
-    out = model(attn=meta, noisy_latents=patches, timesteps=t, text_states=text, grid_fhw=grid)
+    # the family's host choice: one t per clip runs the time MLP per clip (clip_timesteps [B]), else per patch
+    tb = get_model_spec("wan").prepare_batch(cfg, {"timesteps": t, "latent_mask": torch.ones(t.shape, dtype=bool)},
+                                             "cpu")
+    assert set(tb) == {"latent_mask", "timesteps" if per_patch else "clip_timesteps"}
+    out = model(attn=meta, noisy_latents=patches, text_states=text, grid_fhw=grid, **tb)
     pred = model.predict_velocity(out, {})
     f, hh, ww = (n // p for n, p in zip((FR, H, W), cfg.patch_size))
     got = unpatchify(pred, (f, hh, ww), cfg.patch_size)
@@ -86,9 +90,33 @@ def test_wan_matches_diffusers(hf, per_patch, tmp_path):
                                rtol=1e-4)
 
 
+def test_time_mlp_per_clip_equals_per_patch(tmp_path):
+    """One t per clip: the time MLP once per row, broadcast, gives the per-patch path's prediction (the same
+    products; the GEMMs' blocking may differ by an ulp); prepare_batch keeps the per-patch path where a row's
+    latents do not share t (two clips packed in a row, a clean first frame) and ignores non-latent positions."""
+    _, model, cfg = _pair(TINY, tmp_path)
+    x, text, patches, grid, t = _inputs(cfg, per_patch=False)
+    meta = build_attn_meta({"doc_ids": torch.zeros(B, patches.shape[1], dtype=torch.int32)}, "sdpa", "cpu",
+                           kind="bidirectional")
+    kw = dict(attn=meta, noisy_latents=patches, text_states=text, grid_fhw=grid)
+    with torch.no_grad():
+        per_patch = model(timesteps=t, **kw).hidden
+        per_clip = model(clip_timesteps=t[:, 0], **kw).hidden
+    torch.testing.assert_close(per_clip, per_patch, atol=1e-6, rtol=1e-6)
+    prep = get_model_spec("wan").prepare_batch
+    mask = torch.ones(t.shape, dtype=torch.bool)
+    mask[:, -3:] = False
+    padded = torch.where(mask, t, 0.0)  # flow matching gives non-latent positions t = 0
+    assert torch.equal(prep(cfg, {"timesteps": padded, "latent_mask": mask}, "cpu")["clip_timesteps"], t[:, 0])
+    two = t.clone()
+    two[1, 5:] = 0.5  # row 1 holds two clips
+    assert torch.equal(prep(cfg, {"timesteps": two, "latent_mask": mask}, "cpu")["timesteps"], two)
+
+
 def test_flops_count_every_matmul_weight():
-    """flops.matmul_params covers every Linear / Conv3d weight once (per video token or per text token), and the
-    objective's bidirectional mask adds the other half of each clip's attention pairs to the family's causal ones."""
+    """flops.matmul_params covers every Linear / Conv3d weight once (per video token, per text token or per clip:
+    the time MLP), and the objective's bidirectional mask adds the other half of each clip's attention pairs to the
+    family's causal ones."""
     spec = get_model_spec("wan")
     for name in ("debug", "1.3B"):
         cfg = spec.flavor(name)
@@ -97,10 +125,10 @@ def test_flops_count_every_matmul_weight():
         weights = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, (torch.nn.Linear, torch.nn.Conv3d)))
         assert sum(matmul_params(cfg)) == weights
     cfg = spec.flavor("debug")
-    tok, text = matmul_params(cfg)
+    tok, text, time = matmul_params(cfg)
     obj = build_objective(load_config(["--config", "debug_wan"]), spec, cfg)
     S, T = 48, 5  # one clip of 48 patches, 5 text tokens
-    want = 6 * S * tok + 6 * T * text + 12 * cfg.dim * cfg.num_layers * (S * S + S * T)
+    want = 6 * S * tok + 6 * (T * text + time) + 12 * cfg.dim * cfg.num_layers * (S * S + S * T)
     assert obj.mask_kind == "bidirectional" and obj.flops(spec, cfg, [S], text_len=T) == want
 
 

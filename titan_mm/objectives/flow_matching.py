@@ -26,12 +26,14 @@ called inside the forward (``out`` is the family's ModelOutput with ``hidden``, 
 Loss term ``"mse"``: sum over latent positions and channels of w * (pred - (eps - x0))^2, divided by the global
 count of latent elements (every micro-batch of every dp rank): the mean squared error.
 
-t samplers (``sampler``), per unit:
-  * "uniform":      t = u, u ~ U[0, 1);
-  * "logit_normal": t = sigmoid(mean + std * n), n ~ N(0, 1) (SD3);
-  * "shifted":      s = sigmoid(n), t = shift * s / (1 + (shift - 1) * s) (BAGEL's timestep shift; shift 1 is
-    logit-normal with mean 0, std 1).
-Weightings (``weighting``), per unit: "none" (1) or "cosmap" (SD3's 2 / (pi (1 - 2t + 2t^2))).
+t samplers (``sampler``), per unit, then the timestep shift t' = shift * t / (1 + (shift - 1) * t) (``shift``; 1:
+none), as diffusers' FlowMatchEulerDiscreteScheduler(shift=...) shifts its sigmas:
+  * "uniform":      t = u, u ~ U[0, 1) (with ``shift``: Wan's and diffusers' scheduler training, the sigma of a
+    uniform timestep index);
+  * "logit_normal": t = sigmoid(mean + std * n), n ~ N(0, 1) (SD3; with ``shift``, SD3's shifted schedule);
+  * "shifted":      t = sigmoid(n), then the shift (BAGEL's name: "logit_normal" with mean 0, std 1).
+Weightings (``weighting``), per unit: "none" (1), "cosmap" (SD3's 2 / (pi (1 - 2t + 2t^2))) or "sigma_sqrt"
+(diffusers' compute_loss_weighting_for_sd3: 1 / t^2; large near t = 0).
 
 Context parallelism cuts the keys ``prepare`` adds on S (``seq_keys``, with their trailing dims); the batch fields
 are the family's to declare in its BatchSchema (``latents`` with trailing ("C",)).
@@ -54,6 +56,7 @@ SAMPLERS = ("uniform", "logit_normal", "shifted")
 WEIGHTINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "none": torch.ones_like,
     "cosmap": lambda t: 2.0 / (math.pi * (1.0 - 2.0 * t + 2.0 * t * t)),
+    "sigma_sqrt": lambda t: t.pow(-2.0),
 }
 
 
@@ -63,7 +66,7 @@ class FlowMatching(Objective):
 
     sampler: str = "logit_normal"
     shift: float = 1.0
-    """"shifted": the timestep shift (BAGEL's timestep_shift)."""
+    """The timestep shift applied after any sampler (BAGEL's timestep_shift, diffusers' scheduler shift)."""
     mean: float = 0.0
     """"logit_normal": the normal's mean."""
     std: float = 1.0
@@ -96,14 +99,13 @@ class FlowMatching(Objective):
             raise ValueError(f"flow matching needs shift > 0 and std > 0, got shift {self.shift}, std {self.std}")
 
     def sample_t(self, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-        """t [shape] fp32 in [0, 1] from the sampler."""
+        """t [shape] fp32 in [0, 1] from the sampler, shifted."""
         if self.sampler == "uniform":
-            return torch.rand(shape, generator=g, dtype=torch.float32)
-        n = torch.randn(shape, generator=g, dtype=torch.float32)
-        if self.sampler == "logit_normal":
-            return torch.sigmoid(self.mean + self.std * n)
-        s = torch.sigmoid(n)
-        return self.shift * s / (1.0 + (self.shift - 1.0) * s)
+            s = torch.rand(shape, generator=g, dtype=torch.float32)
+        else:
+            n = torch.randn(shape, generator=g, dtype=torch.float32)
+            s = torch.sigmoid(n if self.sampler == "shifted" else self.mean + self.std * n)
+        return s if self.shift == 1.0 else self.shift * s / (1.0 + (self.shift - 1.0) * s)
 
     def noise(self, batch: dict[str, Any], g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(t [B, U] per (row, unit), eps [B, S, C]) for ``batch``, drawn in this order from ``g``."""

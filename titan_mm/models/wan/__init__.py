@@ -13,7 +13,8 @@ def _register() -> None:
         runtime=spec.runtime, with_runtime=spec.with_runtime, data_needs=spec.data_needs,
         kernel_shapes=spec.kernel_shapes, memory_terms=spec.memory_terms, batch_schema=spec.SCHEMA,
         hf_model_types=("WanTransformer3DModel",), kv_cache=False, objectives=("flow_matching",),
-        objective_options=spec.objective_options, synthetic=synthetic.synthetic))
+        objective_options=spec.objective_options, synthetic=synthetic.synthetic,
+        prepare_batch=spec.prepare_batch))
 
 
 _register()

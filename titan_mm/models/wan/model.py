@@ -5,9 +5,12 @@ Legend: B batch, S patches (video tokens), D model dim, H heads, K head_dim, L t
 
 The batch is the video already cut into patches (:func:`patchify`): ``noisy_latents`` [B, S, P] with each patch's
 values in (pt, ph, pw, C) order (the order of the output head, so the flow-matching target needs no reordering),
-``grid_fhw`` [B, S, 3] each patch's (frame, row, column) for the 3-D RoPE, ``timesteps`` [B, S] (t in [0, 1], one
-per patch: Wan2.1 gives a clip one t, Wan2.2 TI2V keeps its first frame clean) and ``text_states`` [B, L, text_dim]
-(UMT5's, one prompt per row). The parameter names are diffusers' own, so its folders load without renaming.
+``grid_fhw`` [B, S, 3] each patch's (frame, row, column) for the 3-D RoPE, the noise level t in [0, 1] and
+``text_states`` [B, L, text_dim] (UMT5's, one prompt per row). t comes as ``clip_timesteps`` [B] (one per clip,
+Wan2.1: the time MLP runs once per row and its modulation broadcasts over the patches) or ``timesteps`` [B, S] (one
+per patch, Wan2.2 TI2V keeps its first frame clean: the time MLP runs per patch, 6 D^2 more per token). Which one is
+the host's choice (:func:`clip_timesteps`, the family's prepare_batch), never a sync in the forward. The parameter
+names are diffusers' own, so its folders load without renaming.
 """
 
 from __future__ import annotations
@@ -103,8 +106,8 @@ class FeedForward(nn.Module):
 
 
 class WanBlock(nn.Module):
-    """Modulated self-attention, cross-attention to the text, modulated FFN; ``mod`` [B, S, 6, D] fp32 is the
-    timestep projection (per token)."""
+    """Modulated self-attention, cross-attention to the text, modulated FFN; ``mod`` [B, S or 1, 6, D] is the
+    timestep projection (per token, or per clip broadcast over the tokens)."""
 
     def __init__(self, cfg: WanConfig):
         super().__init__()
@@ -171,7 +174,8 @@ class WanModel(nn.Module):
                 init.normal_(p, std=0.02)
 
     def embed(self, noisy_latents, timesteps, text_states):
-        """(h [B, S, D], temb [B, S, D] fp32, mod [B, S, 6, D], text [B, L, D])."""
+        """(h [B, S, D], temb [B, S or 1, D], mod [B, S or 1, 6, D], text [B, L, D]) for ``timesteps`` [B, S] (a t
+        per patch) or [B, 1] (a t per clip: the time MLP runs once per row)."""
         w = self.patch_embedding.weight
         w_DP = w.permute(0, 2, 3, 4, 1).flatten(1)  # (pt, ph, pw, C): the patch order of the batch
         h = F.linear(noisy_latents.to(w.dtype), w_DP, self.patch_embedding.bias)
@@ -192,8 +196,9 @@ class WanModel(nn.Module):
         return (_ln(h, self.cfg.eps) * (1 + scale) + shift).type_as(h)
 
     def forward(self, input_ids=None, position_ids=None, attn=None, loss=None, noisy_latents=None, timesteps=None,
-                text_states=None, grid_fhw=None, **_):
-        h, temb, mod, text = self.embed(noisy_latents, timesteps, text_states)
+                text_states=None, grid_fhw=None, clip_timesteps=None, **_):
+        t = timesteps if clip_timesteps is None else clip_timesteps[:, None]  # [B, S] or [B, 1]
+        h, temb, mod, text = self.embed(noisy_latents, t, text_states)
         h = self.trunk(h, text, mod, rope_cos_sin(grid_fhw, self.cfg), attn)
         out = ModelOutput(None, None, torch.zeros((), device=h.device), hidden=self.head(h, temb))
         return out._replace(terms=loss(self, out)) if loss is not None else out
@@ -204,6 +209,23 @@ class WanModel(nn.Module):
 
 def build(cfg: WanConfig) -> WanModel:
     return WanModel(cfg)
+
+
+def clip_timesteps(batch: dict) -> dict:
+    """The batch with ``timesteps`` [B, S] replaced by ``clip_timesteps`` [B] when, on the host, each row's latent
+    patches share one t (Wan2.1: flow matching's one noise unit per clip), so the forward runs the time MLP once
+    per clip; otherwise (a t per patch, several clips in a row, a device batch) the batch as it is. Positions
+    outside the latents get the row's t: they are no target and no clip attends them."""
+    t, mask = batch.get("timesteps"), batch.get("latent_mask")
+    if t is None or mask is None or t.device.type != "cpu" or not mask.any(1).all():
+        return batch
+    mask = mask.bool()
+    first = t.gather(1, mask.int().argmax(1, keepdim=True))  # each row's first latent t
+    if not bool(torch.where(mask, t == first, True).all()):
+        return batch
+    out = {k: v for k, v in batch.items() if k != "timesteps"}
+    out["clip_timesteps"] = first[:, 0]
+    return out
 
 
 def patchify(x_BCFHW: torch.Tensor, patch: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from titan_mm.models.wan.config import WanConfig
+from titan_mm.models.wan.model import clip_timesteps
 from titan_mm.registry import BatchSchema, DataNeeds, KernelShapes, ModelDims, Runtime, SeqKey
 
 SCHEMA = BatchSchema(
@@ -37,6 +38,11 @@ def data_needs(cfg: WanConfig) -> DataNeeds:
 def kernel_shapes(cfg: WanConfig, tp: int = 1, encoder_tp: bool = False) -> KernelShapes:
     """The q / k RMSNorms over all heads (width D) and the FFN's tanh GELU."""
     return KernelShapes(rms_norm=(cfg.dim,), bias_gelu=(cfg.ffn_dim // tp,))
+
+
+def prepare_batch(cfg: WanConfig, batch: dict, device, **_) -> dict:
+    """Host side, per micro-batch: one t per clip runs the time MLP per clip (model.clip_timesteps)."""
+    return clip_timesteps(batch)
 
 
 def memory_terms(*_, **__):
