@@ -1,4 +1,5 @@
-"""Shared helpers for Qwen3 parity / HF IO tests: tiny random HF models and their titan twins."""
+"""Shared helpers for Qwen3 parity / HF IO tests: tiny random HF models and their titan twins, and any family's
+titan model filled from a saved HF folder (:func:`titan_from_hf`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from titan_mm.models.qwen3.config import Qwen3Config
 from titan_mm.models.qwen3.hf import hf_to_titan
 from titan_mm.models.qwen3.model import Qwen3Model
+from titan_mm.registry import spec_for_hf_dir
 
 VOCAB = 128
 
@@ -50,6 +52,20 @@ def randomize_(m):
             else:
                 p.normal_(0.0, 0.05)
     return m
+
+
+def titan_from_hf(folder, **runtime):
+    """(model, spec, config) of an HF folder, filled as the trainer fills one: built on meta, materialized on the
+    CPU, buffers initialized, then the folder's weights through the spec's load_hf. ``runtime``: config_from_hf's
+    runtime fields (vision_attn_backend="sdpa", ...)."""
+    spec = spec_for_hf_dir(str(folder))
+    cfg = spec.config_from_hf(str(folder), **runtime)
+    with torch.device("meta"):
+        m = spec.build(cfg)
+    m.to_empty(device="cpu")
+    m.init_weights(buffer_device="cpu")  # parameters are then overwritten, buffers kept
+    spec.load_hf(m, str(folder))
+    return m, spec, cfg
 
 
 def titan_twin(hf, **runtime) -> Qwen3Model:

@@ -25,6 +25,7 @@ from titan_mm.models.qwen2_5_omni import FLAVORS, Qwen2_5OmniConfig, hf as omni_
 from titan_mm.models.qwen2_5_omni.audio import conv_lengths  # noqa: E402
 from titan_mm.registry import get_model_spec, spec_for_hf_dir  # noqa: E402
 
+from tests.parity._qwen3_helpers import titan_from_hf  # noqa: E402
 from tests.parity.test_qwen3_vl_parity import randomize_  # noqa: E402
 
 TOK = dict(audio_token_index=150, image_token_index=151, video_token_index=152, audio_start_token_id=153,
@@ -57,14 +58,8 @@ def models(tmp_path_factory):
     randomize_(hf)
     src = tmp_path_factory.mktemp("omni") / "hf"
     hf.save_pretrained(src)
-    spec = spec_for_hf_dir(str(src))
+    tm, spec, cfg = titan_from_hf(src, vision_attn_backend="sdpa")
     assert spec.name == "qwen2_5_omni"
-    cfg = spec.config_from_hf(str(src), vision_attn_backend="sdpa")
-    with torch.device("meta"):
-        tm = spec.build(cfg)
-    tm.to_empty(device="cpu")
-    tm.init_weights(buffer_device="cpu")
-    spec.load_hf(tm, str(src))
     return hf, tm, cfg, src
 
 

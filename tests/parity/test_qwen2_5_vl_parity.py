@@ -21,8 +21,9 @@ from titan_mm.nn.attention import build_attn_meta  # noqa: E402
 from titan_mm.models.qwen2_5_vl import FLAVORS, Qwen2_5_VLConfig, hf as q25_hf  # noqa: E402
 from titan_mm.models.qwen2_5_vl.model import Qwen2_5_VLModel, rope_index, vision_inputs  # noqa: E402
 from titan_mm.models.qwen2_5_vl.vision import build_window_meta  # noqa: E402
-from titan_mm.registry import get_model_spec, spec_for_hf_dir  # noqa: E402
+from titan_mm.registry import get_model_spec  # noqa: E402
 
+from tests.parity._qwen3_helpers import titan_from_hf  # noqa: E402
 from tests.parity.test_qwen3_vl_parity import randomize_  # noqa: E402
 
 VOCAB = 160
@@ -193,14 +194,8 @@ def test_hf_round_trip(tmp_path):
     hf, tm, cfg = models()
     src, dst = tmp_path / "hf", tmp_path / "export"
     hf.save_pretrained(src)
-    assert spec_for_hf_dir(str(src)).name == "qwen2_5_vl"
-    spec = get_model_spec("qwen2_5_vl")
-    cfg2 = spec.config_from_hf(str(src), vision_attn_backend="sdpa")
-    with torch.device("meta"):
-        m = spec.build(cfg2)
-    m.to_empty(device="cpu")
-    m.init_weights(buffer_device="cpu")
-    spec.load_hf(m, str(src))
+    m, spec, cfg2 = titan_from_hf(src, vision_attn_backend="sdpa")
+    assert spec.name == "qwen2_5_vl"
     spec.save_hf(m, cfg2, str(dst))
     assert json.loads((dst / "config.json").read_text())["model_type"] == "qwen2_5_vl"
     hf2 = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(dst, attn_implementation="sdpa")

@@ -20,8 +20,8 @@ from titan_mm.models.qwen3_vl import hf as vl_hf  # noqa: E402
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig  # noqa: E402
 from titan_mm.models.qwen3_vl.model import Qwen3VLModel  # noqa: E402
 from titan_mm.models.qwen3_vl.synthetic import make_sample, pack  # noqa: E402
-from titan_mm.registry import get_model_spec, spec_for_hf_dir  # noqa: E402
 
+from _qwen3_helpers import titan_from_hf  # noqa: E402
 from test_qwen3_vl_parity import SAMPLES, hf_config, hf_inputs, randomize_, titan_forward  # noqa: E402
 
 
@@ -39,15 +39,8 @@ def test_hf_round_trip(tmp_path, moe, tie):
     hf.save_pretrained(src)
 
     name = "qwen3_vl_moe" if moe else "qwen3_vl"
-    assert spec_for_hf_dir(str(src)).name in (name,)
-    spec = get_model_spec(name)
-    cfg = spec.config_from_hf(str(src), vision_attn_backend="sdpa")
-    assert cfg.tie_word_embeddings == tie
-    with torch.device("meta"):
-        tm = spec.build(cfg)
-    tm.to_empty(device="cpu")
-    tm.init_weights(buffer_device="cpu")  # as the trainer does: parameters are then overwritten, buffers kept
-    spec.load_hf(tm, str(src))
+    tm, spec, cfg = titan_from_hf(src, vision_attn_backend="sdpa")
+    assert spec.name == name and cfg.tie_word_embeddings == tie
     spec.save_hf(tm, cfg, str(dst))
     hf2 = cls.from_pretrained(dst, attn_implementation="sdpa").float().eval()
     assert json.loads((dst / "config.json").read_text())["model_type"] == name

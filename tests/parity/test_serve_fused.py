@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.parity import test_serve_qwen3_5 as q35  # noqa: E402
-from tests.parity.test_serve_generate import CASES, MAX_NEW, MODELS, N, draft_model  # noqa: E402
+from tests.parity.test_serve_generate import CASES, MAX_NEW, MODELS, N, case_engine  # noqa: E402
 from titan_mm.nn.mlp import SwiGLU  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
 from titan_mm.serve.config import ServeConfig  # noqa: E402
@@ -48,11 +48,7 @@ def fused_copy(name: str, tm):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_fused_engine_greedy_matches_transformers_generate(model, case):
     tm, spec, prompts, images, eos, refs, data = MODELS[model]()
-    cfg = ServeConfig(max_model_len=256, **{"packed_prefill": True, **CASES[case]})
-    text = tm.language_model if model.startswith("qwen3_vl") else tm
-    draft = draft_model(text) if cfg.speculative_method == "draft" else None
-    engine = Engine(fused_copy(model, tm), spec, tm.cfg, cfg, eos_token_ids=[eos], data=data, draft=draft,
-                    owns_weights=True)
+    engine = case_engine(model, case, fused_copy(model, tm), tm, spec, eos, data, owns_weights=True)
     lm = engine.model.language_model if model.startswith("qwen3_vl") else engine.model
     attn = lm.layers["0"].attn
     assert attn.wqkv is not None and not hasattr(attn, "wq")  # the fused layout is what served

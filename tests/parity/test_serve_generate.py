@@ -165,6 +165,15 @@ def vl_setup(moe: bool):
     return _REF[key]
 
 
+def case_engine(model: str, case: str, served, tm, spec, eos: int, data, **kw) -> Engine:
+    """The engine of one serving case (CASES) on ``served`` (``tm`` or a copy of it), with a draft of ``tm``'s text
+    model for the draft cases."""
+    cfg = ServeConfig(max_model_len=256, **{"packed_prefill": True, **CASES[case]})
+    text = tm.language_model if model.startswith("qwen3_vl") else tm
+    draft = draft_model(text) if cfg.speculative_method == "draft" else None
+    return Engine(served, spec, tm.cfg, cfg, eos_token_ids=[eos], data=data, draft=draft, **kw)
+
+
 MODELS = {"qwen3": lambda: text_setup(False), "qwen3_moe": lambda: text_setup(True),
           "qwen3_vl": lambda: vl_setup(False), "qwen3_vl_moe": lambda: vl_setup(True)}
 
@@ -173,10 +182,8 @@ MODELS = {"qwen3": lambda: text_setup(False), "qwen3_moe": lambda: text_setup(Tr
 @pytest.mark.parametrize("model", list(MODELS))
 def test_greedy_matches_transformers_generate(model, case):
     tm, spec, prompts, images, eos, refs, data = MODELS[model]()
-    cfg = ServeConfig(max_model_len=256, **{"packed_prefill": True, **CASES[case]})
-    text = tm.language_model if model.startswith("qwen3_vl") else tm
-    draft = draft_model(text) if cfg.speculative_method == "draft" else None
-    engine = Engine(tm, spec, tm.cfg, cfg, eos_token_ids=[eos], data=data, draft=draft)
+    engine = case_engine(model, case, tm, tm, spec, eos, data)
+    cfg = engine.cfg
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), images=images)
     got = [o.outputs[0].token_ids for o in outs]
     bad = [i for i in range(N) if got[i] != refs[i]]

@@ -20,11 +20,11 @@ pytest.importorskip("transformers.models.qwen3_omni_moe")
 
 from tests.parity import test_qwen2_5_omni_parity as q25  # noqa: E402
 from tests.parity import test_qwen3_omni_moe_parity as q3  # noqa: E402
+from tests.parity._qwen3_helpers import titan_from_hf  # noqa: E402
 from tests.parity.test_qwen3_vl_parity import randomize_  # noqa: E402
 from titan_mm.config import Data  # noqa: E402
 from titan_mm.data import audio, vision  # noqa: E402
 from titan_mm.data.processors import ProcessorConfig  # noqa: E402
-from titan_mm.registry import spec_for_hf_dir  # noqa: E402
 from titan_mm.serve.config import ServeConfig  # noqa: E402
 from titan_mm.serve.engine import Engine  # noqa: E402
 from titan_mm.serve.sampling_params import SamplingParams  # noqa: E402
@@ -76,13 +76,7 @@ def hf_thinker(family: str, folder):
 
 
 def titan_model(folder):
-    spec = spec_for_hf_dir(str(folder))
-    cfg = spec.config_from_hf(str(folder), vision_attn_backend="sdpa")
-    with torch.device("meta"):
-        tm = spec.build(cfg)
-    tm.to_empty(device="cpu")
-    tm.init_weights(buffer_device="cpu")
-    spec.load_hf(tm, str(folder))
+    tm, spec, cfg = titan_from_hf(folder, vision_attn_backend="sdpa")
     return tm.eval(), spec, cfg
 
 

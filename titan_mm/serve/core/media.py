@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import types
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -83,38 +85,18 @@ def _check_pads(prompt: list[int], pad: int | None, given: list, kind: str, need
 
 def _image_tokens(payload, i: int, pcfg: ProcessorConfig, tokenizer) -> tuple[vision.MediaItem, list[int]]:
     """(the processed image, its pads)."""
-    try:
-        if isinstance(payload, vision.MediaItem):
-            item = payload
-        else:
-            if isinstance(payload, str) and payload.startswith("data:"):
-                payload = media_bytes(payload, {}, None)
-            elif isinstance(payload, (str, dict)):  # the engine opens no paths or URLs
-                raise SkipSample("bad_image", "give image bytes, a PIL image, an array or a data: URI")
-            item = vision.process_image(payload, pcfg)
-    except SkipSample as e:
-        raise BadRequest(f"images[{i}]", str(e)) from None
+    item = _media_item(payload, f"images[{i}]", "image", lambda p: not isinstance(p, (str, dict)),
+                       "image bytes, a PIL image, an array, a data: URI or a MediaItem of "
+                       "titan_mm.data.vision.process_image", vision.process_image, pcfg)
     return item, [pcfg.needs.special_tokens["image_pad"]] * item.n_tokens
 
 
 def _video_tokens(payload, i: int, pcfg: ProcessorConfig, tokenizer) -> tuple[vision.MediaItem, list[int]]:
     """(the processed video, its placeholder: one run of pads, or the layout's timestamped frame groups)."""
     needs = pcfg.needs
-    try:
-        if isinstance(payload, vision.MediaItem):
-            if payload.kind != "video":
-                raise SkipSample("bad_video", f"a MediaItem of kind {payload.kind!r}; give a video "
-                                 "(titan_mm.data.vision.process_video)")
-            item = payload
-        else:
-            if isinstance(payload, str) and payload.startswith("data:"):
-                payload = media_bytes(payload, {}, None)
-            elif not isinstance(payload, (bytes, bytearray)):  # the engine opens no paths or URLs
-                raise SkipSample("bad_video", "give encoded video bytes, a data:video/...;base64 URI or a "
-                                 "MediaItem of titan_mm.data.vision.process_video")
-            item = vision.process_video(payload, pcfg)
-    except SkipSample as e:
-        raise BadRequest(f"videos[{i}]", str(e)) from None
+    item = _media_item(payload, f"videos[{i}]", "video", lambda p: isinstance(p, (bytes, bytearray)),
+                       "encoded video bytes, a data:video/...;base64 URI or a MediaItem of "
+                       "titan_mm.data.vision.process_video", vision.process_video, pcfg)
     if needs.vision_layout.one_run:
         if "video_second_per_grid" not in item.tensors:
             raise BadRequest(f"videos[{i}]", "the MediaItem has no video_second_per_grid; build it with this "
@@ -161,20 +143,28 @@ def expand_audio(prompt: list[int], audios: list, needs: DataNeeds, data: Data) 
 
 
 def _audio_item(payload, i: int, pcfg: ProcessorConfig) -> vision.MediaItem:
+    return _media_item(payload, f"audios[{i}]", "audio", lambda p: isinstance(p, (bytes, bytearray, np.ndarray)),
+                       "encoded audio bytes (wav, flac), a data:audio/...;base64 URI, a 16 kHz mono waveform (1-D "
+                       "float array) or a MediaItem of titan_mm.data.audio.process_audio", audio.process_audio, pcfg)
+
+
+def _media_item(payload, field: str, kind: str, raw: Callable[[Any], bool], give: str,
+                process: Callable[[Any, ProcessorConfig], vision.MediaItem], pcfg: ProcessorConfig) -> vision.MediaItem:
+    """``payload`` as a MediaItem of ``kind``: a MediaItem of that kind as it is, a ``data:`` URI decoded and
+    processed, a payload that ``raw`` accepts processed as training processes it; anything else (a path, a URL) is
+    refused naming what to ``give``. Every failure is a BadRequest on ``field``."""
     try:
         if isinstance(payload, vision.MediaItem):
-            if payload.kind != "audio":
-                raise SkipSample("bad_audio", f"a MediaItem of kind {payload.kind!r}; give an audio clip "
-                                 "(titan_mm.data.audio.process_audio)")
+            if payload.kind != kind:
+                raise SkipSample(f"bad_{kind}", f"a MediaItem of kind {payload.kind!r}; give {give}")
             return payload
         if isinstance(payload, str) and payload.startswith("data:"):
             payload = media_bytes(payload, {}, None)
-        elif not isinstance(payload, (bytes, bytearray, np.ndarray)):
-            raise SkipSample("bad_audio", "the engine opens no paths or URLs: give encoded audio bytes (wav, flac), "
-                             "a data:audio/...;base64 URI, a 16 kHz mono waveform (1-D float array) or a MediaItem")
-        return audio.process_audio(payload, pcfg)
+        elif not raw(payload):
+            raise SkipSample(f"bad_{kind}", f"the engine opens no paths or URLs: give {give}")
+        return process(payload, pcfg)
     except SkipSample as e:
-        raise BadRequest(f"audios[{i}]", str(e)) from None
+        raise BadRequest(field, str(e)) from None
 
 
 def after_media(clips: list[Audio], spans: list[Image]) -> list[Audio]:
