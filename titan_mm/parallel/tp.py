@@ -16,6 +16,9 @@ Styles (values of ``ParallelizePlan.tp``):
                          and a post-forward hook that puts the parameter back (FQNs and state dicts unchanged).
     "replicate"          documentation only: the module stays replicated and computes identical values and
                          gradients on every tp rank (norms, router, output head in this mode).
+    "colwise_norm"       nn.RMSNorm over the features a colwise linear splits (Wan's q / k norm across all heads):
+                         swapped for a :class:`ShardedRMSNorm` (same FQN and state-dict key) whose weight is
+                         Shard(0) and whose sum of squares is all-reduced over tp (a [*, 1] tensor per call).
 
 Sequence parallel (``parallel.sequence_parallel``; the plan's ``sequence_parallel`` entries replace / extend
 ``tp``): the residual stream between blocks is a local ``[B, S/tp, D]`` shard (sequence dim 1).
@@ -66,7 +69,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.nn.functional import all_reduce as all_reduce_autograd
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from titan_mm import kernels as K
@@ -75,8 +79,8 @@ from titan_mm.nn.loss import chunked_cross_entropy
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.parallel.plan import ParallelizePlan, match_modules
 
-STYLES = ("colwise", "rowwise", "embedding_rowwise", "grad_sum", "replicate", "embedding_rowwise_seq", "rowwise_seq",
-          "seq_gather", "seq_gather_local", "seq_gather_output", "seq_scatter_output")
+STYLES = ("colwise", "rowwise", "embedding_rowwise", "grad_sum", "replicate", "colwise_norm", "embedding_rowwise_seq",
+          "rowwise_seq", "seq_gather", "seq_gather_local", "seq_gather_output", "seq_scatter_output")
 SEQ_DIM = 1
 
 
@@ -200,6 +204,30 @@ def _install_grad_sum(mod: nn.Module, group, child_name: str | None = None) -> N
 
     mod.register_forward_pre_hook(pre)
     mod.register_forward_hook(post)
+
+
+class ShardedRMSNorm(nn.Module):
+    """Style "colwise_norm": an RMSNorm whose input is this rank's slice of the normalized features. The sum of
+    squares is all-reduced over tp (backward: the gradients summed the same way); each rank scales its own
+    features by its weight shard. Arithmetic as torch's rms_norm: x * rsqrt(mean(x^2) + eps) * w in fp32."""
+
+    def __init__(self, norm: nn.RMSNorm, tp_mesh):
+        super().__init__()
+        self.weight = nn.Parameter(distribute_tensor(norm.weight, tp_mesh, (Shard(0),)))
+        self.eps, self.group = norm.eps, tp_mesh.get_group()
+
+    def forward(self, x):
+        w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        xf = x.float()
+        ss = all_reduce_autograd(xf.pow(2).sum(-1, keepdim=True), group=self.group)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return (xf * torch.rsqrt(ss / self.weight.shape[0] + eps) * w).type_as(x)
+
+
+def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    """(the module holding ``fqn``, its attribute name there)."""
+    parent_name, _, child = fqn.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), child
 
 
 def vocab_parallel_logits(h, w_VD):
@@ -334,9 +362,13 @@ def apply_tp(model: nn.Module, plan: ParallelizePlan, pd: ParallelDims, par: Par
             elif style in ("seq_gather", "seq_gather_local", "seq_gather_output", "seq_scatter_output"):
                 _install_seq_hooks(mod, style, tp_mesh)
             elif style == "grad_sum":
-                parent_name, _, child = fqn.rpartition(".")
-                parent = model.get_submodule(parent_name) if parent_name else model
+                parent, child = _parent(model, fqn)
                 _install_grad_sum(parent, tp_mesh.get_group(), child)
+            elif style == "colwise_norm":
+                _check(mod, nn.RMSNorm, fqn, style)
+                _check_divisible(mod.weight.shape[0], tp, fqn, style)
+                parent, child = _parent(model, fqn)
+                setattr(parent, child, ShardedRMSNorm(mod, tp_mesh))
 
 
 def _check_divisible(n: int, tp: int, fqn: str, style: str) -> None:

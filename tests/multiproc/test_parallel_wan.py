@@ -1,0 +1,112 @@
+"""Wan (the debug flavor, flow matching over whole clips) on 2 gloo processes: three SGD-momentum steps give the
+world-1 losses, grad norms and every gradient under FSDP2, context parallelism over the video tokens (Ulysses, ring,
+all-gather) and tensor parallelism (titan_mm/models/wan/plan.py).
+
+The forward is the train step's: the CP split of the sequence keys (the family's BatchSchema and flow matching's
+``seq_keys``: latents, latent_mask, noise_unit, grid_fhw, noisy_latents, timesteps, flow_target, flow_weight) with
+the text states whole on every cp rank; each rank's RoPE angles come from its own grid_fhw rows.
+
+Tolerance: every cell computes the same fp32 products; only sums are regrouped (the gradients of a weight summed
+over two ranks' tokens instead of one pass over all, the ring's online softmax over two key blocks, TP's halves of
+each contraction and of the q / k RMS). Reassociating an fp32 sum of n terms moves it by at most about n x 6e-8
+of the terms' magnitude; with n <= 96 (tokens per clip, text tokens, features) that is below 1e-5, the bound used.
+"""
+
+import functools
+
+import pytest
+import torch
+from _harness import run_multiproc
+from _parallel_common import check_cells, run_cells, train_steps
+
+from titan_mm.config import JobConfig
+from titan_mm.models.wan import plan as wan_plan
+from titan_mm.models.wan import spec as wan_spec
+from titan_mm.models.wan.config import FLAVORS
+from titan_mm.models.wan.model import build
+from titan_mm.models.wan.synthetic import clip_batch
+from titan_mm.nn.attention import build_attn_meta
+from titan_mm.objectives import FlowMatching
+from titan_mm.parallel.apply import parallelize
+from titan_mm.parallel.cp import prepare_cp_batch
+from titan_mm.parallel.mesh import ParallelDims
+from titan_mm.train.step import model_inputs
+
+pytestmark = pytest.mark.slow  # two spawned processes, five cells: about a minute on 2 shared cores
+
+CFG = FLAVORS["debug"]  # 2 heads of 12, 2 blocks, qk RMSNorm over all heads, cross-attention norm
+FRAMES = 3  # 3 latent frames x 4 x 4 patches: S = 48, a multiple of 2 x cp
+OBJ = FlowMatching(sampler="uniform", seed=0, mask="bidirectional")
+SEQ_KEYS = wan_spec.SCHEMA.seq + OBJ.seq_keys
+
+
+def _batches():
+    """3 global batches of 2 clips, corrupted once for all worlds (the noise is data here)."""
+    out = []
+    for s in range(3):
+        gens = [torch.Generator().manual_seed(100 * s + r) for r in range(2)]
+        b = clip_batch(CFG, gens, FRAMES)
+        for k in ("cu_seqlens", "max_seqlen"):  # the packer's varlen keys: the sdpa backend reads doc_ids
+            b.pop(k)
+        out.append(OBJ.prepare([b], s)[0])
+    return out
+
+
+BATCHES = _batches()
+
+
+def _select(gb, dp_rank, dp_size):
+    local = {k: v[dp_rank::dp_size] if v.dim() else v for k, v in gb.items()}
+    return local, gb["num_latent_elements"]
+
+
+def _step(pd, mode, model, b):
+    """The train step's forward for one (corrupted) micro-batch: the loss sum of this rank's tokens."""
+    if pd is not None and pd.cp_enabled:
+        b, meta = prepare_cp_batch(b, pd, "sdpa", "cpu", mode=mode, seq_keys=SEQ_KEYS, kind="bidirectional")
+    else:
+        meta = build_attn_meta(b, "sdpa", "cpu", kind="bidirectional")
+    out = model(None, position_ids=b["position_ids"], attn=meta, loss=OBJ.bind(b), **model_inputs(b, OBJ))
+    return out.terms["mse"]
+
+
+def _build():
+    torch.manual_seed(0)
+    m = build(CFG)
+    m.init_weights()
+    for p in m.parameters():  # init's zero biases would leave their paths untested
+        p.data.add_(0.05 * torch.randn_like(p))
+    return m
+
+
+@functools.lru_cache(maxsize=None)
+def _reference():
+    return train_steps(_build(), BATCHES, functools.partial(_step, None, None), select=_select)
+
+
+def _run_cell(world, dims, mode):
+    model = _build()
+    pd = ParallelDims(world_size=world, **dims)
+    parallelize(model, wan_plan.plan(CFG), pd, JobConfig())
+    bm = pd.mesh("batch")
+    return train_steps(model, BATCHES, functools.partial(_step, pd, mode), dp_rank=bm.get_local_rank(),
+                       dp_size=bm.size(), loss_group=pd.mesh("loss").get_group(), select=_select)
+
+
+def _worker(rank, world, cells):
+    return run_cells(cells, functools.partial(_run_cell, world))
+
+
+# (name, dims, cp_mode); the cells run one after another in the same 2 processes
+CELLS = (
+    ("fsdp2", dict(dp_shard=2), None),
+    ("cp2-ulysses", dict(dp_shard=1, cp=2), "ulysses"),
+    ("cp2-ring", dict(dp_shard=1, cp=2), "ring"),
+    ("cp2-allgather", dict(dp_shard=1, cp=2), "allgather"),
+    ("tp2", dict(dp_shard=1, tp=2), None),
+)
+
+
+def test_wan_parallel_matches_world1():
+    got = run_multiproc(_worker, 2, args=(CELLS,), timeout_s=600)
+    check_cells(CELLS, got, lambda cell: _reference())
