@@ -60,8 +60,12 @@ def _select(gb, dp_rank, dp_size):
     return local, gb["num_latent_elements"]
 
 
-def _step(pd, mode, model, b):
-    """The train step's forward for one (corrupted) micro-batch: the loss sum of this rank's tokens."""
+def _step(pd, mode, per_clip, model, b):
+    """The train step's forward for one (corrupted) micro-batch: the loss sum of this rank's tokens. ``per_clip``:
+    the family's prepare_batch turns the clips' shared t into clip_timesteps [B] (whole on every cp rank); else
+    the time MLP runs on timesteps [B, S] (Wan2.2 TI2V's path), cut with the tokens."""
+    if per_clip:
+        b = wan_spec.prepare_batch(CFG, b, "cpu")
     if pd is not None and pd.cp_enabled:
         b, meta = prepare_cp_batch(b, pd, "sdpa", "cpu", mode=mode, seq_keys=SEQ_KEYS, kind="bidirectional")
     else:
@@ -80,16 +84,16 @@ def _build():
 
 
 @functools.lru_cache(maxsize=None)
-def _reference():
-    return train_steps(_build(), BATCHES, functools.partial(_step, None, None), select=_select)
+def _reference(per_clip):
+    return train_steps(_build(), BATCHES, functools.partial(_step, None, None, per_clip), select=_select)
 
 
-def _run_cell(world, dims, mode):
+def _run_cell(world, dims, mode, per_clip):
     model = _build()
     pd = ParallelDims(world_size=world, **dims)
     parallelize(model, wan_plan.plan(CFG), pd, JobConfig())
     bm = pd.mesh("batch")
-    return train_steps(model, BATCHES, functools.partial(_step, pd, mode), dp_rank=bm.get_local_rank(),
+    return train_steps(model, BATCHES, functools.partial(_step, pd, mode, per_clip), dp_rank=bm.get_local_rank(),
                        dp_size=bm.size(), loss_group=pd.mesh("loss").get_group(), select=_select)
 
 
@@ -97,16 +101,18 @@ def _worker(rank, world, cells):
     return run_cells(cells, functools.partial(_run_cell, world))
 
 
-# (name, dims, cp_mode); the cells run one after another in the same 2 processes
+# (name, dims, cp_mode, per_clip); the cells run one after another in the same 2 processes
 CELLS = (
-    ("fsdp2", dict(dp_shard=2), None),
-    ("cp2-ulysses", dict(dp_shard=1, cp=2), "ulysses"),
-    ("cp2-ring", dict(dp_shard=1, cp=2), "ring"),
-    ("cp2-allgather", dict(dp_shard=1, cp=2), "allgather"),
-    ("tp2", dict(dp_shard=1, tp=2), None),
+    ("fsdp2", dict(dp_shard=2), None, True),
+    ("cp2-ulysses", dict(dp_shard=1, cp=2), "ulysses", True),
+    ("cp2-ring", dict(dp_shard=1, cp=2), "ring", True),
+    ("cp2-allgather", dict(dp_shard=1, cp=2), "allgather", True),
+    ("cp2-ulysses-t-per-patch", dict(dp_shard=1, cp=2), "ulysses", False),
+    ("tp2", dict(dp_shard=1, tp=2), None, True),
+    ("tp2-t-per-patch", dict(dp_shard=1, tp=2), None, False),
 )
 
 
 def test_wan_parallel_matches_world1():
     got = run_multiproc(_worker, 2, args=(CELLS,), timeout_s=600)
-    check_cells(CELLS, got, lambda cell: _reference())
+    check_cells(CELLS, got, lambda cell: _reference(cell[3]))
