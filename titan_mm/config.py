@@ -152,6 +152,13 @@ class Data:
     """Re-place each step's global batch across data-parallel ranks and micro-batches to even out the ranks'
     predicted cost (titan_mm.data.balance; docs/data.md, "Workload balancing"): kk (balanced Karmarkar-Karp),
     lpt, or none (the loader's order). Same rows and loss, only placement; a no-op with one dp rank."""
+    encoders: str = ""
+    """Families trained on captioned clips (Wan; docs/wan.md "Data"): the folder of the frozen encoders (a diffusers
+    pipeline folder with tokenizer/, text_encoder/ and vae/) that encode data.dataset's raw clips in the data
+    pipeline. Unused with a latent cache (python -m titan_mm.tools.cache), which holds their output."""
+    prompt_dropout: float = 0.0
+    """Families trained on captioned clips: the probability that a row's text states are zeros (an empty prompt,
+    for classifier-free guidance), drawn from (training.seed, micro-batch, row), so resumes are exact."""
 
 
 @dataclass
@@ -893,6 +900,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"data.seq_len must be >= 1, got {d.seq_len}")
     if d.streams_per_slot < 1:
         raise ConfigError(f"data.streams_per_slot must be >= 1, got {d.streams_per_slot}")
+    if not 0 <= d.prompt_dropout <= 1:
+        raise ConfigError(f"data.prompt_dropout must be in [0, 1], got {d.prompt_dropout}")
     if d.balance not in typing.get_args(_hints(Data)["balance"]):
         raise ConfigError(f"data.balance must be one of 'none', 'lpt', 'kk', got {d.balance!r}")
     if t.global_batch_size < 0:

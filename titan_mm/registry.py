@@ -25,7 +25,7 @@ import torch
 from titan_mm.models.hf_io import HFCheckpointError, local_hf_dir, read_hf_config
 
 if TYPE_CHECKING:  # the media-layout types of DataNeeds (titan_mm.nn.media); named for annotations only
-    from titan_mm.nn.media import AudioFrontEnd, VisionLayout
+    from titan_mm.nn.media import AudioFrontEnd, ClipLayout, VisionLayout
 
 
 class SpecError(ValueError):
@@ -156,6 +156,9 @@ class DataNeeds:
     """The family's audio front end (titan_mm.nn.media.AudioFrontEnd: clip padding and the audio tower's token
     count; titan_mm.data.audio follows it). None: the family takes no audio (its samples with audio parts are
     skipped and counted, unknown_modality)."""
+    clips: ClipLayout | None = None
+    """A family trained on captioned clips through frozen encoders (titan_mm.nn.media.ClipLayout; titan_mm.data.clips
+    reads a latent cache or encodes raw clips in the pipeline). None: token rows."""
 
     @property
     def position_axes(self) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -61,6 +62,35 @@ class AudioFrontEnd:
     max_seconds: int = 0
     """>0: every clip is padded with zeros to and truncated at this many seconds (Whisper's window), with
     ceil(samples / hop) frames kept; 0: no padding or truncation, samples // hop frames."""
+
+
+class ClipEncoders(Protocol):
+    """A family's frozen encoders of captioned video clips (Wan: UMT5 and the VAE), as titan_mm.data.clips and the
+    cache tool call them; built by :attr:`ClipLayout.encoders`."""
+
+    frame_step: int
+    """A clip has 1 + k x frame_step frames (the VAE's temporal compression)."""
+    pixel_multiple: int
+    """Frame height and width are multiples of this (the VAE's spatial compression x the patch size)."""
+
+    def text(self, prompt: str) -> Any:
+        """The prompt's text states [L, D] float32, L its own length (the loader zero-pads to ClipLayout.text_len)."""
+
+    def video(self, frames_THWC: np.ndarray) -> Any:
+        """Normalized latents [C, F, H, W] float32 of uint8 RGB frames already sized by the rules above."""
+
+
+@dataclass(frozen=True)
+class ClipLayout:
+    """A family that trains on captioned clips encoded by frozen encoders (titan_mm.data.clips: a cache of their
+    latents and text states, or encoding in the data pipeline)."""
+
+    text_len: int
+    """Text states per row: a prompt's states, zero-padded to this length (diffusers' max_sequence_length)."""
+    batch: Callable[[Any, Any], dict]
+    """batch(latents [B, C, F, H, W], text_states [B, text_len, D]) -> the family's micro-batch (its BatchSchema)."""
+    encoders: Callable[..., ClipEncoders]
+    """encoders(folder, device="cpu") -> the frozen encoders read from ``folder`` (data.encoders), on ``device``."""
 
 
 # ------------------------------------------------------------------------------------------ positions

@@ -9,7 +9,8 @@ Checked, in order:
 - the parallel degrees against the world size and the model's shapes, and the global batch;
 - the objective: its options, the mask token and the attention kind it asks for (``build_objective``);
 - [eval] when on: tasks only with the causal objective, sources listed (the task files: the [eval] callback);
-- unless ``data.dataset = "synthetic"``: every source of ``data.dataset`` / ``data.mixture`` lists its files
+- a family trained on clips (DataNeeds.clips): a latent cache's index, or the sources and data.encoders' folder;
+- otherwise, unless ``data.dataset = "synthetic"``: every source of ``data.dataset`` / ``data.mixture`` lists its files
   (or built-in parts), and the tokenizer loads, gives the family's special tokens their ids and emits no id
   at or above the model's vocab_size.
 
@@ -25,6 +26,7 @@ import sys
 from safetensors import SafetensorError
 
 from titan_mm.config import ConfigError, Data, JobConfig
+from titan_mm.data.clips import uses_cache
 from titan_mm.data.loader import resolve_sources
 from titan_mm.data.processors import Processor, ProcessorConfig
 from titan_mm.data.sources import list_units
@@ -46,6 +48,9 @@ def preflight(cfg: JobConfig, world: int | None = None) -> None:
     build_objective(cfg, spec, model_cfg)
     _check_eval(cfg, spec)
     if cfg.data.dataset == "synthetic":  # the trainer's rule (build_data): random rows, no files, no tokenizer
+        return
+    if spec.data_needs(model_cfg).clips is not None:
+        _check_clips(cfg.data)
         return
     _check_sources(cfg.data)
     _check_tokenizer(cfg, spec, model_cfg)
@@ -87,6 +92,17 @@ def _check_sources(data: Data, section: str = "data") -> None:
             list_units(source)
         except (OSError, ValueError, ImportError) as e:  # ImportError: fsspec lacks the protocol's package
             raise ConfigError(f"{key}: {e}") from None
+
+
+def _check_clips(data: Data) -> None:
+    """A family trained on clips (titan_mm.data.clips): a latent cache's index, or raw sources and the encoders'
+    folder; the rows themselves are read when the loader lists them."""
+    try:
+        cached = uses_cache(data)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not cached:
+        _check_sources(data)
 
 
 def _check_tokenizer(cfg: JobConfig, spec, model_cfg) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from titan_mm import kernels as K
 from titan_mm.config import ConfigError, Data, JobConfig
+from titan_mm.data.clips import build_clip_loader
 from titan_mm.data.loader import build_dataloader
 from titan_mm.data.packing import padded_seq_len
 from titan_mm.data.tokenizer import tokenizer_for
@@ -243,6 +244,13 @@ def build_data(cfg: JobConfig, spec: ModelSpec, model_cfg, dp_rank: int, dp_worl
                                micro_batch_size=data.micro_batch_size, n_micro=n_micro,
                                dp_rank=dp_rank, dp_world=dp_world, seed=cfg.training.seed, make_batch=make)
 
+    needs = spec.data_needs(model_cfg)
+    if needs.clips is not None:  # captioned clips through the family's frozen encoders (titan_mm.data.clips)
+        try:
+            return build_clip_loader(data, needs.clips, dp_rank=dp_rank, dp_world=dp_world, n_micro=n_micro,
+                                     seed=cfg.training.seed, epochs=epochs)
+        except ValueError as e:
+            raise ConfigError(f"[data] {e}") from None
     tok = tokenizer_for(data.tokenizer_path, local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None)
     return build_dataloader(data, needs=spec.data_needs(model_cfg), dp_rank=dp_rank, dp_world=dp_world,
                             n_micro=n_micro, seed=cfg.training.seed, tokenizer_path=tok, epochs=epochs)

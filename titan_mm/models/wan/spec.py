@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from titan_mm.models.wan.config import WanConfig
+from titan_mm.models.wan.data import clip_layout
 from titan_mm.models.wan.model import clip_timesteps
 from titan_mm.registry import BatchSchema, DataNeeds, KernelShapes, ModelDims, Runtime, SeqKey
 
@@ -32,7 +33,8 @@ def with_runtime(cfg: WanConfig, attn_backend: str = "sdpa", kernels: bool | str
 
 
 def data_needs(cfg: WanConfig) -> DataNeeds:
-    return DataNeeds(positions="1d", video=True)
+    """Captioned clips through the frozen UMT5 + VAE (data.py), cached or encoded in the pipeline."""
+    return DataNeeds(positions="1d", video=True, clips=clip_layout(cfg))
 
 
 def kernel_shapes(cfg: WanConfig, tp: int = 1, encoder_tp: bool = False) -> KernelShapes:

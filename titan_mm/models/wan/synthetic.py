@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from titan_mm.models.wan.config import WanConfig
-from titan_mm.models.wan.model import patchify
+from titan_mm.models.wan.data import latent_batch
 
 TEXT_TOKENS = 8
 """Text states per synthetic prompt."""
@@ -27,13 +27,7 @@ def clip_batch(cfg: WanConfig, gens: list[torch.Generator], frames: int) -> dict
     shape = (cfg.in_channels, frames * pt, SIDE * ph, SIDE * pw)
     noise = torch.stack([torch.randn(shape, generator=g) for g in gens])
     x = torch.tanh(text.mean(1) @ mix)[:, :, None, None, None] + 0.1 * noise
-    patches, grid = patchify(x, cfg.patch_size)
-    B, S = patches.shape[:2]
-    return {"latents": patches, "latent_mask": torch.ones(B, S, dtype=torch.bool),
-            "noise_unit": torch.zeros(B, S, dtype=torch.long), "grid_fhw": grid,
-            "position_ids": torch.zeros(B, S, dtype=torch.long), "doc_ids": torch.zeros(B, S, dtype=torch.int32),
-            "cu_seqlens": torch.arange(B + 1, dtype=torch.int32) * S, "max_seqlen": S, "text_states": text}
-
+    return latent_batch(cfg, x, text)
 
 
 def synthetic(cfg: WanConfig, seq_len: int) -> Callable[[list[torch.Generator]], dict]:
