@@ -5,61 +5,30 @@ resume, malformed rows counted, and the debug config training from a cache. Noth
 
 import json
 
-import av
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 diffusers = pytest.importorskip("diffusers")  # the optional extra [diffusers]
-transformers = pytest.importorskip("transformers")
-
-from tokenizers import Tokenizer, models, pre_tokenizers, processors  # noqa: E402
+pytest.importorskip("transformers")
 
 from titan_mm.config import ConfigError, Data, load_config  # noqa: E402
 from titan_mm.data.clips import CacheSource, ClipLoader, RawSource, geometry  # noqa: E402
 from titan_mm.launch.train import main as train  # noqa: E402
 from titan_mm.models.wan.data import TEXT_LEN, load_encoders  # noqa: E402
+from titan_mm.models.wan.toy import moving_square, save_random_encoders, write_mp4  # noqa: E402
 from titan_mm.observe.metrics import read_metrics  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
 from titan_mm.tools.cache import main as cache  # noqa: E402
 from titan_mm.train.preflight import preflight  # noqa: E402
 
-WORDS = "a red green ball cube rolls falls left right up down fast slow".split()
 CAPTIONS = ["a red ball rolls left", "a green cube falls down", "a red cube rolls right fast",
             "a green ball falls slow", "a ball rolls up", "a cube falls", "a red ball", "a green cube rolls left"]
 DATA = ["--config", "debug_wan_data", "--data.video_fps", "0", "--data.video_min_frames", "1",
         "--data.video_max_frames", "9", "--data.video_max_pixels", "20000"]
 WAN = get_model_spec("wan")
 CLIPS = WAN.data_needs(WAN.flavor("debug")).clips
-
-
-def _tokenizer(folder):
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-                                                unk_token="<unk>")
-    fast.save_pretrained(folder)
-
-
-def _video(path, frames, fps=8):
-    with av.open(str(path), "w") as c:
-        s = c.add_stream("mpeg4", rate=fps)
-        s.height, s.width, s.pix_fmt = frames.shape[1], frames.shape[2], "yuv420p"
-        for f in frames:
-            c.mux(s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
-        c.mux(s.encode())
-
-
-def _frames(rng, n, h, w):
-    """A bright square moving over a dark frame: n uint8 RGB frames."""
-    out = np.full((n, h, w, 3), 20, np.uint8)
-    for t in range(n):
-        y, x = (2 * t) % (h - 4), (3 * t) % (w - 4)
-        out[t, y:y + 4, x:x + 4] = rng.integers(128, 256, 3)
-    return out
 
 
 def _row(video, caption):
@@ -71,29 +40,23 @@ def _row(video, caption):
 def clips(tmp_path_factory):
     """(rows.jsonl, the encoders' pipeline folder, the cache folder the tool wrote from them, the tool's index)."""
     root = tmp_path_factory.mktemp("wan_data")
-    torch.manual_seed(0)
     pipe = root / "pipe"
-    _tokenizer(pipe / "tokenizer")
-    transformers.UMT5EncoderModel(transformers.UMT5Config(
-        vocab_size=len(WORDS) + 3, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2,
-        relative_attention_num_buckets=8)).save_pretrained(pipe / "text_encoder")
-    diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
-                               latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.5, 2.0, 1.0],
-                               scale_factor_temporal=2, scale_factor_spatial=2).save_pretrained(pipe / "vae")
+    save_random_encoders(str(pipe), text_dim=16, z_dim=4)  # the debug flavor's text_dim and in_channels
     rng = np.random.default_rng(0)
     rows = []
     for i, cap in enumerate(CAPTIONS):
         kind = i % 3
         if kind == 0:  # mp4, two sizes: two buckets
-            _video(root / f"v{i}.mp4", _frames(rng, 9, 16, 24) if i % 2 == 0 else _frames(rng, 9, 24, 16))
+            h, w = (16, 24) if i % 2 == 0 else (24, 16)
+            write_mp4(root / f"v{i}.mp4", moving_square(rng, 9, h, w))
             rows.append(_row(f"v{i}.mp4", cap))
         elif kind == 1:  # an animated gif
-            fr = [Image.fromarray(f) for f in _frames(rng, 5, 16, 24)]
+            fr = [Image.fromarray(f) for f in moving_square(rng, 5, 16, 24)]
             fr[0].save(root / f"g{i}.gif", save_all=True, append_images=fr[1:], duration=125)
             rows.append(_row(f"g{i}.gif", cap))
         else:  # a folder of frames
             (root / f"f{i}").mkdir()
-            for t, f in enumerate(_frames(rng, 7, 16, 24)):
+            for t, f in enumerate(moving_square(rng, 7, 16, 24)):
                 Image.fromarray(f).save(root / f"f{i}" / f"{t:03d}.png")
             rows.append(_row(f"f{i}", cap))
     (root / "bad.mp4").write_bytes(b"not a video at all")
