@@ -111,6 +111,17 @@ CASES.update({
 })
 
 
+# Wan video DiTs: one clip a row of ``clip`` = latent frames, (height, width) in latent pixels and UMT5 text states
+# (clip_batch); the FLOPs are flow matching's (the bidirectional mask's pairs, docs/flops.md). 33 frames at 480p
+# (832 x 480) are 9 latent frames of 60 x 104 (Wan2.1's VAE: 4x in time, 8x in space): 14,040 patches of 1x2x2.
+CASES.update({
+    "debug_wan": dict(model="wan", flavor="debug", overrides={}, batch=1, seq=48, clip=dict(frames=3, hw=(8, 8),
+                                                                                          text=512)),
+    "wan2.1_1.3b": dict(model="wan", flavor="1.3B", overrides={}, batch=1, seq=14040,
+                        clip=dict(frames=9, hw=(60, 104), text=512)),
+})
+
+
 def parse_ac(ac: str) -> tuple[str, int]:
     """--ac MODE[:N] -> (activation_checkpoint.mode, num_layers): 'selective:2' = selective AC on the first 2
     blocks only, 'none' / 'full' / 'selective' = that mode on every block."""
@@ -307,8 +318,23 @@ def vl_batch(mc, batch: int, seq: int, seed: int = 0, synthetic: str = VL_SYNTHE
     return syn.pack(samples, mc, seq_len=seq, rows=batch)
 
 
+def clip_batch(mc, batch: int, clip: dict, seed: int = 0) -> dict:
+    """Random latent clips and text states of the case's shape (one clip a row, every patch a flow-matching target);
+    the channel and text widths from the diffusers config (what a diffusers peer is built from)."""
+    import torch
+
+    from titan_mm.models.wan.data import latent_batch
+
+    hf = mc.to_hf_dict()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, hf["in_channels"], clip["frames"], *clip["hw"], generator=g)
+    return latent_batch(mc, x, torch.randn(batch, clip["text"], hf["text_dim"], generator=g))
+
+
 def case_batch(case: dict, spec, mc, device) -> dict:
-    """The case's host batch: vl_batch through its synthetic module, or text rows."""
+    """The case's host batch: vl_batch through its synthetic module, clip_batch, or text rows."""
+    if case.get("clip"):
+        return clip_batch(mc, case["batch"], case["clip"])
     if case.get("vl"):
         return vl_batch(mc, case["batch"], case["seq"], synthetic=case.get("synthetic", VL_SYNTHETIC),
                         media=case.get("media"))
@@ -365,10 +391,18 @@ def worker(args) -> dict:
     else:
         spec, mc, batch, step = _peer_builder(case, args.stack, device)
     from bench.scaling import batch_flops
+    from titan_mm.config import JobConfig
+    from titan_mm.nn.attention import batch_rows
+    from titan_mm.objectives import build_objective
+    from titan_mm.observe.mfu import doc_lens_from_batch, encoder_inputs
 
-    # the registry's FLOPs of the batch's documents (vision tower and audio encoder included), and of the LLM alone
-    flops, flops_llm = batch_flops(spec, mc, batch), batch_flops(spec, mc, batch, vision=False)
-    n_tok = int(batch["input_ids"].numel())
+    # the trainer's FLOPs of the batch's documents (the family's count, vision tower and audio encoder included, with
+    # its objective's mask: a video DiT's bidirectional pairs), and of the LLM alone
+    objective = build_objective(JobConfig(), spec, mc)
+    flops = objective.flops(spec, mc, doc_lens_from_batch(batch), **encoder_inputs(batch))
+    flops_llm = batch_flops(spec, mc, batch, vision=False)
+    rows, seq = batch_rows(batch)
+    n_tok = rows * seq
     print(f"[worker] {args.case} {args.stack}: built in {time.perf_counter() - t_build:.1f}s", file=sys.stderr, flush=True)
     t_compile = time.perf_counter()
     losses = []
