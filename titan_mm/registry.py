@@ -352,6 +352,7 @@ class ModelSpec:
 _REGISTRY: dict[str, ModelSpec] = {}
 # name -> module whose import registers it (built-in families; others call register() themselves)
 _BUILTIN = {
+    "bagel": "titan_mm.models.bagel",
     "qwen2": "titan_mm.models.qwen2",
     "qwen2_5_vl": "titan_mm.models.qwen2_5_vl",
     "qwen2_5_omni": "titan_mm.models.qwen2_5_omni",

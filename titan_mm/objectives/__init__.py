@@ -59,6 +59,8 @@ class Combined(Objective):
         if len(set(names)) != len(names):
             raise ValueError(f"combined objectives name a loss term twice: {names}; give each part its own terms")
         kinds = {p.mask_kind for p in self.parts} - {None}
+        if "segments" in kinds:  # a segment description holds causal segments: it serves the causal part too
+            kinds.discard("causal")
         if len(kinds) > 1:
             raise ValueError(f"combined objectives ask for different attention kinds {sorted(kinds)}; one batch "
                              "has one mask: let the family's segment description decide (mask_kind None)")
@@ -72,7 +74,8 @@ class Combined(Objective):
     host_keys = property(lambda self: self._union("host_keys"))
     seq_keys = property(lambda self: self._union("seq_keys"))
     stats = property(lambda self: self._union("stats"))
-    mask_kind = property(lambda self: next((p.mask_kind for p in self.parts if p.mask_kind), None))
+    mask_kind = property(lambda self: "segments" if any(p.mask_kind == "segments" for p in self.parts)
+                         else next((p.mask_kind for p in self.parts if p.mask_kind), None))
     block_size = property(lambda self: next((p.block_size for p in self.parts if p.block_size), None))
 
     def prepare(self, micro_batches: list[dict], step: int, dp_rank: int = 0) -> list[dict]:

@@ -1,0 +1,392 @@
+"""The bagel family against a reference built from transformers modules, fp32 on CPU, tiny random configs.
+
+BAGEL's own code (ByteDance-Seed/Bagel) is not pip-installable, so the reference is composed here as its
+modeling/bagel/qwen2_navit.py and bagel.py compute: transformers' Qwen3 decoder layers with ``attention_bias=True``
+(o_proj's bias 0) are BAGEL's Qwen2-with-QK-norm layer; two stacks of them (understanding and generation) are routed
+per token by boolean masks, attention runs over the whole packed sequence under an additive mask built here from each
+sample's splits as data/data_utils.py's ``prepare_attention_mask_per_sample`` does; the ViT is transformers' Siglip
+encoder layers run on each image alone; the sin-cos tables and the timestep embedder follow modeling_utils.py."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import Qwen3Config, SiglipVisionConfig
+from transformers.models.qwen3.modeling_qwen3 import (Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding,
+                                                      apply_rotary_pos_emb, eager_attention_forward)
+from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer
+
+from titan_mm.config import load_config
+from titan_mm.data.packing import collate_rows
+from titan_mm.launch.train import main
+from titan_mm.models.bagel import BagelConfig, BagelModel
+from titan_mm.models.bagel.config import BagelLLMConfig, BagelVAEConfig, BagelViTConfig
+from titan_mm.models.bagel.flops import matmul_params
+from titan_mm.models.bagel.model import flat_positions, patchify
+from titan_mm.models.bagel.spec import SCHEMA, VAE, VIT, prepare_batch
+from titan_mm.models.bagel.synthetic import ROW_TOKENS, class_images, row
+from titan_mm.nn.attention import build_attn_meta
+from titan_mm.objectives import Combined, build_objective
+from titan_mm.observe.metrics import read_metrics
+from titan_mm.registry import get_model_spec
+from titan_mm.train.step import model_inputs
+
+CFG = BagelConfig(
+    llm_config=BagelLLMConfig(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0),
+    vit_config=BagelViTConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=16, patch_size=4),
+    vae_config=BagelVAEConfig(z_channels=4, downsample=4), max_latent_size=4, vit_max_num_patch_per_side=4,
+    timestep_shift=3.0)
+SEQ = ROW_TOKENS + 5  # each row's padding too
+
+
+# ---- the reference, from transformers modules and BAGEL's formulas ----
+
+def ref_table(dim: int, side: int) -> torch.Tensor:
+    """modeling_utils.get_2d_sincos_pos_embed (DiT's), numpy: meshgrid(w, h), the first half over grid[0]."""
+    grid = np.stack(np.meshgrid(np.arange(side, dtype=np.float32), np.arange(side, dtype=np.float32)), 0)
+
+    def one(d, pos):
+        omega = 1.0 / 10000 ** (np.arange(d // 2, dtype=np.float64) / (d / 2.0))
+        out = np.einsum("m,d->md", pos.reshape(-1), omega)
+        return np.concatenate([np.sin(out), np.cos(out)], 1)
+
+    return torch.from_numpy(np.concatenate([one(dim // 2, grid[0]), one(dim // 2, grid[1])], 1)).float()
+
+
+def ref_timestep(t: torch.Tensor, dim: int = 256) -> torch.Tensor:
+    """modeling_utils.TimestepEmbedder.timestep_embedding."""
+    half = dim // 2
+    freqs = torch.exp(-np.log(10000) * torch.arange(half, dtype=torch.float32) / half)
+    args = t[:, None].float() * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], -1)
+
+
+def ref_sample_mask(splits) -> torch.Tensor:
+    """data_utils.prepare_attention_mask_per_sample as a bool [L, L] (True = attend)."""
+    L = sum(n for n, _ in splits)
+    m = torch.zeros(L, L, dtype=torch.bool)
+    c = 0
+    for n, mode in splits:
+        m[c:c + n, c:c + n] = torch.ones(n, n).tril().bool() if mode == "causal" else True
+        m[c:c + n, :c] = True
+        c += n
+    c = 0
+    for n, mode in splits:
+        if mode == "noise":
+            m[:, c:c + n] = False
+            m[c:c + n, c:c + n] = True
+        c += n
+    return m
+
+
+def ref_mask(rows_docs, S: int) -> torch.Tensor:
+    """Additive [T, T] mask over the B*S flat tokens: each sample's own mask on the diagonal, a row's padding one more
+    causal sample, nothing across samples (BAGEL's nested_attention_masks)."""
+    blocks = []
+    for docs in rows_docs:
+        splits = [d.segments for d in docs]
+        pad = S - sum(len(d) for d in docs)
+        blocks += [ref_sample_mask(s) for s in splits] + ([ref_sample_mask([(pad, "causal")])] if pad else [])
+    m = torch.block_diag(*blocks)
+    return torch.zeros(m.shape).masked_fill(~m, float("-inf"))
+
+
+def both(fu, fg, x, g):
+    """BAGEL's routing: und rows through ``fu``, gen rows (``g``) through ``fg``, written back by boolean index."""
+    yu, yg = fu(x[~g]), fg(x[g])
+    out = yu.new_zeros((x.shape[0],) + yu.shape[1:])
+    out[~g], out[g] = yu, yg
+    return out
+
+
+class Reference(nn.Module):
+    def __init__(self, cfg: BagelConfig):
+        super().__init__()
+        c, v = cfg.llm_config, cfg.vit_config
+        qc = Qwen3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, attention_bias=True,
+                         rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, attn_implementation="eager")
+        self.heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.und = nn.ModuleList(Qwen3DecoderLayer(qc, i) for i in range(c.num_hidden_layers))
+        self.gen = nn.ModuleList(Qwen3DecoderLayer(qc, i) for i in range(c.num_hidden_layers))
+        self.rotary = Qwen3RotaryEmbedding(qc)
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.norm, self.norm_gen = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps), Qwen3RMSNorm(c.hidden_size,
+                                                                                             c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        sc = SiglipVisionConfig(hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                                num_hidden_layers=v.num_hidden_layers, num_attention_heads=v.num_attention_heads,
+                                image_size=v.image_size, patch_size=v.patch_size, layer_norm_eps=v.layer_norm_eps,
+                                attn_implementation="eager")
+        self.vit_layers = nn.ModuleList(SiglipEncoderLayer(sc) for _ in range(v.num_hidden_layers))
+        self.patch = nn.Linear(v.patch_dim, v.hidden_size)
+        self.vit_pos = nn.Embedding(v.positions, v.hidden_size)
+        self.post_ln = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
+        self.fc1, self.fc2 = nn.Linear(v.hidden_size, c.hidden_size), nn.Linear(c.hidden_size, c.hidden_size)
+        self.t1, self.t2 = nn.Linear(256, c.hidden_size), nn.Linear(c.hidden_size, c.hidden_size)
+        self.vae2llm = nn.Linear(cfg.patch_latent_dim, c.hidden_size)
+        self.llm2vae = nn.Linear(c.hidden_size, cfg.patch_latent_dim)
+        self.vit_table = ref_table(c.hidden_size, cfg.vit_max_num_patch_per_side)
+        self.lat_table = ref_table(c.hidden_size, cfg.max_latent_size)
+
+    def vit(self, patches, pos, lens):
+        outs = []
+        for p, q in zip(patches.split(lens), pos.split(lens)):  # each image alone: no mask needed
+            x = (self.patch(p) + self.vit_pos(q))[None]
+            for layer in self.vit_layers:
+                x = layer(x, None)
+            outs.append(self.fc2(F.gelu(self.fc1(self.post_ln(x)[0]), approximate="tanh")) + self.vit_table[q])
+        return torch.cat(outs)
+
+    def layer(self, und, gen, h, g, cos, sin, mask):
+        H, G, K = self.heads
+        x = both(und.input_layernorm, gen.input_layernorm, h, g)
+        proj = {n: both(lambda y, a=und.self_attn: getattr(a, n)(y), lambda y, a=gen.self_attn: getattr(a, n)(y), x, g)
+                for n in ("q_proj", "k_proj", "v_proj")}
+        q = both(und.self_attn.q_norm, gen.self_attn.q_norm, proj["q_proj"].view(-1, H, K), g)
+        k = both(und.self_attn.k_norm, gen.self_attn.k_norm, proj["k_proj"].view(-1, G, K), g)
+        v = proj["v_proj"].view(-1, G, K)
+        q, k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        o, _ = eager_attention_forward(und.self_attn, q, k, v.transpose(0, 1)[None], mask[None, None], K**-0.5)
+        h = h + both(und.self_attn.o_proj, gen.self_attn.o_proj, o.reshape(h.shape[0], H * K), g)
+        return h + both(lambda y: und.mlp(und.post_attention_layernorm(y)),
+                        lambda y: gen.mlp(gen.post_attention_layernorm(y)), h, g)
+
+    def forward(self, b, mask):
+        """(final hidden [T, D], CE sum, MSE sum) of the prepared batch ``b`` (flattened to T tokens)."""
+        kind = b["token_kind"].reshape(-1)
+        g = kind == VAE
+        h = self.embed(b["input_ids"].reshape(-1))
+        h[kind == VIT] = self.vit(b["vit_patches"], b["vit_pos"], b["vit_lens"].tolist())
+        P = b["noisy_latents"].shape[-1]
+        x = (b["noisy_latents"] + b["cond_latents"]).reshape(-1, P)[g]
+        t = b["timesteps"].reshape(-1)[g]
+        h[g] = self.vae2llm(x) + self.t2(F.silu(self.t1(ref_timestep(t)))) + self.lat_table[b["latent_pos"].reshape(-1)[g]]
+        cos, sin = self.rotary(h[None], b["position_ids"].reshape(1, -1))
+        for und, gen in zip(self.und, self.gen):
+            h = self.layer(und, gen, h, g, cos, sin, mask)
+        h = both(self.norm, self.norm_gen, h, g)
+        labels = b["labels"].reshape(-1)
+        keep = labels != -100
+        ce = F.cross_entropy(self.lm_head(h[keep]), labels[keep], reduction="sum")
+        lat = b["latent_mask"].reshape(-1)
+        mse = (self.llm2vae(h[lat]) - b["flow_target"].reshape(-1, P)[lat]).square().sum()
+        return h, ce, mse
+
+
+def pairs(model: BagelModel, ref: Reference):
+    """(our parameter name, the reference's parameter) for every parameter of ours."""
+    out = []
+    for i, layer in enumerate(model.layers):
+        for e, r in (("und", ref.und[i]), ("gen", ref.gen[i])):
+            a = r.self_attn
+            names = {"attn_norm.weight": r.input_layernorm.weight, "ffn_norm.weight": r.post_attention_layernorm.weight,
+                     "wo.weight": a.o_proj.weight, "q_norm.weight": a.q_norm.weight, "k_norm.weight": a.k_norm.weight,
+                     "mlp.w1.weight": r.mlp.gate_proj.weight, "mlp.w3.weight": r.mlp.up_proj.weight,
+                     "mlp.w2.weight": r.mlp.down_proj.weight}
+            for ours, theirs in (("wq", a.q_proj), ("wk", a.k_proj), ("wv", a.v_proj)):
+                names |= {f"{ours}.weight": theirs.weight, f"{ours}.bias": theirs.bias}
+            out += [(f"layers.{i}.{e}.{k}", p) for k, p in names.items()]
+    for j, r in enumerate(ref.vit_layers):
+        out += [(f"vit.blocks.{j}.{k}", p) for k, p in r.named_parameters()]
+    for ours, theirs in (("tok_embeddings", ref.embed), ("norm", ref.norm), ("norm_gen", ref.norm_gen),
+                         ("output", ref.lm_head), ("vit.embeddings.patch_embedding", ref.patch),
+                         ("vit.embeddings.position_embedding", ref.vit_pos), ("vit.post_layernorm", ref.post_ln),
+                         ("connector.0", ref.fc1), ("connector.2", ref.fc2), ("time_embedder.0", ref.t1),
+                         ("time_embedder.2", ref.t2), ("vae2llm", ref.vae2llm), ("llm2vae", ref.llm2vae)):
+        out += [(f"{ours}.{k}", p) for k, p in theirs.named_parameters()]
+    return out
+
+
+def _pair(seed: int = 0):
+    torch.manual_seed(seed)
+    model = BagelModel(CFG)
+    model.init_weights()
+    with torch.no_grad():  # away from the init's zeros and ones, so that every weight matters
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    ref = Reference(CFG)
+    ours = dict(model.named_parameters())
+    pp = pairs(model, ref)
+    assert sorted(n for n, _ in pp) == sorted(ours), "the reference must cover every parameter once"
+    with torch.no_grad():
+        for n, p in pp:
+            p.copy_(ours[n])
+        for r in (*ref.und, *ref.gen):
+            r.self_attn.o_proj.bias.zero_()  # Qwen3 with attention_bias has one on o_proj; BAGEL's Qwen2 has none
+    return model, ref, pp
+
+
+def _rows(n_rows: int = 2, seed: int = 5):
+    pixels, latents = class_images(CFG)
+    return [row(CFG, torch.Generator().manual_seed(seed + r), pixels, latents) for r in range(n_rows)]
+
+
+def _objective():
+    spec = get_model_spec("bagel")
+    return build_objective(load_config(["--config", "debug_bagel"]), spec, CFG)
+
+
+def _ours(model, batch, obj, backend="sdpa"):
+    pb = prepare_batch(dataclasses.replace(CFG, attn_backend=backend), batch, "cpu")
+    attn = build_attn_meta(pb, backend, "cpu", kind=obj.mask_kind)
+    return model(pb["input_ids"], position_ids=pb["position_ids"], attn=attn, loss=obj.bind(pb),
+                 **model_inputs(pb, obj))
+
+
+def test_bagel_matches_the_reference():
+    """Hidden states, both loss sums and every parameter's gradient equal the reference's (packed rows of
+    understanding, generation and editing samples: text, ViT, clean and noised VAE splits)."""
+    model, ref, pp = _pair()
+    obj = _objective()
+    assert isinstance(obj, Combined) and obj.mask_kind == "segments" and obj.parts[1].sampler == "shifted"
+    rows = _rows()
+    batch = obj.prepare([collate_rows(rows, SEQ, 0, 1, multiple=1, schema=SCHEMA)], 0)[0]
+    out = _ours(model, batch, obj)
+    h, ce, mse = ref(batch, ref_mask(rows, SEQ))
+    # fp32, the same products in other orders (index_copy vs boolean scatter, fused vs eager attention): ~1e-6
+    torch.testing.assert_close(out.hidden.reshape(h.shape), h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.terms["ce"], ce, atol=0, rtol=1e-5)
+    torch.testing.assert_close(out.terms["mse"], mse, atol=0, rtol=1e-5)
+    (out.terms["ce"] + out.terms["mse"]).backward()
+    (ce + mse).backward()
+    ours = dict(model.named_parameters())
+    for n, p in pp:  # fp32 sums over the batch's tokens: errors ~1e-7 of the tensor's largest gradient here
+        err, scale = (ours[n].grad - p.grad).abs().max(), p.grad.abs().max().clamp(min=1.0)
+        assert err <= 1e-5 * scale, (n, float(err), float(scale))
+
+
+def test_vit_matches_siglip_per_image():
+    """The packed NaViT tower (two images of different sizes under one bidirectional per-image mask) equals
+    transformers' Siglip encoder layers run on each image alone, given the same patch embeddings and positions."""
+    model, ref, _ = _pair(1)
+    p = CFG.vit_config.patch_size
+    imgs = [torch.randn(3, 2 * p, 2 * p), torch.randn(3, 3 * p, p)]
+    patches = torch.cat([patchify(x, p) for x in imgs])
+    pos = torch.cat([flat_positions(x.shape[1] // p, x.shape[2] // p, CFG.vit_max_num_patch_per_side) for x in imgs])
+    lens = torch.tensor([4, 3])
+    doc = torch.repeat_interleave(torch.arange(2, dtype=torch.int32), lens)[None]
+    for backend in ("sdpa", "flex"):
+        meta = build_attn_meta({"doc_ids": doc}, backend, "cpu", kind="bidirectional")
+        with torch.no_grad():
+            got = model.embed_vit(patches, pos, meta)
+            want = ref.vit(patches, pos, lens.tolist())
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_rows_equal_each_sample_alone():
+    """A packed row's hidden states equal each of its samples run alone in a row of its own (flex and sdpa)."""
+    model, _, _ = _pair(2)
+    obj = _objective()
+    rows = _rows(1)
+    packed = obj.prepare([collate_rows(rows, SEQ, 0, 1, multiple=1, schema=SCHEMA)], 0)[0]
+    for backend in ("sdpa", "flex"):
+        with torch.no_grad():
+            h = _ours(model, packed, obj, backend).hidden[0]
+        start = 0
+        for d in rows[0]:
+            alone = collate_rows([[d]], len(d), 0, 1, multiple=1, schema=SCHEMA)
+            # the packed row's noise for this sample: same t and x_t, so the inputs are the same
+            keys = ("noisy_latents", "timesteps", "flow_target", "flow_weight")
+            alone.update({k: packed[k][:, start:start + len(d)] for k in keys})
+            alone["num_latent_elements"] = packed["num_latent_elements"]
+            with torch.no_grad():
+                h1 = _ours(model, alone, obj, backend).hidden[0]
+            torch.testing.assert_close(h[start:start + len(d)], h1, atol=1e-5, rtol=1e-5)
+            start += len(d)
+
+
+def test_segment_mask_equals_the_reference_mask():
+    """The step's "segments" metadata (from the collator's seg_ids / seg_kinds / doc_ids) is BAGEL's mask element by
+    element, and every image split shares one RoPE position."""
+    rows = _rows(2)
+    batch = collate_rows(rows, SEQ, 0, 1, multiple=1, schema=SCHEMA)
+    meta = build_attn_meta(batch, "sdpa", "cpu", kind="segments")
+    B, S = batch["input_ids"].shape
+    want = torch.isfinite(ref_mask(rows, S)).view(B, S, B, S)
+    for b in range(B):
+        assert torch.equal(meta.sdpa_mask[b, 0], want[b, :, b])
+    for b, docs in enumerate(rows):
+        o = 0
+        for d in docs:
+            for n, mode in d.segments:
+                p = batch["position_ids"][b, o:o + n]
+                assert bool((p.diff() == (1 if mode == "causal" else 0)).all()), (mode, p)
+                o += n
+
+
+def test_flops_count_every_matmul_weight():
+    """matmul_params covers every Linear weight once: per token (a decoder expert, the LM head, llm2vae), per ViT
+    patch (the tower and the connector), per latent token (vae2llm, the timestep embedder)."""
+    spec = get_model_spec("bagel")
+    for name in ("debug", "7B-MoT"):
+        cfg = spec.flavor(name)
+        with torch.device("meta"):
+            m = spec.build(cfg)
+        weights = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, nn.Linear))
+        expert = sum(p.numel() for n, p in m.layers[0].gen.named_parameters() if n.endswith("weight") and
+                     p.dim() == 2) * cfg.llm_config.num_hidden_layers
+        assert sum(matmul_params(cfg)) + expert == weights  # a token runs one of the two experts
+    cfg = spec.flavor("debug")
+    tok, vit, lat = matmul_params(cfg)
+    c, v = cfg.llm_config, cfg.vit_config
+    want = 6 * (10 * tok + 4 * vit + 2 * lat) + 12 * c.hidden_size * c.num_hidden_layers * 55 + \
+        12 * v.hidden_size * v.num_hidden_layers * 16
+    assert spec.flops(cfg, [10], vit_lens=[4], vae_tokens=2) == want
+
+
+def test_config_mistakes_are_one_line(tmp_path):
+    with pytest.raises(ValueError, match="llm_config.num_hidden_layers = 2.5 is a float"):
+        BagelConfig.from_hf_dicts({"num_hidden_layers": 2.5}, {})
+    with pytest.raises(ValueError, match="Mixture-of-Transformers layer with QK-norm only"):
+        BagelConfig.from_hf_dicts({"layer_module": "Qwen2MoEDecoderLayer"}, {})
+    cfg = BagelConfig.from_hf_dicts({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
+                                    {"num_hidden_layers": 27})
+    assert cfg.vit_config.num_hidden_layers == 26 and cfg.llm_config.head_dim == 16
+    with pytest.raises(ValueError, match="llm_config.json cannot be read"):
+        BagelConfig.from_hf(tmp_path)
+    batch = collate_rows(_rows(1), SEQ, 0, 1, multiple=1, schema=SCHEMA)
+    with pytest.raises(ValueError, match="4 ViT tokens .* but 3 vit_patches"):
+        prepare_batch(CFG, {**batch, "vit_patches": batch["vit_patches"][:3]}, "cpu")
+
+
+# ---- the launcher: train_configs/debug_bagel.toml on synthetic rows, both losses falling, exact resume ----
+
+RUN = ["--config", "debug_bagel", "--metrics.enable_tensorboard", "False", "--training.deterministic", "True",
+       "--checkpoint.async_mode", "disabled"]
+
+
+def _terms(run_dir):
+    return {s: (r["loss"], r["loss/ce"], r["loss/mse"]) for s, r in read_metrics(run_dir / "metrics.jsonl").items()}
+
+
+@pytest.mark.slow
+def test_debug_bagel_trains_and_resumes_exactly(tmp_path):
+    """python -m titan_mm.launch.train --config debug_bagel.toml: both losses fall; stopped at a checkpoint and
+    resumed, the run's later losses are the straight run's, bit for bit."""
+    assert main([*RUN, "--job.dump_folder", str(tmp_path), "--job.name", "full"]) == 0
+    full = _terms(tmp_path / "full")
+    first = [sum(full[s][i] for s in range(1, 6)) / 5 for i in (1, 2)]
+    last = [sum(full[s][i] for s in range(max(full) - 4, max(full) + 1)) / 5 for i in (1, 2)]
+    assert last[0] < 0.5 * first[0] and last[1] < 0.9 * first[1], (first, last)
+
+    def short(steps: int, name: str) -> int:
+        return main([*RUN, "--job.dump_folder", str(tmp_path), "--training.steps", str(steps), "--checkpoint.interval",
+                     "4", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.name", "constant", "--job.name", name])
+
+    assert short(8, "straight") == 0
+    assert short(4, "stopped") == 0 and short(8, "stopped") == 0  # the second run resumes at the step-4 checkpoint
+    a, b = _terms(tmp_path / "straight"), _terms(tmp_path / "stopped")
+    assert sorted(b) == list(range(1, 9)) and all(a[s] == b[s] for s in range(1, 9)), (a, b)
+
+
+def test_debug_bagel_mistakes_are_one_line(tmp_path, capsys):
+    assert main([*RUN, "--job.dump_folder", str(tmp_path), "--data.seq_len", "40"]) == 2
+    assert f"data.seq_len = 40: a synthetic BAGEL row holds {ROW_TOKENS} tokens" in capsys.readouterr().err
+

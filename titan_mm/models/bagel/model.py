@@ -1,0 +1,295 @@
+"""BAGEL (ByteDance-Seed/Bagel) as pure-function blocks: a Qwen2 decoder with QK-norm whose every layer holds two
+experts (Mixture-of-Transformers: ``und`` for text and ViT tokens, ``gen`` for VAE latent tokens; self-attention over
+the whole packed sequence), the SigLIP NaViT vision tower with its MLP connector, and the generation path (``vae2llm``
+/ ``llm2vae``, a timestep embedder, a 2-D latent position table).
+
+Legend: B batch, S sequence, T = B*S flat tokens, D model dim, H / G query / kv heads, K head_dim, V ViT patches (all
+images of the batch side by side), P values per latent patch (latent_patch^2 x z_channels, (row, col, chan) order).
+
+Routing is by host-built indices (:func:`titan_mm.models.bagel.spec.prepare_batch`): ``und_index`` / ``gen_index``
+(disjoint, covering the T tokens) pick each expert's tokens with index_select and put its outputs back with
+index_copy, so the forward never syncs with the host. Every token takes exactly one expert's weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_mm.models.bagel.config import BagelConfig, BagelLLMConfig, BagelViTConfig
+from titan_mm.models.wan.model import timestep_embedding
+from titan_mm.nn import init
+from titan_mm.nn.attention import AttnMeta, attention
+from titan_mm.nn.loss import chunked_cross_entropy
+from titan_mm.nn.mlp import SwiGLU
+from titan_mm.nn.norm import RMSNorm
+from titan_mm.nn.output import ModelOutput
+from titan_mm.nn.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+TIMESTEP_FREQS = 256
+"""Sinusoid width of BAGEL's timestep embedder (DiT's frequency_embedding_size)."""
+INIT_STD = 0.02
+
+
+def sincos_table(dim: int, side: int) -> torch.Tensor:
+    """[side^2, dim] fp32, row h x side + w: [sin-cos of w, sin-cos of h] each over dim/2 (DiT's 2-D table, in
+    fp64 and cast, as BAGEL's PositionEmbedding; its first half encodes the column)."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4))
+    h, w = torch.meshgrid(torch.arange(side, dtype=torch.float64), torch.arange(side, dtype=torch.float64),
+                          indexing="ij")
+
+    def one(pos):
+        a = pos.reshape(-1, 1) * omega
+        return torch.cat([a.sin(), a.cos()], 1)
+
+    return torch.cat([one(w), one(h)], 1).float()
+
+
+class Expert(nn.Module):
+    """One expert's copy of a decoder layer's per-token weights: the two RMSNorms, q/k/v (biased) / o, the q/k
+    norms and the SwiGLU MLP (BAGEL's ``*`` or ``*_moe_gen`` weights)."""
+
+    def __init__(self, c: BagelLLMConfig):
+        super().__init__()
+        D, H, G, K = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.attn_norm, self.ffn_norm = RMSNorm(D, c.rms_norm_eps), RMSNorm(D, c.rms_norm_eps)
+        self.wq, self.wk, self.wv = nn.Linear(D, H * K), nn.Linear(D, G * K), nn.Linear(D, G * K)
+        self.wo = nn.Linear(H * K, D, bias=False)
+        self.q_norm, self.k_norm = RMSNorm(K, c.rms_norm_eps), RMSNorm(K, c.rms_norm_eps)
+        self.mlp = SwiGLU(D, c.intermediate_size)
+        self.heads = (H, G, K)
+
+    def qkv(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """[N, (H + 2G) K]: q and k normed per head (before RoPE, which is position-only and shared), and v."""
+        K = self.heads[2]
+        x = self.attn_norm(x_ND)
+        q = self.q_norm(self.wq(x).unflatten(-1, (-1, K))).flatten(-2)
+        k = self.k_norm(self.wk(x).unflatten(-1, (-1, K))).flatten(-2)
+        return torch.cat([q, k, self.wv(x)], -1)
+
+
+def route(x_TX: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(und rows, gen rows) of ``x_TX``."""
+    return x_TX.index_select(0, index[0]), x_TX.index_select(0, index[1])
+
+
+def merge(und_NX: torch.Tensor, gen_MX: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The [T, X] rows back in sequence order (the indices cover every token once)."""
+    T = index[0].shape[0] + index[1].shape[0]
+    out = und_NX.new_zeros(T, und_NX.shape[-1])
+    return out.index_copy(0, index[0], und_NX).index_copy(0, index[1], gen_MX)
+
+
+class MoTLayer(nn.Module):
+    """A decoder layer of two experts: each token's norms and projections are its expert's; attention is one over
+    the packed sequence under the batch's segment mask."""
+
+    def __init__(self, c: BagelLLMConfig):
+        super().__init__()
+        self.und, self.gen = Expert(c), Expert(c)
+        self.heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+
+    def forward(self, h_BSD: torch.Tensor, index, rope, attn: AttnMeta | None) -> torch.Tensor:
+        B, S, D = h_BSD.shape
+        H, G, K = self.heads
+        h = h_BSD.reshape(B * S, D)
+        xu, xg = route(h, index)
+        qkv = merge(self.und.qkv(xu), self.gen.qkv(xg), index).view(B, S, -1, K)
+        n = qkv.shape[2]  # this rank's heads: all, or H / tp and G / tp under tensor parallelism
+        q, k, v = qkv.split([n * H // (H + 2 * G), n * G // (H + 2 * G), n * G // (H + 2 * G)], dim=2)
+        q, k = apply_rope(q, k, *rope)
+        o = attention(q, k, v, attn, None).reshape(B * S, -1)
+        ou, og = route(o, index)
+        h = h + merge(self.und.wo(ou), self.gen.wo(og), index)
+        xu, xg = route(h, index)
+        h = h + merge(self.und.mlp(self.und.ffn_norm(xu)), self.gen.mlp(self.gen.ffn_norm(xg)), index)
+        return h.view(B, S, D)
+
+
+class ViTBlock(nn.Module):
+    """A SigLIP encoder layer (transformers' SiglipEncoderLayer names): pre-LayerNorm attention and GELU(tanh) MLP."""
+
+    def __init__(self, c: BagelViTConfig):
+        super().__init__()
+        D, eps = c.hidden_size, c.layer_norm_eps
+        self.layer_norm1, self.layer_norm2 = nn.LayerNorm(D, eps=eps), nn.LayerNorm(D, eps=eps)
+        self.self_attn = nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            self.self_attn.register_module(name, nn.Linear(D, D))
+        self.mlp = nn.Module()
+        self.mlp.fc1, self.mlp.fc2 = nn.Linear(D, c.intermediate_size), nn.Linear(c.intermediate_size, D)
+        self.heads = c.num_attention_heads
+
+    def forward(self, x_1VD: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        a, y = self.self_attn, self.layer_norm1(x_1VD)
+        q, k, v = (p(y).unflatten(-1, (self.heads, -1)) for p in (a.q_proj, a.k_proj, a.v_proj))
+        x = x_1VD + a.out_proj(attention(q, k, v, meta, None).flatten(-2))
+        return x + self.mlp.fc2(F.gelu(self.mlp.fc1(self.layer_norm2(x)), approximate="tanh"))
+
+
+class SiglipNaViT(nn.Module):
+    """SigLIP over patches of images of any size packed side by side (BAGEL's NaViT tower, RoPE off): a linear patch
+    embedding, a learned position table indexed by the flattened positions (row x vit_max_num_patch_per_side +
+    column), the encoder under a bidirectional per-image mask, the post LayerNorm."""
+
+    def __init__(self, c: BagelViTConfig):
+        super().__init__()
+        self.embeddings = nn.Module()
+        self.embeddings.patch_embedding = nn.Linear(c.patch_dim, c.hidden_size)
+        self.embeddings.position_embedding = nn.Embedding(c.positions, c.hidden_size)
+        # "blocks", not SigLIP's "encoder.layers": the decoder's layers.{i} are the family's trunk (model contract)
+        self.blocks = nn.ModuleList(ViTBlock(c) for _ in range(c.num_hidden_layers))
+        self.post_layernorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+
+    def forward(self, patches_VP: torch.Tensor, pos_V: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        e = self.embeddings
+        x = (e.patch_embedding(patches_VP.to(e.patch_embedding.weight.dtype)) + e.position_embedding(pos_V))[None]
+        for blk in self.blocks:
+            x = blk(x, meta)
+        return self.post_layernorm(x)[0]
+
+
+def _mlp2(i: int, o: int, act: nn.Module) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(i, o), act, nn.Linear(o, o))
+
+
+class BagelModel(nn.Module):
+    """embed (text, ViT and latent tokens into one packed stream) -> trunk (MoT layers, any contiguous slice) ->
+    head (each expert's final norm). Hooks: ``lm_loss`` (the causal LM) and ``predict_velocity`` (flow matching)."""
+
+    def __init__(self, cfg: BagelConfig):
+        super().__init__()
+        self.cfg = cfg
+        c, D = cfg.llm_config, cfg.llm_config.hidden_size
+        self.tok_embeddings = nn.Embedding(c.vocab_size, D)
+        self.layers = nn.ModuleList(MoTLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm, self.norm_gen = RMSNorm(D, c.rms_norm_eps), RMSNorm(D, c.rms_norm_eps)
+        self.output = None if c.tie_word_embeddings else nn.Linear(D, c.vocab_size, bias=False)
+        self.vit = SiglipNaViT(cfg.vit_config)
+        self.connector = _mlp2(cfg.vit_config.hidden_size, D, nn.GELU(approximate="tanh"))
+        self.time_embedder = _mlp2(TIMESTEP_FREQS, D, nn.SiLU())
+        self.vae2llm, self.llm2vae = nn.Linear(cfg.patch_latent_dim, D), nn.Linear(D, cfg.patch_latent_dim)
+        # BAGEL's frozen sin-cos tables, recomputed rather than checkpointed (non-persistent)
+        self.register_buffer("vit_pos_embed", sincos_table(D, cfg.vit_max_num_patch_per_side), persistent=False)
+        self.register_buffer("latent_pos_embed", sincos_table(D, cfg.max_latent_size), persistent=False)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(c.head_dim, c.rope_theta)[0], persistent=False)
+
+    def init_weights(self, buffer_device=None) -> None:
+        """Random init (under titan_mm.nn.init.seeded_init): weights N(0, 0.02), biases 0, norms 1, ``llm2vae`` 0
+        (BAGEL's), then the buffers."""
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, RMSNorm):
+                    m.reset_parameters()
+                elif isinstance(m, nn.LayerNorm):
+                    nn.init.ones_(m.weight)
+                    nn.init.zeros_(m.bias)
+                elif isinstance(m, nn.Embedding):
+                    init.normal_(m.weight, std=INIT_STD)
+                elif isinstance(m, nn.Linear):
+                    init.normal_(m.weight, std=INIT_STD)
+                    if m.bias is not None:
+                        nn.init.zeros_(m.bias)
+            nn.init.zeros_(self.llm2vae.weight)
+            nn.init.zeros_(self.llm2vae.bias)
+        self.init_buffers(buffer_device)
+
+    def init_buffers(self, buffer_device=None) -> None:
+        dev = buffer_device or self.tok_embeddings.weight.device
+        dev = "cpu" if torch.device(dev).type == "meta" else dev
+        cfg, c = self.cfg, self.cfg.llm_config
+        self.vit_pos_embed = sincos_table(c.hidden_size, cfg.vit_max_num_patch_per_side).to(dev)
+        self.latent_pos_embed = sincos_table(c.hidden_size, cfg.max_latent_size).to(dev)
+        self.rope_inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, device=dev)[0]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(position_ids, self.rope_inv_freq, 1.0, dtype)
+
+    def embed_vit(self, vit_patches, vit_pos, vit_attn) -> torch.Tensor:
+        """[V, D]: the tower, the connector, plus the connector's 2-D position table."""
+        return self.connector(self.vit(vit_patches, vit_pos, vit_attn)) + self.vit_pos_embed[vit_pos]
+
+    def embed_latents(self, x_NP, t_N, pos_N) -> torch.Tensor:
+        """[N, D]: vae2llm of the (noised or clean) latent patches + the timestep embedding + the 2-D position."""
+        temb = self.time_embedder(timestep_embedding(t_N, TIMESTEP_FREQS).to(self.vae2llm.weight.dtype))
+        return self.vae2llm(x_NP.to(self.vae2llm.weight.dtype)) + temb + self.latent_pos_embed[pos_N]
+
+    def embed(self, input_ids, gen_index, noisy_latents, cond_latents, timesteps, latent_pos, vit_patches=None,
+              vit_pos=None, vit_index=None, vit_attn=None) -> torch.Tensor:
+        """[B, S, D]: token embeddings, with the ViT tokens (at ``vit_index``) and the latent tokens (at
+        ``gen_index``) put in their places. A clean conditioning image is in ``cond_latents`` at t = 0."""
+        B, S = input_ids.shape
+        h = self.tok_embeddings(input_ids).flatten(0, 1)
+        if vit_patches is not None:
+            h = h.index_copy(0, vit_index, self.embed_vit(vit_patches, vit_pos, vit_attn).to(h.dtype))
+        x = (noisy_latents + cond_latents).flatten(0, 1).index_select(0, gen_index)
+        lat = self.embed_latents(x, timesteps.flatten().index_select(0, gen_index),
+                                 latent_pos.flatten().index_select(0, gen_index))
+        return h.index_copy(0, gen_index, lat.to(h.dtype)).view(B, S, -1)
+
+    def trunk(self, h_BSD, index, rope, attn, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        for layer in self.layers[start:stop]:
+            h_BSD = layer(h_BSD, index, rope, attn)
+        return h_BSD
+
+    def head(self, h_BSD, index) -> torch.Tensor:
+        """The final norm of each token's expert."""
+        B, S, D = h_BSD.shape
+        hu, hg = route(h_BSD.reshape(B * S, D), index)
+        return merge(self.norm(hu), self.norm_gen(hg), index).view(B, S, D)
+
+    def forward(self, input_ids, position_ids=None, attn=None, logits_at=None, loss=None, *, und_index, gen_index,
+                noisy_latents, cond_latents, timesteps, latent_pos, vit_patches=None, vit_pos=None, vit_index=None,
+                vit_attn=None, **_):
+        index = (und_index, gen_index)
+        h = self.embed(input_ids, gen_index, noisy_latents, cond_latents, timesteps, latent_pos, vit_patches,
+                       vit_pos, vit_index, vit_attn)
+        h = self.head(self.trunk(h, index, self.rope(position_ids, h.dtype), attn), index)
+        zero = torch.zeros((), device=h.device)
+        if loss is not None:
+            out = ModelOutput(None, None, zero, hidden=h)
+            return out._replace(terms=loss(self, out))
+        if logits_at is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), logits_at]
+        return ModelOutput(F.linear(h, self.lm_head_weight), None, zero)
+
+    def lm_loss(self, h_BSD: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None):
+        """The causal LM's hook: fp32 sum of the LM head's cross-entropy over ``targets`` != -100 (no [N, V] logits)."""
+        h_ND, labels_N = h_BSD.flatten(0, 1), targets.reshape(-1)
+        w_N = None if weights is None else weights.reshape(-1)
+        if h_ND.device.type == "cpu":  # CPU only: drop unlabeled rows first (the boolean index is a sync elsewhere)
+            keep = labels_N != -100
+            h_ND, labels_N, w_N = h_ND[keep], labels_N[keep], None if w_N is None else w_N[keep]
+        return chunked_cross_entropy(h_ND, self.lm_head_weight, labels_N, self.cfg.loss_chunk_size, weights_N=w_N)
+
+    def predict_velocity(self, out: ModelOutput, batch) -> torch.Tensor:
+        """Flow matching's hook: llm2vae of every position's final hidden state, [B, S, P] (read at latent ones)."""
+        return self.llm2vae(out.hidden)
+
+
+def build(cfg: BagelConfig) -> BagelModel:
+    return BagelModel(cfg)
+
+
+def patchify(image_CHW: torch.Tensor, p: int) -> torch.Tensor:
+    """[C, H, W] -> [H/p x W/p, p x p x C] patches, row-major, values in (row, column, channel) order (BAGEL's)."""
+    C, H, W = image_CHW.shape
+    if H % p or W % p:
+        raise ValueError(f"an image of {H}x{W} does not divide into {p}x{p} patches; resize it to multiples of {p}")
+    return image_CHW.reshape(C, H // p, p, W // p, p).permute(1, 3, 2, 4, 0).reshape(-1, p * p * C)
+
+
+def flat_positions(h: int, w: int, side: int) -> torch.Tensor:
+    """[h x w] positions row x side + column of a grid of h x w patches in a table of side x side (extrapolated)."""
+    if h > side or w > side:
+        raise ValueError(f"a grid of {h}x{w} patches exceeds the position table's {side} per side; use smaller "
+                         "images or a config with a larger max_latent_size / vit_max_num_patch_per_side")
+    return (torch.arange(h)[:, None] * side + torch.arange(w)).flatten()
+
+
+__all__ = ["BagelModel", "build", "flat_positions", "patchify", "sincos_table"]

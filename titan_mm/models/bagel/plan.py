@@ -1,0 +1,20 @@
+"""BAGEL parallelize plan (data; applied by titan_mm.parallel.apply): FSDP, AC and compile per decoder layer (both
+experts in one unit: every layer runs both) and per ViT layer; tensor parallel colwise / rowwise inside each expert
+(q/k/v colwise, o rowwise, the SwiGLU's w1 / w3 colwise and w2 rowwise; the per-head q/k norms replicated with summed
+gradients). Sequence, context and pipeline parallel entries are a later slice (docs/bagel.md)."""
+
+from __future__ import annotations
+
+from titan_mm.models.bagel.config import BagelConfig
+from titan_mm.parallel.plan import ParallelizePlan
+
+LAYERS = ("layers.?", "layers.??", "layers.???")
+VIT_LAYERS = ("vit.blocks.?", "vit.blocks.??")
+EXPERT_TP = {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise", "q_norm": "grad_sum",
+             "k_norm": "grad_sum", "mlp.w1": "colwise", "mlp.w3": "colwise", "mlp.w2": "rowwise"}
+
+
+def plan(cfg: BagelConfig) -> ParallelizePlan:
+    tp = {f"layers.*.{e}.{name}": style for e in ("und", "gen") for name, style in EXPERT_TP.items()}
+    units = LAYERS + VIT_LAYERS
+    return ParallelizePlan(fsdp_units=units, ac_units=units, compile_units=units, tp=tp)
