@@ -193,7 +193,7 @@ def positions(cfg, batch: dict[str, Any], rope_index: Callable) -> torch.Tensor:
 def encoder_inputs(cfg, batch: dict[str, Any], device: torch.device | str, vision_meta: Callable,
                    audio_enc: OmniAudio) -> dict[str, Any]:
     """Host side: ``{"omni_meta", "mm_index"}`` (on ``device``) for any batch, stand-ins included.
-    ``vision_meta(grids, vision config, backend, device)``: the family ViT's metadata builder."""
+    ``vision_meta(grids, vision config, backend, device, bucket)``: the family ViT's metadata builder."""
     device = torch.device(device)
     ids = batch["input_ids"].cpu()
     m = cfg.vision.spatial_merge_size
@@ -205,7 +205,8 @@ def encoder_inputs(cfg, batch: dict[str, Any], device: torch.device | str, visio
     n_img = int((grids[0].prod(-1) // m2).sum()) if has["pixel_values"] else 0
     grid = torch.cat(grids) if grids else torch.tensor([[1, m, m]])  # stand-in: one merged token
     n_visual = int((grid.prod(-1) // m2).sum())
-    vision = vision_meta(grid, cfg.vision, vision_backend(cfg, device), device)._replace(n_image_tokens=n_img)
+    vision = vision_meta(grid, cfg.vision, vision_backend(cfg, device), device,
+                         cfg.vision_bucket)._replace(n_image_tokens=n_img)
     idx = visual_index(ids, cfg.image_token_id, cfg.video_token_id, n_img) if grids else torch.full_like(ids, -1)
     if grids and int((idx >= 0).sum()) != n_visual:
         raise ValueError(f"{int((idx >= 0).sum())} image / video placeholders for {n_visual} merged visual tokens; "

@@ -83,7 +83,7 @@ def vision_inputs(cfg: Qwen2_5_VLConfig, batch: dict[str, Any], device: torch.de
                 n_img = int((grids[-1].prod(-1) // m2).sum())
     if not grids:
         return {}
-    meta = build_window_meta(torch.cat(grids), cfg.vision, vision_backend(cfg, device), device)
+    meta = build_window_meta(torch.cat(grids), cfg.vision, vision_backend(cfg, device), device, cfg.vision_bucket)
     idx = visual_index(batch["input_ids"].cpu(), cfg.image_token_id, cfg.video_token_id, n_img)
     return {"vision_meta": meta._replace(n_image_tokens=n_img), "visual_index": idx.to(device, non_blocking=True)}
 

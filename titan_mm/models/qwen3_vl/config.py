@@ -88,6 +88,13 @@ class VLFields:
     """LLM attention backend: "sdpa" | "flex" | "varlen" (the trainer sets it from model.attn_backend)."""
     vision_attn_backend: str = "auto"
     """Vision attention: auto (varlen on CUDA when torch has it, else flex; sdpa on CPU), sdpa, flex or varlen."""
+    vision_bucket: int = 0
+    """The ViT runs on each micro-batch's patch count rounded up to a multiple of this (a multiple of
+    spatial_merge_size**2): zero patches in attention segments of their own, their tokens dropped, so compiled
+    blocks and kernel configs see repeating shapes while the image sizes vary; the loss and gradients are the
+    unpadded ones. 0 (default): off, since the padding is extra work and only a compiled tower (compile.enable,
+    off by default) can gain from repeating shapes; on the GPU set it with compile on, e.g. 4096
+    (docs/efficiency.md)."""
     kernels: bool | str = False
     """titan_mm.kernels Triton ops in the LLM (as the text config's kernels) and the ViT MLPs."""
     moe_float8: bool = False
@@ -106,8 +113,8 @@ class VLFields:
     llm_lr: float | None = None
     """Learning rate of the language model (None: the optimizer's lr)."""
 
-    RUNTIME_FIELDS = ("attn_backend", "vision_attn_backend", "kernels", "moe_float8", "freeze_vision",
-                      "freeze_merger", "freeze_llm", "vision_lr", "merger_lr", "llm_lr")
+    RUNTIME_FIELDS = ("attn_backend", "vision_attn_backend", "vision_bucket", "kernels", "moe_float8",
+                      "freeze_vision", "freeze_merger", "freeze_llm", "vision_lr", "merger_lr", "llm_lr")
 
     TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
@@ -136,6 +143,11 @@ class VLFields:
             object.__setattr__(self, "text", dataclasses.replace(self.text, **want))
         if self.vision_attn_backend not in ("auto", "sdpa", "flex", "varlen"):
             raise ValueError(f"vision_attn_backend={self.vision_attn_backend!r}; choose auto, sdpa, flex or varlen.")
+        m2 = self.vision.spatial_merge_size**2
+        b = self.vision_bucket
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0 or b % m2:
+            raise ValueError(f"vision_bucket={b!r} must be 0 (off) or a positive multiple of spatial_merge_size**2="
+                             f"{m2} (padded patches merge into whole tokens), e.g. {1024 * m2}.")
 
 
 @dataclass(frozen=True)

@@ -254,7 +254,7 @@ def vision_inputs(cfg: Qwen3VLConfig, batch: dict[str, Any], device: torch.devic
         extra["vision_balance"], grids = planned[0], [planned[1]]
     elif not grids:
         return {}
-    meta = build_vision_meta(torch.cat(grids), cfg.vision, vision_backend(cfg, device), device)
+    meta = build_vision_meta(torch.cat(grids), cfg.vision, vision_backend(cfg, device), device, cfg.vision_bucket)
     idx = visual_index(batch["input_ids"].cpu(), cfg.image_token_id, cfg.video_token_id, n_img)
     if not extra:  # with the exchange the tower's images are a mix of ranks' images and videos
         meta = meta._replace(n_image_tokens=n_img)
