@@ -32,7 +32,7 @@ from titan_mm.nn.attention import build_attn_meta
 from titan_mm.objectives import Combined, build_objective
 from titan_mm.observe.metrics import read_metrics
 from titan_mm.registry import get_model_spec
-from titan_mm.train.step import model_inputs
+from titan_mm.train.step import model_inputs, to_device
 
 CFG = BagelConfig(
     llm_config=BagelLLMConfig(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -61,7 +61,7 @@ def ref_table(dim: int, side: int) -> torch.Tensor:
 def ref_timestep(t: torch.Tensor, dim: int = 256) -> torch.Tensor:
     """modeling_utils.TimestepEmbedder.timestep_embedding."""
     half = dim // 2
-    freqs = torch.exp(-np.log(10000) * torch.arange(half, dtype=torch.float32) / half)
+    freqs = torch.exp(-np.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
     args = t[:, None].float() * freqs[None]
     return torch.cat([torch.cos(args), torch.sin(args)], -1)
 
@@ -132,8 +132,8 @@ class Reference(nn.Module):
         self.t1, self.t2 = nn.Linear(256, c.hidden_size), nn.Linear(c.hidden_size, c.hidden_size)
         self.vae2llm = nn.Linear(cfg.patch_latent_dim, c.hidden_size)
         self.llm2vae = nn.Linear(c.hidden_size, cfg.patch_latent_dim)
-        self.vit_table = ref_table(c.hidden_size, cfg.vit_max_num_patch_per_side)
-        self.lat_table = ref_table(c.hidden_size, cfg.max_latent_size)
+        self.register_buffer("vit_table", ref_table(c.hidden_size, cfg.vit_max_num_patch_per_side))
+        self.register_buffer("lat_table", ref_table(c.hidden_size, cfg.max_latent_size))
 
     def vit(self, patches, pos, lens):
         outs = []
@@ -233,11 +233,12 @@ def _objective():
     return build_objective(load_config(["--config", "debug_bagel"]), spec, CFG)
 
 
-def _ours(model, batch, obj, backend="sdpa"):
-    pb = prepare_batch(dataclasses.replace(CFG, attn_backend=backend), batch, "cpu")
-    attn = build_attn_meta(pb, backend, "cpu", kind=obj.mask_kind)
-    return model(pb["input_ids"], position_ids=pb["position_ids"], attn=attn, loss=obj.bind(pb),
-                 **model_inputs(pb, obj))
+def _ours(model, batch, obj, backend="sdpa", device="cpu"):
+    """The train step's path: the family's prepare_batch and the metadata on the host, then the forward."""
+    pb = prepare_batch(dataclasses.replace(CFG, attn_backend=backend), batch, device)
+    attn = build_attn_meta(pb, backend, device, kind=obj.mask_kind)
+    b = to_device(pb, torch.device(device), obj.host_keys)
+    return model(b["input_ids"], position_ids=b["position_ids"], attn=attn, loss=obj.bind(b), **model_inputs(b, obj))
 
 
 def test_bagel_matches_the_reference():
