@@ -13,6 +13,9 @@ of the terms' magnitude; with n <= 96 (tokens per clip, text tokens, features) t
 """
 
 import functools
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,12 +30,14 @@ from titan_mm.models.wan.model import build
 from titan_mm.models.wan.synthetic import clip_batch
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.objectives import FlowMatching
+from titan_mm.observe.metrics import read_metrics
 from titan_mm.parallel.apply import parallelize
 from titan_mm.parallel.cp import prepare_cp_batch
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.train.step import model_inputs
 
-pytestmark = pytest.mark.slow  # two spawned processes, five cells: about a minute on 2 shared cores
+pytestmark = pytest.mark.slow  # spawned processes: 30 s for the cells, 90 s for the launcher runs on 2 shared cores
+ROOT = Path(__file__).resolve().parents[2]
 
 CFG = FLAVORS["debug"]  # 2 heads of 12, 2 blocks, qk RMSNorm over all heads, cross-attention norm
 FRAMES = 3  # 3 latent frames x 4 x 4 patches: S = 48, a multiple of 2 x cp
@@ -116,3 +121,26 @@ CELLS = (
 def test_wan_parallel_matches_world1():
     got = run_multiproc(_worker, 2, args=(CELLS,), timeout_s=600)
     check_cells(CELLS, got, lambda cell: _reference(cell[3]))
+
+
+def _launch(tmp_path, name: str, nproc: int, *args: str) -> dict[int, tuple[float, float]]:
+    """run_train.sh --config debug_wan for 3 steps; {step: (loss, grad norm)}."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC=str(nproc))
+    r = subprocess.run([str(ROOT / "run_train.sh"), "--config", "debug_wan", "--metrics.enable_tensorboard", "False",
+                        "--training.steps", "3", "--checkpoint.enable", "False", "--job.dump_folder", str(tmp_path),
+                        "--job.name", name, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {s: (m["loss"], m["grad_norm"]) for s, m in read_metrics(tmp_path / name / "metrics.jsonl").items()}
+
+
+def test_debug_wan_through_the_launcher_cp_and_tp_match_one_process(tmp_path):
+    """The trainer's own wiring (setup's sequence keys, the objective's, the plan through parallelize): debug_wan on
+    2 processes with cp 2 (ring) and with tp 2 follows the 1-process run (same global batch and noise)."""
+    one = _launch(tmp_path, "one", 1)
+    for name, args in (("cp2-ring", ("--parallel.cp", "2", "--parallel.cp_mode", "ring")),
+                       ("tp2", ("--parallel.tp", "2"))):
+        got = _launch(tmp_path, name, 2, *args)
+        assert sorted(got) == sorted(one) == [1, 2, 3]
+        for s, (loss, norm) in one.items():
+            assert got[s][0] == pytest.approx(loss, rel=1e-5) and got[s][1] == pytest.approx(norm, rel=1e-5), \
+                (name, s, one[s], got[s])
