@@ -13,7 +13,8 @@ Besides the safetensors and config.json (``spec.save_hf``), the folder gets what
 template the processors rendered, generation_config.json (the run's stop and pad ids), and for a model that
 takes images the image / video processor configs of titan_mm's vision processor. So
 ``AutoTokenizer.from_pretrained(out)``, ``pipeline("text-generation", out)`` and, for vision models,
-``AutoProcessor.from_pretrained(out)`` work offline.
+``AutoProcessor.from_pretrained(out)`` work offline. A family without tokens writes its weights and config only
+(Wan: a diffusers transformer folder that ``WanTransformer3DModel.from_pretrained(out)`` reads).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def hf_folder_files(cfg: JobConfig) -> dict[str, str | Path]:
     one its processors rendered (data.chat_template, else the family's); the vision sizes come from the
     family's DataNeeds and the resize bounds from [data]."""
     spec, model_cfg = model_from_config(cfg, torch.device("cpu"))
+    if not spec.schema().tokens:  # a family without tokens (Wan: a diffusers transformer folder) has no tokenizer
+        return {}
     needs = spec.data_needs(model_cfg)
     try:
         tok = load_tokenizer(tokenizer_path(cfg))
@@ -112,7 +115,7 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) ->
             shutil.copyfile(body, out / name)
         else:
             (out / name).write_text(body)
-    print(f"[titan_mm] exported {ck} -> {out} (weights, config.json, {', '.join(sorted(files))})")
+    print(f"[titan_mm] exported {ck} -> {out} ({', '.join(['weights', 'config.json', *sorted(files)])})")
     return out
 
 

@@ -79,6 +79,8 @@ def resolve_source(path: str | os.PathLike) -> Source:
     """What ``path`` names (module docstring). Raises ConfigError / CheckpointError (one line) for a path that
     is none of them, before any weight is read."""
     p = Path(path)
+    if (p / "model_index.json").is_file():  # a diffusers pipeline folder: its transformer/ (hf_io.local_hf_dir)
+        p = Path(local_hf_dir(str(p)))
     if (p / "config.json").is_file():
         return Source(p)
     if p.exists():

@@ -389,7 +389,8 @@ def get_model_spec(name: str) -> ModelSpec:
 
 def spec_for_hf_dir(hf_dir: str) -> ModelSpec:
     """The spec whose hf_model_types contains config.json's model_type."""
-    mt = read_hf_config(hf_dir).get("model_type")
+    d = read_hf_config(hf_dir)
+    mt = d.get("model_type") or d.get("_class_name")  # a diffusers config names its class instead
     for n in _BUILTIN:
         get_model_spec(n)
     for spec in _REGISTRY.values():

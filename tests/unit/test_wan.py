@@ -10,7 +10,9 @@ import torch
 diffusers = pytest.importorskip("diffusers")  # the optional extra [diffusers]
 
 from titan_mm.config import load_config  # noqa: E402
+from titan_mm.export import main as export_main  # noqa: E402
 from titan_mm.launch.train import main  # noqa: E402
+from titan_mm.loader import load_model  # noqa: E402
 from titan_mm.models.hf_io import HFCheckpointError  # noqa: E402
 from titan_mm.models.wan import WanConfig, WanModel, patchify, unpatchify  # noqa: E402
 from titan_mm.models.wan.flops import matmul_params  # noqa: E402
@@ -244,8 +246,9 @@ def test_debug_wan_trains_and_resumes_exactly(tmp_path):
 
 
 def test_debug_wan_starts_from_a_diffusers_folder(tmp_path):
-    """model.hf_path at a diffusers transformer folder: the run takes its config and weights (its first loss is
-    the one the folder's model gives on the run's first batch, not the random init's)."""
+    """model.hf_path at a diffusers transformer folder, or at the pipeline folder holding it (model_index.json +
+    transformer/): the run takes its config and weights (its first loss is the one the folder's model gives on the
+    run's first batch, not the random init's)."""
     cfg = get_model_spec("wan").flavor("debug")
     torch.manual_seed(3)
     ref = diffusers.WanTransformer3DModel(**{k: list(v) if isinstance(v, tuple) else v
@@ -254,6 +257,8 @@ def test_debug_wan_starts_from_a_diffusers_folder(tmp_path):
     args = [*RUN, "--job.dump_folder", str(tmp_path), "--training.steps", "1"]
     assert main([*args, "--job.name", "hf", "--model.hf_path", str(tmp_path / "pipe" / "transformer")]) == 0
     assert main([*args, "--job.name", "random"]) == 0
+    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    assert main([*args, "--job.name", "root", "--model.hf_path", str(tmp_path / "pipe")]) == 0
     model = WanModel(cfg)
     load_hf(model, tmp_path / "pipe")
     ctx = StepContext(device=torch.device("cpu"), objective=FlowMatching(seed=0, mask="bidirectional"),
@@ -263,8 +268,36 @@ def test_debug_wan_starts_from_a_diffusers_folder(tmp_path):
     want = eval_loss_sums(model, [batch], ctx)
     hf, rnd = _losses(tmp_path / "hf")[1], _losses(tmp_path / "random")[1]
     assert hf != rnd and hf == pytest.approx(float(want[0]["mse"] / want[1]["mse"]), rel=1e-6)
+    assert _losses(tmp_path / "root")[1] == hf
 
 
 def test_debug_wan_mistakes_are_one_line(tmp_path, capsys):
     assert main([*RUN, "--job.dump_folder", str(tmp_path), "--data.seq_len", "40"]) == 2
     assert "data.seq_len = 40: synthetic Wan clips are frames of 4x4 patches" in capsys.readouterr().err
+
+
+def test_export_of_a_wan_run_is_a_diffusers_folder(tmp_path):
+    """python -m titan_mm.export on a wan run (the CLI's main) writes a transformer folder and nothing
+    else (no tokenizer: Wan has no tokens); diffusers reads it with the run's weights bit for bit and predicts what
+    the run's model predicts."""
+    assert main([*RUN, "--job.dump_folder", str(tmp_path), "--job.name", "run", "--training.steps", "2",
+                 "--checkpoint.interval", "2"]) == 0
+    out = tmp_path / "pipe" / "transformer"
+    assert export_main(["--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", DIFFUSERS_SINGLE]
+    got = load_model(tmp_path / "run")
+    back = diffusers.WanTransformer3DModel.from_pretrained(out).float()
+    assert all(torch.equal(v, got.model.state_dict()[k]) for k, v in back.state_dict().items())
+    cfg = got.model_cfg
+    g = torch.Generator().manual_seed(4)
+    x, text = torch.randn(2, cfg.in_channels, 3, 8, 8, generator=g), torch.randn(2, 8, cfg.text_dim, generator=g)
+    t = torch.rand(2, generator=g)
+    patches, grid = patchify(x, cfg.patch_size)
+    meta = build_attn_meta({"doc_ids": torch.zeros(patches.shape[:2], dtype=torch.int32)}, "sdpa", "cpu",
+                           kind="bidirectional")
+    with torch.no_grad():
+        want = back(x, t * 1000, text).sample
+        pred = got.model.predict_velocity(got.model(attn=meta, noisy_latents=patches, clip_timesteps=t,
+                                                    text_states=text, grid_fhw=grid), {})
+    torch.testing.assert_close(unpatchify(pred, (3, 4, 4), cfg.patch_size), want, atol=1e-5, rtol=1e-5)  # parity
+

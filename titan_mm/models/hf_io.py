@@ -44,9 +44,13 @@ def local_hf_dir(hf_path: str, weights: bool = False) -> str:
     """The local folder behind ``model.hf_path``: the path itself when it is a folder, else a Hub repo id
     (``Qwen/Qwen3-1.7B``) fetched with huggingface_hub's ``snapshot_download`` into its cache (HF_HOME /
     HF_HUB_CACHE): config and tokenizer files, and the safetensors too with ``weights``. Every reader of
-    ``model.hf_path`` goes through here. Raises :class:`HFPathNotFound` (one line) when neither works."""
+    ``model.hf_path`` goes through here. Raises :class:`HFPathNotFound` (one line) when neither works. A local
+    diffusers pipeline folder (model_index.json, no config.json) gives its ``transformer/`` folder."""
     if os.path.isdir(hf_path):
-        return hf_path
+        sub = os.path.join(hf_path, "transformer")
+        pipeline = os.path.isfile(os.path.join(hf_path, "model_index.json")) and not os.path.isfile(
+            os.path.join(hf_path, "config.json"))
+        return sub if pipeline and os.path.isfile(os.path.join(sub, "config.json")) else hf_path
     if os.path.exists(hf_path) or not _HUB_ID.match(hf_path):
         raise HFPathNotFound(f"model.hf_path {hf_path!r} is not a directory nor a Hub repo id (org/name); give a "
                              "local HF model folder (config.json + *.safetensors) or a Hub id such as "

@@ -1,0 +1,128 @@
+"""Wan sampling through the training forward against diffusers, fp32 on CPU on tiny random configs: the sigmas of
+FlowMatchEulerDiscreteScheduler (and flow matching's training shift), the Euler + classifier-free-guidance loop of
+WanPipeline with the same WanTransformer3DModel weights and noise, the decode through a tiny random AutoencoderKLWan
+(latents_mean / latents_std), and the command line python -m titan_mm.tools.wan_sample."""
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+diffusers = pytest.importorskip("diffusers")  # the optional extra [diffusers]
+
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline  # noqa: E402
+
+from tests.unit.test_wan import TINY, _pair  # noqa: E402
+from titan_mm.models.wan.sample import decode, flow_sigmas, sample  # noqa: E402
+from titan_mm.objectives import FlowMatching  # noqa: E402
+from titan_mm.tools.wan_sample import main  # noqa: E402
+
+B, L, LATENT = 2, 5, (2, 4, 4)  # 2 latent frames of 4x4: 5 frames of 32x32 through the VAE (4x in time, 8x in space)
+
+
+def _vae() -> AutoencoderKLWan:
+    torch.manual_seed(5)
+    return AutoencoderKLWan(base_dim=3, z_dim=TINY["in_channels"], dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                            temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
+                            latents_std=[0.5, 2.0, 1.5, 1.0]).float().eval()
+
+
+def _states(seed: int, length: int = L) -> torch.Tensor:
+    return torch.randn(B, length, TINY["text_dim"], generator=torch.Generator().manual_seed(seed))
+
+
+def _noise() -> torch.Tensor:
+    return torch.randn(B, TINY["in_channels"], *LATENT, generator=torch.Generator().manual_seed(3))
+
+
+def test_sigmas_and_the_training_shift_are_diffusers_schedulers():
+    for steps, shift in [(1, 1.0), (6, 3.0), (50, 5.0), (7, 0.5)]:
+        sched = FlowMatchEulerDiscreteScheduler(shift=shift)
+        table = sched.sigmas.clone()  # the training table: the shifted sigmas of the 1000 timesteps
+        sched.set_timesteps(steps)
+        assert torch.equal(flow_sigmas(steps, shift), sched.sigmas), (steps, shift)
+        # flow matching's "uniform" t with the same shift: diffusers' training sigma of a uniform timestep
+        base = torch.linspace(1, 1000, 1000).flip(0) / 1000
+        assert torch.equal(shift * base / (1 + (shift - 1) * base), table)
+        obj = FlowMatching(sampler="uniform", shift=shift)
+        u = torch.rand(64, generator=torch.Generator().manual_seed(0))
+        want = u if shift == 1 else shift * u / (1 + (shift - 1) * u)
+        assert torch.equal(obj.sample_t((64,), torch.Generator().manual_seed(0)), want)
+
+
+@pytest.mark.parametrize("steps,shift,scale,neg_len", [(6, 3.0, 5.0, L), (4, 5.0, 4.0, 3), (3, 1.0, 1.0, None)],
+                         ids=["cfg_batched", "cfg_two_forwards", "no_cfg"])
+def test_sampler_equals_wan_pipeline(steps, shift, scale, neg_len, tmp_path):
+    """The latents of our sampler and of WanPipeline (FlowMatchEulerDiscreteScheduler, the same transformer weights,
+    text states and noise), and the decoded frames. The pipeline runs the cond and uncond forwards apart; ours
+    batches them when the states agree in shape, or not (a negative prompt of another length)."""
+    ref, model, cfg = _pair(TINY, tmp_path)
+    vae = _vae()
+    text = _states(1)
+    neg = None if neg_len is None else _states(2, neg_len)
+    sched = FlowMatchEulerDiscreteScheduler(shift=shift)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=sched, transformer=ref)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(prompt_embeds=text, negative_prompt_embeds=neg, num_frames=5, height=32, width=32,
+              num_inference_steps=steps, guidance_scale=scale)
+    want = pipe(latents=_noise(), output_type="latent", **kw).frames
+    frames = torch.from_numpy(pipe(latents=_noise(), output_type="np", **kw).frames)
+    got = sample(model, text, _noise(), steps=steps, shift=shift, guidance_scale=scale, negative_states=neg)
+    # each step's velocity is within the forward's parity bound (1e-5, fp32 sums in other orders) of diffusers',
+    # guidance multiplies a difference of two by up to 1 + 2 x scale, and the sigmas' steps add up to 1
+    torch.testing.assert_close(got, want, atol=(1 + 2 * scale) * 1e-5, rtol=1e-5)
+    assert torch.equal(decode(want, vae), frames)  # the same de-normalization and post-processing arithmetic
+    assert frames.shape == (B, 5, 32, 32, 3)
+
+
+def _pipeline_folder(tmp_path):
+    """A diffusers pipeline folder: model_index.json, transformer/ and vae/."""
+    ref, model, cfg = _pair(TINY, tmp_path / "pipe")
+    _vae().save_pretrained(tmp_path / "pipe" / "vae")
+    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    torch.save(_states(1)[0], tmp_path / "prompt.pt")
+    torch.save(_states(2)[:1], tmp_path / "negative.pt")
+    return model, tmp_path / "pipe"
+
+
+def test_cli_samples_latents_and_gifs(tmp_path, capsys):
+    """python -m titan_mm.tools.wan_sample on a pipeline folder: the latents are sample()'s on the seed's noise, and
+    with --vae the decoded frames come out as an animated GIF."""
+    model, pipe = _pipeline_folder(tmp_path)
+    args = ["--model", str(pipe), "--text-states", str(tmp_path / "prompt.pt"), "--negative-states",
+            str(tmp_path / "negative.pt"), "--latent-frames", "2", "--latent-height", "4", "--latent-width", "4",
+            "--steps", "3", "--shift", "3", "--guidance-scale", "4", "--seed", "7"]
+    assert main([*args, "--out", str(tmp_path / "z.pt")]) == 0
+    noise = torch.randn(1, 4, *LATENT, generator=torch.Generator().manual_seed(7))
+    want = sample(model, _states(1)[:1], noise, steps=3, shift=3.0, guidance_scale=4.0, negative_states=_states(2)[:1])
+    assert torch.equal(torch.load(tmp_path / "z.pt"), want)
+    assert main([*args, "--vae", str(pipe), "--fps", "10", "--out", str(tmp_path / "clip.gif")]) == 0
+    with Image.open(tmp_path / "clip.gif") as gif:
+        assert (gif.n_frames, gif.size, gif.info["duration"], gif.info["loop"]) == (5, (32, 32), 100, 0)  # GIF keeps centiseconds
+    assert "sampled 1 clip(s)" in capsys.readouterr().out
+
+
+def test_cli_mistakes_are_one_line(tmp_path, capsys):
+    _, pipe = _pipeline_folder(tmp_path)
+    base = ["--model", str(pipe), "--text-states", str(tmp_path / "prompt.pt")]
+    torch.save({"states": 1}, tmp_path / "dict.pt")
+    torch.save(torch.zeros(3, 7), tmp_path / "narrow.pt")
+    cases = [
+        (["--out", "z.gif"], "without --vae the latents are written as a torch file"),
+        (["--vae", str(pipe), "--out", "z.pt"], "name it *.gif"),
+        (["--steps", "0", "--out", "z.pt"], "steps = 0: sampling needs at least 1 step"),
+        (["--shift", "0", "--out", "z.pt"], "shift = 0.0: the timestep shift must be > 0"),
+        (["--vae", str(tmp_path), "--out", "z.gif"], "no config.json there nor in"),
+        (["--latent-height", "3", "--out", "z.pt"], "must be multiples of the model's patch (1, 2, 2)"),
+        (["--negative-states", str(tmp_path / "narrow.pt"), "--out", "z.pt"], "does not fit the text states"),
+    ]
+    for extra, msg in cases:
+        assert main([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, (extra, err)
+    for states, msg in [("missing.pt", "no such file"), ("dict.pt", "holds dict; it must be float text states"),
+                        ("narrow.pt", "text_dim 7; the model's text_dim is 16")]:
+        assert main(["--model", str(pipe), "--text-states", str(tmp_path / states), "--out", "z.pt"]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, (states, err)

@@ -1,0 +1,106 @@
+"""Sampling through the training forward: an Euler flow sampler with classifier-free guidance whose sigmas are the
+ones diffusers' ``FlowMatchEulerDiscreteScheduler(shift=...).set_timesteps(steps)`` computes, as ``WanPipeline``
+steps it (one t per clip: the time MLP runs once per row), then the decode of the latents through a diffusers
+``AutoencoderKLWan`` (de-normalized by its ``latents_mean`` / ``latents_std``, as the pipeline does) and an animated
+GIF of the frames. The command line is ``python -m titan_mm.tools.wan_sample`` (docs/wan.md "Sampling").
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+
+from titan_mm.models.wan.config import NUM_TRAIN_TIMESTEPS
+from titan_mm.models.wan.model import WanModel, patchify, unpatchify
+from titan_mm.nn.attention import build_attn_meta
+
+
+def _shift(sigma, shift: float):
+    """The timestep shift of diffusers' scheduler (and of flow matching's training t)."""
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
+def flow_sigmas(steps: int, shift: float) -> torch.Tensor:
+    """[steps + 1] fp32, 1 -> 0: diffusers' ``FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(steps)``
+    sigmas, in its arithmetic: the training table's shifted sigma_max / sigma_min (fp32), a float64 linspace of
+    timesteps between them, shifted again, then a final 0."""
+    n = NUM_TRAIN_TIMESTEPS
+    table = _shift(torch.from_numpy(np.linspace(1, n, n, dtype=np.float32)[::-1].copy()) / n, shift)
+    sigmas = _shift(np.linspace(table[0].item() * n, table[-1].item() * n, steps) / n, shift)
+    return torch.cat([torch.from_numpy(sigmas).float(), torch.zeros(1)])
+
+
+def check_sampling(steps: int, shift: float, guidance_scale: float) -> None:
+    """One ValueError line for sampling settings that cannot run."""
+    if steps < 1:
+        raise ValueError(f"steps = {steps}: sampling needs at least 1 step")
+    if shift <= 0:
+        raise ValueError(f"shift = {shift}: the timestep shift must be > 0 (Wan uses 3 to 5 at 480p)")
+    if guidance_scale < 0:
+        raise ValueError(f"guidance_scale = {guidance_scale}: use >= 0 (1 or less turns guidance off)")
+
+
+@torch.no_grad()
+def sample(model: WanModel, text_states: torch.Tensor, noise: torch.Tensor, *, steps: int = 50, shift: float = 5.0,
+           guidance_scale: float = 5.0, negative_states: torch.Tensor | None = None,
+           attn_backend: str = "sdpa") -> torch.Tensor:
+    """Latents [B, C, F, H, W] fp32 from ``noise`` [B, C, F, H, W] (sigma 1) conditioned on ``text_states``
+    [B, L, text_dim]: Euler steps x += (sigma_next - sigma) v over :func:`flow_sigmas`. With ``guidance_scale`` > 1,
+    v = v_neg + g (v - v_neg) with ``negative_states`` (the negative prompt's states; None: zeros, the empty prompt
+    of data.prompt_dropout), both in one forward of 2B rows when their shapes agree."""
+    check_sampling(steps, shift, guidance_scale)
+    cfg = model.cfg
+    if noise.dim() != 5 or noise.shape[1] != cfg.in_channels or noise.shape[0] != text_states.shape[0]:
+        raise ValueError(f"noise of shape {list(noise.shape)} is not [B={text_states.shape[0]}, C={cfg.in_channels}, "
+                         "F, H, W] latents for the text states' B rows and the model's channels")
+    guided = guidance_scale > 1.0
+    neg = torch.zeros_like(text_states) if negative_states is None else negative_states.to(text_states)
+    batched = guided and neg.shape == text_states.shape
+    text = torch.cat([text_states, neg]) if batched else text_states
+    fhw = tuple(n // p for n, p in zip(noise.shape[2:], cfg.patch_size))
+    x, grid = patchify(noise.float(), cfg.patch_size)
+    metas = {}  # rows -> the attention metadata, built once on the host: one full segment per clip
+
+    def forward(x_BSP, t, states):
+        B, S = x_BSP.shape[:2]
+        if B not in metas:
+            metas[B] = build_attn_meta({"doc_ids": torch.zeros(B, S, dtype=torch.int32)}, attn_backend, x.device,
+                                       kind="bidirectional")
+        out = model(attn=metas[B], noisy_latents=x_BSP, clip_timesteps=t.expand(B), text_states=states,
+                    grid_fhw=grid[:1].expand(B, -1, -1))
+        return model.predict_velocity(out, {}).float()
+
+    sigmas = flow_sigmas(steps, shift).to(x.device)
+    for i in range(steps):
+        t = sigmas[i]
+        if batched:
+            v, v_neg = forward(x.repeat(2, 1, 1), t, text).chunk(2)
+        else:
+            v = forward(x, t, text)
+            v_neg = forward(x, t, neg) if guided else None
+        if guided:  # WanPipeline's order of operations
+            v = v_neg + guidance_scale * (v - v_neg)
+        x = x + (sigmas[i + 1] - t) * v
+    return unpatchify(x, fhw, cfg.patch_size)
+
+
+@torch.no_grad()
+def decode(latents: torch.Tensor, vae) -> torch.Tensor:
+    """Frames [B, F, H, W, 3] in [0, 1] of ``latents`` [B, C, F, H, W] through a diffusers ``AutoencoderKLWan``
+    (its config's latents_mean / latents_std undo the normalization the latents were trained in), as WanPipeline
+    and its VideoProcessor compute them."""
+    c = vae.config
+    x = latents.to(vae.dtype)
+    mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(x)
+    inv_std = 1.0 / torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(x)
+    video = vae.decode(x / inv_std + mean, return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
+    return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1)
+
+
+def write_gif(frames: torch.Tensor, path: str | os.PathLike, fps: int = 16) -> None:
+    """An animated GIF of ``frames`` [F, H, W, 3] in [0, 1] (rounded to 8 bits as diffusers' numpy_to_pil), looped."""
+    images = [Image.fromarray(f) for f in (frames * 255).round().to(torch.uint8).cpu().numpy()]
+    images[0].save(path, save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)), loop=0)

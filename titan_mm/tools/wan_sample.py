@@ -1,0 +1,139 @@
+"""Generate a clip with a Wan model through its training forward (titan_mm.models.wan.sample): Euler flow steps
+with classifier-free guidance, the sigmas of diffusers' FlowMatchEulerDiscreteScheduler with ``--shift``.
+
+    python -m titan_mm.tools.wan_sample --model outputs/debug_wan --text-states prompt.pt \\
+        --latent-frames 3 --latent-height 8 --latent-width 8 --out clip.gif --vae /path/to/Wan2.1-T2V-1.3B-Diffusers
+
+``--model``: a titan_mm run / checkpoint folder or a diffusers transformer (or pipeline) folder. ``--text-states``:
+a torch file of the prompt's UMT5 states, [L, text_dim] or [B, L, text_dim]; ``--negative-states`` likewise
+(default: zeros, the empty prompt of data.prompt_dropout). The latent sizes are the VAE's (a 480x832 clip of 81
+frames is 21 x 60 x 104 latents with Wan2.1's VAE). With ``--vae`` (a diffusers AutoencoderKLWan folder, or a
+pipeline folder holding vae/) the frames are decoded and written as an animated GIF; without it ``--out`` gets the
+latents [B, C, F, H, W] as a torch file (.pt). Every mistake is one line and exit status 2, before the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from titan_mm.checkpoint_io import CheckpointError
+from titan_mm.config import ConfigError
+from titan_mm.loader import load_model
+from titan_mm.models.wan import WanModel
+from titan_mm.models.wan.sample import check_sampling, decode, sample, write_gif
+
+
+def _states(path: str, flag: str) -> torch.Tensor:
+    """[B, L, D] fp32 text states from a torch file; one ValueError line otherwise."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path}: no such file; save the prompt's UMT5 states with torch.save")
+    try:
+        x = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many kinds (pickle, zip, unpickler): all mean "not a tensor file"
+        raise ValueError(f"{flag} {path} is not a torch tensor file ({type(e).__name__}); write it with "
+                         "torch.save(tensor, path)") from None
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or not x.is_floating_point():
+        what = f"a {x.dtype} tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{flag} {path} holds {what}; it must be float text states [L, text_dim] or [B, L, text_dim]")
+    return (x[None] if x.dim() == 2 else x).float()
+
+
+def _vae_dir(path: str) -> str:
+    """The AutoencoderKLWan folder: ``path`` or its pipeline's vae/."""
+    sub = os.path.join(path, "vae")
+    folder = sub if os.path.isfile(os.path.join(sub, "config.json")) else path
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"--vae {path}: no config.json there nor in {sub}; give a diffusers AutoencoderKLWan folder "
+                         "or a Wan pipeline folder")
+    return folder
+
+
+def check_args(a: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every cheap check, before the model loads: (text states, negative states or None)."""
+    check_sampling(a.steps, a.shift, a.guidance_scale)
+    if min(a.latent_frames, a.latent_height, a.latent_width) < 1:
+        raise ValueError("--latent-frames / --latent-height / --latent-width must be >= 1 (latent sizes)")
+    suffix = Path(a.out).suffix.lower()
+    if a.vae and suffix != ".gif":
+        raise ValueError(f"--out {a.out}: with --vae the decoded frames are written as an animated GIF; name it *.gif")
+    if not a.vae and suffix != ".pt":
+        raise ValueError(f"--out {a.out}: without --vae the latents are written as a torch file; name it *.pt, or "
+                         "pass --vae to decode a GIF")
+    if a.fps < 1:
+        raise ValueError(f"--fps {a.fps} must be >= 1")
+    text = _states(a.text_states, "--text-states")
+    neg = _states(a.negative_states, "--negative-states") if a.negative_states else None
+    if neg is not None and (neg.shape[0] not in (1, text.shape[0]) or neg.shape[-1] != text.shape[-1]):
+        raise ValueError(f"--negative-states of shape {list(neg.shape)} does not fit the text states "
+                         f"{list(text.shape)}: same text_dim, and 1 or {text.shape[0]} rows")
+    if a.vae:
+        _vae_dir(a.vae)
+    return text, neg
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m titan_mm.tools.wan_sample", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="run / checkpoint folder, or a diffusers transformer folder")
+    ap.add_argument("--text-states", required=True, help="torch file: the prompt's states [L, D] or [B, L, D]")
+    ap.add_argument("--negative-states", default=None, help="torch file: the negative prompt's states (default zeros)")
+    ap.add_argument("--latent-frames", type=int, default=3)
+    ap.add_argument("--latent-height", type=int, default=8)
+    ap.add_argument("--latent-width", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=50, help="Euler steps")
+    ap.add_argument("--shift", type=float, default=5.0, help="timestep shift of the sigmas (diffusers' scheduler)")
+    ap.add_argument("--guidance-scale", type=float, default=5.0, help="classifier-free guidance; <= 1: off")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initial noise (a CPU generator)")
+    ap.add_argument("--vae", default=None, help="diffusers AutoencoderKLWan folder (or a pipeline with vae/)")
+    ap.add_argument("--fps", type=int, default=16, help="frames per second of the GIF")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", required=True, help="clip.gif with --vae, else latents.pt")
+    a = ap.parse_args(argv)
+    try:
+        text, neg = check_args(a)
+        got = load_model(a.model, a.device)
+        if not isinstance(got.model, WanModel):
+            raise ValueError(f"--model {a.model} holds a {got.spec.name!r} model; this tool samples Wan models")
+        cfg = got.model_cfg
+        if text.shape[-1] != cfg.text_dim:
+            raise ValueError(f"--text-states have text_dim {text.shape[-1]}; the model's text_dim is {cfg.text_dim}")
+        fhw = (a.latent_frames, a.latent_height, a.latent_width)
+        if any(n % p for n, p in zip(fhw, cfg.patch_size)):
+            raise ValueError(f"latent sizes {fhw} (frames, height, width) must be multiples of the model's patch "
+                             f"{tuple(cfg.patch_size)}")
+        vae = None
+        if a.vae:
+            from diffusers import AutoencoderKLWan  # the optional extra [diffusers]: only the decode needs it
+
+            vae = AutoencoderKLWan.from_pretrained(_vae_dir(a.vae)).to(a.device).eval()
+            if vae.config.z_dim != cfg.in_channels:
+                raise ValueError(f"--vae has {vae.config.z_dim} latent channels, the model {cfg.in_channels}; use "
+                                 "the VAE of the model's pipeline")
+    except (ValueError, ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    g = torch.Generator().manual_seed(a.seed)
+    noise = torch.randn((text.shape[0], cfg.in_channels, *fhw), generator=g).to(a.device)
+    dev = torch.device(a.device)
+    latents = sample(got.model, text.to(dev), noise, steps=a.steps, shift=a.shift, guidance_scale=a.guidance_scale,
+                     negative_states=None if neg is None else neg.expand(text.shape[0], -1, -1).to(dev),
+                     attn_backend=cfg.attn_backend)
+    if vae is None:
+        torch.save(latents.cpu(), a.out)
+    else:
+        frames = decode(latents, vae)
+        outs = [a.out] if len(frames) == 1 else [f"{Path(a.out).with_suffix('')}_{i}.gif" for i in range(len(frames))]
+        for f, path in zip(frames, outs):
+            write_gif(f, path, a.fps)
+        a.out = ", ".join(outs)
+    print(f"[titan_mm] sampled {text.shape[0]} clip(s) of {fhw} latents in {a.steps} steps -> {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
