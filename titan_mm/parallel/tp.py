@@ -16,7 +16,7 @@ Styles (values of ``ParallelizePlan.tp``):
                          and a post-forward hook that puts the parameter back (FQNs and state dicts unchanged).
     "replicate"          documentation only: the module stays replicated and computes identical values and
                          gradients on every tp rank (norms, router, output head in this mode).
-    "colwise_norm"       nn.RMSNorm over the features a colwise linear splits (Wan's q / k norm across all heads):
+    "colwise_norm"       nn.RMSNorm over the features a colwise linear splits (a q / k norm across all heads):
                          swapped for a :class:`ShardedRMSNorm` (same FQN and state-dict key) whose weight is
                          Shard(0) and whose sum of squares is all-reduced over tp (a [*, 1] tensor per call).
 
