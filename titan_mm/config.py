@@ -451,6 +451,15 @@ class Objective:
     """Diffusion SFT: only the tokens the data marks as targets (assistant turns) are masked and scored, prompts
     stay clean, and the loss is normalized by the global count of target tokens. False: every token of a document
     may be masked (pre-training)."""
+    flow_sampler: str = ""
+    """Flow matching (the latents of Wan, BAGEL): how t is drawn, "uniform", "logit_normal" or "shifted"
+    (titan_mm/objectives/flow_matching.py); empty: the family's choice."""
+    flow_shift: float = 0.0
+    """Flow matching: the timestep shift t' = s t / (1 + (s - 1) t) after the sampler (diffusers'
+    FlowMatchEulerDiscreteScheduler shift; Wan samples with 3 to 5 at 480p); 0: the family's (1: none)."""
+    flow_weighting: str = ""
+    """Flow matching: the loss weight w(t), "none", "cosmap" (SD3) or "sigma_sqrt" (diffusers': 1 / t^2); empty:
+    the family's."""
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")  # the optional extra [diffusers]
 
-from titan_mm.config import load_config  # noqa: E402
+from titan_mm.config import ConfigError, load_config  # noqa: E402
 from titan_mm.export import main as export_main  # noqa: E402
 from titan_mm.launch.train import main  # noqa: E402
 from titan_mm.loader import load_model  # noqa: E402
@@ -132,6 +132,25 @@ def test_flops_count_every_matmul_weight():
     S, T = 48, 5  # one clip of 48 patches, 5 text tokens
     want = 6 * S * tok + 6 * (T * text + time) + 12 * cfg.dim * cfg.num_layers * (S * S + S * T)
     assert obj.mask_kind == "bidirectional" and obj.flops(spec, cfg, [S], text_len=T) == want
+
+
+def test_flow_matching_settings_of_the_job():
+    """[objective] flow_sampler / flow_shift / flow_weighting replace the family's flow-matching choices (Wan's
+    training: uniform t shifted as diffusers' scheduler); a family without flow matching refuses them in one line."""
+    spec = get_model_spec("wan")
+    cfg = spec.flavor("debug")
+    job = load_config(["--config", "debug_wan", "--objective.flow_sampler", "uniform", "--objective.flow_shift", "3",
+                       "--objective.flow_weighting", "sigma_sqrt"])
+    obj = build_objective(job, spec, cfg)
+    assert (obj.sampler, obj.shift, obj.weighting, obj.mask_kind) == ("uniform", 3.0, "sigma_sqrt", "bidirectional")
+    default = build_objective(load_config(["--config", "debug_wan"]), spec, cfg)
+    assert (default.sampler, default.shift, default.weighting) == ("logit_normal", 1.0, "none")
+    with pytest.raises(ConfigError, match="flow matching sampler 'cosine' is unknown"):
+        build_objective(load_config(["--config", "debug_wan", "--objective.flow_sampler", "cosine"]), spec, cfg)
+    qwen = get_model_spec("qwen3")
+    with pytest.raises(ConfigError, match=r"objective.flow_shift set flow matching, which model 'qwen3' does not"):
+        build_objective(load_config(["--config", "debug_qwen3", "--objective.flow_shift", "3"]), qwen,
+                        qwen.flavor("debug"))
 
 
 def test_patchify_round_trip():

@@ -94,7 +94,15 @@ def _diffusion(cfg: JobConfig, spec, model_cfg, options: dict) -> Objective:
     return build_diffusion(cfg, spec, model_cfg)
 
 
+def _flow_options(cfg: JobConfig) -> dict:
+    """The [objective] flow_* settings the job gives (empty / 0: the family's)."""
+    o = cfg.objective
+    return {k: v for k, v in (("sampler", o.flow_sampler), ("shift", o.flow_shift),
+                              ("weighting", o.flow_weighting)) if v}
+
+
 def _flow_matching(cfg: JobConfig, spec, model_cfg, options: dict) -> Objective:
+    options = {**options, **_flow_options(cfg)}
     try:
         return FlowMatching(seed=cfg.training.seed, **options)
     except (TypeError, ValueError) as e:
@@ -121,6 +129,9 @@ def build_objective(cfg: JobConfig, spec, model_cfg) -> Objective:
             raise ConfigError(f"{what} replaces the causal LM, which model {spec.name!r} does not train (its "
                               f"objectives: {', '.join(names)}); drop {what.split('=')[0]}")
         names = tuple(kind if n == "causal" else n for n in names)
+    if _flow_options(cfg) and "flow_matching" not in names:
+        raise ConfigError(f"objective.{'/'.join('flow_' + k for k in _flow_options(cfg))} set flow matching, which "
+                          f"model {spec.name!r} does not train (its objectives: {', '.join(names)}); drop them")
     options = spec.objective_options(model_cfg) if spec.objective_options else {}
     parts = tuple(_factory(n)(cfg, spec, model_cfg, options.get(n, {})) for n in names)
     if len(parts) == 1:
