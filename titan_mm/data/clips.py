@@ -328,11 +328,10 @@ class ClipLoader:
             yield b
 
     def state_dict(self) -> dict:
-        L = self.layout
-        return L.state({L.stream(r): {"turns": L.turns(self.served, r)} for r in range(L.period)})
+        return self.layout.counted_state(self.served)
 
     def load_state_dict(self, sd: dict) -> None:
-        self.served = self.layout.position(self.layout.unpack(sd))
+        self.served = self.layout.counted(sd)
 
     def metrics(self) -> dict[str, float]:
         skipped = dict(self.source.skipped)

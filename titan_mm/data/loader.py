@@ -153,6 +153,15 @@ class StreamLayout:
         S = self.per_slot
         return {"num_slots": self.slots, "slots": {k: [states[k * S + s] for s in range(S)] for k in self.owned_slots}}
 
+    def counted_state(self, served: int) -> dict:
+        """The state of a rank that has read ``served`` micro-batches from streams whose only state is their turns
+        (the synthetic and clip loaders, which make micro-batch j from j alone); :meth:`counted` reads it back."""
+        return self.state({self.stream(r): {"turns": self.turns(served, r)} for r in range(self.period)})
+
+    def counted(self, sd: Any) -> int:
+        """The micro-batches read, from a :meth:`counted_state` (saved by any dp world with the same slots)."""
+        return self.position(self.unpack(sd))
+
     def unpack(self, sd: Any) -> dict[int, Any]:
         """The states of this rank's streams from a loader state: one saved by any dp world with the same slots, or
         a merge of several ranks' (``slots`` may hold more than this rank's)."""
