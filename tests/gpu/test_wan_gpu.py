@@ -1,5 +1,6 @@
 """The wan family on CUDA: fp32 predictions and gradients equal diffusers' WanTransformer3DModel on the same card,
-and a flow-matching train step (sdpa and flex, kind "bidirectional") gives the CPU step's loss."""
+a flow-matching train step (sdpa and flex, kind "bidirectional") gives the CPU step's loss, and the sampler gives
+the CPU's latents with a per-clip forward that makes no host sync."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from tests.unit.test_wan import TI2V, TINY, ClipFlow, _clips, _inputs, _pair
-from titan_mm.models.wan import unpatchify
+from titan_mm.models.wan import patchify, unpatchify
+from titan_mm.models.wan.sample import sample
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.registry import get_model_spec
 from titan_mm.train.state import TrainState
@@ -51,3 +53,27 @@ def _step_loss(device: str, backend: str) -> float:
 def test_wan_train_step_on_cuda_equals_cpu(backend):
     # one fp32 step: the same batch, noise and weights; the loss differs by summation order only
     assert _step_loss("cuda", backend) == pytest.approx(_step_loss("cpu", "sdpa"), rel=1e-5)
+
+
+def test_sampler_on_cuda_equals_cpu_and_the_per_clip_forward_does_not_sync(tmp_path):
+    _, model, cfg = _pair(TINY, tmp_path)
+    text = torch.randn(2, 5, cfg.text_dim, generator=torch.Generator().manual_seed(1))
+    noise = torch.randn(2, cfg.in_channels, 2, 4, 4, generator=torch.Generator().manual_seed(2))
+    kw = dict(steps=4, shift=3.0, guidance_scale=4.0)
+    want = sample(model, text, noise, **kw)
+    model = model.cuda()
+    got = sample(model, text.cuda(), noise.cuda(), **kw)
+    # per step the velocity is within the parity bound (1e-5) of the CPU's, times up to 1 + 2 x scale by guidance
+    torch.testing.assert_close(got.cpu(), want, atol=9e-5, rtol=1e-5)
+    patches, grid = patchify(noise.cuda(), cfg.patch_size)
+    meta = build_attn_meta({"doc_ids": torch.zeros(patches.shape[:2], dtype=torch.int32)}, "sdpa", "cuda",
+                           kind="bidirectional")
+    t, text = torch.rand(2, device="cuda"), text.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            out = model(attn=meta, noisy_latents=patches, clip_timesteps=t, text_states=text, grid_fhw=grid)
+            model.predict_velocity(out, {})
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
