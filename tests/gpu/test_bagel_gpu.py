@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.unit.test_bagel import CFG, SCHEMA, SEQ, _objective, _ours, _pair, _rows, ref_mask
+from tests.unit.test_bagel import CFG, SCHEMA, SEQ, _objective, _ours, _pair, _rows, assert_matches, ref_mask
 from titan_mm.data.packing import collate_rows
 from titan_mm.models.bagel.spec import prepare_batch
 from titan_mm.nn.attention import build_attn_meta
@@ -29,19 +29,9 @@ def test_bagel_matches_the_reference_on_cuda(backend):
     model, ref = model.cuda(), ref.cuda()
     rows, batch = _batch()
     obj = _objective()
-    out = _ours(model, batch, obj, backend, "cuda")
-    h, ce, mse = ref({k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()},
-                     ref_mask(rows, SEQ).cuda())
-    # fp32 on both sides (TF32 off by default); other kernels sum in other orders: ~1e-6 on O(1) values
-    torch.testing.assert_close(out.hidden.reshape(h.shape), h, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.terms["ce"], ce, atol=0, rtol=1e-5)
-    torch.testing.assert_close(out.terms["mse"], mse, atol=0, rtol=1e-5)
-    (out.terms["ce"] + out.terms["mse"]).backward()
-    (ce + mse).backward()
-    ours = dict(model.named_parameters())
-    for n, p in pp:
-        err, scale = (ours[n].grad - p.grad).abs().max(), p.grad.abs().max().clamp(min=1.0)
-        assert err <= 1e-5 * scale, (n, float(err), float(scale))
+    want = ref({k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()},
+               ref_mask(rows, SEQ).cuda())
+    assert_matches(_ours(model, batch, obj, backend, "cuda"), want, model, pp)  # TF32 is off by default
 
 
 def test_bagel_bf16_step_has_no_host_sync():

@@ -19,6 +19,7 @@ from transformers.models.qwen3.modeling_qwen3 import (Qwen3DecoderLayer, Qwen3RM
                                                       apply_rotary_pos_emb, eager_attention_forward)
 from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer
 
+from tests.unit.test_attention_kinds import bagel_mask
 from titan_mm.config import load_config
 from titan_mm.data.packing import collate_rows
 from titan_mm.launch.train import main
@@ -66,24 +67,6 @@ def ref_timestep(t: torch.Tensor, dim: int = 256) -> torch.Tensor:
     return torch.cat([torch.cos(args), torch.sin(args)], -1)
 
 
-def ref_sample_mask(splits) -> torch.Tensor:
-    """data_utils.prepare_attention_mask_per_sample as a bool [L, L] (True = attend)."""
-    L = sum(n for n, _ in splits)
-    m = torch.zeros(L, L, dtype=torch.bool)
-    c = 0
-    for n, mode in splits:
-        m[c:c + n, c:c + n] = torch.ones(n, n).tril().bool() if mode == "causal" else True
-        m[c:c + n, :c] = True
-        c += n
-    c = 0
-    for n, mode in splits:
-        if mode == "noise":
-            m[:, c:c + n] = False
-            m[c:c + n, c:c + n] = True
-        c += n
-    return m
-
-
 def ref_mask(rows_docs, S: int) -> torch.Tensor:
     """Additive [T, T] mask over the B*S flat tokens: each sample's own mask on the diagonal, a row's padding one more
     causal sample, nothing across samples (BAGEL's nested_attention_masks)."""
@@ -91,7 +74,7 @@ def ref_mask(rows_docs, S: int) -> torch.Tensor:
     for docs in rows_docs:
         splits = [d.segments for d in docs]
         pad = S - sum(len(d) for d in docs)
-        blocks += [ref_sample_mask(s) for s in splits] + ([ref_sample_mask([(pad, "causal")])] if pad else [])
+        blocks += [bagel_mask(s) for s in splits] + ([bagel_mask([(pad, "causal")])] if pad else [])
     m = torch.block_diag(*blocks)
     return torch.zeros(m.shape).masked_fill(~m, float("-inf"))
 
@@ -147,7 +130,7 @@ class Reference(nn.Module):
     def layer(self, und, gen, h, g, cos, sin, mask):
         H, G, K = self.heads
         x = both(und.input_layernorm, gen.input_layernorm, h, g)
-        proj = {n: both(lambda y, a=und.self_attn: getattr(a, n)(y), lambda y, a=gen.self_attn: getattr(a, n)(y), x, g)
+        proj = {n: both(getattr(und.self_attn, n), getattr(gen.self_attn, n), x, g)
                 for n in ("q_proj", "k_proj", "v_proj")}
         q = both(und.self_attn.q_norm, gen.self_attn.q_norm, proj["q_proj"].view(-1, H, K), g)
         k = both(und.self_attn.k_norm, gen.self_attn.k_norm, proj["k_proj"].view(-1, G, K), g)
@@ -167,7 +150,8 @@ class Reference(nn.Module):
         P = b["noisy_latents"].shape[-1]
         x = (b["noisy_latents"] + b["cond_latents"]).reshape(-1, P)[g]
         t = b["timesteps"].reshape(-1)[g]
-        h[g] = self.vae2llm(x) + self.t2(F.silu(self.t1(ref_timestep(t)))) + self.lat_table[b["latent_pos"].reshape(-1)[g]]
+        temb = self.t2(F.silu(self.t1(ref_timestep(t))))
+        h[g] = self.vae2llm(x) + temb + self.lat_table[b["latent_pos"].reshape(-1)[g]]
         cos, sin = self.rotary(h[None], b["position_ids"].reshape(1, -1))
         for und, gen in zip(self.und, self.gen):
             h = self.layer(und, gen, h, g, cos, sin, mask)
@@ -249,8 +233,13 @@ def test_bagel_matches_the_reference():
     assert isinstance(obj, Combined) and obj.mask_kind == "segments" and obj.parts[1].sampler == "shifted"
     rows = _rows()
     batch = obj.prepare([collate_rows(rows, SEQ, 0, 1, multiple=1, schema=SCHEMA)], 0)[0]
-    out = _ours(model, batch, obj)
-    h, ce, mse = ref(batch, ref_mask(rows, SEQ))
+    assert_matches(_ours(model, batch, obj), ref(batch, ref_mask(rows, SEQ)), model, pp)
+
+
+def assert_matches(out, want, model, pp):
+    """Our output's hidden states and loss sums equal the reference's ``want`` (hidden, ce, mse), then the
+    gradients of ce + mse of every parameter."""
+    h, ce, mse = want
     # fp32, the same products in other orders (index_copy vs boolean scatter, fused vs eager attention): ~1e-6
     torch.testing.assert_close(out.hidden.reshape(h.shape), h, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.terms["ce"], ce, atol=0, rtol=1e-5)

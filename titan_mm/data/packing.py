@@ -11,10 +11,10 @@ smallest sum of squared doc lengths, which balances attention cost (sum of L^2) 
 vision-patch count would exceed ``max_patches_per_row`` is not considered. When no open row fits and
 all are in use, the fullest one is closed. Closed rows wait in ``ready`` until a batch of B is full.
 A doc may carry per-token arrays besides its tokens (``seq``: latents [L, C], latent masks, ...; a doc may hold no
-tokens at all, a diffusion transformer's) and BAGEL's segment description (``segments``: split lengths and kinds,
-titan_mm.nn.attention SEGMENT_KINDS). The packer's open rows and ready rows are part of the loader state (the
-loader saves each doc as a small reference and rebuilds it on resume, see loader.PackedStream._encode), so resume
-loses nothing.
+tokens at all, a diffusion transformer's) and a segment description of causal, full and noised splits
+(``segments``: split lengths and kinds, titan_mm.nn.attention SEGMENT_KINDS). The packer's open rows and ready rows
+are part of the loader state (the loader saves each doc as a small reference and rebuilds it on resume, see
+loader.PackedStream._encode), so resume loses nothing.
 """
 
 from __future__ import annotations

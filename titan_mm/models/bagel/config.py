@@ -1,7 +1,7 @@
-"""BAGEL config (ByteDance-Seed/Bagel's ``BagelConfig``): the Qwen2 backbone with QK-norm and the Mixture-of-Transformers
-split (``llm_config``), the SigLIP NaViT vision tower (``vit_config``), the VAE's latent shape (``vae_config``) and the
-generation path's sizes. The released BAGEL-7B-MoT folder holds ``llm_config.json`` and ``vit_config.json``;
-:meth:`BagelConfig.from_hf` reads them, typed (titan_mm/models/hf_config.py)."""
+"""BAGEL config (ByteDance-Seed/Bagel's ``BagelConfig``): the Qwen2 backbone with QK-norm and the
+Mixture-of-Transformers split (``llm_config``), the SigLIP NaViT vision tower (``vit_config``), the VAE's latent
+shape (``vae_config``) and the generation path's sizes. The released BAGEL-7B-MoT folder holds ``llm_config.json``
+and ``vit_config.json``; :meth:`BagelConfig.from_hf` reads them, typed (titan_mm/models/hf_config.py)."""
 
 from __future__ import annotations
 
@@ -131,7 +131,8 @@ class BagelConfig:
     @classmethod
     def from_hf_dicts(cls, llm: dict[str, Any], vit: dict[str, Any], **kw) -> BagelConfig:
         """From the released folder's ``llm_config.json`` / ``vit_config.json`` dicts (typed) and BAGEL's own fields
-        (``kw``). BAGEL runs the ViT one layer short (its inference and training scripts drop the last): so does this."""
+        (``kw``). BAGEL runs the ViT one layer short (its inference and training scripts drop the last): so does
+        this."""
         parts = {}
         for name, d, sub, types in (("llm_config", llm, BagelLLMConfig, LLM_TYPES),
                                     ("vit_config", vit, BagelViTConfig, VIT_TYPES)):
