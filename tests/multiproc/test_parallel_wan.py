@@ -36,7 +36,7 @@ from titan_mm.parallel.cp import prepare_cp_batch
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.train.step import model_inputs
 
-pytestmark = pytest.mark.slow  # spawned processes: 30 s for the cells, 90 s for the launcher runs on 2 shared cores
+pytestmark = pytest.mark.slow  # spawned processes: 30 s for the cells, 2 min for the launcher runs on 2 shared cores
 ROOT = Path(__file__).resolve().parents[2]
 
 CFG = FLAVORS["debug"]  # 2 heads of 12, 2 blocks, qk RMSNorm over all heads, cross-attention norm
@@ -135,10 +135,11 @@ def _launch(tmp_path, name: str, nproc: int, *args: str) -> dict[int, tuple[floa
 
 def test_debug_wan_through_the_launcher_cp_and_tp_match_one_process(tmp_path):
     """The trainer's own wiring (setup's sequence keys, the objective's, the plan through parallelize): debug_wan on
-    2 processes with cp 2 (ring) and with tp 2 follows the 1-process run (same global batch and noise)."""
+    2 processes with cp 2 (ring) and with tp 2 and compiled blocks (the q / k norms' all-reduce traced) follows the
+    1-process run (same global batch and noise)."""
     one = _launch(tmp_path, "one", 1)
     for name, args in (("cp2-ring", ("--parallel.cp", "2", "--parallel.cp_mode", "ring")),
-                       ("tp2", ("--parallel.tp", "2"))):
+                       ("tp2-compiled", ("--parallel.tp", "2", "--compile.enable", "True"))):
         got = _launch(tmp_path, name, 2, *args)
         assert sorted(got) == sorted(one) == [1, 2, 3]
         for s, (loss, norm) in one.items():

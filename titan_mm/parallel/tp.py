@@ -68,8 +68,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.nn.functional import all_reduce as all_reduce_autograd
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -206,6 +206,20 @@ def _install_grad_sum(mod: nn.Module, group, child_name: str | None = None) -> N
     mod.register_forward_hook(post)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ``group``; backward: the gradients summed the same way (every rank's copy of the sum feeds its own
+    part of the loss). Functional collectives, so compiled blocks trace it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+    @staticmethod
+    def backward(ctx, g):
+        return funcol.wait_tensor(funcol.all_reduce(g.contiguous(), "sum", ctx.group)), None
+
+
 class ShardedRMSNorm(nn.Module):
     """Style "colwise_norm": an RMSNorm whose input is this rank's slice of the normalized features. The sum of
     squares is all-reduced over tp (backward: the gradients summed the same way); each rank scales its own
@@ -219,7 +233,7 @@ class ShardedRMSNorm(nn.Module):
     def forward(self, x):
         w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         xf = x.float()
-        ss = all_reduce_autograd(xf.pow(2).sum(-1, keepdim=True), group=self.group)
+        ss = _AllReduceSum.apply(xf.pow(2).sum(-1, keepdim=True), self.group)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         return (xf * torch.rsqrt(ss / self.weight.shape[0] + eps) * w).type_as(x)
 
