@@ -32,6 +32,7 @@ from titan_mm.models.bagel.synthetic import ROW_TOKENS, class_images, row
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.objectives import Combined, build_objective
 from titan_mm.observe.metrics import read_metrics
+from titan_mm.observe.mfu import encoder_inputs
 from titan_mm.registry import get_model_spec
 from titan_mm.train.step import model_inputs, to_device
 
@@ -328,7 +329,8 @@ def test_flops_count_every_matmul_weight():
     c, v = cfg.llm_config, cfg.vit_config
     want = 6 * (10 * tok + 4 * vit + 2 * lat) + 12 * c.hidden_size * c.num_hidden_layers * 55 + \
         12 * v.hidden_size * v.num_hidden_layers * 16
-    assert spec.flops(cfg, [10], vit_lens=[4], vae_tokens=2) == want
+    kinds = torch.tensor([[0, 0, VIT, VIT, VIT, VIT, 0, VAE, VAE, 0]])
+    assert spec.flops(cfg, [10], **encoder_inputs({"vit_lens": torch.tensor([4]), "token_kind": kinds})) == want
 
 
 def test_config_mistakes_are_one_line(tmp_path):

@@ -41,9 +41,10 @@ def doc_lens_from_batch(batch: dict) -> list[int]:
 
 
 def encoder_inputs(batch: dict) -> dict:
-    """The batch's keys that let a family's FLOP counter count its encoders: the vision grids (ViT) and the audio
-    clips' frame counts (the Omni audio encoder)."""
-    return {k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "audio_feature_lengths") if k in batch}
+    """The batch's keys that let a family's FLOP counter count its encoders: the vision grids (ViT), the audio
+    clips' frame counts (the Omni audio encoder), packed ViT lengths and per-token kinds (text / ViT / latent)."""
+    keys = ("image_grid_thw", "video_grid_thw", "audio_feature_lengths", "vit_lens", "token_kind")
+    return {k: batch[k] for k in keys if k in batch}
 
 
 def mfu(flops: float, seconds: float, peak_tflops_per_device: float) -> float:

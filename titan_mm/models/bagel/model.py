@@ -60,8 +60,9 @@ class Expert(nn.Module):
         self.mlp = SwiGLU(D, c.intermediate_size)
         self.heads = (H, G, K)
 
-    def qkv(self, x_ND: torch.Tensor) -> torch.Tensor:
-        """[N, (H + 2G) K]: q and k normed per head (before RoPE, which is position-only and shared), and v."""
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """[N, (H + 2G) K]: q and k normed per head (before RoPE, which is position-only and shared), and v. A
+        module call, so that tensor parallel's hooks on the expert (the q / k norms' summed gradients) run."""
         K = self.heads[2]
         x = self.attn_norm(x_ND)
         q = self.q_norm(self.wq(x).unflatten(-1, (-1, K))).flatten(-2)
@@ -74,11 +75,15 @@ def route(x_TX: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> tuple
     return x_TX.index_select(0, index[0]), x_TX.index_select(0, index[1])
 
 
-def merge(und_NX: torch.Tensor, gen_MX: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The [T, X] rows back in sequence order (the indices cover every token once)."""
-    T = index[0].shape[0] + index[1].shape[0]
-    out = und_NX.new_zeros(T, und_NX.shape[-1])
-    return out.index_copy(0, index[0], und_NX).index_copy(0, index[1], gen_MX)
+def merge(und_NX: torch.Tensor, gen_MX: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor],
+          lead: tuple[int, ...]) -> torch.Tensor:
+    """The rows back in sequence order, as a fresh [*lead, X] tensor (the indices cover its prod(lead) rows once; a
+    base, not a view, so that FSDP's hooks on a block's output hold)."""
+    out = und_NX.new_zeros(*lead, und_NX.shape[-1])
+    flat = out.view(-1, und_NX.shape[-1])
+    flat.index_copy_(0, index[0], und_NX)
+    flat.index_copy_(0, index[1], gen_MX)
+    return out
 
 
 class MoTLayer(nn.Module):
@@ -93,18 +98,15 @@ class MoTLayer(nn.Module):
     def forward(self, h_BSD: torch.Tensor, index, rope, attn: AttnMeta | None) -> torch.Tensor:
         B, S, D = h_BSD.shape
         H, G, K = self.heads
-        h = h_BSD.reshape(B * S, D)
-        xu, xg = route(h, index)
-        qkv = merge(self.und.qkv(xu), self.gen.qkv(xg), index).view(B, S, -1, K)
+        xu, xg = route(h_BSD.reshape(B * S, D), index)
+        qkv = merge(self.und(xu), self.gen(xg), index, (B, S)).unflatten(-1, (-1, K))
         n = qkv.shape[2]  # this rank's heads: all, or H / tp and G / tp under tensor parallelism
         q, k, v = qkv.split([n * H // (H + 2 * G), n * G // (H + 2 * G), n * G // (H + 2 * G)], dim=2)
         q, k = apply_rope(q, k, *rope)
-        o = attention(q, k, v, attn, None).reshape(B * S, -1)
-        ou, og = route(o, index)
-        h = h + merge(self.und.wo(ou), self.gen.wo(og), index)
-        xu, xg = route(h, index)
-        h = h + merge(self.und.mlp(self.und.ffn_norm(xu)), self.gen.mlp(self.gen.ffn_norm(xg)), index)
-        return h.view(B, S, D)
+        ou, og = route(attention(q, k, v, attn, None).reshape(B * S, -1), index)
+        h = h_BSD + merge(self.und.wo(ou), self.gen.wo(og), index, (B, S))
+        xu, xg = route(h.reshape(B * S, D), index)
+        return h + merge(self.und.mlp(self.und.ffn_norm(xu)), self.gen.mlp(self.gen.ffn_norm(xg)), index, (B, S))
 
 
 class ViTBlock(nn.Module):
@@ -241,7 +243,7 @@ class BagelModel(nn.Module):
         """The final norm of each token's expert."""
         B, S, D = h_BSD.shape
         hu, hg = route(h_BSD.reshape(B * S, D), index)
-        return merge(self.norm(hu), self.norm_gen(hg), index).view(B, S, D)
+        return merge(self.norm(hu), self.norm_gen(hg), index, (B, S))
 
     def forward(self, input_ids, position_ids=None, attn=None, logits_at=None, loss=None, *, und_index, gen_index,
                 noisy_latents, cond_latents, timesteps, latent_pos, vit_patches=None, vit_pos=None, vit_index=None,

@@ -1,0 +1,104 @@
+"""BAGEL (the debug flavor: CE on the answers + flow matching on the noised latents, one packed row of understanding,
+generation and editing samples under the segment mask) on 2 gloo processes: three SGD-momentum steps give the world-1
+losses, grad norms and every gradient under FSDP2 (both experts of a layer in one unit, the ViT blocks their own) and
+under tensor parallelism inside each expert (titan_mm/models/bagel/plan.py: q/k/v and w1/w3 colwise, o and w2
+rowwise, the per-head q/k norms replicated with summed gradients).
+
+Each rank reads its rows of the global batch (the ViT patches of those rows, re-collated), corrupted once for all
+worlds; the step's loss is ce / N_ce + mse / N_mse with the global counts. Tolerance: the same fp32 products, sums
+regrouped (two ranks' tokens, TP's halves of each contraction): below 1e-5 at these sizes (n <= 128 terms).
+"""
+
+import functools
+
+import pytest
+import torch
+from _harness import run_multiproc
+from _parallel_common import check_cells, run_cells, train_steps
+
+from titan_mm.config import JobConfig
+from titan_mm.data.packing import collate_rows
+from titan_mm.models.bagel import plan as bagel_plan
+from titan_mm.models.bagel.config import FLAVORS
+from titan_mm.models.bagel.model import build
+from titan_mm.models.bagel.spec import SCHEMA, objective_options, prepare_batch
+from titan_mm.models.bagel.synthetic import ROW_TOKENS, class_images, row
+from titan_mm.nn.attention import build_attn_meta
+from titan_mm.objectives import CausalLM, Combined, FlowMatching
+from titan_mm.parallel.apply import parallelize
+from titan_mm.parallel.mesh import ParallelDims
+from titan_mm.train.step import model_inputs
+
+pytestmark = pytest.mark.slow  # spawned processes on 2 shared cores
+
+CFG = FLAVORS["debug"]
+OBJ = Combined((CausalLM(), FlowMatching(seed=0, **objective_options(CFG)["flow_matching"])))
+MEDIA = ("vit_patches", "vit_pos", "vit_lens")
+
+
+def _batches():
+    """3 global batches of 2 rows: (their docs, the batch corrupted once for all worlds)."""
+    pixels, latents = class_images(CFG)
+    out = []
+    for s in range(3):
+        rows = [row(CFG, torch.Generator().manual_seed(100 * s + r), pixels, latents) for r in range(2)]
+        out.append((rows, OBJ.prepare([collate_rows(rows, ROW_TOKENS, 0, 1, multiple=1, schema=SCHEMA)], s)[0]))
+    return out
+
+
+BATCHES = _batches()
+
+
+def _select(gb, dp_rank, dp_size):
+    """This rank's rows of the global batch: the per-token keys sliced, the ViT patches of its rows re-collated; the
+    global counts ride along (the step divides by them itself)."""
+    rows, b = gb
+    local = {k: v[dp_rank::dp_size] if v.dim() >= 2 else v for k, v in b.items() if k not in MEDIA}
+    mine = collate_rows(rows[dp_rank::dp_size], ROW_TOKENS, 0, 1, multiple=1, schema=SCHEMA)
+    local.update({k: mine[k] for k in MEDIA})
+    local["cu_seqlens"], local["max_seqlen"] = mine["cu_seqlens"], mine["max_seqlen"]
+    local["global_counts"] = OBJ.counts(b)
+    return local, torch.tensor(1.0)
+
+
+def _step(model, b):
+    counts = b.pop("global_counts")
+    b = prepare_batch(CFG, b, "cpu")
+    meta = build_attn_meta(b, "sdpa", "cpu", kind=OBJ.mask_kind)
+    out = model(b["input_ids"], position_ids=b["position_ids"], attn=meta, loss=OBJ.bind(b), **model_inputs(b, OBJ))
+    return out.terms["ce"] / counts["ce"] + out.terms["mse"] / counts["mse"]
+
+
+def _build():
+    torch.manual_seed(0)
+    m = build(CFG)
+    m.init_weights()
+    for p in m.parameters():  # init's zero biases and llm2vae would leave their paths untested
+        p.data.add_(0.05 * torch.randn_like(p))
+    return m
+
+
+@functools.lru_cache(maxsize=None)
+def _reference():
+    return train_steps(_build(), BATCHES, _step, select=_select)
+
+
+def _run_cell(world, dims):
+    model = _build()
+    pd = ParallelDims(world_size=world, **dims)
+    parallelize(model, bagel_plan.plan(CFG), pd, JobConfig())
+    bm = pd.mesh("batch")
+    return train_steps(model, BATCHES, _step, dp_rank=bm.get_local_rank(), dp_size=bm.size(),
+                       loss_group=pd.mesh("loss").get_group(), select=_select)
+
+
+def _worker(rank, world, cells):
+    return run_cells(cells, functools.partial(_run_cell, world))
+
+
+CELLS = (("fsdp2", dict(dp_shard=2)), ("tp2", dict(dp_shard=1, tp=2)))
+
+
+def test_bagel_parallel_matches_world1():
+    got = run_multiproc(_worker, 2, args=(CELLS,), timeout_s=600)
+    check_cells(CELLS, got, lambda cell: _reference())
