@@ -69,7 +69,7 @@ def run(flavor: str, layers: int, tokens: int, text_len: int, iters: int, dev: t
     time_params = matmul_params(cfg)[2]
     rows = []
     for name, kw in kinds.items():
-        def step():
+        def step(kw=kw):
             out = model(attn=meta, noisy_latents=x, text_states=text, grid_fhw=grid, **kw)
             return model.predict_velocity(out, {})
 

@@ -59,7 +59,7 @@ def test_sampler_on_cuda_equals_cpu_and_the_per_clip_forward_does_not_sync(tmp_p
     _, model, cfg = _pair(TINY, tmp_path)
     text = torch.randn(2, 5, cfg.text_dim, generator=torch.Generator().manual_seed(1))
     noise = torch.randn(2, cfg.in_channels, 2, 4, 4, generator=torch.Generator().manual_seed(2))
-    kw = dict(steps=4, shift=3.0, guidance_scale=4.0)
+    kw = {"steps": 4, "shift": 3.0, "guidance_scale": 4.0}
     want = sample(model, text, noise, **kw)
     model = model.cuda()
     got = sample(model, text.cuda(), noise.cuda(), **kw)

@@ -57,15 +57,15 @@ def test_sampler_equals_wan_pipeline(steps, shift, scale, neg_len, tmp_path):
     """The latents of our sampler and of WanPipeline (FlowMatchEulerDiscreteScheduler, the same transformer weights,
     text states and noise), and the decoded frames. The pipeline runs the cond and uncond forwards apart; ours
     batches them when the states agree in shape, or not (a negative prompt of another length)."""
-    ref, model, cfg = _pair(TINY, tmp_path)
+    ref, model, _ = _pair(TINY, tmp_path)
     vae = _vae()
     text = _states(1)
     neg = None if neg_len is None else _states(2, neg_len)
     sched = FlowMatchEulerDiscreteScheduler(shift=shift)
     pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=sched, transformer=ref)
     pipe.set_progress_bar_config(disable=True)
-    kw = dict(prompt_embeds=text, negative_prompt_embeds=neg, num_frames=5, height=32, width=32,
-              num_inference_steps=steps, guidance_scale=scale)
+    kw = {"prompt_embeds": text, "negative_prompt_embeds": neg, "num_frames": 5, "height": 32, "width": 32,
+          "num_inference_steps": steps, "guidance_scale": scale}
     want = pipe(latents=_noise(), output_type="latent", **kw).frames
     frames = torch.from_numpy(pipe(latents=_noise(), output_type="np", **kw).frames)
     got = sample(model, text, _noise(), steps=steps, shift=shift, guidance_scale=scale, negative_states=neg)
@@ -78,7 +78,7 @@ def test_sampler_equals_wan_pipeline(steps, shift, scale, neg_len, tmp_path):
 
 def _pipeline_folder(tmp_path):
     """A diffusers pipeline folder: model_index.json, transformer/ and vae/."""
-    ref, model, cfg = _pair(TINY, tmp_path / "pipe")
+    model = _pair(TINY, tmp_path / "pipe")[1]
     _vae().save_pretrained(tmp_path / "pipe" / "vae")
     (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
     torch.save(_states(1)[0], tmp_path / "prompt.pt")
@@ -108,6 +108,7 @@ def test_cli_mistakes_are_one_line(tmp_path, capsys):
     base = ["--model", str(pipe), "--text-states", str(tmp_path / "prompt.pt")]
     torch.save({"states": 1}, tmp_path / "dict.pt")
     torch.save(torch.zeros(3, 7), tmp_path / "narrow.pt")
+    (tmp_path / "text.pt").write_text("a prompt, not its states")
     cases = [
         (["--out", "z.gif"], "without --vae the latents are written as a torch file"),
         (["--vae", str(pipe), "--out", "z.pt"], "name it *.gif"),
@@ -122,6 +123,7 @@ def test_cli_mistakes_are_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, (extra, err)
     for states, msg in [("missing.pt", "no such file"), ("dict.pt", "holds dict; it must be float text states"),
+                        ("text.pt", "is not a torch tensor file"),
                         ("narrow.pt", "text_dim 7; the model's text_dim is 16")]:
         assert main(["--model", str(pipe), "--text-states", str(tmp_path / states), "--out", "z.pt"]) == 2
         err = capsys.readouterr().err

@@ -34,7 +34,7 @@ def _states(path: str, flag: str) -> torch.Tensor:
         raise ValueError(f"{flag} {path}: no such file; save the prompt's UMT5 states with torch.save")
     try:
         x = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch.load raises many kinds (pickle, zip, unpickler): all mean "not a tensor file"
+    except Exception as e:  # noqa: BLE001  torch's weights-only unpickler raises any type on a file of other bytes
         raise ValueError(f"{flag} {path} is not a torch tensor file ({type(e).__name__}); write it with "
                          "torch.save(tensor, path)") from None
     if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or not x.is_floating_point():
@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{tuple(cfg.patch_size)}")
         vae = None
         if a.vae:
-            from diffusers import AutoencoderKLWan  # the optional extra [diffusers]: only the decode needs it
+            # the optional extra [diffusers]: only the decode needs it
+            from diffusers import AutoencoderKLWan
 
             vae = AutoencoderKLWan.from_pretrained(_vae_dir(a.vae)).to(a.device).eval()
             if vae.config.z_dim != cfg.in_channels:
