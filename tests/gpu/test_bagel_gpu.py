@@ -23,10 +23,14 @@ def _batch(n_rows: int = 2):
     return rows, _objective().prepare([collate_rows(rows, SEQ, 0, 1, multiple=1, schema=SCHEMA)], 0)[0]
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_bagel_matches_the_reference_on_cuda(backend):
+@pytest.mark.parametrize("backend,compiled", [("sdpa", False), ("flex", False), ("flex", True)])
+def test_bagel_matches_the_reference_on_cuda(backend, compiled):
+    """fp32; ``compiled``: the plan's compile units (MoT layers, ViT blocks) through inductor, fullgraph."""
     model, ref, pp = _pair()
     model, ref = model.cuda(), ref.cuda()
+    if compiled:
+        for block in (*model.layers, *model.vit.blocks):
+            block.compile(fullgraph=True)
     rows, batch = _batch()
     obj = _objective()
     want = ref({k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()},

@@ -293,6 +293,20 @@ def test_packed_rows_equal_each_sample_alone():
             start += len(d)
 
 
+def test_blocks_trace_as_whole_graphs():
+    """The plan's compile units (every MoT layer and ViT block) trace with fullgraph=True (no graph break: the
+    routing and the masks are tensors built on the host) and give the eager forward bit for bit (dynamo's eager
+    backend: the trace, not inductor's kernels, which tests/gpu/test_bagel_gpu.py runs)."""
+    model, _, _ = _pair(3)
+    obj = _objective()
+    batch = obj.prepare([collate_rows(_rows(1), SEQ, 0, 1, multiple=1, schema=SCHEMA)], 0)[0]
+    with torch.no_grad():
+        want = _ours(model, batch, obj).hidden
+        for block in (*model.layers, *model.vit.blocks):
+            block.compile(fullgraph=True, backend="eager")
+        assert torch.equal(_ours(model, batch, obj).hidden, want)
+
+
 def test_segment_mask_equals_the_reference_mask():
     """The step's "segments" metadata (from the collator's seg_ids / seg_kinds / doc_ids) is BAGEL's mask element by
     element, and every image split shares one RoPE position."""
