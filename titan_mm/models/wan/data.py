@@ -9,10 +9,11 @@ cache and the in-pipeline path agree), normalized by the VAE config's latents_me
 
 from __future__ import annotations
 
-import functools
 import html
 import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -83,6 +84,17 @@ def load_encoders(cfg: WanConfig, folder: str, device: str = "cpu") -> WanEncode
                        cfg.patch_size, device)
 
 
+@dataclass(frozen=True)
+class _Bound:
+    """``fn`` with the config bound, equal by value (a functools.partial is equal only to itself, and a family's
+    DataNeeds compare equal for equal configs)."""
+
+    fn: Callable
+    cfg: WanConfig
+
+    def __call__(self, *args, **kw):
+        return self.fn(self.cfg, *args, **kw)
+
+
 def clip_layout(cfg: WanConfig) -> ClipLayout:
-    return ClipLayout(text_len=TEXT_LEN, batch=functools.partial(latent_batch, cfg),
-                      encoders=functools.partial(load_encoders, cfg))
+    return ClipLayout(text_len=TEXT_LEN, batch=_Bound(latent_batch, cfg), encoders=_Bound(load_encoders, cfg))
