@@ -16,6 +16,9 @@ see docs/kernels.md):
     bias_gelu(x, b) -> gelu_tanh(x + b)
     paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, window=None) -> o
         (serving's one-token decode step over a paged KV pool, keys read in place; no backward)
+    paged_attention(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, window=None) -> o
+        (serving's mixed step: q [T, H, K] of sequences with q_len >= 1 new tokens each, packed by cu_seqlens_q,
+        attending causally to their paged context; no backward)
     norm_rope_cache(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots) -> q
         (serving's decode step before that attention: q/k RMSNorm, RoPE, k and v written into their cache slots;
         one launch; no backward)
@@ -55,7 +58,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_mm.nn.kv_cache import paged_decode_reference
+from titan_mm.nn.kv_cache import paged_attention_reference, paged_decode_reference
 from titan_mm.nn.loss import chunked_cross_entropy
 from titan_mm.nn.mlp import bias_gelu as _bias_gelu_ref
 from titan_mm.nn.mlp import silu_mul
@@ -81,6 +84,7 @@ __all__ = [
     "vocab_parallel_linear_cross_entropy",
     "bias_gelu",
     "paged_decode_attention",
+    "paged_attention",
     "norm_rope_cache",
     "grouped_mm",
     "upcast",
@@ -139,6 +143,7 @@ if HAS_TRITON:  # optional: triton is absent on some CPU machines, where every o
     from .moe_router import MAX_E as _ROUTING_MAX_E
     from .moe_router import RoutingFunction, moe_routing_op
     from .norm_rope_cache import norm_rope_cache as _norm_rope_cache
+    from .paged_attention import paged_mixed
     from .paged_decode import paged_decode
     from .rms_norm import AddRMSNormFunction, RMSNormFunction, add_rms_norm_op, rms_norm_op
     from .rms_norm import _fwd as _rms_fwd
@@ -270,6 +275,24 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if use_triton(q, k_pool, v_pool):  # any block size: tiles of 64 tokens look up each token's block
         return paged_decode(q, k_pool, v_pool, block_tables, seq_lens, window)
     return paged_decode_reference(q, k_pool, v_pool, block_tables, seq_lens, window)
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Causal attention of the T new queries q [T, H, K] of B sequences, packed by ``cu_seqlens_q`` [B + 1] (device
+    int32), over each sequence's first ``seq_lens[b]`` keys (its new tokens last, already written), read from the
+    pools [NB, BS, G, K] through ``block_tables`` [B, MB] (the last ``window`` keys up to each query with a sliding
+    window; see titan_mm/kernels/paged_attention.py). -> [T, H, K]."""
+    T, H, K = q.shape
+    if (k_pool.shape[-1] != K or H % k_pool.shape[2] or v_pool.shape != k_pool.shape
+            or cu_seqlens_q.shape != (block_tables.shape[0] + 1,) or seq_lens.shape != (block_tables.shape[0],)):
+        raise ValueError(f"paged attention: q [T, H, K] = {list(q.shape)} against pools {list(k_pool.shape)} / "
+                         f"{list(v_pool.shape)}, block_tables {list(block_tables.shape)}, seq_lens "
+                         f"{list(seq_lens.shape)}, cu_seqlens_q {list(cu_seqlens_q.shape)}: K must agree, H must be a "
+                         "multiple of G, k and v pools alike, one table row and length per sequence and B + 1 offsets")
+    if use_triton(q, k_pool, v_pool):
+        return paged_mixed(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, window)
+    return paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, window)
 
 
 @torch.no_grad()

@@ -39,6 +39,33 @@ MAX_SPLITS = 32
 
 
 @triton.jit
+def attend_tile(q, m, s_sum, acc, Kp, Vp, bt, pos, ok, keep, g, skn, skt, skg, svn, svt, svg, d, dm,
+                BS: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of keys at positions ``pos`` [TB] (``ok``: inside the table row ``bt``) for the query rows ``q``
+    [M, DP] of kv head ``g``: -> the online softmax's running max, sum and fp32 accumulator after it. ``keep``
+    [M, TB] or [1, TB]: which (row, key) pairs attend (the caller's causal / window / length mask)."""
+    blk = tl.load(bt + pos // BS, mask=ok, other=0).to(tl.int64)
+    off = blk * skn + (pos % BS) * skt + g * skg
+    k = tl.load(Kp + off[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))  # m starts finite (-1e30): a row with no key kept stays at sum 0
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    s_sum = s_sum * alpha + tl.sum(p, 1)
+    voff = blk * svn + (pos % BS) * svt + g * svg
+    v = tl.load(Vp + voff[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, s_sum, acc
+
+
+@triton.jit
 def _paged_decode(Q, Kp, Vp, O, M, L, BT, LENS, scale, window,
                   sqb, sqh, skn, skt, skg, svn, svt, svg, sob, soh, sop, smb, smh, sbt,
                   HPG: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr, TB: tl.constexpr, D: tl.constexpr,
@@ -67,25 +94,8 @@ def _paged_decode(Q, Kp, Vp, O, M, L, BT, LENS, scale, window,
     for s0 in range(start, end, TB):
         pos = s0 + t
         ok = pos < end
-        blk = tl.load(BT + b * sbt + pos // BS, mask=ok, other=0).to(tl.int64)
-        off = blk * skn + (pos % BS) * skt + g * skg
-        k = tl.load(Kp + off[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        s_sum = s_sum * alpha + tl.sum(p, 1)
-        voff = blk * svn + (pos % BS) * svt + g * svg
-        v = tl.load(Vp + voff[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, s_sum, acc = attend_tile(q, m, s_sum, acc, Kp, Vp, BT + b * sbt, pos, ok, ok[None, :], g,
+                                    skn, skt, skg, svn, svt, svg, d, dm, BS, IEEE)
     out = hm[:, None] & dm[None, :]
     if SPLITS == 1:
         o = acc / tl.maximum(s_sum, 1e-30)[:, None]

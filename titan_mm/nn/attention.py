@@ -403,6 +403,11 @@ def attention(
             o = st.decode_attention(q_BSHK[:, 0], cache.k[layer_id], cache.v[layer_id], st.block_tables, st.seq_lens,
                                     window)
             return o[:, None]
+        if st.paged_attention is not None:  # one packed row [1, T] of rows of any length, read in place
+            cache.write(layer_id, k_BSGK, v_BSGK)
+            o = st.paged_attention(q_BSHK[0], cache.k[layer_id], cache.v[layer_id], st.block_tables, st.seq_lens,
+                                   st.cu_seqlens_q, window)
+            return o[None]
         k_all, v_all = cache.update(layer_id, k_BSGK, v_BSGK)  # [B, L, G, K]: every cached key of the sequence
         if st.varlen:  # one packed row [1, N]: each sequence's new queries end its keys (bottom-right causal)
             o = varlen_attention(q_BSHK[0], k_all[0], v_all[0], st.cu_seqlens_q, st.max_seqlen_q, True, window,

@@ -92,6 +92,11 @@ class KVStep:
     varlen: bool = False
     """Packed, on CUDA in bf16 / fp16: attention runs the varlen kernel over ``cu_seqlens_*`` (the masks are not
     built); otherwise SDPA reads ``mask`` [1, 1, T, sum of keys]."""
+    paged_attention: Callable | None = None
+    """Set on a packed step of a paged cache planned with ``paged_attention`` (titan_mm.kernels' paged_attention):
+    attention reads every sequence's keys in place through ``block_tables`` / ``seq_lens`` / ``cu_seqlens_q``
+    (decode rows and prefill chunks in one call) instead of gathering them (``kv_slots``, ``cu_seqlens_k`` and
+    the masks are then unset)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -279,7 +284,8 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
               block_tables: torch.Tensor | Sequence[Sequence[int]] | None = None,
               sliding_window: int | None = None, width: int | None = None,
               decode_attention: Callable | None = None, into: KVStep | None = None,
-              state_slots: Sequence[int] | None = None, packed: bool = False, varlen: bool = False) -> KVCache:
+              state_slots: Sequence[int] | None = None, packed: bool = False, varlen: bool = False,
+              paged_attention: Callable | None = None) -> KVCache:
     """Host side: -> ``cache`` with this step's :class:`KVStep` and the lengths after it (storage shared).
 
     ``new_lens`` [B]: new tokens per sequence this step (the batch's rows hold them first, then padding).
@@ -293,7 +299,9 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     addresses); its block_tables may be wider than this step's tables (the kernel reads the used columns only).
     ``state_slots`` [B]: each row's slot of ``cache.state`` (needed when the cache has one).
     ``packed``: the step's input_ids are one row [1, sum(new_lens)], sequence after sequence, with no padding
-    (prefill chunks of mixed lengths); ``varlen``: its attention runs the varlen kernel instead of a dense mask.
+    (prefill chunks of mixed lengths); ``varlen``: its attention runs the varlen kernel instead of a dense mask;
+    ``paged_attention``: paged_attention(q [T, H, K], k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, window)
+    reads the keys of a packed step of a paged cache in place instead (rows of any length, one call).
     """
     new = torch.as_tensor(new_lens, dtype=torch.int64).reshape(-1).cpu()  # host metadata, whatever was passed
     B = new.numel()
@@ -332,8 +340,12 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
         if cache.state is not None or decode_attention is not None or into is not None:
             raise ValueError("a packed step carries no linear-attention states, decode_attention or into: plan "
                              "those steps as rows")
+        if paged_attention is not None and not isinstance(cache, PagedKVCache):
+            raise ValueError("plan_step(paged_attention=...) reads a PagedKVCache's blocks; a contiguous cache gathers")
         return dataclasses.replace(cache, seq_lens=total, step=_packed_step(cache, new, cached, total,
-                                                                            sliding_window, varlen))
+                                                                            sliding_window, varlen, paged_attention))
+    if paged_attention is not None:
+        raise ValueError("plan_step(paged_attention=...) plans a packed step: pass packed=True")
     i = torch.arange(S)
     positions = cached[:, None] + i[None]  # [B, S]
     valid = i[None] < new[:, None]
@@ -375,14 +387,25 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
 
 
 def _packed_step(cache: KVCache, new: torch.Tensor, cached: torch.Tensor, total: torch.Tensor,
-                 sliding_window: int | None, varlen: bool) -> KVStep:
+                 sliding_window: int | None, varlen: bool, paged_attention: Callable | None = None) -> KVStep:
     """A packed step's metadata: query t belongs to sequence ``q_seq[t]``, key j to ``k_seq[j]``; a query sees
-    the keys of its own sequence up to its position (FlashAttention's bottom-right causal alignment)."""
+    the keys of its own sequence up to its position (FlashAttention's bottom-right causal alignment). With
+    ``paged_attention`` the keys stay in the pool: the step carries the tables and lengths instead."""
     B = new.numel()
     q_seq = torch.repeat_interleave(torch.arange(B), new)  # [T]
-    k_seq = torch.repeat_interleave(torch.arange(B), total)  # [Tk]
-    cu_q, cu_k = (torch.nn.functional.pad(n.cumsum(0), (1, 0)) for n in (new, total))
+    cu_q = torch.nn.functional.pad(new.cumsum(0), (1, 0))
     q_pos = cached[q_seq] + torch.arange(q_seq.numel()) - cu_q[q_seq]
+    dev = cache.k[0].device
+    if paged_attention is not None:
+        width_blocks = max(-(-int(total.max()) // cache.block_size), 1)
+        host = dict(positions=q_pos[None], valid=torch.ones(1, q_seq.numel(), dtype=torch.bool),
+                    new_tokens=torch.arange(q_seq.numel()), slot_mapping=cache._slots(q_seq, q_pos),
+                    block_tables=cache.block_tables[:, :width_blocks].to(torch.int32), seq_lens=total.to(torch.int32),
+                    cu_seqlens_q=cu_q.to(torch.int32))
+        return KVStep(**{n: t.to(dev, non_blocking=True) for n, t in host.items()}, sliding_window=sliding_window,
+                      max_seqlen_q=int(new.max()), max_seqlen_k=int(total.max()), paged_attention=paged_attention)
+    k_seq = torch.repeat_interleave(torch.arange(B), total)  # [Tk]
+    cu_k = torch.nn.functional.pad(total.cumsum(0), (1, 0))
     k_pos = torch.arange(k_seq.numel()) - cu_k[k_seq]
     mask = mask_swa = None
     if not varlen:
@@ -394,7 +417,6 @@ def _packed_step(cache: KVCache, new: torch.Tensor, cached: torch.Tensor, total:
                 kv_slots=cache._slots(k_seq, k_pos)[None], mask=None if mask is None else mask[None, None],
                 mask_swa=None if mask_swa is None else mask_swa[None, None],
                 cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_k=cu_k.to(torch.int32))
-    dev = cache.k[0].device
     return KVStep(**{n: None if t is None else t.to(dev, non_blocking=True) for n, t in host.items()},
                   sliding_window=sliding_window, max_seqlen_q=int(new.max()), max_seqlen_k=int(total.max()),
                   varlen=varlen)
@@ -402,19 +424,33 @@ def _packed_step(cache: KVCache, new: torch.Tensor, cached: torch.Tensor, total:
 
 def paged_decode_reference(q_BHK: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """The reference of titan_mm.kernels.paged_decode_attention (device ops, no host sync): every key a table row
-    names, masked past ``seq_lens`` (and outside the window), fp32 softmax. A sequence of length 0 gets zeros."""
-    B, H, K = q_BHK.shape
+    """The reference of titan_mm.kernels.paged_decode_attention: :func:`paged_attention_reference` with one query
+    per sequence (at its last position). A sequence of length 0 gets zeros."""
+    cu = torch.arange(q_BHK.shape[0] + 1, device=q_BHK.device, dtype=torch.int32)
+    return paged_attention_reference(q_BHK, k_pool, v_pool, block_tables, seq_lens, cu, window)
+
+
+def paged_attention_reference(q_THK: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              window: int | None = None) -> torch.Tensor:
+    """The reference of titan_mm.kernels.paged_attention (device ops, no host sync): the T new queries of B
+    sequences packed by ``cu_seqlens_q`` [B + 1], sequence b's ending its ``seq_lens[b]`` keys; every key its table
+    row names, kept at or before the query's position (and inside the window), fp32 softmax. A query with no key
+    (of a sequence of length 0) gets zeros. Memory T x keys of a table row x G x K: small batches (tests, CPU)."""
+    T, H, K = q_THK.shape
     NB, BS, G, _ = k_pool.shape
     MB = block_tables.shape[1]
-    dev = q_BHK.device
-    slots = (block_tables.long().clamp(0, NB - 1)[:, :, None] * BS + torch.arange(BS, device=dev)).reshape(B, MB * BS)
-    k, v = (pool.reshape(NB * BS, G, K)[slots].float() for pool in (k_pool, v_pool))  # [B, L, G, K]
+    dev = q_THK.device
+    t = torch.arange(T, device=dev)
+    seq = torch.searchsorted(cu_seqlens_q[1:].long(), t, right=True).clamp(max=block_tables.shape[0] - 1)
+    qpos = seq_lens.long()[seq] - (cu_seqlens_q.long()[seq + 1] - t)  # [T]
+    slots = (block_tables.long().clamp(0, NB - 1)[seq][:, :, None] * BS + torch.arange(BS, device=dev)).reshape(
+        T, MB * BS)
+    k, v = (pool.reshape(NB * BS, G, K)[slots].float() for pool in (k_pool, v_pool))  # [T, L, G, K]
     pos = torch.arange(MB * BS, device=dev)[None]
-    n = seq_lens.long()[:, None]
-    ok = pos < n
+    ok = pos <= qpos[:, None]
     if window is not None:
-        ok = ok & (pos > n - 1 - window)
-    s = torch.einsum("bgjk,blgk->bgjl", q_BHK.float().view(B, G, H // G, K), k) * K ** -0.5
+        ok = ok & (qpos[:, None] - pos < window)
+    s = torch.einsum("tgjk,tlgk->tgjl", q_THK.float().view(T, G, H // G, K), k) * K ** -0.5
     p = torch.softmax(s.masked_fill(~ok[:, None, None, :], float("-inf")), -1).nan_to_num(0.0)
-    return torch.einsum("bgjl,blgk->bgjk", p, v).reshape(B, H, K).to(q_BHK.dtype)
+    return torch.einsum("tgjl,tlgk->tgjk", p, v).reshape(T, H, K).to(q_THK.dtype)
