@@ -12,9 +12,11 @@ from PIL import Image
 diffusers = pytest.importorskip("diffusers")  # the optional extra [diffusers]
 
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline  # noqa: E402
+from transformers import AutoTokenizer, UMT5EncoderModel  # noqa: E402
 
 from tests.unit.test_wan import TINY, _pair  # noqa: E402
 from titan_mm.models.wan.sample import decode, flow_sigmas, sample  # noqa: E402
+from titan_mm.models.wan.toy import save_random_encoders  # noqa: E402
 from titan_mm.objectives import FlowMatching  # noqa: E402
 from titan_mm.tools.wan_sample import main  # noqa: E402
 
@@ -103,6 +105,33 @@ def test_cli_samples_latents_and_gifs(tmp_path, capsys):
     assert "sampled 1 clip(s)" in capsys.readouterr().out
 
 
+def test_cli_prompt_through_umt5_equals_wan_pipeline(tmp_path):
+    """--prompt / --negative-prompt text through the frozen UMT5 of --encoders (the data pipeline's encoding), padded
+    to 512 states: the latents equal WanPipeline's from the same text, tokenizer, UMT5, transformer and noise, and
+    the GIF is decoded by the folder's VAE."""
+    pipe = tmp_path / "pipe"
+    ref = _pair(TINY, pipe)[0]
+    save_random_encoders(str(pipe), text_dim=TINY["text_dim"], z_dim=TINY["in_channels"])  # 2x space, 2x time
+    (pipe / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    prompt, negative = "a red ball rolls left", "a green cube"
+    args = ["--model", str(pipe), "--encoders", str(pipe), "--prompt", prompt, "--negative-prompt", negative,
+            "--latent-frames", "2", "--latent-height", "8", "--latent-width", "8", "--steps", "3", "--shift", "3",
+            "--guidance-scale", "4", "--seed", "7"]
+    assert main([*args, "--out", str(tmp_path / "z.pt")]) == 0
+    wan = WanPipeline(tokenizer=AutoTokenizer.from_pretrained(pipe / "tokenizer"),
+                      text_encoder=UMT5EncoderModel.from_pretrained(pipe / "text_encoder"),
+                      vae=AutoencoderKLWan.from_pretrained(pipe / "vae"),
+                      scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=ref)
+    wan.set_progress_bar_config(disable=True)
+    noise = torch.randn(1, TINY["in_channels"], 2, 8, 8, generator=torch.Generator().manual_seed(7))
+    want = wan(prompt=prompt, negative_prompt=negative, latents=noise, num_frames=3, height=16, width=16,
+               num_inference_steps=3, guidance_scale=4.0, output_type="latent").frames
+    torch.testing.assert_close(torch.load(tmp_path / "z.pt"), want, atol=(1 + 2 * 4.0) * 1e-5, rtol=1e-5)
+    assert main([*args, "--out", str(tmp_path / "clip.gif")]) == 0
+    with Image.open(tmp_path / "clip.gif") as gif:
+        assert (gif.n_frames, gif.size) == (3, (16, 16))
+
+
 def test_cli_mistakes_are_one_line(tmp_path, capsys):
     _, pipe = _pipeline_folder(tmp_path)
     base = ["--model", str(pipe), "--text-states", str(tmp_path / "prompt.pt")]
@@ -110,8 +139,11 @@ def test_cli_mistakes_are_one_line(tmp_path, capsys):
     torch.save(torch.zeros(3, 7), tmp_path / "narrow.pt")
     (tmp_path / "text.pt").write_text("a prompt, not its states")
     cases = [
-        (["--out", "z.gif"], "without --vae the latents are written as a torch file"),
-        (["--vae", str(pipe), "--out", "z.pt"], "name it *.gif"),
+        (["--out", "z.gif"], "decoding a GIF needs a VAE: pass --vae (or --encoders)"),
+        (["--out", "z.mp4"], "name a GIF (*.gif, the decoded frames) or a torch file"),
+        (["--vae", str(pipe), "--out", "z.pt"], "--vae decodes frames into a GIF; name it *.gif"),
+        (["--prompt", "a ball", "--out", "z.pt"], "give the prompt as --prompt TEXT (with --encoders) or as"),
+        (["--negative-prompt", "a cube", "--out", "z.pt"], "--negative-prompt / --encoders go with --prompt"),
         (["--steps", "0", "--out", "z.pt"], "steps = 0: sampling needs at least 1 step"),
         (["--shift", "0", "--out", "z.pt"], "shift = 0.0: the timestep shift must be > 0"),
         (["--vae", str(tmp_path), "--out", "z.gif"], "no config.json there nor in"),
@@ -120,6 +152,11 @@ def test_cli_mistakes_are_one_line(tmp_path, capsys):
     ]
     for extra, msg in cases:
         assert main([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, (extra, err)
+    for extra, msg in [(["--prompt", "a ball"], "--prompt needs --encoders"),
+                       (["--prompt", "a ball", "--encoders", str(pipe)], "has no tokenizer/, text_encoder/; give")]:
+        assert main(["--model", str(pipe), *extra, "--out", "z.pt"]) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, (extra, err)
     for states, msg in [("missing.pt", "no such file"), ("dict.pt", "holds dict; it must be float text states"),

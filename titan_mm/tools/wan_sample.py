@@ -1,15 +1,19 @@
 """Generate a clip with a Wan model through its training forward (titan_mm.models.wan.sample): Euler flow steps
 with classifier-free guidance, the sigmas of diffusers' FlowMatchEulerDiscreteScheduler with ``--shift``.
 
-    python -m titan_mm.tools.wan_sample --model outputs/debug_wan --text-states prompt.pt \\
-        --latent-frames 3 --latent-height 8 --latent-width 8 --out clip.gif --vae /path/to/Wan2.1-T2V-1.3B-Diffusers
+    python -m titan_mm.tools.wan_sample --model outputs/wan_run --encoders /path/to/Wan2.1-T2V-1.3B-Diffusers \\
+        --prompt "a red ball rolls left" --latent-frames 21 --latent-height 60 --latent-width 104 --out clip.gif
+    python -m titan_mm.tools.wan_sample --model outputs/debug_wan --text-states prompt.pt --out latents.pt
 
-``--model``: a titan_mm run / checkpoint folder or a diffusers transformer (or pipeline) folder. ``--text-states``:
-a torch file of the prompt's UMT5 states, [L, text_dim] or [B, L, text_dim]; ``--negative-states`` likewise
-(default: zeros, the empty prompt of data.prompt_dropout). The latent sizes are the VAE's (a 480x832 clip of 81
-frames is 21 x 60 x 104 latents with Wan2.1's VAE). With ``--vae`` (a diffusers AutoencoderKLWan folder, or a
-pipeline folder holding vae/) the frames are decoded and written as an animated GIF; without it ``--out`` gets the
-latents [B, C, F, H, W] as a torch file (.pt). Every mistake is one line and exit status 2, before the model loads.
+``--model``: a titan_mm run / checkpoint folder or a diffusers transformer (or pipeline) folder. The prompt is
+``--prompt`` text, encoded by the frozen UMT5 of ``--encoders`` (a diffusers Wan pipeline folder: tokenizer/,
+text_encoder/, vae/; titan_mm.models.wan.data, as the data pipeline encodes captions) and zero-padded to 512
+states as WanPipeline does, with ``--negative-prompt`` (default "", WanPipeline's); or ``--text-states``, a torch
+file of UMT5 states [L, text_dim] or [B, L, text_dim], with ``--negative-states`` (default zeros: the empty prompt of
+data.prompt_dropout). The latent sizes are the VAE's (a 480x832 clip of 81 frames is 21 x 60 x 104 latents with
+Wan2.1's VAE). With a VAE (``--vae``: an AutoencoderKLWan folder or a pipeline holding vae/; else the one of
+``--encoders``) ``--out`` is an animated GIF of the decoded frames, one per clip; ``--out x.pt`` gets the latents
+[B, C, F, H, W]. Every mistake is one line and exit status 2, before the model loads.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from titan_mm.checkpoint_io import CheckpointError
 from titan_mm.config import ConfigError
 from titan_mm.loader import load_model
 from titan_mm.models.wan import WanModel
+from titan_mm.models.wan.data import TEXT_LEN, load_encoders
 from titan_mm.models.wan.sample import check_sampling, decode, sample, write_gif
 
 
@@ -53,26 +58,49 @@ def _vae_dir(path: str) -> str:
     return folder
 
 
-def check_args(a: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Every cheap check, before the model loads: (text states, negative states or None)."""
+def _padded(states: torch.Tensor) -> torch.Tensor:
+    """[1, TEXT_LEN, D]: a prompt's states zero-padded as WanPipeline pads them (and the data pipeline)."""
+    return torch.cat([states, states.new_zeros(TEXT_LEN - len(states), states.shape[-1])])[None]
+
+
+def check_args(a: argparse.Namespace) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Every cheap check, before the model loads: (text states, negative states or None) of --text-states, or
+    (None, None) with --prompt (encoded once the model is known)."""
     check_sampling(a.steps, a.shift, a.guidance_scale)
     if min(a.latent_frames, a.latent_height, a.latent_width) < 1:
         raise ValueError("--latent-frames / --latent-height / --latent-width must be >= 1 (latent sizes)")
+    if (a.prompt is None) == (a.text_states is None):
+        raise ValueError("give the prompt as --prompt TEXT (with --encoders) or as --text-states FILE, one of them")
+    if a.prompt is None and (a.negative_prompt is not None or a.encoders):
+        raise ValueError("--negative-prompt / --encoders go with --prompt; with --text-states use --negative-states")
+    if a.prompt is not None and a.negative_states:
+        raise ValueError("--negative-states goes with --text-states; with --prompt use --negative-prompt")
+    if a.prompt is not None and not a.encoders:
+        raise ValueError("--prompt needs --encoders: a diffusers Wan pipeline folder (tokenizer/, text_encoder/, vae/)")
     suffix = Path(a.out).suffix.lower()
-    if a.vae and suffix != ".gif":
-        raise ValueError(f"--out {a.out}: with --vae the decoded frames are written as an animated GIF; name it *.gif")
-    if not a.vae and suffix != ".pt":
-        raise ValueError(f"--out {a.out}: without --vae the latents are written as a torch file; name it *.pt, or "
-                         "pass --vae to decode a GIF")
+    if suffix not in (".gif", ".pt"):
+        raise ValueError(f"--out {a.out}: name a GIF (*.gif, the decoded frames) or a torch file (*.pt, the latents)")
+    if suffix == ".gif" and not (a.vae or a.encoders):
+        raise ValueError(f"--out {a.out}: decoding a GIF needs a VAE: pass --vae (or --encoders), or name it *.pt "
+                         "for the latents")
+    if suffix == ".pt" and a.vae:
+        raise ValueError(f"--out {a.out}: --vae decodes frames into a GIF; name it *.gif, or drop --vae")
     if a.fps < 1:
         raise ValueError(f"--fps {a.fps} must be >= 1")
+    if a.vae:
+        _vae_dir(a.vae)
+    if a.prompt is not None:
+        missing = [f"{s}/" for s in ("tokenizer", "text_encoder", "vae")
+                   if not os.path.isdir(os.path.join(a.encoders, s))]
+        if missing:
+            raise ValueError(f"--encoders {a.encoders} has no {', '.join(missing)}; give a diffusers Wan pipeline "
+                             "folder (tokenizer/, text_encoder/, vae/)")
+        return None, None
     text = _states(a.text_states, "--text-states")
     neg = _states(a.negative_states, "--negative-states") if a.negative_states else None
     if neg is not None and (neg.shape[0] not in (1, text.shape[0]) or neg.shape[-1] != text.shape[-1]):
         raise ValueError(f"--negative-states of shape {list(neg.shape)} does not fit the text states "
                          f"{list(text.shape)}: same text_dim, and 1 or {text.shape[0]} rows")
-    if a.vae:
-        _vae_dir(a.vae)
     return text, neg
 
 
@@ -80,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m titan_mm.tools.wan_sample", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="run / checkpoint folder, or a diffusers transformer folder")
-    ap.add_argument("--text-states", required=True, help="torch file: the prompt's states [L, D] or [B, L, D]")
+    ap.add_argument("--prompt", default=None, help="the prompt's text (with --encoders)")
+    ap.add_argument("--negative-prompt", default=None, help="the negative prompt's text (default \"\", WanPipeline's)")
+    ap.add_argument("--encoders", default=None, help="diffusers Wan pipeline folder: tokenizer/, text_encoder/, vae/")
+    ap.add_argument("--text-states", default=None, help="torch file: the prompt's states [L, D] or [B, L, D]")
     ap.add_argument("--negative-states", default=None, help="torch file: the negative prompt's states (default zeros)")
     ap.add_argument("--latent-frames", type=int, default=3)
     ap.add_argument("--latent-height", type=int, default=8)
@@ -92,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vae", default=None, help="diffusers AutoencoderKLWan folder (or a pipeline with vae/)")
     ap.add_argument("--fps", type=int, default=16, help="frames per second of the GIF")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", required=True, help="clip.gif with --vae, else latents.pt")
+    ap.add_argument("--out", required=True, help="clip.gif (decoded through a VAE) or latents.pt")
     a = ap.parse_args(argv)
     try:
         text, neg = check_args(a)
@@ -100,21 +131,27 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(got.model, WanModel):
             raise ValueError(f"--model {a.model} holds a {got.spec.name!r} model; this tool samples Wan models")
         cfg = got.model_cfg
-        if text.shape[-1] != cfg.text_dim:
-            raise ValueError(f"--text-states have text_dim {text.shape[-1]}; the model's text_dim is {cfg.text_dim}")
         fhw = (a.latent_frames, a.latent_height, a.latent_width)
         if any(n % p for n, p in zip(fhw, cfg.patch_size)):
             raise ValueError(f"latent sizes {fhw} (frames, height, width) must be multiples of the model's patch "
                              f"{tuple(cfg.patch_size)}")
+        enc = load_encoders(cfg, a.encoders, a.device) if a.prompt is not None else None
+        if enc is not None:
+            text, neg = _padded(enc.text(a.prompt)), _padded(enc.text(a.negative_prompt or ""))
+        if text.shape[-1] != cfg.text_dim:
+            raise ValueError(f"the prompt's states (--{'encoders' if enc else 'text-states'}) have text_dim "
+                             f"{text.shape[-1]}; the model's text_dim is {cfg.text_dim}")
         vae = None
         if a.vae:
             # the optional extra [diffusers]: only the decode needs it
             from diffusers import AutoencoderKLWan
 
             vae = AutoencoderKLWan.from_pretrained(_vae_dir(a.vae)).to(a.device).eval()
-            if vae.config.z_dim != cfg.in_channels:
-                raise ValueError(f"--vae has {vae.config.z_dim} latent channels, the model {cfg.in_channels}; use "
-                                 "the VAE of the model's pipeline")
+        elif Path(a.out).suffix.lower() == ".gif":
+            vae = enc.vae
+        if vae is not None and vae.config.z_dim != cfg.in_channels:
+            raise ValueError(f"the VAE has {vae.config.z_dim} latent channels, the model {cfg.in_channels}; use the "
+                             "VAE of the model's pipeline")
     except (ValueError, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
