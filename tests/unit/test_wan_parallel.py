@@ -34,7 +34,7 @@ def test_plan_without_qk_norm_has_no_norm_entries():
 def test_bench_wan_case_is_33_frames_at_480p():
     """33 frames of 832 x 480 through Wan2.1's VAE (4x time, 8x space) are 9 x 60 x 104 latents: 14,040 patches."""
     case = CASES["wan2.1_1.3b"]
-    spec, mc = model_config(case)
+    _, mc = model_config(case)
     b = clip_batch(mc, case["batch"], case["clip"])
     assert b["latents"].shape == (1, case["seq"], 64) and b["text_states"].shape == (1, 512, 4096)
     assert b["grid_fhw"][0, -1].tolist() == [8, 29, 51]
