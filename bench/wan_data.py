@@ -23,12 +23,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from titan_mm.config import load_config  # noqa: E402
 from titan_mm.data.clips import CacheSource, ClipLoader, RawSource  # noqa: E402
-from titan_mm.models.wan.toy import WORDS, moving_square, save_random_encoders, write_mp4  # noqa: E402
+from titan_mm.models.wan.toy import save_random_encoders, write_clip_rows  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
 from titan_mm.tools.cache import main as cache  # noqa: E402
 
@@ -54,14 +53,8 @@ def main() -> None:
     pipe = os.path.join(tmp, "pipe")
     save_random_encoders(pipe, text_dim=128, z_dim=16, text_layers=2, text_heads=4, vae_dim=16, vae_mult=(1, 2, 4, 4),
                          temporal=(False, True, True))
-    rng = np.random.default_rng(0)
-    with open(os.path.join(tmp, "rows.jsonl"), "w") as fh:
-        for i in range(args.clips):
-            write_mp4(os.path.join(tmp, f"{i}.mp4"), moving_square(rng, args.frames, 64, 64 if i % 2 else 96))
-            caption = " ".join(rng.choice(WORDS, 8))
-            fh.write(json.dumps({"messages": [{"role": "user", "content": [
-                {"type": "video", "video": f"{i}.mp4"}, {"type": "text", "text": caption}]}]}) + "\n")
-    flags = ["--model.name", "wan", "--model.flavor", FLAVOR, "--data.dataset", os.path.join(tmp, "rows.jsonl"),
+    rows = write_clip_rows(tmp, args.clips, args.frames, ((64, 96), (64, 64)))
+    flags = ["--model.name", "wan", "--model.flavor", FLAVOR, "--data.dataset", rows,
              "--data.encoders", pipe, "--data.video_fps", "0", "--data.video_min_frames", "1",
              "--data.video_max_frames", str(args.frames), "--data.video_max_pixels", str(10**9),
              "--data.micro_batch_size", "2"]
@@ -71,13 +64,13 @@ def main() -> None:
     spec = get_model_spec("wan")
     layout = spec.data_needs(spec.flavor(FLAVOR)).clips
     data = load_config(flags).data
-    rows = {}
+    list_s = {}
     t0 = time.perf_counter()
     sources = {"cache": CacheSource(os.path.join(tmp, "cache"))}
-    rows["cache"] = time.perf_counter() - t0
+    list_s["cache"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     sources["in_pipeline"] = RawSource(data, layout.encoders(pipe))
-    rows["in_pipeline"] = time.perf_counter() - t0
+    list_s["in_pipeline"] = time.perf_counter() - t0
     out = {"question": "seconds per micro-batch of 2 Wan clips: latent cache vs encoding in the data pipeline",
            "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
            "command": "OMP_NUM_THREADS=2 python bench/wan_data.py",
@@ -87,7 +80,7 @@ def main() -> None:
            "cache_tool_s_per_clip": round(t_cache / args.clips, 4), "rows": {}}
     for name, src in sources.items():
         loader = ClipLoader(src, layout, micro_batch_size=2, seed=0)
-        out["rows"][name] = {"list_s": round(rows[name], 4), "s_per_micro_batch": round(_epoch(loader), 4)}
+        out["rows"][name] = {"list_s": round(list_s[name], 4), "s_per_micro_batch": round(_epoch(loader), 4)}
     c, r = (out["rows"][k]["s_per_micro_batch"] for k in ("cache", "in_pipeline"))
     out["in_pipeline_over_cache"] = round(r / c, 1)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

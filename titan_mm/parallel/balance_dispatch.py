@@ -152,10 +152,11 @@ class Rebalancer:
 
     @classmethod
     def for_run(cls, method: str, run, flavor: str = "") -> "Rebalancer | None":
-        """From titan_mm.train.setup.Run; None where placement cannot gain (``"none"``, one dp rank)."""
-        if method == "none" or run.dp_world == 1:
-            return None
+        """From titan_mm.train.setup.Run; None where placement cannot gain (``"none"``, one dp rank) or would mix
+        shapes (a family's clips, DataNeeds.clips: each micro-batch is one bucket of frames x height x width)."""
         needs = run.spec.data_needs(run.model_cfg)
+        if method == "none" or run.dp_world == 1 or needs.clips is not None:  # clips: a micro-batch is one bucket
+            return None
         group = run.ctx.count_group  # the "batch" mesh: the ranks that read different rows
         comm = run.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
         try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import av
@@ -58,3 +59,16 @@ def write_mp4(path: str, frames: np.ndarray, fps: int = 8) -> None:
         for f in frames:
             c.mux(s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
         c.mux(s.encode())
+
+
+def write_clip_rows(folder: str, n: int, frames: int, sizes: tuple[tuple[int, int], ...], seed: int = 0) -> str:
+    """``n`` mp4 clips of ``frames`` frames (clip i at sizes[i % len(sizes)]) with 8-word captions from WORDS, and
+    rows.jsonl naming them in lmms-engine's format; returns the JSONL's path."""
+    rng = np.random.default_rng(seed)
+    path = os.path.join(folder, "rows.jsonl")
+    with open(path, "w") as fh:
+        for i in range(n):
+            write_mp4(os.path.join(folder, f"{i}.mp4"), moving_square(rng, frames, *sizes[i % len(sizes)]))
+            content = [{"type": "video", "video": f"{i}.mp4"}, {"type": "text", "text": " ".join(rng.choice(WORDS, 8))}]
+            fh.write(json.dumps({"messages": [{"role": "user", "content": content}]}) + "\n")
+    return path
