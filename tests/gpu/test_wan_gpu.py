@@ -4,6 +4,8 @@ the CPU's latents with a per-clip forward that makes no host sync."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -41,11 +43,13 @@ def test_wan_matches_diffusers_on_cuda(hf, per_patch, tmp_path):
 def _step_loss(device: str, backend: str) -> float:
     spec = get_model_spec("wan")
     torch.manual_seed(0)
-    model = spec.build(spec.flavor("debug")).to(device)
+    cfg = spec.flavor("debug")
+    model = spec.build(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     state = TrainState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    # the family's prepare_batch, as setup() passes it: one t per clip runs the time MLP per clip
     ctx = StepContext(device=torch.device(device), attn_backend=backend, objective=ClipFlow(sampler="uniform", seed=1),
-                      seq_keys=spec.schema().seq)
+                      seq_keys=spec.schema().seq, prepare_batch=functools.partial(spec.prepare_batch, cfg))
     return train_step(state, [next(_clips(0, spec.flavor("debug")))], ctx).loss
 
 
