@@ -23,7 +23,9 @@ greedy, EOS ignored, so every request makes exactly its max_tokens. Parts (``--p
 - ``kernels``: kernels per batch-1 decode step (torch.profiler; the kernels inside a replayed CUDA graph are
   counted one by one, checked against the eager step's count), GEMMs among them, with and without fused
   projections, beside the step's ceilings measured in this run: the launch floor (kernels x the replay cost of a
-  one-element kernel) and the weight roofline. On CPU: the aten GEMMs (mm / addmm) per decode step.
+  one-element kernel) and the weight roofline. On CPU: the aten GEMMs (mm / addmm) per decode step. Also per
+  *mixed* step (the decode rows beside a new request's whole prompt of ``mixed_chunk`` tokens): with the decode
+  rows apart (a graph replay plus the prefill forward) and with ``serve.mixed_attention`` (one packed forward).
 
 Titan's engines serve their own copy of the model, fused as Engine.from_pretrained serves it
 (``--fuse_projections``, serve.fuse_projections; the shared model is first cast to the serving dtype in place, so
@@ -78,12 +80,14 @@ SHAPES = {
                 async_scheduling=True, packed_prefill=False, peer=True,
                 A=dict(n=256, lo=100, hi=1024), batch1=dict(prompt=512, new=512),
                 B=dict(n=128, prefix=2048, lo=16, hi=64, new=32), C=dict(n=16, snippet=16, prompt=256, new=128),
-                quantization=QUANTIZATIONS, ppl_tokens=8192, ppl_window=1024, kernel_steps=20, fuse_projections=True),
+                quantization=QUANTIZATIONS, ppl_tokens=8192, ppl_window=1024, kernel_steps=20, mixed_chunk=256,
+                fuse_projections=True),
     "cpu": dict(flavors=("debug",), spec=("debug", "debug"), max_num_seqs=8, budget=256, cap_s=30.0,
                 async_scheduling=True, packed_prefill=False, peer=True,
                 A=dict(n=6, lo=4, hi=16), batch1=dict(prompt=16, new=8),
                 B=dict(n=6, prefix=64, lo=4, hi=8, new=4), C=dict(n=2, snippet=4, prompt=32, new=12),
-                quantization=("none", "int8_weight_only"), ppl_tokens=256, ppl_window=128, kernel_steps=4, fuse_projections=True),
+                quantization=("none", "int8_weight_only"), ppl_tokens=256, ppl_window=128, kernel_steps=4, mixed_chunk=16,
+                fuse_projections=True),
 }
 # H200 seconds per part with the default flavors, guessed before any run (titan eager, no CUDA graphs yet).
 # A: per flavor two engine runs of at most cap_s, transformers' CUDA-graph warm-up, builds; batch1: 512 tokens
@@ -215,7 +219,8 @@ def titan_engine(model, spec, cfg, prompts: list[list[int]], news: list[int], de
     sc = ServeConfig(block_size=bs, num_blocks=blocks, max_num_seqs=min(shape["max_num_seqs"], max(len(prompts), 1)),
                      max_num_batched_tokens=max(shape["budget"], shape["max_num_seqs"]), max_model_len=longest + k + 16,
                      **{"async_scheduling": shape["async_scheduling"], "packed_prefill": shape["packed_prefill"],
-                        "fuse_projections": shape["fuse_projections"], **serve_kw})
+                        "fuse_projections": shape["fuse_projections"],
+                        "mixed_attention": shape.get("mixed_attention", False), **serve_kw})
     own = copy.deepcopy(model.to(device, sc.serving_dtype(torch.device(device))))
     return Engine(own, spec, cfg, sc, device=device, draft=draft, tokenizer=tokenizer(), owns_weights=True)
 
@@ -561,24 +566,60 @@ def decode_step_kernels(engine, prompt: list[int], steps: int) -> dict:
                 wall_ms_per_step=round(wall * 1e3, 3))
 
 
+def mixed_step_kernels(engine, prompt: list[int], chunks: list[list[int]]) -> dict:
+    """Profile one step per chunk in ``chunks``, each a request's whole prompt prefilled beside the decode rows of
+    ``prompt``'s request and the earlier chunks' (a mixed step): per step the CUDA kernels (graph replays counted as
+    the kernels inside them) and the paged attention kernels among them; on CPU the aten GEMMs."""
+    cuda = engine.device.type == "cuda"
+    params = SamplingParams(temperature=0.0, max_tokens=len(chunks) + 8, ignore_eos=True)
+    engine.add_request("k", prompt, params)
+    for _ in range(4):
+        engine.step()
+    sync(engine.device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for i, c in enumerate(chunks):
+            engine.add_request(f"c{i}", c, params)
+            engine.step()
+        sync(engine.device)
+    for rid in ["k"] + [f"c{i}" for i in range(len(chunks))]:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    if not cuda:
+        mm = [e for e in prof.events() if e.name in ("aten::mm", "aten::addmm")]
+        return dict(gemms_per_step=round(len(mm) / len(chunks), 2))
+    kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset"))]
+    return dict(kernels_per_step=round(len(kern) / len(chunks), 1),
+                attention_kernels_per_step=round(sum("paged" in e.name for e in kern) / len(chunks), 1))
+
+
 def part_kernels(spec, shape, device, cap_s, cpu, seed, vocab) -> dict:
     """Kernels per batch-1 decode step of each flavor, unfused and fused (CUDA graphs, as served), and the fused
-    step eager (its count checks that the profiler saw inside the graph replays); the ceilings of this run."""
+    step eager (its count checks that the profiler saw inside the graph replays); the ceilings of this run. And
+    kernels per mixed step (decode rows beside a prefill chunk of ``mixed_chunk`` tokens), fused, with the decode
+    rows apart (serve.mixed_attention off) and in one packed row with the prefill (on)."""
     s, steps = shape["batch1"], shape["kernel_steps"]
     g = torch.Generator().manual_seed(seed + 4)
     prompt = random_ids(g, s["prompt"], vocab)
+    chunks = [random_ids(g, shape["mixed_chunk"], vocab) for _ in range(steps)]
     floor = launch_floor_us(device) if device.type == "cuda" else None
-    res = {"prompt": s["prompt"], "steps": steps, "launch_floor_us": floor and round(floor, 3),
+    res = {"prompt": s["prompt"], "steps": steps, "mixed_chunk": shape["mixed_chunk"],
+           "launch_floor_us": floor and round(floor, 3),
            "copy_tb_s": shape["copy_tb_s"]}
     for flavor in shape["flavors"]:
         cfg = spec.flavor(flavor)
         model = random_model(spec, flavor, device, seed, shape["kernels"])
         row = {}
-        for name, kw in (("unfused", dict(fuse_projections=False)), ("fused", dict(fuse_projections=True)),
-                         ("fused_eager", dict(fuse_projections=True, cuda_graphs=False))):
-            def one(kw=kw):
-                engine = titan_engine(model, spec, cfg, [prompt], [steps + 8], device, dict(shape, **kw))
-                return decode_step_kernels(engine, prompt, steps)
+        for name, fuse, kw in (("unfused", False, {}), ("fused", True, {}), ("fused_eager", True, dict(cuda_graphs=False)),
+                               ("mixed_apart", True, dict(mixed_attention=False)),
+                               ("mixed_one_call", True, dict(mixed_attention=True))):
+            def one(fuse=fuse, kw=kw, mixed=name.startswith("mixed")):
+                ps = [prompt] + (chunks if mixed else [])
+                engine = titan_engine(model, spec, cfg, ps, [steps + 8] * len(ps), device,
+                                      dict(shape, fuse_projections=fuse), **kw)
+                return mixed_step_kernels(engine, prompt, chunks) if mixed else \
+                    decode_step_kernels(engine, prompt, steps)
 
             row[name] = guarded(one)
             free_memory(device)
@@ -702,6 +743,14 @@ def table(res: dict) -> str:
                     "kernels_per_step", "gemms_per_step", "gpu_busy_us_per_step", "wall_ms_per_step",
                     "launch_floor_us_per_step"))
                 out.append(f"| {flavor} | {name} | {cells} | {row.get('weight_roofline_us_per_step')} |")
+        out += ["", f"**kernels per mixed step** (decode rows beside a {k.get('mixed_chunk')}-token prefill)", "",
+                "| flavor | decode rows | kernels | paged attention kernels | GEMMs |", "|---|---|---|---|---|"]
+        for flavor, row in k.items():
+            for name in ("mixed_apart", "mixed_one_call") if isinstance(row, dict) and "mixed_apart" in row else ():
+                x = row[name]
+                cells = _err(x) or " | ".join(str(x.get(c, "-")) for c in (
+                    "kernels_per_step", "attention_kernels_per_step", "gemms_per_step"))
+                out.append(f"| {flavor} | {'apart' if name == 'mixed_apart' else 'in one call'} | {cells} |")
     if res.get("targets"):
         out += ["", "targets: " + "; ".join(f"{k} {'met' if v else 'missed'}" for k, v in res["targets"].items())]
     return "\n".join(out)
@@ -737,6 +786,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--packed_prefill", type=int, default=0, help="titan's serve.packed_prefill (1: a step's "
                     "prefill chunks as one packed row through varlen attention; 0, the default: rows padded to the "
                     "longest)")
+    ap.add_argument("--mixed_attention", type=int, default=0, help="titan's serve.mixed_attention (1: a step with "
+                    "prefill chunks runs all its rows as one packed row through titan_mm.kernels.paged_attention; "
+                    "0, the default: decode rows apart)")
     ap.add_argument("--peer", type=int, default=1, help="0: skip transformers (titan's runs only)")
     ap.add_argument("--fuse_projections", type=int, default=1, help="titan's serve.fuse_projections (1, the default, "
                     "as from_pretrained serves: q/k/v and gate/up one GEMM each; 0: the training layout)")
@@ -756,6 +808,7 @@ def main(argv: list[str] | None = None) -> int:
     shape["kernels"] = bool(a.kernels)
     shape["async_scheduling"] = bool(a.async_scheduling)
     shape["packed_prefill"] = bool(a.packed_prefill)
+    shape["mixed_attention"] = bool(a.mixed_attention)
     shape["peer"] = bool(a.peer)
     shape["fuse_projections"] = bool(a.fuse_projections)
     if a.quantization:

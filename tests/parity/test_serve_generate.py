@@ -2,8 +2,10 @@
 models) for 16 prompts of mixed lengths run together: Qwen3, Qwen3-MoE and Qwen3-VL with images (dense and MoE),
 with prefix caching on and off, with preemption forced by a tiny block pool, with chunked prefill under a small
 token budget, without chunking, and with each speculative method (n-gram prompt lookup; a draft model of the same
-registry and vocabulary, also under preemption and chunking). Prompts share prefixes (so the prefix cache hits) and sequences stop at an EOS
-token that greedy decoding meets mid-way for some of them. HF runs the prompts as one left-padded batch.
+registry and vocabulary, also under preemption and chunking), and with serve.mixed_attention (each step's rows in
+one packed row read in place by titan_mm.kernels.paged_attention, decode rows beside prefill chunks; also with
+n-gram speculation under preemption). Prompts share prefixes (so the prefix cache hits) and sequences stop at an
+EOS token that greedy decoding meets mid-way for some of them. HF runs the prompts as one left-padded batch.
 
 Run: pytest -q tests/parity/test_serve_generate.py
 """
@@ -22,9 +24,11 @@ from tests.parity._qwen3_helpers import hf_model, titan_twin  # noqa: E402
 from titan_mm.config import Data  # noqa: E402
 from titan_mm.data import vision  # noqa: E402
 from titan_mm.data.processors import ProcessorConfig  # noqa: E402
+from titan_mm.kernels import paged_attention  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
 from titan_mm.serve.config import ServeConfig  # noqa: E402
 from titan_mm.serve.engine import Engine  # noqa: E402
+from titan_mm.serve.runner import model_runner  # noqa: E402
 from titan_mm.serve.sampling_params import SamplingParams  # noqa: E402
 
 MAX_NEW = 10
@@ -41,6 +45,11 @@ CASES = {
     "spec_draft": dict(block_size=4, num_blocks=256, speculative_method="draft", num_speculative_tokens=3),
     "spec_draft_preempt": dict(block_size=4, num_blocks=16, speculative_method="draft", max_num_batched_tokens=16,
                                max_num_seqs=8),
+    # one packed row per step, decode rows beside prefill chunks, keys read in place (paged_attention)
+    "mixed_attention": dict(block_size=4, num_blocks=256, max_num_batched_tokens=16, max_num_seqs=8,
+                            mixed_attention=True),
+    "mixed_spec_preempt": dict(block_size=4, num_blocks=22, speculative_method="ngram", num_speculative_tokens=3,
+                               max_num_seqs=16, mixed_attention=True),
 }
 _DRAFTS: dict = {}
 
@@ -180,8 +189,15 @@ MODELS = {"qwen3": lambda: text_setup(False), "qwen3_moe": lambda: text_setup(Tr
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("model", list(MODELS))
-def test_greedy_matches_transformers_generate(model, case):
+def test_greedy_matches_transformers_generate(model, case, monkeypatch):
     tm, spec, prompts, images, eos, refs, data = MODELS[model]()
+    mixed = []  # the rows' new-token counts of each paged_attention call (mixed_attention cases)
+
+    def counted(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, window=None):
+        mixed.append(cu_seqlens_q.diff().tolist())
+        return paged_attention(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, window)
+
+    monkeypatch.setattr(model_runner, "paged_attention", counted)
     engine = case_engine(model, case, tm, tm, spec, eos, data)
     cfg = engine.cfg
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), images=images)
@@ -198,6 +214,8 @@ def test_greedy_matches_transformers_generate(model, case):
     if case == "no_prefix_cache":
         assert st["prefix_cache_hit_tokens"] == 0
     assert engine.runner.packed == (case != "padded_prefill")  # the other cases prefill through one packed row
+    # decode rows ran beside longer rows in one call (and only with mixed_attention)
+    assert any(1 in n and max(n) > 1 for n in mixed) == bool(CASES[case].get("mixed_attention")), mixed[:5]
     if case in ("preemption", "spec_draft_preempt"):
         assert st["num_preemptions"] > 0, st
     if cfg.speculative_method:  # guesses were made, and some kept

@@ -38,6 +38,13 @@ class ServeConfig:
     on CUDA in bf16, a block-diagonal mask elsewhere) instead of rows padded to the longest chunk. Families with
     linear-attention states (Qwen3.5) always use padded rows: their state is kept per row. Off by default until
     the varlen path has run on a GPU (the CPU path equals transformers' generate in the serve tests)."""
+    mixed_attention: bool = False
+    """A step that is not all one-token rows (prefill chunks, with or without decode rows beside them, and
+    speculative steps) runs as one packed row whose attention reads every row's keys in place from the pool: one
+    titan_mm.kernels.paged_attention launch per layer for decode rows and prefill chunks alike, instead of the
+    decode rows apart and the chunks through gathered keys (Triton on CUDA, its PyTorch reference elsewhere).
+    Steps of one-token rows only keep paged_decode and their CUDA graphs. Families with linear-attention states
+    (Qwen3.5) keep padded rows. Off by default until tests/gpu/test_paged_attention_gpu.py has passed on a GPU."""
     async_scheduling: bool = True
     """Schedule and launch each step before the previous step's tokens are read back: its decode rows take those
     tokens on the device, and the host checks stops, detokenizes and reports while the GPU runs. It applies to

@@ -11,7 +11,8 @@ long prefill chunk never pads hundreds of decode rows to its length. With the pa
 *decode step*: padded to the next of a fixed set of batch sizes, their inputs written into static device buffers
 (pad rows write their k/v to a scratch block no sequence owns), and on CUDA replayed from a graph captured per
 size when the engine starts, which removes the step's hundreds of kernel launches from the host's critical
-path.
+path. With ``serve.mixed_attention`` a step that has longer rows runs all its rows as one packed row instead,
+whose attention (titan_mm.kernels.paged_attention) reads every row's keys in place: one launch per layer.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from titan_mm.kernels import paged_decode_attention
+from titan_mm.kernels import paged_attention, paged_decode_attention
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.nn.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, plan_step, state_shapes
 from titan_mm.serve.core.scheduler import Row
@@ -129,7 +130,7 @@ def pool_blocks(model, cfg, dims, device: torch.device, dtype: torch.dtype, max_
 class ModelRunner:
     def __init__(self, model, spec, model_cfg, device: torch.device, dtype: torch.dtype, block_size: int,
                  num_blocks: int, max_num_seqs: int, tp: int = 1, paged_decode: bool = True, max_model_len: int = 0,
-                 cuda_graphs: bool = True, packed_prefill: bool = False):
+                 cuda_graphs: bool = True, packed_prefill: bool = False, mixed_attention: bool = False):
         self.model, self.spec, self.cfg = model, spec, model_cfg
         self.decode_attention = paged_decode_attention if paged_decode else None
         self.device, self.dtype = device, dtype
@@ -147,7 +148,8 @@ class ModelRunner:
                                                           dtype, device)
         self.scratch_slot = None if lin is None else max_num_seqs
         # linear-attention states are per row: those families prefill through padded rows
-        self.packed = packed_prefill and lin is None
+        self.mixed = mixed_attention and lin is None
+        self.packed = (packed_prefill or self.mixed) and lin is None
         self.varlen = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)  # flash kernels only
         self.cache = alloc_paged_cache(dims.num_layers, num_blocks + 1, block_size, dims.num_kv_heads // tp,
                                        dims.head_dim, dtype, device, state=state)
@@ -192,10 +194,10 @@ class ModelRunner:
         one = [] if per_row > 1 or self.decode_attention is None else \
             [i for i, r in enumerate(rows) if r.n == 1 and len(r.seq.table.blocks) <= self.max_table
              and not (r.req.media and self._has_media(r))]
-        if not one:
-            return self.forward(self.prepare(rows, per_row, fed))
         if len(one) == len(rows):
             return self.decode(rows, fed=fed)
+        if not one or self.mixed:  # mixed: the decode rows join the packed row (one attention call per layer)
+            return self.forward(self.prepare(rows, per_row, fed))
         rest = sorted(set(range(len(rows))) - set(one))
         out = torch.cat([self.decode([rows[i] for i in one], fed=fed),
                          self.forward(self.prepare([rows[i] for i in rest], fed=fed))])
@@ -319,7 +321,8 @@ class ModelRunner:
         cache = plan_step(self.cache, new, cached_lens=[r.start for r in rows], block_tables=torch.from_numpy(tables),
                           sliding_window=self.window, width=None if self.packed else S,
                           decode_attention=None if self.packed else self.decode_attention,
-                          state_slots=self._slots(rows, n_rows), packed=self.packed, varlen=self.packed and self.varlen)
+                          state_slots=self._slots(rows, n_rows), packed=self.packed, varlen=self.packed and self.varlen,
+                          paged_attention=paged_attention if self.mixed else None)
         ids = torch.from_numpy(ids)
         positions = self._request_positions(rows, at, B, S) if self.axes > 1 else cache.step.positions
         extra = self._media(rows, ids, at) if self.spec.prepare_batch is not None else {}
