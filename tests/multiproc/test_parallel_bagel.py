@@ -10,6 +10,9 @@ regrouped (two ranks' tokens, TP's halves of each contraction): below 1e-5 at th
 """
 
 import functools
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,11 +28,13 @@ from titan_mm.models.bagel.spec import SCHEMA, objective_options, prepare_batch
 from titan_mm.models.bagel.synthetic import ROW_TOKENS, class_images, row
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.objectives import CausalLM, Combined, FlowMatching
+from titan_mm.observe.metrics import read_metrics
 from titan_mm.parallel.apply import parallelize
 from titan_mm.parallel.mesh import ParallelDims
 from titan_mm.train.step import model_inputs
 
-pytestmark = pytest.mark.slow  # spawned processes on 2 shared cores
+pytestmark = pytest.mark.slow  # spawned processes on 2 shared cores: 30 s for the cells, 1 min for the launcher
+ROOT = Path(__file__).resolve().parents[2]
 
 CFG = FLAVORS["debug"]
 OBJ = Combined((CausalLM(), FlowMatching(seed=0, **objective_options(CFG)["flow_matching"])))
@@ -102,3 +107,27 @@ CELLS = (("fsdp2", dict(dp_shard=2)), ("tp2", dict(dp_shard=1, tp=2)))
 def test_bagel_parallel_matches_world1():
     got = run_multiproc(_worker, 2, args=(CELLS,), timeout_s=600)
     check_cells(CELLS, got, lambda cell: _reference())
+
+
+def _launch(tmp_path, name: str, nproc: int, *args: str) -> dict[int, tuple[float, float]]:
+    """run_train.sh --config debug_bagel for 3 steps of 2 micro-batches of 2 rows; {step: (loss, grad norm)}."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC=str(nproc))
+    r = subprocess.run([str(ROOT / "run_train.sh"), "--config", "debug_bagel", "--metrics.enable_tensorboard", "False",
+                        "--training.steps", "3", "--checkpoint.enable", "False", "--data.micro_batch_size", "2",
+                        "--job.dump_folder", str(tmp_path), "--job.name", name, *args], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {s: (m["loss"], m["grad_norm"]) for s, m in read_metrics(tmp_path / name / "metrics.jsonl").items()}
+
+
+def test_debug_bagel_through_the_launcher_fsdp_and_tp_match_one_process(tmp_path):
+    """The trainer's own wiring (prepare_batch, the combined objective's noise per global micro-batch slot, the plan
+    through parallelize): 2 processes with dp 2 (FSDP2) and with tp 2 follow 1 process accumulating the same 2
+    micro-batches. The balancer cannot move ViT patches between ranks yet: dp runs with data.balance none."""
+    one = _launch(tmp_path, "one", 1)
+    for name, args in (("dp2", ("--data.balance", "none")), ("tp2", ("--parallel.tp", "2"))):
+        got = _launch(tmp_path, name, 2, *args)
+        assert sorted(got) == sorted(one) == [1, 2, 3]
+        for s, (loss, norm) in one.items():
+            assert got[s][0] == pytest.approx(loss, rel=1e-5) and got[s][1] == pytest.approx(norm, rel=1e-5), \
+                (name, s, one[s], got[s])
