@@ -43,7 +43,7 @@ AREAS: dict[str, dict[str, int]] = {
     "qwen3_5_fla": {"tests/gpu/test_qwen3_5_gpu.py::test_fla_matches_reference_on_packed_rows": 420},
     "qwen3_5": {"tests/gpu/test_qwen3_5_gpu.py::test_no_host_sync_bf16": 300},
     "train": {"tests/gpu/test_train_step_gpu.py": 330, "tests/gpu/test_objectives_gpu.py": 30,
-              "tests/gpu/test_checkpoint_faults_gpu.py": 90},
+              "tests/gpu/test_checkpoint_faults_gpu.py": 90, "tests/gpu/test_wan_data_gpu.py": 30},
     "eval": {"tests/gpu/test_eval_gpu.py": 120, "tests/gpu/test_profile_gpu.py": 60, "tests/gpu/test_fp16_gpu.py": 60,
              "tests/gpu/test_rl_gpu.py": 90},
     "serve": {"tests/gpu/test_serve_gpu.py": 300, "tests/gpu/test_serve_media_gpu.py": 90,
