@@ -76,6 +76,12 @@ def test_sampler_equals_wan_pipeline(steps, shift, scale, neg_len, tmp_path):
     torch.testing.assert_close(got, want, atol=(1 + 2 * scale) * 1e-5, rtol=1e-5)
     assert torch.equal(decode(want, vae), frames)  # the same de-normalization and post-processing arithmetic
     assert frames.shape == (B, 5, 32, 32, 3)
+    if neg is not None:  # one negative prompt serves every row
+        one = {"steps": 1, "shift": shift, "guidance_scale": scale}
+        assert torch.equal(sample(model, text, _noise(), negative_states=neg[:1], **one),
+                           sample(model, text, _noise(), negative_states=neg[:1].expand(B, -1, -1).clone(), **one))
+        with pytest.raises(ValueError, match="do not fit the text states"):
+            sample(model, text, _noise(), negative_states=torch.cat([neg, neg[:1]]), **one)
 
 
 def _pipeline_folder(tmp_path):

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     noise = torch.randn((text.shape[0], cfg.in_channels, *fhw), generator=g).to(a.device)
     dev = torch.device(a.device)
     latents = sample(got.model, text.to(dev), noise, steps=a.steps, shift=a.shift, guidance_scale=a.guidance_scale,
-                     negative_states=None if neg is None else neg.expand(text.shape[0], -1, -1).to(dev),
+                     negative_states=None if neg is None else neg.to(dev),
                      attn_backend=cfg.attn_backend)
     if vae is None:
         torch.save(latents.cpu(), a.out)

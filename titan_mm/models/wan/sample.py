@@ -49,28 +49,33 @@ def sample(model: WanModel, text_states: torch.Tensor, noise: torch.Tensor, *, s
            attn_backend: str = "sdpa") -> torch.Tensor:
     """Latents [B, C, F, H, W] fp32 from ``noise`` [B, C, F, H, W] (sigma 1) conditioned on ``text_states``
     [B, L, text_dim]: Euler steps x += (sigma_next - sigma) v over :func:`flow_sigmas`. With ``guidance_scale`` > 1,
-    v = v_neg + g (v - v_neg) with ``negative_states`` (the negative prompt's states; None: zeros, the empty prompt
-    of data.prompt_dropout), both in one forward of 2B rows when their shapes agree."""
+    v = v_neg + g (v - v_neg) with ``negative_states`` [1 or B, L', text_dim] (the negative prompt's states; None:
+    zeros, the empty prompt of data.prompt_dropout), both in one forward of 2B rows when their shapes agree."""
     check_sampling(steps, shift, guidance_scale)
     cfg = model.cfg
     if noise.dim() != 5 or noise.shape[1] != cfg.in_channels or noise.shape[0] != text_states.shape[0]:
         raise ValueError(f"noise of shape {list(noise.shape)} is not [B={text_states.shape[0]}, C={cfg.in_channels}, "
                          "F, H, W] latents for the text states' B rows and the model's channels")
     guided = guidance_scale > 1.0
+    B = text_states.shape[0]
     neg = torch.zeros_like(text_states) if negative_states is None else negative_states.to(text_states)
+    if neg.dim() != 3 or neg.shape[0] not in (1, B) or neg.shape[-1] != text_states.shape[-1]:
+        raise ValueError(f"negative states of shape {list(neg.shape)} do not fit the text states "
+                         f"{list(text_states.shape)}: [1 or B, L', text_dim]")
+    neg = neg.expand(B, -1, -1)  # one negative prompt for every row
     batched = guided and neg.shape == text_states.shape
     text = torch.cat([text_states, neg]) if batched else text_states
     fhw = tuple(n // p for n, p in zip(noise.shape[2:], cfg.patch_size))
     x, grid = patchify(noise.float(), cfg.patch_size)
     metas = {}  # rows -> the attention metadata, built once on the host: one full segment per clip
 
-    def forward(x_BSP, t, states):
-        B, S = x_BSP.shape[:2]
-        if B not in metas:
-            metas[B] = build_attn_meta({"doc_ids": torch.zeros(B, S, dtype=torch.int32)}, attn_backend, x.device,
+    def forward(x_RSP, t, states):
+        R, S = x_RSP.shape[:2]  # R: B rows, or 2B with the negative prompt's
+        if R not in metas:
+            metas[R] = build_attn_meta({"doc_ids": torch.zeros(R, S, dtype=torch.int32)}, attn_backend, x.device,
                                        kind="bidirectional")
-        out = model(attn=metas[B], noisy_latents=x_BSP, clip_timesteps=t.expand(B), text_states=states,
-                    grid_fhw=grid[:1].expand(B, -1, -1))
+        out = model(attn=metas[R], noisy_latents=x_RSP, clip_timesteps=t.expand(R), text_states=states,
+                    grid_fhw=grid[:1].expand(R, -1, -1))
         return model.predict_velocity(out, {}).float()
 
     sigmas = flow_sigmas(steps, shift).to(x.device)
