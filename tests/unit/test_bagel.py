@@ -30,7 +30,7 @@ from titan_mm.models.bagel.model import flat_positions, patchify
 from titan_mm.models.bagel.spec import SCHEMA, VAE, VIT, prepare_batch
 from titan_mm.models.bagel.synthetic import ROW_TOKENS, class_images, row
 from titan_mm.nn.attention import build_attn_meta
-from titan_mm.objectives import Combined, build_objective
+from titan_mm.objectives import CausalLM, Combined, FlowMatching, build_objective
 from titan_mm.observe.metrics import read_metrics
 from titan_mm.observe.mfu import encoder_inputs
 from titan_mm.registry import get_model_spec
@@ -345,6 +345,15 @@ def test_flops_count_every_matmul_weight():
         12 * v.hidden_size * v.num_hidden_layers * 16
     kinds = torch.tensor([[0, 0, VIT, VIT, VIT, VIT, 0, VAE, VAE, 0]])
     assert spec.flops(cfg, [10], **encoder_inputs({"vit_lens": torch.tensor([4]), "token_kind": kinds})) == want
+
+
+def test_a_segments_part_sets_the_combined_mask():
+    """Contract v2's combined objective: the causal LM's "causal" yields to a part's "segments" (the description holds
+    causal segments); other kinds still clash in one line."""
+    assert Combined((CausalLM(), FlowMatching(mask="segments"))).mask_kind == "segments"
+    assert Combined((CausalLM(), FlowMatching())).mask_kind == "causal"
+    with pytest.raises(ValueError, match="different attention kinds"):
+        Combined((CausalLM(), FlowMatching(mask="bidirectional")))
 
 
 def test_config_mistakes_are_one_line(tmp_path):
