@@ -28,8 +28,8 @@ count of latent elements (every micro-batch of every dp rank): the mean squared 
 
 t samplers (``sampler``), per unit, then the timestep shift t' = shift * t / (1 + (shift - 1) * t) (``shift``; 1:
 none), as diffusers' FlowMatchEulerDiscreteScheduler(shift=...) shifts its sigmas:
-  * "uniform":      t = u, u ~ U[0, 1) (with ``shift``: Wan's and diffusers' scheduler training, the sigma of a
-    uniform timestep index);
+  * "uniform":      t = u, u ~ U[0, 1) (with ``shift``: Wan's training, the continuous form of diffusers' scheduler
+    table, whose 1000 training sigmas are the shifted i / 1000);
   * "logit_normal": t = sigmoid(mean + std * n), n ~ N(0, 1) (SD3; with ``shift``, SD3's shifted schedule);
   * "shifted":      t = sigmoid(n), then the shift (BAGEL's name: "logit_normal" with mean 0, std 1).
 Weightings (``weighting``), per unit: "none" (1), "cosmap" (SD3's 2 / (pi (1 - 2t + 2t^2))) or "sigma_sqrt"
