@@ -87,11 +87,11 @@ def _paged_mixed(Q, Kp, Vp, O, BT, LENS, CUQ, scale, window, B,
              mask=live[:, None] & dm[None, :])
 
 
-def tile_rows(T: int, B: int, hpg: int) -> tuple[int, int]:
+def tile_rows(T: int, B: int, hpg: int, narrow: bool) -> tuple[int, int]:
     """(BM, BQ): tl.dot rows per program and the query tokens they hold. A step of one-token rows (T <= B) takes
     16 rows (the least tl.dot takes); one with longer rows 64, so a prefill chunk's keys are read once per 64 / hpg
-    queries. Host-known sizes only."""
-    bm = max(16 if T <= B else 64, next_pow2(hpg))
+    queries, but 16 for ``narrow`` (fp32) pools, whose tiles would not fit in shared memory. Host-known sizes only."""
+    bm = max(16 if T <= B or narrow else 64, next_pow2(hpg))
     return bm, bm // hpg
 
 
@@ -104,7 +104,7 @@ def paged_mixed(q_THK: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     q = q_THK.contiguous()
     o = torch.empty_like(q)
     hpg = H // G
-    bm, bq = tile_rows(T, B, hpg)
+    bm, bq = tile_rows(T, B, hpg, k_pool.dtype == torch.float32)
     _paged_mixed[(T // bq + B, G)](
         q, k_pool, v_pool, o, block_tables, seq_lens, cu_seqlens_q, K ** -0.5, window or 0, B,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
