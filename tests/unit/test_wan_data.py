@@ -6,6 +6,8 @@ resume, malformed rows counted, and the debug config training from a cache. Noth
 import json
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
@@ -121,6 +123,20 @@ def test_cache_and_in_pipeline_encoding_give_the_same_batches(clips):
     for x, y in zip(_batches(a, 6), _batches(b, 6)):
         assert _same(x, y)
         assert x["text_states"].shape == (2, TEXT_LEN, 16) and x["latents"].shape[-1] == 4 * 1 * 2 * 2
+
+
+def test_parquet_rows_with_the_video_in_a_column(clips, tmp_path):
+    """lmms-engine's Parquet form: ``messages`` a JSON string, the video's bytes in the column its part names."""
+    rows, pipe, folder, _ = clips
+    msgs = [json.dumps([_row("clip", CAPTIONS[i])["messages"][0]]) for i in (0, 3)]
+    videos = [(rows.parent / f"v{i}.mp4").read_bytes() for i in (0, 3)]
+    pq.write_table(pa.table({"messages": msgs, "clip": videos}), tmp_path / "rows.parquet")
+    raw = RawSource(_data(tmp_path / "rows.parquet", pipe), load_encoders(WAN.flavor("debug"), str(pipe)))
+    assert [r.bucket for r in raw.rows] == [(9, 16, 24), (9, 24, 16)] and not raw.skipped
+    src = CacheSource(str(folder))
+    cached = {r.sid.rsplit(":", 1)[1]: r for r in src.rows}  # by rows.jsonl's line numbers
+    for row, line in zip(raw.rows, ("1", "4")):  # v0.mp4 and v3.mp4 with their captions are lines 1 and 4
+        assert all(torch.equal(a, b) for a, b in zip(raw.load(row), src.load(cached[line])))
 
 
 def test_buckets_dp_shards_and_exact_resume(clips):

@@ -356,14 +356,18 @@ def uses_cache(data: Data) -> bool:
     return False
 
 
-def clip_source(data: Data, layout: ClipLayout) -> RawSource | CacheSource:
-    """data.dataset as a latent cache folder, or raw rows encoded by data.encoders (:func:`uses_cache`)."""
-    return CacheSource(data.dataset) if uses_cache(data) else RawSource(data, layout.encoders(data.encoders))
+def clip_source(data: Data, layout: ClipLayout, device: str = "cpu") -> RawSource | CacheSource:
+    """data.dataset as a latent cache folder, or raw rows encoded by data.encoders on ``device``
+    (:func:`uses_cache`)."""
+    if uses_cache(data):
+        return CacheSource(data.dataset)
+    return RawSource(data, layout.encoders(data.encoders, device=device))
 
 
 def build_clip_loader(data: Data, layout: ClipLayout, *, dp_rank: int = 0, dp_world: int = 1, n_micro: int = 1,
-                      seed: int = 0, epochs: int = 0) -> ClipLoader:
-    """The trainer's loader for a family with DataNeeds.clips (titan_mm.train.setup.build_data)."""
-    return ClipLoader(clip_source(data, layout), layout, micro_batch_size=data.micro_batch_size, n_micro=n_micro,
-                      dp_rank=dp_rank, dp_world=dp_world, seed=seed, prompt_dropout=data.prompt_dropout,
-                      epochs=epochs)
+                      seed: int = 0, epochs: int = 0, device: str = "cpu") -> ClipLoader:
+    """The trainer's loader for a family with DataNeeds.clips (titan_mm.train.setup.build_data); raw clips are
+    encoded on ``device`` (the trainer's), in the trainer's process."""
+    return ClipLoader(clip_source(data, layout, device), layout, micro_batch_size=data.micro_batch_size,
+                      n_micro=n_micro, dp_rank=dp_rank, dp_world=dp_world, seed=seed,
+                      prompt_dropout=data.prompt_dropout, epochs=epochs)

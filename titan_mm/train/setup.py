@@ -248,7 +248,7 @@ def build_data(cfg: JobConfig, spec: ModelSpec, model_cfg, dp_rank: int, dp_worl
     if needs.clips is not None:  # captioned clips through the family's frozen encoders (titan_mm.data.clips)
         try:
             return build_clip_loader(data, needs.clips, dp_rank=dp_rank, dp_world=dp_world, n_micro=n_micro,
-                                     seed=cfg.training.seed, epochs=epochs)
+                                     seed=cfg.training.seed, epochs=epochs, device=str(pick_device(cfg)))
         except ValueError as e:
             raise ConfigError(f"[data] {e}") from None
     tok = tokenizer_for(data.tokenizer_path, local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None)
