@@ -458,8 +458,8 @@ class Objective:
     """Flow matching: the timestep shift t' = s t / (1 + (s - 1) t) after the sampler (diffusers'
     FlowMatchEulerDiscreteScheduler shift; Wan samples with 3 to 5 at 480p); 0: the family's (1: none)."""
     flow_weighting: str = ""
-    """Flow matching: the loss weight w(t), "none", "cosmap" (SD3) or "sigma_sqrt" (diffusers': 1 / t^2); empty:
-    the family's."""
+    """Flow matching: the loss weight w(t), "none", "cosmap" (SD3), "sigma_sqrt" (diffusers': 1 / t^2) or "bell"
+    (DiffSynth-Studio's Wan weight, mean 1 over its shifted sigmas); empty: the family's."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ from tests.unit.test_wan import TINY, _pair  # noqa: E402
 from titan_mm.models.wan.sample import decode, flow_sigmas, sample  # noqa: E402
 from titan_mm.models.wan.toy import save_random_encoders  # noqa: E402
 from titan_mm.objectives import FlowMatching  # noqa: E402
+from titan_mm.objectives.flow_matching import WEIGHTINGS  # noqa: E402
 from titan_mm.tools.wan_sample import main  # noqa: E402
 
 B, L, LATENT = 2, 5, (2, 4, 4)  # 2 latent frames of 4x4: 5 frames of 32x32 through the VAE (4x in time, 8x in space)
@@ -51,6 +52,24 @@ def test_sigmas_and_the_training_shift_are_diffusers_schedulers():
         u = torch.rand(64, generator=torch.Generator().manual_seed(0))
         want = u if shift == 1 else shift * u / (1 + (shift - 1) * u)
         assert torch.equal(obj.sample_t((64,), torch.Generator().manual_seed(0)), want)
+
+
+def test_bell_weighting_is_diffsynths():
+    """weighting "bell" at DiffSynth-Studio's 1000 shifted training sigmas is its table (written out here as its
+    FlowMatchScheduler.set_timesteps(1000, training=True) computes it, in fp32 on sigma x 1000: so fp32 rounding of
+    O(1) values apart), and flow matching's prepare weighs each unit by it."""
+    for shift in (1.0, 3.0, 5.0):
+        sig = torch.linspace(1.0, 0.003 / 1.002, 1000)
+        sig = shift * sig / (1 + (shift - 1) * sig)
+        y = torch.exp(-2 * ((sig * 1000 - 500) / 1000) ** 2)
+        table = (y - y.min()) * (1000 / (y - y.min()).sum())
+        torch.testing.assert_close(WEIGHTINGS["bell"](sig, shift), table, atol=1e-5, rtol=1e-5)
+    obj = FlowMatching(sampler="uniform", shift=5.0, weighting="bell", seed=3)
+    S = 6
+    batch = {"latents": torch.randn(2, S, 4), "latent_mask": torch.ones(2, S, dtype=torch.bool),
+             "noise_unit": torch.zeros(2, S, dtype=torch.long)}
+    out = obj.prepare([batch], 0)[0]
+    assert torch.equal(out["flow_weight"], WEIGHTINGS["bell"](out["timesteps"], 5.0))
 
 
 @pytest.mark.parametrize("steps,shift,scale,neg_len", [(6, 3.0, 5.0, L), (4, 5.0, 4.0, 3), (3, 1.0, 1.0, None)],

@@ -32,8 +32,10 @@ none), as diffusers' FlowMatchEulerDiscreteScheduler(shift=...) shifts its sigma
     table, whose 1000 training sigmas are the shifted i / 1000);
   * "logit_normal": t = sigmoid(mean + std * n), n ~ N(0, 1) (SD3; with ``shift``, SD3's shifted schedule);
   * "shifted":      t = sigmoid(n), then the shift (BAGEL's name: "logit_normal" with mean 0, std 1).
-Weightings (``weighting``), per unit: "none" (1), "cosmap" (SD3's 2 / (pi (1 - 2t + 2t^2))) or "sigma_sqrt"
-(diffusers' compute_loss_weighting_for_sd3: 1 / t^2; large near t = 0).
+Weightings (``weighting``), per unit: "none" (1), "cosmap" (SD3's 2 / (pi (1 - 2t + 2t^2))), "sigma_sqrt"
+(diffusers' compute_loss_weighting_for_sd3: 1 / t^2; large near t = 0) or "bell" (DiffSynth-Studio's Wan training
+weight: exp(-2 (t - 1/2)^2) less its minimum over its scheduler's 1000 training sigmas, linspace(1, 0.003 / 1.002)
+shifted by ``shift``, and scaled to mean 1 over them).
 
 Context parallelism cuts the keys ``prepare`` adds on S (``seq_keys``, with their trailing dims); the batch fields
 are the family's to declare in its BatchSchema (``latents`` with trailing ("C",)).
@@ -53,10 +55,19 @@ from titan_mm.objectives.base import Objective, noise_generator
 from titan_mm.registry import SeqKey
 
 SAMPLERS = ("uniform", "logit_normal", "shifted")
-WEIGHTINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "none": torch.ones_like,
-    "cosmap": lambda t: 2.0 / (math.pi * (1.0 - 2.0 * t + 2.0 * t * t)),
-    "sigma_sqrt": lambda t: t.pow(-2.0),
+def _bell(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """DiffSynth's bell-shaped, mean-normalized weight of t over its shifted training sigmas (module docstring)."""
+    grid = torch.linspace(1.0, 0.003 / 1.002, 1000, dtype=torch.float64)
+    y = torch.exp(-2.0 * (shift * grid / (1 + (shift - 1) * grid) - 0.5) ** 2)
+    low, mean = y.min(), (y - y.min()).mean()
+    return ((torch.exp(-2.0 * (t.double() - 0.5) ** 2) - low) / mean).to(t.dtype)
+
+
+WEIGHTINGS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {  # (t, shift) -> w(t)
+    "none": lambda t, shift: torch.ones_like(t),
+    "cosmap": lambda t, shift: 2.0 / (math.pi * (1.0 - 2.0 * t + 2.0 * t * t)),
+    "sigma_sqrt": lambda t, shift: t.pow(-2.0),
+    "bell": _bell,
 }
 
 
@@ -126,7 +137,7 @@ class FlowMatching(Objective):
         out["noisy_latents"] = torch.where(m3, (1.0 - t3) * x0f + t3 * eps, 0.0).to(x0.dtype)
         out["timesteps"] = t_BS
         out["flow_target"] = torch.where(m3, eps - x0f, 0.0)
-        out["flow_weight"] = torch.where(mask, WEIGHTINGS[self.weighting](t_BS), 0.0)
+        out["flow_weight"] = torch.where(mask, WEIGHTINGS[self.weighting](t_BS, self.shift), 0.0)
         out["num_latent_elements"] = torch.tensor(int(mask.sum()) * x0.shape[-1], dtype=torch.int64)
         return out
 
