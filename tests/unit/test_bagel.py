@@ -8,12 +8,14 @@ sample's splits as data/data_utils.py's ``prepare_attention_mask_per_sample`` do
 encoder layers run on each image alone; the sin-cos tables and the timestep embedder follow modeling_utils.py."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from transformers import Qwen3Config, SiglipVisionConfig
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding,
                                                       apply_rotary_pos_emb, eager_attention_forward)
@@ -364,6 +366,8 @@ def test_config_mistakes_are_one_line(tmp_path):
     cfg = BagelConfig.from_hf_dicts({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
                                     {"num_hidden_layers": 27})
     assert cfg.vit_config.num_hidden_layers == 26 and cfg.llm_config.head_dim == 16
+    with pytest.raises(ValueError, match="vit_max_num_patch_per_side 70 exceeds the ViT's position table of 8 x 8"):
+        BagelConfig.from_hf_dicts({}, {"image_size": 32, "patch_size": 4})
     with pytest.raises(ValueError, match="llm_config.json cannot be read"):
         BagelConfig.from_hf(tmp_path)
     batch = collate_rows(_rows(1), SEQ, 0, 1, multiple=1, schema=SCHEMA)
@@ -404,4 +408,19 @@ def test_debug_bagel_trains_and_resumes_exactly(tmp_path):
 def test_debug_bagel_mistakes_are_one_line(tmp_path, capsys):
     assert main([*RUN, "--job.dump_folder", str(tmp_path), "--data.seq_len", "40"]) == 2
     assert f"data.seq_len = 40: a synthetic BAGEL row holds {ROW_TOKENS} tokens" in capsys.readouterr().err
+    # a BAGEL folder: its configs are read; its weights are the next slice, said in one line
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    c = CFG.llm_config
+    files = {"config.json": {"model_type": "bagel"},
+             "llm_config.json": {k: getattr(c, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                            "num_attention_heads", "num_key_value_heads")},
+             "vit_config.json": {"hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, "image_size": 280, "patch_size": 4}}
+    for name, d in files.items():
+        (hf / name).write_text(json.dumps(d))
+    save_file({"x": torch.zeros(1)}, hf / "ema.safetensors")
+    args = [*RUN, "--job.dump_folder", str(tmp_path), "--model.hf_path", str(hf), "--training.steps", "1"]
+    assert main(args) == 1
+    assert "BAGEL weights in and out (ema.safetensors / ae.safetensors) are not built yet" in capsys.readouterr().err
 

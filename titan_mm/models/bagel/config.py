@@ -120,6 +120,10 @@ class BagelConfig:
         if self.llm_config.hidden_size % 4:
             raise ValueError(f"llm_config.hidden_size {self.llm_config.hidden_size} must divide by 4 (the 2-D "
                              "sin-cos position tables)")
+        side = self.vit_config.image_size // self.vit_config.patch_size
+        if self.vit_max_num_patch_per_side > side:
+            raise ValueError(f"vit_max_num_patch_per_side {self.vit_max_num_patch_per_side} exceeds the ViT's position "
+                             f"table of {side} x {side} (image_size / patch_size); use at most {side}")
         if self.timestep_shift <= 0:
             raise ValueError(f"timestep_shift must be > 0, got {self.timestep_shift}")
 
