@@ -205,7 +205,13 @@ def test_clip_data_mistakes_are_one_line(clips, tmp_path, capsys):
         load_encoders(WAN.flavor("debug"), str(tmp_path))
     for args, msg in (([*DATA, "--data.dataset", str(folder), "--out", str(tmp_path / "c")], "latent cache already"),
                       ([*DATA, "--data.dataset", str(rows), "--data.encoders", str(pipe), "--out", str(folder)],
-                       "holds a latent cache already")):
+                       "holds a latent cache already"),
+                      (["--config", "debug_qwen3", "--data.encoders", str(pipe), "--out", str(tmp_path / "c")],
+                       "trains on no captioned clips"),
+                      ([*DATA, "--data.dataset", str(rows), "--data.encoders", str(pipe), "--out", str(tmp_path / "c"),
+                        "--rows-per-shard", "0"], "--rows-per-shard must be >= 1"),
+                      ([*DATA, "--data.prompt_dropout", "1.5", "--out", str(tmp_path / "c")],
+                       "data.prompt_dropout must be in [0, 1]")):
         with pytest.raises(SystemExit) as e:
             cache(args)
         assert e.value.code == 2 and msg in capsys.readouterr().err
