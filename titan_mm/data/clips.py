@@ -54,6 +54,8 @@ CACHE_FORMAT = "titan_mm.clip_cache/1"
 INDEX = "index.json"
 IMAGE_EXT = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 _DROP_SALT = 0xCF6  # the prompt-dropout draws' own hash stream
+OPEN_SHARDS = 16
+"""Cache shards a CacheSource keeps open."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,8 @@ class CacheSource:
     def load(self, row: ClipRow) -> tuple[torch.Tensor, torch.Tensor]:
         name, i = row.ref
         if name not in self._open:
+            if len(self._open) >= OPEN_SHARDS:  # the oldest handle goes: a micro-batch reads one bucket's shards
+                self._open.pop(next(iter(self._open)))
             self._open[name] = safe_open(os.path.join(self.folder, name), framework="pt")
         f = self._open[name]
         return f.get_tensor(f"{i}.latents"), f.get_tensor(f"{i}.text_states")
