@@ -30,8 +30,8 @@ from .paged_decode import TILE, attend_tile
 @triton.jit
 def _sequence_of(CUQ, tile, B, BQ: tl.constexpr):
     """The sequence whose query tiles hold ``tile``: the last b with cu_q[b] // BQ + b <= tile."""
-    lo = 0
-    hi = B
+    lo = tl.full([], 0, tl.int32)  # int32 tensors from the start: loop-carried values keep one type
+    hi = tl.full([], 0, tl.int32) + B
     while lo < hi:
         mid = (lo + hi) // 2
         if tl.load(CUQ + mid) // BQ + mid <= tile:
