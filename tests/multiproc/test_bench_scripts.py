@@ -138,6 +138,8 @@ def test_serve_cpu(tmp_path):
     # kernels (CPU: aten GEMMs): fused projections launch 3 GEMMs fewer per layer in a decode step
     k = doc["parts"]["kernels"]["debug"]
     assert k["gemms_saved_per_step"] == k["gemms_saved_expected"] == 12, k
+    # serve.mixed_attention: a mixed step (decode rows beside a prefill) is one forward, not a decode step and one
+    assert k["mixed_one_call"]["gemms_per_step"] == k["fused"]["gemms_per_step"] < k["mixed_apart"]["gemms_per_step"]
     assert "| debug | int8_weight_only |" in table(doc) and "| debug | fused |" in table(doc)
 
 
