@@ -258,6 +258,9 @@ class BatchSchema:
     row: tuple[str, ...] = ()
     """Per-row keys ([B, ...]: a timestep per row, pooled encoder states): never cut along the sequence."""
     tokens: bool = True
+    flat: tuple[str, ...] = ()
+    """Keys concatenated over the batch's items ([N, ...]: one family's ViT patches side by side), neither per row
+    nor per position: data.balance cannot cut them into rows, so preflight refuses it with several dp ranks."""
 
     @property
     def seq_keys(self) -> tuple[SeqKey, ...]:

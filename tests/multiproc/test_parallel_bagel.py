@@ -120,6 +120,19 @@ def _launch(tmp_path, name: str, nproc: int, *args: str) -> dict[int, tuple[floa
     return {s: (m["loss"], m["grad_norm"]) for s, m in read_metrics(tmp_path / name / "metrics.jsonl").items()}
 
 
+def test_default_balance_with_two_dp_ranks_is_refused_before_the_build(tmp_path):
+    """data.balance (kk by default) cannot move the flat ViT keys between ranks: preflight says so in one line and
+    exits 2 before the process group, the model and the run folder."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC="2")
+    r = subprocess.run([str(ROOT / "run_train.sh"), "--config", "debug_bagel", "--training.steps", "1",
+                        "--data.micro_batch_size", "2", "--job.dump_folder", str(tmp_path), "--job.name", "kk"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("config error:")]
+    assert r.returncode == 2 and lines, r.stderr[-3000:]
+    assert "data.balance='kk'" in lines[0] and "vit_patches" in lines[0] and "--data.balance none" in lines[0]
+    assert not (tmp_path / "kk").exists()
+
+
 def test_debug_bagel_through_the_launcher_fsdp_and_tp_match_one_process(tmp_path):
     """The trainer's own wiring (prepare_batch, the combined objective's noise per global micro-batch slot, the plan
     through parallelize): 2 processes with dp 2 (FSDP2) and with tp 2 follow 1 process accumulating the same 2

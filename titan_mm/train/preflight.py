@@ -6,7 +6,8 @@ Checked, in order:
 - the device (``job.device``) and the kernel ops (``kernels.ops``);
 - the model: flavor, or ``model.hf_path`` (a local folder or a Hub repo id, fetched here) with its config.json
   and model_type, then ``model.overrides``; the weight files when they will be loaded;
-- the parallel degrees against the world size and the model's shapes, and the global batch;
+- the parallel degrees against the world size and the model's shapes, and the global batch; data.balance with
+  several dp ranks against a family whose batches carry keys that are not per row (BatchSchema.flat);
 - the objective: its options, the mask token and the attention kind it asks for (``build_objective``);
 - [eval] when on: tasks only with the causal objective, sources listed (the task files: the [eval] callback);
 - a family trained on clips (DataNeeds.clips): a latent cache's index, or the sources and data.encoders' folder;
@@ -45,6 +46,7 @@ def preflight(cfg: JobConfig, world: int | None = None) -> None:
     pd = parallel_dims(cfg, world or int(os.environ.get("WORLD_SIZE", "1")))
     check_parallel(cfg, pd, spec, model_cfg)
     grad_accum_steps(cfg, pd.dp)
+    _check_balance(cfg, spec, model_cfg, pd.dp)
     build_objective(cfg, spec, model_cfg)
     _check_eval(cfg, spec)
     if cfg.data.dataset == "synthetic":  # the trainer's rule (build_data): random rows, no files, no tokenizer
@@ -54,6 +56,15 @@ def preflight(cfg: JobConfig, world: int | None = None) -> None:
         return
     _check_sources(cfg.data)
     _check_tokenizer(cfg, spec, model_cfg)
+
+
+def _check_balance(cfg: JobConfig, spec, model_cfg, dp: int) -> None:
+    """data.balance re-places rows between dp ranks (titan_mm.parallel.balance_dispatch); keys that are not per row
+    (BatchSchema.flat) cannot travel with their rows."""
+    flat = spec.schema().flat
+    if dp > 1 and cfg.data.balance != "none" and flat and spec.data_needs(model_cfg).clips is None:
+        raise ConfigError(f"data.balance={cfg.data.balance!r} cannot move {spec.name!r} rows between data-parallel "
+                          f"ranks (its batches carry {list(flat)} side by side, not per row): set --data.balance none")
 
 
 def _check_eval(cfg: JobConfig, spec) -> None:

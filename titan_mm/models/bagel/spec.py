@@ -17,7 +17,8 @@ understanding expert, VAE tokens the generation expert."""
 
 SCHEMA = BatchSchema(seq=(
     SeqKey("token_kind", dtype="int8"), SeqKey("latents", ("P",), "float32"), SeqKey("latent_mask", dtype="bool"),
-    SeqKey("noise_unit"), SeqKey("cond_latents", ("P",), "float32"), SeqKey("latent_pos")))
+    SeqKey("noise_unit"), SeqKey("cond_latents", ("P",), "float32"), SeqKey("latent_pos")),
+    flat=("vit_patches", "vit_pos", "vit_lens"))
 """A packed batch (tokens, ``position_ids`` with one position per image, ``doc_ids``, ``seg_ids`` / ``seg_kinds``:
 text causal, a ViT or clean VAE image full, a noised VAE image noise), and per token: ``token_kind`` (TEXT / VIT / VAE),
 ``latents`` [B, S, P] the clean latent patch of a noised image's tokens (flow matching's x0), ``latent_mask`` /
