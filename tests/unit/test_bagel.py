@@ -31,10 +31,10 @@ from titan_mm.models.bagel.flops import matmul_params
 from titan_mm.models.bagel.model import flat_positions, patchify
 from titan_mm.models.bagel.spec import SCHEMA, VAE, VIT, prepare_batch
 from titan_mm.models.bagel.synthetic import ROW_TOKENS, class_images, row
-from titan_mm.nn.attention import build_attn_meta
+from titan_mm.nn.attention import SEGMENT_KINDS, build_attn_meta
 from titan_mm.objectives import CausalLM, Combined, FlowMatching, build_objective
 from titan_mm.observe.metrics import read_metrics
-from titan_mm.observe.mfu import encoder_inputs
+from titan_mm.observe.mfu import doc_lens_from_batch, encoder_inputs
 from titan_mm.registry import get_model_spec
 from titan_mm.train.step import model_inputs, to_device
 
@@ -347,6 +347,35 @@ def test_flops_count_every_matmul_weight():
         12 * v.hidden_size * v.num_hidden_layers * 16
     kinds = torch.tensor([[0, 0, VIT, VIT, VIT, VIT, 0, VAE, VAE, 0]])
     assert spec.flops(cfg, [10], **encoder_inputs({"vit_lens": torch.tensor([4]), "token_kind": kinds})) == want
+
+
+def test_flops_count_the_segment_masks_pairs():
+    """The attention term counts the pairs BAGEL's mask computes (docs/flops.md's convention): the collated rows'
+    "segments" mask (= the reference's, test_segment_mask_equals_the_reference_mask), padding a causal document; and
+    a hand-made row whose noise splits are followed by more splits of their document (bagel_mask, BAGEL's rule)."""
+    spec, cfg = get_model_spec("bagel"), get_model_spec("bagel").flavor("debug")
+    c = cfg.llm_config
+    per_pair = 12 * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+
+    def pairs(lens, seg_ids, seg_kinds):
+        causal = spec.flops(cfg, lens)
+        return (spec.flops(cfg, lens, seg_ids=seg_ids, seg_kinds=seg_kinds) - causal) / per_pair + \
+            sum(n * (n + 1) // 2 for n in lens)
+
+    batch = collate_rows(_rows(2), SEQ, 0, 1, multiple=1, schema=SCHEMA)
+    meta = build_attn_meta(batch, "sdpa", "cpu", kind="segments")
+    enc = encoder_inputs(batch)
+    assert pairs(doc_lens_from_batch(batch), enc["seg_ids"], enc["seg_kinds"]) == int(meta.sdpa_mask.sum())
+    docs = ([(3, "causal"), (4, "noise"), (2, "causal"), (3, "full"), (2, "noise"), (1, "causal")],
+            [(2, "causal"), (3, "full"), (1, "causal")], [(3, "causal")])  # the last one: the row's padding
+    splits = [sp for d in docs for sp in d]
+    seg_ids = torch.repeat_interleave(torch.arange(len(splits)), torch.tensor([n for n, _ in splits]))[None]
+    seg_kinds = torch.repeat_interleave(torch.tensor([SEGMENT_KINDS.index(k) for _, k in splits]),
+                                        torch.tensor([n for n, _ in splits]))[None]
+    want = sum(int(bagel_mask(d).sum()) for d in docs)
+    assert pairs([sum(n for n, _ in d) for d in docs], seg_ids, seg_kinds) == want
+    # causal 120 + 21 + 6, the splits' later keys 6 + 3 + 1 + 3, the noised tokens hidden from 8 and 1 later tokens
+    assert want == 147 + 13 - (4 * 8 + 2 * 1)
 
 
 def test_a_segments_part_sets_the_combined_mask():

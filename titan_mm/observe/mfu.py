@@ -42,8 +42,10 @@ def doc_lens_from_batch(batch: dict) -> list[int]:
 
 def encoder_inputs(batch: dict) -> dict:
     """The batch's keys that let a family's FLOP counter count its encoders: the vision grids (ViT), the audio
-    clips' frame counts (the Omni audio encoder), packed ViT lengths and per-token kinds (text / ViT / latent)."""
-    keys = ("image_grid_thw", "video_grid_thw", "audio_feature_lengths", "vit_lens", "token_kind")
+    clips' frame counts (the Omni audio encoder), packed ViT lengths and per-token kinds (text / ViT / latent), and
+    the attention kind "segments"' splits (their bidirectional pairs)."""
+    keys = ("image_grid_thw", "video_grid_thw", "audio_feature_lengths", "vit_lens", "token_kind", "seg_ids",
+            "seg_kinds")
     return {k: batch[k] for k in keys if k in batch}
 
 
