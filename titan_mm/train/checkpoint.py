@@ -48,6 +48,7 @@ down, in titan_mm.checkpoint_io, which the one model loader (titan_mm.loader) re
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import shutil
@@ -61,7 +62,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.stateful import Stateful
@@ -83,7 +85,8 @@ from titan_mm.checkpoint_io import (
 from titan_mm.train.state import TrainState, from_bytes, to_bytes
 
 _REPLACED = ".replaced"  # a committed step folder that a new save of the same step replaces once it commits
-_FAULT_ROOM = 64 << 10  # TITAN_MM_FAULT_ENOSPC_AT_STEP: bytes written before the disk is "full" (inside torch.save)
+_BYTES_IO_BUFFER = type(io.BytesIO().getbuffer().obj)  # DCP writes a non-tensor item as its BytesIO's getbuffer()
+_FAULT_ROOM = 64 << 10  # TITAN_MM_FAULT_ENOSPC_AT_STEP: tensor bytes written before the disk is "full" (in torch.save)
 
 
 class CheckpointSaveError(CheckpointError):
@@ -94,15 +97,23 @@ def _aside(path: Path) -> Path:
     return path.with_name(path.name + _REPLACED)
 
 
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class _OptimItem(Stateful):
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
+    """The optimizer state keyed by parameter FQN, param-group options included (``param_groups.<fqn>.lr``), so
+    it loads under any layout: the group count and order depend on it (titan_mm.train.optim.split_dtensor_groups),
+    and DCP's nested form keys the options by group index. ``flat=False`` reads a checkpoint written in the nested
+    form (an older titan_mm) into the same group structure only."""
+
+    def __init__(self, model, optimizer, flat: bool = True):
+        self.model, self.optimizer, self.options = model, optimizer, _FLAT if flat else None
 
     def state_dict(self):
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
 
     def load_state_dict(self, sd):
-        set_optimizer_state_dict(self.model, self.optimizer, sd)
+        set_optimizer_state_dict(self.model, self.optimizer, sd, options=self.options)
 
 
 class _TrainItem(Stateful):
@@ -217,6 +228,8 @@ class _FillingStream:
 
     def write(self, b) -> int:
         n = memoryview(b).nbytes
+        if isinstance(b, memoryview) and isinstance(b.obj, _BYTES_IO_BUFFER):  # a whole non-tensor item (they go
+            return self._f.write(b)  # first): the room is counted inside torch.save, whatever the options weigh
         if n > self._disk.room:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self._disk.room -= n
@@ -477,6 +490,8 @@ class CheckpointManager:
                 "means micro_batch_size x dp degree, which changes with the world size)" if slots else
                 f"{ckpt_dir}: its data state ({', '.join(sorted(saved)) or 'none'}) is not kept per micro-batch slot "
                 f"(an older titan_mm), {here}; resume it with the titan_mm that wrote it, or start a new run folder")
+        if any(k.startswith("optimizer.param_groups.") and k.endswith(".params") for k in keys):  # the nested form
+            items["optimizer"] = _OptimItem(state.model, state.optimizer, flat=False)
         dcp.load(items, checkpoint_id=str(ckpt_dir), process_group=self._pg)
         if data:
             try:

@@ -87,16 +87,17 @@ def build_param_groups(model: nn.Module, cfg: JobConfig, split: Callable | None 
 
 
 def split_dtensor_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Split every group that holds both DTensor and plain parameters into two groups with the same options.
-    The foreach / fused AdamW kernels cannot take both kinds in one call; tensor parallelism without FSDP
-    leaves the replicated parameters (norms; the embedding when it is not sharded) plain next to DTensors."""
+    """Split every group that holds both DTensor and plain parameters into two groups with the same options,
+    name included. The foreach / fused AdamW kernels cannot take both kinds in one call; tensor parallelism without
+    FSDP leaves the replicated parameters (norms; the embedding when it is not sharded) plain next to DTensors.
+    So the group count depends on the layout: checkpoints keep group options per parameter (train/checkpoint.py),
+    which needs the two halves to agree on every option, and the schedule drops its per-group lists on load."""
     out = []
     for g in groups:
         dt = [p for p in g["params"] if isinstance(p, DTensor)]
         plain = [p for p in g["params"] if not isinstance(p, DTensor)]
         if dt and plain:
-            name = g.get("name", "group")
-            out += [{**g, "params": dt, "name": name}, {**g, "params": plain, "name": f"{name}/plain"}]
+            out += [{**g, "params": dt}, {**g, "params": plain}]
         else:
             out.append(g)
     return out
@@ -249,12 +250,22 @@ def lr_factor(step: int, total_steps: int, s: LRScheduler) -> float:
     raise ValueError(f"unknown lr_scheduler.name {s.name!r}; available: cosine, wsd, constant, linear")
 
 
+class LayoutFreeLambdaLR(LambdaLR):
+    """LambdaLR whose load keeps this run's per-group lists (``base_lrs``, ``_last_lr``) and takes only the step
+    count: the number and order of parameter groups depend on the layout (:func:`split_dtensor_groups`), and a
+    checkpoint resumes under another one; the base lrs come from the config either way."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict({k: v for k, v in state_dict.items() if k not in ("base_lrs", "_last_lr")})
+        self._last_lr = [f(self.last_epoch) * b for f, b in zip(self.lr_lambdas, self.base_lrs, strict=True)]
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: JobConfig) -> LambdaLR:
-    """LambdaLR over :func:`lr_factor`. The lambda is a plain function, so LambdaLR's state_dict keeps only
-    the step count: a resumed run takes its schedule (steps, warmup, ...) from its own config."""
+    """:class:`LayoutFreeLambdaLR` over :func:`lr_factor`. The lambda is a plain function, so the state_dict
+    keeps only the step count: a resumed run takes its schedule (steps, warmup, ...) from its own config."""
     total, sched = cfg.training.steps, cfg.lr_scheduler
 
     def factor(step: int) -> float:
         return lr_factor(step, total, sched)
 
-    return LambdaLR(optimizer, lr_lambda=factor)
+    return LayoutFreeLambdaLR(optimizer, lr_lambda=factor)
