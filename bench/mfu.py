@@ -35,8 +35,8 @@ Stacks:
   hf               HF transformers (sdpa)
 Cases set the model shape, batch and sequence; the VL ones (``vl``) build image+text rows through their family's
 synthetic module (``synthetic``; the Omni thinkers': image + 10-30 s audio clip + text groups, vl_batch), and their
-MFU counts the ViT and the audio encoder ("MFU (LLM only)": the decoder alone). ``--ac`` switches activation
-checkpointing for titan and ``--reshard`` its ``parallel.fsdp_reshard_after_forward`` (titan_fsdp: the one stack
+MFU counts the ViT and the audio encoder ("MFU (LLM only)": the decoder alone); ``rows`` cases (BAGEL) take a
+family's own packed rows (its module's bench_rows). ``--ac`` switches activation checkpointing for titan and ``--reshard`` its ``parallel.fsdp_reshard_after_forward`` (titan_fsdp: the one stack
 that runs FSDP2 on one GPU; a row run with ``never`` records it). With TITAN_BENCH_SKIP_GUARD_EVAL=1 in the environment the timed steps run under
 ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (an experiment: the row records it; the trainer never
 does this).
@@ -47,6 +47,7 @@ does this).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -119,6 +120,20 @@ CASES.update({
                                                                                           text=512)),
     "wan2.1_1.3b": dict(model="wan", flavor="1.3B", overrides={}, batch=1, seq=14040,
                         clip=dict(frames=9, hw=(60, 104), text=512)),
+})
+
+# BAGEL (docs/bagel.md): packed rows of understanding samples (prompt, a ViT image of image = (h, w) patches, an
+# answer) and generation samples (prompt, a noised VAE image of latent = (h, w) latent patches), the rest text
+# (``rows``: the family module whose bench_rows builds them); the MFU counts both experts, the ViT and the segment
+# mask's pairs. 7B-MoT's widths, the decoder cut to 4 MoT layers; 32 x 32 ViT patches (448 px at /14) and 32 x 32
+# latent patches (512 px: FLUX's 8x, patch 2).
+CASES.update({
+    "debug_bagel": dict(model="bagel", flavor="debug", overrides={}, batch=1, seq=256,
+                        rows="titan_mm.models.bagel.synthetic", media=dict(image=(4, 4), latent=(4, 4), prompt=8,
+                                                                           answer=16)),
+    "bagel_7b_mot_4l": dict(model="bagel", flavor="7B-MoT", overrides={"llm_config": {"num_hidden_layers": 4}}, batch=1,
+                            seq=8192, rows="titan_mm.models.bagel.synthetic",
+                            media=dict(image=(32, 32), latent=(32, 32), prompt=64, answer=256)),
 })
 
 
@@ -238,9 +253,9 @@ def _titan_builder(case, stack, args, device):
     run = setup(cfg, model_fn=_plain_model if stack == "titan_plain" else None)
     spec, mc, device = run.spec, run.model_cfg, run.device
     batch = case_batch(case, spec, mc, device)
-    if case.get("vl") and device.type == "cuda":  # host batches arrive pinned, as from the trainer's loader
-        # (data.pin_memory): a pageable copy of the pixels each step would block the host (the peers' batch stays
-        # on the GPU)
+    if (case.get("vl") or case.get("rows")) and device.type == "cuda":  # host batches arrive pinned, as from the
+        # trainer's loader (data.pin_memory): a pageable copy of the pixels each step would block the host (the
+        # peers' batch stays on the GPU)
         batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) and k not in ("cu_seqlens", "max_seqlen")
                  else v for k, v in batch.items()}
     # the kernels' launch configs, picked before the first step as the trainer does: the forward never tunes
@@ -287,8 +302,6 @@ def vl_batch(mc, batch: int, seq: int, seed: int = 0, synthetic: str = VL_SYNTHE
     clip), then ``media["text"]`` text tokens, while a whole group fits; the rest of the row is text. One document
     per row gives HF (no packed-document masking) the same attention work. ``synthetic``: the module whose
     make_sample / pack build the samples for ``mc``'s family (an audio one also has audio_tokens(mc, frames))."""
-    import importlib
-
     import torch
 
     from titan_mm.registry import spec_for_config
@@ -332,7 +345,10 @@ def clip_batch(mc, batch: int, clip: dict, seed: int = 0) -> dict:
 
 
 def case_batch(case: dict, spec, mc, device) -> dict:
-    """The case's host batch: vl_batch through its synthetic module, clip_batch, or text rows."""
+    """The case's host batch: vl_batch through its synthetic module, clip_batch, a family's bench_rows, or text
+    rows."""
+    if case.get("rows"):
+        return importlib.import_module(case["rows"]).bench_rows(mc, case["batch"], case["seq"], **case["media"])
     if case.get("clip"):
         return clip_batch(mc, case["batch"], case["clip"])
     if case.get("vl"):

@@ -21,6 +21,7 @@ from transformers.models.qwen3.modeling_qwen3 import (Qwen3DecoderLayer, Qwen3RM
                                                       apply_rotary_pos_emb, eager_attention_forward)
 from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer
 
+from bench.mfu import CASES, case_batch, model_config
 from tests.unit.test_attention_kinds import bagel_mask
 from titan_mm.config import load_config
 from titan_mm.data.packing import collate_rows
@@ -376,6 +377,24 @@ def test_flops_count_the_segment_masks_pairs():
     assert pairs([sum(n for n, _ in d) for d in docs], seg_ids, seg_kinds) == want
     # causal 120 + 21 + 6, the splits' later keys 6 + 3 + 1 + 3, the noised tokens hidden from 8 and 1 later tokens
     assert want == 147 + 13 - (4 * 8 + 2 * 1)
+
+
+def test_bench_case_rows_hold_text_vit_and_noised_latents():
+    """bench/mfu.py's bagel_7b_mot_4l: 7B-MoT's widths with 4 MoT layers, and one full packed row of understanding
+    (text, a 32 x 32 ViT image, an answer with CE) and generation samples (text, a noised 32 x 32 latent image) that
+    the family's prepare_batch takes."""
+    case = CASES["bagel_7b_mot_4l"]
+    spec, mc = model_config(case)
+    assert mc.llm_config.num_hidden_layers == 4
+    assert mc.llm_config.hidden_size == spec.flavor("7B-MoT").llm_config.hidden_size
+    b = case_batch(case, spec, mc, "cpu")
+    kinds = b["token_kind"].reshape(-1)
+    assert b["input_ids"].shape == (1, 8192) and int((b["doc_ids"] < 0).sum()) == 0
+    assert [int((kinds == k).sum()) for k in (VIT, VAE)] == [3 * 1024, 3 * 1024]
+    assert b["vit_lens"].tolist() == [1024] * 3 and int(b["latent_mask"].sum()) == 3 * 1024
+    assert int(b["num_label_tokens"]) > 3 * 255 and set(b["noise_unit"].unique().tolist()) == {-1, 0, 1, 2}
+    pb = prepare_batch(mc, b, "cpu")
+    assert pb["gen_index"].numel() == 3 * 1024 and pb["vit_index"].numel() == 3 * 1024
 
 
 def test_a_segments_part_sets_the_combined_mask():

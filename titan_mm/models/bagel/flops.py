@@ -59,8 +59,9 @@ def segment_pairs(doc_lens: Iterable[int], seg_ids: torch.Tensor, seg_kinds: tor
     return int(extra.sum())
 
 
-def flops(cfg: BagelConfig, doc_lens: Iterable[int], vit_lens: Iterable[int] = (), token_kind: torch.Tensor | None = None,
-          seg_ids: torch.Tensor | None = None, seg_kinds: torch.Tensor | None = None, **_) -> float:
+def flops(cfg: BagelConfig, doc_lens: Iterable[int], vit_lens: Iterable[int] = (),
+          token_kind: torch.Tensor | None = None, seg_ids: torch.Tensor | None = None,
+          seg_kinds: torch.Tensor | None = None, **_) -> float:
     """``vit_lens`` / ``token_kind`` / ``seg_ids`` / ``seg_kinds``: the batch's keys (observe.mfu.encoder_inputs hands
     them over)."""
     lens, images = [int(n) for n in doc_lens], [int(n) for n in vit_lens]

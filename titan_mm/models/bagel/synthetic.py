@@ -137,3 +137,36 @@ def synthetic(cfg: BagelConfig, seq_len: int) -> Callable[[list[torch.Generator]
         raise ValueError(f"synthetic BAGEL rows use token ids below {DIGIT0 + 10}; the vocabulary has "
                          f"{cfg.llm_config.vocab_size}")
     return functools.partial(make_batch, cfg, seq_len)
+
+
+def bench_rows(cfg: BagelConfig, rows: int, seq_len: int, image: tuple[int, int] = (32, 32),
+               latent: tuple[int, int] = (32, 32), prompt: int = 64, answer: int = 256, seed: int = 0) -> dict:
+    """Packed rows of ``seq_len`` tokens for bench/mfu.py: understanding samples (``prompt`` tokens, a ViT image of
+    ``image`` = (h, w) patches, an ``answer`` with CE) and generation samples (``prompt`` tokens, a noised VAE image of
+    ``latent`` = (h, w) latent patches) in turn while the next one fits, then one text sample (CE) on the rest; random
+    token ids, pixels and latents."""
+    g = torch.Generator().manual_seed(seed)
+    vit, lp = cfg.vit_config, cfg.latent_patch_size
+    need = (prompt + image[0] * image[1] + 2 + answer, prompt + latent[0] * latent[1] + 2)  # understanding, generation
+    ids = lambda n: torch.randint(0, cfg.llm_config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    out = []
+    for _ in range(rows):
+        docs, left = [], seq_len
+        while need[len(docs) % 2] <= left:
+            s = _Sample(cfg)
+            s.text(ids(prompt), loss=False)
+            if len(docs) % 2 == 0:
+                s.vit_image(torch.randn(vit.num_channels, image[0] * vit.patch_size, image[1] * vit.patch_size,
+                                        generator=g))
+                s.text(ids(answer), loss=True)
+            else:
+                s.vae_image(torch.randn(cfg.vae_config.z_channels, latent[0] * lp, latent[1] * lp, generator=g),
+                            noised=True, unit=len(docs) // 2)
+            docs.append(s.doc())
+            left -= need[(len(docs) - 1) % 2]
+        if left:
+            s = _Sample(cfg)
+            s.text(ids(left), loss=True)
+            docs.append(s.doc())
+        out.append(docs)
+    return collate_rows(out, seq_len, pad_id=0, position_axes=1, multiple=1, schema=SCHEMA)
