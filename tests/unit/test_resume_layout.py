@@ -68,3 +68,17 @@ def test_checkpoints_key_group_options_by_parameter(tmp_path):
     names = [n for n, _ in st.model.named_parameters()]
     assert {f"optimizer.param_groups.{n}.lr" for n in names} <= set(keys)
     assert not any(k.startswith("optimizer.param_groups.0.") for k in keys)
+
+
+def test_how_the_step_runs_stays_this_runs(tmp_path):
+    """A checkpoint's foreach / fused flags come from the machine that wrote it: a CUDA run's fused=True would
+    break a CPU resume, a CPU run's foreach would slow a CUDA one (and turn off the device-decided skip)."""
+    st = make_state()
+    run_steps(st, 2)
+    CheckpointManager(tmp_path, interval=1, async_mode="disabled").save(st)
+    resumed = make_state(seed=1)
+    for g in resumed.optimizer.param_groups:
+        g["foreach"] = False  # another implementation than the saved foreach=True
+    assert CheckpointManager(tmp_path, interval=1).resume(resumed) == 2
+    assert [g["foreach"] for g in resumed.optimizer.param_groups] == [False] * len(resumed.optimizer.param_groups)
+    assert all(g["lr"] == h["lr"] for g, h in zip(resumed.optimizer.param_groups, st.optimizer.param_groups))

@@ -98,13 +98,15 @@ def _aside(path: Path) -> Path:
 
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_HOW = ("foreach", "fused", "capturable")  # how this machine runs the step (optimizer.implementation, the device)
 
 
 class _OptimItem(Stateful):
     """The optimizer state keyed by parameter FQN, param-group options included (``param_groups.<fqn>.lr``), so
     it loads under any layout: the group count and order depend on it (titan_mm.train.optim.split_dtensor_groups),
     and DCP's nested form keys the options by group index. ``flat=False`` reads a checkpoint written in the nested
-    form (an older titan_mm) into the same group structure only."""
+    form (an older titan_mm) into the same group structure only. The options that say how the step runs
+    (:data:`_HOW`) stay this run's: a CPU checkpoint resumes fused on CUDA, a CUDA one foreach on CPU."""
 
     def __init__(self, model, optimizer, flat: bool = True):
         self.model, self.optimizer, self.options = model, optimizer, _FLAT if flat else None
@@ -113,7 +115,10 @@ class _OptimItem(Stateful):
         return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
 
     def load_state_dict(self, sd):
+        how = [{k: g[k] for k in _HOW if k in g} for g in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, sd, options=self.options)
+        for g, h in zip(self.optimizer.param_groups, how, strict=True):
+            g.update(h)
 
 
 class _TrainItem(Stateful):
