@@ -3,7 +3,8 @@ through the trainer (run_train.sh, gloo): the optimizer state is saved by parame
 parameter) and the schedule without its per-group lists, so the number and order of parameter groups, which
 depends on the layout (titan_mm.train.optim.split_dtensor_groups), does not matter.
 
-Each case trains the straight run A for 4 steps (checkpoint at 2) in layout X, and resumes A's step-2 checkpoint
+Cases: debug_qwen3 (AdamW, and Muon: its Muon and AdamW groups both split under tp) and debug_wan tp 2 -> 1,
+debug_qwen3 fsdp 2 -> tp 2. Each case trains the straight run A for 4 steps (checkpoint at 2) in layout X, and resumes A's step-2 checkpoint
 for steps 3-4 in layout Y. The comparison is with A itself: at step 3 both runs hold the same parameters, optimizer
 state and data, and differ only in how the matmuls and the gradient reductions are split (tp's row-parallel
 partial sums, FSDP's reduce-scatter): a few fp32 roundings per reduction, ~1e-6 relative on a loss of ~12 over a
@@ -31,6 +32,7 @@ MODELS = {
               "64"],
     "wan": ["--config", "debug_wan.toml"],
 }
+MODELS["qwen3_muon"] = [*MODELS["qwen3"], "--optimizer.name", "muon"]  # Muon and AdamW groups, split under tp
 TP2 = ("2", ["--parallel.tp", "2"])
 FSDP2 = ("2", ["--parallel.dp_shard", "2"])
 ONE = ("1", [])
@@ -65,7 +67,7 @@ def resume_and_compare(tmp_path: Path, model: str, saved: tuple, resumed: tuple)
         assert abs(gn - ref_gn) <= 1e-4 * abs(ref_gn), (s, got[s], ref[s])
 
 
-@pytest.mark.parametrize("model", ["qwen3", "wan"])
+@pytest.mark.parametrize("model", ["qwen3", "wan", "qwen3_muon"])
 def test_tp2_checkpoint_resumes_in_one_process(tmp_path, model):
     resume_and_compare(tmp_path, model, TP2, ONE)
 
