@@ -44,7 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from titan_mm.config import Data
-from titan_mm.data.loader import StreamLayout, resolve_sources
+from titan_mm.data.loader import CountedLoader, StreamLayout, resolve_sources
 from titan_mm.data.schema import parse_record
 from titan_mm.data.sources import READERS, DataError, SkipSample, Unit, hash_ints, list_units, media_bytes, permutation
 from titan_mm.data.vision import decode_video, resize_frames
@@ -273,7 +273,7 @@ def epoch_plan(rows: list[ClipRow], B: int, seed: int, epoch: int) -> list[list[
     return [mbs[i] for i in permutation(len(mbs), seed, epoch, 1)]
 
 
-class ClipLoader:
+class ClipLoader(CountedLoader):
     """This dp rank's micro-batches of clips (module docstring), with state_dict() / load_state_dict() as the
     trainer's other loaders; ``epochs`` > 0 stops after that many passes."""
 
@@ -330,12 +330,6 @@ class ClipLoader:
             b = self.batch(j)
             self.served += 1
             yield b
-
-    def state_dict(self) -> dict:
-        return self.layout.counted_state(self.served)
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.served = self.layout.counted(sd)
 
     def metrics(self) -> dict[str, float]:
         skipped = dict(self.source.skipped)

@@ -187,6 +187,20 @@ class StreamLayout:
         return out
 
 
+class CountedLoader:
+    """A loader that makes micro-batch j from j alone: its whole state is the count it has served, saved through
+    its ``layout`` (a :class:`StreamLayout`) so any dp world with the same slots resumes it."""
+
+    layout: StreamLayout
+    served: int
+
+    def state_dict(self) -> dict:
+        return self.layout.counted_state(self.served)
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.served = self.layout.counted(sd)
+
+
 class PackedDataset(IterableDataset):
     def __init__(self, cfg: StreamConfig):
         super().__init__()

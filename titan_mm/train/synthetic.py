@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from titan_mm.data.loader import StreamLayout
+from titan_mm.data.loader import CountedLoader, StreamLayout
 from titan_mm.data.packing import IGNORE_INDEX as IGNORE
 from titan_mm.data.packing import Doc, collate_rows
 
@@ -62,7 +62,7 @@ def collate(rows) -> dict:
     return batch
 
 
-class SyntheticLoader:
+class SyntheticLoader(CountedLoader):
     """An endless iterable of micro-batches with state_dict()/load_state_dict() like StatefulDataLoader."""
 
     def __init__(self, *, vocab_size: int, seq_len: int, micro_batch_size: int, n_micro: int = 1,
@@ -90,12 +90,6 @@ class SyntheticLoader:
             b = self.batch(self.served)
             self.served += 1
             yield b
-
-    def state_dict(self) -> dict:
-        return self.layout.counted_state(self.served)
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.served = self.layout.counted(sd)
 
     def metrics(self) -> dict:
         return {}
