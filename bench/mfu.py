@@ -33,6 +33,9 @@ Stacks:
   torchtitan       torchtitan 0.2.2's Qwen3 with per-block compile, full-logit CE
   hf_liger         HF transformers (sdpa) + Liger 0.8.5 kernels
   hf               HF transformers (sdpa)
+  diffusers        Wan cases: diffusers' WanTransformer3DModel, per-block compile, FSDP2 per block (bf16 params,
+                   fp32 reduce), AdamW, the titan stack's flow-matching loss on the same clips and noise (issue 48's
+                   peer; bench/peers.py build_diffusers_wan)
 Cases set the model shape, batch and sequence; the VL ones (``vl``) build image+text rows through their family's
 synthetic module (``synthetic``; the Omni thinkers': image + 10-30 s audio clip + text groups, vl_batch), and their
 MFU counts the ViT and the audio encoder ("MFU (LLM only)": the decoder alone); ``rows`` cases (BAGEL) take a
@@ -357,13 +360,31 @@ def case_batch(case: dict, spec, mc, device) -> dict:
     return text_batch(spec.dims(mc).vocab_size, case["batch"], case["seq"], device)
 
 
-def _peer_builder(case, stack, device):
+def _peer_builder(case, stack, args, device):
     import torch
 
     from bench import peers
+    from titan_mm.objectives import build_objective
 
     spec, mc = model_config(case)
     batch = case_batch(case, spec, mc, device)
+    if stack == "diffusers":  # Wan: the titan stack's flow matching (sampler, seed) on the same host clips
+        if not case.get("clip"):
+            raise SystemExit(f"the diffusers stack runs the Wan cases (clip cases); {args.case} is not one")
+        objective = build_objective(titan_config(case, "titan", args), spec, mc)
+        model, fb = peers.build_diffusers_wan(mc.to_hf_dict(), device, objective)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        n_steps = [0]
+
+        def step():
+            loss = fb(batch, n_steps[0])
+            n_steps[0] += 1
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(loss)
+
+        return spec, mc, batch, step
     if stack == "torchtitan":
         model, fb = peers.build_torchtitan(shape_of(spec, mc, case["seq"]), device)
     else:
@@ -405,7 +426,7 @@ def worker(args) -> dict:
     if args.stack.startswith("titan"):
         spec, mc, batch, step = _titan_builder(case, args.stack, args, device)
     else:
-        spec, mc, batch, step = _peer_builder(case, args.stack, device)
+        spec, mc, batch, step = _peer_builder(case, args.stack, args, device)
     from bench.scaling import batch_flops
     from titan_mm.config import JobConfig
     from titan_mm.nn.attention import batch_rows
@@ -489,7 +510,7 @@ def worker(args) -> dict:
 
 # ------------------------------------------------------------------------------------------------ driver
 STACK_ORDER = ("titan", "titan_opt", "titan_fsdp", "titan_f8", "titan_f8_pre", "titan_f8_experts", "titan_opt_f8",
-               "titan_eager", "titan_nokernels", "titan_plain", "torchtitan", "hf_liger", "hf")
+               "titan_eager", "titan_nokernels", "titan_plain", "torchtitan", "hf_liger", "hf", "diffusers")
 
 
 def _row_order(r: dict):

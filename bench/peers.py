@@ -2,21 +2,29 @@
 
 - ``torchtitan``: torchtitan 0.2.2's own Qwen3 model, per-block torch.compile, FSDP2 with bf16 params /
   fp32 reduce, full-logit cross-entropy (what torchtitan's trainer does).
+- ``diffusers`` (Wan): diffusers' ``WanTransformer3DModel`` as a diffusers training loop runs it (the issue 48
+  peer): per-block torch.compile, FSDP2 per block and on the root with the same mixed-precision policy, the flow
+  matching loss of titan_mm's objective on the same noise (:func:`build_diffusers_wan`).
 - ``hf`` / ``hf_liger``: HF transformers' Qwen3 (sdpa attention), optionally with Liger 0.8.5's kernels
   (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) applied through its monkey-patch API, FSDP2 per
   decoder layer (and per vision / audio encoder block) with the same mixed-precision policy. The Omni thinkers
   take the audio as HF's processor gives it (:func:`hf_audio_inputs`: clips padded to one length plus
   ``feature_attention_mask``) and an all-ones ``attention_mask``, without which HF builds no TMRoPE positions.
 
-Every builder returns ``(model, step_fn)`` where ``step_fn(batch) -> loss`` (batch on the device) runs forward and
-backward; the caller owns the optimizer step and timing so all stacks are measured the same way.
+Every builder returns ``(model, step_fn)`` where ``step_fn(batch) -> loss`` (batch on the device; the Wan peer's:
+the host clip batch and the step number) runs forward and backward; the caller owns the optimizer step and timing
+so all stacks are measured the same way.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from titan_mm.models.wan.model import unpatchify
 
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -186,6 +194,42 @@ def build_torchtitan(shape: dict, device: torch.device, compile_blocks: bool = T
     def step(batch):
         logits = model(batch["input_ids"])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        return loss.detach()
+
+    return model, step
+
+
+def build_diffusers_wan(hf_config: dict, device: torch.device, objective, mp: MixedPrecisionPolicy = MP,
+                        compile_blocks: bool = True):
+    """diffusers' WanTransformer3DModel from a transformer config.json dict (titan_mm's ``cfg.to_hf_dict()``) in
+    fp32 master weights, each block compiled and fully_shard-ed (``mp``: bf16 params / fp32 reduce), then the root.
+    Its step takes titan_mm's host clip batch (SCHEMA: patches, one clip a row) and the step number: ``objective``
+    (the titan stack's flow matching: sampler, seed) draws t and the noise as the trainer does at that step; the
+    clip goes in as diffusers' [B, C, F, H, W] with diffusers' timestep t x 1000 (one per clip, or one per patch
+    where a row's t differ), and the loss is the same weighted velocity MSE over the latent elements."""
+    from diffusers import WanTransformer3DModel  # optional dependency: the diffusers extra, only this peer needs it
+
+    kw = {k: list(v) if isinstance(v, tuple) else v for k, v in hf_config.items() if not k.startswith("_")}
+    with torch.device(device):
+        model = WanTransformer3DModel(**kw).float()
+    for block in model.blocks:
+        if compile_blocks:
+            block.compile()
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    patch = tuple(kw["patch_size"])
+
+    def step(host_batch: dict, step_index: int):
+        mb = objective.prepare([host_batch], step_index)[0]
+        fhw = tuple(int(n) + 1 for n in mb["grid_fhw"][0].amax(0).tolist())
+        x = unpatchify(mb["noisy_latents"], fhw, patch).to(device)
+        target = unpatchify(mb["flow_target"], fhw, patch).to(device)
+        t = mb["timesteps"]
+        t = (t[:, 0] if bool((t == t[:, :1]).all()) else t).to(device) * 1000  # diffusers' timestep = sigma x 1000
+        w = unpatchify(mb["flow_weight"][..., None].expand(-1, -1, x.shape[1] * math.prod(patch)), fhw, patch)
+        pred = model(x, t, mb["text_states"].to(device), return_dict=False)[0]
+        loss = ((pred.float() - target).square() * w.to(device)).sum() / int(mb["num_latent_elements"])
         loss.backward()
         return loss.detach()
 
