@@ -18,8 +18,8 @@ from titan_mm.models.wan.model import WanModel, patchify, unpatchify
 from titan_mm.nn.attention import build_attn_meta
 
 
-def _shift(sigma, shift: float):
-    """The timestep shift of diffusers' scheduler (and of flow matching's training t)."""
+def time_shift(sigma, shift: float):
+    """The timestep shift of diffusers' scheduler (and of flow matching's training t; BAGEL's sampler too)."""
     return shift * sigma / (1 + (shift - 1) * sigma)
 
 
@@ -28,8 +28,8 @@ def flow_sigmas(steps: int, shift: float) -> torch.Tensor:
     sigmas, in its arithmetic: the training table's shifted sigma_max / sigma_min (fp32), a float64 linspace of
     timesteps between them, shifted again, then a final 0."""
     n = NUM_TRAIN_TIMESTEPS
-    table = _shift(torch.from_numpy(np.linspace(1, n, n, dtype=np.float32)[::-1].copy()) / n, shift)
-    sigmas = _shift(np.linspace(table[0].item() * n, table[-1].item() * n, steps) / n, shift)
+    table = time_shift(torch.from_numpy(np.linspace(1, n, n, dtype=np.float32)[::-1].copy()) / n, shift)
+    sigmas = time_shift(np.linspace(table[0].item() * n, table[-1].item() * n, steps) / n, shift)
     return torch.cat([torch.from_numpy(sigmas).float(), torch.zeros(1)])
 
 

@@ -1,0 +1,170 @@
+"""BAGEL slice 3: text-to-image rows through the FLUX VAE (a tiny random diffusers AutoencoderKL built here, generated
+images; nothing downloads) and the image sampler against a loop written from the reference's equations
+(ByteDance-Seed/Bagel modeling/bagel/bagel.py generate_image / _forward_flow, modeling/autoencoder.py,
+data/data_utils.py patchify), fp32 on CPU."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKL
+from PIL import Image
+
+from tests.unit.test_bagel import CFG, _objective, _ours, _pair, both, ref_timestep
+from titan_mm.models.bagel.data import T2IData, read_t2i
+from titan_mm.models.bagel.sample import sample
+from titan_mm.models.bagel.synthetic import BOS, EOS, VISION_END, VISION_START
+from titan_mm.models.bagel.vae import FluxVAE
+
+SCALE, SHIFT = 0.3611, 0.1159  # FLUX's scaling_factor / shift_factor (BAGEL's load_ae)
+
+
+def tiny_vae(z: int = 4, levels: int = 3) -> AutoencoderKL:
+    """FLUX's AutoencoderKL config (no quant convs, its scale / shift), tiny: 2^(levels-1) x down, z channels."""
+    torch.manual_seed(1)
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * levels,
+                         up_block_types=("UpDecoderBlock2D",) * levels, block_out_channels=(8,) * levels,
+                         layers_per_block=1, latent_channels=z, norm_num_groups=4, scaling_factor=SCALE,
+                         shift_factor=SHIFT, use_quant_conv=False, use_post_quant_conv=False).eval()
+
+
+def tokenize(text: str) -> list[int]:
+    return [10 + ord(c) % 30 for c in text]
+
+
+def ref_patchify(image, p):
+    """data/data_utils.py patchify."""
+    c, h, w = image.shape
+    return torch.einsum("chpwq->hwpqc", image.reshape(c, h // p, p, w // p, p)).reshape(-1, p**2 * c)
+
+
+def write_rows(tmp_path, sizes):
+    rng = np.random.default_rng(0)
+    lines = []
+    for i, (h, w) in enumerate(sizes):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")
+        lines.append(json.dumps({"image": f"{i}.png", "caption": f"picture {i}"}))
+    (tmp_path / "t2i.jsonl").write_text("\n".join(lines) + "\n")
+    return tmp_path / "t2i.jsonl"
+
+
+def test_t2i_rows_are_flux_latents_packed_for_the_loss(tmp_path):
+    """Each sample is [bos caption eos] then the image's latent patches as BAGEL computes them (the posterior's mode,
+    scale x (z - shift), patchified), packed best-fit and collated; the loss runs on the batch with one t per
+    image."""
+    sizes = [(16, 16), (16, 24), (8, 16)]
+    path = write_rows(tmp_path, sizes)
+    vae = tiny_vae()
+    data = T2IData(CFG, read_t2i(path), FluxVAE(vae, CFG), tokenize)
+    batches = list(data.batches(seq_len=40, rows_per_batch=2))
+    assert len(batches) == 1
+    b = batches[0]
+    want = []
+    for i in range(len(sizes)):
+        img = torch.from_numpy(np.asarray(Image.open(tmp_path / f"{i}.png"), np.float32)).permute(2, 0, 1)
+        z = vae.encode((img / 127.5 - 1)[None]).latent_dist.mode()[0]
+        want.append(ref_patchify(SCALE * (z - SHIFT), CFG.latent_patch_size))
+    lat, pos, found = b["latent_mask"], b["position_ids"].reshape(2, -1), []
+    for r in range(2):
+        ids, units = b["input_ids"][r], b["noise_unit"][r][lat[r]].unique().tolist()
+        assert units == list(range(len(units)))  # one t per image of the row, numbered from 0
+        for u in units:
+            tokens = lat[r] & (b["noise_unit"][r] == u)
+            i = next(j for j, x in enumerate(want) if x.shape[0] == int(tokens.sum())
+                     and torch.equal(b["latents"][r][tokens], x))
+            found.append(i)
+            first, n, cap = int(tokens.nonzero()[0]), want[i].shape[0], tokenize(f"picture {i}")
+            assert ids[first - len(cap) - 3:first - 1].tolist() == [BOS, *cap, EOS]
+            assert ids[first - 1].item() == VISION_START and ids[first + n].item() == VISION_END
+            assert (pos[r, first - 1:first + n + 1] == pos[r, first - 2] + 1).all()  # one position per image
+    assert sorted(found) == list(range(len(sizes)))
+    assert (b["labels"] == -100).all()
+    obj = _objective()
+    model, _, _ = _pair()
+    out = _ours(model, obj.prepare([b], 0)[0], obj)
+    assert torch.isfinite(out.terms["mse"]) and out.terms["mse"] > 0
+
+
+def test_t2i_mistakes_are_one_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"image": "a.png"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1 has no string \"image\" and \"caption\""):
+        read_t2i(tmp_path / "bad.jsonl")
+    path = write_rows(tmp_path, [(12, 16)])
+    with pytest.raises(ValueError, match="is 12x16; its sides must be multiples of 8"):
+        list(T2IData(CFG, read_t2i(path), FluxVAE(tiny_vae(), CFG), tokenize).batches(40, 1))
+    with pytest.raises(ValueError, match="the VAE has 16 latent channels and 8x downsampling"):
+        FluxVAE(tiny_vae(16, 4), CFG)
+
+
+# ---- the sampler against the reference's loop ----
+
+def ref_velocity(ref, ids, x, t, lat_pos):
+    """_forward_flow through the KV-cache form, written flat: the context [bos prompt eos] (causal, positions 0..L-1)
+    and the query [vs, x, ve] (all at position L, attending to the context and to itself), und weights for text,
+    gen for the latents; llm2vae at the latent tokens."""
+    L, n = len(ids), x.shape[0]
+    toks = torch.tensor(ids + [VISION_START] + [0] * n + [VISION_END])
+    g = torch.zeros(L + n + 2, dtype=torch.bool)
+    g[L + 1:L + 1 + n] = True
+    h = ref.embed(toks)
+    temb = ref.t2(F.silu(ref.t1(ref_timestep(torch.full((n,), t)))))
+    h[g] = ref.vae2llm(x) + temb + ref.lat_table[lat_pos]
+    pos = torch.cat([torch.arange(L), torch.full((n + 2,), L)])
+    allowed = torch.tril(torch.ones(L + n + 2, L + n + 2, dtype=torch.bool))
+    allowed[L:] = True
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    cos, sin = ref.rotary(h[None], pos[None])
+    for und, gen in zip(ref.und, ref.gen):
+        h = ref.layer(und, gen, h, g, cos, sin, mask)
+    return ref.llm2vae(both(ref.norm, ref.norm_gen, h, g)[g])
+
+
+def ref_generate(ref, prompt, noise, hw, steps, shift, scale, interval, renorm_min):
+    """generate_image + _forward_flow (text CFG, "global" renorm), then decode_image's unpacking."""
+    p = CFG.latent_patch_size
+    h, w = hw[0] // p, hw[1] // p
+    lat_pos = (torch.arange(h)[:, None] * CFG.max_latent_size + torch.arange(w)).flatten()
+    x_t = noise
+    timesteps = torch.linspace(1, 0, steps)
+    timesteps = shift * timesteps / (1 + (shift - 1) * timesteps)
+    dts = timesteps[:-1] - timesteps[1:]
+    for i, t in enumerate(timesteps[:-1]):
+        v_t = ref_velocity(ref, [BOS] + prompt + [EOS], x_t, t, lat_pos)
+        if scale > 1.0 and interval[0] < t <= interval[1]:
+            cfg_v = ref_velocity(ref, [], x_t, t, lat_pos)
+            v_ = cfg_v + scale * (v_t - cfg_v)
+            v_t = v_ * (torch.norm(v_t) / (torch.norm(v_) + 1e-8)).clamp(min=renorm_min, max=1.0)
+        x_t = x_t - v_t * dts[i]
+    z = CFG.vae_config.z_channels
+    return torch.einsum("nhwpqc->nchpwq", x_t.reshape(1, h, w, p, p, z)).reshape(z, h * p, w * p)
+
+
+@pytest.mark.parametrize("scale,interval,renorm_min", [(1.0, (0.4, 1.0), 0.0), (4.0, (0.4, 1.0), 0.0),
+                                                       (3.0, (0.0, 1.0), 0.5)])
+def test_sampler_equals_the_reference_loop(scale, interval, renorm_min):
+    """The sampler's latents (the training forward, no cache) equal the reference's loop (flat KV-cache form, from
+    transformers layers): fp32, the same steps; the attention sums differ in order only (~1e-6 per step)."""
+    model, ref, _ = _pair()
+    hw, prompt = (4, 6), [7, 8, 9]
+    noise = torch.randn(6, CFG.patch_latent_dim, generator=torch.Generator().manual_seed(3))
+    kw = dict(steps=6, shift=3.0)
+    ours = sample(model, prompt, noise, hw, cfg_text_scale=scale, cfg_interval=interval, cfg_renorm_min=renorm_min,
+                  **kw)
+    with torch.no_grad():
+        want = ref_generate(ref, prompt, noise, hw, kw["steps"], kw["shift"], scale, interval, renorm_min)
+    torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
+
+
+def test_sampler_mistakes_are_one_line():
+    model, _, _ = _pair()
+    noise = torch.randn(6, CFG.patch_latent_dim)
+    for kw, msg in (({"steps": 1}, "needs at least 2 points"), ({"shift": 0.0}, "it must be > 0"),
+                    ({"cfg_interval": (0.5, 0.2)}, "give \\(low, high\\)")):
+        with pytest.raises(ValueError, match=msg):
+            sample(model, [7], noise, (4, 6), **kw)
+    with pytest.raises(ValueError, match="a latent of 3x6 does not fit"):
+        sample(model, [7], noise, (3, 6))
+    with pytest.raises(ValueError, match=r"noise of shape \[6, 16\] is not \[4, 16\]"):
+        sample(model, [7], noise, (4, 4))
