@@ -12,11 +12,13 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL
 from PIL import Image
 
-from tests.unit.test_bagel import CFG, _objective, _ours, _pair, both, ref_timestep
+from tests.unit.test_bagel import CFG, RUN, _objective, _ours, _pair, both, ref_timestep
+from titan_mm.launch.train import main
 from titan_mm.models.bagel.data import T2IData, read_t2i
 from titan_mm.models.bagel.sample import sample
 from titan_mm.models.bagel.synthetic import BOS, EOS, VISION_END, VISION_START
 from titan_mm.models.bagel.vae import FluxVAE
+from titan_mm.tools.bagel_generate import main as generate
 
 SCALE, SHIFT = 0.3611, 0.1159  # FLUX's scaling_factor / shift_factor (BAGEL's load_ae)
 
@@ -168,3 +170,31 @@ def test_sampler_mistakes_are_one_line():
         sample(model, [7], noise, (3, 6))
     with pytest.raises(ValueError, match=r"noise of shape \[6, 16\] is not \[4, 16\]"):
         sample(model, [7], noise, (4, 4))
+
+
+# ---- python -m titan_mm.tools.bagel_generate ----
+
+def test_a_few_steps_debug_model_draws_a_png(tmp_path, capsys):
+    """debug_bagel trained 3 steps (its final checkpoint) -> the tool writes a PNG through a FLUX-config VAE folder,
+    and the latent .pt is the sampler's [z, h, w]."""
+    args = [*RUN, "--job.dump_folder", str(tmp_path), "--job.name", "run", "--training.steps", "3",
+            "--checkpoint.interval", "3"]
+    assert main(args) == 0
+    tiny_vae().save_pretrained(tmp_path / "vae")
+    common = ["--model", str(tmp_path / "run"), "--prompt-ids", "6,13", "--height", "16", "--width", "24",
+              "--steps", "4"]
+    assert generate([*common, "--vae", str(tmp_path / "vae"), "--out", str(tmp_path / "seven.png")]) == 0
+    with Image.open(tmp_path / "seven.png") as im:
+        assert im.size == (24, 16) and im.mode == "RGB"
+    assert generate([*common, "--out", str(tmp_path / "z.pt")]) == 0
+    assert torch.load(tmp_path / "z.pt").shape == (4, 4, 6)
+    capsys.readouterr()
+    for extra, msg in ((["--out", str(tmp_path / "x.png")], "a PNG needs --vae"),
+                       (["--vae", str(tmp_path / "run"), "--out", str(tmp_path / "x.png")], "no config.json there"),
+                       (["--prompt", "seven", "--out", str(tmp_path / "x.pt")], "one of them"),
+                       (["--height", "18", "--out", str(tmp_path / "x.pt")], "must be multiples of the VAE's"),
+                       (["--height", "4", "--out", str(tmp_path / "x.pt")], "a latent of 1x6 does not fit"),
+                       (["--prompt-ids", "6,99", "--out", str(tmp_path / "x.pt")], "outside the model's vocabulary")):
+        assert generate([*common, *extra]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err

@@ -48,14 +48,19 @@ class FluxVAE:
         return (self.vae.decode(z).sample.float() * 0.5 + 0.5).clamp(0, 1).cpu()
 
 
-def load_vae(folder: str | os.PathLike, cfg: BagelConfig, device: str | torch.device = "cpu") -> FluxVAE:
-    """The ``AutoencoderKL`` of a diffusers folder (a FLUX pipeline's vae/, or the pipeline folder holding it)."""
-    # diffusers is an optional dependency (the diffusers extra): only encoding and decoding images need it
-    from diffusers import AutoencoderKL
-
+def vae_dir(folder: str | os.PathLike) -> str:
+    """The AutoencoderKL folder: ``folder`` or its pipeline's vae/; one ValueError line when neither holds one."""
     sub = os.path.join(folder, "vae")
     path = sub if os.path.isfile(os.path.join(sub, "config.json")) else str(folder)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"VAE folder {folder}: no config.json there nor in {sub}; give a diffusers AutoencoderKL "
                          "folder, e.g. black-forest-labs/FLUX.1-dev's vae/")
-    return FluxVAE(AutoencoderKL.from_pretrained(path, torch_dtype=torch.float32), cfg, device)
+    return path
+
+
+def load_vae(folder: str | os.PathLike, cfg: BagelConfig, device: str | torch.device = "cpu") -> FluxVAE:
+    """The ``AutoencoderKL`` of a diffusers folder (a FLUX pipeline's vae/, or the pipeline folder holding it)."""
+    # diffusers is an optional dependency (the diffusers extra): only encoding and decoding images need it
+    from diffusers import AutoencoderKL
+
+    return FluxVAE(AutoencoderKL.from_pretrained(vae_dir(folder), torch_dtype=torch.float32), cfg, device)
