@@ -13,10 +13,19 @@ from diffusers import AutoencoderKL
 from PIL import Image
 
 from tests.unit.test_bagel import CFG, RUN, _objective, _ours, _pair, both, ref_timestep
+from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.launch.train import main
-from titan_mm.models.bagel.data import T2IData, read_t2i
+from titan_mm.models.bagel.config import FLAVORS
+from titan_mm.models.bagel.data import T2IData, generation_doc, read_t2i, specials_for
 from titan_mm.models.bagel.sample import sample
-from titan_mm.models.bagel.synthetic import BOS, EOS, VISION_END, VISION_START
+from titan_mm.models.bagel.synthetic import (
+    BOS,
+    DEBUG_SPECIALS,
+    EOS,
+    VISION_END,
+    VISION_START,
+    Specials,
+)
 from titan_mm.models.bagel.vae import FluxVAE
 from titan_mm.tools.bagel_generate import main as generate
 
@@ -151,7 +160,7 @@ def test_sampler_equals_the_reference_loop(scale, interval, renorm_min):
     model, ref, _ = _pair()
     hw, prompt = (4, 6), [7, 8, 9]
     noise = torch.randn(6, CFG.patch_latent_dim, generator=torch.Generator().manual_seed(3))
-    kw = dict(steps=6, shift=3.0)
+    kw = {"steps": 6, "shift": 3.0}
     ours = sample(model, prompt, noise, hw, cfg_text_scale=scale, cfg_interval=interval, cfg_renorm_min=renorm_min,
                   **kw)
     with torch.no_grad():
@@ -198,3 +207,14 @@ def test_a_few_steps_debug_model_draws_a_png(tmp_path, capsys):
         assert generate([*common, *extra]) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err
+
+
+def test_special_ids_are_the_tokenizers_inside_the_vocabulary():
+    """BAGEL's <|im_start|> / <|im_end|> / <|vision_start|> / <|vision_end|> from the tokenizer for a full-vocabulary
+    model; the debug vocabulary's 1-4 for a model too small to hold them."""
+    tok = load_tokenizer()
+    want = Specials(tok.im_start_id, tok.im_end_id, tok.vision_start_id, tok.vision_end_id)
+    assert specials_for(tok, FLAVORS["7B-MoT"]) == want and None not in want
+    assert specials_for(tok, CFG) == DEBUG_SPECIALS
+    doc = generation_doc(FLAVORS["7B-MoT"], [100, 101], torch.zeros(16, 4, 2), want)
+    assert doc.input_ids.tolist() == [want.bos, 100, 101, want.eos, want.vision_start, 0, 0, want.vision_end]

@@ -7,8 +7,9 @@ flow steps over its shifted schedule, text classifier-free guidance with the glo
         --out latents.pt
 
 ``--model``: a titan_mm run / checkpoint folder or a BAGEL folder (titan_mm.loader). The prompt is ``--prompt`` text
-(the model's tokenizer) or ``--prompt-ids`` (comma-separated token ids); BOS / EOS go around it. ``--height`` /
-``--width`` are pixels (multiples of the VAE's downsampling x the latent patch). With ``--vae`` (a diffusers
+(the model's tokenizer) or ``--prompt-ids`` (comma-separated token ids); <|im_start|> / <|im_end|> go around
+it, <|vision_start|> / <|vision_end|> around the image (the tokenizer's ids; a debug model's vocabulary: 1-4).
+``--height`` / ``--width`` are pixels (multiples of the VAE's downsampling x the latent patch). With ``--vae`` (a diffusers
 AutoencoderKL folder: FLUX's vae/, or the pipeline folder) ``--out`` is a PNG; without, ``--out x.pt`` gets the latent
 image [z, h, w]. Defaults are BAGEL inferencer's (50 points, shift 3, text scale 4 in (0.4, 1]). Every mistake is
 one line and exit status 2.
@@ -26,6 +27,7 @@ from titan_mm.checkpoint_io import CheckpointError
 from titan_mm.config import ConfigError
 from titan_mm.loader import load_model
 from titan_mm.models.bagel import BagelModel
+from titan_mm.models.bagel.data import specials_for
 from titan_mm.models.bagel.sample import check_sampling, sample, write_png
 from titan_mm.models.bagel.vae import load_vae, vae_dir
 
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     noise = torch.randn((hw[0] // p) * (hw[1] // p), cfg.patch_latent_dim, generator=g)
     latent = sample(got.model, ids, noise, hw, steps=a.steps, shift=a.shift, cfg_text_scale=a.cfg_text_scale,
                     cfg_interval=tuple(a.cfg_interval), cfg_renorm_min=a.cfg_renorm_min,
-                    attn_backend=cfg.attn_backend)
+                    attn_backend=cfg.attn_backend, specials=specials_for(got.tokenizer, cfg))
     if vae is None:
         torch.save(latent.cpu(), a.out)
     else:

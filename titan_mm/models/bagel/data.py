@@ -25,7 +25,7 @@ from PIL import Image
 from titan_mm.data.packing import BestFitPacker, Doc, collate_rows
 from titan_mm.models.bagel.config import BagelConfig
 from titan_mm.models.bagel.spec import SCHEMA
-from titan_mm.models.bagel.synthetic import BOS, EOS, _Sample
+from titan_mm.models.bagel.synthetic import DEBUG_SPECIALS, Specials, _Sample
 from titan_mm.models.bagel.vae import FluxVAE
 
 
@@ -42,7 +42,8 @@ def read_t2i(path: str | os.PathLike) -> list[T2IRow]:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except OSError as e:
-        raise ValueError(f"{path} cannot be read ({e.strerror or e}); give a JSONL file of image + caption rows") from None
+        raise ValueError(f"{path} cannot be read ({e.strerror or e}); give a JSONL file of image + caption "
+                         "rows") from None
     root, rows = os.path.dirname(os.path.abspath(path)), []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -75,12 +76,23 @@ def load_image(path: str, stride: int) -> torch.Tensor:
     return torch.from_numpy(a).permute(2, 0, 1) / 127.5 - 1
 
 
-def generation_doc(cfg: BagelConfig, prompt_ids: list[int] | None, latent_CHW: torch.Tensor) -> Doc:
+def specials_for(tokenizer, cfg: BagelConfig) -> Specials:
+    """BAGEL's special ids in ``tokenizer`` (titan_mm.data.tokenizer.Tokenizer: <|im_start|>, <|im_end|>,
+    <|vision_start|>, <|vision_end|>) when it has them all inside the model's vocabulary; else the debug
+    vocabulary's (a debug model trains on synthetic ids whatever its run's tokenizer)."""
+    ids = (tokenizer.im_start_id, tokenizer.im_end_id, tokenizer.vision_start_id, tokenizer.vision_end_id)
+    if all(i is not None and i < cfg.llm_config.vocab_size for i in ids):
+        return Specials(*ids)
+    return DEBUG_SPECIALS
+
+
+def generation_doc(cfg: BagelConfig, prompt_ids: list[int] | None, latent_CHW: torch.Tensor,
+                   specials: Specials = DEBUG_SPECIALS) -> Doc:
     """One text-to-image sample: ``[bos prompt eos]`` causal (no loss; left out when None) then the image's noised
     latent split (unit 0; :func:`batches` numbers the units of a packed row)."""
-    s = _Sample(cfg)
+    s = _Sample(cfg, specials)
     if prompt_ids is not None:
-        s.text([BOS, *prompt_ids, EOS], loss=False)
+        s.text([specials.bos, *prompt_ids, specials.eos], loss=False)
     s.vae_image(latent_CHW, noised=True, unit=0)
     return s.doc()
 
@@ -98,21 +110,23 @@ def _units_numbered(docs: list[Doc]) -> list[Doc]:
 
 class T2IData:
     """Text-to-image samples of ``rows``: each image encoded by ``vae``, each caption by ``tokenize`` (text -> ids,
-    no special tokens; BOS / EOS around it as BAGEL's packer)."""
+    no special tokens; ``specials``' BOS / EOS around it as BAGEL's packer)."""
 
     def __init__(self, cfg: BagelConfig, rows: list[T2IRow], vae: FluxVAE, tokenize: Callable[[str], list[int]],
-                 drop_text: float = 0.0, seed: int = 0):
+                 drop_text: float = 0.0, seed: int = 0, specials: Specials = DEBUG_SPECIALS):
         if not 0.0 <= drop_text < 1.0:
             raise ValueError(f"drop_text = {drop_text}: the caption dropout (BAGEL's text_cond_dropout_prob) must "
                              "be in [0, 1)")
-        self.cfg, self.rows, self.vae, self.tokenize, self.drop_text, self.seed = cfg, rows, vae, tokenize, drop_text, seed
+        self.cfg, self.rows, self.vae, self.tokenize = cfg, rows, vae, tokenize
+        self.drop_text, self.seed, self.specials = drop_text, seed, specials
 
     def doc(self, i: int) -> Doc:
         r = self.rows[i]
         latent = self.vae.encode(load_image(r.image, self.vae.stride)[None])[0]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         drop = self.drop_text > 0 and float(torch.rand((), generator=g)) < self.drop_text
-        return dataclasses.replace(generation_doc(self.cfg, None if drop else self.tokenize(r.caption), latent),
+        return dataclasses.replace(generation_doc(self.cfg, None if drop else self.tokenize(r.caption), latent,
+                                                  self.specials),
                                    sample_id=f"t2i:{i}")
 
     def batches(self, seq_len: int, rows_per_batch: int, order: list[int] | None = None) -> Iterator[dict]:

@@ -25,6 +25,7 @@ from titan_mm.models.bagel.config import BagelConfig
 from titan_mm.models.bagel.data import generation_doc
 from titan_mm.models.bagel.model import BagelModel
 from titan_mm.models.bagel.spec import SCHEMA, prepare_batch
+from titan_mm.models.bagel.synthetic import DEBUG_SPECIALS, Specials
 from titan_mm.models.wan.sample import time_shift
 from titan_mm.nn.attention import build_attn_meta
 
@@ -59,10 +60,11 @@ def schedule(steps: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
 class _Branch:
     """One context's forward, built once on the host: the sample's batch, its routing and segment-mask metadata."""
 
-    def __init__(self, model: BagelModel, prompt_ids: list[int] | None, latent_hw: tuple[int, int], backend: str):
+    def __init__(self, model: BagelModel, prompt_ids: list[int] | None, latent_hw: tuple[int, int], backend: str,
+                 specials: Specials):
         cfg = model.cfg
         dev = model.llm2vae.weight.device
-        doc = generation_doc(cfg, prompt_ids, torch.zeros(cfg.vae_config.z_channels, *latent_hw))
+        doc = generation_doc(cfg, prompt_ids, torch.zeros(cfg.vae_config.z_channels, *latent_hw), specials)
         batch = collate_rows([[doc]], len(doc), pad_id=0, position_axes=1, multiple=1, schema=SCHEMA)
         b = prepare_batch(cfg, batch, dev)
         self.attn = build_attn_meta(b, backend, dev, kind="segments")
@@ -86,9 +88,9 @@ class _Branch:
 def sample(model: BagelModel, prompt_ids: list[int], noise_NP: torch.Tensor, latent_hw: tuple[int, int], *,
            steps: int = 50, shift: float = 3.0, cfg_text_scale: float = 4.0,
            cfg_interval: tuple[float, float] = (0.4, 1.0), cfg_renorm_min: float = 0.0,
-           attn_backend: str = "sdpa") -> torch.Tensor:
-    """The latent image [z, h, w] fp32 of ``prompt_ids`` (no special tokens; BOS / EOS are put around them) from
-    ``noise_NP`` [h/p x w/p, P] (t = 1, latent patches in row-major order, BAGEL's ``packed_init_noises``).
+           attn_backend: str = "sdpa", specials: Specials = DEBUG_SPECIALS) -> torch.Tensor:
+    """The latent image [z, h, w] fp32 of ``prompt_ids`` (no special tokens; ``specials``' BOS / EOS are put around
+    them) from ``noise_NP`` [h/p x w/p, P] (t = 1, latent patches in row-major order, BAGEL's ``packed_init_noises``).
     Defaults: BAGEL inferencer's ``gen_image``."""
     cfg = model.cfg
     check_sampling(cfg, steps, shift, cfg_text_scale, cfg_interval, latent_hw)
@@ -97,8 +99,8 @@ def sample(model: BagelModel, prompt_ids: list[int], noise_NP: torch.Tensor, lat
     if tuple(noise_NP.shape) != (n, cfg.patch_latent_dim):
         raise ValueError(f"noise of shape {list(noise_NP.shape)} is not [{n}, {cfg.patch_latent_dim}]: one latent "
                          f"patch per row for a {latent_hw[0]}x{latent_hw[1]} latent")
-    cond = _Branch(model, prompt_ids, latent_hw, attn_backend)
-    uncond = _Branch(model, None, latent_hw, attn_backend) if cfg_text_scale > 1.0 else None
+    cond = _Branch(model, prompt_ids, latent_hw, attn_backend, specials)
+    uncond = _Branch(model, None, latent_hw, attn_backend, specials) if cfg_text_scale > 1.0 else None
     x = noise_NP.to(model.llm2vae.weight.device, torch.float32)
     ts, dts = schedule(steps, shift)
     for t, dt in zip(ts.tolist(), dts.tolist()):

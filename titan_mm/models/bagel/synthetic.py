@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +26,21 @@ from titan_mm.models.bagel.model import flat_positions, patchify
 from titan_mm.models.bagel.spec import SCHEMA, TEXT, VAE, VIT
 
 BOS, EOS, VISION_START, VISION_END, WHAT, DRAW, DIGIT0 = 1, 2, 3, 4, 5, 6, 10
+
+
+class Specials(NamedTuple):
+    """The ids BAGEL's packer puts around a text split (``bos`` / ``eos``: <|im_start|> / <|im_end|>) and an image
+    split (<|vision_start|> / <|vision_end|>), as data_utils.add_special_tokens names them."""
+
+    bos: int
+    eos: int
+    vision_start: int
+    vision_end: int
+
+
+DEBUG_SPECIALS = Specials(BOS, EOS, VISION_START, VISION_END)
+"""The synthetic rows' and the debug vocabulary's."""
+
 IMAGE_PATCHES = 2
 """ViT patches and latent patches per side of a synthetic image."""
 ROW_TOKENS = 3 + (IMAGE_PATCHES**2 + 2) + 3 + 4 + (IMAGE_PATCHES**2 + 2) + 3 + 2 * (IMAGE_PATCHES**2 + 2) + 4
@@ -34,8 +50,8 @@ ROW_TOKENS = 3 + (IMAGE_PATCHES**2 + 2) + 3 + 4 + (IMAGE_PATCHES**2 + 2) + 3 + 2
 class _Sample:
     """One sample's tokens, per-token arrays and splits, built split by split as BAGEL's packer does."""
 
-    def __init__(self, cfg: BagelConfig):
-        self.cfg, self.ids, self.labels, self.pos, self.kind, self.segs = cfg, [], [], [], [], []
+    def __init__(self, cfg: BagelConfig, specials: Specials = DEBUG_SPECIALS):
+        self.sp, self.cfg, self.ids, self.labels, self.pos, self.kind, self.segs = specials, cfg, [], [], [], [], []
         self.P = cfg.patch_latent_dim
         self.latents, self.cond, self.lat_mask, self.unit, self.lat_pos, self.media = [], [], [], [], [], {}
         self.rope = 0
@@ -64,7 +80,7 @@ class _Sample:
         patches = patchify(image_CHW, p).numpy()
         n = patches.shape[0]
         pos = flat_positions(image_CHW.shape[1] // p, image_CHW.shape[2] // p, self.cfg.vit_max_num_patch_per_side)
-        self._tokens([VISION_START] + [0] * n + [VISION_END], [IGNORE_INDEX] * (n + 2), [TEXT] + [VIT] * n + [TEXT])
+        self._tokens(self._image_ids(n), [IGNORE_INDEX] * (n + 2), [TEXT] + [VIT] * n + [TEXT])
         for key, a in (("vit_patches", patches), ("vit_pos", pos.numpy()), ("vit_lens", np.array([n]))):
             self.media.setdefault(key, []).append(a)
         self._image_split(n, "full", next_rope=1)
@@ -76,10 +92,13 @@ class _Sample:
         pos = flat_positions(latent_CHW.shape[1] // lp, latent_CHW.shape[2] // lp, self.cfg.max_latent_size).tolist()
         zero = np.zeros((1, self.P), np.float32)
         body = np.concatenate([zero, patches, zero])
-        self._tokens([VISION_START] + [0] * n + [VISION_END], [IGNORE_INDEX] * (n + 2), [TEXT] + [VAE] * n + [TEXT],
+        self._tokens(self._image_ids(n), [IGNORE_INDEX] * (n + 2), [TEXT] + [VAE] * n + [TEXT],
                      lat=body if noised else None, cond=None if noised else body,
                      mask=[False] + [noised] * n + [False], unit=unit if noised else -1, lat_pos=[0] + pos + [0])
         self._image_split(n, "noise" if noised else "full", next_rope=0 if noised else 1)
+
+    def _image_ids(self, n: int) -> list[int]:
+        return [self.sp.vision_start] + [0] * n + [self.sp.vision_end]
 
     def _image_split(self, n: int, kind: str, next_rope: int):
         self.pos += [self.rope] * (n + 2)
