@@ -115,17 +115,17 @@ def ref_velocity(ref, ids, x, t, lat_pos):
     """_forward_flow through the KV-cache form, written flat: the context [bos prompt eos] (causal, positions 0..L-1)
     and the query [vs, x, ve] (all at position L, attending to the context and to itself), und weights for text,
     gen for the latents; llm2vae at the latent tokens."""
-    L, n = len(ids), x.shape[0]
-    toks = torch.tensor(ids + [VISION_START] + [0] * n + [VISION_END])
-    g = torch.zeros(L + n + 2, dtype=torch.bool)
+    L, n, dev = len(ids), x.shape[0], x.device
+    toks = torch.tensor(ids + [VISION_START] + [0] * n + [VISION_END], device=dev)
+    g = torch.zeros(L + n + 2, dtype=torch.bool, device=dev)
     g[L + 1:L + 1 + n] = True
     h = ref.embed(toks)
-    temb = ref.t2(F.silu(ref.t1(ref_timestep(torch.full((n,), t)))))
-    h[g] = ref.vae2llm(x) + temb + ref.lat_table[lat_pos]
-    pos = torch.cat([torch.arange(L), torch.full((n + 2,), L)])
-    allowed = torch.tril(torch.ones(L + n + 2, L + n + 2, dtype=torch.bool))
+    temb = ref.t2(F.silu(ref.t1(ref_timestep(torch.full((n,), float(t), device=dev)))))
+    h[g] = ref.vae2llm(x) + temb + ref.lat_table[lat_pos.to(dev)]
+    pos = torch.cat([torch.arange(L), torch.full((n + 2,), L)]).to(dev)
+    allowed = torch.tril(torch.ones(L + n + 2, L + n + 2, dtype=torch.bool, device=dev))
     allowed[L:] = True
-    mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    mask = torch.zeros(allowed.shape, device=dev).masked_fill(~allowed, float("-inf"))
     cos, sin = ref.rotary(h[None], pos[None])
     for und, gen in zip(ref.und, ref.gen):
         h = ref.layer(und, gen, h, g, cos, sin, mask)
