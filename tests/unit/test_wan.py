@@ -2,6 +2,7 @@
 gradients (Wan2.1 T2V: one t per clip; Wan2.2 TI2V: a t per patch, the first frame clean), and diffusers folders
 in and out, bit for bit."""
 
+import dataclasses
 import json
 
 import pytest
@@ -15,12 +16,14 @@ from titan_mm.launch.train import main  # noqa: E402
 from titan_mm.loader import load_model  # noqa: E402
 from titan_mm.models.hf_io import HFCheckpointError  # noqa: E402
 from titan_mm.models.wan import WanConfig, WanModel, patchify, unpatchify  # noqa: E402
+from titan_mm.models.wan.data import latent_batch  # noqa: E402
 from titan_mm.models.wan.flops import matmul_params  # noqa: E402
 from titan_mm.models.wan.hf import DIFFUSERS_SINGLE, load_hf, save_hf  # noqa: E402
 from titan_mm.nn.attention import build_attn_meta  # noqa: E402
 from titan_mm.objectives import FlowMatching, build_objective  # noqa: E402
+from titan_mm.objectives.base import noise_generator  # noqa: E402
 from titan_mm.observe.metrics import read_metrics  # noqa: E402
-from titan_mm.registry import get_model_spec  # noqa: E402
+from titan_mm.registry import SpecError, get_model_spec, resolve_model  # noqa: E402
 from titan_mm.train.state import TrainState  # noqa: E402
 from titan_mm.train.step import StepContext, eval_loss_sums, train_step  # noqa: E402
 from titan_mm.train.synthetic import SyntheticLoader  # noqa: E402
@@ -34,12 +37,17 @@ TI2V = {**TINY, "patch_size": [2, 2, 2], "in_channels": 6, "out_channels": 6, "c
 B, FR, H, W, L = 2, 4, 6, 8, 5
 
 
-def _pair(hf: dict, tmp_path):
-    torch.manual_seed(0)
+def _pair(hf: dict, tmp_path, seed: int = 0, subfolder: str = "transformer"):
+    torch.manual_seed(seed)
     ref = diffusers.WanTransformer3DModel(**hf).float()
     for p in ref.parameters():  # diffusers zero-inits no bias here, but make every weight matter
         torch.nn.init.normal_(p, std=0.2)
-    ref.save_pretrained(tmp_path / "transformer")
+    ref.save_pretrained(tmp_path / subfolder)
+    if subfolder != "transformer":  # A14B's low-noise expert: the config and weights of transformer_2/
+        cfg = dataclasses.replace(WanConfig.from_hf(tmp_path / subfolder), expert="low_noise", boundary_ratio=0.5)
+        model = WanModel(cfg)
+        load_hf(model, tmp_path)
+        return ref, model, cfg
     cfg = WanConfig.from_hf(tmp_path)  # a pipeline folder: its transformer/ subfolder
     model = WanModel(cfg)
     load_hf(model, tmp_path)
@@ -320,3 +328,122 @@ def test_export_of_a_wan_run_is_a_diffusers_folder(tmp_path):
                                                     text_states=text, grid_fhw=grid), {})
     torch.testing.assert_close(unpatchify(pred, (3, 4, 4), cfg.patch_size), want, atol=1e-5, rtol=1e-5)  # parity
 
+
+
+def test_a14b_expert_trains_its_side_of_the_boundary(tmp_path):
+    """Wan2.2 A14B (a pipeline folder with transformer/ and transformer_2/, model_index.json's boundary_ratio):
+    model.overrides' expert picks the transformer the run loads and the t range flow matching samples (the side
+    WanPipeline gives that transformer); the export stays a diffusers transformer config."""
+    pipe = tmp_path / "pipe"
+    high = _pair(TINY, pipe)[0]
+    low = _pair(TINY, pipe, seed=1, subfolder="transformer_2")[0]
+    (pipe / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "boundary_ratio": 0.875}))
+    spec = get_model_spec("wan")
+    S = 24
+    batch = {"latents": torch.randn(64, S, 16), "latent_mask": torch.ones(64, S, dtype=torch.bool),
+             "noise_unit": torch.zeros(64, S, dtype=torch.long)}
+    for expert, ref, lo, hi in [("high_noise", high, 0.875, 1.0), ("low_noise", low, 0.0, 0.875),
+                                ("", high, 0.0, 1.0)]:
+        _, cfg = resolve_model("wan", "debug", hf_path=str(pipe), overrides={"expert": expert} if expert else {})
+        assert (cfg.boundary_ratio, cfg.expert, cfg.t_range()) == (0.875, expert, (lo, hi))
+        model = WanModel(cfg)
+        load_hf(model, pipe)
+        want = ref.state_dict()
+        assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+        assert "expert" not in cfg.to_hf_dict() and "boundary_ratio" not in cfg.to_hf_dict()
+        for sampler in ("logit_normal", "uniform"):
+            obj = build_objective(load_config(["--model.name", "wan", "--objective.flow_sampler", sampler,
+                                               "--objective.flow_shift", "3"]), spec, cfg)
+            t = obj.prepare([batch], 0)[0]["timesteps"]
+            assert lo <= float(t.min()) and float(t.max()) <= hi, (expert, sampler)
+            assert float(t.max()) - float(t.min()) > 0.5 * (hi - lo)  # spread over the range, not one end of it
+    # the launcher: model.hf_path at the pipeline, the low-noise expert; its first loss is transformer_2's on the
+    # run's first batch with t below the boundary
+    cfg = spec.flavor("debug")
+    hf = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.to_hf_dict().items() if not k.startswith("_")}
+    run = tmp_path / "run_pipe"
+    for seed, sub in ((3, "transformer"), (4, "transformer_2")):
+        torch.manual_seed(seed)
+        diffusers.WanTransformer3DModel(**hf).save_pretrained(run / sub)
+    (run / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "boundary_ratio": 0.875}))
+    args = [*RUN, "--job.dump_folder", str(tmp_path), "--training.steps", "1", "--model.hf_path", str(run),
+            "--model.overrides", json.dumps({"expert": "low_noise"})]
+    assert main([*args, "--job.name", "low"]) == 0
+    _, cfg = resolve_model("wan", "debug", hf_path=str(run), overrides={"expert": "low_noise"})
+    model = WanModel(cfg)
+    load_hf(model, run)
+    ctx = StepContext(device=torch.device("cpu"), objective=build_objective(load_config(args), spec, cfg),
+                      seq_keys=spec.schema().seq)
+    first = SyntheticLoader(vocab_size=0, seq_len=48, micro_batch_size=4, seed=0,
+                            make_batch=spec.synthetic(cfg, 48)).batch(0)
+    sums, counts = eval_loss_sums(model, [first], ctx)
+    assert _losses(tmp_path / "low")[1] == pytest.approx(sums["mse"] / counts["mse"], rel=1e-6)
+    with pytest.raises(SpecError, match="boundary_ratio, which is unset: point model.hf_path at the A14B"):
+        resolve_model("wan", "debug", overrides={"expert": "low_noise"})
+    with pytest.raises(SpecError, match="expert 'middle' is unknown"):
+        resolve_model("wan", "debug", overrides={"expert": "middle", "boundary_ratio": 0.5})
+    (tmp_path / "t2v").mkdir()
+    _pair(TINY, tmp_path / "t2v")
+    (tmp_path / "t2v" / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    _, cfg = resolve_model("wan", "debug", hf_path=str(tmp_path / "t2v"),
+                           overrides={"expert": "low_noise", "boundary_ratio": 0.9})
+    with pytest.raises(ValueError, match="has no transformer_2/"):
+        load_hf(WanModel(cfg), tmp_path / "t2v")
+
+
+def test_truncated_t_is_the_samplers_restricted():
+    """t_range draws the sampler's shifted t conditioned on [lo, hi]: its quantiles are the unrestricted draw's
+    above the bound (Monte Carlo: 2e5 draws, quantiles within 0.01)."""
+    for sampler in ("uniform", "logit_normal", "shifted"):
+        full = FlowMatching(sampler=sampler, shift=3.0, mean=0.3, std=1.2)
+        part = dataclasses.replace(full, t_range=(0.7, 1.0))
+        a = full.sample_t((200_000,), torch.Generator().manual_seed(0))
+        b = part.sample_t((200_000,), torch.Generator().manual_seed(1))
+        q = torch.tensor([0.1, 0.5, 0.9])
+        torch.testing.assert_close(torch.quantile(b, q), torch.quantile(a[a >= 0.7], q), atol=0.01, rtol=0)
+    with pytest.raises(ValueError, match="t_range"):
+        FlowMatching(t_range=(0.5, 0.5))
+
+
+def test_ti2v_first_frame_is_the_clean_condition(tmp_path):
+    """model.overrides' first_frame_clean (Wan2.2 TI2V's image-to-video training): the batch builder marks the first
+    latent frame's patches as the clean condition, and flow matching gives the model what WanImageToVideoPipeline
+    (expand_timesteps) gives diffusers' transformer: (1 - first_frame_mask) x condition + first_frame_mask x x_t,
+    timestep first_frame_mask[0][0][:, ::2, ::2] x t per patch (0 on the first frame). The predictions agree within
+    the parity bound; the loss is the MSE over the other frames only."""
+    hf = {**TI2V, "patch_size": [1, 2, 2]}  # TI2V-5B's patch
+    ref, _, cfg = _pair(hf, tmp_path)
+    cfg = dataclasses.replace(cfg, first_frame_clean=True)
+    model = WanModel(cfg)
+    load_hf(model, tmp_path)
+    x0, text = _inputs(cfg, per_patch=False)[:2]
+    batch = latent_batch(cfg, x0, text)
+    obj = FlowMatching(seed=0, mask="bidirectional")
+    mb = obj.prepare([batch], 0)[0]
+    t_B, eps = obj.noise(batch, noise_generator(0, 0, 0, "/flow_matching"))  # the draws prepare made
+    first = batch["grid_fhw"][..., 0] == 0
+    assert torch.equal(mb["noisy_latents"][first], batch["latents"][first]) and not mb["timesteps"][first].any()
+    assert int(mb["num_latent_elements"]) == int((~first).sum()) * cfg.patch_dim
+    tb = get_model_spec("wan").prepare_batch(cfg, mb, "cpu")
+    assert "timesteps" in tb  # a t per patch: the time MLP's per-patch path
+
+    # WanImageToVideoPipeline's first-frame handling (expand_timesteps), per row's t
+    ffm = torch.ones(B, 1, FR, H, W)
+    ffm[:, :, 0] = 0
+    cond = x0[:, :, :1]  # the conditioning image's latent frame
+    t5 = t_B[:, 0].view(B, 1, 1, 1, 1)
+    x_t = (1 - t5) * x0 + t5 * unpatchify(eps, (FR, H // 2, W // 2), cfg.patch_size)
+    timestep = ffm[:, 0, :, ::2, ::2].flatten(1) * t_B[:, :1] * 1000
+    with torch.no_grad():
+        want = ref((1 - ffm) * cond + ffm * x_t, timestep, text).sample
+        meta = build_attn_meta({"doc_ids": torch.zeros(B, first.shape[1], dtype=torch.int32)}, "sdpa", "cpu",
+                               kind="bidirectional")
+        out = model(attn=meta, noisy_latents=tb["noisy_latents"], text_states=text, grid_fhw=tb["grid_fhw"],
+                    timesteps=tb["timesteps"], latent_mask=tb["latent_mask"])
+        pred = model.predict_velocity(out, tb)
+        sums = obj.loss_sums(model, out, tb)
+    torch.testing.assert_close(unpatchify(pred, (FR, H // 2, W // 2), cfg.patch_size), want, atol=1e-5, rtol=1e-5)
+    target = unpatchify(mb["flow_target"], (FR, H // 2, W // 2), cfg.patch_size)
+    assert not target[:, :, 0].any()  # no target on the condition
+    mse = ((want - target).square() * ffm).sum()
+    torch.testing.assert_close(sums["mse"], mse, atol=1e-4, rtol=1e-5)

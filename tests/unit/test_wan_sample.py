@@ -103,6 +103,29 @@ def test_sampler_equals_wan_pipeline(steps, shift, scale, neg_len, tmp_path):
             sample(model, text, _noise(), negative_states=torch.cat([neg, neg[:1]]), **one)
 
 
+def test_a14b_pair_equals_wan_pipeline(tmp_path):
+    """Wan2.2 A14B's two transformers: WanPipeline(transformer, transformer_2, boundary_ratio) switches from the first
+    (high noise) to the second at the boundary timestep and guides the second with guidance_scale_2; sample() with
+    low_noise_model and boundary_ratio gives its latents (the bound of the one-transformer test). The boundary falls
+    between steps 2 and 3 here (shift 3, 6 steps: sigmas 1, 0.95, 0.89, 0.80, ...), so both experts run."""
+    ref, model, _ = _pair(TINY, tmp_path)
+    ref2, model2, _ = _pair(TINY, tmp_path, seed=1, subfolder="transformer_2")
+    text, neg, noise = _states(1), _states(2), _noise()
+    sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=_vae(), scheduler=sched, transformer=ref,
+                       transformer_2=ref2, boundary_ratio=0.85)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(prompt_embeds=text, negative_prompt_embeds=neg, latents=noise.clone(), num_frames=5, height=32,
+                width=32, num_inference_steps=6, guidance_scale=5.0, guidance_scale_2=3.0, output_type="latent").frames
+    kw = dict(steps=6, shift=3.0, guidance_scale=5.0, negative_states=neg)
+    got = sample(model, text, noise, low_noise_model=model2, boundary_ratio=0.85, guidance_scale_2=3.0, **kw)
+    torch.testing.assert_close(got, want, atol=(1 + 2 * 5.0) * 1e-5, rtol=1e-5)
+    for one in (model, model2):  # neither expert alone gives the pair's latents
+        assert (sample(one, text, noise, **kw) - want).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="needs both low_noise_model and boundary_ratio"):
+        sample(model, text, noise, low_noise_model=model2, **kw)
+
+
 def _pipeline_folder(tmp_path):
     """A diffusers pipeline folder: model_index.json, transformer/ and vae/."""
     model = _pair(TINY, tmp_path / "pipe")[1]

@@ -5,12 +5,13 @@ Batch fields it reads (built by the data pipeline or the family's prepare_batch,
   * ``latent_mask`` [B, S] bool: the positions whose latent is a target;
   * ``noise_unit``  [B, S] int: the id of the noise unit (a latent segment / one image) a position belongs to,
     -1 elsewhere; the positions of one unit share one t. Units are (row, id) pairs: ids need only be unique
-    within a row (0 .. U-1).
+    within a row (0 .. U-1). A latent position of unit -1 is a clean condition (Wan2.2 TI2V's first frame, the
+    image): the model sees its x0 at t = 0, and it is no target.
 
 ``prepare`` (host, per micro-batch, noise from a CPU generator seeded by (training.seed, step, global micro-batch
 slot), so the draws are the same for any dp world and bitwise on resume) adds:
-  * ``noisy_latents`` [B, S, C] (latents' dtype): x_t = (1 - t) x0 + t eps at latent positions, 0 elsewhere, with
-    eps ~ N(0, 1) per element;
+  * ``noisy_latents`` [B, S, C] (latents' dtype): x_t = (1 - t) x0 + t eps at target positions, x0 at clean
+    conditions, 0 elsewhere, with eps ~ N(0, 1) per element;
   * ``timesteps``     [B, S] fp32: the t of each position's unit, 0 elsewhere;
   * ``flow_target``   [B, S, C] fp32 (or the latents' dtype when wider): the velocity eps - x0 (0 elsewhere);
   * ``flow_weight``   [B, S] fp32: the per-unit loss weight w(t) (``weighting``; 1 with "none"), 0 elsewhere;
@@ -32,6 +33,10 @@ none), as diffusers' FlowMatchEulerDiscreteScheduler(shift=...) shifts its sigma
     table, whose 1000 training sigmas are the shifted i / 1000);
   * "logit_normal": t = sigmoid(mean + std * n), n ~ N(0, 1) (SD3; with ``shift``, SD3's shifted schedule);
   * "shifted":      t = sigmoid(n), then the shift (BAGEL's name: "logit_normal" with mean 0, std 1).
+With ``t_range`` = (lo, hi) other than (0, 1), t is drawn from the same distribution restricted to [lo, hi] (a
+Wan2.2 A14B expert trains on its side of the pipeline's boundary): each sampler's t is a monotone function of
+u ~ U[0, 1) (the logit-normal's through the normal's inverse CDF), so u is drawn uniformly between the preimages of
+lo and hi.
 Weightings (``weighting``), per unit: "none" (1), "cosmap" (SD3's 2 / (pi (1 - 2t + 2t^2))), "sigma_sqrt"
 (diffusers' compute_loss_weighting_for_sd3: 1 / t^2; large near t = 0) or "bell" (DiffSynth-Studio's Wan training
 weight: exp(-2 (t - 1/2)^2) less its minimum over its scheduler's 1000 training sigmas, linspace(1, 0.003 / 1.002)
@@ -84,6 +89,8 @@ class FlowMatching(Objective):
     """"logit_normal": the normal's standard deviation."""
     weighting: str = "none"
     seed: int = 0
+    t_range: tuple[float, float] = (0.0, 1.0)
+    """The t it trains on: the sampler's distribution restricted to [lo, hi] (module docstring)."""
     mask: str | None = None
     """The attention mask kind it trains with (titan_mm.nn.attention KINDS: a video DiT's "bidirectional"); None: the
     family's segment description decides."""
@@ -106,17 +113,38 @@ class FlowMatching(Objective):
             raise ValueError(f"flow matching sampler {self.sampler!r} is unknown; use one of {SAMPLERS}")
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"flow matching weighting {self.weighting!r} is unknown; use one of {sorted(WEIGHTINGS)}")
+        lo, hi = self.t_range
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"flow matching t_range {tuple(self.t_range)} needs 0 <= lo < hi <= 1")
         if self.shift <= 0 or self.std <= 0:
             raise ValueError(f"flow matching needs shift > 0 and std > 0, got shift {self.shift}, std {self.std}")
 
     def sample_t(self, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-        """t [shape] fp32 in [0, 1] from the sampler, shifted."""
+        """t [shape] fp32 in [0, 1] from the sampler, shifted (and restricted to t_range)."""
+        if tuple(self.t_range) != (0.0, 1.0):
+            a, b = (self._u_of_t(t) for t in self.t_range)
+            return self._t_of_u(a + (b - a) * torch.rand(shape, generator=g, dtype=torch.float64)).float()
         if self.sampler == "uniform":
             s = torch.rand(shape, generator=g, dtype=torch.float32)
         else:
             n = torch.randn(shape, generator=g, dtype=torch.float32)
             s = torch.sigmoid(n if self.sampler == "shifted" else self.mean + self.std * n)
         return s if self.shift == 1.0 else self.shift * s / (1.0 + (self.shift - 1.0) * s)
+
+    def _t_of_u(self, u: torch.Tensor) -> torch.Tensor:
+        """The sampler's t as the monotone function of u ~ U[0, 1) (fp64), shifted."""
+        s = u if self.sampler == "uniform" else torch.sigmoid(
+            (0.0 if self.sampler == "shifted" else self.mean) + (1.0 if self.sampler == "shifted" else self.std)
+            * math.sqrt(2.0) * torch.erfinv(2.0 * u - 1.0))
+        return self.shift * s / (1.0 + (self.shift - 1.0) * s)
+
+    def _u_of_t(self, t: float) -> float:
+        """The inverse of :meth:`_t_of_u` (its u at a bound t in [0, 1])."""
+        s = t / (self.shift - (self.shift - 1.0) * t)  # the shift's inverse
+        if self.sampler == "uniform" or s in (0.0, 1.0):
+            return s
+        mean, std = (0.0, 1.0) if self.sampler == "shifted" else (self.mean, self.std)
+        return 0.5 * (1.0 + math.erf((math.log(s / (1.0 - s)) - mean) / (std * math.sqrt(2.0))))
 
     def noise(self, batch: dict[str, Any], g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(t [B, U] per (row, unit), eps [B, S, C]) for ``batch``, drawn in this order from ``g``."""
@@ -130,11 +158,13 @@ class FlowMatching(Objective):
         """The micro-batch the model trains on, for per-unit times ``t_BU`` and noise ``eps_BSC``."""
         x0 = batch["latents"]
         dt = torch.promote_types(x0.dtype, torch.float32)  # bf16 latents mix in fp32; fp64 ones stay fp64
-        mask = batch["latent_mask"].bool() & (batch["noise_unit"] >= 0)
+        latent = batch["latent_mask"].bool()
+        mask = latent & (batch["noise_unit"] >= 0)
         t_BS = torch.where(mask, t_BU.gather(1, batch["noise_unit"].clamp(min=0).long()), 0.0)
         x0f, eps, t3, m3 = x0.to(dt), eps_BSC.to(dt), t_BS[..., None].to(dt), mask[..., None]
+        clean = (latent & ~mask)[..., None]  # clean conditions (unit -1): x0 as it is, t = 0, no loss
         out = dict(batch)
-        out["noisy_latents"] = torch.where(m3, (1.0 - t3) * x0f + t3 * eps, 0.0).to(x0.dtype)
+        out["noisy_latents"] = torch.where(m3, (1.0 - t3) * x0f + t3 * eps, torch.where(clean, x0f, 0.0)).to(x0.dtype)
         out["timesteps"] = t_BS
         out["flow_target"] = torch.where(m3, eps - x0f, 0.0)
         out["flow_weight"] = torch.where(mask, WEIGHTINGS[self.weighting](t_BS, self.shift), 0.0)

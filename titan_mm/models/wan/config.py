@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,8 @@ from titan_mm.models.hf_io import read_hf_config
 CLASS_NAME = "WanTransformer3DModel"
 NUM_TRAIN_TIMESTEPS = 1000
 """diffusers' FlowMatchEulerDiscreteScheduler: timestep = sigma x 1000; flow matching's t is sigma."""
+EXPERTS = {"": "transformer", "high_noise": "transformer", "low_noise": "transformer_2"}
+"""Wan2.2 A14B's experts -> the pipeline's subfolder (WanPipeline's ``transformer`` / ``transformer_2``)."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,23 @@ class WanConfig:
     kernels: bool | str = False
     """The titan_mm.kernels ops spec; recorded only: Wan's fused ops (modulated norms, GELU) are a later slice."""
 
+    boundary_ratio: float | None = None
+    """Wan2.2 A14B: the pipeline's (model_index.json) switch between its two transformers: ``transformer`` (the
+    high-noise expert) denoises t >= boundary_ratio, ``transformer_2`` (low noise) below. Read from a pipeline
+    folder; None: one transformer."""
+    expert: str = ""
+    """Wan2.2 A14B trains one expert at a time: "high_noise" (``transformer/``, t sampled in [boundary_ratio, 1]) or
+    "low_noise" (``transformer_2/``, t in [0, boundary_ratio)); "": the one transformer, every t. Set it in
+    model.overrides, e.g. '{"expert": "low_noise"}'."""
+
+    first_frame_clean: bool = False
+    """Wan2.2 TI2V's image-to-video training: each clip's first latent frame is its conditioning image, kept clean
+    (t = 0 on its patches, as WanImageToVideoPipeline with expand_timesteps) and no target. model.overrides:
+    '{"first_frame_clean": true}'."""
+
     RUNTIME_FIELDS = ("attn_backend", "kernels")
+    PIPELINE_FIELDS = ("boundary_ratio", "expert", "first_frame_clean")
+    """Not in the transformer's config.json: the pipeline's and the job's."""
 
     def __post_init__(self):
         if self.image_dim is not None or self.added_kv_proj_dim is not None or self.pos_embed_seq_len is not None:
@@ -47,6 +66,27 @@ class WanConfig:
             raise ValueError(f"qk_norm {self.qk_norm!r} is unknown; Wan uses 'rms_norm_across_heads' or null")
         if self.attention_head_dim % 2 or self.attention_head_dim < 6:
             raise ValueError(f"attention_head_dim {self.attention_head_dim} must be even and >= 6 (3-D RoPE)")
+        if self.expert not in EXPERTS:
+            raise ValueError(f"expert {self.expert!r} is unknown; use one of {sorted(EXPERTS)} ('': one transformer)")
+        if self.boundary_ratio is not None and not 0 < self.boundary_ratio < 1:
+            raise ValueError(f"boundary_ratio {self.boundary_ratio} must lie in (0, 1) (Wan2.2-T2V-A14B's is 0.875)")
+        if self.first_frame_clean and self.patch_size[0] != 1:
+            raise ValueError(f"first_frame_clean keeps the first latent frame clean, which a temporal patch of "
+                             f"{self.patch_size[0]} frames mixes with the next; use it with patch_size [1, h, w]")
+        if self.expert and self.boundary_ratio is None:
+            raise ValueError(f"expert {self.expert!r} trains on one side of the pipeline's boundary_ratio, which is "
+                             "unset: point model.hf_path at the A14B pipeline folder (its model_index.json) or add "
+                             "boundary_ratio to model.overrides")
+
+    def t_range(self) -> tuple[float, float]:
+        """The flow-matching t this config's expert denoises in WanPipeline (sigma = timestep / 1000)."""
+        if not self.expert:
+            return 0.0, 1.0
+        return (self.boundary_ratio, 1.0) if self.expert == "high_noise" else (0.0, self.boundary_ratio)
+
+    def subfolder(self) -> str:
+        """The pipeline folder's transformer of this expert."""
+        return EXPERTS[self.expert]
 
     @property
     def dim(self) -> int:
@@ -70,7 +110,7 @@ class WanConfig:
             raise ValueError(f"config.json has _class_name={d.get('_class_name')!r}; the wan family reads a diffusers "
                              f"{CLASS_NAME} config (a Wan pipeline's transformer/ folder)")
         check_hf(d, HF_TYPES)
-        names = {f.name for f in dataclasses.fields(cls)} - set(cls.RUNTIME_FIELDS)
+        names = {f.name for f in dataclasses.fields(cls)} - set(cls.RUNTIME_FIELDS + cls.PIPELINE_FIELDS)
         kw = {k: v for k, v in d.items() if k in names}
         if "patch_size" in kw:
             kw["patch_size"] = tuple(kw["patch_size"])
@@ -80,12 +120,16 @@ class WanConfig:
 
     @classmethod
     def from_hf(cls, hf_dir: str | os.PathLike, **runtime) -> WanConfig:
-        return cls.from_hf_dict(read_hf_config(transformer_dir(hf_dir)), **runtime)
+        cfg = cls.from_hf_dict(read_hf_config(transformer_dir(hf_dir)), **runtime)
+        pipe = pipeline_dir(hf_dir)  # A14B's boundary is the pipeline's
+        with open(os.path.join(pipe or hf_dir, "model_index.json")) if pipe else open(os.devnull) as f:
+            ratio = json.loads(f.read() or "{}").get("boundary_ratio")
+        return cfg if ratio is None else dataclasses.replace(cfg, boundary_ratio=float(ratio))
 
     def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {"_class_name": CLASS_NAME}
         for f in dataclasses.fields(self):
-            if f.name not in self.RUNTIME_FIELDS:
+            if f.name not in self.RUNTIME_FIELDS + self.PIPELINE_FIELDS:
                 v = getattr(self, f.name)
                 d[f.name] = list(v) if isinstance(v, tuple) else v
         if dtype is not None:
@@ -95,15 +139,34 @@ class WanConfig:
 
 _SIZES = ("num_attention_heads", "attention_head_dim", "in_channels", "text_dim", "freq_dim", "ffn_dim", "num_layers",
           "rope_max_seq_len")
-HF_TYPES = hf_types(WanConfig, skip=WanConfig.RUNTIME_FIELDS, _class_name=str, _diffusers_version=str,
+HF_TYPES = hf_types(WanConfig, skip=WanConfig.RUNTIME_FIELDS + WanConfig.PIPELINE_FIELDS, _class_name=str, _diffusers_version=str,
                     out_channels=PositiveInt | None, patch_size=tuple[PositiveInt, PositiveInt, PositiveInt],
                     **dict.fromkeys(_SIZES, PositiveInt))
 
 
-def transformer_dir(path: str | os.PathLike) -> str:
-    """The transformer folder of a diffusers pipeline folder (its ``transformer/``), or ``path`` itself."""
-    sub = os.path.join(path, "transformer")
-    return sub if os.path.isfile(os.path.join(sub, "config.json")) else str(path)
+def pipeline_dir(path: str | os.PathLike) -> str | None:
+    """The diffusers pipeline folder (model_index.json) that ``path`` is, or holds ``path`` as one of its
+    transformers (the launcher resolves a pipeline's model.hf_path to its ``transformer/``); None: neither."""
+    path = os.path.normpath(path)
+    if os.path.isfile(os.path.join(path, "model_index.json")):
+        return path
+    parent = os.path.dirname(path)
+    if os.path.basename(path) in set(EXPERTS.values()) and os.path.isfile(os.path.join(parent, "model_index.json")):
+        return parent
+    return None
+
+
+def transformer_dir(path: str | os.PathLike, subfolder: str = "transformer") -> str:
+    """The transformer folder of a diffusers pipeline folder (its ``subfolder``: ``transformer/``, or A14B's
+    low-noise ``transformer_2/``; also from a sibling transformer folder), or ``path`` itself (a transformer
+    folder)."""
+    pipe = pipeline_dir(path) or str(path)
+    if os.path.isfile(os.path.join(pipe, subfolder, "config.json")):
+        return os.path.join(pipe, subfolder)
+    if subfolder != "transformer":
+        raise ValueError(f"{pipe} has no {subfolder}/ (the low-noise expert of a Wan2.2 A14B pipeline); "
+                         "point model.hf_path at an A14B pipeline folder or drop model.overrides' expert")
+    return str(path)
 
 
 FLAVORS = {

@@ -27,11 +27,15 @@ TEXT_LEN = 512
 
 
 def latent_batch(cfg: WanConfig, latents_BCFHW: torch.Tensor, text_BLD: torch.Tensor) -> dict:
-    """The micro-batch (spec.SCHEMA) of clips of one shape: a row per clip, every patch a flow-matching target."""
+    """The micro-batch (spec.SCHEMA) of clips of one shape: a row per clip, every patch a flow-matching target; with
+    ``cfg.first_frame_clean`` (TI2V) the first latent frame's patches are the clean condition (noise unit -1)."""
     patches, grid = patchify(latents_BCFHW, cfg.patch_size)
     B, S = patches.shape[:2]
+    unit = torch.zeros(B, S, dtype=torch.long)
+    if cfg.first_frame_clean:
+        unit[grid[..., 0] == 0] = -1
     return {"latents": patches, "latent_mask": torch.ones(B, S, dtype=torch.bool),
-            "noise_unit": torch.zeros(B, S, dtype=torch.long), "grid_fhw": grid,
+            "noise_unit": unit, "grid_fhw": grid,
             "position_ids": torch.zeros(B, S, dtype=torch.long), "doc_ids": torch.zeros(B, S, dtype=torch.int32),
             "cu_seqlens": torch.arange(B + 1, dtype=torch.int32) * S, "max_seqlen": S, "text_states": text_BLD}
 

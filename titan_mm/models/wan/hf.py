@@ -16,9 +16,10 @@ DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 
 
 def load_hf(model, hf_dir: str | os.PathLike) -> None:
-    """Load a diffusers Wan transformer folder (or a pipeline folder with ``transformer/``) into ``model``; names
-    and shapes are checked against the model first, from the safetensors headers."""
-    d = transformer_dir(hf_dir)
+    """Load a diffusers Wan transformer folder (or a pipeline folder with ``transformer/``; with the model's
+    ``expert`` "low_noise", A14B's ``transformer_2/``) into ``model``; names and shapes are checked against the model
+    first, from the safetensors headers."""
+    d = transformer_dir(hf_dir, model.cfg.subfolder())
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     hf_io.check_tensors(hf_io.safetensors_shapes(d), want, d)
     hf_io.load_full_state_dict(model, hf_io.read_safetensors(d, want))

@@ -46,12 +46,21 @@ def check_sampling(steps: int, shift: float, guidance_scale: float) -> None:
 @torch.no_grad()
 def sample(model: WanModel, text_states: torch.Tensor, noise: torch.Tensor, *, steps: int = 50, shift: float = 5.0,
            guidance_scale: float = 5.0, negative_states: torch.Tensor | None = None,
-           attn_backend: str = "sdpa") -> torch.Tensor:
+           attn_backend: str = "sdpa", low_noise_model: WanModel | None = None, boundary_ratio: float | None = None,
+           guidance_scale_2: float | None = None) -> torch.Tensor:
     """Latents [B, C, F, H, W] fp32 from ``noise`` [B, C, F, H, W] (sigma 1) conditioned on ``text_states``
     [B, L, text_dim]: Euler steps x += (sigma_next - sigma) v over :func:`flow_sigmas`. With ``guidance_scale`` > 1,
     v = v_neg + g (v - v_neg) with ``negative_states`` [1 or B, L', text_dim] (the negative prompt's states; None:
-    zeros, the empty prompt of data.prompt_dropout), both in one forward of 2B rows when their shapes agree."""
+    zeros, the empty prompt of data.prompt_dropout), both in one forward of 2B rows when their shapes agree.
+
+    Wan2.2 A14B's pair, as WanPipeline(transformer, transformer_2, boundary_ratio) switches: ``model`` (the high-noise
+    expert) at the steps whose timestep sigma x 1000 is >= boundary_ratio x 1000, ``low_noise_model`` below, guided
+    there by ``guidance_scale_2`` (None: ``guidance_scale``); whether to guide at all is ``guidance_scale``'s call."""
     check_sampling(steps, shift, guidance_scale)
+    if (low_noise_model is None) != (boundary_ratio is None):
+        raise ValueError("the A14B pair needs both low_noise_model and boundary_ratio (or neither: one transformer)")
+    if boundary_ratio is not None and not 0 < boundary_ratio < 1:
+        raise ValueError(f"boundary_ratio = {boundary_ratio}: use a value in (0, 1) (Wan2.2-T2V-A14B's is 0.875)")
     cfg = model.cfg
     if noise.dim() != 5 or noise.shape[1] != cfg.in_channels or noise.shape[0] != text_states.shape[0]:
         raise ValueError(f"noise of shape {list(noise.shape)} is not [B={text_states.shape[0]}, C={cfg.in_channels}, "
@@ -69,7 +78,7 @@ def sample(model: WanModel, text_states: torch.Tensor, noise: torch.Tensor, *, s
     x, grid = patchify(noise.float(), cfg.patch_size)
     metas = {}  # rows -> the attention metadata, built once on the host: one full segment per clip
 
-    def forward(x_RSP, t, states):
+    def forward(x_RSP, t, states, model):
         R, S = x_RSP.shape[:2]  # R: B rows, or 2B with the negative prompt's
         if R not in metas:
             metas[R] = build_attn_meta({"doc_ids": torch.zeros(R, S, dtype=torch.int32)}, attn_backend, x.device,
@@ -79,15 +88,19 @@ def sample(model: WanModel, text_states: torch.Tensor, noise: torch.Tensor, *, s
         return model.predict_velocity(out, {}).float()
 
     sigmas = flow_sigmas(steps, shift).to(x.device)
+    high, scale_2 = model, guidance_scale if guidance_scale_2 is None else guidance_scale_2
     for i in range(steps):
         t = sigmas[i]
+        # the pipeline compares its fp32 timestep (sigma x 1000) with boundary_ratio x 1000
+        low = boundary_ratio is not None and float(t * NUM_TRAIN_TIMESTEPS) < boundary_ratio * NUM_TRAIN_TIMESTEPS
+        model, scale = (low_noise_model, scale_2) if low else (high, guidance_scale)
         if batched:
-            v, v_neg = forward(x.repeat(2, 1, 1), t, text).chunk(2)
+            v, v_neg = forward(x.repeat(2, 1, 1), t, text, model).chunk(2)
         else:
-            v = forward(x, t, text)
-            v_neg = forward(x, t, neg) if guided else None
+            v = forward(x, t, text, model)
+            v_neg = forward(x, t, neg, model) if guided else None
         if guided:  # WanPipeline's order of operations
-            v = v_neg + guidance_scale * (v - v_neg)
+            v = v_neg + scale * (v - v_neg)
         x = x + (sigmas[i + 1] - t) * v
     return unpatchify(x, fhw, cfg.patch_size)
 

@@ -53,5 +53,6 @@ def memory_terms(*_, **__):
 
 
 def objective_options(cfg: WanConfig) -> dict[str, dict]:
-    """Flow matching over whole clips: every patch sees every patch of its clip."""
-    return {"flow_matching": {"mask": "bidirectional"}}
+    """Flow matching over whole clips: every patch sees every patch of its clip; an A14B expert samples t on its side
+    of the pipeline's boundary."""
+    return {"flow_matching": {"mask": "bidirectional", **({"t_range": cfg.t_range()} if cfg.expert else {})}}
