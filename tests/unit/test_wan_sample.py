@@ -11,7 +11,12 @@ from PIL import Image
 
 diffusers = pytest.importorskip("diffusers")  # the optional extra [diffusers]
 
-from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline  # noqa: E402
+from diffusers import (  # noqa: E402
+    AutoencoderKLWan,
+    FlowMatchEulerDiscreteScheduler,
+    WanImageToVideoPipeline,
+    WanPipeline,
+)
 from transformers import AutoTokenizer, UMT5EncoderModel  # noqa: E402
 
 from tests.unit.test_wan import TINY, _pair  # noqa: E402
@@ -124,6 +129,27 @@ def test_a14b_pair_equals_wan_pipeline(tmp_path):
         assert (sample(one, text, noise, **kw) - want).abs().max() > 1e-2
     with pytest.raises(ValueError, match="needs both low_noise_model and boundary_ratio"):
         sample(model, text, noise, low_noise_model=model2, **kw)
+
+
+def test_ti2v_first_frame_equals_image_to_video_pipeline(tmp_path):
+    """Wan2.2 TI2V's image-to-video sampling: WanImageToVideoPipeline(expand_timesteps=True) feeds the transformer
+    the image's latent at the first frame with timestep 0 there at every step and returns it as the first frame;
+    sample(first_frame=that latent) gives its latents (the guided bound)."""
+    ref, model, _ = _pair(TINY, tmp_path)
+    text, neg, noise = _states(1), _states(2), _noise()
+    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=_vae(), scheduler=
+                                   FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=ref, expand_timesteps=True)
+    pipe.set_progress_bar_config(disable=True)
+    image = Image.fromarray((torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(4)) * 255).byte().numpy())
+    pixels = pipe.video_processor.preprocess(image, height=32, width=32).float()
+    cond = pipe.prepare_latents(pixels, B, TINY["in_channels"], 32, 32, 5, torch.float32, "cpu", None, noise)[1]
+    want = pipe(image=image, prompt_embeds=text, negative_prompt_embeds=neg, latents=noise.clone(), num_frames=5,
+                height=32, width=32, num_inference_steps=4, guidance_scale=4.0, output_type="latent").frames
+    got = sample(model, text, noise, steps=4, shift=3.0, guidance_scale=4.0, negative_states=neg, first_frame=cond)
+    torch.testing.assert_close(got, want, atol=(1 + 2 * 4.0) * 1e-5, rtol=1e-5)
+    assert torch.equal(got[:, :, :1], cond.expand(B, -1, -1, -1, -1))
+    with pytest.raises(ValueError, match="does not fit the noise"):
+        sample(model, text, noise, steps=1, first_frame=cond[:, :, :, :2])
 
 
 def _pipeline_folder(tmp_path):

@@ -47,7 +47,7 @@ def check_sampling(steps: int, shift: float, guidance_scale: float) -> None:
 def sample(model: WanModel, text_states: torch.Tensor, noise: torch.Tensor, *, steps: int = 50, shift: float = 5.0,
            guidance_scale: float = 5.0, negative_states: torch.Tensor | None = None,
            attn_backend: str = "sdpa", low_noise_model: WanModel | None = None, boundary_ratio: float | None = None,
-           guidance_scale_2: float | None = None) -> torch.Tensor:
+           guidance_scale_2: float | None = None, first_frame: torch.Tensor | None = None) -> torch.Tensor:
     """Latents [B, C, F, H, W] fp32 from ``noise`` [B, C, F, H, W] (sigma 1) conditioned on ``text_states``
     [B, L, text_dim]: Euler steps x += (sigma_next - sigma) v over :func:`flow_sigmas`. With ``guidance_scale`` > 1,
     v = v_neg + g (v - v_neg) with ``negative_states`` [1 or B, L', text_dim] (the negative prompt's states; None:
@@ -55,7 +55,11 @@ def sample(model: WanModel, text_states: torch.Tensor, noise: torch.Tensor, *, s
 
     Wan2.2 A14B's pair, as WanPipeline(transformer, transformer_2, boundary_ratio) switches: ``model`` (the high-noise
     expert) at the steps whose timestep sigma x 1000 is >= boundary_ratio x 1000, ``low_noise_model`` below, guided
-    there by ``guidance_scale_2`` (None: ``guidance_scale``); whether to guide at all is ``guidance_scale``'s call."""
+    there by ``guidance_scale_2`` (None: ``guidance_scale``); whether to guide at all is ``guidance_scale``'s call.
+
+    Wan2.2 TI2V: ``first_frame`` [1 or B, C, 1, H, W] (the conditioning image's normalized latent) is what the model
+    sees at the first latent frame, at t = 0 (a t per patch), at every step, and the returned first frame, as
+    WanImageToVideoPipeline with expand_timesteps does (the training side: WanConfig.first_frame_clean)."""
     check_sampling(steps, shift, guidance_scale)
     if (low_noise_model is None) != (boundary_ratio is None):
         raise ValueError("the A14B pair needs both low_noise_model and boundary_ratio (or neither: one transformer)")
@@ -76,6 +80,15 @@ def sample(model: WanModel, text_states: torch.Tensor, noise: torch.Tensor, *, s
     text = torch.cat([text_states, neg]) if batched else text_states
     fhw = tuple(n // p for n, p in zip(noise.shape[2:], cfg.patch_size))
     x, grid = patchify(noise.float(), cfg.patch_size)
+    cond = None
+    if first_frame is not None:
+        if cfg.patch_size[0] != 1 or first_frame.shape[0] not in (1, B) or \
+                first_frame.shape[1:] != (noise.shape[1], 1, *noise.shape[3:]):
+            raise ValueError(f"first_frame of shape {list(first_frame.shape)} does not fit the noise "
+                             f"{list(noise.shape)} (or a temporal patch > 1): [1 or B, C, 1, H, W]")
+        clip = torch.cat([first_frame.float().expand(B, -1, -1, -1, -1), noise[:, :, 1:].float()], 2)
+        cond = patchify(clip, cfg.patch_size)[0]
+        first = (grid[..., 0] == 0)[..., None]  # [B, S, 1]: the first latent frame's patches
     metas = {}  # rows -> the attention metadata, built once on the host: one full segment per clip
 
     def forward(x_RSP, t, states, model):
@@ -83,8 +96,11 @@ def sample(model: WanModel, text_states: torch.Tensor, noise: torch.Tensor, *, s
         if R not in metas:
             metas[R] = build_attn_meta({"doc_ids": torch.zeros(R, S, dtype=torch.int32)}, attn_backend, x.device,
                                        kind="bidirectional")
-        out = model(attn=metas[R], noisy_latents=x_RSP, clip_timesteps=t.expand(R), text_states=states,
-                    grid_fhw=grid[:1].expand(R, -1, -1))
+        kw = {"clip_timesteps": t.expand(R)}
+        if cond is not None:  # the clean first frame at t = 0: a t per patch
+            x_RSP = torch.where(first.repeat(R // B, 1, 1), cond.repeat(R // B, 1, 1), x_RSP)
+            kw = {"timesteps": torch.where(first[:1, :, 0], 0.0, t).expand(R, -1)}
+        out = model(attn=metas[R], noisy_latents=x_RSP, text_states=states, grid_fhw=grid[:1].expand(R, -1, -1), **kw)
         return model.predict_velocity(out, {}).float()
 
     sigmas = flow_sigmas(steps, shift).to(x.device)
@@ -102,6 +118,8 @@ def sample(model: WanModel, text_states: torch.Tensor, noise: torch.Tensor, *, s
         if guided:  # WanPipeline's order of operations
             v = v_neg + scale * (v - v_neg)
         x = x + (sigmas[i + 1] - t) * v
+    if cond is not None:
+        x = torch.where(first, cond, x)
     return unpatchify(x, fhw, cfg.patch_size)
 
 
