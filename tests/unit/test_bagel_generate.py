@@ -218,3 +218,22 @@ def test_special_ids_are_the_tokenizers_inside_the_vocabulary():
     assert specials_for(tok, CFG) == DEBUG_SPECIALS
     doc = generation_doc(FLAVORS["7B-MoT"], [100, 101], torch.zeros(16, 4, 2), want)
     assert doc.input_ids.tolist() == [want.bos, 100, 101, want.eos, want.vision_start, 0, 0, want.vision_end]
+
+
+def test_caption_dropout_leaves_the_image_split_alone_reproducibly(tmp_path):
+    """drop_text (BAGEL's text_cond_dropout_prob): a dropped sample is the image split alone at position 0 (the
+    sampler's unconditional context); the draws depend on (seed, sample) only."""
+    path = write_rows(tmp_path, [(8, 8)] * 12)
+    vae = FluxVAE(tiny_vae(), CFG)
+    docs = [T2IData(CFG, read_t2i(path), vae, tokenize, drop_text=0.5, seed=s).doc(i) for s in (0, 0, 1)
+            for i in range(12)]
+    a, b, c = (docs[k * 12:(k + 1) * 12] for k in range(3))
+    dropped = [len(d.segments) == 1 for d in a]
+    assert 0 < sum(dropped) < 12 and dropped == [len(d.segments) == 1 for d in b]
+    assert dropped != [len(d.segments) == 1 for d in c]
+    for d, drop in zip(a, dropped):
+        assert [k for _, k in d.segments] == (["noise"] if drop else ["causal", "noise"])
+        if drop:
+            assert d.positions.max() == 0 and d.input_ids[0] == VISION_START
+    with pytest.raises(ValueError, match="drop_text = 1.0: the caption dropout"):
+        T2IData(CFG, read_t2i(path), vae, tokenize, drop_text=1.0)
