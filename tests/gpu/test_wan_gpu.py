@@ -1,6 +1,7 @@
 """The wan family on CUDA: fp32 predictions and gradients equal diffusers' WanTransformer3DModel on the same card,
 a flow-matching train step (sdpa and flex, kind "bidirectional") gives the CPU step's loss, and the sampler gives
-the CPU's latents with a per-clip forward that makes no host sync."""
+the CPU's latents with a per-clip forward that makes no host sync; bench/mfu.py's diffusers stack, compiled on the
+card, trains on titan's loss."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from tests.unit.test_wan import TI2V, TINY, ClipFlow, _clips, _inputs, _pair
+from tests.unit.test_wan_peer import assert_same_loss, peer_and_titan_losses
 from titan_mm.models.wan import patchify, unpatchify
 from titan_mm.models.wan.sample import sample
 from titan_mm.nn.attention import build_attn_meta
@@ -81,3 +83,11 @@ def test_sampler_on_cuda_equals_cpu_and_the_per_clip_forward_does_not_sync(tmp_p
             model.predict_velocity(out, {})
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_diffusers_peer_compiled_on_cuda_loss_is_titans(tmp_path, monkeypatch):
+    """bench/mfu.py's diffusers stack as the bench runs it on the GPU (blocks compiled, FSDP2 on a one-GPU NCCL
+    world), in fp32 with TF32 off: its step-1 loss is titan's on the same weights and clips."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert_same_loss(*peer_and_titan_losses(tmp_path, torch.device("cuda"), compile_blocks=True))
