@@ -111,41 +111,89 @@ def test_t2i_mistakes_are_one_line(tmp_path):
 
 # ---- the sampler against the reference's loop ----
 
-def ref_velocity(ref, ids, x, t, lat_pos):
-    """_forward_flow through the KV-cache form, written flat: the context [bos prompt eos] (causal, positions 0..L-1)
-    and the query [vs, x, ve] (all at position L, attending to the context and to itself), und weights for text,
-    gen for the latents; llm2vae at the latent tokens."""
-    L, n, dev = len(ids), x.shape[0], x.device
-    toks = torch.tensor(ids + [VISION_START] + [0] * n + [VISION_END], device=dev)
-    g = torch.zeros(L + n + 2, dtype=torch.bool, device=dev)
-    g[L + 1:L + 1 + n] = True
-    h = ref.embed(toks)
-    temb = ref.t2(F.silu(ref.t1(ref_timestep(torch.full((n,), float(t), device=dev)))))
-    h[g] = ref.vae2llm(x) + temb + ref.lat_table[lat_pos.to(dev)]
-    pos = torch.cat([torch.arange(L), torch.full((n + 2,), L)]).to(dev)
-    allowed = torch.tril(torch.ones(L + n + 2, L + n + 2, dtype=torch.bool, device=dev))
-    allowed[L:] = True
-    mask = torch.zeros(allowed.shape, device=dev).masked_fill(~allowed, float("-inf"))
-    cos, sin = ref.rotary(h[None], pos[None])
-    for und, gen in zip(ref.und, ref.gen):
-        h = ref.layer(und, gen, h, g, cos, sin, mask)
-    return ref.llm2vae(both(ref.norm, ref.norm_gen, h, g)[g])
+def ref_velocity(ref, ctx, x, t, lat_pos):
+    """_forward_flow through the KV-cache form, written flat: the context's splits as the inferencer adds them
+    (``("text", ids)`` with BOS / EOS, causal, one position per token; ``("vae", patches, pos)`` a clean image at
+    t = 0 and ``("vit", patches, pos)``, full, one position each) and the query [vs, x, ve] at the next position,
+    attending to the context and to itself; und weights for text and ViT, gen for the latents; llm2vae at the
+    query's latents."""
+    dev, P = x.device, x.shape[-1]
+    parts = [*ctx, ("noise", x, lat_pos)]
+    toks, gen, pos, split, causal, lat, t_tok, lpos, vit_at = [], [], [], [], [], [], [], [], []
+    rope = 0
+    for k, (kind, *a) in enumerate(parts):
+        if kind == "text":
+            ids = [BOS, *a[0], EOS]
+            toks += ids
+            gen += [False] * len(ids)
+            pos += range(rope, rope + len(ids))
+            rope += len(ids)
+            split += [k] * len(ids)
+            causal += [True] * len(ids)
+            continue
+        n = a[0].shape[0]
+        toks += [VISION_START] + [0] * n + [VISION_END]
+        gen += [False] + [kind != "vit"] * n + [False]
+        pos += [rope] * (n + 2)
+        rope += 1
+        split += [k] * (n + 2)
+        causal += [False] * (n + 2)
+        if kind == "vit":
+            vit_at.append((len(toks) - n - 1, a[0], a[1]))
+        else:
+            lat.append(a[0])
+            lpos.append(a[1])
+            t_tok += [0.0 if kind == "vae" else float(t)] * n
+    S = len(toks)
+    h = ref.embed(torch.tensor(toks, device=dev))
+    for at, patches, vpos in vit_at:
+        h[at:at + patches.shape[0]] = ref.vit(patches.to(dev), vpos.to(dev), [patches.shape[0]])
+    g = torch.tensor(gen, device=dev)
+    temb = ref.t2(F.silu(ref.t1(ref_timestep(torch.tensor(t_tok, device=dev)))))
+    x_all = torch.cat([a.to(dev) for a in lat]).reshape(-1, P)
+    h[g] = ref.vae2llm(x_all) + temb + ref.lat_table[torch.cat(lpos).to(dev)]
+    sp, c = torch.tensor(split), torch.tensor(causal)
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None]
+    allowed = (sp[j] < sp[i]) | ((sp[j] == sp[i]) & (~c[i] | (j <= i)))
+    mask = torch.zeros(S, S).masked_fill(~allowed, float("-inf")).to(dev)
+    cos, sin = ref.rotary(h[None], torch.tensor(pos, device=dev)[None])
+    for und, gen_layer in zip(ref.und, ref.gen):
+        h = ref.layer(und, gen_layer, h, g, cos, sin, mask)
+    return ref.llm2vae(both(ref.norm, ref.norm_gen, h, g)[-x.shape[0] - 1:-1])
 
 
-def ref_generate(ref, prompt, noise, hw, steps, shift, scale, interval, renorm_min):
-    """generate_image + _forward_flow (text CFG, "global" renorm), then decode_image's unpacking."""
+def lat_positions(h, w):
+    return (torch.arange(h)[:, None] * CFG.max_latent_size + torch.arange(w)).flatten()
+
+
+def ref_generate(ref, prompt, noise, hw, steps, shift, scale, interval, renorm_min, source=None, img_scale=1.0):
+    """generate_image + _forward_flow (text CFG, then image CFG, "global" renorm), then decode_image's unpacking;
+    the contexts as interleave_inference builds them for [source image, prompt]."""
     p = CFG.latent_patch_size
     h, w = hw[0] // p, hw[1] // p
-    lat_pos = (torch.arange(h)[:, None] * CFG.max_latent_size + torch.arange(w)).flatten()
+    image = []
+    if source is not None:
+        lat, pix = source
+        vp = CFG.vit_config.patch_size
+        vit_pos = torch.arange(pix.shape[1] // vp)[:, None] * CFG.vit_max_num_patch_per_side + torch.arange(
+            pix.shape[2] // vp)
+        image = [("vae", ref_patchify(lat, p), lat_positions(lat.shape[1] // p, lat.shape[2] // p)),
+                 ("vit", ref_patchify(pix, vp), vit_pos.flatten())]
+    gen_ctx, cfg_text_ctx, cfg_img_ctx = [*image, ("text", prompt)], image, [("text", prompt)]
     x_t = noise
     timesteps = torch.linspace(1, 0, steps)
     timesteps = shift * timesteps / (1 + (shift - 1) * timesteps)
     dts = timesteps[:-1] - timesteps[1:]
     for i, t in enumerate(timesteps[:-1]):
-        v_t = ref_velocity(ref, [BOS] + prompt + [EOS], x_t, t, lat_pos)
-        if scale > 1.0 and interval[0] < t <= interval[1]:
-            cfg_v = ref_velocity(ref, [], x_t, t, lat_pos)
-            v_ = cfg_v + scale * (v_t - cfg_v)
+        on = interval[0] < t <= interval[1]
+        s_text, s_img = (scale, img_scale) if on else (1.0, 1.0)
+        v_t = ref_velocity(ref, gen_ctx, x_t, t, lat_positions(h, w))
+        if s_text > 1.0:
+            cfg_text_v = ref_velocity(ref, cfg_text_ctx, x_t, t, lat_positions(h, w))
+            v_ = cfg_text_v + s_text * (v_t - cfg_text_v)
+            if s_img > 1.0:
+                cfg_img_v = ref_velocity(ref, cfg_img_ctx, x_t, t, lat_positions(h, w))
+                v_ = cfg_img_v + s_img * (v_ - cfg_img_v)
             v_t = v_ * (torch.norm(v_t) / (torch.norm(v_) + 1e-8)).clamp(min=renorm_min, max=1.0)
         x_t = x_t - v_t * dts[i]
     z = CFG.vae_config.z_channels
@@ -168,6 +216,23 @@ def test_sampler_equals_the_reference_loop(scale, interval, renorm_min):
     torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
 
 
+def test_editing_sampler_equals_the_reference_loop():
+    """Editing: the source image's clean VAE split and ViT split before the prompt, text guidance against the image
+    alone, image guidance against the prompt alone, as interleave_inference and _forward_flow run them."""
+    model, ref, _ = _pair()
+    g = torch.Generator().manual_seed(4)
+    source = (torch.randn(4, 4, 4, generator=g), torch.randn(3, 8, 12, generator=g))  # latent; ViT pixels (2 x 3)
+    noise = torch.randn(6, CFG.patch_latent_dim, generator=g)
+    ours = sample(model, [7, 8], noise, (4, 6), steps=5, shift=3.0, cfg_text_scale=4.0, cfg_interval=(0.0, 1.0),
+                  source=source, cfg_img_scale=1.5)
+    with torch.no_grad():
+        want = ref_generate(ref, [7, 8], noise, (4, 6), 5, 3.0, 4.0, (0.0, 1.0), 0.0, source, 1.5)
+    torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
+    plain = sample(model, [7, 8], noise, (4, 6), steps=5, shift=3.0, cfg_text_scale=4.0, cfg_interval=(0.0, 1.0),
+                   source=source)
+    assert (plain - ours).abs().max() > 1e-3  # the image guidance matters
+
+
 def test_sampler_mistakes_are_one_line():
     model, _, _ = _pair()
     noise = torch.randn(6, CFG.patch_latent_dim)
@@ -175,6 +240,8 @@ def test_sampler_mistakes_are_one_line():
                     ({"cfg_interval": (0.5, 0.2)}, "give \\(low, high\\)")):
         with pytest.raises(ValueError, match=msg):
             sample(model, [7], noise, (4, 6), **kw)
+    with pytest.raises(ValueError, match="image guidance needs a source image"):
+        sample(model, [7], noise, (4, 6), cfg_img_scale=1.5)
     with pytest.raises(ValueError, match="a latent of 3x6 does not fit"):
         sample(model, [7], noise, (3, 6))
     with pytest.raises(ValueError, match=r"noise of shape \[6, 16\] is not \[4, 16\]"):

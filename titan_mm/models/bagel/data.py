@@ -87,10 +87,15 @@ def specials_for(tokenizer, cfg: BagelConfig) -> Specials:
 
 
 def generation_doc(cfg: BagelConfig, prompt_ids: list[int] | None, latent_CHW: torch.Tensor,
-                   specials: Specials = DEBUG_SPECIALS) -> Doc:
-    """One text-to-image sample: ``[bos prompt eos]`` causal (no loss; left out when None) then the image's noised
-    latent split (unit 0; :func:`batches` numbers the units of a packed row)."""
+                   specials: Specials = DEBUG_SPECIALS, source: tuple[torch.Tensor, torch.Tensor] | None = None) -> Doc:
+    """One generation sample: ``[bos prompt eos]`` causal (no loss; left out when None) then the image's noised
+    latent split (unit 0; :func:`batches` numbers the units of a packed row). ``source`` (editing: the source
+    image's clean latent [z, h, w] and its ViT pixels [3, H, W]) comes first, as BAGEL's inferencer puts it in
+    the context: its VAE split (t = 0), then its ViT split, both full."""
     s = _Sample(cfg, specials)
+    if source is not None:
+        s.vae_image(source[0], noised=False, unit=-1)
+        s.vit_image(source[1])
     if prompt_ids is not None:
         s.text([specials.bos, *prompt_ids, specials.eos], loss=False)
     s.vae_image(latent_CHW, noised=True, unit=0)

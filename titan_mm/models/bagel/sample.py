@@ -61,10 +61,10 @@ class _Branch:
     """One context's forward, built once on the host: the sample's batch, its routing and segment-mask metadata."""
 
     def __init__(self, model: BagelModel, prompt_ids: list[int] | None, latent_hw: tuple[int, int], backend: str,
-                 specials: Specials):
+                 specials: Specials, source: tuple[torch.Tensor, torch.Tensor] | None):
         cfg = model.cfg
         dev = model.llm2vae.weight.device
-        doc = generation_doc(cfg, prompt_ids, torch.zeros(cfg.vae_config.z_channels, *latent_hw), specials)
+        doc = generation_doc(cfg, prompt_ids, torch.zeros(cfg.vae_config.z_channels, *latent_hw), specials, source)
         batch = collate_rows([[doc]], len(doc), pad_id=0, position_axes=1, multiple=1, schema=SCHEMA)
         b = prepare_batch(cfg, batch, dev)
         self.attn = build_attn_meta(b, backend, dev, kind="segments")
@@ -80,7 +80,8 @@ class _Branch:
         out = self.model(b["input_ids"], position_ids=b["position_ids"], attn=self.attn,
                          loss=lambda model, o: model.predict_velocity(o, b), und_index=b["und_index"],
                          gen_index=b["gen_index"], noisy_latents=noisy, cond_latents=b["cond_latents"],
-                         timesteps=torch.where(m, t, 0.0), latent_pos=b["latent_pos"])
+                         timesteps=torch.where(m, t, 0.0), latent_pos=b["latent_pos"],
+                         **{k: b[k] for k in ("vit_patches", "vit_pos", "vit_index", "vit_attn") if k in b})
         return out.terms[m].float()
 
 
@@ -88,10 +89,14 @@ class _Branch:
 def sample(model: BagelModel, prompt_ids: list[int], noise_NP: torch.Tensor, latent_hw: tuple[int, int], *,
            steps: int = 50, shift: float = 3.0, cfg_text_scale: float = 4.0,
            cfg_interval: tuple[float, float] = (0.4, 1.0), cfg_renorm_min: float = 0.0,
-           attn_backend: str = "sdpa", specials: Specials = DEBUG_SPECIALS) -> torch.Tensor:
+           attn_backend: str = "sdpa", specials: Specials = DEBUG_SPECIALS,
+           source: tuple[torch.Tensor, torch.Tensor] | None = None, cfg_img_scale: float = 1.0) -> torch.Tensor:
     """The latent image [z, h, w] fp32 of ``prompt_ids`` (no special tokens; ``specials``' BOS / EOS are put around
     them) from ``noise_NP`` [h/p x w/p, P] (t = 1, latent patches in row-major order, BAGEL's ``packed_init_noises``).
-    Defaults: BAGEL inferencer's ``gen_image``."""
+    Editing: ``source`` = (the source image's clean latent [z, h', w'], its ViT pixels [3, H, W] in [-1, 1]) before
+    the prompt, and image guidance ``cfg_img_scale`` against the prompt alone (BAGEL's ``cfg_img`` context), applied
+    after the text guidance (whose context is then the source image alone). Defaults: BAGEL inferencer's
+    ``gen_image`` (its image scale 1.5 is for editing; 1 here turns it off)."""
     cfg = model.cfg
     check_sampling(cfg, steps, shift, cfg_text_scale, cfg_interval, latent_hw)
     p = cfg.latent_patch_size
@@ -99,15 +104,24 @@ def sample(model: BagelModel, prompt_ids: list[int], noise_NP: torch.Tensor, lat
     if tuple(noise_NP.shape) != (n, cfg.patch_latent_dim):
         raise ValueError(f"noise of shape {list(noise_NP.shape)} is not [{n}, {cfg.patch_latent_dim}]: one latent "
                          f"patch per row for a {latent_hw[0]}x{latent_hw[1]} latent")
-    cond = _Branch(model, prompt_ids, latent_hw, attn_backend, specials)
-    uncond = _Branch(model, None, latent_hw, attn_backend, specials) if cfg_text_scale > 1.0 else None
+    if cfg_img_scale < 0 or (cfg_img_scale > 1.0 and source is None):
+        raise ValueError(f"cfg_img_scale = {cfg_img_scale}: image guidance needs a source image (editing) and a "
+                         "scale >= 0 (1 or less turns it off)")
+    cond = _Branch(model, prompt_ids, latent_hw, attn_backend, specials, source)
+    uncond = _Branch(model, None, latent_hw, attn_backend, specials, source) if cfg_text_scale > 1.0 else None
+    no_img = (_Branch(model, prompt_ids, latent_hw, attn_backend, specials, None)
+              if cfg_img_scale > 1.0 and uncond is not None else None)
     x = noise_NP.to(model.llm2vae.weight.device, torch.float32)
     ts, dts = schedule(steps, shift)
     for t, dt in zip(ts.tolist(), dts.tolist()):
-        v = cond.velocity(x, torch.tensor(t, device=x.device))
-        if uncond is not None and cfg_interval[0] < t <= cfg_interval[1]:
-            v_u = uncond.velocity(x, torch.tensor(t, device=x.device))
+        tt = torch.tensor(t, device=x.device)
+        v = cond.velocity(x, tt)
+        if uncond is not None and cfg_interval[0] < t <= cfg_interval[1]:  # image guidance only with text's
+            v_u = uncond.velocity(x, tt)
             guided = v_u + cfg_text_scale * (v - v_u)
+            if no_img is not None:
+                v_i = no_img.velocity(x, tt)
+                guided = v_i + cfg_img_scale * (guided - v_i)
             v = guided * (v.norm() / (guided.norm() + 1e-8)).clamp(min=cfg_renorm_min, max=1.0)
         x = x - v * dt
     return unpatchify(x, latent_hw, p)
