@@ -3,6 +3,7 @@ images; nothing downloads) and the image sampler against a loop written from the
 (ByteDance-Seed/Bagel modeling/bagel/bagel.py generate_image / _forward_flow, modeling/autoencoder.py,
 data/data_utils.py patchify), fp32 on CPU."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -16,7 +17,13 @@ from tests.unit.test_bagel import CFG, RUN, _objective, _ours, _pair, both, ref_
 from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.launch.train import main
 from titan_mm.models.bagel.config import FLAVORS
-from titan_mm.models.bagel.data import T2IData, generation_doc, read_t2i, specials_for
+from titan_mm.models.bagel.data import (
+    T2IData,
+    generation_doc,
+    read_t2i,
+    source_image,
+    specials_for,
+)
 from titan_mm.models.bagel.sample import sample
 from titan_mm.models.bagel.synthetic import (
     BOS,
@@ -264,13 +271,19 @@ def test_a_few_steps_debug_model_draws_a_png(tmp_path, capsys):
         assert im.size == (24, 16) and im.mode == "RGB"
     assert generate([*common, "--out", str(tmp_path / "z.pt")]) == 0
     assert torch.load(tmp_path / "z.pt").shape == (4, 4, 6)
+    # editing: the source image's size, image guidance on
+    assert generate([*common[:4], "--steps", "3", "--image", str(tmp_path / "seven.png"), "--vae",
+                     str(tmp_path / "vae"), "--out", str(tmp_path / "edit.png")]) == 0
+    with Image.open(tmp_path / "edit.png") as im:
+        assert im.size == (24, 16)
     capsys.readouterr()
     for extra, msg in ((["--out", str(tmp_path / "x.png")], "a PNG needs --vae"),
                        (["--vae", str(tmp_path / "run"), "--out", str(tmp_path / "x.png")], "no config.json there"),
                        (["--prompt", "seven", "--out", str(tmp_path / "x.pt")], "one of them"),
                        (["--height", "18", "--out", str(tmp_path / "x.pt")], "must be multiples of the VAE's"),
                        (["--height", "4", "--out", str(tmp_path / "x.pt")], "a latent of 1x6 does not fit"),
-                       (["--prompt-ids", "6,99", "--out", str(tmp_path / "x.pt")], "outside the model's vocabulary")):
+                       (["--prompt-ids", "6,99", "--out", str(tmp_path / "x.pt")], "outside the model's vocabulary"),
+                       (["--image", str(tmp_path / "seven.png"), "--out", str(tmp_path / "x.pt")], "pass --vae")):
         assert generate([*common, *extra]) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err
@@ -304,3 +317,14 @@ def test_caption_dropout_leaves_the_image_split_alone_reproducibly(tmp_path):
             assert d.positions.max() == 0 and d.input_ids[0] == VISION_START
     with pytest.raises(ValueError, match="drop_text = 1.0: the caption dropout"):
         T2IData(CFG, read_t2i(path), vae, tokenize, drop_text=1.0)
+
+
+def test_an_editing_source_is_the_vae_latent_and_a_vit_copy_in_patch_multiples(tmp_path):
+    path = write_rows(tmp_path, [(16, 24)])
+    vae = tiny_vae()
+    cfg3 = dataclasses.replace(CFG, vit_config=dataclasses.replace(CFG.vit_config, patch_size=3))
+    lat, vit = source_image(read_t2i(path)[0].image, FluxVAE(vae, cfg3), cfg3)
+    img = torch.from_numpy(np.asarray(Image.open(tmp_path / "0.png"), np.float32)).permute(2, 0, 1) / 127.5 - 1
+    assert torch.equal(lat, SCALE * (vae.encode(img[None]).latent_dist.mode()[0] - SHIFT))
+    assert vit.shape == (3, 15, 24)  # the ViT's copy: 16 -> 15 rows (multiples of 3), 24 columns kept
+    assert torch.equal(source_image(read_t2i(path)[0].image, FluxVAE(vae, CFG), CFG)[1], img)

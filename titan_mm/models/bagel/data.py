@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from titan_mm.data.packing import BestFitPacker, Doc, collate_rows
@@ -74,6 +75,18 @@ def load_image(path: str, stride: int) -> torch.Tensor:
         raise ValueError(f"image {path} is {H}x{W}; its sides must be multiples of {stride} (VAE downsampling x "
                          "latent patch): resize or crop it")
     return torch.from_numpy(a).permute(2, 0, 1) / 127.5 - 1
+
+
+def source_image(path: str, vae: FluxVAE, cfg: BagelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """An editing source: (its clean latent [z, h, w], its ViT pixels [3, H', W'] in [-1, 1]): the image's sides
+    must be multiples of ``vae.stride``; the ViT's copy is resized down to multiples of the ViT patch where they are
+    not (bicubic, as BAGEL's vit_transform resizes)."""
+    img = load_image(path, vae.stride)
+    p, (H, W) = cfg.vit_config.patch_size, img.shape[1:]
+    vit = img
+    if H % p or W % p:
+        vit = F.interpolate(img[None], size=(max(p, H // p * p), max(p, W // p * p)), mode="bicubic")[0]
+    return vae.encode(img[None])[0], vit
 
 
 def specials_for(tokenizer, cfg: BagelConfig) -> Specials:
