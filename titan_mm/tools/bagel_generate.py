@@ -11,9 +11,10 @@ flow steps over its shifted schedule, text classifier-free guidance with the glo
 it, <|vision_start|> / <|vision_end|> around the image (the tokenizer's ids; a debug model's vocabulary: 1-4).
 ``--height`` / ``--width`` are pixels (multiples of the VAE's downsampling x the latent patch). With ``--vae`` (a
 diffusers AutoencoderKL folder: FLUX's vae/, or the pipeline folder) ``--out`` is a PNG; without, ``--out x.pt`` gets
-the latent image [z, h, w]. Editing: ``--image`` is the source image (encoded by the VAE and seen by the ViT before the prompt),
-the output its size unless given, with image guidance ``--cfg-img-scale``. Defaults are BAGEL inferencer's (50
-points, shift 3, text scale 4 in (0.4, 1], image scale 1.5). Every mistake is one line and exit status 2.
+the latent image [z, h, w]. Editing: ``--image`` is the source image (encoded by the VAE and seen by the ViT before
+the prompt), the output its size unless given, with image guidance ``--cfg-img-scale``. Defaults are BAGEL
+inferencer's (50 points, shift 3, text scale 4 in (0.4, 1], image scale 1.5). Every mistake is one line and exit
+status 2.
 """
 
 from __future__ import annotations
