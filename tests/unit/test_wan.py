@@ -46,7 +46,7 @@ def _pair(hf: dict, tmp_path, seed: int = 0, subfolder: str = "transformer"):
     if subfolder != "transformer":  # A14B's low-noise expert: the config and weights of transformer_2/
         cfg = dataclasses.replace(WanConfig.from_hf(tmp_path / subfolder), expert="low_noise", boundary_ratio=0.5)
         model = WanModel(cfg)
-        load_hf(model, tmp_path)
+        load_hf(model, tmp_path / subfolder)
         return ref, model, cfg
     cfg = WanConfig.from_hf(tmp_path)  # a pipeline folder: its transformer/ subfolder
     model = WanModel(cfg)

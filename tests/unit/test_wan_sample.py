@@ -206,6 +206,38 @@ def test_cli_prompt_through_umt5_equals_wan_pipeline(tmp_path):
         assert (gif.n_frames, gif.size) == (3, (16, 16))
 
 
+def test_cli_samples_with_the_a14b_pair(tmp_path, capsys):
+    """--model at an A14B pipeline folder (transformer/, transformer_2/, model_index.json's boundary_ratio) samples
+    with both experts, as sample() with the pair; --low-noise-model + --boundary-ratio name them by hand."""
+    pipe = tmp_path / "pipe"
+    model = _pair(TINY, pipe)[1]
+    low = _pair(TINY, pipe, seed=1, subfolder="transformer_2")[1]
+    (pipe / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "boundary_ratio": 0.85}))
+    torch.save(_states(1)[0], tmp_path / "prompt.pt")
+    args = ["--text-states", str(tmp_path / "prompt.pt"), "--latent-frames", "2", "--latent-height", "4",
+            "--latent-width", "4", "--steps", "6", "--shift", "3", "--guidance-scale", "4", "--guidance-scale-2", "2",
+            "--seed", "7"]
+    noise = torch.randn(1, 4, *LATENT, generator=torch.Generator().manual_seed(7))
+    want = sample(model, _states(1)[:1], noise, steps=6, shift=3.0, guidance_scale=4.0, low_noise_model=low,
+                  boundary_ratio=0.85, guidance_scale_2=2.0)
+    assert main(["--model", str(pipe), *args, "--out", str(tmp_path / "z.pt")]) == 0
+    assert torch.equal(torch.load(tmp_path / "z.pt"), want)
+    assert main(["--model", str(pipe / "transformer"), "--low-noise-model", str(pipe / "transformer_2"),
+                 "--boundary-ratio", "0.85", *args, "--out", str(tmp_path / "y.pt")]) == 0
+    assert torch.equal(torch.load(tmp_path / "y.pt"), want)
+    capsys.readouterr()
+    (tmp_path / "one").mkdir()
+    _pair(TINY, tmp_path / "one")
+    (tmp_path / "one" / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    for extra, msg in [(["--model", str(tmp_path / "one")], "--guidance-scale-2 guides A14B's low-noise expert"),
+                       (["--model", str(tmp_path / "one"), "--low-noise-model", str(pipe / "transformer_2")],
+                        "pipeline names no boundary_ratio: pass --boundary-ratio"),
+                       (["--model", str(pipe), "--boundary-ratio", "0.5"], "--boundary-ratio switches to")]:
+        assert main([*extra, *args, "--out", "z.pt"]) == 2, extra
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, (extra, err)
+
+
 def test_cli_mistakes_are_one_line(tmp_path, capsys):
     _, pipe = _pipeline_folder(tmp_path)
     base = ["--model", str(pipe), "--text-states", str(tmp_path / "prompt.pt")]

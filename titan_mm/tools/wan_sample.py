@@ -14,6 +14,11 @@ data.prompt_dropout). The latent sizes are the VAE's (a 480x832 clip of 81 frame
 Wan2.1's VAE). With a VAE (``--vae``: an AutoencoderKLWan folder or a pipeline holding vae/; else the one of
 ``--encoders``) ``--out`` is an animated GIF of the decoded frames, one per clip; ``--out x.pt`` gets the latents
 [B, C, F, H, W]. Every mistake is one line and exit status 2, before the model loads.
+
+Wan2.2 A14B's pair: ``--model`` at an A14B pipeline folder (model_index.json's boundary_ratio, transformer/ and
+transformer_2/) samples with both experts as WanPipeline switches them (``--guidance-scale-2`` for the low-noise
+one; default ``--guidance-scale``); or name the low-noise expert with ``--low-noise-model`` (a run, checkpoint or
+transformer folder) and the switch with ``--boundary-ratio``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from titan_mm.checkpoint_io import CheckpointError
 from titan_mm.config import ConfigError
 from titan_mm.loader import load_model
 from titan_mm.models.wan import WanModel
+from titan_mm.models.wan.config import pipeline_dir
 from titan_mm.models.wan.data import TEXT_LEN, load_encoders
 from titan_mm.models.wan.sample import check_sampling, decode, sample, write_gif
 
@@ -85,6 +91,11 @@ def check_args(a: argparse.Namespace) -> tuple[torch.Tensor | None, torch.Tensor
                          "for the latents")
     if suffix == ".pt" and a.vae:
         raise ValueError(f"--out {a.out}: --vae decodes frames into a GIF; name it *.gif, or drop --vae")
+    if a.boundary_ratio is not None and not a.low_noise_model:
+        raise ValueError("--boundary-ratio switches to --low-noise-model: give both (an A14B pipeline folder as "
+                         "--model brings its own)")
+    if a.low_noise_model and a.boundary_ratio is None and pipeline_dir(a.model) is None:
+        raise ValueError("--low-noise-model needs the switch: pass --boundary-ratio (Wan2.2-T2V-A14B's is 0.875)")
     if a.fps < 1:
         raise ValueError(f"--fps {a.fps} must be >= 1")
     if a.vae:
@@ -104,6 +115,26 @@ def check_args(a: argparse.Namespace) -> tuple[torch.Tensor | None, torch.Tensor
     return text, neg
 
 
+def _low_noise_expert(a: argparse.Namespace, cfg) -> tuple[WanModel | None, float | None]:
+    """(A14B's low-noise expert, the boundary ratio): --low-noise-model, or the transformer_2/ of --model's A14B
+    pipeline folder; (None, None) for one transformer."""
+    ratio = cfg.boundary_ratio if a.boundary_ratio is None else a.boundary_ratio
+    pipe = pipeline_dir(a.model)
+    path = a.low_noise_model or (os.path.join(pipe, "transformer_2") if pipe and ratio is not None else None)
+    if path is None:
+        if a.guidance_scale_2 is not None:
+            raise ValueError("--guidance-scale-2 guides A14B's low-noise expert; --model is one transformer (give "
+                             "an A14B pipeline folder or --low-noise-model)")
+        return None, None
+    if ratio is None:
+        raise ValueError(f"--model {a.model}'s pipeline names no boundary_ratio: pass --boundary-ratio")
+    low = load_model(path, a.device)
+    if not isinstance(low.model, WanModel) or low.model_cfg.patch_size != cfg.patch_size or \
+            low.model_cfg.in_channels != cfg.in_channels:
+        raise ValueError(f"the low-noise expert {path} is not a Wan model of --model's patch and channels")
+    return low.model, ratio
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m titan_mm.tools.wan_sample", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=50, help="Euler steps")
     ap.add_argument("--shift", type=float, default=5.0, help="timestep shift of the sigmas (diffusers' scheduler)")
     ap.add_argument("--guidance-scale", type=float, default=5.0, help="classifier-free guidance; <= 1: off")
+    ap.add_argument("--guidance-scale-2", type=float, default=None, help="A14B: the low-noise expert's guidance "
+                    "(default --guidance-scale)")
+    ap.add_argument("--low-noise-model", default=None, help="A14B: the low-noise expert (run, checkpoint or "
+                    "transformer folder); an A14B pipeline folder as --model brings its transformer_2/")
+    ap.add_argument("--boundary-ratio", type=float, default=None, help="A14B: the switch (default: --model's "
+                    "pipeline's model_index.json)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial noise (a CPU generator)")
     ap.add_argument("--vae", default=None, help="diffusers AutoencoderKLWan folder (or a pipeline with vae/)")
     ap.add_argument("--fps", type=int, default=16, help="frames per second of the GIF")
@@ -131,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(got.model, WanModel):
             raise ValueError(f"--model {a.model} holds a {got.spec.name!r} model; this tool samples Wan models")
         cfg = got.model_cfg
+        low, ratio = _low_noise_expert(a, cfg)
         fhw = (a.latent_frames, a.latent_height, a.latent_width)
         if any(n % p for n, p in zip(fhw, cfg.patch_size)):
             raise ValueError(f"latent sizes {fhw} (frames, height, width) must be multiples of the model's patch "
@@ -160,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device(a.device)
     latents = sample(got.model, text.to(dev), noise, steps=a.steps, shift=a.shift, guidance_scale=a.guidance_scale,
                      negative_states=None if neg is None else neg.to(dev),
-                     attn_backend=cfg.attn_backend)
+                     attn_backend=cfg.attn_backend, low_noise_model=low, boundary_ratio=ratio,
+                     guidance_scale_2=a.guidance_scale_2)
     if vae is None:
         torch.save(latents.cpu(), a.out)
     else:

@@ -14,7 +14,7 @@ from titan_mm.models.hf_io import read_hf_config
 CLASS_NAME = "WanTransformer3DModel"
 NUM_TRAIN_TIMESTEPS = 1000
 """diffusers' FlowMatchEulerDiscreteScheduler: timestep = sigma x 1000; flow matching's t is sigma."""
-EXPERTS = {"": "transformer", "high_noise": "transformer", "low_noise": "transformer_2"}
+EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 """Wan2.2 A14B's experts -> the pipeline's subfolder (WanPipeline's ``transformer`` / ``transformer_2``)."""
 
 
@@ -66,7 +66,7 @@ class WanConfig:
             raise ValueError(f"qk_norm {self.qk_norm!r} is unknown; Wan uses 'rms_norm_across_heads' or null")
         if self.attention_head_dim % 2 or self.attention_head_dim < 6:
             raise ValueError(f"attention_head_dim {self.attention_head_dim} must be even and >= 6 (3-D RoPE)")
-        if self.expert not in EXPERTS:
+        if self.expert and self.expert not in EXPERTS:
             raise ValueError(f"expert {self.expert!r} is unknown; use one of {sorted(EXPERTS)} ('': one transformer)")
         if self.boundary_ratio is not None and not 0 < self.boundary_ratio < 1:
             raise ValueError(f"boundary_ratio {self.boundary_ratio} must lie in (0, 1) (Wan2.2-T2V-A14B's is 0.875)")
@@ -84,9 +84,9 @@ class WanConfig:
             return 0.0, 1.0
         return (self.boundary_ratio, 1.0) if self.expert == "high_noise" else (0.0, self.boundary_ratio)
 
-    def subfolder(self) -> str:
-        """The pipeline folder's transformer of this expert."""
-        return EXPERTS[self.expert]
+    def subfolder(self) -> str | None:
+        """The pipeline folder's transformer of this expert; None: one transformer (the folder given)."""
+        return EXPERTS.get(self.expert)
 
     @property
     def dim(self) -> int:
@@ -156,17 +156,20 @@ def pipeline_dir(path: str | os.PathLike) -> str | None:
     return None
 
 
-def transformer_dir(path: str | os.PathLike, subfolder: str = "transformer") -> str:
-    """The transformer folder of a diffusers pipeline folder (its ``subfolder``: ``transformer/``, or A14B's
-    low-noise ``transformer_2/``; also from a sibling transformer folder), or ``path`` itself (a transformer
-    folder)."""
-    pipe = pipeline_dir(path) or str(path)
-    if os.path.isfile(os.path.join(pipe, subfolder, "config.json")):
-        return os.path.join(pipe, subfolder)
-    if subfolder != "transformer":
-        raise ValueError(f"{pipe} has no {subfolder}/ (the low-noise expert of a Wan2.2 A14B pipeline); "
-                         "point model.hf_path at an A14B pipeline folder or drop model.overrides' expert")
-    return str(path)
+def transformer_dir(path: str | os.PathLike, subfolder: str | None = None) -> str:
+    """The transformer folder to read: with ``subfolder`` None (one transformer) ``path``, or a pipeline folder's
+    ``transformer/``; with an A14B expert's ``subfolder`` (``transformer`` / ``transformer_2``) that folder of the
+    pipeline ``path`` is or sits in (pipeline_dir), else ``path`` itself (a transformer folder, no pipeline)."""
+    if subfolder is None:
+        sub = os.path.join(path, "transformer")
+        return sub if os.path.isfile(os.path.join(sub, "config.json")) else str(path)
+    pipe = pipeline_dir(path)
+    if pipe is None:
+        return str(path)
+    if not os.path.isfile(os.path.join(pipe, subfolder, "config.json")):
+        raise ValueError(f"{pipe} has no {subfolder}/ (an expert of a Wan2.2 A14B pipeline); point model.hf_path "
+                         "at an A14B pipeline folder or drop model.overrides' expert")
+    return os.path.join(pipe, subfolder)
 
 
 FLAVORS = {
