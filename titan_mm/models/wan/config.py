@@ -122,8 +122,10 @@ class WanConfig:
     def from_hf(cls, hf_dir: str | os.PathLike, **runtime) -> WanConfig:
         cfg = cls.from_hf_dict(read_hf_config(transformer_dir(hf_dir)), **runtime)
         pipe = pipeline_dir(hf_dir)  # A14B's boundary is the pipeline's
-        with open(os.path.join(pipe or hf_dir, "model_index.json")) if pipe else open(os.devnull) as f:
-            ratio = json.loads(f.read() or "{}").get("boundary_ratio")
+        if pipe is None:
+            return cfg
+        with open(os.path.join(pipe, "model_index.json")) as f:
+            ratio = json.load(f).get("boundary_ratio")
         return cfg if ratio is None else dataclasses.replace(cfg, boundary_ratio=float(ratio))
 
     def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
