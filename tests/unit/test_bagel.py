@@ -18,11 +18,17 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import Qwen3Config, SiglipVisionConfig
-from transformers.models.qwen3.modeling_qwen3 import (Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding,
-                                                      apply_rotary_pos_emb, eager_attention_forward)
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3DecoderLayer,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
 from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer
 
 from bench.mfu import CASES, case_batch, model_config
+from tests.resume_check import RESUME_ARGS, assert_resumes_exactly
 from tests.unit.test_attention_kinds import bagel_mask
 from titan_mm.config import load_config
 from titan_mm.data.packing import collate_rows
@@ -505,14 +511,10 @@ def test_debug_bagel_trains_and_resumes_exactly(tmp_path):
     last = [sum(full[s][i] for s in range(max(full) - 4, max(full) + 1)) / 5 for i in (1, 2)]
     assert last[0] < 0.5 * first[0] and last[1] < 0.9 * first[1], (first, last)
 
-    def short(steps: int, name: str) -> int:
-        return main([*RUN, "--job.dump_folder", str(tmp_path), "--training.steps", str(steps), "--checkpoint.interval",
-                     "4", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.name", "constant", "--job.name", name])
-
-    assert short(8, "straight") == 0
-    assert short(4, "stopped") == 0 and short(8, "stopped") == 0  # the second run resumes at the step-4 checkpoint
-    a, b = _terms(tmp_path / "straight"), _terms(tmp_path / "stopped")
-    assert sorted(b) == list(range(1, 9)) and all(a[s] == b[s] for s in range(1, 9)), (a, b)
+    assert_resumes_exactly(lambda name, steps: main([*RUN, "--job.dump_folder", str(tmp_path), "--job.name", name,
+                                                     "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "2",
+                                                     *RESUME_ARGS]), tmp_path,
+                           lambda r: (r["loss"], r["loss/ce"], r["loss/mse"]))
 
 
 def test_debug_bagel_mistakes_are_one_line(tmp_path, capsys):

@@ -10,6 +10,7 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")  # the optional extra [diffusers]
 
+from tests.resume_check import RESUME_ARGS, assert_resumes_exactly  # noqa: E402
 from titan_mm.config import ConfigError, load_config  # noqa: E402
 from titan_mm.export import main as export_main  # noqa: E402
 from titan_mm.launch.train import main  # noqa: E402
@@ -262,14 +263,9 @@ def test_debug_wan_trains_and_resumes_exactly(tmp_path):
     first, last = sum(full[s] for s in range(1, 11)) / 10, sum(full[s] for s in range(51, 61)) / 10
     assert last < 0.75 * first, (first, last)  # 1.4 -> 0.9 here: the latents follow the text states
 
-    def short(steps: int, name: str) -> int:  # a constant lr: a 4-step run's schedule is the 8-step one's start
-        return main([*RUN, "--job.dump_folder", str(tmp_path), "--training.steps", str(steps), "--checkpoint.interval",
-                     "4", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.name", "constant", "--job.name", name])
-
-    assert short(8, "straight") == 0
-    assert short(4, "stopped") == 0 and short(8, "stopped") == 0  # the second run resumes at the step-4 checkpoint
-    a, b = _losses(tmp_path / "straight"), _losses(tmp_path / "stopped")
-    assert sorted(b) == list(range(1, 9)) and all(a[s] == b[s] for s in range(1, 9)), (a, b)
+    assert_resumes_exactly(lambda name, steps: main([*RUN, "--job.dump_folder", str(tmp_path), "--job.name", name,
+                                                     "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "2",
+                                                     *RESUME_ARGS]), tmp_path)
 
 
 def test_debug_wan_starts_from_a_diffusers_folder(tmp_path):

@@ -15,6 +15,7 @@ from PIL import Image
 diffusers = pytest.importorskip("diffusers")  # the optional extra [diffusers]
 pytest.importorskip("transformers")
 
+from tests.resume_check import RESUME_ARGS, assert_resumes_exactly  # noqa: E402
 from titan_mm.config import ConfigError, Data, load_config  # noqa: E402
 from titan_mm.data.clips import CacheSource, ClipLoader, RawSource, geometry  # noqa: E402
 from titan_mm.launch.train import main as train  # noqa: E402
@@ -232,12 +233,8 @@ def test_debug_wan_data_trains_from_a_cache_and_resumes_exactly(clips, tmp_path)
 
     def run(name, steps, *extra):
         return train([*RUN, "--data.dataset", str(folder), "--job.dump_folder", str(tmp_path), "--job.name", name,
-                      "--training.steps", str(steps), "--checkpoint.interval", "4", "--lr_scheduler.name", "constant",
-                      *extra])  # a constant lr: a 4-step run's schedule is the 8-step one's start
+                      "--training.steps", str(steps), *RESUME_ARGS, *extra])
 
-    assert run("straight", 8) == 0
-    assert run("stopped", 4) == 0 and run("stopped", 8) == 0
-    a, b = _losses(tmp_path / "straight"), _losses(tmp_path / "stopped")
-    assert sorted(b) == list(range(1, 9)) and all(a[s] == b[s] for s in range(1, 9)), (a, b)
+    a = assert_resumes_exactly(run, tmp_path)
     assert run("raw", 4, "--data.dataset", str(rows), "--data.encoders", str(pipe)) == 0
     assert all(_losses(tmp_path / "raw")[s] == a[s] for s in range(1, 5))
