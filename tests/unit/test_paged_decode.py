@@ -1,7 +1,6 @@
 """Paged decode attention (titan_mm.kernels.paged_decode_attention): a one-token step that reads the keys in
 place from the KV pool equals the gather path of titan_mm.nn.kv_cache (through plan_step and
-attention, on the CPU reference), and the Triton kernel (titan_mm/kernels/paged_attention.py compiled for one
-query per sequence) equals the reference through TRITON_INTERPRET=1
+attention, on the CPU reference), and the Triton kernel equals the reference through TRITON_INTERPRET=1
 (GQA and MHA, block sizes 8 / 16 / 128, a sliding window, a head dim that is not a power of 2, an empty row, one
 split and several (flash-decoding); fp32 and
 fp16: the interpreter of Triton 3.6 miscomputes bf16 tl.dot, so bf16 is checked on the GPU, in
@@ -57,7 +56,7 @@ def test_prefill_steps_keep_the_gather_path():
 
 _INTERP = r"""
 import torch
-from titan_mm.kernels.paged_attention import paged_decode
+from titan_mm.kernels.paged_decode import paged_decode
 from titan_mm.nn.kv_cache import paged_decode_reference
 torch.manual_seed(0)
 bad = []

@@ -143,7 +143,8 @@ if HAS_TRITON:  # optional: triton is absent on some CPU machines, where every o
     from .moe_router import MAX_E as _ROUTING_MAX_E
     from .moe_router import RoutingFunction, moe_routing_op
     from .norm_rope_cache import norm_rope_cache as _norm_rope_cache
-    from .paged_attention import paged_decode, paged_mixed
+    from .paged_attention import paged_mixed
+    from .paged_decode import paged_decode
     from .rms_norm import AddRMSNormFunction, RMSNormFunction, add_rms_norm_op, rms_norm_op
     from .rms_norm import _fwd as _rms_fwd
     from .rope import RopeFunction, rope_op
@@ -266,7 +267,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            seq_lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(K)) v of each sequence's one query token q [B, H, K] over its first ``seq_lens[b]``
     keys (the last ``window`` of them with a sliding window), read from the pools [NB, BS, G, K] through
-    ``block_tables`` [B, MB] (device int32 / int64; see titan_mm/kernels/paged_attention.py). -> [B, H, K]."""
+    ``block_tables`` [B, MB] (device int32 / int64; see titan_mm/kernels/paged_decode.py). -> [B, H, K]."""
     B, H, K = q.shape
     if k_pool.shape[-1] != K or H % k_pool.shape[2] or v_pool.shape != k_pool.shape:
         raise ValueError(f"paged decode: q [B, H, K] = {list(q.shape)} against pools {list(k_pool.shape)} / "
