@@ -60,6 +60,8 @@ from titan_mm.objectives.base import Objective, noise_generator
 from titan_mm.registry import SeqKey
 
 SAMPLERS = ("uniform", "logit_normal", "shifted")
+
+
 def _bell(t: torch.Tensor, shift: float) -> torch.Tensor:
     """DiffSynth's bell-shaped, mean-normalized weight of t over its shifted training sigmas (module docstring)."""
     grid = torch.linspace(1.0, 0.003 / 1.002, 1000, dtype=torch.float64)
