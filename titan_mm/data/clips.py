@@ -1,4 +1,4 @@
-"""Captioned video clips through a family's frozen encoders (DataNeeds.clips; docs/data.md "Clips").
+"""Captioned video clips through a family's frozen encoders (DataNeeds.clips; docs/data.md "Captioned clips").
 
 Rows are lmms-engine's video format (its Wan processor reads ``messages[0].content``: a video part and the text
 that captions it); the first message with a video part gives the clip, its text parts the prompt:
