@@ -131,6 +131,9 @@ class DataNeeds:
 
     positions: str = "1d"
     """"1d": positions restart per document; "mrope": 3-D [3, B, S] M-RoPE positions (Qwen-VL)."""
+    doc_positions: Callable[..., Any] | None = None
+    """The family's builder of one document's [axes, L] positions, (ids, media items, pad ids, processor config)
+    (Qwen-VL: titan_mm.data.vision.mrope_positions); None: 1-D positions, restarting per document at collate."""
     patch_size: int = 0
     """Vision patch size in pixels (0: no vision input)."""
     temporal_patch_size: int = 0

@@ -53,6 +53,10 @@ class ProcessorConfig:
         if self.needs.patch_size and not isinstance(self.needs.vision_layout, VisionLayout):
             raise ValueError(f"DataNeeds.vision_layout must be a titan_mm.nn.media.VisionLayout when patch_size is "
                              f"set (the family's image / video processing), got {self.needs.vision_layout!r}")
+        if (self.needs.positions != "1d") != (self.needs.doc_positions is not None):
+            raise ValueError(f"DataNeeds.positions {self.needs.positions!r} and DataNeeds.doc_positions "
+                             f"{self.needs.doc_positions!r} disagree: a family with positions other than '1d' gives "
+                             "the builder of a document's positions, and only such a family")
         if self.chat_template not in CHAT_TEMPLATES:
             raise ValueError(f"data.chat_template must be empty (the model's), 'chatml' (no think block) or "
                              f"'chatml_think' (Qwen3's template), got {self.chat_template!r}")
@@ -271,7 +275,7 @@ class Processor:
             for k, v in it.tensors.items():
                 doc.media.setdefault(k, []).append(v)
             doc.n_patches += it.n_patches
-        build = vision.DOC_POSITIONS.get(self.cfg.needs.positions)  # None: 1-D, restarting per doc at collate
+        build = self.cfg.needs.doc_positions  # None: 1-D, restarting per doc at collate
         if build is not None:
             doc.positions = build(ids, items, self.tok, self.cfg)
         return doc

@@ -364,7 +364,3 @@ def mrope_positions(ids: np.ndarray, items: list[MediaItem], tok, cfg) -> np.nda
     except ValueError as e:
         raise SkipSample("bad_schema", str(e)) from None
 
-
-DOC_POSITIONS = {"mrope": mrope_positions}
-"""DataNeeds.positions -> the builder of one document's positions from its tokens and media (a kind missing here:
-1-D positions, restarting per document, which the collator makes)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from titan_mm.data.vision import mrope_positions
 from titan_mm.models.qwen3 import spec as text_spec
 from titan_mm.models.qwen3_vl.config import Qwen3VLConfig
 from titan_mm.nn.media import VisionLayout
@@ -34,7 +35,7 @@ def with_runtime(cfg: Qwen3VLConfig, attn_backend: str, kernels: bool | str) -> 
 def data_needs(cfg: Qwen3VLConfig) -> DataNeeds:
     v = cfg.vision
     return DataNeeds(
-        positions="mrope", patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+        positions="mrope", doc_positions=mrope_positions, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
         merge_size=v.spatial_merge_size, chat_template="chatml", vision_layout=VISION_LAYOUT,
         special_tokens={"image_pad": cfg.image_token_id, "video_pad": cfg.video_token_id,
                         "vision_start": cfg.vision_start_token_id, "vision_end": cfg.vision_end_token_id},

@@ -1,8 +1,8 @@
 """A prompt's images and videos, processed the way training processes them (titan_mm.data.vision, the family's
 vision layout): each image pad of the prompt becomes one pad per merged visual token, each video pad the video's
 placeholder (one run of pads, or the layout's ``<t seconds><|vision_start|>pads<|vision_end|>`` frame groups), and
-the family's positions kind builds the expanded prompt's positions as the data pipeline does
-(titan_mm.data.vision.DOC_POSITIONS). Audio clips (titan_mm.data.audio, the family's front end) are
+the family's position builder (DataNeeds.doc_positions) builds the expanded prompt's positions as the data pipeline does.
+Audio clips (titan_mm.data.audio, the family's front end) are
 expanded first, one pad per audio-tower token (:func:`expand_audio`)."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def expand_media(prompt: list[int], images: list, videos: list, needs: DataNeeds
         spans.append(Image(len(out), len(out) + len(ids), pv, grid, key, kind))
         items.append(item)
         out += ids
-    build = vision.DOC_POSITIONS.get(needs.positions)  # None: 1-D positions, which the KV cache plans
+    build = needs.doc_positions  # None: 1-D positions, which the KV cache plans
     if build is None:
         return out, spans, None, 0
     # the pads are placed by the family's ids (needs.special_tokens), whatever tokenizer came
