@@ -302,9 +302,10 @@ class ModelSpec:
     """data_needs(cfg) -> what the data pipeline must produce (positions, patch / merge sizes, tokens)."""
     kernel_shapes: Callable[..., KernelShapes]
     """kernel_shapes(cfg, tp=1, encoder_tp=False) -> the widths each kernel op runs at on one rank."""
-    memory_terms: Callable[..., MemoryTerms]
+    memory_terms: Callable[..., MemoryTerms] | None = None
     """memory_terms(cfg, topo, act_bytes, kernels=..., compile=..., float8=...) ->
-    MemoryTerms: the family's activation bytes per token / patch."""
+    MemoryTerms: the family's activation bytes per token / patch. None: no estimate yet (the memory tool refuses
+    the family in one line; pipeline stages split the blocks evenly)."""
     prepare_batch: Callable[[Any, dict, torch.device], dict] | None = None
     """prepare_batch(cfg, batch, device) -> a new batch with the host-built metadata the forward needs in place of
     the keys it was built from (vision grids -> VisionMeta, visual-token indices; the forward takes no grid),

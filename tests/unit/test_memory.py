@@ -4,6 +4,7 @@
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from titan_mm.parallel.memory import GiB, Topology, count_params, estimate, suggest
@@ -191,6 +192,15 @@ def test_cli_without_the_hf_folder_uses_the_flavor(tmp_path, capsys):
     assert f"model.hf_path '{tmp_path / 'Qwen3-0.6B'}' is not a directory" in first
     assert first.endswith("estimating qwen3/0.6B (model.name / model.flavor) instead")
     assert rest == want
+
+
+@pytest.mark.parametrize("config", ["debug_wan", "debug_bagel"])
+def test_cli_refuses_a_family_without_activation_terms(config, capsys):
+    """A family that declares no ModelSpec.memory_terms: one error line and exit 2, not a traceback."""
+    with pytest.raises(SystemExit) as e:
+        main(["--config", config])
+    assert e.value.code == 2
+    assert "family declares no activation terms (ModelSpec.memory_terms)" in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_cli_reads_config_json_alone(tmp_path, capsys):

@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
             kernels=False if cfg.kernels.mode == "reference" else cfg.kernels.ops)
     except (ConfigError, SpecError) as e:
         ap.error(str(e))
+    if spec.memory_terms is None:
+        ap.error(f"the {spec.name} family declares no activation terms (ModelSpec.memory_terms), so its memory "
+                 "cannot be estimated yet; measure a short run's peak instead (metrics.jsonl: mem_peak_gb)")
     plan = spec.plan(model_cfg)
     p = cfg.parallel
     pick = lambda a, d: d if a is None else a  # noqa: E731

@@ -222,7 +222,8 @@ def pipeline_stages(cfg: JobConfig, spec: ModelSpec, model_cfg, pd, n_micro: int
     dims = spec.dims(model_cfg)
     try:
         layout = make_layout(cfg.parallel, dims.num_layers, n_micro,
-                             balance=functools.partial(pp_balance, cfg, model_cfg, spec.plan(model_cfg), pd, n_micro),
+                             balance=None if spec.memory_terms is None else  # no estimate: an even split
+                             functools.partial(pp_balance, cfg, model_cfg, spec.plan(model_cfg), pd, n_micro),
                              fsdp=pd.fsdp_enabled or pd.ep_enabled or cfg.training.param_dtype != "float32")
         return StageBuilder(spec.plan(model_cfg), layout, pd.mesh("pp").get_local_rank(), dims)
     except ValueError as e:

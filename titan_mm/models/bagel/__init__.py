@@ -12,7 +12,7 @@ def _register() -> None:
         name="bagel", config_cls=BagelConfig, flavors=FLAVORS, build=build, config_from_hf=BagelConfig.from_hf,
         load_hf=hf.load_hf, save_hf=hf.save_hf, flops=flops.flops, plan=plan.plan, dims=spec.dims,
         runtime=spec.runtime, with_runtime=spec.with_runtime, data_needs=spec.data_needs,
-        kernel_shapes=spec.kernel_shapes, memory_terms=spec.memory_terms, prepare_batch=spec.prepare_batch,
+        kernel_shapes=spec.kernel_shapes, prepare_batch=spec.prepare_batch,
         batch_schema=spec.SCHEMA, kv_cache=False, objectives=("causal", "flow_matching"),
         objective_options=spec.objective_options, synthetic=synthetic.synthetic))
 

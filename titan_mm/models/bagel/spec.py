@@ -88,7 +88,3 @@ def kernel_shapes(cfg: BagelConfig, tp: int = 1, encoder_tp: bool = False) -> Ke
     return KernelShapes(rms_norm=(c.hidden_size,), head_norm=((c.num_attention_heads // tp, c.head_dim),),
                         swiglu=(c.intermediate_size // tp,), vocab=c.vocab_size,
                         rope=((c.num_attention_heads // tp, c.num_key_value_heads // tp, c.head_dim),))
-
-
-def memory_terms(*_, **__):
-    raise NotImplementedError("the bagel family has no memory estimate yet (a later slice of issue 47)")

@@ -47,8 +47,6 @@ def prepare_batch(cfg: WanConfig, batch: dict, device, **_) -> dict:
     return clip_timesteps(batch)
 
 
-def memory_terms(*_, **__):
-    raise NotImplementedError("the wan family has no memory estimate yet (a later slice of issue 48)")
 
 
 
