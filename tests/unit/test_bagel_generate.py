@@ -14,6 +14,7 @@ from diffusers import AutoencoderKL
 from PIL import Image
 
 from tests.unit.test_bagel import CFG, RUN, _objective, _ours, _pair, both, ref_timestep
+from titan_mm.data.packing import collate_rows
 from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.launch.train import main
 from titan_mm.models.bagel.config import FLAVORS
@@ -24,7 +25,8 @@ from titan_mm.models.bagel.data import (
     source_image,
     specials_for,
 )
-from titan_mm.models.bagel.sample import sample
+from titan_mm.models.bagel.sample import _Branch, sample
+from titan_mm.models.bagel.spec import SCHEMA, prepare_batch
 from titan_mm.models.bagel.synthetic import (
     BOS,
     DEBUG_SPECIALS,
@@ -34,6 +36,7 @@ from titan_mm.models.bagel.synthetic import (
     Specials,
 )
 from titan_mm.models.bagel.vae import FluxVAE
+from titan_mm.nn.attention import build_attn_meta
 from titan_mm.tools.bagel_generate import main as generate
 
 SCALE, SHIFT = 0.3611, 0.1159  # FLUX's scaling_factor / shift_factor (BAGEL's load_ae)
@@ -210,8 +213,9 @@ def ref_generate(ref, prompt, noise, hw, steps, shift, scale, interval, renorm_m
 @pytest.mark.parametrize("scale,interval,renorm_min", [(1.0, (0.4, 1.0), 0.0), (4.0, (0.4, 1.0), 0.0),
                                                        (3.0, (0.0, 1.0), 0.5)])
 def test_sampler_equals_the_reference_loop(scale, interval, renorm_min):
-    """The sampler's latents (the training forward, no cache) equal the reference's loop (flat KV-cache form, from
-    transformers layers): fp32, the same steps; the attention sums differ in order only (~1e-6 per step)."""
+    """The sampler's latents (the context in a KV cache, the image query per step) equal the reference's loop (flat
+    KV-cache form, from transformers layers): fp32, the same steps; the attention sums differ in order only (~1e-6
+    per step)."""
     model, ref, _ = _pair()
     hw, prompt = (4, 6), [7, 8, 9]
     noise = torch.randn(6, CFG.patch_latent_dim, generator=torch.Generator().manual_seed(3))
@@ -238,6 +242,42 @@ def test_editing_sampler_equals_the_reference_loop():
     plain = sample(model, [7, 8], noise, (4, 6), steps=5, shift=3.0, cfg_text_scale=4.0, cfg_interval=(0.0, 1.0),
                    source=source)
     assert (plain - ours).abs().max() > 1e-3  # the image guidance matters
+
+
+def recompute_velocity(model, prompt, hw, source, x, t):
+    """The sampler's step before the KV cache: the whole sample (context and image query) through the training forward
+    under its segment mask, llm2vae at the query's latents."""
+    doc = generation_doc(CFG, prompt, torch.zeros(CFG.vae_config.z_channels, *hw), DEBUG_SPECIALS, source)
+    b = prepare_batch(CFG, collate_rows([[doc]], len(doc), pad_id=0, position_axes=1, multiple=1, schema=SCHEMA),
+                      "cpu")
+    m = b["latent_mask"]
+    noisy = torch.zeros(*m.shape, x.shape[-1])
+    noisy[m] = x
+    vit = {k: b[k] for k in ("vit_patches", "vit_pos", "vit_index", "vit_attn") if k in b}
+    out = model(b["input_ids"], position_ids=b["position_ids"], attn=build_attn_meta(b, "sdpa", "cpu", kind="segments"),
+                loss=lambda mo, o: mo.predict_velocity(o, b), und_index=b["und_index"], gen_index=b["gen_index"],
+                noisy_latents=noisy, cond_latents=b["cond_latents"], timesteps=torch.where(m, t, 0.0),
+                latent_pos=b["latent_pos"], **vit)
+    return out.terms[m]
+
+
+@torch.no_grad()
+def test_cached_steps_equal_recomputing_the_whole_sample():
+    """Each branch's step (the prompt; none; the source, then the prompt; the source alone) against the context's KV
+    cache equals the whole sample recomputed through the training forward: the same products, only the order of
+    the GEMMs' and attention's sums differs (their blocking follows the row count), so the velocities (|v| ~ 1)
+    agree to a few units in the last place; 64 fp32 ulps of |v| bounds that (measured: 2)."""
+    model, _, _ = _pair()
+    g = torch.Generator().manual_seed(4)
+    source = (torch.randn(4, 4, 4, generator=g), torch.randn(3, 8, 12, generator=g))
+    x = torch.randn(6, CFG.patch_latent_dim, generator=g)
+    for prompt, src in (([7, 8, 9], None), (None, None), ([7, 8], source), (None, source)):
+        branch = _Branch(model, prompt, (4, 6), DEBUG_SPECIALS, src)
+        for t in (1.0, 0.5, 0.1):
+            want = recompute_velocity(model, prompt, (4, 6), src, x, torch.tensor(t))
+            got = branch.velocity(x, torch.tensor(t))
+            tol = 64 * torch.finfo(torch.float32).eps * want.abs().max()
+            assert (got - want).abs().max() <= tol, (prompt, src is not None, t)
 
 
 def test_sampler_mistakes_are_one_line():

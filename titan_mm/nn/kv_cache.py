@@ -285,7 +285,7 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
               sliding_window: int | None = None, width: int | None = None,
               decode_attention: Callable | None = None, into: KVStep | None = None,
               state_slots: Sequence[int] | None = None, packed: bool = False, varlen: bool = False,
-              paged_attention: Callable | None = None) -> KVCache:
+              paged_attention: Callable | None = None, see_new: torch.Tensor | None = None) -> KVCache:
     """Host side: -> ``cache`` with this step's :class:`KVStep` and the lengths after it (storage shared).
 
     ``new_lens`` [B]: new tokens per sequence this step (the batch's rows hold them first, then padding).
@@ -302,6 +302,8 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     (prefill chunks of mixed lengths); ``varlen``: its attention runs the varlen kernel instead of a dense mask;
     ``paged_attention``: paged_attention(q [T, H, K], k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, window)
     reads the keys of a packed step of a paged cache in place instead (rows of any length, one call).
+    ``see_new`` [B, S, S] bool: which of the step's new tokens each new token sees, instead of causal by position
+    (every cached key stays visible): a prefill with bidirectional spans (BAGEL's image splits).
     """
     new = torch.as_tensor(new_lens, dtype=torch.int64).reshape(-1).cpu()  # host metadata, whatever was passed
     B = new.numel()
@@ -336,6 +338,9 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
         if bool(((slots < 0) | (slots >= cache.state.num_slots)).any()):
             raise ValueError(f"state_slots {slots.tolist()} name a slot outside the pool of {cache.state.num_slots}")
 
+    if see_new is not None and (packed or decode_attention is not None):
+        raise ValueError("plan_step(see_new=...) plans a step of rows that gathers its keys: drop packed / "
+                         "decode_attention")
     if packed:
         if cache.state is not None or decode_attention is not None or into is not None:
             raise ValueError("a packed step carries no linear-attention states, decode_attention or into: plan "
@@ -378,6 +383,13 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     # fully masked (no NaN), not even inside a window
     qpos = torch.where(valid, positions, (total - 1).clamp(min=0)[:, None])[:, :, None]  # [B, S, 1]
     mask = (j <= qpos) & (has | (j == 0))[:, None, :]
+    if see_new is not None:
+        if tuple(see_new.shape) != (B, S, S) or sliding_window is not None:
+            raise ValueError(f"see_new has shape {list(see_new.shape)}; give [B, S, S] = [{B}, {S}, {S}] bool (which "
+                             "new tokens each new token sees), without a sliding window")
+        rel = (j[None] - cached[:, None]).clamp(0, S - 1)  # [B, L]: key j's index among the new tokens
+        new_key = ((j[None] >= cached[:, None]) & has)[:, None, :]
+        mask = torch.where(new_key, see_new.cpu().bool().gather(2, rel[:, None].expand(B, S, L)), mask)
     mask_swa = None if sliding_window is None else mask & (qpos - j < sliding_window)
     host = dict(positions=positions, valid=valid, new_tokens=new_tokens, slot_mapping=slot_mapping, kv_slots=kv_slots,
                 mask=mask[:, None], mask_swa=None if mask_swa is None else mask_swa[:, None], state_slots=slots)

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     noise = torch.randn((hw[0] // p) * (hw[1] // p), cfg.patch_latent_dim, generator=g)
     latent = sample(got.model, ids, noise, hw, steps=a.steps, shift=a.shift, cfg_text_scale=a.cfg_text_scale,
                     cfg_interval=tuple(a.cfg_interval), cfg_renorm_min=a.cfg_renorm_min,
-                    attn_backend=cfg.attn_backend, specials=specials_for(got.tokenizer, cfg), source=source,
+                    specials=specials_for(got.tokenizer, cfg), source=source,
                     cfg_img_scale=a.cfg_img_scale if source is not None else 1.0)
     if vae is None:
         torch.save(latent.cpu(), a.out)

@@ -88,12 +88,14 @@ def merge(und_NX: torch.Tensor, gen_MX: torch.Tensor, index: tuple[torch.Tensor,
 
 class MoTLayer(nn.Module):
     """A decoder layer of two experts: each token's norms and projections are its expert's; attention is one over
-    the packed sequence under the batch's segment mask."""
+    the packed sequence under the batch's segment mask (sampling: the new tokens over layer ``layer_id`` of the
+    KV cache the metadata carries)."""
 
-    def __init__(self, c: BagelLLMConfig):
+    def __init__(self, c: BagelLLMConfig, layer_id: int):
         super().__init__()
         self.und, self.gen = Expert(c), Expert(c)
         self.heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.layer_id = layer_id
 
     def forward(self, h_BSD: torch.Tensor, index, rope, attn: AttnMeta | None) -> torch.Tensor:
         B, S, D = h_BSD.shape
@@ -103,7 +105,7 @@ class MoTLayer(nn.Module):
         n = qkv.shape[2]  # this rank's heads: all, or H / tp and G / tp under tensor parallelism
         q, k, v = qkv.split([n * H // (H + 2 * G), n * G // (H + 2 * G), n * G // (H + 2 * G)], dim=2)
         q, k = apply_rope(q, k, *rope)
-        ou, og = route(attention(q, k, v, attn, None).reshape(B * S, -1), index)
+        ou, og = route(attention(q, k, v, attn, None, self.layer_id).reshape(B * S, -1), index)
         h = h_BSD + merge(self.und.wo(ou), self.gen.wo(og), index, (B, S))
         xu, xg = route(h.reshape(B * S, D), index)
         return h + merge(self.und.mlp(self.und.ffn_norm(xu)), self.gen.mlp(self.gen.ffn_norm(xg)), index, (B, S))
@@ -165,7 +167,7 @@ class BagelModel(nn.Module):
         self.cfg = cfg
         c, D = cfg.llm_config, cfg.llm_config.hidden_size
         self.tok_embeddings = nn.Embedding(c.vocab_size, D)
-        self.layers = nn.ModuleList(MoTLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(MoTLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm, self.norm_gen = RMSNorm(D, c.rms_norm_eps), RMSNorm(D, c.rms_norm_eps)
         self.output = None if c.tie_word_embeddings else nn.Linear(D, c.vocab_size, bias=False)
         self.vit = SiglipNaViT(cfg.vit_config)
@@ -253,12 +255,13 @@ class BagelModel(nn.Module):
                        vit_pos, vit_index, vit_attn)
         h = self.head(self.trunk(h, index, self.rope(position_ids, h.dtype), attn), index)
         zero = torch.zeros((), device=h.device)
+        cache = None if attn is None else attn.kv_cache  # written in place by the layers; returned
         if loss is not None:
-            out = ModelOutput(None, None, zero, hidden=h)
+            out = ModelOutput(None, None, zero, cache, hidden=h)
             return out._replace(terms=loss(self, out))
         if logits_at is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logits_at]
-        return ModelOutput(F.linear(h, self.lm_head_weight), None, zero)
+        return ModelOutput(F.linear(h, self.lm_head_weight), None, zero, cache)
 
     def lm_loss(self, h_BSD: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None):
         """The causal LM's hook: fp32 sum of the LM head's cross-entropy over ``targets`` != -100 (no [N, V] logits)."""

@@ -1,15 +1,16 @@
-"""BAGEL's image sampler through the training forward (ByteDance-Seed/Bagel modeling/bagel/bagel.py
+"""BAGEL's image sampler on the training forward's KV-cache path (ByteDance-Seed/Bagel modeling/bagel/bagel.py
 ``generate_image`` / ``_forward_flow``, inferencer.py ``gen_image``): Euler steps over ``linspace(1, 0, steps)``
 shifted by ``timestep_shift`` (the last point is the end, so ``steps - 1`` model calls), x <- x - v dt with v the
 velocity eps - x0; text classifier-free guidance inside ``cfg_interval`` with BAGEL's "global" renorm (the guided
 velocity scaled down to at most the conditional one's norm, at least ``cfg_renorm_min`` of it); the latent patches
 put back into a [z, h, w] latent image and decoded by the FLUX VAE (titan_mm.models.bagel.vae).
 
-The reference keeps the prompt in a KV cache and runs only the image's query tokens per step. Here each step runs the
-whole sample (``[bos prompt eos]`` causal, then ``[vs, latents, ve]`` noised) through the training forward under its
-segment mask: the prompt never sees the image, so its keys and values are the cached ones and the velocities are the
-same, at the cost of recomputing the prompt per step. The unconditional branch is BAGEL's ``cfg_text`` context: the
-image split alone (the caption dropped, as ``text_cond_dropout_prob`` trains it), at position 0.
+As the reference, each context (``[bos prompt eos]``; editing: the source's clean VAE split and its ViT split
+before it) runs once through the forward into a KV cache (titan_mm.nn.kv_cache, under its own segment mask), and
+each step runs only the image's query tokens ``[vs, latents, ve]`` (one split at the next position) against the
+cached keys and values: the context never sees the image, so these are the keys and values a whole-sample forward
+would recompute each step. The unconditional branch is BAGEL's ``cfg_text`` context: the image split alone (the
+caption dropped, as ``text_cond_dropout_prob`` trains it), at position 0.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from titan_mm.data.packing import collate_rows
+from titan_mm.data.packing import Doc, collate_rows
 from titan_mm.models.bagel.config import BagelConfig
 from titan_mm.models.bagel.data import generation_doc
 from titan_mm.models.bagel.model import BagelModel
@@ -28,6 +29,7 @@ from titan_mm.models.bagel.spec import SCHEMA, prepare_batch
 from titan_mm.models.bagel.synthetic import DEBUG_SPECIALS, Specials
 from titan_mm.models.wan.sample import time_shift
 from titan_mm.nn.attention import build_attn_meta
+from titan_mm.nn.kv_cache import alloc_contiguous_cache, plan_step
 
 
 def check_sampling(cfg: BagelConfig, steps: int, shift: float, cfg_text_scale: float,
@@ -57,31 +59,63 @@ def schedule(steps: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
     return t[:-1], t[:-1] - t[1:]
 
 
-class _Branch:
-    """One context's forward, built once on the host: the sample's batch, its routing and segment-mask metadata."""
+def _part(doc: Doc, a: int, b: int, segments: tuple, media: dict) -> Doc:
+    """Tokens ``a:b`` of ``doc`` (its positions kept) as a doc of their own."""
+    return Doc(doc.input_ids[a:b], doc.labels[a:b], positions=doc.positions[:, a:b], media=media,
+               seq={k: v[a:b] for k, v in doc.seq.items()}, segments=segments)
 
-    def __init__(self, model: BagelModel, prompt_ids: list[int] | None, latent_hw: tuple[int, int], backend: str,
+
+def _collated(doc: Doc) -> dict:
+    return collate_rows([[doc]], len(doc), pad_id=0, position_axes=1, multiple=1, schema=SCHEMA)
+
+
+def _prepared(cfg: BagelConfig, raw: dict, dev: torch.device) -> dict:
+    b = prepare_batch(cfg, raw, dev)
+    return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+
+
+class _Branch:
+    """One context's sampling, built once: the context (``[bos prompt eos]``; editing: the source's VAE and ViT
+    splits before it) runs once through the forward into a KV cache under its own segment mask, as BAGEL's
+    ``forward_cache_update_*``; each step runs only the image query ``[vs, latents, ve]`` (one full split at the
+    next position) against the cached keys and values, as ``_forward_flow`` with ``past_key_values``."""
+
+    def __init__(self, model: BagelModel, prompt_ids: list[int] | None, latent_hw: tuple[int, int],
                  specials: Specials, source: tuple[torch.Tensor, torch.Tensor] | None):
-        cfg = model.cfg
-        dev = model.llm2vae.weight.device
+        cfg, c = model.cfg, model.cfg.llm_config
+        w = model.llm2vae.weight
         doc = generation_doc(cfg, prompt_ids, torch.zeros(cfg.vae_config.z_channels, *latent_hw), specials, source)
-        batch = collate_rows([[doc]], len(doc), pad_id=0, position_axes=1, multiple=1, schema=SCHEMA)
-        b = prepare_batch(cfg, batch, dev)
-        self.attn = build_attn_meta(b, backend, dev, kind="segments")
-        self.mask = b["latent_mask"].to(dev)
-        self.b = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
-        self.model = model
+        n = doc.segments[-1][0]  # the noised image split, last
+        ctx = len(doc) - n
+        cache = alloc_contiguous_cache(c.num_hidden_layers, 1, len(doc), c.num_key_value_heads, c.head_dim, w.dtype,
+                                       w.device)
+        if ctx:
+            raw = _collated(_part(doc, 0, ctx, doc.segments[:-1], doc.media))
+            see = build_attn_meta(raw, "sdpa", "cpu", kind="segments").sdpa_mask[:, 0]  # the training mask
+            cache = plan_step(cache, [ctx], see_new=see)
+            b = _prepared(cfg, raw, w.device)
+            cache = self._forward(model, b, cache, torch.zeros_like(b["cond_latents"]),
+                                  torch.zeros(b["latent_pos"].shape, device=w.device),
+                                  logits_at=torch.tensor([ctx - 1], device=w.device)).kv_cache
+        # the query sees every cached key and all of its own split, its k / v rewritten into the same slots
+        self.cache = plan_step(cache, [n], cached_lens=[ctx], see_new=torch.ones(1, n, n, dtype=torch.bool))
+        self.b = _prepared(cfg, _collated(_part(doc, ctx, len(doc), doc.segments[-1:], {})), w.device)
+        self.mask, self.model = self.b["latent_mask"], model
+
+    def _forward(self, model, b, cache, noisy, timesteps, **kw):
+        attn = build_attn_meta(b, "sdpa", cache.k[0].device, kv_cache=cache)
+        return model(b["input_ids"], position_ids=b["position_ids"], attn=attn, und_index=b["und_index"],
+                     gen_index=b["gen_index"], noisy_latents=noisy, cond_latents=b["cond_latents"],
+                     timesteps=timesteps, latent_pos=b["latent_pos"],
+                     **{k: b[k] for k in ("vit_patches", "vit_pos", "vit_index", "vit_attn") if k in b}, **kw)
 
     def velocity(self, x_NP: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """[N, P] fp32: llm2vae at the image's latent tokens for latents ``x_NP`` at time ``t``."""
         b, m = self.b, self.mask
         noisy = torch.zeros(*m.shape, x_NP.shape[-1], device=x_NP.device, dtype=x_NP.dtype)
         noisy[m] = x_NP
-        out = self.model(b["input_ids"], position_ids=b["position_ids"], attn=self.attn,
-                         loss=lambda model, o: model.predict_velocity(o, b), und_index=b["und_index"],
-                         gen_index=b["gen_index"], noisy_latents=noisy, cond_latents=b["cond_latents"],
-                         timesteps=torch.where(m, t, 0.0), latent_pos=b["latent_pos"],
-                         **{k: b[k] for k in ("vit_patches", "vit_pos", "vit_index", "vit_attn") if k in b})
+        out = self._forward(self.model, b, self.cache, noisy, torch.where(m, t, 0.0),
+                            loss=lambda model, o: model.predict_velocity(o, b))
         return out.terms[m].float()
 
 
@@ -89,7 +123,7 @@ class _Branch:
 def sample(model: BagelModel, prompt_ids: list[int], noise_NP: torch.Tensor, latent_hw: tuple[int, int], *,
            steps: int = 50, shift: float = 3.0, cfg_text_scale: float = 4.0,
            cfg_interval: tuple[float, float] = (0.4, 1.0), cfg_renorm_min: float = 0.0,
-           attn_backend: str = "sdpa", specials: Specials = DEBUG_SPECIALS,
+           specials: Specials = DEBUG_SPECIALS,
            source: tuple[torch.Tensor, torch.Tensor] | None = None, cfg_img_scale: float = 1.0) -> torch.Tensor:
     """The latent image [z, h, w] fp32 of ``prompt_ids`` (no special tokens; ``specials``' BOS / EOS are put around
     them) from ``noise_NP`` [h/p x w/p, P] (t = 1, latent patches in row-major order, BAGEL's ``packed_init_noises``).
@@ -107,9 +141,9 @@ def sample(model: BagelModel, prompt_ids: list[int], noise_NP: torch.Tensor, lat
     if cfg_img_scale < 0 or (cfg_img_scale > 1.0 and source is None):
         raise ValueError(f"cfg_img_scale = {cfg_img_scale}: image guidance needs a source image (editing) and a "
                          "scale >= 0 (1 or less turns it off)")
-    cond = _Branch(model, prompt_ids, latent_hw, attn_backend, specials, source)
-    uncond = _Branch(model, None, latent_hw, attn_backend, specials, source) if cfg_text_scale > 1.0 else None
-    no_img = (_Branch(model, prompt_ids, latent_hw, attn_backend, specials, None)
+    cond = _Branch(model, prompt_ids, latent_hw, specials, source)
+    uncond = _Branch(model, None, latent_hw, specials, source) if cfg_text_scale > 1.0 else None
+    no_img = (_Branch(model, prompt_ids, latent_hw, specials, None)
               if cfg_img_scale > 1.0 and uncond is not None else None)
     x = noise_NP.to(model.llm2vae.weight.device, torch.float32)
     ts, dts = schedule(steps, shift)
