@@ -25,7 +25,7 @@ import torch
 from titan_mm.models.hf_io import HFCheckpointError, local_hf_dir, read_hf_config
 
 if TYPE_CHECKING:  # the media-layout types of DataNeeds (titan_mm.nn.media); named for annotations only
-    from titan_mm.nn.media import AudioFrontEnd, ClipLayout, VisionLayout
+    from titan_mm.nn.media import AudioFrontEnd, ClipLayout, DocLayout, VisionLayout
 
 
 class SpecError(ValueError):
@@ -162,6 +162,9 @@ class DataNeeds:
     clips: ClipLayout | None = None
     """A family trained on captioned clips through frozen encoders (titan_mm.nn.media.ClipLayout; titan_mm.data.clips
     reads a latent cache or encodes raw clips in the pipeline). None: token rows."""
+    docs: DocLayout | None = None
+    """A family that builds its packed documents from the records itself (titan_mm.nn.media.DocLayout; the loader
+    packs, mixes and resumes them). None: the chat / text processors build them."""
 
     @property
     def position_axes(self) -> int:

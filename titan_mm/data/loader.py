@@ -227,7 +227,8 @@ class _Reader:
         self.P = -(-L.period // num_workers) * num_workers
         self.u = cfg.start_pos // L.period * self.P + cfg.start_pos % L.period + worker_id
         self.tok = load_tokenizer(cfg.tokenizer_path)
-        self.proc = Processor(self.tok, cfg.proc)
+        docs = cfg.proc.needs.docs  # a family that builds its documents itself (DataNeeds.docs)
+        self.proc = docs.builder(cfg.data, self.tok, cfg.seed) if docs is not None else Processor(self.tok, cfg.proc)
         self.streams: dict[int, PackedStream] = {}
 
     def __iter__(self):
@@ -255,6 +256,7 @@ class PackedStream:
 
     def __init__(self, cfg: StreamConfig, stream: int, tok, proc: Processor):
         self.cfg, self.tok, self.proc = cfg, tok, proc
+        self.family_docs = cfg.proc.needs.docs
         self.slot, self.n_slots = stream, cfg.layout.n_streams
         d = cfg.data
         self.streams = [SourceStream(u, cfg.seed, self.slot, self.n_slots, i, cfg.epochs,
@@ -339,11 +341,10 @@ class PackedStream:
         sid, unit, rec, loc = got
         self.counters["seen"] += 1
         try:
-            sample = parse_record(rec)
-            doc = self.proc(sample, rec, unit, sid)
+            doc, sample = self._make(rec, unit, sid, loc)
             doc.ref = (i, loc, -1)
             if not self.packer.fits(doc):
-                if self.cfg.data.split_long_text and sample.text is not None and not doc.media:
+                if self.cfg.data.split_long_text and sample is not None and sample.text is not None and not doc.media:
                     for d in self._split(doc):
                         self._add(d)
                     return
@@ -354,6 +355,14 @@ class PackedStream:
             self._skip(e.reason, sid, e.detail)
         except Exception as e:  # a bug or an unforeseen bad input: count it, log it with where it came from
             self._skip("processing_error", sid, f"{type(e).__name__}: {e}")
+
+    def _make(self, rec, unit, sid: str, loc: tuple | None) -> tuple[Doc, Any]:
+        """(a record's doc, its parsed sample): the processors', or the family's builder's (no sample; it is told
+        the record's epoch)."""
+        if self.family_docs is not None:
+            return self.proc(rec, unit, sid, loc[0] if loc else 0), None
+        sample = parse_record(rec)
+        return self.proc(sample, rec, unit, sid), sample
 
     def _add(self, d: Doc) -> None:
         self.packer.add(d)
@@ -392,7 +401,7 @@ class PackedStream:
             key = (i, loc)
             if key not in memo:
                 sid, unit, rec = fetched[i][loc]
-                d = self.proc(parse_record(rec), rec, unit, sid)
+                d = self._make(rec, unit, sid, loc)[0]
                 d.ref = (i, loc, -1)
                 memo[key] = d
             d = memo[key]
@@ -418,7 +427,10 @@ class PackedStream:
             )
 
     def _emit(self, rows: list[list[Doc]]) -> dict:
-        batch = collate_rows(rows, self.S, self.tok.pad_id, self.cfg.proc.position_axes)
+        if self.family_docs is not None:
+            batch = self.family_docs.collate(rows, self.S)
+        else:
+            batch = collate_rows(rows, self.S, self.tok.pad_id, self.cfg.proc.position_axes)
         n_docs = sum(len(r) for r in rows)
         self.counters["batches"] += 1
         meta = {"n_samples": n_docs,
@@ -544,7 +556,10 @@ def build_dataloader(data: Data, *, needs: DataNeeds, dp_rank: int = 0, dp_world
     layout = StreamLayout(slots=n_micro * dp_world, per_slot=data.streams_per_slot, dp_rank=dp_rank, dp_world=dp_world)
     proc = ProcessorConfig(data=data, needs=needs, lazy_images=True)
     tok = tokenizer_path or data.tokenizer_path
-    Processor(load_tokenizer(tok), proc)  # fail here, not inside a worker, on a tokenizer that misses the model's ids
+    if needs.docs is not None:  # fail here, not inside a worker: the family's builder checks [data]
+        needs.docs.builder(data, load_tokenizer(tok), seed)
+    else:  # ... and the processors, a tokenizer that misses the model's ids
+        Processor(load_tokenizer(tok), proc)
     ds = PackedDataset(StreamConfig(proc=proc, sources=resolve_sources(data.dataset, data.mixture), layout=layout,
                                     seed=seed, tokenizer_path=tok, epochs=epochs,
                                     return_sample_ids=return_sample_ids))

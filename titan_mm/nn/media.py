@@ -93,6 +93,21 @@ class ClipLayout:
     """encoders(folder, device="cpu") -> the frozen encoders read from ``folder`` (data.encoders), on ``device``."""
 
 
+@dataclass(frozen=True)
+class DocLayout:
+    """A family that builds its documents from the raw records itself (splits of its own kinds: text, encoder
+    images, noised latents) in place of the chat / text processors; titan_mm.data.loader reads, mixes, shards,
+    packs and resumes them as any other documents."""
+
+    builder: Callable[..., Callable[[Any, Any, str, int], Any]]
+    """builder(data, tokenizer, seed) -> build(record, unit, sample id, epoch) -> a titan_mm.data.packing.Doc (raising
+    titan_mm.data.sources.SkipSample for a record it cannot use); made once per loader process, it must give the
+    same doc for the same record every time (the loader rebuilds the packer's open rows from records on resume).
+    A mistake in ``data`` is one ValueError line."""
+    collate: Callable[[list, int], dict]
+    """collate(rows of Docs, row length) -> the family's micro-batch (its BatchSchema)."""
+
+
 # ------------------------------------------------------------------------------------------ positions
 def mrope_index(kinds_L, image_grids, video_grids, merge: int, second_per_grid=None,
                 tokens_per_second: float = 0.0) -> np.ndarray:

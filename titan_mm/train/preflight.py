@@ -12,8 +12,8 @@ Checked, in order:
 - [eval] when on: tasks only with the causal objective, sources listed (the task files: the [eval] callback);
 - a family trained on clips (DataNeeds.clips): a latent cache's index, or the sources and data.encoders' folder;
 - otherwise, unless ``data.dataset = "synthetic"``: every source of ``data.dataset`` / ``data.mixture`` lists its files
-  (or built-in parts), and the tokenizer loads, gives the family's special tokens their ids and emits no id
-  at or above the model's vocab_size.
+  (or built-in parts), and the tokenizer loads, gives the family's special tokens their ids (or the family's own
+  document builder, DataNeeds.docs, accepts the [data] settings) and emits no id at or above the model's vocab_size.
 
 Cheap means file listings, config.json, tokenizer.json and safetensors headers; a Hub id's files are downloaded
 here (the weights too when they will be loaded), which the run needs anyway.
@@ -121,7 +121,11 @@ def _check_tokenizer(cfg: JobConfig, spec, model_cfg) -> None:
     path = tokenizer_for(cfg.data.tokenizer_path, hf_dir)
     try:
         tok = load_tokenizer(path)
-        Processor(tok, ProcessorConfig(data=cfg.data, needs=spec.data_needs(model_cfg)))  # the special tokens
+        needs = spec.data_needs(model_cfg)
+        if needs.docs is not None:  # a family building its own documents checks its [data] settings
+            needs.docs.builder(cfg.data, tok, cfg.training.seed)
+        else:
+            Processor(tok, ProcessorConfig(data=cfg.data, needs=needs))  # the special tokens
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from None
     if hf_dir and path is None and os.environ.get("RANK", "0") == "0":

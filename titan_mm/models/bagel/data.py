@@ -1,7 +1,26 @@
-"""BAGEL's text-to-image samples from image + caption rows: the caption a causal split (no loss), the image encoded by
-the frozen FLUX VAE (titan_mm.models.bagel.vae) into a noised VAE split (flow matching's x0), as BAGEL's
-``T2IIterableDataset`` and ``PackedDataset`` build them; packed best-fit into rows (titan_mm.data.packing) and
-collated by the one collator into the batch the family's loss reads (spec.SCHEMA).
+"""BAGEL's samples from records, as BAGEL's datasets (``T2IIterableDataset``, the edit and VLM SFT datasets) and
+``PackedDataset`` build them; packed best-fit into rows (titan_mm.data.packing) and collated by the one collator
+into the batch the family's loss reads (spec.SCHEMA).
+
+The trainer's source (DataNeeds.docs: titan_mm.data.loader reads, mixes, shards, packs and resumes the rows) takes
+``data.dataset`` / ``data.mixture`` records of four kinds, told apart by their keys; images are encoded by the image
+codec of ``data.encoders`` (titan_mm.models.bagel.vae: ``"pixels"`` or a FLUX VAE folder) where the rows are built:
+
+  text-to-image  {"image": IMG, "caption": TEXT}: [bos caption eos] causal, no loss | the image's noised VAE split
+  editing        {"source": IMG, "instruction": TEXT, "target": IMG}: the source's clean VAE split (t = 0) and its
+                 ViT split, both full | [bos instruction eos] causal, no loss | the target's noised VAE split
+  VLM chat       {"messages": [...]} (or LLaVA "conversations"; titan_mm.data.schema): per message, each image a
+                 ViT split and each run of text [bos text eos] causal, CE on the assistant's
+  builtin:digits the chat "<image> What digit is this?" -> "7" (CE on the answer), or "Draw the digit 7." -> the
+                 image's noised VAE split; each image is asked one way in an epoch and the other in the next (the
+                 first way drawn from (seed, image)). Its held-out split, builtin:digits_test (every 5th image), is
+                 never read by builtin:digits.
+
+IMG is a path (relative to the file's folder, or data.media_root), a URL or bytes. An image is resized (bicubic)
+to an area within data.image_min_pixels / image_max_pixels, with sides multiples of the codec's stride (VAE
+splits), of the ViT patch (ViT splits) or of both, and within the latent / ViT position tables. ``prompt_dropout``
+is BAGEL's ``text_cond_dropout_prob``: a caption or instruction is left out, drawn from (seed, sample, epoch).
+A record that fits no kind, or whose image cannot be read, is skipped and counted by the loader.
 
 The rows are JSONL, one ``{"image": PATH, "caption": TEXT}`` per line, PATH relative to the file's folder: the
 nearest simple form of BAGEL's t2i parquet (an ``image`` of encoded bytes and a ``captions`` JSON of several, one
@@ -13,10 +32,15 @@ reproducible), which is the unconditional context the sampler's text guidance ru
 from __future__ import annotations
 
 import dataclasses
+import functools
+import io
 import json
+import math
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,10 +48,18 @@ import torch.nn.functional as F
 from PIL import Image
 
 from titan_mm.data.packing import BestFitPacker, Doc, collate_rows
+from titan_mm.data.schema import parse_record
+from titan_mm.data.sources import SkipSample, Unit, hash_ints, media_bytes
 from titan_mm.models.bagel.config import BagelConfig
 from titan_mm.models.bagel.spec import SCHEMA
 from titan_mm.models.bagel.synthetic import DEBUG_SPECIALS, Specials, _Sample
-from titan_mm.models.bagel.vae import FluxVAE
+from titan_mm.models.bagel.vae import FluxVAE, PixelCodec, load_codec
+from titan_mm.nn.media import DocLayout
+from titan_mm.registry import DataNeeds
+
+DIGITS = "builtin:digits"
+DRAW_DIGIT = "Draw the digit {}."
+_WAY_SALT, _DROP_SALT = 0xD1617, 0xD40F  # the digits direction's and the prompt dropout's own hash streams
 
 
 @dataclass(frozen=True)
@@ -74,7 +106,12 @@ def load_image(path: str, stride: int) -> torch.Tensor:
     if H % stride or W % stride:
         raise ValueError(f"image {path} is {H}x{W}; its sides must be multiples of {stride} (VAE downsampling x "
                          "latent patch): resize or crop it")
-    return torch.from_numpy(a).permute(2, 0, 1) / 127.5 - 1
+    return _unit_range(a)
+
+
+def _unit_range(rgb_HWC: np.ndarray) -> torch.Tensor:
+    """[3, H, W] fp32 in [-1, 1] of uint8-valued RGB (BAGEL's ToTensor + Normalize(0.5, 0.5))."""
+    return torch.from_numpy(np.ascontiguousarray(rgb_HWC, dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1
 
 
 def source_image(path: str, vae: FluxVAE, cfg: BagelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +152,12 @@ def generation_doc(cfg: BagelConfig, prompt_ids: list[int] | None, latent_CHW: t
     return s.doc()
 
 
+def collate(rows: list[list[Doc]], seq_len: int) -> dict:
+    """DocLayout.collate: packed rows into the family's batch, each row's noised images numbered 0, 1, ..."""
+    return collate_rows([_units_numbered(r) for r in rows], seq_len, pad_id=0, position_axes=1, multiple=1,
+                        schema=SCHEMA)
+
+
 def _units_numbered(docs: list[Doc]) -> list[Doc]:
     """The row's docs with their noised images numbered 0, 1, ... in token order (one t per image)."""
     out, base = [], 0
@@ -152,11 +195,7 @@ class T2IData:
         file order) packed best-fit; the last rows flushed (a short final batch is dropped)."""
         packer = BestFitPacker(seq_len)
         idx = range(len(self.rows)) if order is None else order
-
-        def collated(rows):
-            return collate_rows([_units_numbered(r) for r in rows], seq_len, pad_id=0, position_axes=1, multiple=1,
-                                schema=SCHEMA)
-
+        collated = functools.partial(collate, seq_len=seq_len)
         for i in idx:
             d = self.doc(i)
             if not packer.fits(d):
@@ -168,3 +207,126 @@ class T2IData:
         packer.flush()
         while (rows := packer.pop_rows(rows_per_batch)) is not None:
             yield collated(rows)
+
+
+# ------------------------------------------------------------------------------------- the trainer's source
+def fit_size(H: int, W: int, multiple: int, max_side: int, data) -> tuple[int, int]:
+    """(h, w): H x W scaled to an area within data.image_min_pixels / image_max_pixels and a longer side of at
+    most ``max_side``, each side then cut to a multiple of ``multiple`` (at least one)."""
+    area = H * W
+    s = min(max(1.0, math.sqrt(data.image_min_pixels / area)), math.sqrt(data.image_max_pixels / area),
+            max_side / max(H, W))
+    return (max(multiple, int(H * s) // multiple * multiple), max(multiple, int(W * s) // multiple * multiple))
+
+
+class BagelDocs:
+    """DocLayout.builder: ``build(record, unit, sample id, epoch)`` is the record's Doc (module docstring)."""
+
+    def __init__(self, cfg: BagelConfig, data, tokenizer, seed: int):
+        """``data``: the [data] section (titan_mm.config.Data); ``tokenizer``: titan_mm.data.tokenizer.Tokenizer."""
+        if not data.encoders:
+            raise ValueError("data.encoders is empty: BAGEL's rows encode their images with an image codec; set it to "
+                             "\"pixels\" (the pixels as latents) or a FLUX VAE folder (a diffusers AutoencoderKL)")
+        if not 0.0 <= data.prompt_dropout < 1.0:
+            raise ValueError(f"data.prompt_dropout = {data.prompt_dropout}: BAGEL's text_cond_dropout_prob must be in "
+                             "[0, 1)")
+        self.cfg, self.data, self.tok, self.seed = cfg, data, tokenizer, seed
+        self.codec: FluxVAE | PixelCodec = load_codec(data.encoders, cfg)
+        self.specials = specials_for(tokenizer, cfg)
+        p, s = cfg.vit_config.patch_size, self.codec.stride
+        self.vit_fit = (p, cfg.vit_max_num_patch_per_side * p)
+        self.vae_fit = (s, cfg.max_latent_size * s)
+        self.both_fit = (math.lcm(p, s), min(self.vit_fit[1], self.vae_fit[1]))
+
+    def __call__(self, rec: Any, unit: Unit, sid: str, epoch: int = 0) -> Doc:
+        if isinstance(rec, SkipSample):  # an unreadable unit
+            raise rec
+        if not isinstance(rec, dict):
+            raise SkipSample("bad_schema", f"a record must be an object, got {type(rec).__name__}")
+        key = (self.seed, zlib.crc32(sid.encode()), epoch)
+        if "caption" in rec:
+            s = self._generation(rec, unit, key, rec.get("image"), rec["caption"])
+        elif "instruction" in rec:
+            s = self._generation(rec, unit, key, rec.get("target"), rec["instruction"], rec.get("source"))
+        elif "messages" in rec or "conversations" in rec:
+            sample = parse_record(rec)
+            if unit.url == DIGITS and hash_ints(self.seed, int(rec["index"]), _WAY_SALT) % 2 != epoch % 2:
+                s = self._generation(rec, unit, key, _first_image(sample), DRAW_DIGIT.format(rec["answer"]))
+            else:
+                s = self._chat(sample, rec, unit)
+        else:
+            raise SkipSample("bad_schema", f"a BAGEL record has \"caption\" (text-to-image), \"instruction\" "
+                             f"(editing) or \"messages\" / \"conversations\" (chat); keys: {sorted(rec)[:8]}")
+        n_vit = int(sum(n.sum() for n in s.media.get("vit_lens", [])))
+        return dataclasses.replace(s.doc(), sample_id=sid, n_patches=n_vit)
+
+    def _ids(self, text: Any, what: str) -> list[int]:
+        if not isinstance(text, str) or not text.strip():
+            raise SkipSample("empty", f"the {what} is not a non-empty string")
+        return [self.specials.bos, *self.tok.encode(text), self.specials.eos]
+
+    def _image(self, ref: Any, rec: dict, unit: Unit, fit: tuple[int, int]) -> torch.Tensor:
+        """[3, h, w] in [-1, 1]: the image of ``ref`` resized by :func:`fit_size` to ``fit`` (multiple, max side)."""
+        if ref is None:
+            raise SkipSample("missing_media", "the record names no image")
+        try:
+            with Image.open(io.BytesIO(media_bytes(ref, rec, unit, self.data.media_root))) as im:
+                im = im.convert("RGB")
+                h, w = fit_size(im.height, im.width, *fit, self.data)
+                if (h, w) != (im.height, im.width):
+                    im = im.resize((w, h), Image.Resampling.BICUBIC)
+                return _unit_range(np.asarray(im))
+        except OSError as e:  # PIL's error for bytes that are no image
+            raise SkipSample("corrupt_image", f"{str(ref)[:200]}: {e}") from None
+
+    def _latent(self, image_CHW: torch.Tensor) -> torch.Tensor:
+        return self.codec.encode(image_CHW[None])[0]
+
+    def _generation(self, rec: dict, unit: Unit, key: tuple, target: Any, prompt: Any, source: Any = None) -> _Sample:
+        """[source's VAE + ViT splits] [bos prompt eos] | target's noised VAE split; the prompt dropped with
+        probability data.prompt_dropout."""
+        s = _Sample(self.cfg, self.specials)
+        ids = self._ids(prompt, "caption / instruction / prompt")
+        if source is not None:
+            src = self._image(source, rec, unit, self.both_fit)
+            s.vae_image(self._latent(src), noised=False, unit=-1)
+            s.vit_image(src)
+        if hash_ints(*key, _DROP_SALT) / 2.0**64 >= self.data.prompt_dropout:
+            s.text(ids, loss=False)
+        s.vae_image(self._latent(self._image(target, rec, unit, self.vae_fit)), noised=True, unit=0)
+        return s
+
+    def _chat(self, sample, rec: dict, unit: Unit) -> _Sample:
+        """Per message: each image a ViT split, each run of text [bos text eos], CE on the assistant's."""
+        s, loss = _Sample(self.cfg, self.specials), False
+        for m in sample.messages or []:
+            text: list[str] = []
+            for part in [*m.parts, None]:  # None: the end of the message closes its last text
+                if part is not None and part.type == "text":
+                    text.append(part.text)
+                    continue
+                if "".join(text).strip():
+                    s.text(self._ids("".join(text), "text"), loss=m.role == "assistant")
+                    loss |= m.role == "assistant"
+                text = []
+                if part is not None and part.type != "image":
+                    raise SkipSample("unknown_modality", f"a {part.type} part: BAGEL reads text and images")
+                if part is not None:
+                    s.vit_image(self._image(part.ref, rec, unit, self.vit_fit))
+        if not loss:
+            raise SkipSample("empty", "a chat needs an assistant message with text (the CE target)")
+        return s
+
+
+def _first_image(sample) -> Any:
+    refs = [p.ref for m in sample.messages or [] for p in m.parts if p.type == "image"]
+    if not refs:
+        raise SkipSample("missing_media", "a digits record without its image")
+    return refs[0]
+
+
+def data_needs(cfg: BagelConfig) -> DataNeeds:
+    """1-D positions, ChatML; the documents built by :class:`BagelDocs` (a record's splits), collated by
+    :func:`collate`."""
+    return DataNeeds(positions="1d", video=False, chat_template="chatml",
+                     docs=DocLayout(builder=functools.partial(BagelDocs, cfg), collate=collate))

@@ -9,7 +9,7 @@ import torch
 
 from titan_mm.models.bagel.config import BagelConfig
 from titan_mm.nn.attention import build_attn_meta
-from titan_mm.registry import BatchSchema, DataNeeds, KernelShapes, ModelDims, Runtime, SeqKey
+from titan_mm.registry import BatchSchema, KernelShapes, ModelDims, Runtime, SeqKey
 
 TEXT, VIT, VAE = 0, 1, 2
 """Codes of ``token_kind``: a text token (and padding), a ViT token, a VAE latent token. Text and ViT tokens take the
@@ -77,10 +77,6 @@ def runtime(cfg: BagelConfig) -> Runtime:
 
 def with_runtime(cfg: BagelConfig, attn_backend: str = "sdpa", kernels: bool | str = False) -> BagelConfig:
     return dataclasses.replace(cfg, attn_backend=attn_backend, kernels=kernels)
-
-
-def data_needs(cfg: BagelConfig) -> DataNeeds:
-    return DataNeeds(positions="1d", video=False, chat_template="chatml")
 
 
 def kernel_shapes(cfg: BagelConfig, tp: int = 1, encoder_tp: bool = False) -> KernelShapes:
