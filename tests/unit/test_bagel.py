@@ -8,6 +8,7 @@ sample's splits as data/data_utils.py's ``prepare_attention_mask_per_sample`` do
 encoder layers run on each image alone; the sin-cos tables and the timestep embedder follow modeling_utils.py."""
 
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -38,7 +39,7 @@ from titan_mm.models.bagel.config import BagelLLMConfig, BagelVAEConfig, BagelVi
 from titan_mm.models.bagel.flops import matmul_params
 from titan_mm.models.bagel.hf import load_hf, save_hf
 from titan_mm.models.bagel.model import flat_positions, patchify
-from titan_mm.models.bagel.spec import SCHEMA, VAE, VIT, prepare_batch
+from titan_mm.models.bagel.spec import SCHEMA, VAE, VIT, param_part, prepare_batch
 from titan_mm.models.bagel.synthetic import ROW_TOKENS, class_images, row
 from titan_mm.models.hf_io import HFCheckpointError
 from titan_mm.nn.attention import SEGMENT_KINDS, build_attn_meta
@@ -46,6 +47,7 @@ from titan_mm.objectives import CausalLM, Combined, FlowMatching, build_objectiv
 from titan_mm.observe.metrics import read_metrics
 from titan_mm.observe.mfu import doc_lens_from_batch, encoder_inputs
 from titan_mm.registry import get_model_spec
+from titan_mm.train.optim import build_optimizer
 from titan_mm.train.step import model_inputs, to_device
 
 CFG = BagelConfig(
@@ -263,6 +265,38 @@ def assert_matches(out, want, model, pp):
     for n, p in pp:  # fp32 sums over the batch's tokens: errors ~1e-7 of the tensor's largest gradient here
         err, scale = (ours[n].grad - p.grad).abs().max(), p.grad.abs().max().clamp(min=1.0)
         assert err <= 1e-5 * scale, (n, float(err), float(scale))
+
+
+@pytest.mark.parametrize("flags", [{"freeze_und": True}, {"freeze_vit": True}, {"freeze_und": True, "freeze_vit": True}])
+def test_frozen_parts_do_not_move_over_a_step(flags):
+    """BAGEL's freeze_und / freeze_vit: the frozen parts take no gradient and are in no group of the trainer's
+    optimizer (build_optimizer with the family's param_groups), so a step of both losses leaves them bit for bit
+    while every other parameter, the generation expert's among them, moves."""
+    cfg = dataclasses.replace(CFG, **flags)
+    frozen = {part for part in ("und", "vit") if flags.get(f"freeze_{part}")}
+    torch.manual_seed(0)
+    model = BagelModel(cfg)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    spec = get_model_spec("bagel")
+    opt = build_optimizer(model, load_config(["--config", "debug_bagel"]),
+                          split=functools.partial(spec.param_groups, model, cfg))
+    assert {g["name"].rsplit("/", 1)[1] for g in opt.param_groups} == {"und", "gen", "vit"} - frozen
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    obj = _objective()
+    batch = obj.prepare([collate_rows(_rows(), SEQ, 0, 1, multiple=1, schema=SCHEMA)], 0)[0]
+    out = _ours(model, batch, obj)
+    (out.terms["ce"] + out.terms["mse"]).backward()
+    opt.step()
+    parts = set()
+    for n, p in model.named_parameters():
+        part = param_part(n)
+        parts.add(part)
+        assert p.requires_grad == (part not in frozen) and (p.grad is None) == (part in frozen), n
+        assert torch.equal(p.detach(), before[n]) == (part in frozen), n
+    assert parts == {"und", "gen", "vit"}
 
 
 def test_vit_matches_siglip_per_image():

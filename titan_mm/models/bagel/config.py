@@ -107,8 +107,15 @@ class BagelConfig:
     kernels: bool | str = False
     """The titan_mm.kernels ops spec; recorded only in slice 1 (the PyTorch references run)."""
     loss_chunk_size: int = 4096
+    # ---- training modes (spec.py: param_part, param_groups) ----
+    freeze_und: bool = False
+    """BAGEL's ``freeze_und``: the understanding side (each layer's ``und`` expert, the final ``norm``, the token
+    embeddings, the LM head and the ViT connector) takes no gradient and sits out of the optimizer; the generation
+    expert trains."""
+    freeze_vit: bool = False
+    """BAGEL's ``freeze_vit``: the SigLIP tower takes no gradient and sits out of the optimizer."""
 
-    RUNTIME_FIELDS = ("attn_backend", "kernels", "loss_chunk_size")
+    RUNTIME_FIELDS = ("attn_backend", "kernels", "loss_chunk_size", "freeze_und", "freeze_vit")
 
     def __post_init__(self):
         if not (self.visual_gen and self.visual_und):

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_mm.models.bagel.config import BagelConfig, BagelLLMConfig, BagelViTConfig
+from titan_mm.models.bagel.spec import frozen_parts, param_part
 from titan_mm.models.wan.model import timestep_embedding
 from titan_mm.nn import init
 from titan_mm.nn.attention import AttnMeta, attention
@@ -178,6 +179,10 @@ class BagelModel(nn.Module):
         self.register_buffer("vit_pos_embed", sincos_table(D, cfg.vit_max_num_patch_per_side), persistent=False)
         self.register_buffer("latent_pos_embed", sincos_table(D, cfg.max_latent_size), persistent=False)
         self.register_buffer("rope_inv_freq", rope_inv_freq(c.head_dim, c.rope_theta)[0], persistent=False)
+        frozen = frozen_parts(cfg)  # freeze_und / freeze_vit: no gradient, hence in no optimizer group
+        for name, p in self.named_parameters():
+            if param_part(name) in frozen:
+                p.requires_grad_(False)
 
     def init_weights(self, buffer_device=None) -> None:
         """Random init (under titan_mm.nn.init.seeded_init): weights N(0, 0.02), biases 0, norms 1, ``llm2vae`` 0

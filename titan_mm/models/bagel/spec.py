@@ -55,6 +55,42 @@ def prepare_batch(cfg: BagelConfig, batch: dict, device, **_) -> dict:
     return out
 
 
+GEN_MODULES = ("norm_gen", "time_embedder", "vae2llm", "llm2vae")
+"""The generation path's top-level modules besides each layer's ``gen`` expert."""
+
+
+def param_part(name: str) -> str:
+    """"und", "gen" or "vit" of a parameter FQN (wrappers' ``_``-prefixed names skipped): the ViT tower; each layer's
+    ``gen`` expert and the generation path's modules; the rest (each layer's ``und`` expert, ``norm``, the
+    embeddings, the LM head, the connector) understanding."""
+    path = [p for p in name.split(".") if not p.startswith("_")]
+    if path[0] == "vit":
+        return "vit"
+    if path[0] in GEN_MODULES or (path[0] == "layers" and path[2] == "gen"):
+        return "gen"
+    return "und"
+
+
+def frozen_parts(cfg: BagelConfig) -> frozenset[str]:
+    """The parts the config freezes (``freeze_und``, ``freeze_vit``): the model is built with requires_grad False
+    on their parameters."""
+    return frozenset(part for part, on in (("und", cfg.freeze_und), ("vit", cfg.freeze_vit)) if on)
+
+
+def param_groups(model: torch.nn.Module, cfg: BagelConfig, groups: list[dict], base_lr: float) -> list[dict]:
+    """ModelSpec.param_groups: the trainer's groups (titan_mm.train.optim.build_param_groups) split by part, named
+    ``<group>/<part>``, at ``base_lr``. A frozen part's parameters (requires_grad False from the build) are in no
+    group: the optimizer neither steps nor keeps state for them."""
+    part = {id(p): param_part(n) for n, p in model.named_parameters(remove_duplicate=False)}
+    frozen, out = frozen_parts(cfg), []
+    for g in groups:
+        by: dict[str, list] = {}
+        for p in g["params"]:
+            by.setdefault(part[id(p)], []).append(p)
+        out += [{**g, "params": ps, "name": f"{g.get('name', 'group')}/{k}"} for k, ps in by.items() if k not in frozen]
+    return out
+
+
 def objective_options(cfg: BagelConfig) -> dict[str, dict]:
     """Cross-entropy on the text, and flow matching with BAGEL's shifted timestep sampler on the noised latents, both
     under the batch's own segment mask (attention kind "segments")."""
