@@ -1,19 +1,52 @@
-"""BAGEL's data as a trainer source (issue 47, items 3 and 5): the pixel codec, fp32 on CPU."""
+"""BAGEL's data as a trainer source (issue 47, items 3 and 5), fp32 on CPU: the pixel codec; each record kind's
+document equals the one BAGEL's packer order gives (bagel.synthetic._Sample, checked against the reference's mask in
+test_bagel.py) from images loaded and pooled here; the loader's mixture, dp sharding, exact resume and skip counts;
+mistakes in one line."""
 
 import dataclasses
+import io
+import json
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
+from tests.resume_check import RESUME_ARGS, assert_resumes_exactly
+from tests.unit.test_bagel_generate import ref_patchify
+from titan_mm.config import Data
+from titan_mm.data.builtin import builtin_records
+from titan_mm.data.builtin.images import DIGIT_QUESTION
+from titan_mm.data.loader import build_dataloader
+from titan_mm.data.packing import IGNORE_INDEX
+from titan_mm.data.sources import SkipSample, hash_ints, list_units
+from titan_mm.data.tokenizer import load_tokenizer
+from titan_mm.launch.train import main
 from titan_mm.models.bagel.config import FLAVORS, BagelVAEConfig
+from titan_mm.models.bagel.data import _WAY_SALT, DRAW_DIGIT, BagelDocs, collate, data_needs, generation_doc
+from titan_mm.models.bagel.synthetic import _Sample
 from titan_mm.models.bagel.vae import PixelCodec, load_codec
 
 DEBUG = FLAVORS["debug"]
+TOK = load_tokenizer()
 
 
-def pixel_cfg(z: int = 1, down: int = 2):
-    return dataclasses.replace(DEBUG, vae_config=BagelVAEConfig(z_channels=z, downsample=down))
+def pixel_cfg(z: int = 3, down: int = 2):
+    """The debug flavor with the real tokenizer's vocabulary and a pixel codec's latent shape."""
+    return dataclasses.replace(DEBUG, llm_config=dataclasses.replace(DEBUG.llm_config, vocab_size=151680),
+                               vae_config=BagelVAEConfig(z_channels=z, downsample=down))
 
+
+CFG = pixel_cfg()  # RGB latents, 2x pooled: stride 4 (pooling x latent patch 2); ViT patch 4
+
+
+def data(**kw) -> Data:
+    base = dict(encoders="pixels", image_min_pixels=0, image_max_pixels=1 << 20, seq_len=64, micro_batch_size=2,
+                shuffle_buffer=4, open_rows=4)
+    return Data(**{**base, **kw})
+
+
+# ---- the pixel codec ----
 
 def test_pixel_codec_is_average_pooling_and_repetition():
     g = torch.Generator().manual_seed(0)
@@ -39,3 +72,227 @@ def test_pixel_codec_mistakes_are_one_line():
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="multiples of 2"):
         PixelCodec(pixel_cfg(1, 2)).encode(torch.zeros(1, 1, 5, 4))
+
+
+# ---- each record kind's document ----
+
+def png(tmp_path, name: str, h: int, w: int, seed: int) -> torch.Tensor:
+    """Writes a random RGB PNG; returns its pixels [3, h, w] in [-1, 1]."""
+    a = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    Image.fromarray(a).save(tmp_path / name)
+    return torch.from_numpy(a.astype(np.float32)).permute(2, 0, 1) / 127.5 - 1
+
+
+def pooled(x_CHW: torch.Tensor, k: int) -> torch.Tensor:
+    """k x k block means, written as a reshape (the reference for the codec's average pooling)."""
+    C, H, W = x_CHW.shape
+    return x_CHW.reshape(C, H // k, k, W // k, k).mean((2, 4))
+
+
+def ids(text: str, sp) -> list[int]:
+    return [sp.bos, *TOK.encode(text), sp.eos]
+
+
+def assert_docs_equal(a, b):
+    for k in ("input_ids", "labels", "positions"):
+        assert np.array_equal(getattr(a, k), getattr(b, k)), k
+    assert a.segments == b.segments and sorted(a.seq) == sorted(b.seq) and sorted(a.media) == sorted(b.media)
+    for k in a.seq:
+        assert np.array_equal(a.seq[k], b.seq[k]), k
+    for k in a.media:
+        assert all(np.array_equal(x, y) for x, y in zip(a.media[k], b.media[k], strict=True)), k
+
+
+def one_doc(tmp_path, rec: dict, cfg=CFG, epoch: int = 0, **kw):
+    (tmp_path / "rows.jsonl").write_text(json.dumps(rec) + "\n")
+    unit = list_units(str(tmp_path / "rows.jsonl"))[0]
+    docs = BagelDocs(cfg, data(**kw), TOK, seed=0)
+    return docs(rec, unit, "s:1", epoch), docs
+
+
+def test_t2i_record_is_caption_then_noised_pooled_pixels(tmp_path):
+    x = png(tmp_path, "a.png", 8, 12, 0)
+    doc, docs = one_doc(tmp_path, {"image": "a.png", "caption": "a red square"})
+    lat = doc.seq["latents"][doc.seq["latent_mask"]]
+    torch.testing.assert_close(torch.from_numpy(lat), ref_patchify(pooled(x, 2), 2), rtol=0, atol=3e-7)
+    want = generation_doc(CFG, TOK.encode("a red square"), docs.codec.encode(x[None])[0], docs.specials)
+    assert_docs_equal(doc, want)
+    assert doc.input_ids[:len(ids("a red square", docs.specials))].tolist() == ids("a red square", docs.specials)
+    assert (doc.labels == IGNORE_INDEX).all() and doc.segments[-1] == (3 * 2 + 2, "noise")
+
+
+def test_edit_record_is_clean_source_vit_source_instruction_noised_target(tmp_path):
+    src, tgt = png(tmp_path, "s.png", 8, 8, 1), png(tmp_path, "t.png", 12, 8, 2)
+    doc, docs = one_doc(tmp_path, {"source": "s.png", "instruction": "make it blue", "target": "t.png"})
+    enc = docs.codec.encode
+    want = generation_doc(CFG, TOK.encode("make it blue"), enc(tgt[None])[0], docs.specials,
+                          source=(enc(src[None])[0], src))
+    assert_docs_equal(doc, want)
+    assert [k for _, k in doc.segments] == ["full", "full", "causal", "noise"]
+    assert np.array_equal(doc.media["vit_patches"][0], ref_patchify(src, 4).numpy())
+    assert doc.n_patches == 4
+
+
+def test_chat_record_is_vit_split_question_and_answer_with_ce(tmp_path):
+    x = png(tmp_path, "q.png", 8, 12, 3)
+    rec = {"messages": [{"role": "user", "content": [{"type": "image", "image": "q.png"},
+                                                     {"type": "text", "text": "What is it?"}]},
+                        {"role": "assistant", "content": "A square."}]}
+    doc, docs = one_doc(tmp_path, rec)
+    s = _Sample(CFG, docs.specials)
+    s.vit_image(x)
+    s.text(ids("What is it?", docs.specials), loss=False)
+    s.text(ids("A square.", docs.specials), loss=True)
+    assert_docs_equal(doc, s.doc())
+    answer = TOK.encode("A square.")
+    assert doc.labels[doc.labels != IGNORE_INDEX].tolist() == [*answer, docs.specials.eos]
+
+
+def test_digits_are_asked_both_ways_alternating_by_epoch():
+    """builtin:digits: the understanding chat in one epoch, "Draw the digit d." -> its noised pixels in the next
+    (the first way from (seed, image)); the held-out images (builtin:digits_test) are not among its records."""
+    cfg = pixel_cfg(1, 2)
+    unit = list_units("builtin:digits")[0]
+    rec = builtin_records("digits")[0]
+    assert {r["index"] for r in builtin_records("digits")}.isdisjoint(r["index"] for r in builtin_records("digits_test"))
+    docs = BagelDocs(cfg, data(image_max_pixels=256), TOK, seed=0)
+    first_gen = hash_ints(0, rec["index"], _WAY_SALT) % 2 == 1
+    a, b = docs(rec, unit, "d:1", 0), docs(rec, unit, "d:1", 1)
+    gen, und = (a, b) if first_gen else (b, a)
+    with Image.open(io.BytesIO(rec["messages"][0]["content"][0]["image"])) as im:  # 64 x 64 -> 16 x 16, bicubic
+        x = torch.from_numpy(np.asarray(im.convert("RGB").resize((16, 16), Image.Resampling.BICUBIC),
+                                        np.float32)).permute(2, 0, 1) / 127.5 - 1
+    latent = pooled(x.mean(0, keepdim=True), 2)
+    want = generation_doc(cfg, TOK.encode(DRAW_DIGIT.format(rec["answer"])), latent, docs.specials)
+    for k in ("input_ids", "labels", "positions"):
+        assert np.array_equal(getattr(gen, k), getattr(want, k))
+    torch.testing.assert_close(torch.from_numpy(gen.seq["latents"]), torch.from_numpy(want.seq["latents"]),
+                               rtol=0, atol=3e-7)
+    s = _Sample(cfg, docs.specials)
+    s.vit_image(x)
+    s.text(ids(DIGIT_QUESTION, docs.specials), loss=False)
+    s.text(ids(rec["answer"], docs.specials), loss=True)
+    assert_docs_equal(und, s.doc())
+
+
+# ---- the loader: mixture, sharding, resume, skips ----
+
+def t2i_file(tmp_path, name: str, n: int, side: int = 4) -> str:
+    lines = []
+    for i in range(n):
+        png(tmp_path, f"{name}{i}.png", side, side, i)
+        lines.append(json.dumps({"image": f"{name}{i}.png", "caption": f"{name} {i}"}))
+    (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return str(tmp_path / f"{name}.jsonl")
+
+
+def loader(d: Data, cfg=CFG, **kw):
+    return build_dataloader(d, needs=data_needs(cfg), seed=0, return_sample_ids=True, **kw)
+
+
+def test_mixture_draws_sources_by_weight(tmp_path):
+    a, b = t2i_file(tmp_path, "a", 20), t2i_file(tmp_path, "b", 20)
+    ld, got = loader(data(mixture={a: 3.0, b: 1.0}, micro_batch_size=4)), []
+    for _ in ld:
+        got += ld.last_sample_ids
+        if len(got) >= 800:
+            break
+    share = sum(":a.jsonl/" in s for s in got) / len(got)
+    assert abs(share - 0.75) < 4 * (0.75 * 0.25 / len(got)) ** 0.5, share  # 4 binomial sd
+
+
+def mixed_sources(tmp_path) -> dict[str, float]:
+    png(tmp_path, "s.png", 8, 8, 7)
+    png(tmp_path, "q.png", 8, 8, 8)
+    (tmp_path / "edit.jsonl").write_text("\n".join(
+        json.dumps({"source": "s.png", "instruction": f"edit {i}", "target": "q.png"}) for i in range(6)) + "\n")
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "q.png"}, f"question {i}"]},
+                      {"role": "assistant", "content": f"answer {i}"}]}) for i in range(6)) + "\n")
+    return {t2i_file(tmp_path, "t", 8): 2.0, str(tmp_path / "edit.jsonl"): 1.0, str(tmp_path / "chat.jsonl"): 1.0,
+            "builtin:digits": 1.0}
+
+
+def assert_batches_equal(xs, ys):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_loader_resumes_exactly_and_shards_over_dp(tmp_path):
+    """A mixture of all four kinds: a loader stopped after 3 steps and a fresh one loading its state give the
+    straight run's later batches bit for bit; two dp ranks read the slots of the one global stream."""
+    d = data(mixture=mixed_sources(tmp_path), seq_len=96, image_max_pixels=256, prompt_dropout=0.3)
+    cfg = pixel_cfg(3, 2)
+    it = iter(straight := loader(d, cfg, n_micro=2))
+    first = [next(it) for _ in range(6)]
+    state = straight.state_dict()
+    later = [next(it) for _ in range(6)]
+    resumed = loader(d, cfg, n_micro=2)
+    resumed.load_state_dict(state)
+    assert_batches_equal(later, [b for _, b in zip(range(6), resumed)])
+    kinds = torch.cat([b["seg_kinds"].flatten() for b in first + later]).unique().tolist()
+    assert kinds == [0, 1, 2] and any(b["num_label_tokens"] > 0 for b in first)  # causal, full, noise; CE
+    for r in range(2):  # rank r of 2 reads slot r of every step
+        ranked = [b for _, b in zip(range(6), loader(d, cfg, dp_rank=r, dp_world=2))]
+        assert_batches_equal(ranked, (first + later)[r::2])
+
+
+def test_malformed_rows_are_skipped_and_counted(tmp_path):
+    png(tmp_path, "ok.png", 4, 4, 0)
+    (tmp_path / "junk.png").write_bytes(b"not an image")
+    rows = [{"image": "ok.png", "caption": "fine"}, "{not json", {"image": "gone.png", "caption": "x"},
+            {"image": "junk.png", "caption": "x"}, {"picture": "ok.png"}, {"image": "ok.png", "caption": ""},
+            {"messages": [{"role": "user", "content": "no answer"}]},
+            {"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]},
+                          {"role": "assistant", "content": "a clip"}]}]
+    (tmp_path / "rows.jsonl").write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    ld = loader(data(dataset=str(tmp_path / "rows.jsonl"), micro_batch_size=1, seq_len=16, shuffle_buffer=0,
+                     error_min_samples=10**6))
+    it = iter(ld)
+    for _ in range(3):
+        next(it)
+    m = ld.metrics()
+    passes = m["samples_seen"] // len(rows)
+    want = {"malformed_json": 1, "missing_media": 1, "corrupt_image": 1, "bad_schema": 1, "empty": 2,
+            "unknown_modality": 1}
+    assert passes >= 1 and all(m[f"skipped/{k}"] >= n * passes for k, n in want.items()), m
+    assert m["samples_packed"] >= passes
+
+
+# ---- mistakes ----
+
+def test_mistakes_are_one_line(tmp_path):
+    for kw, msg in (({"encoders": ""}, "data.encoders is empty"),
+                    ({"prompt_dropout": 1.0}, "data.prompt_dropout = 1.0"),
+                    ({"encoders": str(tmp_path)}, "no config.json there")):
+        with pytest.raises(ValueError, match=msg) as e:
+            BagelDocs(CFG, data(**kw), TOK, 0)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="z_channels 1 .grayscale. or 3"):
+        BagelDocs(DEBUG, data(), TOK, 0)  # the debug flavor's 4 latent channels are no pixels
+    with pytest.raises(SkipSample, match="a BAGEL record has \"caption\""):
+        one_doc(tmp_path, {"prompt": "x"})
+
+
+RUN = ["--config", "debug_bagel_digits", "--metrics.enable_tensorboard", "False", "--training.deterministic", "True",
+       "--checkpoint.async_mode", "disabled"]
+
+
+def test_launcher_mistakes_are_one_line_exit_2(tmp_path, capsys):
+    for args, msg in ((["--data.encoders", ""], "data.encoders is empty"),
+                      (["--model.overrides", "{}"], "the model's vae_config must have z_channels 1"),
+                      (["--data.dataset", str(tmp_path / "none.jsonl")], "none.jsonl")):
+        assert main([*RUN, "--job.dump_folder", str(tmp_path), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert msg in err[-1], err
+    assert not any(tmp_path.iterdir())  # refused before the run folder
+
+
+@pytest.mark.slow
+def test_digits_run_resumes_exactly(tmp_path):
+    """debug_bagel_digits through the launcher: stopped at its step-4 checkpoint and resumed, every step's losses
+    are the straight run's, bit for bit (the loader's packed rows, shuffle buffer and draws come back)."""
+    assert_resumes_exactly(lambda name, steps: main([*RUN, "--job.dump_folder", str(tmp_path), "--job.name", name,
+                                                     "--training.steps", str(steps), *RESUME_ARGS]), tmp_path,
+                           lambda r: (r["loss"], r["loss/ce"], r["loss/mse"]))
