@@ -14,7 +14,7 @@ codec of ``data.encoders`` (titan_mm.models.bagel.vae: ``"pixels"`` or a FLUX VA
   builtin:digits the chat "<image> What digit is this?" -> "7" (CE on the answer), or "Draw the digit 7." -> the
                  image's noised VAE split; each image is asked one way in an epoch and the other in the next (the
                  first way drawn from (seed, image)). Its held-out split, builtin:digits_test (every 5th image), is
-                 never read by builtin:digits.
+                 never read by builtin:digits; given to [eval] (eval.dataset) it is asked both ways too.
 
 IMG is a path (relative to the file's folder, or data.media_root), a URL or bytes. An image is resized (bicubic)
 to an area within data.image_min_pixels / image_max_pixels, with sides multiples of the codec's stride (VAE
@@ -57,7 +57,8 @@ from titan_mm.models.bagel.vae import FluxVAE, PixelCodec, load_codec
 from titan_mm.nn.media import DocLayout
 from titan_mm.registry import DataNeeds
 
-DIGITS = "builtin:digits"
+DIGITS = ("builtin:digits", "builtin:digits_test")
+"""The digits sources asked both ways (the training split, and the held-out one for [eval]'s held-out loss)."""
 DRAW_DIGIT = "Draw the digit {}."
 _WAY_SALT, _DROP_SALT = 0xD1617, 0xD40F  # the digits direction's and the prompt dropout's own hash streams
 
@@ -250,7 +251,7 @@ class BagelDocs:
             s = self._generation(rec, unit, key, rec.get("target"), rec["instruction"], rec.get("source"))
         elif "messages" in rec or "conversations" in rec:
             sample = parse_record(rec)
-            if unit.url == DIGITS and hash_ints(self.seed, int(rec["index"]), _WAY_SALT) % 2 != epoch % 2:
+            if unit.url in DIGITS and hash_ints(self.seed, int(rec["index"]), _WAY_SALT) % 2 != epoch % 2:
                 s = self._generation(rec, unit, key, _first_image(sample), DRAW_DIGIT.format(rec["answer"]))
             else:
                 s = self._chat(sample, rec, unit)
