@@ -5,13 +5,16 @@ data/data_utils.py patchify), fp32 on CPU."""
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL
+from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
 from PIL import Image
+from safetensors.torch import save_file
 
 from tests.unit.test_bagel import CFG, RUN, _objective, _ours, _pair, both, ref_timestep
 from titan_mm.data.packing import collate_rows
@@ -35,7 +38,7 @@ from titan_mm.models.bagel.synthetic import (
     VISION_START,
     Specials,
 )
-from titan_mm.models.bagel.vae import FluxVAE
+from titan_mm.models.bagel.vae import FluxVAE, load_ae, load_vae
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.tools.bagel_generate import main as generate
 
@@ -117,6 +120,57 @@ def test_t2i_mistakes_are_one_line(tmp_path):
         list(T2IData(CFG, read_t2i(path), FluxVAE(tiny_vae(), CFG), tokenize).batches(40, 1))
     with pytest.raises(ValueError, match="the VAE has 16 latent channels and 8x downsampling"):
         FluxVAE(tiny_vae(16, 4), CFG)
+
+
+def bfl_layout(vae: AutoencoderKL) -> dict[str, torch.Tensor]:
+    """The diffusers VAE's tensors under BFL's ``ae.safetensors`` names: diffusers' single-file conversion run
+    backwards (its fixed table, then its block and attention renames; attention's linears back to 1x1 convs)."""
+    n, fixed = len(vae.config.up_block_types), DIFFUSERS_TO_LDM_MAPPING["vae"]
+    out = {}
+    for k, v in vae.state_dict().items():
+        if k in fixed:
+            out[fixed[k]] = v
+            continue
+        k = re.sub(r"down_blocks\.(\d+)\.resnets\.", r"down.\1.block.", k)
+        k = re.sub(r"down_blocks\.(\d+)\.downsamplers\.0\.", r"down.\1.downsample.", k)
+        k = re.sub(r"up_blocks\.(\d+)\.resnets\.", lambda m: f"up.{n - 1 - int(m[1])}.block.", k)
+        k = re.sub(r"up_blocks\.(\d+)\.upsamplers\.0\.", lambda m: f"up.{n - 1 - int(m[1])}.upsample.", k)
+        k = re.sub(r"mid_block\.resnets\.(\d+)\.", lambda m: f"mid.block_{int(m[1]) + 1}.", k)
+        k = k.replace("conv_shortcut", "nin_shortcut")
+        if "mid_block.attentions.0." in k:
+            k = k.replace("mid_block.attentions.0.", "mid.attn_1.")
+            for a, b in (("group_norm", "norm"), ("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "proj_out")):
+                k = k.replace(a, b)
+            v = v[:, :, None, None] if v.ndim == 2 else v
+        out[k] = v.contiguous()
+    return out
+
+
+def test_ae_safetensors_in_bfl_layout_loads_into_the_autoencoder(tmp_path, capsys):
+    """A tiny random VAE written in BFL's layout (ae.safetensors) is read back through diffusers' converter into
+    the same AutoencoderKL, every tensor equal, so it encodes and decodes as the original; FLUX's config (the
+    default, and what a BAGEL folder's ae.safetensors gets) refuses the tiny file in one line."""
+    vae = tiny_vae()
+    sd = bfl_layout(vae)
+    assert {"encoder.down.0.block.0.conv1.weight", "decoder.up.2.upsample.conv.weight", "encoder.norm_out.bias",
+            "decoder.mid.block_2.norm1.weight"} <= set(sd) and sd["encoder.mid.attn_1.q.weight"].ndim == 4
+    save_file(sd, tmp_path / "ae.safetensors")
+    config = {k: v for k, v in vae.config.items() if not k.startswith("_")}
+    got = load_ae(tmp_path / "ae.safetensors", CFG, config=config)
+    want = vae.state_dict()
+    assert got.vae.state_dict().keys() == want.keys()
+    assert all(torch.equal(t, want[k]) for k, t in got.vae.state_dict().items())
+    img = torch.rand(1, 3, 16, 24, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    ref = FluxVAE(vae, CFG)
+    assert torch.equal(got.encode(img), ref.encode(img))
+    assert torch.equal(got.decode(ref.encode(img)), ref.decode(ref.encode(img)))
+    with pytest.raises(ValueError, match=r"does not hold the autoencoder \[128, 256, 512, 512\] x 16 in BFL's layout"):
+        load_vae(tmp_path, CFG)
+    (tmp_path / "run").mkdir()
+    assert generate(["--model", str(tmp_path / "run"), "--prompt-ids", "6", "--height", "16", "--width", "16",
+                     "--vae", str(tmp_path / "run"), "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "no ae.safetensors, no config.json there" in err and err.count("\n") == 1, err
 
 
 # ---- the sampler against the reference's loop ----

@@ -1,5 +1,5 @@
-"""Generate an image with a BAGEL model through its training forward (titan_mm.models.bagel.sample): BAGEL's Euler
-flow steps over its shifted schedule, text classifier-free guidance with the global renorm, the FLUX VAE's decode.
+"""Generate an image with a BAGEL model through its forward's KV-cache path (titan_mm.models.bagel.sample): BAGEL's
+Euler flow steps over its shifted schedule, text classifier-free guidance with the global renorm, the FLUX VAE's decode.
 
     python -m titan_mm.tools.bagel_generate --model outputs/bagel_run --vae /path/to/FLUX.1-dev/vae \\
         --prompt "a red fox in the snow" --height 512 --width 512 --out fox.png
@@ -9,12 +9,12 @@ flow steps over its shifted schedule, text classifier-free guidance with the glo
 ``--model``: a titan_mm run / checkpoint folder or a BAGEL folder (titan_mm.loader). The prompt is ``--prompt`` text
 (the model's tokenizer) or ``--prompt-ids`` (comma-separated token ids); <|im_start|> / <|im_end|> go around
 it, <|vision_start|> / <|vision_end|> around the image (the tokenizer's ids; a debug model's vocabulary: 1-4).
-``--height`` / ``--width`` are pixels (multiples of the VAE's downsampling x the latent patch). With ``--vae`` (a
-diffusers AutoencoderKL folder: FLUX's vae/, or the pipeline folder) ``--out`` is a PNG; without, ``--out x.pt`` gets
-the latent image [z, h, w]. Editing: ``--image`` is the source image (encoded by the VAE and seen by the ViT before
-the prompt), the output its size unless given, with image guidance ``--cfg-img-scale``. Defaults are BAGEL
-inferencer's (50 points, shift 3, text scale 4 in (0.4, 1], image scale 1.5). Every mistake is one line and exit
-status 2.
+``--height`` / ``--width`` are pixels (multiples of the VAE's downsampling x the latent patch). With ``--vae`` (BFL's
+``ae.safetensors`` or a BAGEL folder holding it, or a diffusers AutoencoderKL folder: FLUX's vae/, or the pipeline
+folder) ``--out`` is a PNG; without, ``--out x.pt`` gets the latent image [z, h, w]. Editing: ``--image`` is the
+source image (encoded by the VAE and seen by the ViT before the prompt), the output its size unless given, with image
+guidance ``--cfg-img-scale``. Defaults are BAGEL inferencer's (50 points, shift 3, text scale 4 in (0.4, 1], image
+scale 1.5). Every mistake is one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from titan_mm.loader import load_model
 from titan_mm.models.bagel import BagelModel
 from titan_mm.models.bagel.data import source_image, specials_for
 from titan_mm.models.bagel.sample import check_sampling, sample, write_png
-from titan_mm.models.bagel.vae import load_vae, vae_dir
+from titan_mm.models.bagel.vae import load_vae, vae_source
 
 
 def _ids(text: str) -> list[int]:
@@ -52,10 +52,10 @@ def check_args(a: argparse.Namespace) -> list[int] | None:
     if suffix not in (".png", ".pt"):
         raise ValueError(f"--out {a.out}: name a PNG (*.png, decoded with --vae) or a torch file (*.pt, the latent)")
     if (suffix == ".png") != bool(a.vae):
-        raise ValueError(f"--out {a.out}: a PNG needs --vae (a diffusers AutoencoderKL folder) and --vae writes a "
-                         "PNG; pass both, or name *.pt without --vae for the latent")
+        raise ValueError(f"--out {a.out}: a PNG needs --vae (ae.safetensors or a diffusers AutoencoderKL folder) and "
+                         "--vae writes a PNG; pass both, or name *.pt without --vae for the latent")
     if a.vae:
-        vae_dir(a.vae)
+        vae_source(a.vae)
     if a.image and not a.vae:
         raise ValueError(f"--image {a.image}: editing encodes the source image with the VAE; pass --vae")
     if a.image and not Path(a.image).is_file():
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cfg-interval", type=float, nargs=2, default=(0.4, 1.0), help="t range (low, high] of guidance")
     ap.add_argument("--cfg-renorm-min", type=float, default=0.0, help="least scale of the global renorm")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial noise (a CPU generator)")
-    ap.add_argument("--vae", default=None, help="diffusers AutoencoderKL folder (FLUX's vae/, or its pipeline)")
+    ap.add_argument("--vae", default=None, help="BFL's ae.safetensors (or a BAGEL folder holding it), or a diffusers "
+                    "AutoencoderKL folder (FLUX's vae/, or its pipeline)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", required=True, help="image.png (decoded with --vae) or latent.pt")
     a = ap.parse_args(argv)

@@ -6,11 +6,11 @@ ToTensor, then Normalize(0.5, 0.5)).
 
 One difference: BAGEL's ``DiagonalGaussian`` samples the posterior while training; ``encode`` here takes its mode, so
 that the data pipeline's latents are a function of the image alone (exact resume, cacheable). The sampler's decode is
-the reference's.
+the reference's. The weights come from a diffusers folder or from BFL's original ``ae.safetensors`` (:func:`load_ae`).
 
 ``PixelCodec`` stands in the VAE's place where no trained autoencoder exists (the digits debug task: a random VAE
 gives no usable latent space): the latents are the pixels themselves, average-pooled. ``load_codec`` picks either by
-name: ``"pixels"`` or a diffusers VAE folder (``data.encoders`` in a training config).
+name: ``"pixels"`` or a VAE (:func:`load_vae`; ``data.encoders`` in a training config).
 """
 
 from __future__ import annotations
@@ -93,24 +93,72 @@ class PixelCodec:
         return (x * 0.5 + 0.5).clamp(0, 1).expand(-1, 3, -1, -1).contiguous()
 
 
-def vae_dir(folder: str | os.PathLike) -> str:
-    """The AutoencoderKL folder: ``folder`` or its pipeline's vae/; one ValueError line when neither holds one."""
-    sub = os.path.join(folder, "vae")
-    path = sub if os.path.isfile(os.path.join(sub, "config.json")) else str(folder)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"VAE folder {folder}: no config.json there nor in {sub}; give a diffusers AutoencoderKL "
-                         "folder, e.g. black-forest-labs/FLUX.1-dev's vae/")
-    return path
+AE_FILE = "ae.safetensors"
+"""BFL's original autoencoder file (FLUX.1's; BAGEL-7B-MoT's release holds one), in BFL's key layout."""
+
+FLUX_AE = {"in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 4,
+           "up_block_types": ["UpDecoderBlock2D"] * 4, "block_out_channels": [128, 256, 512, 512],
+           "layers_per_block": 2, "act_fn": "silu", "latent_channels": 16, "norm_num_groups": 32, "sample_size": 1024,
+           "scaling_factor": 0.3611, "shift_factor": 0.1159, "use_quant_conv": False, "use_post_quant_conv": False,
+           "force_upcast": True, "mid_block_add_attention": True}
+"""FLUX.1's AutoencoderKL config (FLUX.1-dev's vae/config.json): BAGEL's ``load_ae`` params (ch 128, ch_mult
+1, 2, 4, 4, 2 res blocks, z 16, scale 0.3611, shift 0.1159) in diffusers' terms."""
 
 
-def load_vae(folder: str | os.PathLike, cfg: BagelConfig, device: str | torch.device = "cpu") -> FluxVAE:
-    """The ``AutoencoderKL`` of a diffusers folder (a FLUX pipeline's vae/, or the pipeline folder holding it)."""
+def vae_source(path: str | os.PathLike) -> str:
+    """What ``path`` names: an ``ae.safetensors`` file (given, or in a BAGEL folder), else a diffusers AutoencoderKL
+    folder (``path`` or its pipeline's vae/); one ValueError line when it is neither."""
+    path = str(path)
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        return path
+    if os.path.isfile(os.path.join(path, AE_FILE)):
+        return os.path.join(path, AE_FILE)
+    sub = os.path.join(path, "vae")
+    folder = sub if os.path.isfile(os.path.join(sub, "config.json")) else path
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"VAE {path}: no {AE_FILE}, no config.json there nor in {sub}; give BFL's {AE_FILE} (or a "
+                         "BAGEL folder holding it) or a diffusers AutoencoderKL folder, e.g. FLUX.1-dev's vae/")
+    return folder
+
+
+def load_ae(path: str | os.PathLike, cfg: BagelConfig, device: str | torch.device = "cpu",
+            config: dict | None = None) -> FluxVAE:
+    """BFL's ``ae.safetensors`` in the AutoencoderKL of ``config`` (default :data:`FLUX_AE`), through diffusers'
+    own single-file converter (``convert_ldm_vae_checkpoint``, what ``AutoencoderKL.from_single_file`` runs; no
+    download); every tensor checked by name and shape first (one ValueError line)."""
+    # diffusers and safetensors' torch loader: optional (the diffusers extra), only images need them
+    from diffusers import AutoencoderKL
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+    from safetensors.torch import load_file
+
+    config = FLUX_AE if config is None else config
+    vae = AutoencoderKL(**config)
+    want = vae.state_dict()
+    got = convert_ldm_vae_checkpoint(load_file(str(path)), config)
+    missing = sorted(set(want) - set(got))
+    wrong = sorted(k for k in set(want) & set(got) if got[k].shape != want[k].shape)
+    if missing or wrong:
+        first = (f"{missing[0]} missing" if missing else
+                 f"{wrong[0]} is {list(got[wrong[0]].shape)}, not {list(want[wrong[0]].shape)}")
+        raise ValueError(f"{path} does not hold the autoencoder {config['block_out_channels']} x "
+                         f"{config['latent_channels']} in BFL's layout: {len(missing)} tensors missing, {len(wrong)} "
+                         f"of another shape ({first}); give FLUX.1's {AE_FILE}")
+    vae.load_state_dict({k: got[k].float() for k in want})
+    return FluxVAE(vae, cfg, device)
+
+
+def load_vae(path: str | os.PathLike, cfg: BagelConfig, device: str | torch.device = "cpu") -> FluxVAE:
+    """The FLUX VAE at ``path`` (:func:`vae_source`): BFL's ``ae.safetensors``, or a diffusers AutoencoderKL folder
+    (a FLUX pipeline's vae/, or the pipeline folder holding it)."""
+    src = vae_source(path)
+    if os.path.isfile(src):
+        return load_ae(src, cfg, device)
     # diffusers is an optional dependency (the diffusers extra): only encoding and decoding images need it
     from diffusers import AutoencoderKL
 
-    return FluxVAE(AutoencoderKL.from_pretrained(vae_dir(folder), torch_dtype=torch.float32), cfg, device)
+    return FluxVAE(AutoencoderKL.from_pretrained(src, torch_dtype=torch.float32), cfg, device)
 
 
 def load_codec(name: str, cfg: BagelConfig, device: str | torch.device = "cpu") -> FluxVAE | PixelCodec:
-    """The image codec ``name`` selects: ``"pixels"`` (PixelCodec), else a diffusers AutoencoderKL folder (FluxVAE)."""
+    """The image codec ``name`` selects: ``"pixels"`` (PixelCodec), else the VAE :func:`load_vae` reads (FluxVAE)."""
     return PixelCodec(cfg, device) if name == PIXELS else load_vae(name, cfg, device)
