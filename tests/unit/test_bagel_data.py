@@ -296,3 +296,23 @@ def test_digits_run_resumes_exactly(tmp_path):
     assert_resumes_exactly(lambda name, steps: main([*RUN, "--job.dump_folder", str(tmp_path), "--job.name", name,
                                                      "--training.steps", str(steps), *RESUME_ARGS]), tmp_path,
                            lambda r: (r["loss"], r["loss/ce"], r["loss/mse"]))
+
+
+def test_bagel_t2i_parquet_rows_draw_one_of_their_captions(tmp_path):
+    """BAGEL's t2i parquet row: the image's bytes and a JSON object of captions, one drawn per (sample, epoch)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    x = png(tmp_path, "a.png", 8, 8, 4)
+    caps = {"short": "a square", "long": "a square of random colored pixels"}
+    pq.write_table(pa.table({"image": [(tmp_path / "a.png").read_bytes()], "captions": [json.dumps(caps)]}),
+                   tmp_path / "t2i.parquet")
+    unit = list_units(str(tmp_path / "t2i.parquet"))[0]
+    docs = BagelDocs(CFG, data(), TOK, seed=0)
+    rec = {"image": (tmp_path / "a.png").read_bytes(), "captions": json.dumps(caps)}
+    got = {docs(rec, unit, "p:1", e).input_ids.tobytes() for e in range(8)}
+    want = {generation_doc(CFG, TOK.encode(c), docs.codec.encode(x[None])[0], docs.specials).input_ids.tobytes()
+            for c in caps.values()}
+    assert got == want  # both captions drawn over 8 epochs, nothing else
+    row = next(iter(loader(data(dataset=str(tmp_path / "t2i.parquet"), micro_batch_size=1, seq_len=16))))
+    first = row["input_ids"][0][row["doc_ids"][0] == 0].numpy()  # the parquet row through the loader
+    assert first.tobytes() in want

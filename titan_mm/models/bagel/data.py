@@ -6,7 +6,8 @@ The trainer's source (DataNeeds.docs: titan_mm.data.loader reads, mixes, shards,
 ``data.dataset`` / ``data.mixture`` records of four kinds, told apart by their keys; images are encoded by the image
 codec of ``data.encoders`` (titan_mm.models.bagel.vae: ``"pixels"`` or a FLUX VAE folder) where the rows are built:
 
-  text-to-image  {"image": IMG, "caption": TEXT}: [bos caption eos] causal, no loss | the image's noised VAE split
+  text-to-image  {"image": IMG, "caption": TEXT}: [bos caption eos] causal, no loss | the image's noised VAE split;
+                 or BAGEL's t2i parquet row {"image": bytes, "captions": JSON of several}, one drawn per epoch
   editing        {"source": IMG, "instruction": TEXT, "target": IMG}: the source's clean VAE split (t = 0) and its
                  ViT split, both full | [bos instruction eos] causal, no loss | the target's noised VAE split
   VLM chat       {"messages": [...]} (or LLaVA "conversations"; titan_mm.data.schema): per message, each image a
@@ -60,7 +61,7 @@ from titan_mm.registry import DataNeeds
 DIGITS = ("builtin:digits", "builtin:digits_test")
 """The digits sources asked both ways (the training split, and the held-out one for [eval]'s held-out loss)."""
 DRAW_DIGIT = "Draw the digit {}."
-_WAY_SALT, _DROP_SALT = 0xD1617, 0xD40F  # the digits direction's and the prompt dropout's own hash streams
+_WAY_SALT, _DROP_SALT, _CAPTION_SALT = 0xD1617, 0xD40F, 0xCA9  # own hash streams: digits way, dropout, caption
 
 
 @dataclass(frozen=True)
@@ -245,8 +246,8 @@ class BagelDocs:
         if not isinstance(rec, dict):
             raise SkipSample("bad_schema", f"a record must be an object, got {type(rec).__name__}")
         key = (self.seed, zlib.crc32(sid.encode()), epoch)
-        if "caption" in rec:
-            s = self._generation(rec, unit, key, rec.get("image"), rec["caption"])
+        if "caption" in rec or "captions" in rec:
+            s = self._generation(rec, unit, key, rec.get("image"), _caption(rec, key))
         elif "instruction" in rec:
             s = self._generation(rec, unit, key, rec.get("target"), rec["instruction"], rec.get("source"))
         elif "messages" in rec or "conversations" in rec:
@@ -317,6 +318,22 @@ class BagelDocs:
         if not loss:
             raise SkipSample("empty", "a chat needs an assistant message with text (the CE target)")
         return s
+
+
+def _caption(rec: dict, key: tuple) -> Any:
+    """The record's caption, or one of its ``captions`` (BAGEL's t2i parquet: a JSON object or list of several, one
+    drawn as T2IIterableDataset does, here from (seed, sample, epoch))."""
+    if "caption" in rec:
+        return rec["caption"]
+    caps = rec["captions"]
+    try:
+        caps = json.loads(caps) if isinstance(caps, str) else caps
+    except ValueError:
+        raise SkipSample("bad_schema", "\"captions\" is a string but not JSON (an object or list of captions)") from None
+    caps = list(caps.values()) if isinstance(caps, dict) else caps
+    if not isinstance(caps, list) or not caps:
+        raise SkipSample("empty", "\"captions\" holds no caption")
+    return caps[hash_ints(*key, _CAPTION_SALT) % len(caps)]
 
 
 def _first_image(sample) -> Any:
