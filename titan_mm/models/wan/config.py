@@ -54,9 +54,14 @@ class WanConfig:
     (t = 0 on its patches, as WanImageToVideoPipeline with expand_timesteps) and no target. model.overrides:
     '{"first_frame_clean": true}'."""
 
+    synthetic: str = ""
+    """What ``data.dataset = "synthetic"`` draws: "" clips that are a function of random text states (synthetic.py),
+    "digits" the moving-digits debug task (digits.py; the "digits" flavor)."""
+
     RUNTIME_FIELDS = ("attn_backend", "kernels")
-    PIPELINE_FIELDS = ("boundary_ratio", "expert", "first_frame_clean")
+    PIPELINE_FIELDS = ("boundary_ratio", "expert", "first_frame_clean", "synthetic")
     """Not in the transformer's config.json: the pipeline's and the job's."""
+    SYNTHETIC = ("", "digits")
 
     def __post_init__(self):
         if self.image_dim is not None or self.added_kv_proj_dim is not None or self.pos_embed_seq_len is not None:
@@ -66,6 +71,8 @@ class WanConfig:
             raise ValueError(f"qk_norm {self.qk_norm!r} is unknown; Wan uses 'rms_norm_across_heads' or null")
         if self.attention_head_dim % 2 or self.attention_head_dim < 6:
             raise ValueError(f"attention_head_dim {self.attention_head_dim} must be even and >= 6 (3-D RoPE)")
+        if self.synthetic not in self.SYNTHETIC:
+            raise ValueError(f"synthetic {self.synthetic!r} is unknown; use one of {list(self.SYNTHETIC)}")
         if self.expert and self.expert not in EXPERTS:
             raise ValueError(f"expert {self.expert!r} is unknown; use one of {sorted(EXPERTS)} ('': one transformer)")
         if self.boundary_ratio is not None and not 0 < self.boundary_ratio < 1:
@@ -181,4 +188,7 @@ FLAVORS = {
     "ti2v-5B": WanConfig(num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336),
     "debug": WanConfig(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
                        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=48, num_layers=2),
+    # the moving-digits debug task (digits.py): 1-channel pixels in 4x4 patches, 32-wide word states
+    "digits": WanConfig(patch_size=(1, 4, 4), num_attention_heads=4, attention_head_dim=16, in_channels=1,
+                        out_channels=1, text_dim=32, freq_dim=32, ffn_dim=256, num_layers=4, synthetic="digits"),
 }

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from titan_mm.models.wan import digits
 from titan_mm.models.wan.config import WanConfig
 from titan_mm.models.wan.data import latent_batch
 
@@ -31,7 +32,10 @@ def clip_batch(cfg: WanConfig, gens: list[torch.Generator], frames: int) -> dict
 
 
 def synthetic(cfg: WanConfig, seq_len: int) -> Callable[[list[torch.Generator]], dict]:
-    """ModelSpec.synthetic: the micro-batch of a row's generators, clips of ``seq_len`` patches."""
+    """ModelSpec.synthetic: the micro-batch of a row's generators, clips of ``seq_len`` patches (cfg.synthetic
+    "digits": the moving-digits task's clips)."""
+    if cfg.synthetic == "digits":
+        return digits.synthetic(cfg, seq_len)
     if seq_len % (SIDE * SIDE):
         raise ValueError(f"data.seq_len = {seq_len}: synthetic Wan clips are frames of {SIDE}x{SIDE} patches; use a "
                          f"multiple of {SIDE * SIDE}")
