@@ -221,7 +221,8 @@ def assert_batches_equal(xs, ys):
 
 def test_loader_resumes_exactly_and_shards_over_dp(tmp_path):
     """A mixture of all four kinds: a loader stopped after 3 steps and a fresh one loading its state give the
-    straight run's later batches bit for bit; two dp ranks read the slots of the one global stream."""
+    straight run's later batches bit for bit; two dp ranks read the slots of the one global stream; two worker
+    processes give the same batches."""
     d = data(mixture=mixed_sources(tmp_path), seq_len=96, image_max_pixels=256, prompt_dropout=0.3)
     cfg = pixel_cfg(3, 2)
     it = iter(straight := loader(d, cfg, n_micro=2))
@@ -236,6 +237,8 @@ def test_loader_resumes_exactly_and_shards_over_dp(tmp_path):
     for r in range(2):  # rank r of 2 reads slot r of every step
         ranked = [b for _, b in zip(range(6), loader(d, cfg, dp_rank=r, dp_world=2))]
         assert_batches_equal(ranked, (first + later)[r::2])
+    workers = loader(dataclasses.replace(d, num_workers=2), cfg, n_micro=2)  # each builds its own BagelDocs
+    assert_batches_equal([b for _, b in zip(range(6), workers)], first)
 
 
 def test_malformed_rows_are_skipped_and_counted(tmp_path):
