@@ -283,13 +283,18 @@ RUN = ["--config", "debug_bagel_digits", "--metrics.enable_tensorboard", "False"
 
 
 def test_launcher_mistakes_are_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "edit.jsonl").write_text(json.dumps({"source": "a.png", "instruction": "x", "target": "b.png"}) + "\n")
     for args, msg in ((["--data.encoders", ""], "data.encoders is empty"),
                       (["--model.overrides", "{}"], "the model's vae_config must have z_channels 1"),
-                      (["--data.dataset", str(tmp_path / "none.jsonl")], "none.jsonl")):
-        assert main([*RUN, "--job.dump_folder", str(tmp_path), *args]) == 2
+                      (["--data.dataset", str(tmp_path / "none.jsonl")], "none.jsonl"),
+                      (["--data.dataset", "builtin:text"], "none of its first 8 records makes a 'bagel' sample (last: "
+                                                           "bad_schema"),
+                      (["--data.mixture", json.dumps({"builtin:digits": 1, str(tmp_path / "edit.jsonl"): 1})],
+                       "edit.jsonl: none of its first 8 records makes a 'bagel' sample (last: missing_media")):
+        assert main([*RUN, "--job.dump_folder", str(tmp_path / "runs"), *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert msg in err[-1], err
-    assert not any(tmp_path.iterdir())  # refused before the run folder
+    assert not (tmp_path / "runs").exists()  # refused before the run folder
 
 
 @pytest.mark.slow

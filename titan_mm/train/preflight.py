@@ -13,7 +13,8 @@ Checked, in order:
 - a family trained on clips (DataNeeds.clips): a latent cache's index, or the sources and data.encoders' folder;
 - otherwise, unless ``data.dataset = "synthetic"``: every source of ``data.dataset`` / ``data.mixture`` lists its files
   (or built-in parts), and the tokenizer loads, gives the family's special tokens their ids (or the family's own
-  document builder, DataNeeds.docs, accepts the [data] settings) and emits no id at or above the model's vocab_size.
+  document builder, DataNeeds.docs, accepts the [data] settings and makes a document of one of each source's first
+  records) and emits no id at or above the model's vocab_size.
 
 Cheap means file listings, config.json, tokenizer.json and safetensors headers; a Hub id's files are downloaded
 here (the weights too when they will be loaded), which the run needs anyway.
@@ -21,6 +22,7 @@ here (the weights too when they will be loaded), which the run needs anyway.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -30,7 +32,7 @@ from titan_mm.config import ConfigError, Data, JobConfig
 from titan_mm.data.clips import uses_cache
 from titan_mm.data.loader import resolve_sources
 from titan_mm.data.processors import Processor, ProcessorConfig
-from titan_mm.data.sources import list_units
+from titan_mm.data.sources import READERS, SkipSample, list_units
 from titan_mm.data.tokenizer import load_tokenizer, tokenizer_for
 from titan_mm.models.hf_io import HFCheckpointError, local_hf_dir, safetensors_files
 from titan_mm.objectives import build_objective
@@ -116,6 +118,26 @@ def _check_clips(data: Data) -> None:
         _check_sources(data)
 
 
+FIRST_RECORDS = 8
+"""Records of each source a family building its own documents must find one usable sample in, before the build."""
+
+
+def _check_first_records(data: Data, build, family: str) -> None:
+    """A source of records the family cannot use (another kind, missing images) is one line here, not a data error
+    after the model is built: one of its first FIRST_RECORDS records must make a document."""
+    for source, _ in resolve_sources(data.dataset, data.mixture):
+        unit, why = list_units(source)[0], "it holds no records"
+        for _, rid, _, rec in itertools.islice(READERS[unit.fmt](unit, 0, None), FIRST_RECORDS):
+            try:
+                build(rec, unit, f"{unit.source}/{unit.uid}:{rid}", 0)
+                break
+            except SkipSample as e:
+                why = f"{e.reason}: {e.detail}"
+        else:
+            raise ConfigError(f"data source {source}: none of its first {FIRST_RECORDS} records makes a {family!r} "
+                              f"sample (last: {why}); give records of the kinds docs/{family}.md lists")
+
+
 def _check_tokenizer(cfg: JobConfig, spec, model_cfg) -> None:
     hf_dir = local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None
     path = tokenizer_for(cfg.data.tokenizer_path, hf_dir)
@@ -123,7 +145,7 @@ def _check_tokenizer(cfg: JobConfig, spec, model_cfg) -> None:
         tok = load_tokenizer(path)
         needs = spec.data_needs(model_cfg)
         if needs.docs is not None:  # a family building its own documents checks its [data] settings
-            needs.docs.builder(cfg.data, tok, cfg.training.seed)
+            _check_first_records(cfg.data, needs.docs.builder(cfg.data, tok, cfg.training.seed), spec.name)
         else:
             Processor(tok, ProcessorConfig(data=cfg.data, needs=needs))  # the special tokens
     except (OSError, ValueError) as e:
