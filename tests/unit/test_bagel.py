@@ -111,6 +111,7 @@ class Reference(nn.Module):
                          num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, attention_bias=True,
                          rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, attn_implementation="eager")
         self.heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.moe = c.layer_module == "Qwen2MoEDecoderLayer"  # the MLP-only split: gen's layers lend their MLPs only
         self.und = nn.ModuleList(Qwen3DecoderLayer(qc, i) for i in range(c.num_hidden_layers))
         self.gen = nn.ModuleList(Qwen3DecoderLayer(qc, i) for i in range(c.num_hidden_layers))
         self.rotary = Qwen3RotaryEmbedding(qc)
@@ -144,17 +145,18 @@ class Reference(nn.Module):
 
     def layer(self, und, gen, h, g, cos, sin, mask):
         H, G, K = self.heads
-        x = both(und.input_layernorm, gen.input_layernorm, h, g)
-        proj = {n: both(getattr(und.self_attn, n), getattr(gen.self_attn, n), x, g)
+        a = und if self.moe else gen  # the gen tokens' attention and norms: Qwen2MoEDecoderLayer shares und's
+        x = both(und.input_layernorm, a.input_layernorm, h, g)
+        proj = {n: both(getattr(und.self_attn, n), getattr(a.self_attn, n), x, g)
                 for n in ("q_proj", "k_proj", "v_proj")}
-        q = both(und.self_attn.q_norm, gen.self_attn.q_norm, proj["q_proj"].view(-1, H, K), g)
-        k = both(und.self_attn.k_norm, gen.self_attn.k_norm, proj["k_proj"].view(-1, G, K), g)
+        q = both(und.self_attn.q_norm, a.self_attn.q_norm, proj["q_proj"].view(-1, H, K), g)
+        k = both(und.self_attn.k_norm, a.self_attn.k_norm, proj["k_proj"].view(-1, G, K), g)
         v = proj["v_proj"].view(-1, G, K)
         q, k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
         o, _ = eager_attention_forward(und.self_attn, q, k, v.transpose(0, 1)[None], mask[None, None], K**-0.5)
-        h = h + both(und.self_attn.o_proj, gen.self_attn.o_proj, o.reshape(h.shape[0], H * K), g)
+        h = h + both(und.self_attn.o_proj, a.self_attn.o_proj, o.reshape(h.shape[0], H * K), g)
         return h + both(lambda y: und.mlp(und.post_attention_layernorm(y)),
-                        lambda y: gen.mlp(gen.post_attention_layernorm(y)), h, g)
+                        lambda y: gen.mlp(a.post_attention_layernorm(y)), h, g)
 
     def forward(self, b, mask):
         """(final hidden [T, D], CE sum, MSE sum) of the prepared batch ``b`` (flattened to T tokens)."""
@@ -185,13 +187,17 @@ def pairs(model: BagelModel, ref: Reference):
     for i, layer in enumerate(model.layers):
         for e, r in (("und", ref.und[i]), ("gen", ref.gen[i])):
             a = r.self_attn
-            names = {"attn_norm.weight": r.input_layernorm.weight, "ffn_norm.weight": r.post_attention_layernorm.weight,
-                     "wo.weight": a.o_proj.weight, "q_norm.weight": a.q_norm.weight, "k_norm.weight": a.k_norm.weight,
-                     "mlp.w1.weight": r.mlp.gate_proj.weight, "mlp.w3.weight": r.mlp.up_proj.weight,
-                     "mlp.w2.weight": r.mlp.down_proj.weight}
+            attn = {"attn_norm.weight": r.input_layernorm.weight, "ffn_norm.weight": r.post_attention_layernorm.weight,
+                    "wo.weight": a.o_proj.weight, "q_norm.weight": a.q_norm.weight, "k_norm.weight": a.k_norm.weight}
             for ours, theirs in (("wq", a.q_proj), ("wk", a.k_proj), ("wv", a.v_proj)):
-                names |= {f"{ours}.weight": theirs.weight, f"{ours}.bias": theirs.bias}
-            out += [(f"layers.{i}.{e}.{k}", p) for k, p in names.items()]
+                attn |= {f"{ours}.weight": theirs.weight, f"{ours}.bias": theirs.bias}
+            mlp = {"w1.weight": r.mlp.gate_proj.weight, "w3.weight": r.mlp.up_proj.weight,
+                   "w2.weight": r.mlp.down_proj.weight}
+            if ref.moe:  # layers.{i}.shared: und's attention and norms; layers.{i}.{und,gen}: the MLPs
+                out += [(f"layers.{i}.shared.{k}", p) for k, p in attn.items() if e == "und"]
+                out += [(f"layers.{i}.{e}.{k}", p) for k, p in mlp.items()]
+            else:
+                out += [(f"layers.{i}.{e}.{k}", p) for k, p in (attn | {f"mlp.{k}": p for k, p in mlp.items()}).items()]
     for j, r in enumerate(ref.vit_layers):
         out += [(f"vit.blocks.{j}.{k}", p) for k, p in r.named_parameters()]
     for ours, theirs in (("tok_embeddings", ref.embed), ("norm", ref.norm), ("norm_gen", ref.norm_gen),
@@ -203,14 +209,14 @@ def pairs(model: BagelModel, ref: Reference):
     return out
 
 
-def _pair(seed: int = 0):
+def _pair(seed: int = 0, cfg: BagelConfig = CFG):
     torch.manual_seed(seed)
-    model = BagelModel(CFG)
+    model = BagelModel(cfg)
     model.init_weights()
     with torch.no_grad():  # away from the init's zeros and ones, so that every weight matters
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    ref = Reference(CFG)
+    ref = Reference(cfg)
     ours = dict(model.named_parameters())
     pp = pairs(model, ref)
     assert sorted(n for n, _ in pp) == sorted(ours), "the reference must cover every parameter once"
@@ -267,7 +273,8 @@ def assert_matches(out, want, model, pp):
         assert err <= 1e-5 * scale, (n, float(err), float(scale))
 
 
-@pytest.mark.parametrize("flags", [{"freeze_und": True}, {"freeze_vit": True}, {"freeze_und": True, "freeze_vit": True}])
+@pytest.mark.parametrize("flags", [{"freeze_und": True}, {"freeze_vit": True},
+                                   {"freeze_und": True, "freeze_vit": True}])
 def test_frozen_parts_do_not_move_over_a_step(flags):
     """BAGEL's freeze_und / freeze_vit: the frozen parts take no gradient and are in no group of the trainer's
     optimizer (build_optimizer with the family's param_groups), so a step of both losses leaves them bit for bit
@@ -297,6 +304,35 @@ def test_frozen_parts_do_not_move_over_a_step(flags):
         assert p.requires_grad == (part not in frozen) and (p.grad is None) == (part in frozen), n
         assert torch.equal(p.detach(), before[n]) == (part in frozen), n
     assert parts == {"und", "gen", "vit"}
+
+
+MOE = dataclasses.replace(CFG, llm_config=dataclasses.replace(CFG.llm_config, layer_module="Qwen2MoEDecoderLayer"))
+
+
+def test_mlp_only_split_matches_the_reference_and_round_trips(tmp_path):
+    """BAGEL's Qwen2MoEDecoderLayer (one attention with its norms for every token, the MLP by expert): hidden states,
+    both losses and every gradient equal the reference's (its gen layers lending their MLPs only); the weights go out
+    under that layer's names (no _moe_gen attention copies) and back bit for bit, the config with them."""
+    model, ref, pp = _pair(cfg=MOE)
+    obj = _objective()
+    rows = _rows()
+    batch = obj.prepare([collate_rows(rows, SEQ, 0, 1, multiple=1, schema=SCHEMA)], 0)[0]
+    assert_matches(_ours(model, batch, obj), ref(batch, ref_mask(rows, SEQ)), model, pp)
+    save_hf(model, MOE, tmp_path)
+    with safe_open(tmp_path / "ema.safetensors", "pt") as f:
+        layer0 = {n.removeprefix("language_model.model.layers.0.") for n in f.keys() if ".model.layers.0." in n}
+    attn = {f"self_attn.{m}.{leaf}" for m in ("q_proj", "k_proj", "v_proj") for leaf in ("weight", "bias")}
+    attn |= {f"{m}.weight" for m in ("self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "input_layernorm",
+                                     "post_attention_layernorm")}
+    assert layer0 == attn | {f"mlp{g}.{p}_proj.weight" for g in ("", "_moe_gen") for p in ("gate", "up", "down")}
+    keep = {k: getattr(MOE, k) for k in ("vae_config", "latent_patch_size", "max_latent_size",
+                                         "vit_max_num_patch_per_side", "timestep_shift")}
+    assert BagelConfig.from_hf(tmp_path, **keep) == MOE
+    fresh = BagelModel(MOE)
+    load_hf(fresh, tmp_path)
+    want = model.state_dict()
+    assert all(torch.equal(t, want[k]) for k, t in fresh.state_dict().items())
+    assert {param_part(n) for n, _ in model.named_parameters()} == {"und", "gen", "vit", "shared"}
 
 
 def test_vit_matches_siglip_per_image():
@@ -511,8 +547,8 @@ def test_a_segments_part_sets_the_combined_mask():
 def test_config_mistakes_are_one_line(tmp_path):
     with pytest.raises(ValueError, match="llm_config.num_hidden_layers = 2.5 is a float"):
         BagelConfig.from_hf_dicts({"num_hidden_layers": 2.5}, {})
-    with pytest.raises(ValueError, match="Mixture-of-Transformers layer with QK-norm only"):
-        BagelConfig.from_hf_dicts({"layer_module": "Qwen2MoEDecoderLayer"}, {})
+    with pytest.raises(ValueError, match="builds Qwen2MoTDecoderLayer or Qwen2MoEDecoderLayer"):
+        BagelConfig.from_hf_dicts({"layer_module": "Qwen2DecoderLayer"}, {})
     cfg = BagelConfig.from_hf_dicts({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
                                     {"num_hidden_layers": 27})
     assert cfg.vit_config.num_hidden_layers == 26 and cfg.llm_config.head_dim == 16

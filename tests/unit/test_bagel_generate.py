@@ -16,7 +16,7 @@ from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
 from PIL import Image
 from safetensors.torch import save_file
 
-from tests.unit.test_bagel import CFG, RUN, _objective, _ours, _pair, both, ref_timestep
+from tests.unit.test_bagel import CFG, MOE, RUN, _objective, _ours, _pair, both, ref_timestep
 from titan_mm.data.packing import collate_rows
 from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.launch.train import main
@@ -317,21 +317,24 @@ def recompute_velocity(model, prompt, hw, source, x, t):
 
 @torch.no_grad()
 def test_cached_steps_equal_recomputing_the_whole_sample():
-    """Each branch's step (the prompt; none; the source, then the prompt; the source alone) against the context's KV
-    cache equals the whole sample recomputed through the training forward: the same products, only the order of
-    the GEMMs' and attention's sums differs (their blocking follows the row count), so the velocities (|v| ~ 1)
-    agree to a few units in the last place; 64 fp32 ulps of |v| bounds that (measured: 2)."""
+    """Each branch's step (the prompt; none; the source, then the prompt; the source alone; and the MLP-only split's)
+    against the context's KV cache equals the whole sample recomputed through the training forward: the same
+    products, only the order of the GEMMs' and attention's sums differs (their blocking follows the row count), so
+    the velocities (|v| ~ 1) agree to a few units in the last place; 64 fp32 ulps of |v| bounds that (measured: 2)."""
     model, _, _ = _pair()
     g = torch.Generator().manual_seed(4)
     source = (torch.randn(4, 4, 4, generator=g), torch.randn(3, 8, 12, generator=g))
     x = torch.randn(6, CFG.patch_latent_dim, generator=g)
-    for prompt, src in (([7, 8, 9], None), (None, None), ([7, 8], source), (None, source)):
-        branch = _Branch(model, prompt, (4, 6), DEBUG_SPECIALS, src)
-        for t in (1.0, 0.5, 0.1):
-            want = recompute_velocity(model, prompt, (4, 6), src, x, torch.tensor(t))
+    moe, _, _ = _pair(cfg=MOE)  # the MLP-only split, its editing branch
+    for m, prompt, src, ts in ((model, [7, 8, 9], None, (1.0, 0.5, 0.1)), (model, None, None, (1.0, 0.5, 0.1)),
+                               (model, [7, 8], source, (1.0, 0.5, 0.1)), (model, None, source, (1.0, 0.5, 0.1)),
+                               (moe, [7, 8], source, (0.5,))):
+        branch = _Branch(m, prompt, (4, 6), DEBUG_SPECIALS, src)
+        for t in ts:
+            want = recompute_velocity(m, prompt, (4, 6), src, x, torch.tensor(t))
             got = branch.velocity(x, torch.tensor(t))
             tol = 64 * torch.finfo(torch.float32).eps * want.abs().max()
-            assert (got - want).abs().max() <= tol, (prompt, src is not None, t)
+            assert (got - want).abs().max() <= tol, (m.cfg.llm_config.layer_module, prompt, src is not None, t)
 
 
 def test_sampler_mistakes_are_one_line():

@@ -15,6 +15,10 @@ from titan_mm.models.hf_config import PositiveInt, check_hf, hf_types, within
 from titan_mm.models.hf_io import HFCheckpointError
 
 
+LAYER_MODULES = ("Qwen2MoTDecoderLayer", "Qwen2MoEDecoderLayer")
+"""BAGEL's two-expert decoder layers: every per-token weight split (MoT), or the MLP only (model.py's ``LAYERS``)."""
+
+
 @dataclass(frozen=True)
 class BagelLLMConfig:
     """The Qwen2 decoder (``llm_config.json``: Qwen2Config plus BAGEL's ``qk_norm`` and ``layer_module``)."""
@@ -33,10 +37,9 @@ class BagelLLMConfig:
     layer_module: str = "Qwen2MoTDecoderLayer"
 
     def __post_init__(self):
-        if self.layer_module != "Qwen2MoTDecoderLayer" or not self.qk_norm:
+        if self.layer_module not in LAYER_MODULES or not self.qk_norm:
             raise ValueError(f"llm_config.layer_module {self.layer_module!r}, qk_norm {self.qk_norm}: titan_mm's bagel "
-                             "builds the Mixture-of-Transformers layer with QK-norm only ('Qwen2MoTDecoderLayer', "
-                             "true); the MLP-only split is later")
+                             f"builds {' or '.join(LAYER_MODULES)} (the MLP-only split), with QK-norm (true)")
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"llm_config: hidden_size {self.hidden_size} must divide by num_attention_heads "
                              f"{self.num_attention_heads}, and that by num_key_value_heads {self.num_key_value_heads}")
@@ -111,7 +114,7 @@ class BagelConfig:
     freeze_und: bool = False
     """BAGEL's ``freeze_und``: the understanding side (each layer's ``und`` expert, the final ``norm``, the token
     embeddings, the LM head and the ViT connector) takes no gradient and sits out of the optimizer; the generation
-    expert trains."""
+    expert trains, and so does the MLP-only split's shared attention."""
     freeze_vit: bool = False
     """BAGEL's ``freeze_vit``: the SigLIP tower takes no gradient and sits out of the optimizer."""
 

@@ -1,6 +1,6 @@
 """BAGEL-7B-MoT folders in and out: ``ema.safetensors`` (the model's weights under the names of ByteDance-Seed/Bagel's
 ``Bagel`` module: modeling/bagel/{bagel,qwen2_navit,siglip_navit,modeling_utils}.py), ``llm_config.json`` and
-``vit_config.json`` (the config: titan_mm.models.bagel.config). ``ae.safetensors`` (the FLUX VAE) is not read yet.
+``vit_config.json`` (the config: titan_mm.models.bagel.config). ``ae.safetensors`` (the FLUX VAE) is vae.py's.
 
 Names (titan -> BAGEL; ``{g}`` is ``_moe_gen`` for the generation expert ``gen``, empty for ``und``):
   tok_embeddings / norm / norm_gen / output -> language_model.model.embed_tokens / .norm / .norm_moe_gen,
@@ -10,6 +10,8 @@ Names (titan -> BAGEL; ``{g}`` is ``_moe_gen`` for the generation expert ``gen``
   layers.{i}.{und,gen}.wq / wk / wv / wo / q_norm / k_norm -> ...layers.{i}.self_attn.q_proj{g} / k_proj{g} /
       v_proj{g} / o_proj{g} / q_norm{g} / k_norm{g}
   layers.{i}.{und,gen}.mlp.w1 / w3 / w2 -> ...layers.{i}.mlp{g}.gate_proj / up_proj / down_proj
+  the MLP-only split (``Qwen2MoEDecoderLayer``): layers.{i}.shared.* as und's names above (no {g} copies),
+      layers.{i}.{und,gen}.w1 / w3 / w2 -> ...layers.{i}.mlp{g}.gate_proj / up_proj / down_proj
   vit.embeddings.* / vit.blocks.{i}.* / vit.post_layernorm -> vit_model.vision_model.embeddings.* /
       .encoder.layers.{i}.* / .post_layernorm (the patch embedding as BAGEL's convert_conv2d_to_linear leaves it:
       a Linear over (row, column, channel) patches, which is ours)
@@ -54,9 +56,11 @@ def hf_name(name: str) -> str:
     """BAGEL's name of our parameter ``name`` (module docstring)."""
     module, leaf = name.rsplit(".", 1)
     parts = module.split(".")
-    if parts[0] == "layers":  # layers.{i}.{und,gen}.<module>
+    if parts[0] == "layers":  # layers.{i}.{und,gen,shared}.<module>
         g = "_moe_gen" if parts[2] == "gen" else ""
-        return f"{LLM}layers.{parts[1]}.{EXPERT['.'.join(parts[3:])].format(g=g)}.{leaf}"
+        key = ".".join(parts[3:])
+        key = key if key in EXPERT else f"mlp.{key}"  # the MLP-only split's und / gen are the MLPs themselves
+        return f"{LLM}layers.{parts[1]}.{EXPERT[key].format(g=g)}.{leaf}"
     if parts[:2] == ["vit", "blocks"]:
         return f"{VIT}encoder.layers.{'.'.join(parts[2:])}.{leaf}"
     return f"{TOP[module]}.{leaf}"

@@ -49,16 +49,17 @@ def sincos_table(dim: int, side: int) -> torch.Tensor:
 
 class Expert(nn.Module):
     """One expert's copy of a decoder layer's per-token weights: the two RMSNorms, q/k/v (biased) / o, the q/k
-    norms and the SwiGLU MLP (BAGEL's ``*`` or ``*_moe_gen`` weights)."""
+    norms and the SwiGLU MLP (BAGEL's ``*`` or ``*_moe_gen`` weights); without ``mlp``, the MLP-only split's shared
+    attention and norms."""
 
-    def __init__(self, c: BagelLLMConfig):
+    def __init__(self, c: BagelLLMConfig, mlp: bool = True):
         super().__init__()
         D, H, G, K = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.attn_norm, self.ffn_norm = RMSNorm(D, c.rms_norm_eps), RMSNorm(D, c.rms_norm_eps)
         self.wq, self.wk, self.wv = nn.Linear(D, H * K), nn.Linear(D, G * K), nn.Linear(D, G * K)
         self.wo = nn.Linear(H * K, D, bias=False)
         self.q_norm, self.k_norm = RMSNorm(K, c.rms_norm_eps), RMSNorm(K, c.rms_norm_eps)
-        self.mlp = SwiGLU(D, c.intermediate_size)
+        self.mlp = SwiGLU(D, c.intermediate_size) if mlp else None
         self.heads = (H, G, K)
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
@@ -87,6 +88,18 @@ def merge(und_NX: torch.Tensor, gen_MX: torch.Tensor, index: tuple[torch.Tensor,
     return out
 
 
+def attend(qkv_BSX: torch.Tensor, heads: tuple[int, int, int], rope, attn: AttnMeta | None,
+           layer_id: int) -> torch.Tensor:
+    """[B, S, h, K]: attention of the merged q / k / v [B, S, (h + 2g) K] (this rank's heads: all, or H / tp and
+    G / tp under tensor parallelism), RoPE applied."""
+    H, G, K = heads
+    qkv = qkv_BSX.unflatten(-1, (-1, K))
+    n = qkv.shape[2]
+    q, k, v = qkv.split([n * H // (H + 2 * G), n * G // (H + 2 * G), n * G // (H + 2 * G)], dim=2)
+    q, k = apply_rope(q, k, *rope)
+    return attention(q, k, v, attn, None, layer_id)
+
+
 class MoTLayer(nn.Module):
     """A decoder layer of two experts: each token's norms and projections are its expert's; attention is one over
     the packed sequence under the batch's segment mask (sampling: the new tokens over layer ``layer_id`` of the
@@ -100,16 +113,34 @@ class MoTLayer(nn.Module):
 
     def forward(self, h_BSD: torch.Tensor, index, rope, attn: AttnMeta | None) -> torch.Tensor:
         B, S, D = h_BSD.shape
-        H, G, K = self.heads
         xu, xg = route(h_BSD.reshape(B * S, D), index)
-        qkv = merge(self.und(xu), self.gen(xg), index, (B, S)).unflatten(-1, (-1, K))
-        n = qkv.shape[2]  # this rank's heads: all, or H / tp and G / tp under tensor parallelism
-        q, k, v = qkv.split([n * H // (H + 2 * G), n * G // (H + 2 * G), n * G // (H + 2 * G)], dim=2)
-        q, k = apply_rope(q, k, *rope)
-        ou, og = route(attention(q, k, v, attn, None, self.layer_id).reshape(B * S, -1), index)
+        qkv = merge(self.und(xu), self.gen(xg), index, (B, S))
+        ou, og = route(attend(qkv, self.heads, rope, attn, self.layer_id).reshape(B * S, -1), index)
         h = h_BSD + merge(self.und.wo(ou), self.gen.wo(og), index, (B, S))
         xu, xg = route(h.reshape(B * S, D), index)
         return h + merge(self.und.mlp(self.und.ffn_norm(xu)), self.gen.mlp(self.gen.ffn_norm(xg)), index, (B, S))
+
+
+class MoELayer(nn.Module):
+    """BAGEL's MLP-only split (``Qwen2MoEDecoderLayer``): one attention with its two norms (``shared``) for every
+    token, the MLP by expert: ``und`` for text and ViT tokens, ``gen`` for latent tokens."""
+
+    def __init__(self, c: BagelLLMConfig, layer_id: int):
+        super().__init__()
+        self.shared = Expert(c, mlp=False)
+        self.und, self.gen = SwiGLU(c.hidden_size, c.intermediate_size), SwiGLU(c.hidden_size, c.intermediate_size)
+        self.heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.layer_id = layer_id
+
+    def forward(self, h_BSD: torch.Tensor, index, rope, attn: AttnMeta | None) -> torch.Tensor:
+        B, S, D = h_BSD.shape
+        h = h_BSD + self.shared.wo(attend(self.shared(h_BSD), self.heads, rope, attn, self.layer_id).flatten(-2))
+        xu, xg = route(self.shared.ffn_norm(h).reshape(B * S, D), index)
+        return h + merge(self.und(xu), self.gen(xg), index, (B, S))
+
+
+LAYERS = {"Qwen2MoTDecoderLayer": MoTLayer, "Qwen2MoEDecoderLayer": MoELayer}
+"""BAGEL's decoder layer kinds by ``llm_config.layer_module``."""
 
 
 class ViTBlock(nn.Module):
@@ -168,7 +199,7 @@ class BagelModel(nn.Module):
         self.cfg = cfg
         c, D = cfg.llm_config, cfg.llm_config.hidden_size
         self.tok_embeddings = nn.Embedding(c.vocab_size, D)
-        self.layers = nn.ModuleList(MoTLayer(c, i) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(LAYERS[c.layer_module](c, i) for i in range(c.num_hidden_layers))
         self.norm, self.norm_gen = RMSNorm(D, c.rms_norm_eps), RMSNorm(D, c.rms_norm_eps)
         self.output = None if c.tie_word_embeddings else nn.Linear(D, c.vocab_size, bias=False)
         self.vit = SiglipNaViT(cfg.vit_config)

@@ -1,7 +1,8 @@
 """BAGEL parallelize plan (data; applied by titan_mm.parallel.apply): FSDP, AC and compile per decoder layer (both
 experts in one unit: every layer runs both) and per ViT layer; tensor parallel colwise / rowwise inside each expert
 (q/k/v colwise, o rowwise, the SwiGLU's w1 / w3 colwise and w2 rowwise; the per-head q/k norms replicated with summed
-gradients). Sequence, context and pipeline parallel entries are a later slice (docs/bagel.md)."""
+gradients); the MLP-only split's shared attention as one expert's, its two MLPs as theirs. Sequence, context and
+pipeline parallel entries are a later slice (docs/bagel.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ EXPERT_TP = {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise",
 
 
 def plan(cfg: BagelConfig) -> ParallelizePlan:
-    tp = {f"layers.*.{e}.{name}": style for e in ("und", "gen") for name, style in EXPERT_TP.items()}
+    if cfg.llm_config.layer_module == "Qwen2MoEDecoderLayer":  # the MLP-only split: one attention, two MLPs
+        tp = {f"layers.*.shared.{name}": style for name, style in EXPERT_TP.items() if not name.startswith("mlp.")}
+        tp |= {f"layers.*.{e}.{name[4:]}": style for e in ("und", "gen") for name, style in EXPERT_TP.items()
+               if name.startswith("mlp.")}
+    else:
+        tp = {f"layers.*.{e}.{name}": style for e in ("und", "gen") for name, style in EXPERT_TP.items()}
     units = LAYERS + VIT_LAYERS
     return ParallelizePlan(fsdp_units=units, ac_units=units, compile_units=units, tp=tp)

@@ -60,15 +60,15 @@ GEN_MODULES = ("norm_gen", "time_embedder", "vae2llm", "llm2vae")
 
 
 def param_part(name: str) -> str:
-    """"und", "gen" or "vit" of a parameter FQN (wrappers' ``_``-prefixed names skipped): the ViT tower; each layer's
-    ``gen`` expert and the generation path's modules; the rest (each layer's ``und`` expert, ``norm``, the
-    embeddings, the LM head, the connector) understanding."""
+    """"und", "gen", "vit" or "shared" of a parameter FQN (wrappers' ``_``-prefixed names skipped): the ViT tower;
+    each layer's ``gen`` expert and the generation path's modules; the MLP-only split's shared attention; the rest
+    (each layer's ``und`` expert, ``norm``, the embeddings, the LM head, the connector) understanding."""
     path = [p for p in name.split(".") if not p.startswith("_")]
     if path[0] == "vit":
         return "vit"
     if path[0] in GEN_MODULES or (path[0] == "layers" and path[2] == "gen"):
         return "gen"
-    return "und"
+    return "shared" if path[0] == "layers" and path[2] == "shared" else "und"
 
 
 def frozen_parts(cfg: BagelConfig) -> frozenset[str]:
