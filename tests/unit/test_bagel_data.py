@@ -128,6 +128,10 @@ def test_edit_record_is_clean_source_vit_source_instruction_noised_target(tmp_pa
     want = generation_doc(CFG, TOK.encode("make it blue"), enc(tgt[None])[0], docs.specials,
                           source=(enc(src[None])[0], src))
     assert_docs_equal(doc, want)
+    forks, _ = one_doc(tmp_path, {"source_image": "s.png", "instruction": "make it blue", "target_image": "t.png"})
+    assert_docs_equal(forks, want)  # the keys of the EditJSONLIterableDataset in BAGEL's forks
+    with pytest.raises(SkipSample, match="names no \"source\""):
+        one_doc(tmp_path, {"instruction": "make it blue", "target": "t.png"})
     assert [k for _, k in doc.segments] == ["full", "full", "causal", "noise"]
     assert np.array_equal(doc.media["vit_patches"][0], ref_patchify(src, 4).numpy())
     assert doc.n_patches == 4

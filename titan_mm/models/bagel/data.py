@@ -8,8 +8,9 @@ codec of ``data.encoders`` (titan_mm.models.bagel.vae: ``"pixels"`` or a FLUX VA
 
   text-to-image  {"image": IMG, "caption": TEXT}: [bos caption eos] causal, no loss | the image's noised VAE split;
                  or BAGEL's t2i parquet row {"image": bytes, "captions": JSON of several}, one drawn per epoch
-  editing        {"source": IMG, "instruction": TEXT, "target": IMG}: the source's clean VAE split (t = 0) and its
-                 ViT split, both full | [bos instruction eos] causal, no loss | the target's noised VAE split
+  editing        {"source": IMG, "instruction": TEXT, "target": IMG} (or "source_image" / "target_image", as the
+                 EditJSONLIterableDataset of BAGEL's forks): the source's clean VAE split (t = 0) and its ViT split,
+                 both full | [bos instruction eos] causal, no loss | the target's noised VAE split
   VLM chat       {"messages": [...]} (or LLaVA "conversations"; titan_mm.data.schema): per message, each image a
                  ViT split and each run of text [bos text eos] causal, CE on the assistant's
   builtin:digits the chat "<image> What digit is this?" -> "7" (CE on the answer), or "Draw the digit 7." -> the
@@ -249,7 +250,10 @@ class BagelDocs:
         if "caption" in rec or "captions" in rec:
             s = self._generation(rec, unit, key, rec.get("image"), _caption(rec, key))
         elif "instruction" in rec:
-            s = self._generation(rec, unit, key, rec.get("target"), rec["instruction"], rec.get("source"))
+            source = rec.get("source", rec.get("source_image"))
+            if source is None:
+                raise SkipSample("missing_media", "an editing record names no \"source\" (or \"source_image\")")
+            s = self._generation(rec, unit, key, rec.get("target", rec.get("target_image")), rec["instruction"], source)
         elif "messages" in rec or "conversations" in rec:
             sample = parse_record(rec)
             if unit.url in DIGITS and hash_ints(self.seed, int(rec["index"]), _WAY_SALT) % 2 != epoch % 2:
