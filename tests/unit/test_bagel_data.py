@@ -148,6 +148,9 @@ def test_chat_record_is_vit_split_question_and_answer_with_ce(tmp_path):
     s.text(ids("What is it?", docs.specials), loss=False)
     s.text(ids("A square.", docs.specials), loss=True)
     assert_docs_equal(doc, s.doc())
+    llava = {"image": "q.png", "conversations": [{"from": "human", "value": "<image>\nWhat is it? "},
+                                                 {"from": "gpt", "value": "A square."}]}
+    assert_docs_equal(one_doc(tmp_path, llava)[0], s.doc())  # BAGEL's own VLM SFT rows: the prompt stripped
     answer = TOK.encode("A square.")
     assert doc.labels[doc.labels != IGNORE_INDEX].tolist() == [*answer, docs.specials.eos]
 

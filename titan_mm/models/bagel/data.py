@@ -303,7 +303,8 @@ class BagelDocs:
         return s
 
     def _chat(self, sample, rec: dict, unit: Unit) -> _Sample:
-        """Per message: each image a ViT split, each run of text [bos text eos], CE on the assistant's."""
+        """Per message: each image a ViT split, each run of text [bos text eos], CE on the assistant's (BAGEL's
+        SftJSONLIterableDataset.change_format: the prompt's text around an image stripped, the answer as given)."""
         s, loss = _Sample(self.cfg, self.specials), False
         for m in sample.messages or []:
             text: list[str] = []
@@ -311,8 +312,9 @@ class BagelDocs:
                 if part is not None and part.type == "text":
                     text.append(part.text)
                     continue
-                if "".join(text).strip():
-                    s.text(self._ids("".join(text), "text"), loss=m.role == "assistant")
+                said = "".join(text) if m.role == "assistant" else "".join(text).strip()  # as change_format
+                if said.strip():
+                    s.text(self._ids(said, "text"), loss=m.role == "assistant")
                     loss |= m.role == "assistant"
                 text = []
                 if part is not None and part.type != "image":
