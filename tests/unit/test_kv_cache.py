@@ -167,6 +167,20 @@ def test_contiguous_cache_layout():
     assert nxt.step.positions.tolist() == [[3], [1]] and nxt.step.slot_mapping.tolist() == [3, 9]
 
 
+def test_see_new_sets_which_new_tokens_each_new_token_sees():
+    """plan_step(see_new=): the new tokens see each other as given (BAGEL's full image splits), every cached key
+    stays visible, keys past a row's length stay hidden; a wrong shape or a packed step is one line."""
+    see = torch.tensor([[True, True, False], [True, True, False], [True, True, True]])[None].expand(2, 3, 3)
+    step = plan_step(alloc_contiguous_cache(1, 2, 8, 1, 4), [3, 2], cached_lens=[2, 0], see_new=see).step
+    want0 = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(step.mask[0, 0], want0)  # row 0: 2 cached keys, then the 3 new ones as see_new says
+    assert torch.equal(step.mask[1, 0, :2, :2], see[1, :2, :2]) and not step.mask[1, 0, :2, 2:].any()
+    with pytest.raises(ValueError, match=r"see_new has shape \[2, 2, 2\]; give \[B, S, S\] = \[2, 3, 3\]"):
+        plan_step(alloc_contiguous_cache(1, 2, 8, 1, 4), [3, 2], see_new=see[:, :2, :2])
+    with pytest.raises(ValueError, match="see_new=...\\) plans a step of rows"):
+        plan_step(alloc_contiguous_cache(1, 2, 8, 1, 4), [3, 2], see_new=see, packed=True)
+
+
 def test_step_planning_mistakes_are_refused():
     contiguous = alloc_contiguous_cache(2, 2, 4, 1, 4)
     paged = alloc_paged_cache(2, 4, 2, 1, 4)

@@ -59,10 +59,17 @@ def schedule(steps: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
     return t[:-1], t[:-1] - t[1:]
 
 
-def _part(doc: Doc, a: int, b: int, segments: tuple, media: dict) -> Doc:
-    """Tokens ``a:b`` of ``doc`` (its positions kept) as a doc of their own."""
-    return Doc(doc.input_ids[a:b], doc.labels[a:b], positions=doc.positions[:, a:b], media=media,
-               seq={k: v[a:b] for k, v in doc.seq.items()}, segments=segments)
+def split_query(doc: Doc) -> tuple[Doc | None, Doc]:
+    """(the context: every split but the last, None when there is none; the image query: the last split, the noised
+    image) of a generation sample (data.generation_doc), each a doc of its own with its positions kept."""
+    n = doc.segments[-1][0]
+    c = len(doc) - n
+
+    def part(a: int, b: int, segments: tuple, media: dict) -> Doc:
+        return Doc(doc.input_ids[a:b], doc.labels[a:b], positions=doc.positions[:, a:b], media=media,
+                   seq={k: v[a:b] for k, v in doc.seq.items()}, segments=segments)
+
+    return (part(0, c, doc.segments[:-1], doc.media) if c else None), part(c, len(doc), doc.segments[-1:], {})
 
 
 def _collated(doc: Doc) -> dict:
@@ -85,12 +92,12 @@ class _Branch:
         cfg, c = model.cfg, model.cfg.llm_config
         w = model.llm2vae.weight
         doc = generation_doc(cfg, prompt_ids, torch.zeros(cfg.vae_config.z_channels, *latent_hw), specials, source)
-        n = doc.segments[-1][0]  # the noised image split, last
-        ctx = len(doc) - n
+        context, query = split_query(doc)
+        ctx, n = len(doc) - len(query), len(query)
         cache = alloc_contiguous_cache(c.num_hidden_layers, 1, len(doc), c.num_key_value_heads, c.head_dim, w.dtype,
                                        w.device)
-        if ctx:
-            raw = _collated(_part(doc, 0, ctx, doc.segments[:-1], doc.media))
+        if context is not None:
+            raw = _collated(context)
             see = build_attn_meta(raw, "sdpa", "cpu", kind="segments").sdpa_mask[:, 0]  # the training mask
             cache = plan_step(cache, [ctx], see_new=see)
             b = _prepared(cfg, raw, w.device)
@@ -99,7 +106,7 @@ class _Branch:
                                   logits_at=torch.tensor([ctx - 1], device=w.device)).kv_cache
         # the query sees every cached key and all of its own split, its k / v rewritten into the same slots
         self.cache = plan_step(cache, [n], cached_lens=[ctx], see_new=torch.ones(1, n, n, dtype=torch.bool))
-        self.b = _prepared(cfg, _collated(_part(doc, ctx, len(doc), doc.segments[-1:], {})), w.device)
+        self.b = _prepared(cfg, _collated(query), w.device)
         self.mask, self.model = self.b["latent_mask"], model
 
     def _forward(self, model, b, cache, noisy, timesteps, **kw):
