@@ -34,7 +34,7 @@ causal mask (elsewhere).
 The forward (``KVCache.update``, called by titan_mm.nn.attention) copies the new k/v into their slots
 (``index_copy_``, in place: the storage is donated to the step) and gathers every cached key of each sequence
 (``index_select``); the mask built here says which of them each new query sees (causal by absolute position,
-optionally a sliding window). Index tensors and masks are built on the host before the forward, so the forward
+optionally a sliding window; among the step's own new tokens, as a caller's ``see_new`` says: BAGEL's sampler). Index tensors and masks are built on the host before the forward, so the forward
 does no ``.item()``, no ``nonzero`` and no host sync. The gather is the simple correct path; the serving engine's
 paged decode kernels read the blocks in place later.
 """
