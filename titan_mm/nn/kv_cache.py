@@ -34,8 +34,9 @@ causal mask (elsewhere).
 The forward (``KVCache.update``, called by titan_mm.nn.attention) copies the new k/v into their slots
 (``index_copy_``, in place: the storage is donated to the step) and gathers every cached key of each sequence
 (``index_select``); the mask built here says which of them each new query sees (causal by absolute position,
-optionally a sliding window; among the step's own new tokens, as a caller's ``see_new`` says: BAGEL's sampler). Index tensors and masks are built on the host before the forward, so the forward
-does no ``.item()``, no ``nonzero`` and no host sync. The gather is the simple correct path; the serving engine's
+optionally a sliding window; among the step's own new tokens, as a caller's ``see_new`` says). Index tensors and
+masks are built on the host before the forward, so the forward does no ``.item()``, no ``nonzero`` and no host
+sync. The gather is the simple correct path; the serving engine's
 paged decode kernels read the blocks in place later.
 """
 
@@ -303,7 +304,7 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     ``paged_attention``: paged_attention(q [T, H, K], k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, window)
     reads the keys of a packed step of a paged cache in place instead (rows of any length, one call).
     ``see_new`` [B, S, S] bool: which of the step's new tokens each new token sees, instead of causal by position
-    (every cached key stays visible): a prefill with bidirectional spans (BAGEL's image splits).
+    (every cached key stays visible): a prefill with bidirectional spans (an image split seeing all of itself).
     """
     new = torch.as_tensor(new_lens, dtype=torch.int64).reshape(-1).cpu()  # host metadata, whatever was passed
     B = new.numel()
