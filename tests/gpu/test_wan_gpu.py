@@ -13,6 +13,7 @@ import torch
 from tests.unit.test_wan import TI2V, TINY, ClipFlow, _clips, _inputs, _pair
 from tests.unit.test_wan_peer import assert_same_loss, peer_and_titan_losses
 from titan_mm.models.wan import patchify, unpatchify
+from titan_mm.models.wan.hf import to_diffusers
 from titan_mm.models.wan.sample import sample
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.registry import get_model_spec
@@ -37,7 +38,7 @@ def test_wan_matches_diffusers_on_cuda(hf, per_patch, tmp_path):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     want.square().sum().backward()
     got.square().sum().backward()
-    grads = dict(model.named_parameters())
+    grads = to_diffusers(dict(model.named_parameters()))
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 

@@ -19,7 +19,7 @@ from titan_mm.models.hf_io import HFCheckpointError  # noqa: E402
 from titan_mm.models.wan import WanConfig, WanModel, patchify, unpatchify  # noqa: E402
 from titan_mm.models.wan.data import latent_batch  # noqa: E402
 from titan_mm.models.wan.flops import matmul_params  # noqa: E402
-from titan_mm.models.wan.hf import DIFFUSERS_SINGLE, load_hf, save_hf  # noqa: E402
+from titan_mm.models.wan.hf import DIFFUSERS_SINGLE, from_diffusers, load_hf, save_hf, to_diffusers  # noqa: E402
 from titan_mm.nn.attention import build_attn_meta  # noqa: E402
 from titan_mm.objectives import FlowMatching, build_objective  # noqa: E402
 from titan_mm.objectives.base import noise_generator  # noqa: E402
@@ -93,7 +93,7 @@ def test_wan_matches_diffusers(hf, per_patch, tmp_path):
     w = torch.randn(want.shape, generator=torch.Generator().manual_seed(2))
     (want * w).sum().backward()
     (got * w).sum().backward()
-    grads = dict(model.named_parameters())
+    grads = to_diffusers(dict(model.named_parameters()))
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
     torch.testing.assert_close(text.grad, text_ref.grad, atol=1e-4, rtol=1e-4)
@@ -310,7 +310,7 @@ def test_export_of_a_wan_run_is_a_diffusers_folder(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", DIFFUSERS_SINGLE]
     got = load_model(tmp_path / "run")
     back = diffusers.WanTransformer3DModel.from_pretrained(out).float()
-    assert all(torch.equal(v, got.model.state_dict()[k]) for k, v in back.state_dict().items())
+    assert all(torch.equal(v, got.model.state_dict()[k]) for k, v in from_diffusers(back.state_dict()).items())
     cfg = got.model_cfg
     g = torch.Generator().manual_seed(4)
     x, text = torch.randn(2, cfg.in_channels, 3, 8, 8, generator=g), torch.randn(2, 8, cfg.text_dim, generator=g)
@@ -344,7 +344,7 @@ def test_a14b_expert_trains_its_side_of_the_boundary(tmp_path):
         assert (cfg.boundary_ratio, cfg.expert, cfg.t_range()) == (0.875, expert, (lo, hi))
         model = WanModel(cfg)
         load_hf(model, pipe)
-        want = ref.state_dict()
+        want = from_diffusers(ref.state_dict())
         assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
         assert "expert" not in cfg.to_hf_dict() and "boundary_ratio" not in cfg.to_hf_dict()
         for sampler in ("logit_normal", "uniform"):

@@ -15,6 +15,7 @@ from bench.mfu import CASES, case_batch, model_config  # noqa: E402
 from bench.peers import build_diffusers_wan  # noqa: E402
 from titan_mm.config import JobConfig  # noqa: E402
 from titan_mm.models.wan import WanModel  # noqa: E402
+from titan_mm.models.wan.hf import from_diffusers  # noqa: E402
 from titan_mm.objectives import build_objective  # noqa: E402
 from titan_mm.train.state import TrainState  # noqa: E402
 from titan_mm.train.step import StepContext, train_step  # noqa: E402
@@ -38,7 +39,7 @@ def peer_and_titan_losses(tmp_path, device: torch.device, compile_blocks: bool) 
             for p in peer.parameters():
                 p.to_local().copy_(torch.randn(p.shape, generator=g) * 0.2)
         model = WanModel(mc).to(device)
-        model.load_state_dict({k: v.full_tensor() for k, v in peer.state_dict().items()})  # diffusers' names
+        model.load_state_dict(from_diffusers({k: v.full_tensor() for k, v in peer.state_dict().items()}))
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         state = TrainState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
         ctx = StepContext(device=device, objective=objective, seq_keys=spec.schema().seq)

@@ -21,6 +21,9 @@ class Stream(NamedTuple):
     """[2, E] router statistics summed over the MoE blocks run so far (None: none ran)."""
     adds: tuple[torch.Tensor, ...] = ()
     """[B, S, D] additions to the residual after blocks 0 .. len(adds)-1 (Qwen3-VL DeepStack features)."""
+    cond: tuple[torch.Tensor, ...] = ()
+    """Conditioning that ``embed`` computes and every block reads unchanged (Wan: the text states, the modulation and
+    the time embedding); pipeline stages send it on with ``h``."""
 
 
 class ModelOutput(NamedTuple):

@@ -25,8 +25,10 @@ contract methods. It is not a parent of the model: state dicts are taken from th
 ``h`` [B, S_local, D]; with MoE the router statistics [2, E] summed so far (zeros before the first MoE block: the
 MoE aux loss is a function of the statistics summed over all MoE blocks, so they are carried to the last stage,
 whose head turns them into the aux loss, and its gradient flows back through every stage); with DeepStack the
-additions still ahead (after blocks ``stop .. n_adds-1``; zeros for a text-only micro-batch). The vision tower runs
-on stage 0.
+additions still ahead (after blocks ``stop .. n_adds-1``; zeros for a text-only micro-batch); then the stream's
+``cond``, the conditioning every block reads unchanged (Wan's text states, modulation and time embedding: stage 0's
+embed computes them, every stage passes them on, their gradients flow back to stage 0). The vision tower runs on
+stage 0.
 
 **Per-micro-batch metadata** (attention metadata, positions, family inputs, the objective's loss) is built on the host
 before ``schedule.step`` and kept in a table indexed by micro-batch. Each forward gets its micro-batch index as the keyword
@@ -169,6 +171,8 @@ class Micro(NamedTuple):
     attn: Any
     embed_kw: dict
     """The family inputs ``embed`` takes (pixel values, vision metadata, ...)."""
+    rope_kw: dict
+    """The family inputs ``rope`` takes besides the positions (Wan: ``grid_fhw``, each patch's frame, row, column)."""
     loss: Callable
     """The objective's ``loss(model, out) -> {term: sum}`` for this micro-batch (Objective.bind)."""
     terms: tuple[str, ...]
@@ -200,8 +204,9 @@ class StageModule(nn.Module):
         if self.n_experts:
             stats, rest = rest[0], rest[1:]
         # adds after blocks start .. n_adds-1 arrive; the trunk indexes adds by block, earlier ones are never read
-        adds = (None,) * self.start + tuple(rest) if rest else ()
-        return Stream(h, stats, adds)
+        n = max(0, self.n_adds - self.start)
+        adds = (None,) * self.start + tuple(rest[:n]) if n else ()
+        return Stream(h, stats, adds, tuple(rest[n:]))
 
     def _pack(self, stream: Stream) -> tuple[torch.Tensor, ...]:
         out = [stream.h]
@@ -212,13 +217,13 @@ class StageModule(nn.Module):
         for i in range(self.stop, self.n_adds):  # the additions later stages still need (zeros: no image)
             a = stream.adds[i] if i < len(stream.adds) else None
             out.append(a if a is not None else torch.zeros_like(stream.h))
-        return tuple(out)
+        return tuple(out) + stream.cond
 
     def forward(self, *received: torch.Tensor, mb: torch.Tensor):
         b: Micro = self._book[int(mb[0])]  # a CPU tensor: no device sync
         m = self._model
         stream = m.embed(b.input_ids, **b.embed_kw) if self.first else self._unpack(received)
-        stream = m.trunk(stream, m.rope(b.position_ids, stream.h.dtype), b.attn, self.start, self.stop)
+        stream = m.trunk(stream, m.rope(b.position_ids, stream.h.dtype, **b.rope_kw), b.attn, self.start, self.stop)
         if not self.last:
             return self._pack(stream)
         out = m.head(stream, b.attn, hidden=True)
@@ -348,13 +353,15 @@ class Pipeline:
         self._step: dict[str, Any] = {}
         model = modules[0]._model
         self._embed_keys = _params_of(model.embed) - {"input_ids"}
-        self._forward_keys = _params_of(model.forward)
+        self._rope_keys = _params_of(model.rope) - {"position_ids", "dtype"}
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+        self._forward_keys = None if takes_any else _params_of(model.forward)  # None: a **kwargs forward takes any
 
     def micro(self, b: dict, attn, inputs: dict, loss: Callable, terms: tuple[str, ...]) -> Micro:
         """A device batch, its attention metadata, the family inputs of its forward (``inputs``) and the objective's
         ``loss`` / ``terms`` as the stages read them; an input the model's forward does not take raises as the
         forward would."""
-        unknown = sorted(set(inputs) - self._forward_keys)
+        unknown = sorted(set(inputs) - self._forward_keys) if self._forward_keys is not None else []
         if unknown:
             raise TypeError(f"the model's forward takes no input {unknown[0]!r} (batch keys {sorted(b)})")
         pos = b.get("position_ids")
@@ -362,7 +369,7 @@ class Pipeline:
             B, S = batch_rows(b)
             pos = torch.arange(S, device=self.device)[None].expand(B, S)
         return Micro(b.get("input_ids"), pos, attn, {k: v for k, v in inputs.items() if k in self._embed_keys},
-                     loss, terms)
+                     {k: v for k, v in inputs.items() if k in self._rope_keys}, loss, terms)
 
     def _loss(self, out, target):
         terms, aux = out

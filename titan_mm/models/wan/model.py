@@ -10,7 +10,7 @@ values in (pt, ph, pw, C) order (the order of the output head, so the flow-match
 Wan2.1: the time MLP runs once per row and its modulation broadcasts over the patches) or ``timesteps`` [B, S] (one
 per patch, Wan2.2 TI2V keeps its first frame clean: the time MLP runs per patch, 6 D^2 more per token). Which one is
 the host's choice (:func:`clip_timesteps`, the family's prepare_batch), never a sync in the forward. The parameter
-names are diffusers' own, so its folders load without renaming.
+names are diffusers' own, so its folders load without renaming, but for the output norm's table (hf.py maps it).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from titan_mm.models.wan.config import NUM_TRAIN_TIMESTEPS, WanConfig
 from titan_mm.nn import init
 from titan_mm.nn.attention import AttnMeta, attention
-from titan_mm.nn.output import ModelOutput
+from titan_mm.nn.output import ModelOutput, Stream
 
 ROPE_THETA = 10000.0
 
@@ -146,6 +146,15 @@ class _ConditionEmbedder(nn.Module):
         self.text_embedder = _TimeEmbedder(cfg.text_dim, cfg.dim)
 
 
+class _HeadTable(nn.Module):
+    """The output norm's modulation table [1, 2, D] (shift, scale): diffusers' root ``scale_shift_table``, held in a
+    module so that the last pipeline stage owns it (hf.py maps the name)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+
+
 class WanModel(nn.Module):
     """embed (patches, timesteps, text) -> trunk (blocks) -> head (modulated final norm); ``predict_velocity`` is
     the output projection (flow matching's hook)."""
@@ -156,9 +165,10 @@ class WanModel(nn.Module):
         # diffusers' Conv3d weight [D, C, pt, ph, pw]: kept in its shape so folders round-trip; a patch-wise linear
         self.patch_embedding = nn.Conv3d(cfg.in_channels, cfg.dim, cfg.patch_size, cfg.patch_size)
         self.condition_embedder = _ConditionEmbedder(cfg)
-        self.blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.num_layers))
+        # a ModuleDict keyed "0".. (the FQNs of diffusers' ModuleList): pipeline stages drop the blocks they do not run
+        self.blocks = nn.ModuleDict({str(i): WanBlock(cfg) for i in range(cfg.num_layers)})
+        self.norm_out = _HeadTable(cfg.dim)
         self.proj_out = nn.Linear(cfg.dim, cfg.patch_dim)
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
 
     def init_weights(self, buffer_device=None) -> None:
         """Random init (the trainer's, under titan_mm.nn.init.seeded_init): weights N(0, 0.02), biases 0, norms 1,
@@ -173,9 +183,14 @@ class WanModel(nn.Module):
             else:
                 init.normal_(p, std=0.02)
 
-    def embed(self, noisy_latents, timesteps, text_states):
-        """(h [B, S, D], temb [B, S or 1, D], mod [B, S or 1, 6, D], text [B, L, D]) for ``timesteps`` [B, S] (a t
-        per patch) or [B, 1] (a t per clip: the time MLP runs once per row)."""
+    def init_buffers(self, buffer_device=None) -> None:
+        """Nothing to fill: the RoPE angles come from the batch's grid."""
+
+    def embed(self, input_ids=None, noisy_latents=None, text_states=None, timesteps=None,
+              clip_timesteps=None) -> Stream:
+        """Stream(h [B, S, D], cond=(text [B, L, D], mod [B, S or 1, 6, D], temb [B, S or 1, D])) for ``timesteps``
+        [B, S] (a t per patch) or ``clip_timesteps`` [B] (a t per clip: the time MLP runs once per row)."""
+        timesteps = timesteps if clip_timesteps is None else clip_timesteps[:, None]  # [B, S] or [B, 1]
         w = self.patch_embedding.weight
         w_DP = w.permute(0, 2, 3, 4, 1).flatten(1)  # (pt, ph, pw, C): the patch order of the batch
         h = F.linear(noisy_latents.to(w.dtype), w_DP, self.patch_embedding.bias)
@@ -184,23 +199,32 @@ class WanModel(nn.Module):
         temb = ce.time_embedder(t.to(ce.time_embedder.linear_1.weight.dtype), F.silu)
         mod = ce.time_proj(F.silu(temb)).unflatten(-1, (6, -1))
         text = ce.text_embedder(text_states.to(w.dtype), lambda x: F.gelu(x, approximate="tanh"))
-        return h, temb, mod, text
+        return Stream(h, cond=(text, mod, temb))
 
-    def trunk(self, h, text, mod, rope, meta, start: int = 0, stop: int | None = None):
-        for blk in self.blocks[start:stop]:
-            h = blk(h, text, mod, rope, meta)
-        return h
+    def rope(self, position_ids, dtype, grid_fhw=None):
+        """The 3-D RoPE's cos / sin from each patch's (frame, row, column): Wan reads ``grid_fhw``, not positions."""
+        return rope_cos_sin(grid_fhw, self.cfg)
 
-    def head(self, h, temb):
-        shift, scale = (self.scale_shift_table + temb[:, :, None].float()).unbind(2)
-        return (_ln(h, self.cfg.eps) * (1 + scale) + shift).type_as(h)
+    def trunk(self, stream: Stream, rope, attn, start: int = 0, stop: int | None = None) -> Stream:
+        """Blocks start .. stop-1 (any contiguous slice); the text states and the modulation ride in ``stream.cond``."""
+        text, mod, _ = stream.cond
+        h = stream.h
+        for i in range(start, len(self.blocks) if stop is None else stop):
+            h = self.blocks[str(i)](h, text, mod, rope, attn)
+        return stream._replace(h=h)
+
+    def head(self, stream: Stream, attn=None, hidden: bool = True) -> ModelOutput:
+        """The final norm modulated by the time embedding, as ``hidden`` (``proj_out`` is flow matching's hook,
+        :meth:`predict_velocity`)."""
+        h, temb = stream.h, stream.cond[2]
+        shift, scale = (self.norm_out.scale_shift_table + temb[:, :, None].float()).unbind(2)
+        out = (_ln(h, self.cfg.eps) * (1 + scale) + shift).type_as(h)
+        return ModelOutput(None, None, torch.zeros((), device=h.device), hidden=out)
 
     def forward(self, input_ids=None, position_ids=None, attn=None, loss=None, noisy_latents=None, timesteps=None,
                 text_states=None, grid_fhw=None, clip_timesteps=None, **_):
-        t = timesteps if clip_timesteps is None else clip_timesteps[:, None]  # [B, S] or [B, 1]
-        h, temb, mod, text = self.embed(noisy_latents, t, text_states)
-        h = self.trunk(h, text, mod, rope_cos_sin(grid_fhw, self.cfg), attn)
-        out = ModelOutput(None, None, torch.zeros((), device=h.device), hidden=self.head(h, temb))
+        stream = self.embed(None, noisy_latents, text_states, timesteps, clip_timesteps)
+        out = self.head(self.trunk(stream, self.rope(position_ids, stream.h.dtype, grid_fhw), attn), attn)
         return out._replace(terms=loss(self, out)) if loss is not None else out
 
     def predict_velocity(self, out, batch):  # flow matching's hook: [B, S, P] in (pt, ph, pw, C) order

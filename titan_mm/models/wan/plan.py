@@ -15,8 +15,9 @@ sequence keys and flow matching's, ``grid_fhw`` with them, so each rank's RoPE a
 self-attention (``attn1``) attends across the shards (Ulysses, ring or all-gather); the cross-attention reads the
 text states, which every cp rank holds whole.
 
-Pipeline stages are not planned: the trunk's blocks take the text states and the modulation besides the stream,
-which titan_mm/parallel/pipeline.py's single-stream stages do not carry (docs/wan.md).
+Pipeline parallel: stages cut ``blocks``; stage 0 runs the patch embedding and the condition embedder, whose text
+states, modulation and time embedding travel with the stream to every stage (``Stream.cond``); the last stage runs
+the modulated output norm (``norm_out``) and ``proj_out``.
 """
 
 from __future__ import annotations
@@ -38,4 +39,5 @@ def plan(cfg: WanConfig) -> ParallelizePlan:
     for mlp in ("time_embedder", "text_embedder"):
         tp.update({f"condition_embedder.{mlp}.linear_1": "colwise", f"condition_embedder.{mlp}.linear_2": "rowwise"})
     return ParallelizePlan(fsdp_units=BLOCKS, ac_units=BLOCKS, compile_units=BLOCKS, tp=tp,
-                           cp={"blocks.*.attn1": "attention"})
+                           cp={"blocks.*.attn1": "attention"}, pp_blocks="blocks",
+                           pp_first=("patch_embedding", "condition_embedder"), pp_last=("norm_out", "proj_out"))

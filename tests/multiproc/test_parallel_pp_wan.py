@@ -1,0 +1,100 @@
+"""Wan through pipeline parallelism on 2 gloo processes, by the trainer's own setup(cfg) and train_step: three
+SGD-momentum steps of the debug flavor (2 blocks, flow matching over whole clips) give world 1's losses, grad norms and
+final weights (so every gradient) under 1F1B, GPipe, interleaved 1F1B with the zero-block first and last stages
+0 | 1 | 1 | 0 and the zero-bubble V schedule (split backward; stages 0 and 3 on rank 0). Stage 0 embeds the clips,
+the text and the timesteps; the text states, the modulation and the time embedding travel with the stream
+(``Stream.cond``) to every stage, through stages without blocks too, and their gradients back to the embedders; the
+last stage runs the modulated output norm, ``proj_out`` and the loss. Both with one t per clip (the modulation
+[B, 1, 6, D]) and with a t per patch (``first_frame_clean``: [B, S, 6, D]).
+
+Tolerance as tests/multiproc/test_parallel_pp.py's: the stages compute the same fp32 products in the same order;
+only the micro-batches' gradient sums may regroup, 1e-5.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from _harness import run_multiproc
+from _parallel_common import make_optimizer, run_cells
+
+pytestmark = pytest.mark.slow  # spawned processes on 2 shared cores, about a minute
+
+STEPS, MICRO, FRAMES = 3, 4, 2  # 4 one-clip micro-batches of 2 latent frames x 4 x 4 patches per step
+KINDS = {"clip": {}, "patch": {"first_frame_clean": True}}
+CELLS = (
+    ("pp2-1F1B", dict(pp=2)),
+    ("pp2-GPipe", dict(pp=2, pp_schedule="GPipe")),
+    ("pp2-interleaved-0|1|1|0", dict(pp=2, pp_schedule="Interleaved1F1B", pp_layers_per_stage=[0, 1, 1, 0])),
+    ("pp2-ZBV-0|1|1|0", dict(pp=2, pp_schedule="ZBVZeroBubble", pp_layers_per_stage=[0, 1, 1, 0])),
+)
+
+
+def _job(kind: str, par: dict):
+    from titan_mm.config import load_config
+
+    argv = ["--model.name", "wan", "--model.flavor", "debug", "--model.overrides", json.dumps(KINDS[kind]),
+            "--data.dataset", "synthetic", "--data.seq_len", str(FRAMES * 16), "--data.micro_batch_size", "1",
+            "--training.global_batch_size", str(MICRO), "--lr_scheduler.name", "constant",
+            "--lr_scheduler.warmup_steps", "0", "--checkpoint.async_mode", "disabled"]
+    for k, v in par.items():
+        argv += [f"--parallel.{k}", *map(str, v)] if isinstance(v, list) else [f"--parallel.{k}", str(v)]
+    return load_config(argv)
+
+
+@functools.lru_cache(maxsize=None)
+def _batches(kind: str) -> list[list[dict]]:
+    from titan_mm.models.wan.config import FLAVORS
+    from titan_mm.models.wan.synthetic import clip_batch
+    from titan_mm.registry import override
+
+    cfg = override(FLAVORS["debug"], KINDS[kind])
+    return [[clip_batch(cfg, [torch.Generator().manual_seed(100 * s + r)], FRAMES) for r in range(MICRO)]
+            for s in range(STEPS)]
+
+
+def _run(kind: str, par: dict):
+    """STEPS steps -> (per step (loss, grad norm), the weights this rank holds)."""
+    from titan_mm.train.setup import setup
+    from titan_mm.train.state import TrainState
+    from titan_mm.train.step import train_step
+
+    run = setup(_job(kind, par))
+    opt = make_optimizer(run.model)
+    state = TrainState(run.model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    out = {}
+    while state.step < STEPS:
+        step = state.step
+        r = train_step(state, _batches(kind)[step], run.ctx)
+        out[step] = (r.loss, r.grad_norm)
+    return out, {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(kind: str):
+    return _run(kind, {})
+
+
+def _worker(rank, world, kind):
+    return run_cells(CELLS, functools.partial(_run, kind))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_wan_pp2_matches_world1(kind):
+    ref_steps, ref_w = _reference(kind)
+    got = run_multiproc(_worker, 2, args=(kind,), timeout_s=900)
+    for i, (name, _) in enumerate(CELLS):
+        w = {}
+        for rank in range(2):
+            steps, held = got[rank][i]
+            for s, (loss, gnorm) in steps.items():
+                want_loss, want_gnorm = ref_steps[s]
+                assert abs(loss - want_loss) <= 1e-5 * (1 + abs(want_loss)), (name, rank, s, loss, want_loss)
+                assert abs(gnorm - want_gnorm) <= 1e-5 * (1 + abs(want_gnorm)), (name, rank, s, gnorm, want_gnorm)
+            w.update(held)
+        assert set(w) == set(ref_w), f"{name}: weights differ in names: {sorted(set(w) ^ set(ref_w))}"
+        for k in ref_w:
+            torch.testing.assert_close(w[k], ref_w[k], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}, {k}: {m}")
