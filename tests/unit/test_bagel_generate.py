@@ -16,7 +16,16 @@ from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
 from PIL import Image
 from safetensors.torch import save_file
 
-from tests.unit.test_bagel import CFG, MOE, RUN, _objective, _ours, _pair, both, ref_timestep
+from tests.unit.test_bagel import (
+    CFG,
+    MOE,
+    RUN,
+    _objective,
+    _ours,
+    _pair,
+    both,
+    ref_timestep,
+)
 from titan_mm.data.packing import collate_rows
 from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.launch.train import main

@@ -14,7 +14,6 @@ from typing import Any
 from titan_mm.models.hf_config import PositiveInt, check_hf, hf_types, within
 from titan_mm.models.hf_io import HFCheckpointError
 
-
 LAYER_MODULES = ("Qwen2MoTDecoderLayer", "Qwen2MoEDecoderLayer")
 """BAGEL's two-expert decoder layers: every per-token weight split (MoT), or the MLP only (model.py's ``LAYERS``)."""
 
