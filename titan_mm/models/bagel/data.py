@@ -24,11 +24,8 @@ splits), of the ViT patch (ViT splits) or of both, and within the latent / ViT p
 is BAGEL's ``text_cond_dropout_prob``: a caption or instruction is left out, drawn from (seed, sample, epoch).
 A record that fits no kind, or whose image cannot be read, is skipped and counted by the loader.
 
-The rows are JSONL, one ``{"image": PATH, "caption": TEXT}`` per line, PATH relative to the file's folder: the
-nearest simple form of BAGEL's t2i parquet (an ``image`` of encoded bytes and a ``captions`` JSON of several, one
-drawn per sample). Classifier-free guidance's training half is BAGEL's ``text_cond_dropout_prob``: with
-``drop_text`` the caption split is left out of a sample (drawn per sample index and seed, so a pass is
-reproducible), which is the unconditional context the sampler's text guidance runs.
+:class:`T2IData` is the library form of the text-to-image rows (``read_t2i``'s JSONL, ``drop_text`` drawn per sample
+index and seed), kept for the sampler's tests; the trainer reads :class:`BagelDocs`.
 """
 
 from __future__ import annotations
