@@ -21,14 +21,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-from diffusers import AutoencoderKL  # noqa: E402
+import torch
+from diffusers import AutoencoderKL
 
-from titan_mm.config import load_config  # noqa: E402
-from titan_mm.data.loader import build_dataloader  # noqa: E402
-from titan_mm.registry import resolve_model  # noqa: E402
-from titan_mm.models.bagel.config import FLAVORS  # noqa: E402
-from titan_mm.models.bagel.vae import FluxVAE  # noqa: E402
+from titan_mm.config import load_config
+from titan_mm.data.loader import build_dataloader
+from titan_mm.models.bagel.config import FLAVORS
+from titan_mm.models.bagel.vae import FluxVAE
+from titan_mm.registry import resolve_model
 
 
 def digits_rows_per_s(batches: int) -> dict:

@@ -23,7 +23,7 @@ def train(nproc: int, folder: Path, name: str, steps: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), NPROC=str(nproc))
     r = subprocess.run([str(ROOT / "run_train.sh"), *ARGS, "--training.steps", str(steps), "--job.dump_folder",
                         str(folder), "--job.name", name], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=600)
+                       timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-4000:]
     assert f"world {nproc} (dp {nproc}, grad accum {2 // nproc})" in r.stdout, r.stdout[-2000:]
     return read_metrics(folder / name / "metrics.jsonl")

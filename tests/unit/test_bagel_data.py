@@ -23,7 +23,13 @@ from titan_mm.data.sources import SkipSample, hash_ints, list_units
 from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.launch.train import main
 from titan_mm.models.bagel.config import FLAVORS, BagelVAEConfig
-from titan_mm.models.bagel.data import _WAY_SALT, DRAW_DIGIT, BagelDocs, collate, data_needs, generation_doc
+from titan_mm.models.bagel.data import (
+    _WAY_SALT,
+    DRAW_DIGIT,
+    BagelDocs,
+    data_needs,
+    generation_doc,
+)
 from titan_mm.models.bagel.synthetic import _Sample
 from titan_mm.models.bagel.vae import PixelCodec, load_codec
 
@@ -41,8 +47,8 @@ CFG = pixel_cfg()  # RGB latents, 2x pooled: stride 4 (pooling x latent patch 2)
 
 
 def data(**kw) -> Data:
-    base = dict(encoders="pixels", image_min_pixels=0, image_max_pixels=1 << 20, seq_len=64, micro_batch_size=2,
-                shuffle_buffer=4, open_rows=4)
+    base = {"encoders": "pixels", "image_min_pixels": 0, "image_max_pixels": 1 << 20, "seq_len": 64,
+            "micro_batch_size": 2, "shuffle_buffer": 4, "open_rows": 4}
     return Data(**{**base, **kw})
 
 
@@ -294,8 +300,8 @@ def test_launcher_mistakes_are_one_line_exit_2(tmp_path, capsys):
     for args, msg in ((["--data.encoders", ""], "data.encoders is empty"),
                       (["--model.overrides", "{}"], "the model's vae_config must have z_channels 1"),
                       (["--data.dataset", str(tmp_path / "none.jsonl")], "none.jsonl"),
-                      (["--data.dataset", "builtin:text"], "none of its first 8 records makes a 'bagel' sample (last: "
-                                                           "bad_schema"),
+                      (["--data.dataset", "builtin:text"],
+                       "none of its first 8 records makes a 'bagel' sample (last: bad_schema"),
                       (["--data.mixture", json.dumps({"builtin:digits": 1, str(tmp_path / "edit.jsonl"): 1})],
                        "edit.jsonl: none of its first 8 records makes a 'bagel' sample (last: missing_media")):
         assert main([*RUN, "--job.dump_folder", str(tmp_path / "runs"), *args]) == 2
