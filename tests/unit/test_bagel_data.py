@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from tests.resume_check import RESUME_ARGS, assert_resumes_exactly
+from tests.unit.test_bagel import _objective, _ours
 from tests.unit.test_bagel_generate import ref_patchify
 from titan_mm.config import Data
 from titan_mm.data.builtin import builtin_records
@@ -22,6 +23,7 @@ from titan_mm.data.packing import IGNORE_INDEX
 from titan_mm.data.sources import SkipSample, hash_ints, list_units
 from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.launch.train import main
+from titan_mm.models.bagel import BagelModel
 from titan_mm.models.bagel.config import FLAVORS, BagelVAEConfig
 from titan_mm.models.bagel.data import (
     _WAY_SALT,
@@ -252,6 +254,23 @@ def test_loader_resumes_exactly_and_shards_over_dp(tmp_path):
         assert_batches_equal(ranked, (first + later)[r::2])
     workers = loader(dataclasses.replace(d, num_workers=2), cfg, n_micro=2)  # each builds its own BagelDocs
     assert_batches_equal([b for _, b in zip(range(6), workers)], first)
+
+
+def test_a_mixed_batch_runs_both_losses(tmp_path):
+    """A loader batch of every kind through the training forward: both loss sums finite, the flow-matching count
+    every value of its noised latent tokens."""
+    cfg = pixel_cfg(3, 2)
+    batch = next(iter(loader(data(mixture=mixed_sources(tmp_path), seq_len=96, image_max_pixels=256,
+                                  micro_batch_size=4), cfg)))
+    torch.manual_seed(0)
+    model = BagelModel(cfg)
+    model.init_weights()
+    obj = _objective()  # the debug config's: CE + flow matching (BAGEL's shifted sampler) under "segments"
+    prepared = obj.prepare([batch], 0)[0]
+    out = _ours(model, prepared, obj)
+    assert batch["num_label_tokens"] > 0 and batch["vit_lens"].numel()
+    assert prepared["num_latent_elements"] == int(batch["latent_mask"].sum()) * cfg.patch_latent_dim > 0
+    assert all(torch.isfinite(out.terms[k]) and out.terms[k] > 0 for k in ("ce", "mse"))
 
 
 def test_malformed_rows_are_skipped_and_counted(tmp_path):
