@@ -156,7 +156,7 @@ class Data:
     """Families trained on captioned clips (Wan; docs/wan.md "Data"): the folder of the frozen encoders (a diffusers
     pipeline folder with tokenizer/, text_encoder/ and vae/) that encode data.dataset's raw clips in the data
     pipeline. Unused with a latent cache (python -m titan_mm.tools.cache), which holds their output. BAGEL
-    (docs/bagel.md "Data"): its image codec, "pixels" or a FLUX VAE folder."""
+    (docs/bagel.md "Data"): its image codec, "pixels" or a FLUX VAE (ae.safetensors, or a diffusers folder)."""
     prompt_dropout: float = 0.0
     """Families trained on captioned clips: the probability that a row's text states are zeros (an empty prompt,
     for classifier-free guidance), drawn from (training.seed, micro-batch, row), so resumes are exact. BAGEL: the

@@ -4,7 +4,7 @@ into the batch the family's loss reads (spec.SCHEMA).
 
 The trainer's source (DataNeeds.docs: titan_mm.data.loader reads, mixes, shards, packs and resumes the rows) takes
 ``data.dataset`` / ``data.mixture`` records of four kinds, told apart by their keys; images are encoded by the image
-codec of ``data.encoders`` (titan_mm.models.bagel.vae: ``"pixels"`` or a FLUX VAE folder) where the rows are built:
+codec of ``data.encoders`` (titan_mm.models.bagel.vae: ``"pixels"`` or a FLUX VAE) where the rows are built:
 
   text-to-image  {"image": IMG, "caption": TEXT}: [bos caption eos] causal, no loss | the image's noised VAE split;
                  or BAGEL's t2i parquet row {"image": bytes, "captions": JSON of several}, one drawn per epoch
@@ -226,7 +226,8 @@ class BagelDocs:
         """``data``: the [data] section (titan_mm.config.Data); ``tokenizer``: titan_mm.data.tokenizer.Tokenizer."""
         if not data.encoders:
             raise ValueError("data.encoders is empty: BAGEL's rows encode their images with an image codec; set it to "
-                             "\"pixels\" (the pixels as latents) or a FLUX VAE folder (a diffusers AutoencoderKL)")
+                             "\"pixels\" (the pixels as latents) or a FLUX VAE (BFL's ae.safetensors, or a diffusers "
+                             "AutoencoderKL folder)")
         if not 0.0 <= data.prompt_dropout < 1.0:
             raise ValueError(f"data.prompt_dropout = {data.prompt_dropout}: BAGEL's text_cond_dropout_prob must be in "
                              "[0, 1)")
