@@ -29,7 +29,7 @@ def test_bagel_matches_the_reference_on_cuda(backend, compiled):
     model, ref, pp = _pair()
     model, ref = model.cuda(), ref.cuda()
     if compiled:
-        for block in (*model.layers, *model.vit.blocks):
+        for block in (*model.layers.values(), *model.vit.blocks):
             block.compile(fullgraph=True)
     rows, batch = _batch()
     obj = _objective()

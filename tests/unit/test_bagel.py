@@ -184,7 +184,7 @@ class Reference(nn.Module):
 def pairs(model: BagelModel, ref: Reference):
     """(our parameter name, the reference's parameter) for every parameter of ours."""
     out = []
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers.values()):
         for e, r in (("und", ref.und[i]), ("gen", ref.gen[i])):
             a = r.self_attn
             attn = {"attn_norm.weight": r.input_layernorm.weight, "ffn_norm.weight": r.post_attention_layernorm.weight,
@@ -384,7 +384,7 @@ def test_blocks_trace_as_whole_graphs():
     batch = obj.prepare([collate_rows(_rows(1), SEQ, 0, 1, multiple=1, schema=SCHEMA)], 0)[0]
     with torch.no_grad():
         want = _ours(model, batch, obj).hidden
-        for block in (*model.layers, *model.vit.blocks):
+        for block in (*model.layers.values(), *model.vit.blocks):
             block.compile(fullgraph=True, backend="eager")
         assert torch.equal(_ours(model, batch, obj).hidden, want)
 
@@ -417,7 +417,7 @@ def test_flops_count_every_matmul_weight():
         with torch.device("meta"):
             m = spec.build(cfg)
         weights = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, nn.Linear))
-        expert = sum(p.numel() for n, p in m.layers[0].gen.named_parameters() if n.endswith("weight") and
+        expert = sum(p.numel() for n, p in m.layers["0"].gen.named_parameters() if n.endswith("weight") and
                      p.dim() == 2) * cfg.llm_config.num_hidden_layers
         assert sum(matmul_params(cfg)) + expert == weights  # a token runs one of the two experts
     cfg = spec.flavor("debug")

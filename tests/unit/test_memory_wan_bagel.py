@@ -82,7 +82,7 @@ def _bagel_layer(cfg, dt):
         h = torch.randn(B, S, cfg.llm_config.hidden_size, dtype=dt, requires_grad=True)
         rope = model.rope(torch.arange(S)[None].expand(B, S), h.dtype)
         meta = build_attn_meta({"doc_ids": torch.zeros(B, S, dtype=torch.int32)}, "sdpa", "cpu", kind="causal")
-        out = model.layers[0](h, index, rope, meta)
+        out = model.layers["0"](h, index, rope, meta)
         return _saved_bytes(out, [*model.parameters(), *index, *rope])
 
     return run

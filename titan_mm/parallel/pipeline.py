@@ -34,7 +34,9 @@ stage 0.
 before ``schedule.step`` and kept in a table indexed by micro-batch. Each forward gets its micro-batch index as the keyword
 ``mb`` (a CPU tensor the schedule chunks from ``arange(n_micro)``), so a stage finds its micro-batch's metadata
 without a host sync and whatever order the schedule runs them in (each torch schedule does run a stage's forwards
-in order 0 .. M-1; the index makes that irrelevant).
+in order 0 .. M-1; the index makes that irrelevant). ``embed`` gets the family inputs it names; ``rope``, ``trunk``
+and ``head`` those they take as keyword-only parameters (Wan's RoPE reads ``grid_fhw``; BAGEL's layers and final norms
+route by ``und_index`` / ``gen_index``).
 
 **The loss**: the last stage runs the objective's loss on the head's hidden states (titan_mm.objectives) and sends
 its terms [T]; the loss function returns ``sum_t term_t / denom_t + aux * aux_scale`` (denom_t: the term's global
@@ -171,8 +173,9 @@ class Micro(NamedTuple):
     attn: Any
     embed_kw: dict
     """The family inputs ``embed`` takes (pixel values, vision metadata, ...)."""
-    rope_kw: dict
-    """The family inputs ``rope`` takes besides the positions (Wan: ``grid_fhw``, each patch's frame, row, column)."""
+    kw: dict[str, dict]
+    """Per contract method (``rope``, ``trunk``, ``head``), the family inputs it takes as keyword-only parameters
+    (Wan's rope: ``grid_fhw``; BAGEL's trunk and head: the experts' token indices ``und_index`` / ``gen_index``)."""
     loss: Callable
     """The objective's ``loss(model, out) -> {term: sum}`` for this micro-batch (Objective.bind)."""
     terms: tuple[str, ...]
@@ -181,6 +184,10 @@ class Micro(NamedTuple):
 
 def _params_of(fn) -> set[str]:
     return set(inspect.signature(fn).parameters)
+
+
+def _keyword_only(fn) -> set[str]:
+    return {n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
 
 
 class StageModule(nn.Module):
@@ -223,10 +230,11 @@ class StageModule(nn.Module):
         b: Micro = self._book[int(mb[0])]  # a CPU tensor: no device sync
         m = self._model
         stream = m.embed(b.input_ids, **b.embed_kw) if self.first else self._unpack(received)
-        stream = m.trunk(stream, m.rope(b.position_ids, stream.h.dtype, **b.rope_kw), b.attn, self.start, self.stop)
+        rope = m.rope(b.position_ids, stream.h.dtype, **b.kw["rope"])
+        stream = m.trunk(stream, rope, b.attn, self.start, self.stop, **b.kw["trunk"])
         if not self.last:
             return self._pack(stream)
-        out = m.head(stream, b.attn, hidden=True)
+        out = m.head(stream, b.attn, hidden=True, **b.kw["head"])
         terms = b.loss(m, out)
         aux = out.aux_loss.float()
         if stream.moe_stats is not None and not aux.requires_grad and stream.moe_stats.requires_grad:
@@ -353,7 +361,7 @@ class Pipeline:
         self._step: dict[str, Any] = {}
         model = modules[0]._model
         self._embed_keys = _params_of(model.embed) - {"input_ids"}
-        self._rope_keys = _params_of(model.rope) - {"position_ids", "dtype"}
+        self._kw_keys = {f: _keyword_only(getattr(model, f)) for f in ("rope", "trunk", "head")}
         takes_any = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
         self._forward_keys = None if takes_any else _params_of(model.forward)  # None: a **kwargs forward takes any
 
@@ -369,7 +377,8 @@ class Pipeline:
             B, S = batch_rows(b)
             pos = torch.arange(S, device=self.device)[None].expand(B, S)
         return Micro(b.get("input_ids"), pos, attn, {k: v for k, v in inputs.items() if k in self._embed_keys},
-                     {k: v for k, v in inputs.items() if k in self._rope_keys}, loss, terms)
+                     {f: {k: v for k, v in inputs.items() if k in keys} for f, keys in self._kw_keys.items()}, loss,
+                     terms)
 
     def _loss(self, out, target):
         terms, aux = out

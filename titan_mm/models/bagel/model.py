@@ -25,7 +25,7 @@ from titan_mm.nn.attention import AttnMeta, attention
 from titan_mm.nn.loss import chunked_cross_entropy
 from titan_mm.nn.mlp import SwiGLU
 from titan_mm.nn.norm import RMSNorm
-from titan_mm.nn.output import ModelOutput
+from titan_mm.nn.output import ModelOutput, Stream
 from titan_mm.nn.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 TIMESTEP_FREQS = 256
@@ -199,7 +199,8 @@ class BagelModel(nn.Module):
         self.cfg = cfg
         c, D = cfg.llm_config, cfg.llm_config.hidden_size
         self.tok_embeddings = nn.Embedding(c.vocab_size, D)
-        self.layers = nn.ModuleList(LAYERS[c.layer_module](c, i) for i in range(c.num_hidden_layers))
+        # a ModuleDict keyed "0".. (a ModuleList's names): pipeline stages drop the layers they do not run
+        self.layers = nn.ModuleDict({str(i): LAYERS[c.layer_module](c, i) for i in range(c.num_hidden_layers)})
         self.norm, self.norm_gen = RMSNorm(D, c.rms_norm_eps), RMSNorm(D, c.rms_norm_eps)
         self.output = None if c.tie_word_embeddings else nn.Linear(D, c.vocab_size, bias=False)
         self.vit = SiglipNaViT(cfg.vit_config)
@@ -260,8 +261,8 @@ class BagelModel(nn.Module):
         return self.vae2llm(x_NP.to(self.vae2llm.weight.dtype)) + temb + self.latent_pos_embed[pos_N]
 
     def embed(self, input_ids, gen_index, noisy_latents, cond_latents, timesteps, latent_pos, vit_patches=None,
-              vit_pos=None, vit_index=None, vit_attn=None) -> torch.Tensor:
-        """[B, S, D]: token embeddings, with the ViT tokens (at ``vit_index``) and the latent tokens (at
+              vit_pos=None, vit_index=None, vit_attn=None) -> Stream:
+        """Stream(h [B, S, D]): token embeddings, with the ViT tokens (at ``vit_index``) and the latent tokens (at
         ``gen_index``) put in their places. A clean conditioning image is in ``cond_latents`` at t = 0."""
         B, S = input_ids.shape
         h = self.tok_embeddings(input_ids).flatten(0, 1)
@@ -270,34 +271,41 @@ class BagelModel(nn.Module):
         x = (noisy_latents + cond_latents).flatten(0, 1).index_select(0, gen_index)
         lat = self.embed_latents(x, timesteps.flatten().index_select(0, gen_index),
                                  latent_pos.flatten().index_select(0, gen_index))
-        return h.index_copy(0, gen_index, lat.to(h.dtype)).view(B, S, -1)
+        return Stream(h.index_copy(0, gen_index, lat.to(h.dtype)).view(B, S, -1))
 
-    def trunk(self, h_BSD, index, rope, attn, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        for layer in self.layers[start:stop]:
-            h_BSD = layer(h_BSD, index, rope, attn)
-        return h_BSD
+    def trunk(self, stream: Stream, rope, attn, start: int = 0, stop: int | None = None, *, und_index,
+              gen_index) -> Stream:
+        """Layers start .. stop-1 (any contiguous slice), routing by the host-built expert indices."""
+        h = stream.h
+        for i in range(start, len(self.layers) if stop is None else stop):
+            h = self.layers[str(i)](h, (und_index, gen_index), rope, attn)
+        return stream._replace(h=h)
 
-    def head(self, h_BSD, index) -> torch.Tensor:
-        """The final norm of each token's expert."""
-        B, S, D = h_BSD.shape
-        hu, hg = route(h_BSD.reshape(B * S, D), index)
-        return merge(self.norm(hu), self.norm_gen(hg), index, (B, S))
+    def head(self, stream: Stream, attn=None, logits_at=None, hidden: bool = False, *, und_index,
+             gen_index) -> ModelOutput:
+        """The final norm of each token's expert: as ``hidden`` (an objective's input), else the LM logits (at
+        ``logits_at``)."""
+        B, S, D = stream.h.shape
+        index = (und_index, gen_index)
+        hu, hg = route(stream.h.reshape(B * S, D), index)
+        h = merge(self.norm(hu), self.norm_gen(hg), index, (B, S))
+        zero = torch.zeros((), device=h.device)
+        cache = None if attn is None else attn.kv_cache  # written in place by the layers; returned
+        if hidden:
+            return ModelOutput(None, None, zero, cache, hidden=h)
+        if logits_at is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), logits_at]
+        return ModelOutput(F.linear(h, self.lm_head_weight), None, zero, cache)
 
     def forward(self, input_ids, position_ids=None, attn=None, logits_at=None, loss=None, *, und_index, gen_index,
                 noisy_latents, cond_latents, timesteps, latent_pos, vit_patches=None, vit_pos=None, vit_index=None,
                 vit_attn=None, **_):
-        index = (und_index, gen_index)
-        h = self.embed(input_ids, gen_index, noisy_latents, cond_latents, timesteps, latent_pos, vit_patches,
-                       vit_pos, vit_index, vit_attn)
-        h = self.head(self.trunk(h, index, self.rope(position_ids, h.dtype), attn), index)
-        zero = torch.zeros((), device=h.device)
-        cache = None if attn is None else attn.kv_cache  # written in place by the layers; returned
-        if loss is not None:
-            out = ModelOutput(None, None, zero, cache, hidden=h)
-            return out._replace(terms=loss(self, out))
-        if logits_at is not None:
-            h = h[torch.arange(h.shape[0], device=h.device), logits_at]
-        return ModelOutput(F.linear(h, self.lm_head_weight), None, zero, cache)
+        index = {"und_index": und_index, "gen_index": gen_index}
+        stream = self.embed(input_ids, gen_index, noisy_latents, cond_latents, timesteps, latent_pos, vit_patches,
+                            vit_pos, vit_index, vit_attn)
+        stream = self.trunk(stream, self.rope(position_ids, stream.h.dtype), attn, **index)
+        out = self.head(stream, attn, logits_at, hidden=loss is not None, **index)
+        return out._replace(terms=loss(self, out)) if loss is not None else out
 
     def lm_loss(self, h_BSD: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None):
         """The causal LM's hook: fp32 sum of the LM head's cross-entropy over ``targets`` != -100 (no [N, V] logits)."""

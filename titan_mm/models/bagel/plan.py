@@ -1,8 +1,11 @@
 """BAGEL parallelize plan (data; applied by titan_mm.parallel.apply): FSDP, AC and compile per decoder layer (both
 experts in one unit: every layer runs both) and per ViT layer; tensor parallel colwise / rowwise inside each expert
 (q/k/v colwise, o rowwise, the SwiGLU's w1 / w3 colwise and w2 rowwise; the per-head q/k norms replicated with summed
-gradients); the MLP-only split's shared attention as one expert's, its two MLPs as theirs. Sequence, context and
-pipeline parallel entries are a later slice (docs/bagel.md)."""
+gradients); the MLP-only split's shared attention as one expert's, its two MLPs as theirs. Pipeline stages cut
+``layers``: stage 0 runs the token embedding, the ViT and its connector and the latent embedding (vae2llm, the time
+MLP); the last stage the experts' final norms, the LM head and llm2vae; every stage routes by the host-built
+``und_index`` / ``gen_index`` (the pipeline hands them to ``trunk`` and ``head``). Sequence and context parallel
+entries are a later slice (docs/bagel.md)."""
 
 from __future__ import annotations
 
@@ -23,4 +26,6 @@ def plan(cfg: BagelConfig) -> ParallelizePlan:
     else:
         tp = {f"layers.*.{e}.{name}": style for e in ("und", "gen") for name, style in EXPERT_TP.items()}
     units = LAYERS + VIT_LAYERS
-    return ParallelizePlan(fsdp_units=units, ac_units=units, compile_units=units, tp=tp)
+    head = ("norm", "norm_gen", "llm2vae") + (() if cfg.llm_config.tie_word_embeddings else ("output",))
+    return ParallelizePlan(fsdp_units=units, ac_units=units, compile_units=units, tp=tp, pp_blocks="layers",
+                           pp_first=("tok_embeddings", "vit", "connector", "time_embedder", "vae2llm"), pp_last=head)

@@ -201,7 +201,7 @@ class WanModel(nn.Module):
         text = ce.text_embedder(text_states.to(w.dtype), lambda x: F.gelu(x, approximate="tanh"))
         return Stream(h, cond=(text, mod, temb))
 
-    def rope(self, position_ids, dtype, grid_fhw=None):
+    def rope(self, position_ids, dtype, *, grid_fhw):
         """The 3-D RoPE's cos / sin from each patch's (frame, row, column): Wan reads ``grid_fhw``, not positions."""
         return rope_cos_sin(grid_fhw, self.cfg)
 
@@ -224,7 +224,7 @@ class WanModel(nn.Module):
     def forward(self, input_ids=None, position_ids=None, attn=None, loss=None, noisy_latents=None, timesteps=None,
                 text_states=None, grid_fhw=None, clip_timesteps=None, **_):
         stream = self.embed(None, noisy_latents, text_states, timesteps, clip_timesteps)
-        out = self.head(self.trunk(stream, self.rope(position_ids, stream.h.dtype, grid_fhw), attn), attn)
+        out = self.head(self.trunk(stream, self.rope(position_ids, stream.h.dtype, grid_fhw=grid_fhw), attn), attn)
         return out._replace(terms=loss(self, out)) if loss is not None else out
 
     def predict_velocity(self, out, batch):  # flow matching's hook: [B, S, P] in (pt, ph, pw, C) order

@@ -1,11 +1,15 @@
-"""Wan through pipeline parallelism on 2 gloo processes, by the trainer's own setup(cfg) and train_step: three
-SGD-momentum steps of the debug flavor (2 blocks, flow matching over whole clips) give world 1's losses, grad norms and
+"""Wan and BAGEL through pipeline parallelism on 2 gloo processes, by the trainer's own setup(cfg) and train_step: three
+SGD-momentum steps of each debug flavor (2 blocks) on the family's synthetic rows give world 1's losses, grad norms and
 final weights (so every gradient) under 1F1B, GPipe, interleaved 1F1B with the zero-block first and last stages
-0 | 1 | 1 | 0 and the zero-bubble V schedule (split backward; stages 0 and 3 on rank 0). Stage 0 embeds the clips,
-the text and the timesteps; the text states, the modulation and the time embedding travel with the stream
-(``Stream.cond``) to every stage, through stages without blocks too, and their gradients back to the embedders; the
-last stage runs the modulated output norm, ``proj_out`` and the loss. Both with one t per clip (the modulation
-[B, 1, 6, D]) and with a t per patch (``first_frame_clean``: [B, S, 6, D]).
+0 | 1 | 1 | 0 and the zero-bubble V schedule (split backward; stages 0 and 3 on rank 0).
+
+Wan (flow matching over whole clips): stage 0 embeds the clips, the text and the timesteps; the text states, the
+modulation and the time embedding travel with the stream (``Stream.cond``) to every stage, through stages without
+blocks too, and their gradients back to the embedders; the last stage runs the modulated output norm, ``proj_out``
+and the loss. Both with one t per clip (the modulation [B, 1, 6, D]) and with a t per patch (``first_frame_clean``:
+[B, S, 6, D]). BAGEL (CE on the text + flow matching on the latents, under the segment mask): stage 0 runs the
+token embedding, the ViT and the latent embedding; every stage routes its layers by the micro-batch's host-built
+``und_index`` / ``gen_index``; the last stage runs both experts' final norms, the LM head and llm2vae.
 
 Tolerance as tests/multiproc/test_parallel_pp.py's: the stages compute the same fp32 products in the same order;
 only the micro-batches' gradient sums may regroup, 1e-5.
@@ -21,10 +25,14 @@ import torch
 from _harness import run_multiproc
 from _parallel_common import make_optimizer, run_cells
 
-pytestmark = pytest.mark.slow  # spawned processes on 2 shared cores, about a minute
+pytestmark = pytest.mark.slow  # spawned processes on 2 shared cores, about a minute and a half
 
-STEPS, MICRO, FRAMES = 3, 4, 2  # 4 one-clip micro-batches of 2 latent frames x 4 x 4 patches per step
-KINDS = {"clip": {}, "patch": {"first_frame_clean": True}}
+STEPS, MICRO = 3, 4  # 4 one-row micro-batches per step
+KINDS = {  # family, model.overrides, seq_len (Wan: 2 latent frames of 4 x 4 patches; BAGEL: its three samples)
+    "wan-clip": ("wan", {}, 32),
+    "wan-patch": ("wan", {"first_frame_clean": True}, 32),
+    "bagel": ("bagel", {}, 48),
+}
 CELLS = (
     ("pp2-1F1B", dict(pp=2)),
     ("pp2-GPipe", dict(pp=2, pp_schedule="GPipe")),
@@ -36,8 +44,9 @@ CELLS = (
 def _job(kind: str, par: dict):
     from titan_mm.config import load_config
 
-    argv = ["--model.name", "wan", "--model.flavor", "debug", "--model.overrides", json.dumps(KINDS[kind]),
-            "--data.dataset", "synthetic", "--data.seq_len", str(FRAMES * 16), "--data.micro_batch_size", "1",
+    name, ov, seq = KINDS[kind]
+    argv = ["--model.name", name, "--model.flavor", "debug", "--model.overrides", json.dumps(ov),
+            "--data.dataset", "synthetic", "--data.seq_len", str(seq), "--data.micro_batch_size", "1",
             "--training.global_batch_size", str(MICRO), "--lr_scheduler.name", "constant",
             "--lr_scheduler.warmup_steps", "0", "--checkpoint.async_mode", "disabled"]
     for k, v in par.items():
@@ -47,13 +56,13 @@ def _job(kind: str, par: dict):
 
 @functools.lru_cache(maxsize=None)
 def _batches(kind: str) -> list[list[dict]]:
-    from titan_mm.models.wan.config import FLAVORS
-    from titan_mm.models.wan.synthetic import clip_batch
-    from titan_mm.registry import override
+    """The family's synthetic rows (ModelSpec.synthetic), one per micro-batch."""
+    from titan_mm.registry import get_model_spec, override
 
-    cfg = override(FLAVORS["debug"], KINDS[kind])
-    return [[clip_batch(cfg, [torch.Generator().manual_seed(100 * s + r)], FRAMES) for r in range(MICRO)]
-            for s in range(STEPS)]
+    name, ov, seq = KINDS[kind]
+    spec = get_model_spec(name)
+    make = spec.synthetic(override(spec.flavor("debug"), ov), seq)
+    return [[make([torch.Generator().manual_seed(100 * s + r)]) for r in range(MICRO)] for s in range(STEPS)]
 
 
 def _run(kind: str, par: dict):
@@ -83,7 +92,7 @@ def _worker(rank, world, kind):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_wan_pp2_matches_world1(kind):
+def test_pp2_matches_world1(kind):
     ref_steps, ref_w = _reference(kind)
     got = run_multiproc(_worker, 2, args=(kind,), timeout_s=900)
     for i, (name, _) in enumerate(CELLS):
