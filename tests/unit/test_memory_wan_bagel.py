@@ -97,6 +97,8 @@ LLM = BAGEL["debug"].llm_config
 BAGEL_CASES = {
     "debug": BAGEL["debug"],  # 4 query heads, 2 kv heads: the sdpa path repeats k and v
     "no_gqa": dataclasses.replace(BAGEL["debug"], llm_config=dataclasses.replace(LLM, num_key_value_heads=4)),
+    "mlp_only": dataclasses.replace(BAGEL["debug"], llm_config=dataclasses.replace(
+        LLM, layer_module="Qwen2MoEDecoderLayer")),  # one attention for every token, the MLP by expert
 }
 
 

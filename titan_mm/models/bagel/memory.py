@@ -1,15 +1,16 @@
 """BAGEL activation terms for the memory estimator (titan_mm/parallel/memory.py, which counts the parameters, FSDP2
 buffers, gradients, optimizer state and the loss for any family).
 
-Saved bytes per token of one MoTLayer, counted from model.py's eager code path (tests/unit/test_memory_wan_bagel.py
-walks the autograd graph of a layer on CPU in fp32 and in bf16 and finds exactly these bytes). Every token runs one expert, so a
-token saves one expert's worth whatever the split; routing saves only the host-built indices (int64, shared by every
-layer: counted nowhere, 8 bytes a token):
+Saved bytes per token of one decoder layer (MoTLayer, or the MLP-only split's MoELayer), counted from model.py's
+eager code path (tests/unit/test_memory_wan_bagel.py walks the autograd graph of a layer on CPU in fp32 and in bf16
+and finds exactly these bytes). Every token runs one expert, so a token saves one expert's worth whatever the split;
+routing saves only the host-built indices (int64, shared by every layer: counted nowhere, 8 bytes a token):
 
 - each RMSNorm (titan_mm.nn.norm.rms_norm: the attention and FFN norms, D; the per-head q and k norms, H K and G K):
   its fp32 upcast, fp32 rstd and the normalized values cast back; then the q / k / v and w1 / w3 inputs (D);
 - attention under the batch's segment mask (the sdpa backend; fused SDPA kernels that take a mask lack GQA, so k and
-  v are repeated to H heads): q, k, v, the output (H K each) and the fp32 log-sum-exp per head; ``wo``'s input (H K).
+  v are repeated to H heads): q, k, v, the output (H K each) and the fp32 log-sum-exp per head; ``wo``'s input (H K:
+  the output's rows routed to each expert; the MLP-only split's one ``wo`` reads the output itself).
   Without GQA (G = H) v stays a view of the merged [(H + 2 G) K] q / k / v, which it keeps alive;
 - the SwiGLU: gate, silu(gate), up and w2's input (F each); compile recomputes silu(gate).
 
@@ -43,7 +44,9 @@ def block_bytes(cfg: BagelConfig, topo: Topology, act_bytes: int = 2, *, compile
     # q, the output, wo's input, lse; k and v repeated to H heads, or (no GQA) the rotated k and the merged q / k / v
     # that v is a view of
     kv = 2 * H * K if G < H else (H + 3 * G) * K
-    attn = a * (3 * H * K + kv) / t + 4 * H / t
+    attn = a * (2 * H * K + kv) / t + 4 * H / t
+    if c.layer_module != "Qwen2MoEDecoderLayer":  # MoT: wo's input is a copy, the output's rows routed per expert
+        attn += a * H * K / t
     ffn = (3 if compile else 4) * a * F / t
     full = norms + 2 * a * D + attn + ffn
     selective = (3 * a * D + a * (H + 2 * G) * K / t  # layer input, wo / w2 outputs; q / k / v projections
