@@ -56,6 +56,7 @@ norm_rope_cache) runs its q/k norms, RoPE and the cache write as that one op.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -342,10 +343,17 @@ _FLEX_COMPILED = None  # torch.compile(flex_attention), made on the first eager 
                        # at module import would cost every process ~3 s of start-up)
 
 
-def _flex(q, k, v, block_mask):
+_FLEX_MIN_HEAD_DIM = 16  # inductor's flex kernel refuses smaller head dims ("NYI", torch 2.11)
+
+
+def _flex(q, k, v, block_mask, scale: float | None = None):
     # Inside a compiled block dynamo fuses flex_attention itself; eager CUDA calls go through the compiled
     # wrapper (the eager flex materializes all scores); CPU runs eager.
     global _FLEX_COMPILED
+    K = q.shape[-1]
+    if q.is_cuda and K < _FLEX_MIN_HEAD_DIM:  # tiny debug models: zero channels add nothing to q.k, and v's are cut
+        q, k, v = (F.pad(t, (0, _FLEX_MIN_HEAD_DIM - K)) for t in (q, k, v))
+        return _flex(q, k, v, block_mask, scale=1.0 / math.sqrt(K))[..., :K]
     if torch.compiler.is_compiling() or not q.is_cuda:
         fn = _FLEX_EAGER
     else:
@@ -357,7 +365,7 @@ def _flex(q, k, v, block_mask):
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
             _FLEX_COMPILED = torch.compile(_FLEX_EAGER, dynamic=False)
         fn = _FLEX_COMPILED
-    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 _VARLEN: tuple | None = None  # (varlen_attn, its parameter names), resolved outside the forward
