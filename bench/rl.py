@@ -74,6 +74,9 @@ def job_args(a, out: Path, hf: Path | None = None) -> list[str]:
             "--job.dump_folder", str(out), "--job.name", "titan"]
     if a.tiny:
         args += ["--model.overrides", json.dumps(TINY)]
+    if not a.cpu:  # bf16 compute over fp32 master weights, as TRL's bf16 autocast (and fp32 flex at head dim 128
+        # finds no kernel config on torch 2.11: the H200 run of 2026-12-06 stopped there)
+        args += ["--training.param_dtype", "bfloat16"]
     return args + (["--model.hf_path", str(hf)] if hf else [])
 
 

