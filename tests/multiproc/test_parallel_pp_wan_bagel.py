@@ -1,7 +1,8 @@
 """Wan and BAGEL through pipeline parallelism on 2 gloo processes, by the trainer's own setup(cfg) and train_step: three
 SGD-momentum steps of each debug flavor (2 blocks) on the family's synthetic rows give world 1's losses, grad norms and
 final weights (so every gradient) under 1F1B, GPipe, interleaved 1F1B with the zero-block first and last stages
-0 | 1 | 1 | 0 and the zero-bubble V schedule (split backward; stages 0 and 3 on rank 0).
+0 | 1 | 1 | 0 and the zero-bubble V schedule (split backward; stages 0 and 3 on rank 0); and on 4 processes pp 2 x
+FSDP2 dp 2 and pp 2 x tp 2.
 
 Wan (flow matching over whole clips): stage 0 embeds the clips, the text and the timesteps; the text states, the
 modulation and the time embedding travel with the stream (``Stream.cond``) to every stage, through stages without
@@ -24,8 +25,9 @@ import pytest
 import torch
 from _harness import run_multiproc
 from _parallel_common import make_optimizer, run_cells
+from torch.distributed.tensor import DTensor
 
-pytestmark = pytest.mark.slow  # spawned processes on 2 shared cores, about a minute and a half
+pytestmark = pytest.mark.slow  # spawned processes on 2 shared cores, about three minutes
 
 STEPS, MICRO = 3, 4  # 4 one-row micro-batches per step
 KINDS = {  # family, model.overrides, seq_len (Wan: 2 latent frames of 4 x 4 patches; BAGEL: its three samples)
@@ -33,12 +35,18 @@ KINDS = {  # family, model.overrides, seq_len (Wan: 2 latent frames of 4 x 4 pat
     "wan-patch": ("wan", {"first_frame_clean": True}, 32),
     "bagel": ("bagel", {}, 48),
 }
-CELLS = (
-    ("pp2-1F1B", dict(pp=2)),
-    ("pp2-GPipe", dict(pp=2, pp_schedule="GPipe")),
-    ("pp2-interleaved-0|1|1|0", dict(pp=2, pp_schedule="Interleaved1F1B", pp_layers_per_stage=[0, 1, 1, 0])),
-    ("pp2-ZBV-0|1|1|0", dict(pp=2, pp_schedule="ZBVZeroBubble", pp_layers_per_stage=[0, 1, 1, 0])),
-)
+CELLS = {  # world -> cells, run one after another in the same processes
+    2: (
+        ("pp2-1F1B", dict(pp=2)),
+        ("pp2-GPipe", dict(pp=2, pp_schedule="GPipe")),
+        ("pp2-interleaved-0|1|1|0", dict(pp=2, pp_schedule="Interleaved1F1B", pp_layers_per_stage=[0, 1, 1, 0])),
+        ("pp2-ZBV-0|1|1|0", dict(pp=2, pp_schedule="ZBVZeroBubble", pp_layers_per_stage=[0, 1, 1, 0])),
+    ),
+    4: (
+        ("pp2xdp2", dict(pp=2, dp_shard=2)),  # FSDP2 roots per stage: the carried conditioning's gradients sharded
+        ("pp2xtp2", dict(pp=2, tp=2)),
+    ),
+}
 
 
 def _job(kind: str, par: dict):
@@ -77,9 +85,11 @@ def _run(kind: str, par: dict):
     out = {}
     while state.step < STEPS:
         step = state.step
-        r = train_step(state, _batches(kind)[step], run.ctx)
+        mine = _batches(kind)[step][run.dp_rank * run.n_micro:(run.dp_rank + 1) * run.n_micro]
+        r = train_step(state, mine, run.ctx)
         out[step] = (r.loss, r.grad_norm)
-    return out, {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+    return out, {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                 for k, v in run.model.state_dict().items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,16 +98,17 @@ def _reference(kind: str):
 
 
 def _worker(rank, world, kind):
-    return run_cells(CELLS, functools.partial(_run, kind))
+    return run_cells(CELLS[world], functools.partial(_run, kind))
 
 
+@pytest.mark.parametrize("world", list(CELLS))
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_pp2_matches_world1(kind):
+def test_pp2_matches_world1(kind, world):
     ref_steps, ref_w = _reference(kind)
-    got = run_multiproc(_worker, 2, args=(kind,), timeout_s=900)
-    for i, (name, _) in enumerate(CELLS):
+    got = run_multiproc(_worker, world, args=(kind,), timeout_s=900)
+    for i, (name, _) in enumerate(CELLS[world]):
         w = {}
-        for rank in range(2):
+        for rank in range(world):
             steps, held = got[rank][i]
             for s, (loss, gnorm) in steps.items():
                 want_loss, want_gnorm = ref_steps[s]

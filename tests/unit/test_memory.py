@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_mm.parallel.memory import GiB, Topology, count_params, estimate, suggest
 from titan_mm import registry
+from titan_mm.parallel.memory import GiB, Topology, count_params, estimate, suggest
 from titan_mm.registry import get_model_spec
 from titan_mm.tools.memory import main
 
