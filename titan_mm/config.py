@@ -85,7 +85,8 @@ class Model:
     init_from_hf: bool = True
     """With hf_path: load the HF weights (True) or only take the architecture and init randomly (False)."""
     attn_backend: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
-    """Attention backend handed to build_attn_meta: auto picks the fastest that works on the device."""
+    """Attention backend handed to build_attn_meta: auto picks the fastest that works on the device (flex on CUDA
+    in bf16 / fp16, sdpa in fp32 and on the CPU)."""
     overrides: str = ""
     """JSON object of model-config fields to override on the chosen flavor, e.g. '{"num_hidden_layers": 2}'."""
 

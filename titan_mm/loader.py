@@ -98,15 +98,19 @@ def resolve_source(path: str | os.PathLike) -> Source:
 
 def model_from_config(cfg: JobConfig, device: torch.device) -> tuple[ModelSpec, Any]:
     """(spec, model config) for ``[model]`` with the runtime choices of ``[model]`` / ``[kernels]`` / ``[float8]``
-    on ``device``: attention backend (auto: flex on CUDA, sdpa elsewhere), kernel ops (auto: on CUDA) and float8
-    experts (float8.moe_experts: a MoE model on an SM>=90 GPU with torchao's MoE training, checked here)."""
+    on ``device``: attention backend (auto: flex on CUDA in bf16 / fp16, sdpa otherwise), kernel ops (auto: on
+    CUDA) and float8 experts (float8.moe_experts: a MoE model on an SM>=90 GPU with torchao's MoE training, checked
+    here)."""
     m = cfg.model
     try:  # checked on every device, so a typo fails on the CPU too
         resolve_ops(cfg.kernels.ops)
     except ValueError as e:
         raise ConfigError(f"kernels.ops={cfg.kernels.ops!r}: {e}") from None
     on = cfg.kernels.mode == "triton" or (cfg.kernels.mode == "auto" and device.type == "cuda")
-    backend = m.attn_backend if m.attn_backend != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    # auto: flex on CUDA in bf16 / fp16; fp32's flex backward at head dim 128 finds no kernel config that fits
+    # shared memory (torch 2.11, H200: bench/rl.py's 1.7B run), so fp32 takes sdpa
+    flex = device.type == "cuda" and cfg.training.param_dtype != "float32"
+    backend = m.attn_backend if m.attn_backend != "auto" else ("flex" if flex else "sdpa")
     try:
         resolved = resolve_model(m.name, m.flavor, m.hf_path, m.overrides, attn_backend=backend,
                                  kernels=cfg.kernels.ops if on else False, moe_float8=cfg.float8.moe_experts)

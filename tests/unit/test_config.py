@@ -152,6 +152,18 @@ def test_kernel_ops_default_and_bad_name():
         model_from_config(cfg, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("dtype,device,want", [("bfloat16", "cuda", "flex"), ("float16", "cuda", "flex"),
+                                                ("float32", "cuda", "sdpa"), ("bfloat16", "cpu", "sdpa")])
+def test_auto_attention_backend(dtype, device, want):
+    # fp32's flex backward at head dim 128 has no kernel config on torch 2.11 (loader.model_from_config)
+    import torch
+
+    from titan_mm.train.setup import model_from_config
+
+    cfg = load_config(["--model.name", "qwen3", "--model.flavor", "debug", "--training.param_dtype", dtype])
+    assert model_from_config(cfg, torch.device(device))[1].attn_backend == want
+
+
 # ---------------------------------------------------------------- data source on the command line
 def _mixture_toml(tmp_path):
     return _write(tmp_path, '[data]\ndataset = "ignored"\n[data.mixture]\n"/d/llava_ov/*.jsonl" = 0.7\n'
