@@ -34,7 +34,7 @@ from bench.devices import device_of  # noqa: E402
 from bench.mfu import CASES, PEAK_TFLOPS, render  # noqa: E402
 
 RESULTS = ("mfu.json", "mfu_qwen3_5.json", "mfu_kernels.json", "mfu_reshard.json", "mfu_ac_layers.json",
-           "mfu_syncfree.json", "mfu_omni.json", "mfu_omni_moe.json")
+           "mfu_syncfree.json", "mfu_omni.json", "mfu_omni_moe.json", "mfu_wan.json", "mfu_bagel.json")
 DLLM = "dllm.json"  # bench/dllm.py: one row per training objective, MFU of the objective's FLOPs
 # not read: mfu_contract.json (before/after ratios, no MFU), mfu_tritonop_probe.json (a branch probe, not main)
 
@@ -46,6 +46,8 @@ KINDS = {
     "VLM-MoE": ("qwen3_vl_moe",),
     "Qwen3.5 (hybrid linear attention)": ("qwen3_5", "qwen3_5_moe"),
     "Omni (image + audio + text)": ("qwen2_5_omni", "qwen3_omni_moe"),
+    "Video diffusion (Wan)": ("wan",),
+    "Unified understanding + generation (BAGEL)": ("bagel",),
 }
 DLLM_KIND = "Diffusion LM (bench/dllm.py)"
 # published by lmms-engine for their own runs and hardware; not measured here
