@@ -1,5 +1,6 @@
 """The Wan and BAGEL activation terms (titan_mm/models/{wan,bagel}/memory.py) against what one block really saves
-for its backward: the unique storages held by the block output's autograd graph, on CPU in fp32 and bf16 (the trainer's mixed-precision activations), eager.
+for its backward: the unique storages held by the block output's autograd graph, on CPU in fp32 and bf16 (the
+trainer's mixed-precision activations), eager.
 
 The measure is the slope over the sequence (saved bytes at 2S minus at S, per token), so what is per clip or per row
 (the cross-attention's text keys and values, per-clip modulation) cancels; the block's inputs, parameters, RoPE

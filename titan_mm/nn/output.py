@@ -22,8 +22,8 @@ class Stream(NamedTuple):
     adds: tuple[torch.Tensor, ...] = ()
     """[B, S, D] additions to the residual after blocks 0 .. len(adds)-1 (Qwen3-VL DeepStack features)."""
     cond: tuple[torch.Tensor, ...] = ()
-    """Conditioning that ``embed`` computes and every block reads unchanged (Wan: the text states, the modulation and
-    the time embedding); pipeline stages send it on with ``h``."""
+    """Conditioning that ``embed`` computes and every block reads unchanged (a video diffusion transformer: the text
+    states, the modulation and the time embedding); pipeline stages send it on with ``h``."""
 
 
 class ModelOutput(NamedTuple):

@@ -26,17 +26,17 @@ contract methods. It is not a parent of the model: state dicts are taken from th
 MoE aux loss is a function of the statistics summed over all MoE blocks, so they are carried to the last stage,
 whose head turns them into the aux loss, and its gradient flows back through every stage); with DeepStack the
 additions still ahead (after blocks ``stop .. n_adds-1``; zeros for a text-only micro-batch); then the stream's
-``cond``, the conditioning every block reads unchanged (Wan's text states, modulation and time embedding: stage 0's
-embed computes them, every stage passes them on, their gradients flow back to stage 0). The vision tower runs on
-stage 0.
+``cond``, the conditioning every block reads unchanged (a video diffusion transformer's text states, modulation and
+time embedding: stage 0's embed computes them, every stage passes them on, their gradients flow back to stage 0).
+The vision tower runs on stage 0.
 
 **Per-micro-batch metadata** (attention metadata, positions, family inputs, the objective's loss) is built on the host
 before ``schedule.step`` and kept in a table indexed by micro-batch. Each forward gets its micro-batch index as the keyword
 ``mb`` (a CPU tensor the schedule chunks from ``arange(n_micro)``), so a stage finds its micro-batch's metadata
 without a host sync and whatever order the schedule runs them in (each torch schedule does run a stage's forwards
 in order 0 .. M-1; the index makes that irrelevant). ``embed`` gets the family inputs it names; ``rope``, ``trunk``
-and ``head`` those they take as keyword-only parameters (Wan's RoPE reads ``grid_fhw``; BAGEL's layers and final norms
-route by ``und_index`` / ``gen_index``).
+and ``head`` those they take as keyword-only parameters (a 3-D RoPE reads ``grid_fhw``; a mixture of transformers'
+layers and final norms route by ``und_index`` / ``gen_index``).
 
 **The loss**: the last stage runs the objective's loss on the head's hidden states (titan_mm.objectives) and sends
 its terms [T]; the loss function returns ``sum_t term_t / denom_t + aux * aux_scale`` (denom_t: the term's global
@@ -175,7 +175,7 @@ class Micro(NamedTuple):
     """The family inputs ``embed`` takes (pixel values, vision metadata, ...)."""
     kw: dict[str, dict]
     """Per contract method (``rope``, ``trunk``, ``head``), the family inputs it takes as keyword-only parameters
-    (Wan's rope: ``grid_fhw``; BAGEL's trunk and head: the experts' token indices ``und_index`` / ``gen_index``)."""
+    (a 3-D RoPE's ``grid_fhw``; a mixture of transformers' expert token indices ``und_index`` / ``gen_index``)."""
     loss: Callable
     """The objective's ``loss(model, out) -> {term: sum}`` for this micro-batch (Objective.bind)."""
     terms: tuple[str, ...]

@@ -1,13 +1,15 @@
 """Wan activation terms for the memory estimator (titan_mm/parallel/memory.py, which counts the parameters, FSDP2
 buffers, gradients, optimizer state and the loss for any family).
 
-Saved bytes per video token of one WanBlock, counted from model.py's eager code path (tests/unit/test_memory_wan_bagel.py
-walks the autograd graph of a block on CPU in fp32 and in bf16 and finds exactly these bytes):
+Saved bytes per video token of one WanBlock, counted from model.py's eager code path
+(tests/unit/test_memory_wan_bagel.py walks the autograd graph of a block on CPU in fp32 and in bf16 and finds exactly
+these bytes):
 
 - each modulated FP32LayerNorm (before attn1 and before the FFN): its fp32 input copy, fp32 mean and rstd, its fp32
   output (the ``1 + scale`` multiplicand) and the modulated input of the next linear in the activation dtype;
 - attn1: the q / k RMSNorms over all heads (eager: torch's composite keeps its input upcast to fp32, the fp32 rstd
-  and the fp32 normalized values), the rotated q and k and v, the attention output and fp32 log-sum-exp per head, and the block's ``attn1 * gate`` multiplicand (D);
+  and the fp32 normalized values), the rotated q and k and v, the attention output and fp32 log-sum-exp per head,
+  and the block's ``attn1 * gate`` multiplicand (D);
 - the cross-attention norm (``cross_attn_norm``: fp32 input, mean, rstd, output cast for ``to_q``), attn2's q path
   (projection, RMSNorm, SDPA's q), its output and log-sum-exp;
 - the FFN: the GELU input and output (F) and the ``ffn * c_gate`` multiplicand (D, upcast to fp32);
