@@ -31,7 +31,7 @@ from titan_mm.loader import load_model
 from titan_mm.models.bagel import BagelModel
 from titan_mm.models.bagel.data import source_image, specials_for
 from titan_mm.models.bagel.sample import check_sampling, sample, write_png
-from titan_mm.models.bagel.vae import load_vae, vae_source
+from titan_mm.models.bagel.vae import PIXELS, load_codec, vae_source
 
 
 def _ids(text: str) -> list[int]:
@@ -54,7 +54,7 @@ def check_args(a: argparse.Namespace) -> list[int] | None:
     if (suffix == ".png") != bool(a.vae):
         raise ValueError(f"--out {a.out}: a PNG needs --vae (ae.safetensors or a diffusers AutoencoderKL folder) and "
                          "--vae writes a PNG; pass both, or name *.pt without --vae for the latent")
-    if a.vae:
+    if a.vae and a.vae != PIXELS:
         vae_source(a.vae)
     if a.image and not a.vae:
         raise ValueError(f"--image {a.image}: editing encodes the source image with the VAE; pass --vae")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cfg-renorm-min", type=float, default=0.0, help="least scale of the global renorm")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial noise (a CPU generator)")
     ap.add_argument("--vae", default=None, help="BFL's ae.safetensors (or a BAGEL folder holding it), or a diffusers "
-                    "AutoencoderKL folder (FLUX's vae/, or its pipeline)")
+                    "AutoencoderKL folder (FLUX's vae/, or its pipeline); \"pixels\": the pixel codec (the digits run)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", required=True, help="image.png (decoded with --vae) or latent.pt")
     a = ap.parse_args(argv)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(got.model, BagelModel):
             raise ValueError(f"--model {a.model} holds a {got.spec.name!r} model; this tool samples BAGEL models")
         cfg = got.model_cfg
-        vae = load_vae(a.vae, cfg, a.device) if a.vae else None
+        vae = load_codec(a.vae, cfg, a.device) if a.vae else None
         source = source_image(a.image, vae, cfg) if a.image else None
         if a.height is None:
             a.height, a.width = (n * cfg.vae_config.downsample for n in source[0].shape[1:])
