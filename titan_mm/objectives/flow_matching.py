@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from titan_mm.nn.attention import KINDS
+from titan_mm.nn.flow import time_shift
 from titan_mm.objectives.base import Objective, noise_generator
 from titan_mm.registry import SeqKey
 
@@ -65,7 +66,7 @@ SAMPLERS = ("uniform", "logit_normal", "shifted")
 def _bell(t: torch.Tensor, shift: float) -> torch.Tensor:
     """DiffSynth's bell-shaped, mean-normalized weight of t over its shifted training sigmas (module docstring)."""
     grid = torch.linspace(1.0, 0.003 / 1.002, 1000, dtype=torch.float64)
-    y = torch.exp(-2.0 * (shift * grid / (1 + (shift - 1) * grid) - 0.5) ** 2)
+    y = torch.exp(-2.0 * (time_shift(grid, shift) - 0.5) ** 2)
     low, mean = y.min(), (y - y.min()).mean()
     return ((torch.exp(-2.0 * (t.double() - 0.5) ** 2) - low) / mean).to(t.dtype)
 
@@ -131,14 +132,14 @@ class FlowMatching(Objective):
         else:
             n = torch.randn(shape, generator=g, dtype=torch.float32)
             s = torch.sigmoid(n if self.sampler == "shifted" else self.mean + self.std * n)
-        return s if self.shift == 1.0 else self.shift * s / (1.0 + (self.shift - 1.0) * s)
+        return s if self.shift == 1.0 else time_shift(s, self.shift)
 
     def _t_of_u(self, u: torch.Tensor) -> torch.Tensor:
         """The sampler's t as the monotone function of u ~ U[0, 1) (fp64), shifted."""
         s = u if self.sampler == "uniform" else torch.sigmoid(
             (0.0 if self.sampler == "shifted" else self.mean) + (1.0 if self.sampler == "shifted" else self.std)
             * math.sqrt(2.0) * torch.erfinv(2.0 * u - 1.0))
-        return self.shift * s / (1.0 + (self.shift - 1.0) * s)
+        return time_shift(s, self.shift)
 
     def _u_of_t(self, t: float) -> float:
         """The inverse of :meth:`_t_of_u` (its u at a bound t in [0, 1])."""

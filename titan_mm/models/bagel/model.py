@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from titan_mm.models.bagel.config import BagelConfig, BagelLLMConfig, BagelViTConfig
 from titan_mm.models.bagel.spec import frozen_parts, param_part
-from titan_mm.models.wan.model import timestep_embedding
 from titan_mm.nn import init
 from titan_mm.nn.attention import AttnMeta, attention
+from titan_mm.nn.flow import timestep_embedding
 from titan_mm.nn.loss import chunked_cross_entropy
 from titan_mm.nn.mlp import SwiGLU
 from titan_mm.nn.norm import RMSNorm

@@ -27,8 +27,8 @@ from titan_mm.models.bagel.data import generation_doc
 from titan_mm.models.bagel.model import BagelModel
 from titan_mm.models.bagel.spec import SCHEMA, prepare_batch
 from titan_mm.models.bagel.synthetic import DEBUG_SPECIALS, Specials
-from titan_mm.models.wan.sample import time_shift
 from titan_mm.nn.attention import build_attn_meta
+from titan_mm.nn.flow import time_shift
 from titan_mm.nn.kv_cache import alloc_contiguous_cache, plan_step
 
 

@@ -15,8 +15,6 @@ names are diffusers' own, so its folders load without renaming, but for the outp
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -24,6 +22,7 @@ import torch.nn.functional as F
 from titan_mm.models.wan.config import NUM_TRAIN_TIMESTEPS, WanConfig
 from titan_mm.nn import init
 from titan_mm.nn.attention import AttnMeta, attention
+from titan_mm.nn.flow import timestep_embedding
 from titan_mm.nn.output import ModelOutput, Stream
 
 ROPE_THETA = 10000.0
@@ -50,14 +49,6 @@ def apply_rope(x_BSHK: torch.Tensor, cos, sin) -> torch.Tensor:
     """Rotate interleaved pairs (x[2j], x[2j+1]) by the angles (diffusers' Wan layout)."""
     x1, x2 = x_BSHK.unflatten(-1, (-1, 2)).unbind(-1)
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2).type_as(x_BSHK)
-
-
-def timestep_embedding(t: torch.Tensor, n: int) -> torch.Tensor:
-    """diffusers' Timesteps(n, flip_sin_to_cos=True, downscale_freq_shift=0): [cos, sin] of t x 10000^(-j/half)."""
-    half = n // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-    a = t.float()[..., None] * freqs
-    return torch.cat([a.cos(), a.sin()], -1)
 
 
 class WanAttention(nn.Module):

@@ -16,11 +16,7 @@ from PIL import Image
 from titan_mm.models.wan.config import NUM_TRAIN_TIMESTEPS
 from titan_mm.models.wan.model import WanModel, patchify, unpatchify
 from titan_mm.nn.attention import build_attn_meta
-
-
-def time_shift(sigma, shift: float):
-    """The timestep shift of diffusers' scheduler (and of flow matching's training t; BAGEL's sampler too)."""
-    return shift * sigma / (1 + (shift - 1) * sigma)
+from titan_mm.nn.flow import time_shift
 
 
 def flow_sigmas(steps: int, shift: float) -> torch.Tensor:
