@@ -162,6 +162,13 @@ class Data:
     """Families trained on captioned clips: the probability that a row's text states are zeros (an empty prompt,
     for classifier-free guidance), drawn from (training.seed, micro-batch, row), so resumes are exact. BAGEL: the
     probability that a sample's caption / instruction is left out (BAGEL's text_cond_dropout_prob)."""
+    vit_cond_dropout: float = 0.0
+    """BAGEL (docs/bagel.md "Data"): the probability that an editing source's ViT split is left out (BAGEL's
+    vit_cond_dropout_prob; 0.4 in its DataConfig), drawn from (training.seed, sample, epoch): image guidance's
+    training half."""
+    vae_cond_dropout: float = 0.0
+    """BAGEL: the probability that an editing source's clean VAE split is left out (BAGEL's vae_cond_dropout_prob;
+    0.1 in its DataConfig), drawn as vit_cond_dropout."""
 
 
 @dataclass

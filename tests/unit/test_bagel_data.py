@@ -145,6 +145,36 @@ def test_edit_record_is_clean_source_vit_source_instruction_noised_target(tmp_pa
     assert doc.n_patches == 4
 
 
+def test_edit_source_dropouts_leave_splits_out_but_keep_their_positions(tmp_path):
+    """vit_cond_dropout / vae_cond_dropout: over epochs every keep / drop pair of the source's splits comes up, and a
+    dropped split's position is still taken (BAGEL's pack_sequence: curr_rope_id += 1, continue)."""
+    src, tgt = png(tmp_path, "s.png", 8, 8, 1), png(tmp_path, "t.png", 8, 8, 2)
+    rec = {"source": "s.png", "instruction": "make it blue", "target": "t.png"}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(rec) + "\n")
+    unit = list_units(str(tmp_path / "rows.jsonl"))[0]
+    docs = BagelDocs(CFG, data(vit_cond_dropout=0.5, vae_cond_dropout=0.5), TOK, seed=0)
+    seen = set()
+    for epoch in range(16):
+        doc = docs(rec, unit, "e:1", epoch)
+        want = _Sample(CFG, docs.specials)
+        vae = bool(doc.seq["cond_latents"].any())  # the clean VAE split's patches are there when kept
+        vit = "vit_lens" in doc.media
+        if vae:
+            want.vae_image(docs.codec.encode(src[None])[0], noised=False, unit=-1)
+        else:
+            want.dropped_image()
+        if vit:
+            want.vit_image(src)
+        else:
+            want.dropped_image()
+        want.text(ids("make it blue", docs.specials), loss=False)
+        want.vae_image(docs.codec.encode(tgt[None])[0], noised=True, unit=0)
+        assert_docs_equal(doc, want.doc())
+        assert doc.positions[0, -1] == 2 + len(ids("make it blue", docs.specials))  # both positions taken anyway
+        seen.add((vae, vit))
+    assert seen == {(True, True), (True, False), (False, True), (False, False)}
+
+
 def test_chat_record_is_vit_split_question_and_answer_with_ce(tmp_path):
     x = png(tmp_path, "q.png", 8, 12, 3)
     rec = {"messages": [{"role": "user", "content": [{"type": "image", "image": "q.png"},
@@ -300,6 +330,7 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path):
 def test_mistakes_are_one_line(tmp_path):
     for kw, msg in (({"encoders": ""}, "data.encoders is empty"),
                     ({"prompt_dropout": 1.0}, "data.prompt_dropout = 1.0"),
+                    ({"vit_cond_dropout": -0.1}, "data.vit_cond_dropout = -0.1"),
                     ({"encoders": str(tmp_path)}, "no config.json there")):
         with pytest.raises(ValueError, match=msg) as e:
             BagelDocs(CFG, data(**kw), TOK, 0)

@@ -21,7 +21,9 @@ codec of ``data.encoders`` (titan_mm.models.bagel.vae: ``"pixels"`` or a FLUX VA
 IMG is a path (relative to the file's folder, or data.media_root), a URL or bytes. An image is resized (bicubic)
 to an area within data.image_min_pixels / image_max_pixels, with sides multiples of the codec's stride (VAE
 splits), of the ViT patch (ViT splits) or of both, and within the latent / ViT position tables. ``prompt_dropout``
-is BAGEL's ``text_cond_dropout_prob``: a caption or instruction is left out, drawn from (seed, sample, epoch).
+is BAGEL's ``text_cond_dropout_prob``: a caption or instruction is left out, drawn from (seed, sample, epoch);
+``vit_cond_dropout`` / ``vae_cond_dropout`` (``vit_cond_dropout_prob`` / ``vae_cond_dropout_prob``) leave out an
+editing source's ViT / clean VAE split the same way, its position still taken, as BAGEL's packer does.
 A record that fits no kind, or whose image cannot be read, is skipped and counted by the loader.
 
 :class:`T2IData` is the library form of the text-to-image rows (``read_t2i``'s JSONL, ``drop_text`` drawn per sample
@@ -59,7 +61,8 @@ from titan_mm.registry import DataNeeds
 DIGITS = ("builtin:digits", "builtin:digits_test")
 """The digits sources asked both ways (the training split, and the held-out one for [eval]'s held-out loss)."""
 DRAW_DIGIT = "Draw the digit {}."
-_WAY_SALT, _DROP_SALT, _CAPTION_SALT = 0xD1617, 0xD40F, 0xCA9  # own hash streams: digits way, dropout, caption
+# own hash streams: the digits way, the prompt / source-ViT / source-VAE dropouts, the caption drawn
+_WAY_SALT, _DROP_SALT, _VIT_SALT, _VAE_SALT, _CAPTION_SALT = 0xD1617, 0xD40F, 0xD417, 0xDAE0, 0xCA9
 
 
 @dataclass(frozen=True)
@@ -228,9 +231,11 @@ class BagelDocs:
             raise ValueError("data.encoders is empty: BAGEL's rows encode their images with an image codec; set it to "
                              "\"pixels\" (the pixels as latents) or a FLUX VAE (BFL's ae.safetensors, or a diffusers "
                              "AutoencoderKL folder)")
-        if not 0.0 <= data.prompt_dropout < 1.0:
-            raise ValueError(f"data.prompt_dropout = {data.prompt_dropout}: BAGEL's text_cond_dropout_prob must be in "
-                             "[0, 1)")
+        for name, p in (("prompt_dropout", data.prompt_dropout), ("vit_cond_dropout", data.vit_cond_dropout),
+                        ("vae_cond_dropout", data.vae_cond_dropout)):
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"data.{name} = {p}: a dropout probability (BAGEL's *_cond_dropout_prob) must be in "
+                                 "[0, 1)")
         self.cfg, self.data, self.tok, self.seed = cfg, data, tokenizer, seed
         self.codec: FluxVAE | PixelCodec = load_codec(data.encoders, cfg)
         self.specials = specials_for(tokenizer, cfg)
@@ -287,15 +292,21 @@ class BagelDocs:
         return self.codec.encode(image_CHW[None])[0]
 
     def _generation(self, rec: dict, unit: Unit, key: tuple, target: Any, prompt: Any, source: Any = None) -> _Sample:
-        """[source's VAE + ViT splits] [bos prompt eos] | target's noised VAE split; the prompt dropped with
-        probability data.prompt_dropout."""
-        s = _Sample(self.cfg, self.specials)
+        """[source's VAE + ViT splits] [bos prompt eos] | target's noised VAE split; the prompt, the source's VAE and
+        ViT splits each dropped with their data.*_dropout probability."""
+        s, d = _Sample(self.cfg, self.specials), self.data
         ids = self._ids(prompt, "caption / instruction / prompt")
         if source is not None:
             src = self._image(source, rec, unit, self.both_fit)
-            s.vae_image(self._latent(src), noised=False, unit=-1)
-            s.vit_image(src)
-        if hash_ints(*key, _DROP_SALT) / 2.0**64 >= self.data.prompt_dropout:
+            if _kept(key, _VAE_SALT, d.vae_cond_dropout):
+                s.vae_image(self._latent(src), noised=False, unit=-1)
+            else:
+                s.dropped_image()
+            if _kept(key, _VIT_SALT, d.vit_cond_dropout):
+                s.vit_image(src)
+            else:
+                s.dropped_image()
+        if _kept(key, _DROP_SALT, d.prompt_dropout):
             s.text(ids, loss=False)
         s.vae_image(self._latent(self._image(target, rec, unit, self.vae_fit)), noised=True, unit=0)
         return s
@@ -322,6 +333,11 @@ class BagelDocs:
         if not loss:
             raise SkipSample("empty", "a chat needs an assistant message with text (the CE target)")
         return s
+
+
+def _kept(key: tuple, salt: int, p_drop: float) -> bool:
+    """Whether a part survives its dropout ``p_drop``, drawn from (seed, sample, epoch) on its own hash stream."""
+    return hash_ints(*key, salt) / 2.0**64 >= p_drop
 
 
 def _caption(rec: dict, key: tuple) -> Any:

@@ -100,6 +100,11 @@ class _Sample:
     def _image_ids(self, n: int) -> list[int]:
         return [self.sp.vision_start] + [0] * n + [self.sp.vision_end]
 
+    def dropped_image(self):
+        """A conditioning image left out (classifier-free guidance's training half): BAGEL's packer still gives it
+        its position, so the next split starts one further."""
+        self.rope += 1
+
     def _image_split(self, n: int, kind: str, next_rope: int):
         self.pos += [self.rope] * (n + 2)
         self.rope += next_rope
