@@ -30,6 +30,7 @@ from titan_mm.models.bagel.data import (
     DRAW_DIGIT,
     BagelDocs,
     data_needs,
+    fit_size,
     generation_doc,
 )
 from titan_mm.models.bagel.synthetic import _Sample
@@ -173,6 +174,15 @@ def test_edit_source_dropouts_leave_splits_out_but_keep_their_positions(tmp_path
         assert doc.positions[0, -1] == 2 + len(ids("make it blue", docs.specials))  # both positions taken anyway
         seen.add((vae, vit))
     assert seen == {(True, True), (True, False), (False, True), (False, False)}
+
+
+def test_image_sizes_keep_within_the_area_bounds_the_tables_and_the_multiples():
+    d = data(image_min_pixels=64 * 64, image_max_pixels=256 * 256)
+    assert fit_size(1000, 500, 16, 4096, d) == (352, 176)  # area down to <= 256^2, sides floored to 16
+    assert fit_size(1000, 500, 16, 224, d) == (224, 112)  # the longer side within the position table
+    assert fit_size(20, 30, 16, 4096, d) == (64, 80)  # up to the smallest area, sides rounded up
+    assert fit_size(32, 32, 16, 4096, d) == (64, 64)
+    assert fit_size(3, 3, 16, 4096, data()) == (16, 16)  # at least one multiple
 
 
 def test_chat_record_is_vit_split_question_and_answer_with_ce(tmp_path):

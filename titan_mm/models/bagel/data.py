@@ -215,11 +215,18 @@ class T2IData:
 # ------------------------------------------------------------------------------------- the trainer's source
 def fit_size(H: int, W: int, multiple: int, max_side: int, data) -> tuple[int, int]:
     """(h, w): H x W scaled to an area within data.image_min_pixels / image_max_pixels and a longer side of at
-    most ``max_side``, each side then cut to a multiple of ``multiple`` (at least one)."""
+    most ``max_side``, each side then a multiple of ``multiple``: rounded up when scaled up (to stay above the
+    smallest area), else down; at least one multiple, at most ``max_side``'s."""
     area = H * W
     s = min(max(1.0, math.sqrt(data.image_min_pixels / area)), math.sqrt(data.image_max_pixels / area),
             max_side / max(H, W))
-    return (max(multiple, int(H * s) // multiple * multiple), max(multiple, int(W * s) // multiple * multiple))
+    top = max(multiple, max_side // multiple * multiple)
+
+    def side(x: float) -> int:
+        n = math.ceil(x / multiple - 1e-9) if s > 1 else int(x) // multiple
+        return min(top, max(multiple, n * multiple))
+
+    return side(H * s), side(W * s)
 
 
 class BagelDocs:
