@@ -94,6 +94,18 @@ class ClipLayout:
 
 
 @dataclass(frozen=True)
+class Bound:
+    """``fn`` with a family's config bound as its first argument, equal by value (a functools.partial is equal only
+    to itself, and a family's DataNeeds compare equal for equal configs): the callables of the layouts here."""
+
+    fn: Callable
+    cfg: Any
+
+    def __call__(self, *args, **kw):
+        return self.fn(self.cfg, *args, **kw)
+
+
+@dataclass(frozen=True)
 class DocLayout:
     """A family that builds its documents from the raw records itself (splits of its own kinds: text, encoder
     images, noised latents) in place of the chat / text processors; titan_mm.data.loader reads, mixes, shards,

@@ -55,7 +55,7 @@ from titan_mm.models.bagel.config import BagelConfig
 from titan_mm.models.bagel.spec import SCHEMA
 from titan_mm.models.bagel.synthetic import DEBUG_SPECIALS, Specials, _Sample
 from titan_mm.models.bagel.vae import FluxVAE, PixelCodec, load_codec
-from titan_mm.nn.media import DocLayout
+from titan_mm.nn.media import Bound, DocLayout
 from titan_mm.registry import DataNeeds
 
 DIGITS = ("builtin:digits", "builtin:digits_test")
@@ -374,4 +374,4 @@ def data_needs(cfg: BagelConfig) -> DataNeeds:
     """1-D positions, ChatML; the documents built by :class:`BagelDocs` (a record's splits), collated by
     :func:`collate`."""
     return DataNeeds(positions="1d", video=False, chat_template="chatml",
-                     docs=DocLayout(builder=functools.partial(BagelDocs, cfg), collate=collate))
+                     docs=DocLayout(builder=Bound(BagelDocs, cfg), collate=collate))

@@ -12,15 +12,13 @@ from __future__ import annotations
 import html
 import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from titan_mm.models.wan.config import WanConfig
 from titan_mm.models.wan.model import patchify
-from titan_mm.nn.media import ClipLayout
+from titan_mm.nn.media import Bound, ClipLayout
 
 TEXT_LEN = 512
 """Text states per prompt: diffusers' WanPipeline max_sequence_length."""
@@ -88,17 +86,5 @@ def load_encoders(cfg: WanConfig, folder: str, device: str = "cpu") -> WanEncode
                        cfg.patch_size, device)
 
 
-@dataclass(frozen=True)
-class _Bound:
-    """``fn`` with the config bound, equal by value (a functools.partial is equal only to itself, and a family's
-    DataNeeds compare equal for equal configs)."""
-
-    fn: Callable
-    cfg: WanConfig
-
-    def __call__(self, *args, **kw):
-        return self.fn(self.cfg, *args, **kw)
-
-
 def clip_layout(cfg: WanConfig) -> ClipLayout:
-    return ClipLayout(text_len=TEXT_LEN, batch=_Bound(latent_batch, cfg), encoders=_Bound(load_encoders, cfg))
+    return ClipLayout(text_len=TEXT_LEN, batch=Bound(latent_batch, cfg), encoders=Bound(load_encoders, cfg))
