@@ -175,10 +175,12 @@ def evaluate(model: BagelModel, docs: BagelDocs, *, limit: int | None = None, pe
     return Scores(und, acc, read, images)
 
 
-def grid(images: torch.Tensor) -> torch.Tensor:
-    """[3, 10 H, n W]: images [10, n, 3, H, W] as one picture, a row per digit."""
+def grid(images: torch.Tensor, scale: int = 3) -> torch.Tensor:
+    """[3, 10 H s, n W s]: images [10, n, 3, H, W] as one picture, a row per digit, each pixel ``scale`` x ``scale``
+    (nearest: 16-pixel digits are too small to see)."""
     D, n, C, H, W = images.shape
-    return images.permute(2, 0, 3, 1, 4).reshape(C, D * H, n * W)
+    g = images.permute(2, 0, 3, 1, 4).reshape(C, D * H, n * W)
+    return g.repeat_interleave(scale, 1).repeat_interleave(scale, 2)
 
 
 def main(argv: list[str] | None = None) -> int:
