@@ -189,6 +189,6 @@ FLAVORS = {
     "debug": WanConfig(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
                        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=48, num_layers=2),
     # the moving-digits debug task (digits.py): 1-channel pixels in 4x4 patches, 32-wide word states
-    "digits": WanConfig(patch_size=(1, 4, 4), num_attention_heads=4, attention_head_dim=16, in_channels=1,
+    "digits": WanConfig(patch_size=(1, 4, 4), num_attention_heads=3, attention_head_dim=32, in_channels=1,
                         out_channels=1, text_dim=32, freq_dim=32, ffn_dim=256, num_layers=4, synthetic="digits"),
 }

@@ -2,10 +2,11 @@
 left, right, up or down across a small grayscale frame, captioned with the digit and the direction, learned by a tiny
 Wan transformer on a CPU and scored on held-out digits.
 
-- **Clips**: FRAMES frames of SIDE x SIDE pixels; the 8x8 digit (values 0-16) moves STEP pixels a frame in a
-  straight line from a random start (the path stays inside the frame). Random starts make the task one of relative
-  positions (frame f + 1's digit is frame f's moved), which Wan's RoPE-only attention reads directly; a fixed path
-  asks each patch where it sits in absolute terms, which the tiny model learnt too slowly. The latents are the pixels themselves, x / 8 - 1 in [-1, 1], one channel:
+- **Clips**: FRAMES frames of SIDE x SIDE pixels; the 8x8 digit (values 0-16) crosses the frame edge to edge,
+  STEP pixels (one 4-pixel patch) a frame, on a line at a random offset across the motion. Whole-patch steps and
+  random offsets make the task one of relative positions (frame f + 1's patches are frame f's moved by one), which
+  Wan's RoPE-only attention reads directly; sub-patch steps on a fixed line (8 frames, 1 pixel a frame) asked each
+  patch where it sits in absolute terms, which the tiny model learnt far more slowly (docs/wan.md). The latents are the pixels themselves, x / 8 - 1 in [-1, 1], one channel:
   the patchifier (model.patchify) stands in the VAE's place, and :func:`to_frames` is the decode.
 - **Text**: the caption "<digit> moving <direction>" (e.g. "three moving left") as one state per word from a
   frozen random table (WORDS, seeded: no UMT5); the model's own text embedder learns to read them. A row's states are
@@ -33,15 +34,15 @@ from titan_mm.models.wan.data import latent_batch
 from titan_mm.models.wan.model import WanModel
 from titan_mm.models.wan.sample import sample
 
-FRAMES = 8
+FRAMES = 4
 SIDE = 20
 """Frame side in pixels."""
 DIGIT = 8
 """scikit-learn's digits are 8x8."""
-STEP = 1
-"""Pixels a frame."""
+STEP = 4
+"""Pixels a frame: one patch of the digits flavor."""
 ALONG = SIDE - DIGIT - (FRAMES - 1) * STEP
-"""The largest start offset along the motion (the path stays inside the frame)."""
+"""The largest start offset along the motion (the path stays inside the frame; 0: edge to edge)."""
 DIRECTIONS = ("left", "right", "up", "down")
 NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 WORDS = (*NUMBERS, "moving", *DIRECTIONS)
@@ -249,7 +250,7 @@ def reference_score(n: int, seed: int = 0) -> dict:
 
 @torch.no_grad()
 def sample_clips(model: WanModel, asks: list[tuple[int, str]], *, steps: int = 20, shift: float = 1.0,
-                 guidance_scale: float = 3.0, seed: int = 0, batch: int = 40) -> torch.Tensor:
+                 guidance_scale: float = 6.0, seed: int = 0, batch: int = 40) -> torch.Tensor:
     """Frames [len(asks), FRAMES, SIDE, SIDE] (pixels in [0, 16]) sampled by :func:`sample.sample` for (digit,
     direction) prompts, the empty prompt (zeros) as the negative; noise from a CPU generator of ``seed``."""
     check_config(model.cfg)
