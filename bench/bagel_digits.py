@@ -1,5 +1,5 @@
 """BAGEL's digits debug task end to end (docs/bagel.md "Digits debug task"): train debug_bagel_digits.toml through
-the launcher, then the held-out scores of python -m titan_mm.models.bagel.digits at every checkpoint.
+the launcher, then the held-out scores of python -m titan_mm.tools.bagel_digits at every checkpoint.
 
     OMP_NUM_THREADS=1 python bench/bagel_digits.py [--steps N] [--per-digit 10] [--png docs/images/bagel_digits.png] \\
         [--out bench/results/bagel_digits_cpu.json]
@@ -30,8 +30,8 @@ import torch  # noqa: E402
 from titan_mm.data.builtin.images import digits_data  # noqa: E402
 from titan_mm.launch.train import main as train  # noqa: E402
 from titan_mm.models.bagel.digits import classifier, held_out  # noqa: E402
-from titan_mm.models.bagel.digits import main as score  # noqa: E402
 from titan_mm.observe.metrics import read_metrics  # noqa: E402
+from titan_mm.tools.bagel_digits import main as score  # noqa: E402
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from titan_mm.models.bagel.sample import unpatchify
 from titan_mm.models.bagel.spec import prepare_batch
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.nn.init import seeded_init
+from titan_mm.tools.bagel_digits import main as score
 from titan_mm.tools.bagel_generate import main as generate
 
 JOB = load_config(["--config", "debug_bagel_digits"])
@@ -124,7 +125,7 @@ def test_a_half_length_digits_run_learns_both_ways(tmp_path):
 def test_mistakes_are_one_line_exit_2(tmp_path, capsys):
     for args, msg in ((["--model", str(tmp_path), "--per-digit", "0"], "give counts >= 1"),
                       (["--model", str(tmp_path / "none")], "does not exist")):
-        assert digits.main(args) == 2
+        assert score(args) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err
 

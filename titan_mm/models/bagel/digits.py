@@ -9,18 +9,12 @@ ways (titan_mm.models.bagel.data), scored on ``builtin:digits_test``, the images
   steps, text classifier-free guidance), decoded by the run's codec, and read by a scikit-learn SVM trained on the
   digits' training split at 8 x 8, their native size. Right when it reads d.
 
-    python -m titan_mm.models.bagel.digits --model outputs/debug_bagel_digits [--per-digit 10] [--limit N] \
-        [--png grid.png] [--out scores.json]
-
-Every mistake is one line and exit status 2.
+The command line is python -m titan_mm.tools.bagel_digits.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -29,15 +23,12 @@ import torch
 import torch.nn.functional as F
 from sklearn.svm import SVC
 
-from titan_mm.checkpoint_io import CheckpointError
-from titan_mm.config import ConfigError
 from titan_mm.data.builtin.images import digits_data, digits_records
 from titan_mm.data.packing import IGNORE_INDEX, Doc
 from titan_mm.data.sources import Unit
-from titan_mm.loader import load_model
 from titan_mm.models.bagel.data import DRAW_DIGIT, BagelDocs, collate, fit_size
 from titan_mm.models.bagel.model import BagelModel
-from titan_mm.models.bagel.sample import sample, write_png
+from titan_mm.models.bagel.sample import sample
 from titan_mm.models.bagel.spec import prepare_batch
 from titan_mm.nn.attention import build_attn_meta
 
@@ -182,41 +173,3 @@ def grid(images: torch.Tensor, scale: int = 3) -> torch.Tensor:
     g = images.permute(2, 0, 3, 1, 4).reshape(C, D * H, n * W)
     return g.repeat_interleave(scale, 1).repeat_interleave(scale, 2)
 
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_mm.models.bagel.digits", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a BAGEL run (or checkpoint) trained on builtin:digits")
-    ap.add_argument("--per-digit", type=int, default=10, help="images generated per digit")
-    ap.add_argument("--limit", type=int, default=None, help="held-out images asked (default: all 360)")
-    ap.add_argument("--seed", type=int, default=0, help="the generation noise's seed")
-    ap.add_argument("--png", default=None, help="write the generated images here, a row per digit")
-    ap.add_argument("--out", default=None, help="write the scores here (JSON)")
-    a = ap.parse_args(argv)
-    try:
-        if a.per_digit < 1 or (a.limit is not None and a.limit < 1):
-            raise ValueError(f"--per-digit {a.per_digit} / --limit {a.limit}: give counts >= 1")
-        got = load_model(a.model)
-        if not isinstance(got.model, BagelModel):
-            raise ValueError(f"--model {a.model} holds a {got.spec.name} model; give a BAGEL run trained on "
-                             "builtin:digits (train_configs/debug_bagel_digits.toml)")
-        docs = BagelDocs(got.model_cfg, got.data, got.tokenizer, got.job.training.seed if got.job else 0)
-        s = evaluate(got.model, docs, limit=a.limit, per_digit=a.per_digit, seed=a.seed, **SAMPLER)
-    except (ValueError, ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if a.png:
-        write_png(grid(s.images), a.png)
-    res = {"understanding": s.understanding, "generation": s.generation, "read": s.read,
-           "held_out_images": a.limit or len(digits_records(test=True)), "per_digit": a.per_digit, "seed": a.seed,
-           "sampler": SAMPLER}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
-            f.write("\n")
-    print(json.dumps({k: res[k] for k in ("understanding", "generation")}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
