@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="training steps (0: the config's)")
     ap.add_argument("--prompts", type=int, default=400, help="held-out prompts scored")
     ap.add_argument("--sampling", nargs="*", default=[], help="extra flags of titan_mm.tools.wan_digits")
-    ap.add_argument("--gif", default=None, help="also write the first 8 clips to this GIF")
+    ap.add_argument("--gif", default=None, help="also write 8 clips (tools.wan_digits --gif) to this GIF")
     ap.add_argument("--run", default=None, help="a folder for the run (default: a temporary one)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/wan_digits_cpu.json"))
     a = ap.parse_args()

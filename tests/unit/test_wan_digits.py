@@ -13,6 +13,7 @@ from tests.resume_check import RESUME_ARGS, assert_resumes_exactly
 from titan_mm.launch.train import main as train_main
 from titan_mm.models.wan import WanModel, unpatchify
 from titan_mm.models.wan import digits as D
+from titan_mm.models.wan.hf import save_hf
 from titan_mm.registry import get_model_spec
 from titan_mm.tools.wan_digits import TARGET
 from titan_mm.tools.wan_digits import main as digits_main
@@ -89,6 +90,10 @@ def test_mistakes_are_one_line(tmp_path, capsys):
         assert digits_main(["--model", str(tmp_path / "nothing"), *args]) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err
+    debug = get_model_spec("wan").flavor("debug")
+    save_hf(WanModel(debug), debug, tmp_path / "debug")  # a Wan folder of another task
+    assert digits_main(["--model", str(tmp_path / "debug")]) == 2
+    assert "not a Wan model of the digits task" in capsys.readouterr().err
 
 
 def test_the_check_samples_through_sample_sample(tmp_path):
@@ -101,6 +106,8 @@ def test_the_check_samples_through_sample_sample(tmp_path):
     text = torch.stack([D.text_states(D.caption(d, r)) for d, r in D.prompts(4)])
     want = D.to_frames(D.sample(model, text, noise, steps=2, shift=1.0, guidance_scale=1.0)[:, 0])
     assert torch.equal(frames, want) and res["clips"] == 4
+    assert D.showcase(40) == [0, 11, 22, 33, 4, 15, 26, 37] and D.showcase(4) == [0, 1, 2, 3]
+    assert [D.prompts(40)[k] for k in D.showcase(40)][:4] == [(0, "left"), (1, "right"), (2, "up"), (3, "down")]
     strip = D.strip(frames)
     assert strip.shape == (D.FRAMES, 4 * D.SIDE, 4 * (4 * D.SIDE + 3), 3) and 0 <= strip.min() and strip.max() <= 1
 

@@ -8,7 +8,8 @@ digit classifier reads the prompt's digit in its frames and the intensity centro
 
 ``--model``: the run (its newest checkpoint), a checkpoint or step folder, or an exported folder of the digits
 flavor. Prints the share of right clips (the task's bar: 0.70), of right digits and of right directions, and the
-scorer's own share on the held-out digits' real clips (its ceiling). ``--gif``: the first 8 clips side by side.
+scorer's own share on the held-out digits' real clips (its ceiling). ``--gif``: 8 clips side by side (digits 0-7, the
+directions in turn: digits.showcase).
 Every mistake is one line and exit status 2, before the model loads.
 """
 
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shift", type=float, default=1.0, help="timestep shift of the sigmas")
     ap.add_argument("--guidance-scale", type=float, default=6.0, help="classifier-free guidance; <= 1: off")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial noise")
-    ap.add_argument("--gif", default=None, help="write the first 8 clips side by side to this GIF")
+    ap.add_argument("--gif", default=None, help="write 8 clips (digits 0-7, the directions in turn) side by side to this GIF")
     ap.add_argument("--out", default=None, help="write the scores to this JSON file")
     a = ap.parse_args(argv)
     try:
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{res['digit_accuracy']:.3f}, direction {res['direction_accuracy']:.3f}; target {TARGET}); the scorer on "
           f"real clips: {res['reference']['accuracy']:.3f}")
     if a.gif:
-        write_gif(digits.strip(frames[:8]), a.gif, fps=4)
+        write_gif(digits.strip(frames[digits.showcase(a.prompts)]), a.gif, fps=2)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

@@ -275,6 +275,13 @@ def evaluate(model: WanModel, n: int = 40, **sampling) -> tuple[dict, torch.Tens
     return summary(scores), frames
 
 
+def showcase(n: int) -> list[int]:
+    """Up to 8 of the first ``n`` prompts, the four directions in turn: digits 0..7 moving left, right, up, down,
+    left, .. (prompt k is digit k % 10, direction k // 10 % 4)."""
+    picks = [k for k in (i + 10 * (i % 4) for i in range(8)) if k < n]
+    return picks if len(picks) == 8 else list(range(min(n, 8)))
+
+
 def strip(frames: torch.Tensor, scale: int = 4) -> torch.Tensor:
     """Clips [N, F, SIDE, SIDE] (pixels in [0, 16]) side by side, a 1-pixel gap between them, upscaled ``scale``x:
     [F, H, W, 3] in [0, 1] for sample.write_gif."""
