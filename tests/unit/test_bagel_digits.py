@@ -91,6 +91,7 @@ def test_greedy_answers_are_the_teacher_forced_argmax():
 
 def test_the_sampler_is_asked_what_training_showed():
     """The sampler's context for "draw d" holds the training rows' prompt split, token for token."""
+    seen = 0
     for rec in HELD_OUT[:10]:
         d = _generation_doc(rec)
         prompt = TOK.encode(DRAW_DIGIT.format(rec["answer"]))
@@ -98,6 +99,8 @@ def test_the_sampler_is_asked_what_training_showed():
         if d.segments[0][1] == "causal":  # the prompt was not dropped (data.prompt_dropout)
             k = d.segments[0][0]
             assert np.array_equal(ctx.input_ids[:k], d.input_ids[:k]) and ctx.segments == d.segments
+            seen += 1
+    assert seen >= 5
 
 
 def test_generation_is_seeded_and_read_per_digit():
