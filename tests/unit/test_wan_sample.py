@@ -5,9 +5,11 @@ WanPipeline with the same WanTransformer3DModel weights and noise, the decode th
 
 import json
 
+import av
+import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageSequence
 
 diffusers = pytest.importorskip("diffusers")  # the optional extra [diffusers]
 
@@ -176,6 +178,14 @@ def test_cli_samples_latents_and_gifs(tmp_path, capsys):
     assert main([*args, "--vae", str(pipe), "--fps", "10", "--out", str(tmp_path / "clip.gif")]) == 0
     with Image.open(tmp_path / "clip.gif") as gif:
         assert (gif.n_frames, gif.size, gif.info["duration"], gif.info["loop"]) == (5, (32, 32), 100, 0)  # GIF keeps centiseconds
+        gif_frames = [np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(gif)]
+    assert main([*args, "--vae", str(pipe), "--fps", "10", "--out", str(tmp_path / "clip.mp4")]) == 0
+    with av.open(str(tmp_path / "clip.mp4")) as mp4:
+        assert mp4.streams.video[0].average_rate == 10
+        got = [f.to_ndarray(format="rgb24") for f in mp4.decode(video=0)]
+    assert [f.shape for f in got] == [(32, 32, 3)] * 5
+    # the same decoded frames: the GIF's palette and the codec's YUV 4:2:0 each lose a few levels of 255
+    assert np.abs(np.stack(got).astype(int) - np.stack(gif_frames).astype(int)).mean() < 12
     assert "sampled 1 clip(s)" in capsys.readouterr().out
 
 
@@ -246,8 +256,9 @@ def test_cli_mistakes_are_one_line(tmp_path, capsys):
     (tmp_path / "text.pt").write_text("a prompt, not its states")
     cases = [
         (["--out", "z.gif"], "decoding a GIF needs a VAE: pass --vae (or --encoders)"),
-        (["--out", "z.mp4"], "name a GIF (*.gif, the decoded frames) or a torch file"),
-        (["--vae", str(pipe), "--out", "z.pt"], "--vae decodes frames into a GIF; name it *.gif"),
+        (["--out", "z.mp4"], "decoding a MP4 needs a VAE: pass --vae (or --encoders)"),
+        (["--out", "z.avi"], "name a GIF or an MP4 (*.gif, *.mp4: the decoded frames) or a torch file"),
+        (["--vae", str(pipe), "--out", "z.pt"], "--vae decodes frames into a GIF or an MP4; name it *.gif or *.mp4"),
         (["--prompt", "a ball", "--out", "z.pt"], "give the prompt as --prompt TEXT (with --encoders) or as"),
         (["--negative-prompt", "a cube", "--out", "z.pt"], "--negative-prompt / --encoders go with --prompt"),
         (["--steps", "0", "--out", "z.pt"], "steps = 0: sampling needs at least 1 step"),

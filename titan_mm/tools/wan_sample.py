@@ -12,7 +12,8 @@ states as WanPipeline does, with ``--negative-prompt`` (default "", WanPipeline'
 file of UMT5 states [L, text_dim] or [B, L, text_dim], with ``--negative-states`` (default zeros: the empty prompt of
 data.prompt_dropout). The latent sizes are the VAE's (a 480x832 clip of 81 frames is 21 x 60 x 104 latents with
 Wan2.1's VAE). With a VAE (``--vae``: an AutoencoderKLWan folder or a pipeline holding vae/; else the one of
-``--encoders``) ``--out`` is an animated GIF of the decoded frames, one per clip; ``--out x.pt`` gets the latents
+``--encoders``) ``--out`` is an animated GIF (``x.gif``) or an MP4 (``x.mp4``: H.264, or MPEG-4 where PyAV's FFmpeg
+has no H.264 encoder) of the decoded frames, one per clip; ``--out x.pt`` gets the latents
 [B, C, F, H, W]. Every mistake is one line and exit status 2, before the model loads.
 
 Wan2.2 A14B's pair: ``--model`` at an A14B pipeline folder (model_index.json's boundary_ratio, transformer/ and
@@ -33,10 +34,15 @@ import torch
 from titan_mm.checkpoint_io import CheckpointError
 from titan_mm.config import ConfigError
 from titan_mm.loader import load_model
+from titan_mm.models.hf_io import component_dir
 from titan_mm.models.wan import WanModel
 from titan_mm.models.wan.config import pipeline_dir
 from titan_mm.models.wan.data import TEXT_LEN, load_encoders
-from titan_mm.models.wan.sample import check_sampling, decode, sample, write_gif
+from titan_mm.models.wan.sample import check_sampling, decode, sample, write_gif, write_mp4
+
+
+# --out's suffix -> the writer of the decoded frames
+WRITERS = {".gif": write_gif, ".mp4": write_mp4}
 
 
 def _states(path: str, flag: str) -> torch.Tensor:
@@ -56,11 +62,10 @@ def _states(path: str, flag: str) -> torch.Tensor:
 
 def _vae_dir(path: str) -> str:
     """The AutoencoderKLWan folder: ``path`` or its pipeline's vae/."""
-    sub = os.path.join(path, "vae")
-    folder = sub if os.path.isfile(os.path.join(sub, "config.json")) else path
+    folder = component_dir(path, "vae")
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise ValueError(f"--vae {path}: no config.json there nor in {sub}; give a diffusers AutoencoderKLWan folder "
-                         "or a Wan pipeline folder")
+        raise ValueError(f"--vae {path}: no config.json there nor in its vae/; give a diffusers AutoencoderKLWan "
+                         "folder or a Wan pipeline folder")
     return folder
 
 
@@ -84,13 +89,15 @@ def check_args(a: argparse.Namespace) -> tuple[torch.Tensor | None, torch.Tensor
     if a.prompt is not None and not a.encoders:
         raise ValueError("--prompt needs --encoders: a diffusers Wan pipeline folder (tokenizer/, text_encoder/, vae/)")
     suffix = Path(a.out).suffix.lower()
-    if suffix not in (".gif", ".pt"):
-        raise ValueError(f"--out {a.out}: name a GIF (*.gif, the decoded frames) or a torch file (*.pt, the latents)")
-    if suffix == ".gif" and not (a.vae or a.encoders):
-        raise ValueError(f"--out {a.out}: decoding a GIF needs a VAE: pass --vae (or --encoders), or name it *.pt "
-                         "for the latents")
+    if suffix not in (*WRITERS, ".pt"):
+        raise ValueError(f"--out {a.out}: name a GIF or an MP4 (*.gif, *.mp4: the decoded frames) or a torch file "
+                         "(*.pt, the latents)")
+    if suffix in WRITERS and not (a.vae or a.encoders):
+        raise ValueError(f"--out {a.out}: decoding a {suffix[1:].upper()} needs a VAE: pass --vae (or --encoders), "
+                         "or name it *.pt for the latents")
     if suffix == ".pt" and a.vae:
-        raise ValueError(f"--out {a.out}: --vae decodes frames into a GIF; name it *.gif, or drop --vae")
+        raise ValueError(f"--out {a.out}: --vae decodes frames into a GIF or an MP4; name it *.gif or *.mp4, or drop "
+                         "--vae")
     if a.boundary_ratio is not None and not a.low_noise_model:
         raise ValueError("--boundary-ratio switches to --low-noise-model: give both (an A14B pipeline folder as "
                          "--model brings its own)")
@@ -158,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                     "pipeline's model_index.json)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial noise (a CPU generator)")
     ap.add_argument("--vae", default=None, help="diffusers AutoencoderKLWan folder (or a pipeline with vae/)")
-    ap.add_argument("--fps", type=int, default=16, help="frames per second of the GIF")
+    ap.add_argument("--fps", type=int, default=16, help="frames per second of the GIF / MP4")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", required=True, help="clip.gif (decoded through a VAE) or latents.pt")
+    ap.add_argument("--out", required=True, help="clip.gif or clip.mp4 (decoded through a VAE) or latents.pt")
     a = ap.parse_args(argv)
     try:
         text, neg = check_args(a)
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             from diffusers import AutoencoderKLWan
 
             vae = AutoencoderKLWan.from_pretrained(_vae_dir(a.vae)).to(a.device).eval()
-        elif Path(a.out).suffix.lower() == ".gif":
+        elif Path(a.out).suffix.lower() in WRITERS:
             vae = enc.vae
         if vae is not None and vae.config.z_dim != cfg.in_channels:
             raise ValueError(f"the VAE has {vae.config.z_dim} latent channels, the model {cfg.in_channels}; use the "
@@ -204,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.save(latents.cpu(), a.out)
     else:
         frames = decode(latents, vae)
-        outs = [a.out] if len(frames) == 1 else [f"{Path(a.out).with_suffix('')}_{i}.gif" for i in range(len(frames))]
+        out = Path(a.out)
+        outs = [a.out] if len(frames) == 1 else [f"{out.with_suffix('')}_{i}{out.suffix}" for i in range(len(frames))]
         for f, path in zip(frames, outs):
-            write_gif(f, path, a.fps)
+            WRITERS[out.suffix.lower()](f, path, a.fps)
         a.out = ", ".join(outs)
     print(f"[titan_mm] sampled {text.shape[0]} clip(s) of {fhw} latents in {a.steps} steps -> {a.out}")
     return 0

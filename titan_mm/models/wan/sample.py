@@ -2,13 +2,14 @@
 ones diffusers' ``FlowMatchEulerDiscreteScheduler(shift=...).set_timesteps(steps)`` computes, as ``WanPipeline``
 steps it (one t per clip: the time MLP runs once per row), then the decode of the latents through a diffusers
 ``AutoencoderKLWan`` (de-normalized by its ``latents_mean`` / ``latents_std``, as the pipeline does) and an animated
-GIF of the frames. The command line is ``python -m titan_mm.tools.wan_sample`` (docs/wan.md "Sampling").
+GIF or an MP4 (H.264 through PyAV) of the frames. The command line is ``python -m titan_mm.tools.wan_sample`` (docs/wan.md "Sampling").
 """
 
 from __future__ import annotations
 
 import os
 
+import av
 import numpy as np
 import torch
 from PIL import Image
@@ -136,3 +137,37 @@ def write_gif(frames: torch.Tensor, path: str | os.PathLike, fps: int = 16) -> N
     """An animated GIF of ``frames`` [F, H, W, 3] in [0, 1] (rounded to 8 bits as diffusers' numpy_to_pil), looped."""
     images = [Image.fromarray(f) for f in (frames * 255).round().to(torch.uint8).cpu().numpy()]
     images[0].save(path, save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)), loop=0)
+
+
+# H.264 where this FFmpeg build has an encoder for it, else MPEG-4 part 2 (every FFmpeg build has that one)
+MP4_CODECS = ("libx264", "h264", "mpeg4")
+
+
+def mp4_codec() -> str:
+    """The first of MP4_CODECS this PyAV's FFmpeg can encode."""
+    for name in MP4_CODECS:
+        try:
+            av.Codec(name, "w")
+            return name
+        except (av.codec.codec.UnknownCodecError, ValueError):
+            continue
+    raise RuntimeError(f"PyAV's FFmpeg encodes none of {MP4_CODECS}; write a GIF instead (--out clip.gif)")
+
+
+def write_mp4(frames: torch.Tensor, path: str | os.PathLike, fps: int = 16) -> str:
+    """An MP4 of ``frames`` [F, H, W, 3] in [0, 1] (rounded to 8 bits as write_gif), one video frame per sampled
+    frame, yuv420p (what players decode). 4:2:0 needs even sides: an odd last row / column is repeated once.
+    Returns the codec used."""
+    rgb = (frames * 255).round().to(torch.uint8).cpu().numpy()
+    h, w = rgb.shape[1:3]
+    rgb = np.pad(rgb, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    codec = mp4_codec()
+    with av.open(os.fspath(path), "w", format="mp4") as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = rgb.shape[2], rgb.shape[1], "yuv420p"
+        # near-transparent quality: a sampled clip is small, and libx264's default crf 23 blurs fine detail
+        stream.options = {"crf": "12"} if codec == "libx264" else {"qscale": "2"}
+        for f in rgb:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        out.mux(stream.encode(None))
+    return codec
