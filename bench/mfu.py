@@ -124,6 +124,20 @@ CASES.update({
     "wan2.1_1.3b": dict(model="wan", flavor="1.3B", overrides={}, batch=1, seq=14040,
                         clip=dict(frames=9, hw=(60, 104), text=512)),
 })
+# 81 frames at 480p: 21 latent frames, 32,760 patches. Wan2.1-T2V-14B's transformer (5120 wide: 40 heads x 128, FFN
+# 13824, 40 blocks) cut to 4 blocks: by models/wan/memory.py's terms a 14B block holds 5.2 GiB of bf16 weights, fp32
+# master, grads and AdamW state plus 3.7 (33 frames) / 8.7 GiB (81 frames) of saved activations, so 4 blocks fit an
+# H100 at both lengths. The whole 1.3B at 81 frames needs about 30 x 3.6 = 108 GiB without AC: an H200, or
+# ``--ac selective`` (about 65 GiB) on an H100.
+WAN_480P_81F = dict(frames=21, hw=(60, 104), text=512)
+WAN2_1_14B_4L = {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 4}
+CASES.update({
+    "wan2.1_1.3b_81f": dict(model="wan", flavor="1.3B", overrides={}, batch=1, seq=32760, clip=WAN_480P_81F),
+    "wan2.1_14b_4l": dict(model="wan", flavor="1.3B", overrides=WAN2_1_14B_4L, batch=1, seq=14040,
+                          clip=dict(frames=9, hw=(60, 104), text=512)),
+    "wan2.1_14b_4l_81f": dict(model="wan", flavor="1.3B", overrides=WAN2_1_14B_4L, batch=1, seq=32760,
+                              clip=WAN_480P_81F),
+})
 
 # BAGEL (docs/bagel.md): packed rows of understanding samples (prompt, a ViT image of image = (h, w) patches, an
 # answer) and generation samples (prompt, a noised VAE image of latent = (h, w) latent patches), the rest text
