@@ -39,6 +39,13 @@ _META_FILES = ["config.json", "generation_config.json", "tokenizer.json", "token
 _WEIGHT_FILES = ["*.safetensors", INDEX_NAME]
 
 
+def component_dir(path: str | os.PathLike, name: str) -> str:
+    """A diffusers pipeline component's folder: ``path``'s ``name``/ subfolder when it holds a config.json (``path`` is
+    the pipeline), else ``path`` itself (the component's own folder; the caller checks it)."""
+    sub = os.path.join(path, name)
+    return sub if os.path.isfile(os.path.join(sub, "config.json")) else str(path)
+
+
 @functools.lru_cache(maxsize=16)
 def local_hf_dir(hf_path: str, weights: bool = False) -> str:
     """The local folder behind ``model.hf_path``: the path itself when it is a folder, else a Hub repo id
@@ -47,10 +54,9 @@ def local_hf_dir(hf_path: str, weights: bool = False) -> str:
     ``model.hf_path`` goes through here. Raises :class:`HFPathNotFound` (one line) when neither works. A local
     diffusers pipeline folder (model_index.json, no config.json) gives its ``transformer/`` folder."""
     if os.path.isdir(hf_path):
-        sub = os.path.join(hf_path, "transformer")
         pipeline = os.path.isfile(os.path.join(hf_path, "model_index.json")) and not os.path.isfile(
             os.path.join(hf_path, "config.json"))
-        return sub if pipeline and os.path.isfile(os.path.join(sub, "config.json")) else hf_path
+        return component_dir(hf_path, "transformer") if pipeline else hf_path
     if os.path.exists(hf_path) or not _HUB_ID.match(hf_path):
         raise HFPathNotFound(f"model.hf_path {hf_path!r} is not a directory nor a Hub repo id (org/name); give a "
                              "local HF model folder (config.json + *.safetensors) or a Hub id such as "

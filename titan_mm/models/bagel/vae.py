@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_mm.models.bagel.config import BagelConfig
+from titan_mm.models.hf_io import component_dir
 
 
 class FluxVAE:
@@ -113,10 +114,9 @@ def vae_source(path: str | os.PathLike) -> str:
         return path
     if os.path.isfile(os.path.join(path, AE_FILE)):
         return os.path.join(path, AE_FILE)
-    sub = os.path.join(path, "vae")
-    folder = sub if os.path.isfile(os.path.join(sub, "config.json")) else path
+    folder = component_dir(path, "vae")
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise ValueError(f"VAE {path}: no {AE_FILE}, no config.json there nor in {sub}; give BFL's {AE_FILE} (or a "
+        raise ValueError(f"VAE {path}: no {AE_FILE}, no config.json there nor in its vae/; give BFL's {AE_FILE} (or a "
                          "BAGEL folder holding it) or a diffusers AutoencoderKL folder, e.g. FLUX.1-dev's vae/")
     return folder
 

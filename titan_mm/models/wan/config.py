@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_mm.models.hf_config import PositiveInt, check_hf, hf_types
-from titan_mm.models.hf_io import read_hf_config
+from titan_mm.models.hf_io import component_dir, read_hf_config
 
 CLASS_NAME = "WanTransformer3DModel"
 NUM_TRAIN_TIMESTEPS = 1000
@@ -170,8 +170,7 @@ def transformer_dir(path: str | os.PathLike, subfolder: str | None = None) -> st
     ``transformer/``; with an A14B expert's ``subfolder`` (``transformer`` / ``transformer_2``) that folder of the
     pipeline ``path`` is or sits in (pipeline_dir), else ``path`` itself (a transformer folder, no pipeline)."""
     if subfolder is None:
-        sub = os.path.join(path, "transformer")
-        return sub if os.path.isfile(os.path.join(sub, "config.json")) else str(path)
+        return component_dir(path, "transformer")
     pipe = pipeline_dir(path)
     if pipe is None:
         return str(path)
