@@ -13,7 +13,7 @@ def _register() -> None:
         load_hf=hf.load_hf, save_hf=hf.save_hf, flops=flops.flops, plan=plan.plan, dims=spec.dims,
         runtime=spec.runtime, with_runtime=spec.with_runtime, data_needs=data.data_needs,
         kernel_shapes=spec.kernel_shapes, memory_terms=memory.memory_terms, prepare_batch=spec.prepare_batch,
-        batch_schema=spec.SCHEMA, kv_cache=False, objectives=("causal", "flow_matching"),
+        batch_schema=spec.SCHEMA, objectives=("causal", "flow_matching"),
         objective_options=spec.objective_options, param_groups=spec.param_groups, synthetic=synthetic.synthetic))
 
 

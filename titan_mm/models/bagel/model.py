@@ -71,21 +71,36 @@ class Expert(nn.Module):
         k = self.k_norm(self.wk(x).unflatten(-1, (-1, K))).flatten(-2)
         return torch.cat([q, k, self.wv(x)], -1)
 
+    def ffn(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ffn_norm(x_ND))
 
-def route(x_TX: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(und rows, gen rows) of ``x_TX``."""
+
+def route(x_TX: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(und rows, gen rows) of ``x_TX``; ``index`` None (no latent tokens: text and ViT only): (x_TX, None)."""
+    if index is None:
+        return x_TX, None
     return x_TX.index_select(0, index[0]), x_TX.index_select(0, index[1])
 
 
-def merge(und_NX: torch.Tensor, gen_MX: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor],
+def merge(und_NX: torch.Tensor, gen_MX: torch.Tensor | None, index: tuple[torch.Tensor, torch.Tensor] | None,
           lead: tuple[int, ...]) -> torch.Tensor:
     """The rows back in sequence order, as a fresh [*lead, X] tensor (the indices cover its prod(lead) rows once; a
-    base, not a view, so that FSDP's hooks on a block's output hold)."""
+    base, not a view, so that FSDP's hooks on a block's output hold); ``index`` None: the und rows are all of them."""
+    if index is None:
+        return und_NX.view(*lead, und_NX.shape[-1])
     out = und_NX.new_zeros(*lead, und_NX.shape[-1])
     flat = out.view(-1, und_NX.shape[-1])
     flat.index_copy_(0, index[0], und_NX)
     flat.index_copy_(0, index[1], gen_MX)
     return out
+
+
+def by_expert(und_fn, gen_fn, x_BSX: torch.Tensor, index) -> torch.Tensor:
+    """[B, S, Y]: ``und_fn`` of the understanding tokens' rows and ``gen_fn`` of the latent tokens' rows, back in
+    sequence order (``index`` None: every token is an understanding token; ``gen_fn`` does not run)."""
+    B, S, X = x_BSX.shape
+    xu, xg = route(x_BSX.reshape(B * S, X), index)
+    return merge(und_fn(xu), None if xg is None else gen_fn(xg), index, (B, S))
 
 
 def attend(qkv_BSX: torch.Tensor, heads: tuple[int, int, int], rope, attn: AttnMeta | None,
@@ -112,13 +127,10 @@ class MoTLayer(nn.Module):
         self.layer_id = layer_id
 
     def forward(self, h_BSD: torch.Tensor, index, rope, attn: AttnMeta | None) -> torch.Tensor:
-        B, S, D = h_BSD.shape
-        xu, xg = route(h_BSD.reshape(B * S, D), index)
-        qkv = merge(self.und(xu), self.gen(xg), index, (B, S))
-        ou, og = route(attend(qkv, self.heads, rope, attn, self.layer_id).reshape(B * S, -1), index)
-        h = h_BSD + merge(self.und.wo(ou), self.gen.wo(og), index, (B, S))
-        xu, xg = route(h.reshape(B * S, D), index)
-        return h + merge(self.und.mlp(self.und.ffn_norm(xu)), self.gen.mlp(self.gen.ffn_norm(xg)), index, (B, S))
+        qkv = by_expert(self.und, self.gen, h_BSD, index)
+        o = attend(qkv, self.heads, rope, attn, self.layer_id).flatten(-2)
+        h = h_BSD + by_expert(self.und.wo, self.gen.wo, o, index)
+        return h + by_expert(self.und.ffn, self.gen.ffn, h, index)
 
 
 class MoELayer(nn.Module):
@@ -133,10 +145,8 @@ class MoELayer(nn.Module):
         self.layer_id = layer_id
 
     def forward(self, h_BSD: torch.Tensor, index, rope, attn: AttnMeta | None) -> torch.Tensor:
-        B, S, D = h_BSD.shape
         h = h_BSD + self.shared.wo(attend(self.shared(h_BSD), self.heads, rope, attn, self.layer_id).flatten(-2))
-        xu, xg = route(self.shared.ffn_norm(h).reshape(B * S, D), index)
-        return h + merge(self.und(xu), self.gen(xg), index, (B, S))
+        return h + by_expert(self.und, self.gen, self.shared.ffn_norm(h), index)
 
 
 LAYERS = {"Qwen2MoTDecoderLayer": MoTLayer, "Qwen2MoEDecoderLayer": MoELayer}
@@ -260,35 +270,36 @@ class BagelModel(nn.Module):
         temb = self.time_embedder(timestep_embedding(t_N, TIMESTEP_FREQS).to(self.vae2llm.weight.dtype))
         return self.vae2llm(x_NP.to(self.vae2llm.weight.dtype)) + temb + self.latent_pos_embed[pos_N]
 
-    def embed(self, input_ids, gen_index, noisy_latents, cond_latents, timesteps, latent_pos, vit_patches=None,
-              vit_pos=None, vit_index=None, vit_attn=None) -> Stream:
+    def embed(self, input_ids, gen_index=None, noisy_latents=None, cond_latents=None, timesteps=None, latent_pos=None,
+              vit_patches=None, vit_pos=None, vit_index=None, vit_attn=None) -> Stream:
         """Stream(h [B, S, D]): token embeddings, with the ViT tokens (at ``vit_index``) and the latent tokens (at
-        ``gen_index``) put in their places. A clean conditioning image is in ``cond_latents`` at t = 0."""
+        ``gen_index``; None: there are none) put in their places. A clean conditioning image is in ``cond_latents``
+        at t = 0."""
         B, S = input_ids.shape
         h = self.tok_embeddings(input_ids).flatten(0, 1)
         if vit_patches is not None:
             h = h.index_copy(0, vit_index, self.embed_vit(vit_patches, vit_pos, vit_attn).to(h.dtype))
+        if gen_index is None:
+            return Stream(h.view(B, S, -1))
         x = (noisy_latents + cond_latents).flatten(0, 1).index_select(0, gen_index)
         lat = self.embed_latents(x, timesteps.flatten().index_select(0, gen_index),
                                  latent_pos.flatten().index_select(0, gen_index))
         return Stream(h.index_copy(0, gen_index, lat.to(h.dtype)).view(B, S, -1))
 
-    def trunk(self, stream: Stream, rope, attn, start: int = 0, stop: int | None = None, *, und_index,
-              gen_index) -> Stream:
-        """Layers start .. stop-1 (any contiguous slice), routing by the host-built expert indices."""
-        h = stream.h
+    def trunk(self, stream: Stream, rope, attn, start: int = 0, stop: int | None = None, *, und_index=None,
+              gen_index=None) -> Stream:
+        """Layers start .. stop-1 (any contiguous slice), routing by the host-built expert indices (None: every
+        token is an understanding token)."""
+        h, index = stream.h, _index(und_index, gen_index)
         for i in range(start, len(self.layers) if stop is None else stop):
-            h = self.layers[str(i)](h, (und_index, gen_index), rope, attn)
+            h = self.layers[str(i)](h, index, rope, attn)
         return stream._replace(h=h)
 
-    def head(self, stream: Stream, attn=None, logits_at=None, hidden: bool = False, *, und_index,
-             gen_index) -> ModelOutput:
+    def head(self, stream: Stream, attn=None, logits_at=None, hidden: bool = False, *, und_index=None,
+             gen_index=None) -> ModelOutput:
         """The final norm of each token's expert: as ``hidden`` (an objective's input), else the LM logits (at
         ``logits_at``)."""
-        B, S, D = stream.h.shape
-        index = (und_index, gen_index)
-        hu, hg = route(stream.h.reshape(B * S, D), index)
-        h = merge(self.norm(hu), self.norm_gen(hg), index, (B, S))
+        h = by_expert(self.norm, self.norm_gen, stream.h, _index(und_index, gen_index))
         zero = torch.zeros((), device=h.device)
         cache = None if attn is None else attn.kv_cache  # written in place by the layers; returned
         if hidden:
@@ -297,9 +308,14 @@ class BagelModel(nn.Module):
             h = h[torch.arange(h.shape[0], device=h.device), logits_at]
         return ModelOutput(F.linear(h, self.lm_head_weight), None, zero, cache)
 
-    def forward(self, input_ids, position_ids=None, attn=None, logits_at=None, loss=None, *, und_index, gen_index,
-                noisy_latents, cond_latents, timesteps, latent_pos, vit_patches=None, vit_pos=None, vit_index=None,
-                vit_attn=None, **_):
+    def forward(self, input_ids, position_ids=None, attn=None, logits_at=None, loss=None, *, und_index=None,
+                gen_index=None, noisy_latents=None, cond_latents=None, timesteps=None, latent_pos=None,
+                vit_patches=None, vit_pos=None, vit_index=None, vit_attn=None, **_):
+        """A packed batch of spec.SCHEMA after prepare_batch; without ``gen_index`` (the serving engine's text rows)
+        every token is an understanding token, and ``position_ids`` defaults to arange (the engine passes the KV
+        cache's)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
         index = {"und_index": und_index, "gen_index": gen_index}
         stream = self.embed(input_ids, gen_index, noisy_latents, cond_latents, timesteps, latent_pos, vit_patches,
                             vit_pos, vit_index, vit_attn)
@@ -319,6 +335,11 @@ class BagelModel(nn.Module):
     def predict_velocity(self, out: ModelOutput, batch) -> torch.Tensor:
         """Flow matching's hook: llm2vae of every position's final hidden state, [B, S, P] (read at latent ones)."""
         return self.llm2vae(out.hidden)
+
+
+def _index(und_index, gen_index):
+    """The layers' routing: the two experts' token indices, or None when there are no latent tokens."""
+    return None if gen_index is None else (und_index, gen_index)
 
 
 def build(cfg: BagelConfig) -> BagelModel:
