@@ -60,7 +60,7 @@ def main() -> None:
            "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
                      f"load average {os.getloadavg()[0]:.1f}: the shared machine)",
            "command": "OMP_NUM_THREADS=1 python bench/wan_digits.py " + " ".join(sys.argv[1:]),
-           "steps": max(losses), "train_s": round(train_s, 1), "check_s": round(time.perf_counter() - t0, 1),
+           "train_steps": max(losses), "train_s": round(train_s, 1), "check_s": round(time.perf_counter() - t0, 1),
            "loss": losses, **res}
     with open(a.out, "w") as fh:
         json.dump(out, fh, indent=1)

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     res, frames = digits.evaluate(got.model, a.prompts, steps=a.steps, shift=a.shift,
                                   guidance_scale=a.guidance_scale, seed=a.seed)
-    res |= {"reference": digits.reference_score(a.prompts), "target": TARGET, "steps": a.steps, "shift": a.shift,
+    res |= {"reference": digits.reference_score(a.prompts), "target": TARGET, "sampling_steps": a.steps, "shift": a.shift,
             "guidance_scale": a.guidance_scale, "seed": a.seed}
     print(f"[titan_mm] digits held-out: {res['accuracy']:.3f} of {res['clips']} clips right (digit "
           f"{res['digit_accuracy']:.3f}, direction {res['direction_accuracy']:.3f}; target {TARGET}); the scorer on "
