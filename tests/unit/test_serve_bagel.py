@@ -2,13 +2,19 @@
 in BAGEL's own layout (``[bos prompt eos]`` then the answer's ``bos``) decode through the engine's paged KV cache to
 the tokens the training forward gives when the whole chat is re-run per token (titan_mm.models.bagel.digits.greedy,
 under the training segment mask); several requests batched, with chunked and packed prefill and a shared prefix.
-Images are refused in one line: the engine's image path cannot take BAGEL's ViT splits yet (docs/bagel.md)."""
+Images are refused in one line: the engine's image path cannot take BAGEL's ViT splits yet (docs/bagel.md). Slow: a
+one-step digits run served by ``python -m titan_mm.serve`` and queried with the openai client."""
 
+import base64
 import dataclasses
+import io
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
+from titan_mm.launch.train import main as train
 from titan_mm.models.bagel import digits
 from titan_mm.models.bagel.config import FLAVORS
 from titan_mm.models.bagel.model import BagelModel
@@ -47,17 +53,18 @@ def _prompts(n: int, shared: int = 0) -> list[list[int]]:
             for i in range(n)]
 
 
-def _reference(prompts: list[list[int]]) -> list[list[int]]:
-    """The training forward's greedy answers: each chat a doc ``[bos prompt eos] [bos answer eos]`` (the VLM chat's
-    text splits), re-run whole per token."""
+def _reference(prompts: list[list[int]], model: BagelModel = MODEL, bos: int = BOS, eos: int = EOS,
+               answer: int = ANSWER) -> list[list[int]]:
+    """The training forward's greedy answers (up to ``answer`` - 1 tokens, an ``eos`` kept): each chat a doc ``[bos
+    prompt eos] [bos answer eos]`` (the VLM chat's text splits), re-run whole per token."""
     docs = []
     for p in prompts:
-        s = _Sample(CFG)
-        s.text([BOS, *p, EOS], loss=False)
-        s.text([BOS] + [0] * (ANSWER - 2) + [EOS], loss=True)
+        s = _Sample(model.cfg)
+        s.text([bos, *p, eos], loss=False)
+        s.text([bos] + [0] * (answer - 2) + [eos], loss=True)
         docs.append(s.doc())
-    got = digits.greedy(MODEL, docs, ANSWER, EOS)
-    return [a[:-1] if a and a[-1] == -1 else a + [EOS] for a in got]  # the engine keeps the stop token
+    got = digits.greedy(model, docs, answer, eos)
+    return [a[:-1] if a and a[-1] == -1 else a + [eos] for a in got]  # the engine keeps the stop token
 
 
 def _engine(**cfg) -> Engine:
@@ -104,3 +111,35 @@ def test_images_are_refused_in_one_line():
 def test_the_spec_declares_the_kv_cache_path():
     assert get_model_spec("bagel").kv_cache
     assert dataclasses.replace(CFG).llm_config.max_position_embeddings == _engine().max_model_len
+
+
+@pytest.mark.slow
+def test_a_digits_run_served_over_http(tmp_path):
+    """A one-step debug_bagel_digits run (the real Qwen3 tokenizer) served as a localhost process: a completion of
+    BAGEL's prompt layout (token ids) is the offline engine's and the training forward's greedy answer; a chat with
+    an image part is a 400 naming the field. ~50 s on 2 shared cores (training, then the server's start)."""
+    serve = pytest.importorskip("tests.serve.test_serve_server")
+    assert train(["--config", "debug_bagel_digits", "--job.dump_folder", str(tmp_path), "--job.name", "run",
+                  "--training.steps", "1", "--metrics.enable_tensorboard", "False"]) == 0
+    run = tmp_path / "run"
+    offline = Engine.from_pretrained(str(run), ServeConfig(max_model_len=serve.MAX_LEN), device="cpu")
+    tok = offline.tokenizer
+    text = tok.encode("What digit is this?")
+    prompt = [tok.im_start_id, *text, tok.im_end_id, tok.im_start_id]
+    want = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0]
+    assert [want.token_ids] == _reference([text], offline.model, tok.im_start_id, tok.im_end_id, answer=4 + 1)
+    server = serve.Server(run).wait_up()
+    try:
+        got = server.client.completions.create(model="tiny", prompt=[prompt], max_tokens=4, temperature=0)
+        assert (got.choices[0].text, got.choices[0].finish_reason) == (want.text, want.finish_reason)
+        assert got.usage.completion_tokens == len(want.token_ids)
+        buf = io.BytesIO()
+        Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        r = serve.httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+            "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "What digit is this?"}, {"type": "image_url", "image_url": {"url": url}}]}]})
+        assert r.status_code == 400 and "image" in r.json()["error"]["message"], r.text
+        server.wait_idle()
+    finally:
+        server.close()

@@ -75,7 +75,8 @@ class Expert(nn.Module):
         return self.mlp(self.ffn_norm(x_ND))
 
 
-def route(x_TX: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def route(x_TX: torch.Tensor,
+          index: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(und rows, gen rows) of ``x_TX``; ``index`` None (no latent tokens: text and ViT only): (x_TX, None)."""
     if index is None:
         return x_TX, None
