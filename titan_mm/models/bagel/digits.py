@@ -3,7 +3,8 @@ ways (titan_mm.models.bagel.data), scored on ``builtin:digits_test``, the images
 
 - Understanding: each held-out image's chat ("<image> What digit is this?") built by the run's own document builder
   (``BagelDocs``, the rows' codec and image sizes), its answer continued greedily: each token by re-running the whole
-  batch through the training forward (the family has no KV-cache decode) and taking the argmax at the last position.
+  batch through the training forward (the serving engine takes BAGEL's text, not its images yet) and taking the
+  argmax at the last position.
   Right when the answer is the digit's tokens followed by the end of the turn (exact match).
 - Generation: "Draw the digit d." sampled by the image sampler (:func:`titan_mm.models.bagel.sample.sample`: Euler
   steps, text classifier-free guidance), decoded by the run's codec, and read by a scikit-learn SVM trained on the
