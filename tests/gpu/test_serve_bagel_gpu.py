@@ -9,7 +9,15 @@ import copy
 import pytest
 
 from tests.gpu.test_serve_gpu import drive
-from tests.unit.test_serve_bagel import ANSWER, BOS, CFG, EOS, MODEL, _prompts, _reference
+from tests.unit.test_serve_bagel import (
+    ANSWER,
+    BOS,
+    CFG,
+    EOS,
+    MODEL,
+    _prompts,
+    _reference,
+)
 from titan_mm.registry import get_model_spec
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.engine import Engine
