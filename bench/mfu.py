@@ -36,6 +36,10 @@ Stacks:
   diffusers        Wan cases: diffusers' WanTransformer3DModel, per-block compile, FSDP2 per block (bf16 params,
                    fp32 reduce), AdamW, the titan stack's flow-matching loss on the same clips and noise (issue 48's
                    peer; bench/peers.py build_diffusers_wan)
+  bagel_ref        BAGEL cases: BAGEL's step from its reference components (its repository is not installable):
+                   transformers' Qwen3DecoderLayer pairs routed per token (MoT), flex attention under BAGEL's
+                   create_sparse_mask (sdpa on the CPU), SigLIP layers over the packed images, per-layer compile,
+                   FSDP2, titan's initial weights, the same CE + velocity MSE (bench/bagel_peer.py)
 Cases set the model shape, batch and sequence; the VL ones (``vl``) build image+text rows through their family's
 synthetic module (``synthetic``; the Omni thinkers': image + 10-30 s audio clip + text groups, vl_batch), and their
 MFU counts the ViT and the audio encoder ("MFU (LLM only)": the decoder alone); ``rows`` cases (BAGEL) take a
@@ -374,10 +378,31 @@ def case_batch(case: dict, spec, mc, device) -> dict:
     return text_batch(spec.dims(mc).vocab_size, case["batch"], case["seq"], device)
 
 
+def _host_rows_step(model, fb, batch):
+    """The timed step of a peer whose ``fb(host_batch, step_index)`` prepares titan's host rows itself (the
+    objective's noise at that step): forward-backward, clip, AdamW."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    n_steps = [0]
+
+    def step():
+        loss = fb(batch, n_steps[0])
+        n_steps[0] += 1
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return step
+
+
 def _peer_builder(case, stack, args, device):
     import torch
 
     from bench import peers
+    from bench.bagel_peer import build_bagel_ref
+    from titan_mm.nn.init import seeded_init
     from titan_mm.objectives import build_objective
 
     spec, mc = model_config(case)
@@ -387,18 +412,20 @@ def _peer_builder(case, stack, args, device):
             raise SystemExit(f"the diffusers stack runs the Wan cases (clip cases); {args.case} is not one")
         objective = build_objective(titan_config(case, "titan", args), spec, mc)
         model, fb = peers.build_diffusers_wan(mc.to_hf_dict(), device, objective)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        n_steps = [0]
-
-        def step():
-            loss = fb(batch, n_steps[0])
-            n_steps[0] += 1
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return float(loss)
-
-        return spec, mc, batch, step
+        return spec, mc, batch, _host_rows_step(model, fb, batch)
+    if stack == "bagel_ref":  # BAGEL: titan's initial weights and flow matching (sampler, shift, seed), same rows
+        if case.get("model") != "bagel":
+            raise SystemExit(f"the bagel_ref stack runs the BAGEL cases; {args.case} is not one")
+        cfg = titan_config(case, "titan", args)
+        with torch.device(device):  # the titan stacks' random init (setup.build_model's seeded draws)
+            titan = spec.build(mc)
+        torch.manual_seed(cfg.training.seed)
+        with torch.no_grad(), seeded_init(cfg.training.seed):
+            titan.init_weights(buffer_device=device)
+        model, fb = build_bagel_ref(mc, device, build_objective(cfg, spec, mc), attn="sdpa" if args.cpu else "flex",
+                                    init=titan.state_dict())
+        del titan
+        return spec, mc, batch, _host_rows_step(model, fb, batch)
     if stack == "torchtitan":
         model, fb = peers.build_torchtitan(shape_of(spec, mc, case["seq"]), device)
     else:
@@ -524,7 +551,8 @@ def worker(args) -> dict:
 
 # ------------------------------------------------------------------------------------------------ driver
 STACK_ORDER = ("titan", "titan_opt", "titan_fsdp", "titan_f8", "titan_f8_pre", "titan_f8_experts", "titan_opt_f8",
-               "titan_eager", "titan_nokernels", "titan_plain", "torchtitan", "hf_liger", "hf", "diffusers")
+               "titan_eager", "titan_nokernels", "titan_plain", "torchtitan", "hf_liger", "hf", "diffusers",
+               "bagel_ref")
 
 
 def _row_order(r: dict):
