@@ -166,6 +166,12 @@ class DataNeeds:
     """A family that builds its packed documents from the records itself (titan_mm.nn.media.DocLayout; the loader
     packs, mixes and resumes them). None: the chat / text processors build them."""
 
+    def takes(self, kind: str) -> bool:
+        """Whether the family's inputs hold media of ``kind`` ("image", "video" or "audio") in its token rows: what
+        the serving engine accepts in a prompt and an eval task may carry."""
+        return {"image": bool(self.patch_size), "video": bool(self.patch_size) and self.video,
+                "audio": self.audio is not None}[kind]
+
     @property
     def position_axes(self) -> int:
         """Rows of a batch's ``position_ids`` (1: [B, S]; 3: [3, B, S]); what the collator packs."""

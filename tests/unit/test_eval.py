@@ -84,6 +84,8 @@ def test_bad_eval_config_fails_before_training(tmp_path, capsys):
         (["--eval.max_new_tokens", "0"], "eval.max_new_tokens must be >= 1"),
         (["--eval.mixture", '{"builtin:qa_test": 1}'], "--eval.dataset and --eval.mixture are both given"),
         (["--eval.tasks", "qa", "--objective.kind", "masked_diffusion"], "eval.tasks decode causally"),
+        (["--eval.tasks", "digits", "--model.name", "qwen3", "--model.flavor", "debug"],
+         "eval.tasks 'digits' has image in its prompts, but model 'qwen3' takes no image input"),
     ]
     (tmp_path / "m.jsonl").write_text('{"prompt": "a", "reference": "b"}\n')
     cases.append((["--eval.tasks", f"{tmp_path}/m.jsonl|no_such_module:f"], "cannot import the metric"))

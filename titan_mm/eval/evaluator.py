@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_mm.config import Data, JobConfig
+from titan_mm.config import ConfigError, Data, JobConfig
 from titan_mm.data.loader import resolve_sources
 from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.eval.tasks import Task, load_task
-from titan_mm.loader import tokenizer_path
+from titan_mm.loader import model_from_config, tokenizer_path
 from titan_mm.observe.health import peak_memory_gb, reset_peak_memory
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.engine import Engine
@@ -53,7 +53,16 @@ def online_eval(cfg: JobConfig) -> Callable[[Run], Evaluator] | None:
     read here, before anything is built, so a bad task is one ConfigError line."""
     if not cfg.eval.interval:
         return None
-    return functools.partial(Evaluator, cfg, tasks=read_tasks(cfg))
+    tasks = read_tasks(cfg)
+    if tasks:  # a task's media the model cannot take would fail at the first eval, deep into training
+        spec, model_cfg = model_from_config(cfg, torch.device("cpu"))
+        needs = spec.data_needs(model_cfg)
+        for t in tasks:
+            if refused := sorted(k for k in t.media if not needs.takes(k)):
+                kinds = " and ".join(refused)
+                raise ConfigError(f"eval.tasks {t.name!r} has {kinds} in its prompts, but model {spec.name!r} takes "
+                                  f"no {kinds} input; drop the task from eval.tasks")
+    return functools.partial(Evaluator, cfg, tasks=tasks)
 
 
 def read_tasks(cfg: JobConfig) -> list[Task]:

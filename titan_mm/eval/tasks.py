@@ -37,6 +37,12 @@ class Task:
     items: list[dict]
     """{"messages": [...] | "prompt": str, "reference": str}, in file order."""
 
+    @property
+    def media(self) -> set[str]:
+        """The media kinds ("image", "video", "audio") its prompts' message parts carry."""
+        return {p["type"] for it in self.items for m in it.get("messages", ()) if isinstance(m.get("content"), list)
+                for p in m["content"] if isinstance(p, dict) and p.get("type") in ("image", "video", "audio")}
+
 
 def _callable(path: str, task: str) -> Callable[[str, str], float]:
     mod, _, fn = path.partition(":")

@@ -75,7 +75,7 @@ def expand_media(prompt: list[int], images: list, videos: list, needs: DataNeeds
 def _check_pads(prompt: list[int], pad: int | None, given: list, kind: str, needs: DataNeeds) -> None:
     """One item per pad of its kind, for a model that takes the kind."""
     field = f"{kind}s"
-    if given and (not needs.patch_size or (kind == "video" and not needs.video)):
+    if given and not needs.takes(kind):
         raise BadRequest(field, f"this model takes no {field}")
     n = sum(1 for t in prompt if t == pad) if pad is not None else 0
     if n != len(given):
@@ -119,7 +119,7 @@ def expand_audio(prompt: list[int], audios: list, needs: DataNeeds, data: Data) 
     Runs before :func:`expand_media`, whose positions then count the audio pads as text, as the data pipeline's
     do (the Omni thinkers' TMRoPE places a clip alone the same way); :func:`after_media` moves the spans."""
     pad = needs.special_tokens.get("audio_pad")
-    if audios and needs.audio is None:
+    if audios and not needs.takes("audio"):
         raise BadRequest("audios", "this model takes no audio")
     n = sum(1 for t in prompt if t == pad) if pad is not None else 0
     if n != len(audios):
