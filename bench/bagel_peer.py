@@ -13,7 +13,8 @@ tests/unit/test_bagel.py's parity reference does:
   BAGEL's ``create_sparse_mask`` (causal or same full / noise split, never another split's noise, same document),
   or ``sdpa`` under that mask materialized (the CPU);
 - the ViT: transformers' ``SiglipEncoderLayer`` over the packed images at once, each image attending only to itself
-  (siglip_navit's varlen attention: a block-diagonal mask), then BAGEL's connector and ViT position table;
+  (siglip_navit's varlen flash attention: images of one size as a batch without a mask, mixed sizes under a
+  block-diagonal mask), then BAGEL's connector and ViT position table;
 - the VAE tokens: ``vae2llm`` + the timestep embedder + the latent position table (BAGEL's generation inputs);
 - the loss: cross-entropy over the label tokens plus the velocity MSE (``llm2vae``) over the noised latents, each
   over its global count, as titan_mm's objective normalizes them.
@@ -152,21 +153,25 @@ class BagelRef(nn.Module):
         self.latent_pos_embed = _Table(c.hidden_size, cfg.max_latent_size)
         self.vit_pos_embed = _Table(c.hidden_size, cfg.vit_max_num_patch_per_side)
 
-    def vit(self, patches, pos, vit_mask):
-        """siglip_navit over the packed images (``vit_mask``: each image sees itself), then the connector."""
+    def vit(self, patches, pos, vit_mask, images: int):
+        """siglip_navit over the step's ``images`` packed images, each attending to itself: as a batch of equal
+        images without a mask (``vit_mask`` None: the flash kernel siglip_navit's varlen call runs), else as one
+        sequence under the block-diagonal ``vit_mask``; then the connector."""
         vm = self.vit_model.vision_model
         emb = vm.embeddings.patch_embedding
-        x = (emb(patches.to(emb.weight.dtype)) + vm.embeddings.position_embedding(pos))[None]
+        x = emb(patches.to(emb.weight.dtype)) + vm.embeddings.position_embedding(pos)
+        x = x.view(images if vit_mask is None else 1, -1, x.shape[-1])
         for layer in vm.encoder.layers:
             x = layer(x, vit_mask)
-        x = vm.post_layernorm(x)[0]
+        x = vm.post_layernorm(x).flatten(0, 1)
         return self.connector.fc2(F.gelu(self.connector.fc1(x), approximate="tanh")) + self.vit_pos_embed.pos_embed[pos]
 
     def forward(self, s: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(CE sum, velocity MSE sum) of the step inputs ``s`` (:func:`step_inputs`)."""
         lm = self.language_model.model
         h = lm.embed_tokens(s["input_ids"])
-        h = h.index_copy(0, s["vit_index"], self.vit(s["vit_patches"], s["vit_pos"], s["vit_mask"]))
+        if s["images"]:
+            h = h.index_copy(0, s["vit_index"], self.vit(s["vit_patches"], s["vit_pos"], s["vit_mask"], s["images"]))
         dt = h.dtype  # the compute dtype (bf16 under FSDP2's mixed precision): the host's fp32 inputs follow it
         temb = self.time_embedder.mlp(timestep_embedding(s["timesteps"]).to(dt))
         h = h.index_copy(0, s["gen"], self.vae2llm(s["latents"].to(dt)) + temb
@@ -243,12 +248,15 @@ def step_inputs(mb: dict, cfg: BagelConfig, device, attn: str) -> dict:
     s = dict(input_ids=mb["input_ids"].reshape(-1), position_ids=mb["position_ids"].reshape(-1),
              und=(kind != VAE).nonzero().squeeze(1), gen=gen, vit_index=(kind == VIT).nonzero().squeeze(1),
              vit_patches=mb["vit_patches"], vit_pos=mb["vit_pos"],
-             vit_mask=(img[:, None] == img[None])[None, None],
+
              latents=(mb["noisy_latents"] + mb["cond_latents"]).reshape(-1, P)[gen],
              timesteps=mb["timesteps"].reshape(-1)[gen], latent_pos=mb["latent_pos"].reshape(-1)[gen],
              ce_index=ce_index, ce_labels=labels[ce_index], mse_index=lat.nonzero().squeeze(1),
              flow_target=mb["flow_target"].reshape(-1, P)[lat], flow_weight=mb["flow_weight"].reshape(-1)[lat])
     s = {k: v.to(device) for k, v in s.items()}
+    # images of one size go as a batch (no mask); mixed sizes as one sequence, each image seeing itself
+    s["images"] = len(lens)
+    s["vit_mask"] = None if bool((lens == lens[:1]).all()) else (img[:, None] == img[None])[None, None].to(device)
     mod = bagel_mask_mod(doc.to(device), seg.to(device), mb["seg_kinds"].reshape(-1).to(device))
     T = B * S
     s["mask"] = create_block_mask(mod, None, None, T, T, device=device) if attn == "flex" else \

@@ -101,6 +101,21 @@ def test_flex_and_sdpa_paths_compute_the_same_sums():
         torch.testing.assert_close(a, b, atol=0, rtol=1e-5)
 
 
+def test_vit_batch_of_equal_images_equals_the_masked_packed_sequence():
+    """The ViT's two layouts (equal images as a batch, no mask; mixed sizes as one sequence under the block-diagonal
+    mask) compute the same tokens."""
+    spec, mc = model_config(CASE)
+    mb = build_objective(_cfg(), spec, mc).prepare([case_batch(CASE, spec, mc, torch.device("cpu"))], 0)[0]
+    s = step_inputs(mb, mc, torch.device("cpu"), "sdpa")
+    assert s["vit_mask"] is None and s["images"] > 1  # the bench rows' images share one size
+    img = torch.repeat_interleave(torch.arange(s["images"]), mb["vit_lens"])
+    model = BagelRef(mc)
+    with torch.no_grad():
+        batched = model.vit(s["vit_patches"], s["vit_pos"], None, s["images"])
+        packed = model.vit(s["vit_patches"], s["vit_pos"], (img[:, None] == img[None])[None, None], s["images"])
+    torch.testing.assert_close(batched, packed, atol=1e-6, rtol=1e-5)  # fp32 sums in other orders
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bagel_ref_flex_loss_at_step_1_is_titans_on_cuda(tmp_path):
