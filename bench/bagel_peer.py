@@ -31,6 +31,7 @@ policy (FSDP1 with its own shard grouping), and the MLP-only Qwen2MoEDecoderLaye
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -279,7 +280,8 @@ def build_bagel_ref(cfg: BagelConfig, device: torch.device, objective, attn: str
         if compile_layers:
             block.compile()
         fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    # the root keeps the host's fp32 inputs (timesteps, targets): the forward casts what meets a bf16 weight
+    fully_shard(model, mp_policy=dataclasses.replace(mp, cast_forward_inputs=False))
 
     def step(host_batch: dict, step_index: int) -> torch.Tensor:
         mb = objective.prepare([host_batch], step_index)[0]
