@@ -39,12 +39,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.nn.attention.flex_attention import and_masks, create_block_mask, create_mask, or_masks
+from torch.nn.attention.flex_attention import (
+    and_masks,
+    create_block_mask,
+    create_mask,
+    or_masks,
+)
 from transformers import Qwen3Config, SiglipVisionConfig
 from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding, \
-    apply_rotary_pos_emb
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3DecoderLayer,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer
 
 from titan_mm.models.bagel.config import BagelConfig

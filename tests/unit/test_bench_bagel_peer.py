@@ -156,7 +156,7 @@ def test_mfu_cpu_smoke_runs_bagel_ref_next_to_titan(tmp_path):
     out = tmp_path / "mfu.json"
     p = subprocess.run([sys.executable, str(ROOT / "bench/mfu.py"), "--cpu", "--cases", "debug_bagel", "--stacks",
                         "titan,bagel_ref", "--warmup", "1", "--steps", "2", "--out", str(out)],
-                       capture_output=True, text=True, timeout=800, cwd=ROOT)
+                       capture_output=True, text=True, timeout=800, cwd=ROOT, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {r["stack"]: r for r in json.loads(out.read_text())["rows"]}
     assert "error" not in rows["bagel_ref"], rows["bagel_ref"].get("error")
