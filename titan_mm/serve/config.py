@@ -33,6 +33,11 @@ class ServeConfig:
     cuda_graphs: bool = True
     """Decode steps replay a CUDA graph per padded batch size, all captured when the engine starts (CUDA, bf16,
     with paged_decode; elsewhere they run eagerly through the same static buffers)."""
+    graph_sampling: bool = False
+    """A decode step (one-token rows, paged_decode) ends with the greedy pick of its logits inside its CUDA graph
+    (eagerly elsewhere), and a batch of plain greedy rows (no logprobs, penalties or beams) takes that pick instead
+    of launching the pick after the replay; other batches sample as before. Off by default until
+    tests/gpu/test_serve_graph_sampling_gpu.py has passed on a GPU."""
     packed_prefill: bool = False
     """Prefill chunks of a step run as one packed row (each sequence's new tokens back to back; varlen attention
     on CUDA in bf16, a block-diagonal mask elsewhere) instead of rows padded to the longest chunk. Families with
@@ -118,6 +123,9 @@ class ServeConfig:
         if not 0 <= self.preemptible_priority <= self.priority_levels:
             raise ConfigError(f"serve.preemptible_priority must be in 0 .. priority_levels={self.priority_levels}, "
                               f"got {self.preemptible_priority}")
+        if self.graph_sampling and not self.paged_decode:
+            raise ConfigError("serve.graph_sampling picks inside the decode steps, which need serve.paged_decode; "
+                              "turn paged_decode on or graph_sampling off")
         if self.speculative_method not in ("", "ngram", "draft"):
             raise ConfigError(f"serve.speculative_method must be '', 'ngram' or 'draft', got {self.speculative_method!r}")
         for name, v in dict(num_speculative_tokens=self.num_speculative_tokens, ngram_min=self.ngram_min).items():

@@ -11,7 +11,9 @@ long prefill chunk never pads hundreds of decode rows to its length. With the pa
 *decode step*: padded to the next of a fixed set of batch sizes, their inputs written into static device buffers
 (pad rows write their k/v to a scratch block no sequence owns), and on CUDA replayed from a graph captured per
 size when the engine starts, which removes the step's hundreds of kernel launches from the host's critical
-path. With ``serve.mixed_attention`` a step that has longer rows runs all its rows as one packed row instead,
+path. With ``serve.graph_sampling`` the decode step (its graph) ends with the greedy pick of its logits, which
+the sampler takes for a batch of plain greedy rows instead of launching it after the replay. With
+``serve.mixed_attention`` a step that has longer rows runs all its rows as one packed row instead,
 whose attention (titan_mm.kernels.paged_attention) reads every row's keys in place: one launch per layer.
 """
 
@@ -25,12 +27,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from titan_mm.kernels import paged_attention, paged_decode_attention
+from titan_mm.kernels import greedy_pick, paged_attention, paged_decode_attention
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.nn.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, plan_step, state_shapes
 from titan_mm.serve.core.scheduler import Row
 from titan_mm.serve.core.media import MEDIA_KEYS, audio_inputs
 from titan_mm.serve.core.sequence import PENDING, Audio
+from titan_mm.serve.runner.sampler import Picked, with_pick
 
 
 _ROW_FIELDS = ("positions", "valid", "new_tokens", "slot_mapping", "block_tables", "seq_lens", "state_slots")
@@ -62,7 +65,8 @@ class StepInputs:
 
 @dataclass
 class _DecodeStep:
-    """A decode batch size's static inputs (views of the runner's buffers), its graph and the graph's logits."""
+    """A decode batch size's static inputs (views of the runner's buffers), its graph, the graph's logits and
+    (serve.graph_sampling) their greedy pick."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -70,6 +74,7 @@ class _DecodeStep:
     inputs: StepInputs
     graph: object = None
     out: torch.Tensor | None = None
+    picked: Picked | None = None
 
 
 def decode_sizes(max_num_seqs: int) -> list[int]:
@@ -130,7 +135,8 @@ def pool_blocks(model, cfg, dims, device: torch.device, dtype: torch.dtype, max_
 class ModelRunner:
     def __init__(self, model, spec, model_cfg, device: torch.device, dtype: torch.dtype, block_size: int,
                  num_blocks: int, max_num_seqs: int, tp: int = 1, paged_decode: bool = True, max_model_len: int = 0,
-                 cuda_graphs: bool = True, packed_prefill: bool = False, mixed_attention: bool = False):
+                 cuda_graphs: bool = True, packed_prefill: bool = False, mixed_attention: bool = False,
+                 graph_sampling: bool = False):
         self.model, self.spec, self.cfg = model, spec, model_cfg
         self.decode_attention = paged_decode_attention if paged_decode else None
         self.device, self.dtype = device, dtype
@@ -157,6 +163,7 @@ class ModelRunner:
         self.max_table = -(-max(max_model_len, block_size) // block_size) + 1  # + a lookahead block
         # bf16 only: the serving dtype; fp32 runs eagerly (its steps are checked sync-free too, on the H200)
         self.graphs = cuda_graphs and device.type == "cuda" and paged_decode and dtype == torch.bfloat16
+        self.graph_sampling = graph_sampling
         self._decode: dict[int, _DecodeStep] = {}
         self._static: dict | None = None
 
@@ -199,8 +206,10 @@ class ModelRunner:
         if not one or self.mixed:  # mixed: the decode rows join the packed row (one attention call per layer)
             return self.forward(self.prepare(rows, per_row, fed))
         rest = sorted(set(range(len(rows))) - set(one))
-        out = torch.cat([self.decode([rows[i] for i in one], fed=fed),
-                         self.forward(self.prepare([rows[i] for i in rest], fed=fed))])
+        # the longer rows take their pending tokens before the decode step replays: under serve.graph_sampling
+        # those tokens are the previous decode step's pick, in memory the replay reuses
+        longer = self.prepare([rows[i] for i in rest], fed=fed)
+        out = torch.cat([self.decode([rows[i] for i in one], fed=fed), self.forward(longer)])
         order = torch.tensor(one + rest).argsort()
         return out[order.to(out.device, non_blocking=True)]
 
@@ -236,13 +245,27 @@ class ModelRunner:
             st.positions.copy_(self._request_positions(rows, (np.arange(n), np.zeros(n, dtype=np.int64)), B, 1))
         if st.graph is not None:
             st.graph.replay()
-            return st.out[:n]
-        logits = self.forward(st.inputs)
+            return self._picked(st.out, st.picked, n)
+        logits, picked = self._decode_model_step(st.inputs)
         if self.graphs:  # this size's first step ran eagerly (compiling what it needed): capture it
             st.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(st.graph, pool=self._pool()):
-                st.out = self._model_step(st.inputs)
-        return logits[:n]
+                st.out, st.picked = self._decode_model_step(st.inputs)
+        return self._picked(logits, picked, n)
+
+    def _decode_model_step(self, x: StepInputs) -> tuple[torch.Tensor, Picked | None]:
+        """The model step of a decode step, and with serve.graph_sampling the greedy pick of all its rows (pad rows
+        too: each row's pick is its own, and the graph's shapes are fixed)."""
+        logits = self._model_step(x)
+        return logits, Picked(*greedy_pick(logits)) if self.graph_sampling else None
+
+    @staticmethod
+    def _picked(logits: torch.Tensor, picked: Picked | None, n: int) -> torch.Tensor:
+        """The first ``n`` rows' logits, carrying their pick when the step made one. The pick lives in the graph
+        pool, which the next replay reuses: the draw reads it (and copies it out) before the next step launches."""
+        if picked is None:
+            return logits[:n]
+        return with_pick(logits[:n], Picked(picked.tokens[:n], picked.logprobs[:n]))
 
     def capture_graphs(self) -> None:
         """Capture every decode size's graph now (largest first, so the sizes share one pool's blocks), from

@@ -13,6 +13,7 @@ never on the batch around it. Logprobs are the model's (log-softmax of the raw l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +42,28 @@ class Sampled:
     """The model's logprob of ``token``."""
     top: dict[int, float] | None = None
     """The ``logprobs`` most likely tokens and the sampled one -> logprob (None when not asked)."""
+
+
+class Picked(NamedTuple):
+    """A decode step's greedy pick of its logits, made inside the step (serve.graph_sampling): greedy_pick's
+    tokens and logprobs, in the step's static output buffers."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+
+
+def with_pick(logits: torch.Tensor, picked: Picked) -> torch.Tensor:
+    """``logits`` carrying the greedy pick the step made of exactly them: :func:`draw` takes it for a plain-greedy
+    batch instead of launching greedy_pick. A slice or gather of the logits is a new tensor without it, so a draw
+    over other rows (mid-prompt rows left out, a first-token fork) picks afresh."""
+    logits.picked = picked
+    return logits
+
+
+def _pick_of(logits: torch.Tensor) -> Picked:
+    """The step's greedy pick of ``logits`` (:func:`with_pick`), else greedy_pick now."""
+    picked = logits.__dict__.get("picked")
+    return picked if picked is not None else Picked(*greedy_pick(logits))
 
 
 def _on(dev: torch.device, values: list) -> torch.Tensor:
@@ -170,8 +193,9 @@ def draw(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generat
     """One next token per row of ``logits`` [R, V], left on the device (no host sync)."""
     asks = [r.params.logprobs for r in rows]
     if all(r.params.greedy and n is None and not r.params.penalized for r, n in zip(rows, asks)):
-        # plain greedy (the common serving case): the argmax and its logprob in one pass, without the [R, V] draw
-        return Draw(*greedy_pick(logits), None, asks)
+        # plain greedy (the common serving case): the argmax and its logprob in one pass, without the [R, V] draw;
+        # a decode step under serve.graph_sampling made this pass inside its graph already
+        return Draw(*_pick_of(logits), None, asks)
     logits = logits.float()
     dev, R, V = logits.device, logits.shape[0], logits.shape[1]
     probs = target_probs(logits, rows)
