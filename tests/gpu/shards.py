@@ -49,8 +49,9 @@ AREAS: dict[str, dict[str, int]] = {
              "tests/gpu/test_serve_bagel_gpu.py": 45, "tests/unit/test_bench_bagel_peer.py": 45},
     "serve": {"tests/gpu/test_serve_gpu.py": 300, "tests/gpu/test_serve_media_gpu.py": 90,
               "tests/gpu/test_serve_weights_gpu.py": 90},
-    # the mixed-row paged attention kernel and serve.mixed_attention (kernels and serve had no room left)
-    "serve_mixed": {"tests/gpu/test_paged_attention_gpu.py": 120},
+    # the mixed-row paged attention kernel and serve.mixed_attention, serve.graph_sampling (kernels and serve had no
+    # room left)
+    "serve_mixed": {"tests/gpu/test_paged_attention_gpu.py": 120, "tests/gpu/test_serve_graph_sampling_gpu.py": 90},
 }
 
 

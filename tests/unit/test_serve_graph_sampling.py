@@ -91,7 +91,12 @@ def test_decode_logits_carry_their_pick_and_a_slice_drops_it():
     runner = e.runner
     seen = []
     real = runner.decode
-    runner.decode = lambda rows, *a, **k: (lambda out: (seen.append(out), out)[1])(real(rows, *a, **k))
+
+    def decode(*a, **k):
+        seen.append(real(*a, **k))
+        return seen[-1]
+
+    runner.decode = decode
     e.generate([prompt(5, seed=1), prompt(9, seed=2), prompt(4, seed=3)], [ps] * 3)
     assert seen
     rows = [RowSampling(ps, [], []) for _ in range(3)]
