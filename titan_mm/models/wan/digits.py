@@ -3,9 +3,9 @@ left, right, up or down across a small grayscale frame, captioned with the digit
 Wan transformer on a CPU and scored on held-out digits.
 
 - **Clips**: FRAMES frames of SIDE x SIDE pixels; the 8x8 digit (values 0-16) crosses the frame edge to edge,
-  STEP pixels (one 4-pixel patch) a frame, on a line at a random offset across the motion. Whole-patch steps and
-  random offsets make the task one of relative positions (frame f + 1's patches are frame f's moved by one), which
-  Wan's RoPE-only attention reads directly; sub-patch steps on a fixed line (8 frames, 1 pixel a frame) asked each
+  STEP pixels (one 4-pixel patch) a frame, on a line at a random whole-patch offset across the motion
+  (ACROSS_STEP). Whole-patch steps and random offsets make the task one of relative positions (frame f + 1's
+  patches are frame f's moved by one), which Wan's RoPE-only attention reads directly; sub-patch steps on a fixed line (8 frames, 1 pixel a frame) asked each
   patch where it sits in absolute terms, which the tiny model learnt far more slowly (docs/wan.md). The latents are the pixels themselves, x / 8 - 1 in [-1, 1], one channel:
   the patchifier (model.patchify) stands in the VAE's place, and :func:`to_frames` is the decode.
 - **Text**: the caption "<digit> moving <direction>" (e.g. "three moving left") as one state per word from a
@@ -43,6 +43,8 @@ STEP = 4
 """Pixels a frame: one patch of the digits flavor."""
 ALONG = SIDE - DIGIT - (FRAMES - 1) * STEP
 """The largest start offset along the motion (the path stays inside the frame; 0: edge to edge)."""
+ACROSS_STEP = 4
+"""The across offsets' step: 4 (a patch) cuts every digit into the same 2x2 patches wherever it runs."""
 DIRECTIONS = ("left", "right", "up", "down")
 NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 WORDS = (*NUMBERS, "moving", *DIRECTIONS)
@@ -88,8 +90,10 @@ def text_states(prompt: str) -> torch.Tensor:
 
 
 def random_start(g: torch.Generator) -> tuple[int, int]:
-    """(along, across): a path's start offset along the motion (0 to ALONG) and across it (0 to SIDE - DIGIT)."""
-    return int(torch.randint(ALONG + 1, (1,), generator=g)), int(torch.randint(SIDE - DIGIT + 1, (1,), generator=g))
+    """(along, across): a path's start offset along the motion (0 to ALONG) and across it (0 to SIDE - DIGIT, a
+    multiple of ACROSS_STEP)."""
+    return (int(torch.randint(ALONG + 1, (1,), generator=g)),
+            ACROSS_STEP * int(torch.randint((SIDE - DIGIT) // ACROSS_STEP + 1, (1,), generator=g)))
 
 
 def positions(direction: str, along: int = 0, across: int = 0) -> list[tuple[int, int]]:
