@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -25,12 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
+from bench.debug_task import cpu_device, train_run  # noqa: E402
 from titan_mm.data.builtin.images import digits_data  # noqa: E402
-from titan_mm.launch.train import main as train  # noqa: E402
 from titan_mm.models.bagel.digits import classifier, held_out  # noqa: E402
-from titan_mm.observe.metrics import read_metrics  # noqa: E402
 from titan_mm.tools.bagel_digits import main as score  # noqa: E402
 
 
@@ -43,16 +40,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/bagel_digits_cpu.json"))
     a = ap.parse_args()
     folder = Path(a.run or tempfile.mkdtemp(prefix="bagel_digits_"))
-    args = ["--config", "debug_bagel_digits", "--job.dump_folder", str(folder), "--job.name", "run",
-            "--metrics.enable_tensorboard", "False", "--checkpoint.async_mode", "disabled",
-            "--checkpoint.keep_last", "10"]
-    if a.steps:
-        args += ["--training.steps", str(a.steps)]
-    t0 = time.perf_counter()
-    if train(args) != 0:
-        sys.exit("the training run failed")
-    train_s = time.perf_counter() - t0
-    metrics = read_metrics(folder / "run" / "metrics.jsonl")
+    train_s, metrics = train_run("debug_bagel_digits", folder, a.steps, "--checkpoint.keep_last", "10")
     curve = {s: {"ce": round(r["loss/ce"], 4), "mse": round(r["loss/mse"], 4)} for s, r in metrics.items()}
     scores, t0 = {}, time.perf_counter()
     steps = sorted(folder.glob("run/checkpoints/step-*"))
@@ -68,8 +56,7 @@ def main() -> None:
     last = scores[max(scores)]
     res = {"question": "does the tiny BAGEL learn the digits asked both ways on a CPU: held-out understanding by "
                        "exact match (target >= 0.90), generated digits read as asked (target >= 0.80)",
-           "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-                     f"load average {os.getloadavg()[0]:.1f}: the shared machine)",
+           "device": cpu_device(),
            "command": "OMP_NUM_THREADS=1 python bench/bagel_digits.py " + " ".join(sys.argv[1:]),
            "steps": max(metrics), "train_s": round(train_s, 1), "score_s": round(time.perf_counter() - t0, 1),
            "understanding": last["understanding"], "generation": last["generation"],

@@ -14,18 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-
-from titan_mm.launch.train import main as train  # noqa: E402
-from titan_mm.observe.metrics import read_metrics  # noqa: E402
+from bench.debug_task import cpu_device, train_run  # noqa: E402
 from titan_mm.tools.wan_digits import main as check  # noqa: E402
 
 
@@ -39,15 +36,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/wan_digits_cpu.json"))
     a = ap.parse_args()
     folder = a.run or tempfile.mkdtemp(prefix="wan_digits_")
-    args = ["--config", "debug_wan_digits", "--job.dump_folder", folder, "--job.name", "run",
-            "--metrics.enable_tensorboard", "False", "--checkpoint.async_mode", "disabled"]
-    if a.steps:
-        args += ["--training.steps", str(a.steps)]
-    t0 = time.perf_counter()
-    if train(args) != 0:
-        sys.exit("the training run failed")
-    train_s = time.perf_counter() - t0
-    losses = {s: round(r["loss"], 4) for s, r in read_metrics(os.path.join(folder, "run", "metrics.jsonl")).items()}
+    train_s, metrics = train_run("debug_wan_digits", Path(folder), a.steps)
+    losses = {s: round(r["loss"], 4) for s, r in metrics.items()}
     scores = os.path.join(folder, "scores.json")
     t0 = time.perf_counter()
     if check(["--model", os.path.join(folder, "run"), "--prompts", str(a.prompts), "--out", scores, *a.sampling,
@@ -57,8 +47,7 @@ def main() -> None:
         res = json.load(fh)
     out = {"question": "does the tiny Wan transformer learn the moving-digits task on a CPU: the share of held-out "
                        "prompts' sampled clips with the asked digit and direction (target >= 0.70)",
-           "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-                     f"load average {os.getloadavg()[0]:.1f}: the shared machine)",
+           "device": cpu_device(),
            "command": "OMP_NUM_THREADS=1 python bench/wan_digits.py " + " ".join(sys.argv[1:]),
            "train_steps": max(losses), "train_s": round(train_s, 1), "check_s": round(time.perf_counter() - t0, 1),
            "loss": losses, **res}
