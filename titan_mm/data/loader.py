@@ -30,6 +30,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,7 +255,7 @@ class PackedStream:
     """Packed stream ``stream`` of the layout's ``n_streams`` (a shard of every source), one micro-batch per turn.
     Stateful: state_dict() after a turn resumes right after it."""
 
-    def __init__(self, cfg: StreamConfig, stream: int, tok, proc: Processor):
+    def __init__(self, cfg: StreamConfig, stream: int, tok, proc: Processor | Callable):
         self.cfg, self.tok, self.proc = cfg, tok, proc
         self.family_docs = cfg.proc.needs.docs
         self.slot, self.n_slots = stream, cfg.layout.n_streams

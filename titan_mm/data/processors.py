@@ -95,13 +95,13 @@ def _builtin_hint(needs: DataNeeds) -> str:
 
 def check_special_tokens(tok: Tokenizer, needs: DataNeeds) -> None:
     """The tokenizer must give every special token the family names the id the model was trained with."""
-    for role, want in needs.special_tokens.items():
+    for role, expected in needs.special_tokens.items():
         if not hasattr(tok, f"{role}_id"):
             known = sorted(k[:-3] for k in vars(tok) if k.endswith("_id"))
             raise ValueError(f"DataNeeds.special_tokens names an unknown role {role!r}; the processors know {known}")
         got = getattr(tok, f"{role}_id")
-        if got != want:
-            raise ValueError(f"the tokenizer ({tok.path}) gives {role} the id {got}, the model expects {want}; "
+        if got != expected:
+            raise ValueError(f"the tokenizer ({tok.path}) gives {role} the id {got}, the model expects {expected}; "
                              f"set data.tokenizer_path to the model's tokenizer{_builtin_hint(needs)}")
 
 

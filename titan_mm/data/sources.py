@@ -429,12 +429,12 @@ class SourceStream:
         for (epoch, u), ls in by_unit.items():
             unit = self.units[u]
             first = min(ls, key=lambda x: x[2])
-            want = {x[2]: x for x in ls}
-            last = max(want)
+            by_pos = {x[2]: x for x in ls}
+            last = max(by_pos)
             order = (self.seed, self.source_idx, epoch, u) if self.shuffle else None
             for pos, rid, _, rec in READERS[unit.fmt](unit, first[2], first[3], order):
-                if pos in want:
-                    out[want[pos]] = (f"{unit.source}/{unit.uid}:{rid}", unit, rec)
+                if pos in by_pos:
+                    out[by_pos[pos]] = (f"{unit.source}/{unit.uid}:{rid}", unit, rec)
                 if pos >= last:
                     break
         missing = [x for x in locs if x not in out]

@@ -205,19 +205,19 @@ def decode_video(payload, pick=None) -> tuple[list[np.ndarray], float]:
             if total <= 0:
                 with _open() as c:
                     total = sum(1 for _ in c.decode(c.streams.video[0]))
-            want = [int(i) for i in pick(total, fps)]
-            need = set(want)
+            picked = [int(i) for i in pick(total, fps)]
+            need = set(picked)
             got: dict[int, np.ndarray] = {}
             with _open() as c:
                 for i, f in enumerate(c.decode(c.streams.video[0])):
                     if i in need:
                         got[i] = f.to_ndarray(format="rgb24")
-                    if i >= want[-1]:
+                    if i >= picked[-1]:
                         break
             if not got:
                 raise ValueError("no frames decoded")
             last = max(got)  # the container may overstate the count: reuse the last decoded frame
-            frames = [got.get(i, got[last]) for i in want]
+            frames = [got.get(i, got[last]) for i in picked]
     except SkipSample:
         raise
     except Exception as e:
