@@ -44,13 +44,19 @@ def keep_host_heap() -> None:
     mallopt(m_top_pad, 256 << 20)
 
 
+def say(line: object) -> None:
+    """One write per line: the ranks share stderr, and print's two writes (the text, then the newline) interleave."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     if not faulthandler.is_enabled():  # a native abort or crash (a gloo terminate, a segfault) prints the stacks
         faulthandler.enable(sys.__stderr__)
     try:
         cfg = load_config(argv)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        say(f"config error: {e}")
         return 2
     try:
         make_eval = online_eval(cfg)  # reads [eval] tasks: a bad one fails here, before anything is built
@@ -59,25 +65,25 @@ def main(argv: list[str] | None = None) -> int:
             keep_host_heap()
         train(cfg, make_eval, make_data)
     except ConfigError as e:  # found before the first step (preflight, setup): nothing was written
-        print(f"config error: {e}", file=sys.stderr)
+        say(f"config error: {e}")
         return 2
     except DataError as e:  # the loader's error-rate stop (re-raised from a worker: its reason, one line)
-        print(f"data error: {e.reason}", file=sys.stderr)
+        say(f"data error: {e.reason}")
         return 1
     except RunLockError as e:  # another trainer holds the run folder (every rank prints it)
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        say(f"error: {e}")
         if dist.is_initialized():  # every rank got the verdict: none leaves (torchrun then stops the rest) unprinted
             dist.barrier()
         return 2
     except (CheckpointError, NonFiniteError, HFCheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 1
     except Interrupted as e:
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(e, file=sys.stderr)
+            say(e)
         return e.code
     except KeyboardInterrupt:  # Ctrl-C before the loop installed its handler
-        print("interrupted during start-up, before the first step; nothing was saved", file=sys.stderr)
+        say("interrupted during start-up, before the first step; nothing was saved")
         return 128 + signal.SIGINT
     finally:
         if dist.is_initialized():
