@@ -76,6 +76,7 @@ class StreamConfig:
     tokenizer_path: str | None
     epochs: int = 0  # 0: cycle forever; N: stop after N epochs of every source (last batch padded)
     return_sample_ids: bool = False
+    defer_encoding: bool = False  # a family's builder leaves its encoder's work to the trainer's process
     units: list = field(default_factory=list)  # per source, filled by PackedDataset
     start: dict = field(default_factory=dict)  # stream -> state to start from (None: fresh); set by the loader
     start_pos: int = 0  # micro-batches the rank had read at ``start``
@@ -229,7 +230,8 @@ class _Reader:
         self.u = cfg.start_pos // L.period * self.P + cfg.start_pos % L.period + worker_id
         self.tok = load_tokenizer(cfg.tokenizer_path)
         docs = cfg.proc.needs.docs  # a family that builds its documents itself (DataNeeds.docs)
-        self.proc = docs.builder(cfg.data, self.tok, cfg.seed) if docs is not None else Processor(self.tok, cfg.proc)
+        self.proc = docs.builder(cfg.data, self.tok, cfg.seed, defer=cfg.defer_encoding) if docs is not None \
+            else Processor(self.tok, cfg.proc)
         self.streams: dict[int, PackedStream] = {}
 
     def __iter__(self):
@@ -447,10 +449,12 @@ class TitanDataLoader(StatefulDataLoader):
     per-batch metadata off each batch and keeps it: as metrics, and as the state of the stream that gave the batch.
     So ``state_dict()`` is the state right after the last consumed micro-batch (prefetched ones are read again
     after a load), laid out per micro-batch slot (:class:`StreamLayout`), and ``load_state_dict`` takes one saved
-    by any dp world with the same slots. Each ``iter()`` starts from the state reached so far (one at a time)."""
+    by any dp world with the same slots. Each ``iter()`` starts from the state reached so far (one at a time).
+    ``encode``: a family's frozen encoder (DocLayout.encoder), run here on each batch the workers deferred."""
 
-    def __init__(self, dataset: PackedDataset, **kw):
+    def __init__(self, dataset: PackedDataset, encode: Callable[[dict], dict] | None = None, **kw):
         super().__init__(dataset, batch_size=None, **kw)
+        self.encode = encode
         self.layout: StreamLayout = dataset.cfg.layout
         self._states: dict[int, dict | None] = dict.fromkeys(self.layout.streams)
         self._last: dict[str, Any] = {}
@@ -496,21 +500,25 @@ class TitanDataLoader(StatefulDataLoader):
             self._states[meta["stream"]] = meta["state"]
             if "n_tokens" not in meta:  # the turn of a finite stream that has ended
                 continue
+            t_enc = time.perf_counter()
+            if self.encode is not None:
+                batch = self.encode(batch)
             t1 = time.perf_counter()
             dt = max(t1 - (self._t_prev or t0), 1e-9)
             self._t_prev = t1
             self.last_sample_ids = meta.get("sample_ids", [])
             self._last = {"data_wait_s": t1 - t0, "samples_per_s": meta["n_samples"] / dt,
-                          "samples": meta["n_samples"], "tokens": meta["n_tokens"],
+                          "samples": meta["n_samples"], "tokens": meta["n_tokens"], "encode_s": t1 - t_enc,
                           "packing_efficiency": meta["n_tokens"] / max(1, meta["n_slots"])}
             yield batch
             t0 = time.perf_counter()
 
     def metrics(self) -> dict[str, float]:
-        """Metrics of the last batch plus running totals over this rank's streams: data_wait_s,
-        samples_per_s, samples, tokens, packing_efficiency (non-pad fraction), samples_seen,
-        samples_packed, skipped (total) and skipped/<reason> (malformed_json, missing_media, corrupt_image, bad_image,
-        bad_video, bad_audio, unreadable_shard, too_long, unknown_modality, bad_schema, empty, ...)."""
+        """Metrics of the last batch plus running totals over this rank's streams: data_wait_s (encode_s of it:
+        the family's encoder in this process), samples_per_s, samples, tokens, packing_efficiency (non-pad
+        fraction), samples_seen, samples_packed, skipped (total) and skipped/<reason> (malformed_json, missing_media,
+        corrupt_image, bad_image, bad_video, bad_audio, unreadable_shard, too_long, unknown_modality, bad_schema,
+        empty, ...)."""
         out = dict(self._last)
         tot: dict[str, int] = {}
         for st in self._states.values():
@@ -541,13 +549,14 @@ def _exit_on_parent_sigterm(parent: int) -> None:
 
 def build_dataloader(data: Data, *, needs: DataNeeds, dp_rank: int = 0, dp_world: int = 1, n_micro: int = 1,
                      seed: int = 0, tokenizer_path: str | None = None, epochs: int = 0,
-                     return_sample_ids: bool = False) -> TitanDataLoader:
+                     return_sample_ids: bool = False, encode_device: str | None = None) -> TitanDataLoader:
     """Data-parallel rank ``dp_rank``'s loader for the ``[data]`` section and the model family's data needs
     (``DataNeeds()`` without a model: text, 1-D positions). ``n_micro``: micro-batches per rank and optimizer step
     (gradient accumulation), so the global batch is K = n_micro x dp_world micro-batch slots (the trainer: K =
     training.global_batch_size / data.micro_batch_size). ``tokenizer_path`` replaces data.tokenizer_path (the
     trainer passes the model's HF folder); ``epochs`` > 0 stops after that many passes; ``return_sample_ids`` keeps
-    ``loader.last_sample_ids``."""
+    ``loader.last_sample_ids``; ``encode_device`` (a family with DocLayout.encoder; the trainer passes its device):
+    the frozen encoder runs in this process on that device, micro-batch by micro-batch, not in the builder."""
     if not isinstance(data, Data):
         raise TypeError(f"build_dataloader needs the [data] section (titan_mm.config.Data), got {type(data).__name__}")
     if not 0 <= dp_rank < dp_world:
@@ -557,13 +566,14 @@ def build_dataloader(data: Data, *, needs: DataNeeds, dp_rank: int = 0, dp_world
     layout = StreamLayout(slots=n_micro * dp_world, per_slot=data.streams_per_slot, dp_rank=dp_rank, dp_world=dp_world)
     proc = ProcessorConfig(data=data, needs=needs, lazy_images=True)
     tok = tokenizer_path or data.tokenizer_path
+    defer = encode_device is not None and needs.docs is not None and needs.docs.encoder is not None
     if needs.docs is not None:  # fail here, not inside a worker: the family's builder checks [data]
-        needs.docs.builder(data, load_tokenizer(tok), seed)
+        needs.docs.builder(data, load_tokenizer(tok), seed, defer=defer)
     else:  # ... and the processors, a tokenizer that misses the model's ids
         Processor(load_tokenizer(tok), proc)
     ds = PackedDataset(StreamConfig(proc=proc, sources=resolve_sources(data.dataset, data.mixture), layout=layout,
                                     seed=seed, tokenizer_path=tok, epochs=epochs,
-                                    return_sample_ids=return_sample_ids))
+                                    return_sample_ids=return_sample_ids, defer_encoding=defer))
     nw = min(data.num_workers, layout.period)  # a stream is read by one worker: more would only pad
     if nw < data.num_workers and dp_rank == 0:
         log.warning("data: using %d of data.num_workers = %d loader workers: each stream is read by one worker, and "
@@ -574,4 +584,4 @@ def build_dataloader(data: Data, *, needs: DataNeeds, dp_rank: int = 0, dp_world
     if nw > 0:
         kw.update(prefetch_factor=data.prefetch_factor, persistent_workers=False, worker_init_fn=_ignore_stop_signals,
                   multiprocessing_context="spawn" if torch.cuda.is_initialized() else None)
-    return TitanDataLoader(ds, **kw)
+    return TitanDataLoader(ds, encode=needs.docs.encoder(data, encode_device) if defer else None, **kw)

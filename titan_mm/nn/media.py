@@ -112,12 +112,17 @@ class DocLayout:
     packs and resumes them as any other documents."""
 
     builder: Callable[..., Callable[[Any, Any, str, int], Any]]
-    """builder(data, tokenizer, seed) -> build(record, unit, sample id, epoch) -> a titan_mm.data.packing.Doc (raising
-    titan_mm.data.sources.SkipSample for a record it cannot use); made once per loader process, it must give the
-    same doc for the same record every time (the loader rebuilds the packer's open rows from records on resume).
-    A mistake in ``data`` is one ValueError line."""
+    """builder(data, tokenizer, seed, defer=False) -> build(record, unit, sample id, epoch) -> a
+    titan_mm.data.packing.Doc (raising titan_mm.data.sources.SkipSample for a record it cannot use); made once per
+    loader process, it must give the same doc for the same record every time (the loader rebuilds the packer's open
+    rows from records on resume). A mistake in ``data`` is one ValueError line. ``defer=True`` (with ``encoder``):
+    the doc leaves its frozen encoder's outputs as placeholders and carries the encoder's inputs instead."""
     collate: Callable[[list, int], dict]
     """collate(rows of Docs, row length) -> the family's micro-batch (its BatchSchema)."""
+    encoder: Callable[..., Callable[[dict], dict]] | None = None
+    """encoder(data, device) -> encode(batch) -> batch: the family's frozen encoder, built once in the trainer's
+    process on ``device``, which fills a deferred batch's placeholders from the inputs the docs carried (the same
+    batch the builder's own encoding gives); None: the builder always encodes."""
 
 
 # ------------------------------------------------------------------------------------------ positions

@@ -254,7 +254,8 @@ def build_data(cfg: JobConfig, spec: ModelSpec, model_cfg, dp_rank: int, dp_worl
             raise ConfigError(f"[data] {e}") from None
     tok = tokenizer_for(data.tokenizer_path, local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None)
     return build_dataloader(data, needs=spec.data_needs(model_cfg), dp_rank=dp_rank, dp_world=dp_world,
-                            n_micro=n_micro, seed=cfg.training.seed, tokenizer_path=tok, epochs=epochs)
+                            n_micro=n_micro, seed=cfg.training.seed, tokenizer_path=tok, epochs=epochs,
+                            encode_device=str(pick_device(cfg)))  # a family's frozen encoder runs on the device
 
 
 def setup(cfg: JobConfig, model_fn=None) -> Run:

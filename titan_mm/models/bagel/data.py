@@ -4,7 +4,9 @@ into the batch the family's loss reads (spec.SCHEMA).
 
 The trainer's source (DataNeeds.docs: titan_mm.data.loader reads, mixes, shards, packs and resumes the rows) takes
 ``data.dataset`` / ``data.mixture`` records of four kinds, told apart by their keys; images are encoded by the image
-codec of ``data.encoders`` (titan_mm.models.bagel.vae: ``"pixels"`` or a FLUX VAE) where the rows are built:
+codec of ``data.encoders`` (titan_mm.models.bagel.vae: ``"pixels"`` or a FLUX VAE), either where the rows are built
+or, deferred (``BagelDocs(defer=True)``, the trainer's loader), by :class:`BagelEncoder` in the trainer's process on
+its device (DocLayout.encoder; docs/bagel.md "Data"):
 
   text-to-image  {"image": IMG, "caption": TEXT}: [bos caption eos] causal, no loss | the image's noised VAE split;
                  or BAGEL's t2i parquet row {"image": bytes, "captions": JSON of several}, one drawn per epoch
@@ -52,9 +54,10 @@ from titan_mm.data.packing import BestFitPacker, Doc, collate_rows
 from titan_mm.data.schema import parse_record
 from titan_mm.data.sources import SkipSample, Unit, hash_ints, media_bytes
 from titan_mm.models.bagel.config import BagelConfig
-from titan_mm.models.bagel.spec import SCHEMA
+from titan_mm.models.bagel.model import patchify
+from titan_mm.models.bagel.spec import SCHEMA, VAE
 from titan_mm.models.bagel.synthetic import DEBUG_SPECIALS, Specials, _Sample
-from titan_mm.models.bagel.vae import FluxVAE, PixelCodec, load_codec
+from titan_mm.models.bagel.vae import PIXELS, FluxVAE, PixelCodec, load_codec, vae_source
 from titan_mm.nn.media import Bound, DocLayout
 from titan_mm.registry import DataNeeds
 
@@ -63,6 +66,12 @@ DIGITS = ("builtin:digits", "builtin:digits_test")
 DRAW_DIGIT = "Draw the digit {}."
 # own hash streams: the digits way, the prompt / source-ViT / source-VAE dropouts, the caption drawn
 _WAY_SALT, _DROP_SALT, _VIT_SALT, _VAE_SALT, _CAPTION_SALT = 0xD1617, 0xD40F, 0xD417, 0xDAE0, 0xCA9
+DEFERRED = ("vae_pixels", "vae_sizes")
+"""A deferred batch's media keys: the VAE splits' images as uint8 RGB, flat and side by side in token order, and their
+(height, width); :class:`BagelEncoder` takes them out."""
+ENCODE_PIXELS = 4 * 512 * 512
+"""Pixels per encoder call on the device: a batch's images of one size go in together up to this many (at least
+one each call)."""
 
 
 @dataclass(frozen=True)
@@ -232,8 +241,10 @@ def fit_size(H: int, W: int, multiple: int, max_side: int, data) -> tuple[int, i
 class BagelDocs:
     """DocLayout.builder: ``build(record, unit, sample id, epoch)`` is the record's Doc (module docstring)."""
 
-    def __init__(self, cfg: BagelConfig, data, tokenizer, seed: int):
-        """``data``: the [data] section (titan_mm.config.Data); ``tokenizer``: titan_mm.data.tokenizer.Tokenizer."""
+    def __init__(self, cfg: BagelConfig, data, tokenizer, seed: int, defer: bool = False):
+        """``data``: the [data] section (titan_mm.config.Data); ``tokenizer``: titan_mm.data.tokenizer.Tokenizer;
+        ``defer``: the VAE splits hold zero latents and their images ride along (:data:`DEFERRED`) for
+        :class:`BagelEncoder`; the codec is not loaded here then (its name is checked)."""
         if not data.encoders:
             raise ValueError("data.encoders is empty: BAGEL's rows encode their images with an image codec; set it to "
                              "\"pixels\" (the pixels as latents) or a FLUX VAE (BFL's ae.safetensors, or a diffusers "
@@ -244,9 +255,15 @@ class BagelDocs:
                 raise ValueError(f"data.{name} = {p}: a dropout probability (BAGEL's *_cond_dropout_prob) must be in "
                                  "[0, 1)")
         self.cfg, self.data, self.tok, self.seed = cfg, data, tokenizer, seed
-        self.codec: FluxVAE | PixelCodec = load_codec(data.encoders, cfg)
+        self.codec: FluxVAE | PixelCodec | None = None
+        if not defer:
+            self.codec = load_codec(data.encoders, cfg)
+        elif data.encoders == PIXELS:
+            PixelCodec(cfg)  # its checks of vae_config
+        else:
+            vae_source(data.encoders)  # a folder or file that names a VAE; BagelEncoder loads and checks it
         self.specials = specials_for(tokenizer, cfg)
-        p, s = cfg.vit_config.patch_size, self.codec.stride
+        p, s = cfg.vit_config.patch_size, codec_stride(cfg)
         self.vit_fit = (p, cfg.vit_max_num_patch_per_side * p)
         self.vae_fit = (s, cfg.max_latent_size * s)
         self.both_fit = (math.lcm(p, s), min(self.vit_fit[1], self.vae_fit[1]))
@@ -281,8 +298,8 @@ class BagelDocs:
             raise SkipSample("empty", f"the {what} is not a non-empty string")
         return [self.specials.bos, *self.tok.encode(text), self.specials.eos]
 
-    def _image(self, ref: Any, rec: dict, unit: Unit, fit: tuple[int, int]) -> torch.Tensor:
-        """[3, h, w] in [-1, 1]: the image of ``ref`` resized by :func:`fit_size` to ``fit`` (multiple, max side)."""
+    def _image(self, ref: Any, rec: dict, unit: Unit, fit: tuple[int, int]) -> np.ndarray:
+        """[h, w, 3] uint8 RGB: the image of ``ref`` resized by :func:`fit_size` to ``fit`` (multiple, max side)."""
         if ref is None:
             raise SkipSample("missing_media", "the record names no image")
         try:
@@ -291,12 +308,21 @@ class BagelDocs:
                 h, w = fit_size(im.height, im.width, *fit, self.data)
                 if (h, w) != (im.height, im.width):
                     im = im.resize((w, h), Image.Resampling.BICUBIC)
-                return _unit_range(np.asarray(im))
+                return np.asarray(im)
         except OSError as e:  # PIL's error for bytes that are no image
             raise SkipSample("corrupt_image", f"{str(ref)[:200]}: {e}") from None
 
-    def _latent(self, image_CHW: torch.Tensor) -> torch.Tensor:
-        return self.codec.encode(image_CHW[None])[0]
+    def _vae_image(self, s: _Sample, rgb_HWC: np.ndarray, noised: bool, unit: int) -> None:
+        """The image's VAE split: its latents encoded here, or (deferred) zeros with the image carried for
+        :class:`BagelEncoder`."""
+        if self.codec is not None:
+            s.vae_image(self.codec.encode(_unit_range(rgb_HWC)[None])[0], noised=noised, unit=unit)
+            return
+        H, W = rgb_HWC.shape[:2]
+        down = self.cfg.vae_config.downsample
+        s.vae_image(torch.zeros(self.cfg.vae_config.z_channels, H // down, W // down), noised=noised, unit=unit)
+        s.media.setdefault("vae_pixels", []).append(np.ascontiguousarray(rgb_HWC, dtype=np.uint8).reshape(-1))
+        s.media.setdefault("vae_sizes", []).append(np.array([[H, W]], np.int64))
 
     def _generation(self, rec: dict, unit: Unit, key: tuple, target: Any, prompt: Any, source: Any = None) -> _Sample:
         """[source's VAE + ViT splits] [bos prompt eos] | target's noised VAE split; the prompt, the source's VAE and
@@ -306,16 +332,16 @@ class BagelDocs:
         if source is not None:
             src = self._image(source, rec, unit, self.both_fit)
             if _kept(key, _VAE_SALT, d.vae_cond_dropout):
-                s.vae_image(self._latent(src), noised=False, unit=-1)
+                self._vae_image(s, src, noised=False, unit=-1)
             else:
                 s.dropped_image()
             if _kept(key, _VIT_SALT, d.vit_cond_dropout):
-                s.vit_image(src)
+                s.vit_image(_unit_range(src))
             else:
                 s.dropped_image()
         if _kept(key, _DROP_SALT, d.prompt_dropout):
             s.text(ids, loss=False)
-        s.vae_image(self._latent(self._image(target, rec, unit, self.vae_fit)), noised=True, unit=0)
+        self._vae_image(s, self._image(target, rec, unit, self.vae_fit), noised=True, unit=0)
         return s
 
     def _chat(self, sample, rec: dict, unit: Unit) -> _Sample:
@@ -336,10 +362,62 @@ class BagelDocs:
                 if part is not None and part.type != "image":
                     raise SkipSample("unknown_modality", f"a {part.type} part: BAGEL reads text and images")
                 if part is not None:
-                    s.vit_image(self._image(part.ref, rec, unit, self.vit_fit))
+                    s.vit_image(_unit_range(self._image(part.ref, rec, unit, self.vit_fit)))
         if not loss:
             raise SkipSample("empty", "a chat needs an assistant message with text (the CE target)")
         return s
+
+
+def codec_stride(cfg: BagelConfig) -> int:
+    """Pixels per latent patch along a side, either codec's (FluxVAE checks its downsampling against vae_config)."""
+    return cfg.vae_config.downsample * cfg.latent_patch_size
+
+
+class BagelEncoder:
+    """DocLayout.encoder: the codec of ``data.encoders`` on ``device`` (the trainer's), which fills a deferred
+    batch's VAE splits: each image encoded as :class:`BagelDocs` encodes it, images of one size together (up to
+    :data:`ENCODE_PIXELS` a call), its latent patches written at its VAE tokens (in token order; ``latents`` for a
+    noised split, ``cond_latents`` for a clean one). The latents come back to the host, where the step reads the
+    batch."""
+
+    def __init__(self, cfg: BagelConfig, data, device: str | torch.device = "cpu", max_pixels: int = ENCODE_PIXELS):
+        self.cfg, self.max_pixels = cfg, max_pixels
+        self.codec: FluxVAE | PixelCodec = load_codec(data.encoders, cfg, device)
+
+    def __call__(self, batch: dict) -> dict:
+        if DEFERRED[0] not in batch:
+            return batch
+        pixels, sizes = batch.pop(DEFERRED[0]), batch.pop(DEFERRED[1]).tolist()
+        ends = np.cumsum([h * w * 3 for h, w in sizes]).tolist()
+        images = [pixels[e - h * w * 3 : e].reshape(h, w, 3) for (h, w), e in zip(sizes, ends)]
+        by_size: dict[tuple, list[int]] = {}
+        for i, hw in enumerate(sizes):
+            by_size.setdefault(tuple(hw), []).append(i)
+        lp, patches = self.cfg.latent_patch_size, [None] * len(images)
+        for (h, w), idx in by_size.items():
+            per = max(1, self.max_pixels // (h * w))
+            for a in range(0, len(idx), per):
+                part = idx[a : a + per]
+                z = self.codec.encode(torch.stack([_unit_range(images[i].numpy()) for i in part]))
+                for i, zi in zip(part, z):
+                    patches[i] = patchify(zi, lp)
+        return _place(batch, patches)
+
+
+def _place(batch: dict, patches: list[torch.Tensor]) -> dict:
+    """Each image's latent patches at its VAE tokens, in token order: ``latents`` where the split is noised,
+    ``cond_latents`` where it is clean."""
+    tokens = (batch["token_kind"].reshape(-1) == VAE).nonzero().squeeze(1)
+    lens = [p.shape[0] for p in patches]
+    if sum(lens) != tokens.numel():
+        raise ValueError(f"a deferred batch has {tokens.numel()} VAE tokens but its {len(lens)} images make "
+                         f"{sum(lens)} latent patches; the builder and the encoder disagree")
+    P = batch["latents"].shape[-1]
+    noised = batch["latent_mask"].reshape(-1)
+    lat, cond = batch["latents"].view(-1, P), batch["cond_latents"].view(-1, P)
+    for at, p in zip(tokens.split(lens), patches):
+        (lat if bool(noised[at[0]]) else cond)[at] = p.to(lat.dtype)
+    return batch
 
 
 def _kept(key: tuple, salt: int, p_drop: float) -> bool:
@@ -374,4 +452,4 @@ def data_needs(cfg: BagelConfig) -> DataNeeds:
     """1-D positions, ChatML; the documents built by :class:`BagelDocs` (a record's splits), collated by
     :func:`collate`."""
     return DataNeeds(positions="1d", video=False, chat_template="chatml",
-                     docs=DocLayout(builder=Bound(BagelDocs, cfg), collate=collate))
+                     docs=DocLayout(builder=Bound(BagelDocs, cfg), collate=collate, encoder=Bound(BagelEncoder, cfg)))

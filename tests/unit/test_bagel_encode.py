@@ -1,0 +1,130 @@
+"""BAGEL's VAE encoding in the trainer's process on its device (DocLayout.encoder, bagel.data.BagelEncoder; issue 47
+item 3), fp32 on CPU: the deferred path's batches equal the worker-encoded ones bit for bit (every tensor, a mixed
+text-to-image / editing / VLM / digits source with bad rows, images of one size encoded together), so do their skip
+counts and an exact resume; a tiny random FLUX-architecture VAE, one image a call; the trainer takes the path;
+a bad encoder folder is one line, exit 2, before the build."""
+
+import dataclasses
+import json
+
+import pytest
+
+from tests.unit.test_bagel_data import (
+    RUN,
+    TOK,
+    assert_batches_equal,
+    data,
+    loader,
+    mixed_sources,
+    pixel_cfg,
+    png,
+)
+from tests.unit.test_bagel_generate import tiny_vae
+from titan_mm.config import load_config
+from titan_mm.launch.train import main
+from titan_mm.models.bagel.data import DEFERRED, BagelDocs, BagelEncoder
+from titan_mm.registry import resolve_model
+from titan_mm.train.setup import build_data, pick_device
+
+STEPS = 6
+
+
+def with_bad_rows(tmp_path) -> dict[str, float]:
+    """mixed_sources plus a source whose rows are skipped (an unreadable image, a missing one) among good ones."""
+    png(tmp_path, "ok.png", 8, 8, 9)
+    (tmp_path / "junk.png").write_bytes(b"not an image")
+    rows = [{"image": "ok.png", "caption": "fine"}, {"image": "junk.png", "caption": "x"},
+            {"image": "gone.png", "caption": "x"}, {"image": "ok.png", "caption": "again"}]
+    (tmp_path / "bad.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return {**mixed_sources(tmp_path), str(tmp_path / "bad.jsonl"): 1.0}
+
+
+def take(ld, n: int) -> list[dict]:
+    return [b for _, b in zip(range(n), ld)]
+
+
+def skips(ld) -> dict:
+    return {k: v for k, v in ld.metrics().items() if k.startswith("skipped") or k in ("samples_seen", "samples_packed")}
+
+
+@pytest.mark.parametrize("z", [3, 1])  # RGB latents, and grayscale (the channels' mean) as the digits task's
+def test_device_batches_equal_worker_batches_and_resume_exactly(tmp_path, z):
+    cfg = pixel_cfg(z, 2)
+    d = data(mixture=with_bad_rows(tmp_path), seq_len=96, image_max_pixels=256, prompt_dropout=0.3,
+             error_min_samples=10**6)
+    worker = loader(d, cfg, n_micro=2)
+    want = take(worker, 2 * STEPS)
+    device = loader(d, cfg, n_micro=2, encode_device="cpu")
+    assert isinstance(device.encode, BagelEncoder) and worker.encode is None
+    it = iter(device)
+    first = [next(it) for _ in range(STEPS)]
+    state = device.state_dict()
+    later = [next(it) for _ in range(STEPS)]
+    assert_batches_equal(first + later, want)  # every key, bit for bit; no deferred key left
+    assert skips(device) == skips(worker) and skips(worker)["skipped/corrupt_image"] > 0
+    assert all(not set(DEFERRED) & set(b) for b in want)
+    resumed = loader(d, cfg, n_micro=2, encode_device="cpu")
+    resumed.load_state_dict(state)
+    assert_batches_equal(take(resumed, STEPS), later)
+    workers = loader(dataclasses.replace(d, num_workers=2), cfg, n_micro=2, encode_device="cpu")
+    assert_batches_equal(take(workers, 2 * STEPS), want)  # the workers defer, this process encodes
+
+
+def test_images_of_one_size_are_encoded_together(tmp_path):
+    """The deferred batch carries each VAE image's uint8 pixels in token order; one codec call per size (up to
+    ENCODE_PIXELS), one per image when max_pixels holds one."""
+    cfg = pixel_cfg(3, 2)
+    d = data(mixture=mixed_sources(tmp_path), seq_len=96, image_max_pixels=256, micro_batch_size=4)
+    calls: dict[int, list[int]] = {}
+    for max_pixels in (1 << 20, 1):
+        ld = loader(d, cfg, encode_device="cpu")
+        ld.encode = BagelEncoder(cfg, d, "cpu", max_pixels=max_pixels)
+        inner, seen = ld.encode.codec.encode, calls.setdefault(max_pixels, [])
+        ld.encode.codec.encode = lambda x, inner=inner, seen=seen: (seen.append(x.shape[0]), inner(x))[1]
+        next(iter(ld))
+    assert max(calls[1 << 20]) > 1  # several images of one size in one call
+    assert set(calls[1]) == {1} and sum(calls[1]) == sum(calls[1 << 20])  # the same images, one a call
+
+
+def test_flux_vae_on_the_device_equals_the_worker_latents(tmp_path):
+    """A tiny random FLUX-architecture AutoencoderKL (a diffusers folder, 4x down, 4 channels): editing and
+    text-to-image rows through both paths give the same batches bit for bit, one image a codec call (batched
+    convolutions on the CPU differ in the last bits: docs/bagel.md "Data")."""
+    tiny_vae().save_pretrained(tmp_path / "vae")
+    cfg = pixel_cfg(4, 4)  # the VAE's latent shape
+    rows = []
+    for i, (h, w) in enumerate([(8, 16), (16, 8), (16, 16), (8, 8)]):
+        png(tmp_path, f"i{i}.png", h, w, i)
+        rows.append({"image": f"i{i}.png", "caption": f"image {i}"})
+    rows.append({"source": "i0.png", "instruction": "turn it", "target": "i1.png"})
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    d = data(dataset=str(tmp_path / "rows.jsonl"), encoders=str(tmp_path / "vae"), seq_len=64, shuffle_buffer=0)
+    want = take(loader(d, cfg), 4)
+    device = loader(d, cfg, encode_device="cpu")
+    device.encode = BagelEncoder(cfg, d, "cpu", max_pixels=1)
+    got = take(device, 4)
+    assert_batches_equal(got, want)
+    assert any(b["cond_latents"].abs().sum() > 0 for b in got) and all(b["latents"].abs().sum() > 0 for b in got)
+
+
+def test_the_trainer_encodes_on_its_device():
+    cfg = load_config(["--config", "debug_bagel_digits"])
+    spec, model_cfg = resolve_model("bagel", cfg.model.flavor, overrides=cfg.model.overrides)
+    ld = build_data(cfg, spec, model_cfg, 0, 1, 1)
+    assert isinstance(ld.encode, BagelEncoder) and ld.encode.codec.device == pick_device(cfg)
+    batch = next(iter(ld))
+    assert not set(DEFERRED) & set(batch) and batch["latents"][batch["latent_mask"]].abs().sum() > 0
+
+
+def test_bad_encoder_folder_is_one_line_before_the_build(tmp_path, capsys):
+    tiny_vae().save_pretrained(tmp_path / "vae4")  # 4 latent channels, 4x: the digits config's codec has 1, 2x
+    (tmp_path / "empty").mkdir()
+    for enc, msg in ((tmp_path / "empty", "no config.json there nor in its vae/"),
+                     (tmp_path / "vae4", "the VAE has 4 latent channels and 4x downsampling")):
+        assert main([*RUN, "--job.dump_folder", str(tmp_path / "runs"), "--data.encoders", str(enc)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert msg in err[-1], err
+    assert not (tmp_path / "runs").exists()  # refused before the run folder and the model
+    with pytest.raises(ValueError, match="no config.json there") as e:  # the deferred builder checks the name too
+        BagelDocs(pixel_cfg(), data(encoders=str(tmp_path / "empty")), TOK, 0, defer=True)
+    assert "\n" not in str(e.value)
