@@ -126,6 +126,41 @@ POSITION_AXES = {"1d": 1, "mrope": 3}
 
 
 @dataclass(frozen=True)
+class ImageSplit:
+    """One image as a family's own split of tokens (BAGEL's ``[vision_start, ViT tokens, vision_end]``), as its
+    training builds it: what the serving engine puts in a prompt's image pad (1-D positions)."""
+
+    ids: list[int]
+    """The split's L tokens."""
+    positions: list[int]
+    """[L] each token's position less the split's first position, which follows the token before it (BAGEL: all 0,
+    one position for the whole split)."""
+    advance: int
+    """Positions the split takes: the token after it is at the split's first position + ``advance``."""
+    seq: dict[str, Any]
+    """Per-token keys of the split ([L] arrays; e.g. the token kinds), 0 on every other token of a row."""
+    flat: dict[str, Any]
+    """Keys concatenated over a step's images ([N, ...] arrays: the ViT's patches, positions, lengths)."""
+    bidirectional: bool = True
+    """Its tokens attend to all of the split (the rest of the prompt stays causal)."""
+
+
+@dataclass(frozen=True)
+class SplitLayout:
+    """A family whose prompts hold images as splits of its own (:class:`ImageSplit`) instead of the Qwen-VL
+    pads the vision processor expands; what the serving engine asks it (each a Bound of the family's config)."""
+
+    image: Callable[..., ImageSplit]
+    """image(payload: a PIL image, encoded bytes or an array; the [data] section; the tokenizer) -> the split
+    (SkipSample for an image it cannot read)."""
+    pad: Callable[..., int]
+    """pad(tokenizer) -> the prompt token that stands for one image (replaced by its split)."""
+    chat: Callable[..., list[int]]
+    """chat(parsed sample, tokenizer) -> the prompt ids of chat messages in the family's training layout, one
+    ``pad`` per image part in order, ending where the answer starts (SkipSample for a part it cannot take)."""
+
+
+@dataclass(frozen=True)
 class DataNeeds:
     """What the data pipeline must produce for this family."""
 
@@ -165,11 +200,15 @@ class DataNeeds:
     docs: DocLayout | None = None
     """A family that builds its packed documents from the records itself (titan_mm.nn.media.DocLayout; the loader
     packs, mixes and resumes them). None: the chat / text processors build them."""
+    splits: SplitLayout | None = None
+    """A family whose served images are splits of its own (:class:`SplitLayout`); None: the vision processor's
+    pads (or no images)."""
 
     def takes(self, kind: str) -> bool:
         """Whether the family's inputs hold media of ``kind`` ("image", "video" or "audio") in its token rows: what
         the serving engine accepts in a prompt and an eval task may carry."""
-        return {"image": bool(self.patch_size), "video": bool(self.patch_size) and self.video,
+        return {"image": bool(self.patch_size) or self.splits is not None,
+                "video": bool(self.patch_size) and self.video,
                 "audio": self.audio is not None}[kind]
 
     @property

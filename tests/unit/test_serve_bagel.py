@@ -1,9 +1,11 @@
-"""BAGEL understanding through the serving engine (issue 47 item 4), fp32 on CPU, a tiny random BAGEL: text prompts
-in BAGEL's own layout (``[bos prompt eos]`` then the answer's ``bos``) decode through the engine's paged KV cache to
-the tokens the training forward gives when the whole chat is re-run per token (titan_mm.models.bagel.digits.greedy,
-under the training segment mask); several requests batched, with chunked and packed prefill and a shared prefix.
-Images are refused in one line: the engine's image path cannot take BAGEL's ViT splits yet (docs/bagel.md). Slow: a
-one-step digits run served by ``python -m titan_mm.serve`` and queried with the openai client."""
+"""BAGEL understanding through the serving engine (issue 47 item 4), fp32 on CPU, a tiny random BAGEL: prompts in
+BAGEL's own layout (``[bos text eos]`` per run of text, an image pad per image, then the answer's ``bos``) decode
+through the engine's paged KV cache to the tokens the training forward gives when the whole chat is re-run per token
+(titan_mm.models.bagel.digits.greedy, under the training segment mask); several requests batched, with chunked and
+packed prefill and a shared prefix. An image becomes the ViT split the VLM chat's rows give it (DataNeeds.splits:
+one position, bidirectional, the ViT run in the prefill), whole in one chunk; a repeated image is a prefix-cache hit.
+Slow: a one-step digits run served by ``python -m titan_mm.serve`` and queried with the openai client (completions
+and a chat with an image part)."""
 
 import base64
 import dataclasses
@@ -14,11 +16,16 @@ import pytest
 import torch
 from PIL import Image
 
+from titan_mm.config import Data
+from titan_mm.data.schema import parse_record
+from titan_mm.data.sources import Unit
+from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.launch.train import main as train
 from titan_mm.models.bagel import digits
 from titan_mm.models.bagel.config import FLAVORS
+from titan_mm.models.bagel.data import BagelDocs, _unit_range, fitted, vit_fit
 from titan_mm.models.bagel.model import BagelModel
-from titan_mm.models.bagel.synthetic import BOS, EOS, _Sample
+from titan_mm.models.bagel.synthetic import BOS, DEBUG_IMAGE_PAD, EOS, _Sample
 from titan_mm.registry import get_model_spec
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.engine import BadRequest, Engine, SamplingParams
@@ -26,6 +33,9 @@ from titan_mm.serve.engine import BadRequest, Engine, SamplingParams
 CFG = FLAVORS["debug"]
 ANSWER = 10
 """The answer split's tokens with its bos and eos: up to 9 generated tokens."""
+DATA = Data(image_min_pixels=16, image_max_pixels=256)
+"""Image bounds that keep the test images small (4 x 4 pixel patches: 1 to 16 ViT tokens)."""
+PAD = DEBUG_IMAGE_PAD
 
 
 def _model() -> BagelModel:
@@ -69,7 +79,48 @@ def _reference(prompts: list[list[int]], model: BagelModel = MODEL, bos: int = B
 
 def _engine(**cfg) -> Engine:
     return Engine(MODEL, get_model_spec("bagel"), CFG, ServeConfig(**{"block_size": 4, "num_blocks": 96, **cfg}),
-                  eos_token_ids=[EOS])
+                  eos_token_ids=[EOS], data=DATA)
+
+
+def _image(h: int, w: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _chat_doc(parts: list, answer: int = ANSWER, model: BagelModel = MODEL, specials=(BOS, EOS)):
+    """The training doc of a chat: each text part ``[bos ids eos]``, each image its ViT split (the rows' fit), then
+    an answer split of ``answer`` tokens."""
+    bos, eos = specials
+    s = _Sample(model.cfg)
+    for p in parts:
+        if isinstance(p, np.ndarray):
+            s.vit_image(_unit_range(fitted(Image.fromarray(p), vit_fit(model.cfg), DATA)))
+        else:
+            s.text([bos, *p, eos], loss=False)
+    s.text([bos] + [0] * (answer - 2) + [eos], loss=True)
+    return s.doc()
+
+
+def _chat_prompt(parts: list) -> tuple[list[int], list[np.ndarray]]:
+    """(the engine's prompt of ``parts``: an image pad per image, then the answer's bos; its images)."""
+    ids = [t for p in parts for t in ([PAD] if isinstance(p, np.ndarray) else [BOS, *p, EOS])]
+    return ids + [BOS], [p for p in parts if isinstance(p, np.ndarray)]
+
+
+def _image_chats(n: int, shared: int = 0) -> list[list]:
+    """``n`` chats mixing images and text: an image then a question, a question then an image, two images around a
+    question, text only; images of 8 x 8, 12 x 8 and 16 x 16 pixels. ``shared``: every chat is the same image then
+    a question whose first ``shared`` tokens agree (the prefix cache's case)."""
+    qs = _prompts(n, shared)
+    if shared:
+        return [[_image(8, 8, 0), q] for q in qs]
+    kinds = [lambda i, q: [_image(8, 8, i), q], lambda i, q: [q, _image(12, 8, i)],
+             lambda i, q: [_image(16, 16, i), q, _image(8, 8, i + 9)], lambda i, q: [q]]
+    return [kinds[i % 4](i, q) for i, q in enumerate(qs)]
+
+
+def _reference_chats(chats: list[list], model: BagelModel = MODEL, answer: int = ANSWER) -> list[list[int]]:
+    got = digits.greedy(model, [_chat_doc(c, answer, model) for c in chats], answer, EOS)
+    return [a[:-1] if a and a[-1] == -1 else a + [EOS] for a in got]  # the engine keeps the stop token
 
 
 @pytest.mark.parametrize("cfg,shared", [({}, 0), ({"max_num_batched_tokens": 8, "max_num_seqs": 4}, 0),
@@ -101,11 +152,73 @@ def test_text_rows_equal_the_routed_forward():
     assert torch.equal(MODEL(ids).logits, routed)
 
 
-def test_images_are_refused_in_one_line():
+@pytest.mark.parametrize("cfg,shared", [({}, 0), ({"max_num_batched_tokens": 8, "max_num_seqs": 4}, 0),
+                                         ({"packed_prefill": True}, 0), ({"mixed_attention": True}, 0), ({}, 5)],
+                         ids=["batched", "chunked", "packed", "mixed", "prefix_cache"])
+def test_engine_greedy_with_images_equals_the_training_forward(cfg, shared):
+    """Image + question chats: each image the ViT split training builds, on one position and bidirectional inside,
+    in one chunk even under an 8-token budget (a 16 x 16 image is an 18-token split); packed and mixed steps with a
+    split take the dense mask; a repeated image with the same question head is a prefix-cache hit past the split."""
+    chats = _image_chats(4, shared)
+    want = _reference_chats(chats)
+    e = _engine(**cfg)
+    prompts = [_chat_prompt(c) for c in chats]
+    params = SamplingParams(temperature=0.0, max_tokens=ANSWER - 1)
+    run = (lambda ps: e.generate([p for p, _ in ps], params, images=[im for _, im in ps]))
+    outs = run(prompts[:1]) + run(prompts[1:]) if shared else run(prompts)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(len(a) > 3 for a in want) >= 2  # real answers, not an immediate end of turn
+    assert e.stats()["kv_blocks_used"] == 0
+    if shared:  # 5 shared question tokens after the 6-token split: 3 whole blocks of 4
+        assert [o.metrics.prefix_hit_tokens for o in outs] == [0, 12, 12, 12]
+
+
+def test_an_image_becomes_the_split_the_vlm_chat_rows_build():
+    """The engine's split of an image is the training document's (BagelDocs on a chat record of the same PNG): ids,
+    one position for the whole split and the next token one further, token kinds and the ViT's inputs."""
+    e = _engine()
+    buf = io.BytesIO()
+    Image.fromarray(_image(12, 8, 3)).save(buf, format="PNG")
+    e.add_request("r", [PAD, BOS, 11, EOS, BOS], SamplingParams(max_tokens=1), images=[buf.getvalue()])
+    req = e.requests["r"]
+    rgb = dataclasses.replace(CFG, vae_config=dataclasses.replace(CFG.vae_config, z_channels=3))  # the pixel codec's
+    rows = BagelDocs(rgb, dataclasses.replace(DATA, encoders="pixels"), e.tokenizer, 0)
+    doc = rows({"messages": [{"role": "user", "content": [{"type": "image", "image": buf.getvalue()}]},
+                             {"role": "assistant", "content": "7"}]}, Unit("t", "t", "jsonl"), "t:0")
+    (split,) = req.images
+    assert (split.start, split.end) == (0, 2 + 6)  # [vs, 2 x 3 patches of the 12 x 8 image, ve]
+    assert req.prompt[:8] == doc.input_ids[:8].tolist() and req.prompt[8:] == [BOS, 11, EOS, BOS]
+    assert req.positions[0].tolist() == doc.positions[0, :9].tolist() + [2, 3, 4]  # the answer's bos at 1
+    assert req.rope_delta == 5 - len(req.prompt)
+    assert np.array_equal(split.split.seq["token_kind"], doc.seq["token_kind"][:8])
+    for k in ("vit_patches", "vit_pos", "vit_lens"):
+        assert np.array_equal(split.split.flat[k], doc.media[k][0]), k
+
+
+def test_chat_prompt_is_the_training_layout():
+    """A chat's prompt: each run of text ``[bos text eos]`` (no roles; a user's text stripped), an image pad per image
+    part, then the answer's bos, as BagelDocs lays out the VLM chat's rows."""
+    tok = load_tokenizer(None)
+    sample = parse_record({"messages": [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": [{"type": "text", "text": "Look: "},
+                                                                     {"type": "image", "image": b"x"},
+                                                                     {"type": "text", "text": "which digit?"}]}]})
+    got = get_model_spec("bagel").data_needs(CFG).splits.chat(sample, tok)
+    assert got == [BOS, *tok.encode("Be brief."), EOS, BOS, *tok.encode("Look:"), EOS, PAD,
+                   BOS, *tok.encode("which digit?"), EOS, BOS]
+
+
+@pytest.mark.parametrize("payload,say", [(np.zeros((3, 8, 8), np.float32), "images[0]"),
+                                         (b"not an image", "cannot read the image"),
+                                         ("/tmp/x.png", "opens no paths")])
+def test_a_bad_image_is_one_line(payload, say):
     e = _engine()
     with pytest.raises(BadRequest) as err:
-        e.add_request("r", [BOS, 11, EOS, BOS], SamplingParams(max_tokens=2), images=[torch.zeros(3, 8, 8).numpy()])
-    assert err.value.field == "images" and "\n" not in str(err.value)
+        e.add_request("r", [PAD, BOS, 11, EOS, BOS], SamplingParams(max_tokens=2), images=[payload])
+    assert err.value.field == "images[0]" and say in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(BadRequest) as err:  # a pad without its image
+        e.add_request("r", [PAD, BOS, 11, EOS, BOS], SamplingParams(max_tokens=2))
+    assert err.value.field == "images" and "1 image pad" in str(err.value)
 
 
 def test_the_spec_declares_the_kv_cache_path():

@@ -286,7 +286,8 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
               sliding_window: int | None = None, width: int | None = None,
               decode_attention: Callable | None = None, into: KVStep | None = None,
               state_slots: Sequence[int] | None = None, packed: bool = False, varlen: bool = False,
-              paged_attention: Callable | None = None, see_new: torch.Tensor | None = None) -> KVCache:
+              paged_attention: Callable | None = None, see_new: torch.Tensor | None = None,
+              spans: torch.Tensor | None = None) -> KVCache:
     """Host side: -> ``cache`` with this step's :class:`KVStep` and the lengths after it (storage shared).
 
     ``new_lens`` [B]: new tokens per sequence this step (the batch's rows hold them first, then padding).
@@ -305,6 +306,9 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
     reads the keys of a packed step of a paged cache in place instead (rows of any length, one call).
     ``see_new`` [B, S, S] bool: which of the step's new tokens each new token sees, instead of causal by position
     (every cached key stays visible): a prefill with bidirectional spans (an image split seeing all of itself).
+    ``spans`` [B, S] (or packed [1, sum(new_lens)]) int64: a span id per new token (0: none); a sequence's new
+    tokens that share an id see each other, the rest stays causal (rows: the ``see_new`` it makes; packed: its
+    dense mask, so neither the varlen kernel nor ``paged_attention``).
     """
     new = torch.as_tensor(new_lens, dtype=torch.int64).reshape(-1).cpu()  # host metadata, whatever was passed
     B = new.numel()
@@ -339,6 +343,10 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
         if bool(((slots < 0) | (slots >= cache.state.num_slots)).any()):
             raise ValueError(f"state_slots {slots.tolist()} name a slot outside the pool of {cache.state.num_slots}")
 
+    if spans is not None and not packed:
+        sp = torch.as_tensor(spans).cpu().reshape(B, S)
+        i = torch.arange(S)
+        see_new = (i[:, None] >= i[None])[None] | ((sp[:, :, None] == sp[:, None, :]) & (sp[:, :, None] > 0))
     if see_new is not None and (packed or decode_attention is not None):
         raise ValueError("plan_step(see_new=...) plans a step of rows that gathers its keys: drop packed / "
                          "decode_attention")
@@ -348,8 +356,10 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
                              "those steps as rows")
         if paged_attention is not None and not isinstance(cache, PagedKVCache):
             raise ValueError("plan_step(paged_attention=...) reads a PagedKVCache's blocks; a contiguous cache gathers")
-        return dataclasses.replace(cache, seq_lens=total, step=_packed_step(cache, new, cached, total,
-                                                                            sliding_window, varlen, paged_attention))
+        if spans is not None and (varlen or paged_attention is not None):
+            raise ValueError("plan_step(spans=...) of a packed step builds a dense mask: drop varlen / paged_attention")
+        return dataclasses.replace(cache, seq_lens=total, step=_packed_step(cache, new, cached, total, sliding_window,
+                                                                            varlen, paged_attention, spans))
     if paged_attention is not None:
         raise ValueError("plan_step(paged_attention=...) plans a packed step: pass packed=True")
     i = torch.arange(S)
@@ -400,10 +410,12 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
 
 
 def _packed_step(cache: KVCache, new: torch.Tensor, cached: torch.Tensor, total: torch.Tensor,
-                 sliding_window: int | None, varlen: bool, paged_attention: Callable | None = None) -> KVStep:
+                 sliding_window: int | None, varlen: bool, paged_attention: Callable | None = None,
+                 spans: torch.Tensor | None = None) -> KVStep:
     """A packed step's metadata: query t belongs to sequence ``q_seq[t]``, key j to ``k_seq[j]``; a query sees
-    the keys of its own sequence up to its position (FlashAttention's bottom-right causal alignment). With
-    ``paged_attention`` the keys stay in the pool: the step carries the tables and lengths instead."""
+    the keys of its own sequence up to its position (FlashAttention's bottom-right causal alignment), and the new
+    keys of its own span (``spans``, plan_step's). With ``paged_attention`` the keys stay in the pool: the step
+    carries the tables and lengths instead."""
     B = new.numel()
     q_seq = torch.repeat_interleave(torch.arange(B), new)  # [T]
     cu_q = torch.nn.functional.pad(new.cumsum(0), (1, 0))
@@ -423,6 +435,12 @@ def _packed_step(cache: KVCache, new: torch.Tensor, cached: torch.Tensor, total:
     mask = mask_swa = None
     if not varlen:
         mask = (q_seq[:, None] == k_seq[None]) & (k_pos[None] <= q_pos[:, None])  # [T, Tk]
+        if spans is not None:  # a new key's span is its new token's; a cached key is in none
+            sp_q = torch.as_tensor(spans).cpu().reshape(-1)
+            fresh = k_pos >= cached[k_seq]
+            at = (cu_q[k_seq] + k_pos - cached[k_seq]).clamp(0, sp_q.numel() - 1)
+            sp_k = torch.where(fresh, sp_q[at], 0)
+            mask |= (q_seq[:, None] == k_seq[None]) & (sp_q[:, None] == sp_k[None]) & (sp_q[:, None] > 0)
         if sliding_window is not None:
             mask_swa = mask & (q_pos[:, None] - k_pos[None] < sliding_window)
     host = dict(positions=q_pos[None], valid=torch.ones(1, q_seq.numel(), dtype=torch.bool),

@@ -56,10 +56,10 @@ from titan_mm.data.sources import SkipSample, Unit, hash_ints, media_bytes
 from titan_mm.models.bagel.config import BagelConfig
 from titan_mm.models.bagel.model import patchify
 from titan_mm.models.bagel.spec import SCHEMA, VAE
-from titan_mm.models.bagel.synthetic import DEBUG_SPECIALS, Specials, _Sample
+from titan_mm.models.bagel.synthetic import DEBUG_IMAGE_PAD, DEBUG_SPECIALS, Specials, _Sample
 from titan_mm.models.bagel.vae import PIXELS, FluxVAE, PixelCodec, load_codec, vae_source
 from titan_mm.nn.media import Bound, DocLayout
-from titan_mm.registry import DataNeeds
+from titan_mm.registry import DataNeeds, ImageSplit, SplitLayout
 
 DIGITS = ("builtin:digits", "builtin:digits_test")
 """The digits sources asked both ways (the training split, and the held-out one for [eval]'s held-out loss)."""
@@ -264,7 +264,7 @@ class BagelDocs:
             vae_source(data.encoders)  # a folder or file that names a VAE; BagelEncoder loads and checks it
         self.specials = specials_for(tokenizer, cfg)
         p, s = cfg.vit_config.patch_size, codec_stride(cfg)
-        self.vit_fit = (p, cfg.vit_max_num_patch_per_side * p)
+        self.vit_fit = vit_fit(cfg)
         self.vae_fit = (s, cfg.max_latent_size * s)
         self.both_fit = (math.lcm(p, s), min(self.vit_fit[1], self.vae_fit[1]))
 
@@ -304,11 +304,7 @@ class BagelDocs:
             raise SkipSample("missing_media", "the record names no image")
         try:
             with Image.open(io.BytesIO(media_bytes(ref, rec, unit, self.data.media_root))) as im:
-                im = im.convert("RGB")
-                h, w = fit_size(im.height, im.width, *fit, self.data)
-                if (h, w) != (im.height, im.width):
-                    im = im.resize((w, h), Image.Resampling.BICUBIC)
-                return np.asarray(im)
+                return fitted(im, fit, self.data)
         except OSError as e:  # PIL's error for bytes that are no image
             raise SkipSample("corrupt_image", f"{str(ref)[:200]}: {e}") from None
 
@@ -345,27 +341,94 @@ class BagelDocs:
         return s
 
     def _chat(self, sample, rec: dict, unit: Unit) -> _Sample:
-        """Per message: each image a ViT split, each run of text [bos text eos], CE on the assistant's (BAGEL's
-        SftJSONLIterableDataset.change_format: the prompt's text around an image stripped, the answer as given)."""
+        """Per message: each image a ViT split, each run of text [bos text eos], CE on the assistant's
+        (:func:`chat_runs`)."""
         s, loss = _Sample(self.cfg, self.specials), False
-        for m in sample.messages or []:
-            text: list[str] = []
-            for part in [*m.parts, None]:  # None: the end of the message closes its last text
-                if part is not None and part.type == "text":
-                    text.append(part.text)
-                    continue
-                said = "".join(text) if m.role == "assistant" else "".join(text).strip()  # as change_format
-                if said.strip():
-                    s.text(self._ids(said, "text"), loss=m.role == "assistant")
-                    loss |= m.role == "assistant"
-                text = []
-                if part is not None and part.type != "image":
-                    raise SkipSample("unknown_modality", f"a {part.type} part: BAGEL reads text and images")
-                if part is not None:
-                    s.vit_image(_unit_range(self._image(part.ref, rec, unit, self.vit_fit)))
+        for kind, x, answer in chat_runs(sample):
+            if kind == "image":
+                s.vit_image(_unit_range(self._image(x, rec, unit, self.vit_fit)))
+                continue
+            s.text(self._ids(x, "text"), loss=answer)
+            loss |= answer
         if not loss:
             raise SkipSample("empty", "a chat needs an assistant message with text (the CE target)")
         return s
+
+
+def chat_runs(sample) -> Iterator[tuple[str, Any, bool]]:
+    """A parsed chat in BAGEL's layout (SftJSONLIterableDataset.change_format: no roles; the prompt's text around an
+    image stripped, the answer as given): per message, ``("text", text, from the assistant)`` for each run of text
+    and ``("image", its reference, False)`` for each image part, in order; any other part is SkipSample."""
+    for m in sample.messages or []:
+        text: list[str] = []
+        for part in [*m.parts, None]:  # None: the end of the message closes its last text
+            if part is not None and part.type == "text":
+                text.append(part.text)
+                continue
+            said = "".join(text) if m.role == "assistant" else "".join(text).strip()  # as change_format
+            if said.strip():
+                yield "text", said, m.role == "assistant"
+            text = []
+            if part is not None and part.type != "image":
+                raise SkipSample("unknown_modality", f"a {part.type} part: BAGEL reads text and images")
+            if part is not None:
+                yield "image", part.ref, False
+
+
+def fitted(im: Image.Image, fit: tuple[int, int], data) -> np.ndarray:
+    """[h, w, 3] uint8: ``im`` in RGB, resized (bicubic) by :func:`fit_size` to ``fit`` (multiple, max side)."""
+    im = im.convert("RGB")
+    h, w = fit_size(im.height, im.width, *fit, data)
+    if (h, w) != (im.height, im.width):
+        im = im.resize((w, h), Image.Resampling.BICUBIC)
+    return np.asarray(im)
+
+
+def vit_fit(cfg: BagelConfig) -> tuple[int, int]:
+    """(multiple, max side) of a ViT split's image: the ViT patch, and the position table's side in pixels."""
+    p = cfg.vit_config.patch_size
+    return p, cfg.vit_max_num_patch_per_side * p
+
+
+# ------------------------------------------------------------------------------ the serving engine's image splits
+def image_pad(cfg: BagelConfig, tokenizer) -> int:
+    """SplitLayout.pad: the prompt token standing for an image: the tokenizer's ``<|image_pad|>`` where BAGEL's
+    specials are the tokenizer's (:func:`specials_for`), else the debug vocabulary's."""
+    pad = tokenizer.image_pad_id
+    if specials_for(tokenizer, cfg) == DEBUG_SPECIALS or pad is None or pad >= cfg.llm_config.vocab_size:
+        return DEBUG_IMAGE_PAD
+    return pad
+
+
+def image_split(cfg: BagelConfig, payload: Any, data, tokenizer) -> ImageSplit:
+    """SplitLayout.image: an image (a PIL image, encoded bytes or an [H, W(, 3)] uint8 array) as the VLM chat's rows
+    give it (:class:`BagelDocs`: :func:`fitted` to the ViT's sizes, then ``_Sample.vit_image``): ``[vision_start,
+    a token per patch, vision_end]`` on one position, bidirectional, the next token one position further; the
+    token kinds and the ViT's patches, positions and length."""
+    try:
+        if isinstance(payload, np.ndarray):
+            im = Image.fromarray(payload)
+        else:
+            im = payload if isinstance(payload, Image.Image) else Image.open(io.BytesIO(payload))
+        image = _unit_range(fitted(im, vit_fit(cfg), data))
+    except (OSError, TypeError, ValueError) as e:  # PIL's errors for bytes or arrays that are no image
+        raise SkipSample("corrupt_image", f"cannot read the image ({type(e).__name__}: {e})") from None
+    s = _Sample(cfg, specials_for(tokenizer, cfg))
+    s.vit_image(image)
+    d = s.doc()
+    return ImageSplit(ids=d.input_ids.tolist(), positions=(d.positions[0] - d.positions[0, 0]).tolist(),
+                      advance=s.rope, seq={"token_kind": d.seq["token_kind"]},
+                      flat={k: np.concatenate(v) for k, v in s.media.items()})
+
+
+def chat_prompt(cfg: BagelConfig, sample, tokenizer) -> list[int]:
+    """SplitLayout.chat: a chat's prompt as the VLM chat's rows lay it out (:func:`chat_runs`: each run of text
+    ``[bos text eos]``, no roles), an :func:`image_pad` per image part, then the answer's ``bos``."""
+    sp, pad = specials_for(tokenizer, cfg), image_pad(cfg, tokenizer)
+    ids: list[int] = []
+    for kind, x, _ in chat_runs(sample):
+        ids += [pad] if kind == "image" else [sp.bos, *tokenizer.encode(x), sp.eos]
+    return [*ids, sp.bos]
 
 
 def codec_stride(cfg: BagelConfig) -> int:
@@ -450,6 +513,8 @@ def _first_image(sample) -> Any:
 
 def data_needs(cfg: BagelConfig) -> DataNeeds:
     """1-D positions, ChatML; the documents built by :class:`BagelDocs` (a record's splits), collated by
-    :func:`collate`."""
+    :func:`collate`; served images as ViT splits (:func:`image_split`, :func:`image_pad`, :func:`chat_prompt`)."""
     return DataNeeds(positions="1d", video=False, chat_template="chatml",
-                     docs=DocLayout(builder=Bound(BagelDocs, cfg), collate=collate, encoder=Bound(BagelEncoder, cfg)))
+                     docs=DocLayout(builder=Bound(BagelDocs, cfg), collate=collate, encoder=Bound(BagelEncoder, cfg)),
+                     splits=SplitLayout(image=Bound(image_split, cfg), pad=Bound(image_pad, cfg),
+                                        chat=Bound(chat_prompt, cfg)))

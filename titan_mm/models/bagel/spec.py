@@ -30,12 +30,17 @@ vit_max_num_patch_per_side + column), ``vit_lens`` [images]."""
 
 def prepare_batch(cfg: BagelConfig, batch: dict, device, **_) -> dict:
     """On the host: ``token_kind`` -> the experts' token indices ``und_index`` / ``gen_index`` and the ViT tokens'
-    ``vit_index`` over the B*S flat tokens; ``vit_lens`` -> the ViT's bidirectional per-image mask ``vit_attn``."""
+    ``vit_index`` over the B*S flat tokens; ``vit_lens`` -> the ViT's bidirectional per-image mask ``vit_attn``.
+    A batch without ``latents`` (the serving engine's rows: text and ViT tokens) gets no expert indices: every token
+    takes the understanding expert."""
     kinds = batch["token_kind"].reshape(-1)
     out = {k: v for k, v in batch.items() if k not in ("token_kind", "vit_lens")}
     dev = torch.device(device)
-    out["und_index"] = (kinds != VAE).nonzero().squeeze(1).to(dev, non_blocking=True)
-    out["gen_index"] = (kinds == VAE).nonzero().squeeze(1).to(dev, non_blocking=True)
+    if "latents" in batch:
+        out["und_index"] = (kinds != VAE).nonzero().squeeze(1).to(dev, non_blocking=True)
+        out["gen_index"] = (kinds == VAE).nonzero().squeeze(1).to(dev, non_blocking=True)
+    elif bool((kinds == VAE).any()):
+        raise ValueError("the batch has latent tokens (token_kind 2) but no latents; give it the schema's latent keys")
     vit = (kinds == VIT).nonzero().squeeze(1)
     patches, lens = batch.get("vit_patches"), batch.get("vit_lens")
     n = 0 if patches is None else patches.shape[0]

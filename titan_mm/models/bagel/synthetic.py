@@ -40,6 +40,8 @@ class Specials(NamedTuple):
 
 DEBUG_SPECIALS = Specials(BOS, EOS, VISION_START, VISION_END)
 """The synthetic rows' and the debug vocabulary's."""
+DEBUG_IMAGE_PAD = 9
+"""The debug vocabulary's token standing for an image in a served prompt (no synthetic row uses it)."""
 
 IMAGE_PATCHES = 2
 """ViT patches and latent patches per side of a synthetic image."""

@@ -36,6 +36,8 @@ def expand_media(prompt: list[int], images: list, videos: list, needs: DataNeeds
     URIs, arrays or MediaItems; ``videos``: encoded video bytes (PyAV decodes them), ``data:video/...`` URIs or
     MediaItems of titan_mm.data.vision.process_video; one per pad of the prompt, in order. ``tokenizer``: the
     model's (a frame group's timestamp is text)."""
+    if needs.splits is not None:
+        return expand_splits(prompt, images, videos, needs, data, tokenizer)
     pads = {k: needs.special_tokens.get(f"{k}_pad") for k in KINDS}
     given = {"image": images, "video": videos}
     for kind in KINDS:
@@ -70,6 +72,59 @@ def expand_media(prompt: list[int], images: list, videos: list, needs: DataNeeds
     except SkipSample as e:
         raise BadRequest("prompt", str(e)) from None
     return out, spans, pos, int(pos.max()) + 1 - len(out)
+
+
+def expand_splits(prompt: list[int], images: list, videos: list, needs: DataNeeds, data: Data, tokenizer):
+    """expand_media for a family of image splits (DataNeeds.splits): each image pad (``splits.pad``) becomes the
+    image's split (``splits.image``: the tokens, tensors and span its training builds), and the prompt's 1-D
+    positions [1, L] count text tokens one each and give a split its own offsets, the next token ``advance`` on."""
+    splits = needs.splits
+    pad = splits.pad(tokenizer)
+    _check_pads(prompt, pad, images, "image", needs)
+    _check_pads(prompt, None, videos, "video", needs)
+    pcfg = ProcessorConfig(data, needs)
+    out, spans, pos, cur = [], [], [], 0
+    left = iter(enumerate(images))
+    for t in prompt:
+        if t != pad:
+            out.append(t)
+            pos.append(cur)
+            cur += 1
+            continue
+        i, payload = next(left)
+        if isinstance(payload, vision.MediaItem):
+            raise BadRequest(f"images[{i}]", "a MediaItem is the vision processor's; this model builds its own image "
+                             "splits: give the image (bytes, a PIL image, a uint8 array or a data: URI)")
+        sp = _media_item(payload, f"images[{i}]", "image", lambda p: not isinstance(p, (str, dict)),
+                         "image bytes, a PIL image, a uint8 array or a data: URI",
+                         lambda p, _: splits.image(p, data, tokenizer), pcfg)
+        h = hashlib.blake2b(b"split" + np.asarray(sp.ids, dtype=np.int64).tobytes(), digest_size=8)
+        for k in sorted(sp.flat):
+            h.update(k.encode() + np.ascontiguousarray(sp.flat[k]).tobytes())
+        empty = torch.zeros(0)
+        spans.append(Image(len(out), len(out) + len(sp.ids), empty, empty, int.from_bytes(h.digest(), "little"),
+                           split=sp))
+        out += sp.ids
+        pos += [cur + o for o in sp.positions]
+        cur += sp.advance
+    if not spans:  # text only: the positions count the tokens, as the KV cache plans them
+        return out, [], None, 0
+    return out, spans, torch.tensor([pos], dtype=torch.long), cur - len(out)
+
+
+def split_inputs(splits: list[tuple[Image, int, int]], shape: tuple[int, int]) -> dict:
+    """The family's batch keys of image splits placed in a step's [B, S] ids (``splits``: (span, row, column of
+    its first token)): each per-token key [B, S] (0 elsewhere), each flat key concatenated in order (host)."""
+    seq: dict[str, np.ndarray] = {}
+    flat: dict[str, list] = {}
+    for im, row, col in splits:
+        for k, v in im.split.seq.items():
+            a = seq.setdefault(k, np.zeros(shape, dtype=np.asarray(v).dtype))
+            a[row, col: col + len(v)] = v
+        for k, v in im.split.flat.items():
+            flat.setdefault(k, []).append(np.asarray(v))
+    return ({k: torch.from_numpy(v) for k, v in seq.items()}
+            | {k: torch.from_numpy(np.concatenate(v)) for k, v in flat.items()})
 
 
 def _check_pads(prompt: list[int], pad: int | None, given: list, kind: str, needs: DataNeeds) -> None:

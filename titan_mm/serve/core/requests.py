@@ -98,9 +98,13 @@ class InputProcessor:
 
     def chat_media(self, messages: list[dict]) -> tuple[list[int], list, list, list]:
         """(prompt ids, images, videos, audios) of OpenAI-style chat ``messages`` through the family's chat template
-        (the processors' renderer, as in training), ending with the assistant's turn opened."""
+        (the processors' renderer, as in training), ending with the assistant's turn opened; a family of image
+        splits lays the chat out itself (DataNeeds.splits.chat: its training layout)."""
         try:
             sample = parse_record({"messages": messages})
+            if self.needs.splits is not None:
+                ids = self.needs.splits.chat(sample, self.tokenizer)
+                return ids, [p.ref for m in sample.messages for p in m.parts if p.type == "image"], [], []
             text, _, media = Processor(self.tokenizer, ProcessorConfig(self.data, self.needs)).render(
                 sample, add_generation_prompt=True)
         except SkipSample as e:

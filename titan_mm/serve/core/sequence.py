@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from titan_mm.registry import ImageSplit
 from titan_mm.serve.core.block_manager import BlockTable
 from titan_mm.serve.sampling_params import SamplingParams
 
@@ -44,6 +45,9 @@ class Image:
     kind: str = "image"
     """"image" or "video" (pixel_values_videos / video_grid_thw; its span holds its whole placeholder, frame
     groups and their timestamps included)."""
+    split: ImageSplit | None = None
+    """A family of image splits (DataNeeds.splits): the image as its tokens, tensors and attention span
+    (pixel_values and grid_thw are then empty)."""
 
 
 @dataclass
@@ -168,9 +172,10 @@ class Request:
     images: list[Image] = field(default_factory=list)
     """The prompt's images and videos, in prompt order."""
     positions: torch.Tensor | None = None
-    """[3, len(prompt)] M-RoPE positions of the prompt (None: 1-D positions)."""
+    """[axes, len(prompt)] positions of the prompt: M-RoPE's, or a family's image splits' (None: 1-D positions
+    that count the tokens)."""
     rope_delta: int = 0
-    """M-RoPE: position of token p >= len(prompt) is p + rope_delta on every axis."""
+    """Position of token p >= len(prompt) is p + rope_delta (on every axis)."""
     status: Status = Status.WAITING
     beam: object | None = None
     """titan_mm.serve.beam.BeamState of a beam-search request."""

@@ -31,7 +31,7 @@ from titan_mm.kernels import greedy_pick, paged_attention, paged_decode_attentio
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.nn.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, plan_step, state_shapes
 from titan_mm.serve.core.scheduler import Row
-from titan_mm.serve.core.media import MEDIA_KEYS, audio_inputs
+from titan_mm.serve.core.media import MEDIA_KEYS, audio_inputs, split_inputs
 from titan_mm.serve.core.sequence import PENDING, Audio
 from titan_mm.serve.runner.sampler import Picked, with_pick
 
@@ -143,8 +143,10 @@ class ModelRunner:
         dims = spec.dims(model_cfg)
         rt = spec.runtime(model_cfg)
         self.backend, self.window = rt.attn_backend, rt.sliding_window
-        # several position axes (registry.POSITION_AXES): the request carries its prompt's positions
-        self.axes = spec.data_needs(model_cfg).position_axes
+        # several position axes (registry.POSITION_AXES), or image splits: the request carries its prompt's positions
+        needs = spec.data_needs(model_cfg)
+        self.axes = needs.position_axes
+        self.own_positions = self.axes > 1 or needs.splits is not None
         self.sizes = decode_sizes(max_num_seqs)
         # tensor parallel: each rank's attention writes only its local kv heads (the plan splits wk / wv by heads);
         # one block more than the block manager hands out: the scratch block of a decode step's pad rows (and
@@ -241,7 +243,7 @@ class ModelRunner:
         ids[pending, 0] = 0
         st.ids.copy_(torch.from_numpy(ids), non_blocking=True)
         self._feed(st.ids, pending, np.zeros_like(pending), [rows[i] for i in pending], fed)
-        if self.axes > 1:
+        if self.own_positions:
             st.positions.copy_(self._request_positions(rows, (np.arange(n), np.zeros(n, dtype=np.int64)), B, 1))
         if st.graph is not None:
             st.graph.replay()
@@ -295,7 +297,7 @@ class ModelRunner:
             self._static = dict(
                 rows=R, pool=None if self._static is None else self._static["pool"],
                 ids=torch.zeros(R, 1, dtype=torch.long, device=dev),
-                positions=torch.zeros(self.axes, R, 1, dtype=torch.long, device=dev) if self.axes > 1 else None,
+                positions=torch.zeros(self.axes, R, 1, dtype=torch.long, device=dev) if self.own_positions else None,
                 at=torch.zeros(R, dtype=torch.long, device=dev),
                 step=KVStep(positions=torch.zeros(R, 1, dtype=torch.long, device=dev),
                             valid=torch.ones(R, 1, dtype=torch.bool, device=dev),
@@ -315,7 +317,8 @@ class ModelRunner:
         cache = dataclasses.replace(self.cache, step=step)
         meta = build_attn_meta({"input_ids": ids}, self.backend, self.device, sliding_window=self.window,
                                kv_cache=cache)
-        positions = s["positions"][:, :B] if self.axes > 1 else step.positions
+        positions = step.positions if not self.own_positions else \
+            s["positions"][:, :B] if self.axes > 1 else s["positions"][0, :B]
         st = _DecodeStep(ids, positions, step, StepInputs(ids, positions, meta, s["at"][:B], {}, B))
         self._decode[B] = st
         return st
@@ -341,13 +344,16 @@ class ModelRunner:
         pb, pc = np.nonzero(ids == PENDING)
         ids[pb, pc] = 0
         owner = [rows[i] for i in (np.searchsorted(at[1], pc, "right") - 1 if self.packed else pb)]
+        spans = self._spans(rows, at, B, S)  # bidirectional spans: a dense mask (no kernel takes them)
         cache = plan_step(self.cache, new, cached_lens=[r.start for r in rows], block_tables=torch.from_numpy(tables),
                           sliding_window=self.window, width=None if self.packed else S,
-                          decode_attention=None if self.packed else self.decode_attention,
-                          state_slots=self._slots(rows, n_rows), packed=self.packed, varlen=self.packed and self.varlen,
-                          paged_attention=paged_attention if self.mixed else None)
+                          decode_attention=None if self.packed or spans is not None else self.decode_attention,
+                          state_slots=self._slots(rows, n_rows), packed=self.packed,
+                          varlen=self.packed and self.varlen and spans is None,
+                          paged_attention=paged_attention if self.mixed and spans is None else None, spans=spans)
         ids = torch.from_numpy(ids)
-        positions = self._request_positions(rows, at, B, S) if self.axes > 1 else cache.step.positions
+        own = self.axes > 1 or any(r.req.positions is not None for r in rows)
+        positions = self._request_positions(rows, at, B, S) if own else cache.step.positions
         extra = self._media(rows, ids, at) if self.spec.prepare_batch is not None else {}
         meta = build_attn_meta({"input_ids": ids}, self.backend, self.device, sliding_window=self.window,
                                kv_cache=cache)
@@ -396,19 +402,33 @@ class ModelRunner:
 
     def _request_positions(self, rows: list[Row], at: tuple[np.ndarray, np.ndarray], B: int,
                            S: int) -> torch.Tensor:
-        """[axes, B, S]: the prompt's positions (M-RoPE's), then text positions p + rope_delta on every axis; row
-        i's tokens start at (at[0][i], at[1][i])."""
+        """[axes, B, S] ([B, S] for 1-D positions): the prompt's positions (M-RoPE's, or its image splits'; a
+        request without them counts its tokens), then text positions p + rope_delta on every axis; row i's tokens
+        start at (at[0][i], at[1][i])."""
         pos = torch.zeros(self.axes, B, S, dtype=torch.long)
         for i, r in enumerate(rows):
             req, a, b = r.req, r.start, r.start + r.n
             row, o = int(at[0][i]), int(at[1][i])
-            L = len(req.prompt)
+            L = len(req.prompt) if req.positions is not None else 0
             if a < L:
                 pos[:, row, o: o + min(b, L) - a] = req.positions[:, a:min(b, L)]
             if b > L:
                 lo = max(a, L)
                 pos[:, row, o + lo - a: o + b - a] = torch.arange(lo, b) + req.rope_delta
-        return pos.to(self.device, non_blocking=True)
+        return (pos if self.axes > 1 else pos[0]).to(self.device, non_blocking=True)
+
+    def _spans(self, rows: list[Row], at: tuple[np.ndarray, np.ndarray], B: int, S: int) -> torch.Tensor | None:
+        """[B, S] int64: an id per bidirectional image split inside the rows' chunks on its tokens, 0 elsewhere
+        (None: no such split)."""
+        spans, k = None, 0
+        for i, r in enumerate(rows):
+            for m in r.req.images:
+                if m.split is not None and m.split.bidirectional and r.start <= m.start and m.end <= r.start + r.n:
+                    spans = np.zeros((B, S), dtype=np.int64) if spans is None else spans
+                    k += 1
+                    o = int(at[1][i]) - r.start
+                    spans[int(at[0][i]), o + m.start: o + m.end] = k
+        return None if spans is None else torch.from_numpy(spans)
 
     def _media(self, rows: list[Row], ids: torch.Tensor, at: tuple[np.ndarray, np.ndarray]) -> dict:
         """The family's host-built inputs for the whole images, videos and audio clips inside the rows' chunks (the
@@ -418,7 +438,7 @@ class ModelRunner:
         runner takes from the request instead)."""
         place = torch.zeros_like(ids)
         got: dict[str, tuple[list, list]] = {}
-        clips, groups = [], []
+        clips, groups, splits = [], [], []
         for i, r in enumerate(rows):
             row, o = int(at[0][i]), int(at[1][i])
             for m in r.req.media:
@@ -429,11 +449,19 @@ class ModelRunner:
                         clips.append(m)
                         groups.append(i)
                         continue
+                    if m.split is not None:
+                        splits.append((m, row, a))
+                        continue
                     pix, grids = got.setdefault(m.kind, ([], []))
                     pix.append(m.pixel_values)
                     grids.append(m.grid_thw)
-        if not got and not clips:
+        if not got and not clips and not splits:
             return {}
+        if splits:  # the family's own keys, built on the host: its prepare_batch's outputs go to the device
+            batch = self.spec.prepare_batch(self.cfg, {"input_ids": place, **split_inputs(splits, place.shape)},
+                                            self.device)
+            return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in batch.items() if k not in ("input_ids", "position_ids")}
         batch = {"input_ids": place}
         for kind, (pix, grids) in got.items():
             pk, gk = MEDIA_KEYS[kind]
