@@ -86,19 +86,25 @@ def test_images_of_one_size_are_encoded_together(tmp_path):
     assert set(calls[1]) == {1} and sum(calls[1]) == sum(calls[1 << 20])  # the same images, one a call
 
 
+def vae_rows(tmp_path, sizes: list[tuple[int, int]], edit: tuple[int, int]):
+    """(config, [data]): a tiny random FLUX-architecture AutoencoderKL (a diffusers folder, 4x down, 4 channels), a
+    text-to-image row per image size and an editing row (image edit[0] -> image edit[1])."""
+    tiny_vae().save_pretrained(tmp_path / "vae")
+    rows = []
+    for i, (h, w) in enumerate(sizes):
+        png(tmp_path, f"i{i}.png", h, w, i)
+        rows.append({"image": f"i{i}.png", "caption": f"image {i}"})
+    rows.append({"source": f"i{edit[0]}.png", "instruction": "turn it", "target": f"i{edit[1]}.png"})
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    d = data(dataset=str(tmp_path / "rows.jsonl"), encoders=str(tmp_path / "vae"), seq_len=64, shuffle_buffer=0)
+    return pixel_cfg(4, 4), d  # the VAE's latent shape
+
+
 def test_flux_vae_on_the_device_equals_the_worker_latents(tmp_path):
     """A tiny random FLUX-architecture AutoencoderKL (a diffusers folder, 4x down, 4 channels): editing and
     text-to-image rows through both paths give the same batches bit for bit, one image a codec call (batched
     convolutions on the CPU differ in the last bits: docs/bagel.md "Data")."""
-    tiny_vae().save_pretrained(tmp_path / "vae")
-    cfg = pixel_cfg(4, 4)  # the VAE's latent shape
-    rows = []
-    for i, (h, w) in enumerate([(8, 16), (16, 8), (16, 16), (8, 8)]):
-        png(tmp_path, f"i{i}.png", h, w, i)
-        rows.append({"image": f"i{i}.png", "caption": f"image {i}"})
-    rows.append({"source": "i0.png", "instruction": "turn it", "target": "i1.png"})
-    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    d = data(dataset=str(tmp_path / "rows.jsonl"), encoders=str(tmp_path / "vae"), seq_len=64, shuffle_buffer=0)
+    cfg, d = vae_rows(tmp_path, [(8, 16), (16, 8), (16, 16), (8, 8)], edit=(0, 1))
     want = take(loader(d, cfg), 4)
     device = loader(d, cfg, encode_device="cpu")
     device.encode = BagelEncoder(cfg, d, "cpu", max_pixels=1)
