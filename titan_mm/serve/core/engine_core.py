@@ -14,7 +14,7 @@ from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.core.handlers import BeamSearch, Inflight, Sampling, Speculative
 from titan_mm.serve.core.output_processor import OutputProcessor
 from titan_mm.serve.core.requests import seq_generator
-from titan_mm.serve.runner.model_runner import ModelRunner, pool_blocks
+from titan_mm.serve.runner.model_runner import Executed, ModelRunner, pool_blocks
 from titan_mm.serve.core.scheduler import Row, Schedule, Scheduler
 from titan_mm.serve.core.sequence import Request, RequestOutput
 from titan_mm.serve.core.spec_decode import DraftProposer
@@ -39,8 +39,9 @@ class EngineCore:
                       cuda_graphs=cfg.cuda_graphs, packed_prefill=cfg.packed_prefill,
                       mixed_attention=cfg.mixed_attention, graph_sampling=cfg.graph_sampling)
         self.runner = ModelRunner(model, spec, model_cfg, device, dtype, **runner)
-        # the draft's own pool has the target's block layout and tables
-        self.proposer = None if draft is None else DraftProposer(ModelRunner(*draft, device, dtype, **runner))
+        # the draft's own pool has the target's block layout and tables; its steps are handed no draw
+        self.proposer = None if draft is None else DraftProposer(ModelRunner(*draft, device, dtype,
+                                                                             **runner | {"graph_sampling": False}))
         for r in [self.runner] + ([self.proposer.runner] if self.proposer is not None else []):
             r.capture_graphs()  # at start-up, as vLLM does: no request waits for a capture
         # a hybrid model's cached KV blocks are useless without the linear layers' state at their end: no prefix
@@ -64,8 +65,8 @@ class EngineCore:
         touched = self._expire(t, aborted)
         sched = self.scheduler.schedule()
         prev, self.inflight = self.inflight, None
-        logits, launched = self._execute(sched, prev)
-        self._update(sched.rows, logits, launched, prev, touched)
+        out, launched = self._execute(sched, prev)
+        self._update(sched.rows, out, launched, prev, touched)
         outs = [self.outputs.output(r) for r in touched.values()]
         if launched is not None:  # after the outputs: they must not hold the PENDING tokens
             self.inflight = self.sampling.pend(sched.rows, *launched)
@@ -73,38 +74,43 @@ class EngineCore:
 
     def _execute(self, sched: Schedule, prev: Inflight | None):
         """The forward of ``sched`` (speculation: guesses proposed first; ``prev``: the previous step's tokens,
-        still on the device); -> (logits, the asynchronous launch or None: this step's tokens are sampled in turn)."""
+        still on the device; serve.graph_sampling: the step's draw planned first, for a decode step to make); ->
+        (the runner's output, the asynchronous launch or None: this step's tokens are sampled in turn)."""
         if not sched.rows:
             return None, None
         fed = prev.fed if prev is not None else None
         per_row = self.speculative.propose(sched) if self.speculative is not None else 1
-        logits = self.runner.run(sched.rows, sched.copies, per_row, fed)
-        return logits, self._launch(sched.rows, logits, fed) if self.overlap else None
+        plan = self.sampling.plan(sched.rows) if self.runner.graph_sampling and per_row == 1 else None
+        out = self.runner.execute(sched.rows, sched.copies, per_row, fed, plan)
+        return out, self._launch(sched.rows, out, fed) if self.overlap else None
 
-    def _launch(self, rows: list[Row], logits: torch.Tensor, fed):
+    def _launch(self, rows: list[Row], out: Executed, fed):
         """The asynchronous launch when every sampling row can go without the host (else None: steps in turn)."""
         if all(self.sampling.overlaps(r.req) for r in rows if r.samples):
-            return self.sampling.launch(rows, logits, fed)
+            return self.sampling.launch(rows, out, fed)
         return None
 
-    def _update(self, rows: list[Row], logits, launched, prev: Inflight | None, touched: dict[str, Request]) -> None:
+    def _update(self, rows: list[Row], out: Executed | None, launched, prev: Inflight | None,
+                touched: dict[str, Request]) -> None:
         """The previous step's tokens, read back while this step's forward runs; then, unless launched, the rows
         that reached their last token, each through its handler (speculation, beam search, sampling, in that
         order); the others' k/v count as computed."""
         if prev is not None:
             self.sampling.resolve(prev, touched)
-        if logits is None or launched is not None:
+        if out is None or launched is not None:
             return
         live = [(i, r) for i, r in enumerate(rows) if not r.seq.finished]  # else ended by the previous step's tokens
         self.scheduler.computed(r for _, r in live if not r.lookahead)
+        logits = out.logits
         first = logits[:, 0] if logits.dim() == 3 else logits
         for handler, lg, mine in ((self.speculative, logits, lambda r: r.lookahead),
                                   (self.beam, first, lambda r: r.samples and not r.lookahead and r.req.beam),
                                   (self.sampling, first, lambda r: r.samples and not r.lookahead and not r.req.beam)):
             at = [i for i, r in live if mine(r)]
-            if at:
-                picked = lg if len(at) == len(lg) else lg[torch.tensor(at, device=lg.device)]
-                handler.advance([rows[i] for i in at], picked, touched)
+            if at:  # the step's own tokens are of all its rows
+                mine_out = Executed(lg, out.tokens) if len(at) == len(lg) else \
+                    Executed(lg[torch.tensor(at, device=lg.device)])
+                handler.advance([rows[i] for i in at], mine_out, touched)
 
     def _expire(self, t: float, aborted: list[Request]) -> dict[str, Request]:
         """Requests past their deadline at ``t`` end ("abort"); with ``aborted``, -> the step's first outputs."""

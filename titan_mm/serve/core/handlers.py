@@ -20,8 +20,8 @@ import torch
 from titan_mm.serve.core.beam import beam_step
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.core.output_processor import OutputProcessor
-from titan_mm.serve.runner.model_runner import Fed
-from titan_mm.serve.runner.sampler import Draw, RowSampling, draw, sample
+from titan_mm.serve.runner.model_runner import Executed, Fed
+from titan_mm.serve.runner.sampler import Draw, DrawPlan, RowSampling, draw, sample
 from titan_mm.serve.sampling_params import SamplingParams
 from titan_mm.serve.core.scheduler import Row, Schedule, Scheduler
 from titan_mm.serve.core.sequence import PENDING, Request, Sequence
@@ -31,16 +31,17 @@ Touched = dict[str, Request]
 
 
 class Handler(ABC):
-    """Turns the logits of rows that reached their last token (``logits``: theirs, in their order) into tokens,
-    beams or kept guesses; the requests that changed join ``touched``."""
+    """Turns the step's output for rows that reached their last token (``out``: their logits, in their order, and
+    the tokens the step drew for them itself, if it did) into tokens, beams or kept guesses; the requests that
+    changed join ``touched``."""
 
     def __init__(self, scheduler: Scheduler, outputs: OutputProcessor, generator: torch.Generator,
                  seq_generator: Callable[[SamplingParams, int], torch.Generator | None]):
         self.scheduler, self.outputs, self.generator, self.seq_generator = scheduler, outputs, generator, seq_generator
 
     @abstractmethod
-    def advance(self, rows: list[Row], logits: torch.Tensor, touched: Touched) -> None:
-        """Consume ``logits`` of ``rows``; the requests that changed join ``touched``."""
+    def advance(self, rows: list[Row], out: Executed, touched: Touched) -> None:
+        """Consume ``out`` of ``rows``; the requests that changed join ``touched``."""
 
     def _fork(self, req: Request, seq: Sequence, index: int) -> Sequence:
         return self.scheduler.fork(req, seq, self.seq_generator(req.params, index))
@@ -60,7 +61,17 @@ class Inflight:
 
 
 class Sampling(Handler):
-    def advance(self, rows: list[Row], logits: torch.Tensor, touched: Touched) -> None:
+    def plan(self, rows: list[Row]) -> DrawPlan | None:
+        """The draw of a step whose rows all sample one token each with graph-safe processors (no first-token fork,
+        no beams), handed to the runner before the forward (serve.graph_sampling); else None. Its rows are exactly
+        those ``advance`` or ``launch`` then draws, so each row's noise is drawn once, by the step."""
+        if not all(r.samples and not r.lookahead and self.overlaps(r.req) and not r.seq.finished for r in rows):
+            return None
+        return DrawPlan.of([RowSampling(r.req.params, r.req.prompt, r.seq.output, r.seq.generator) for r in rows],
+                           self.generator)
+
+    def advance(self, rows: list[Row], out: Executed, touched: Touched) -> None:
+        logits = out.logits
         rows_s: list[RowSampling] = []
         row_index: list[int] = []
         targets: list[tuple[Request, Sequence]] = []
@@ -73,9 +84,11 @@ class Sampling(Handler):
                 rows_s.append(RowSampling(req.params, req.prompt, s.output, s.generator))
                 row_index.append(i)
                 targets.append((req, s))
-        # one gather (rows in order: the logits themselves)
-        picked = logits if len(row_index) == len(logits) else logits[torch.tensor(row_index, device=logits.device)]
-        got = sample(picked, rows_s, self.generator)
+        # one gather (rows in order: the logits themselves, and the step's own tokens when it drew them)
+        if len(row_index) == len(logits):
+            got = sample(logits, rows_s, self.generator, out.tokens)
+        else:
+            got = sample(logits[torch.tensor(row_index, device=logits.device)], rows_s, self.generator)
         touched.update(self.scheduler.update_from_output(
             ((req, s, g) for (req, s), g in zip(targets, got)), self.outputs.take))
 
@@ -86,7 +99,7 @@ class Sampling(Handler):
         Penalties count a pending token on the device."""
         return req.beam is None and (req.forked or req.params.width == 1)
 
-    def launch(self, rows: list[Row], logits: torch.Tensor, fed: Fed | None) -> tuple[Draw | None, list[Row]]:
+    def launch(self, rows: list[Row], out: Executed, fed: Fed | None) -> tuple[Draw | None, list[Row]]:
         """Sample the rows that reached their last token, leaving the tokens on the device (their copy to the host
         started); -> (the draw, those rows in its order). ``fed``: the previous step's tokens, which the
         penalties of a sequence still holding one PENDING count."""
@@ -94,11 +107,12 @@ class Sampling(Handler):
         if not at:
             return None, []
         todo = [rows[i] for i in at]
+        logits, tokens = out
         if len(at) < len(rows):  # mid-prompt chunks give no token
-            logits = logits[torch.tensor(at).to(logits.device, non_blocking=True)]
+            logits, tokens = logits[torch.tensor(at).to(logits.device, non_blocking=True)], None
         samplings = [RowSampling(r.req.params, r.req.prompt, r.seq.output, r.seq.generator,
                                  _pending_token(r.seq, fed) if r.req.params.penalized else None) for r in todo]
-        return draw(logits, samplings, self.generator).copy_out(), todo
+        return draw(logits, samplings, self.generator, tokens).copy_out(), todo
 
     def pend(self, rows: list[Row], drawn: Draw | None, todo: list[Row]) -> Inflight | None:
         """After the launch and the previous step's tokens: the rows' k/v count as computed, and each sampling
@@ -130,8 +144,8 @@ def _pending_token(seq: Sequence, fed: Fed | None) -> torch.Tensor | None:
 
 
 class BeamSearch(Handler):
-    def advance(self, rows: list[Row], logits: torch.Tensor, touched: Touched) -> None:
-        for r, lg in zip(rows, logits):
+    def advance(self, rows: list[Row], out: Executed, touched: Touched) -> None:
+        for r, lg in zip(rows, out.logits):
             req = r.req
             r.seq.pending = lg.float().log_softmax(-1)
             if all(s.pending is not None for s in req.live):
@@ -185,10 +199,10 @@ class Speculative(Handler):
             r.n = 1 + len(r.draft)
         return 1 + max(len(r.draft) for r in rows)
 
-    def advance(self, rows: list[Row], logits: torch.Tensor, touched: Touched) -> None:
+    def advance(self, rows: list[Row], out: Executed, touched: Touched) -> None:
         """Keep the guesses rejection sampling accepts, then the target's own token (stop conditions per token)."""
         samplings = [RowSampling(r.req.params, r.req.prompt, r.seq.output, r.seq.generator) for r in rows]
-        checked = verify(logits, samplings, [r.draft for r in rows], [r.q for r in rows], self.generator)
+        checked = verify(out.logits, samplings, [r.draft for r in rows], [r.q for r in rows], self.generator)
         for r, v in zip(rows, checked):
             seq, req = r.seq, r.req
             T = r.start + 1  # the sequence's length before the step

@@ -11,8 +11,10 @@ long prefill chunk never pads hundreds of decode rows to its length. With the pa
 *decode step*: padded to the next of a fixed set of batch sizes, their inputs written into static device buffers
 (pad rows write their k/v to a scratch block no sequence owns), and on CUDA replayed from a graph captured per
 size when the engine starts, which removes the step's hundreds of kernel launches from the host's critical
-path. With ``serve.graph_sampling`` the decode step (its graph) ends with the greedy pick of its logits, which
-the sampler takes for a batch of plain greedy rows instead of launching it after the replay. With
+path. With ``serve.graph_sampling`` the decode step (its graph) ends with the greedy pick of its logits, and the
+engine may hand :meth:`ModelRunner.execute` the step's draw (a ``DrawPlan``): a decode step of exactly those rows
+returns their tokens in :class:`Executed` (the greedy pick, or for sampled rows a second small graph over static
+knob and noise buffers), which the sampler takes instead of drawing after the replay. With
 ``serve.mixed_attention`` a step that has longer rows runs all its rows as one packed row instead,
 whose attention (titan_mm.kernels.paged_attention) reads every row's keys in place: one launch per layer.
 """
@@ -33,7 +35,7 @@ from titan_mm.nn.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, pl
 from titan_mm.serve.core.scheduler import Row
 from titan_mm.serve.core.media import MEDIA_KEYS, audio_inputs, split_inputs
 from titan_mm.serve.core.sequence import PENDING, Audio
-from titan_mm.serve.runner.sampler import Picked, with_pick
+from titan_mm.serve.runner.sampler import DrawPlan, Picked, StaticDraw, pick
 
 
 _ROW_FIELDS = ("positions", "valid", "new_tokens", "slot_mapping", "block_tables", "seq_lens", "state_slots")
@@ -46,6 +48,14 @@ class Fed(NamedTuple):
 
     tokens: torch.Tensor
     row_of: dict[int, int]
+
+
+class Executed(NamedTuple):
+    """A forward's output: the logits, and ``tokens`` when the step drew its rows itself (a decode step handed a
+    :class:`~titan_mm.serve.runner.sampler.DrawPlan` under serve.graph_sampling; else None)."""
+
+    logits: torch.Tensor
+    tokens: Picked | None = None
 
 
 @dataclass
@@ -66,7 +76,8 @@ class StepInputs:
 @dataclass
 class _DecodeStep:
     """A decode batch size's static inputs (views of the runner's buffers), its graph, the graph's logits and
-    (serve.graph_sampling) their greedy pick."""
+    (serve.graph_sampling) their greedy pick, and the graphs of its sampled draw (by :class:`Knobs` branch: the
+    sorted pass or plain softmax) with their tokens."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -75,6 +86,7 @@ class _DecodeStep:
     graph: object = None
     out: torch.Tensor | None = None
     picked: Picked | None = None
+    draws: dict = dataclasses.field(default_factory=dict)
 
 
 def decode_sizes(max_num_seqs: int) -> list[int]:
@@ -168,6 +180,7 @@ class ModelRunner:
         self.graph_sampling = graph_sampling
         self._decode: dict[int, _DecodeStep] = {}
         self._static: dict | None = None
+        self._draws: StaticDraw | None = None  # serve.graph_sampling's sampled draws, sized as _static
 
     @staticmethod
     def blocks_from_memory(per_block: int, device: torch.device, utilization: float, activation_bytes: int,
@@ -196,33 +209,39 @@ class ModelRunner:
 
     def run(self, rows: list[Row], copies: list[tuple[int, int]], per_row: int = 1,
             fed: Fed | None = None) -> torch.Tensor:
+        """:meth:`execute`'s logits (a draft model's steps, which hand no draw)."""
+        return self.execute(rows, copies, per_row, fed).logits
+
+    def execute(self, rows: list[Row], copies: list[tuple[int, int]], per_row: int = 1, fed: Fed | None = None,
+                plan: DrawPlan | None = None) -> Executed:
         """Forward the rows; -> logits [len(rows), V] at each row's last new token, or with ``per_row`` > 1
         [len(rows), per_row, V] at its token before the guesses and after each guess (the last one repeated).
-        ``fed``: where the rows' PENDING tokens are on the device."""
+        ``fed``: where the rows' PENDING tokens are on the device. ``plan``: the draw of exactly these rows, which a
+        decode step of all of them makes itself (serve.graph_sampling; its tokens in the result)."""
         self.copy_blocks(copies)
         one = [] if per_row > 1 or self.decode_attention is None else \
             [i for i, r in enumerate(rows) if r.n == 1 and len(r.seq.table.blocks) <= self.max_table
              and not (r.req.media and self._has_media(r))]
         if len(one) == len(rows):
-            return self.decode(rows, fed=fed)
+            return self.decode(rows, fed=fed, plan=plan)
         if not one or self.mixed:  # mixed: the decode rows join the packed row (one attention call per layer)
-            return self.forward(self.prepare(rows, per_row, fed))
+            return Executed(self.forward(self.prepare(rows, per_row, fed)))
         rest = sorted(set(range(len(rows))) - set(one))
         # the longer rows take their pending tokens before the decode step replays: under serve.graph_sampling
-        # those tokens are the previous decode step's pick, in memory the replay reuses
+        # those tokens may be the previous decode step's own draw, in memory the replay reuses
         longer = self.prepare([rows[i] for i in rest], fed=fed)
-        out = torch.cat([self.decode([rows[i] for i in one], fed=fed), self.forward(longer)])
+        out = torch.cat([self.decode([rows[i] for i in one], fed=fed).logits, self.forward(longer)])
         order = torch.tensor(one + rest).argsort()
-        return out[order.to(out.device, non_blocking=True)]
+        return Executed(out[order.to(out.device, non_blocking=True)])
 
     def _has_media(self, r: Row) -> bool:
         return any(r.start <= m.start and m.end <= r.start + r.n for m in r.req.media)
 
     # ---- decode steps: static buffers, CUDA graphs ----
     @torch.inference_mode()
-    def decode(self, rows: list[Row], B: int = 0, fed: Fed | None = None) -> torch.Tensor:
+    def decode(self, rows: list[Row], B: int = 0, fed: Fed | None = None, plan: DrawPlan | None = None) -> Executed:
         """One token per row through the paged kernel, the rows padded to the next decode size (or to ``B``);
-        -> [len(rows), V]."""
+        -> logits [len(rows), V], and the plan's tokens (:meth:`execute`)."""
         n = len(rows)
         B = B or next((s for s in self.sizes if s >= n), n)
         st = self._decode_step(B)
@@ -247,13 +266,14 @@ class ModelRunner:
             st.positions.copy_(self._request_positions(rows, (np.arange(n), np.zeros(n, dtype=np.int64)), B, 1))
         if st.graph is not None:
             st.graph.replay()
-            return self._picked(st.out, st.picked, n)
-        logits, picked = self._decode_model_step(st.inputs)
-        if self.graphs:  # this size's first step ran eagerly (compiling what it needed): capture it
-            st.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(st.graph, pool=self._pool()):
-                st.out, st.picked = self._decode_model_step(st.inputs)
-        return self._picked(logits, picked, n)
+            logits, greedy = st.out, st.picked
+        else:
+            logits, greedy = self._decode_model_step(st.inputs)
+            if self.graphs:  # this size's first step ran eagerly (compiling what it needed): capture it
+                st.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(st.graph, pool=self._pool()):
+                    st.out, st.picked = self._decode_model_step(st.inputs)
+        return Executed(logits[:n], self._draw(st, logits, greedy, plan))
 
     def _decode_model_step(self, x: StepInputs) -> tuple[torch.Tensor, Picked | None]:
         """The model step of a decode step, and with serve.graph_sampling the greedy pick of all its rows (pad rows
@@ -261,21 +281,54 @@ class ModelRunner:
         logits = self._model_step(x)
         return logits, Picked(*greedy_pick(logits)) if self.graph_sampling else None
 
-    @staticmethod
-    def _picked(logits: torch.Tensor, picked: Picked | None, n: int) -> torch.Tensor:
-        """The first ``n`` rows' logits, carrying their pick when the step made one. The pick lives in the graph
-        pool, which the next replay reuses: the draw reads it (and copies it out) before the next step launches."""
-        if picked is None:
-            return logits[:n]
-        return with_pick(logits[:n], Picked(picked.tokens[:n], picked.logprobs[:n]))
+    def _draw(self, st: _DecodeStep, logits: torch.Tensor, greedy: Picked | None,
+              plan: DrawPlan | None) -> Picked | None:
+        """The plan's tokens (None without one): plain greedy rows take the step's greedy pick; sampled rows write
+        their knobs and noise into the static buffers, then the branch's graph replays (eagerly without graphs).
+        The tokens live in the graph pool, which the next replay of the same graph reuses: the draw reads them (and
+        copies them out) before the next step launches."""
+        if plan is None or greedy is None:
+            return None
+        n, (B, V) = len(plan.rows), logits.shape
+        got = greedy
+        if not plan.greedy:
+            draws = self._static_draw(V)
+            draws.fill(plan, B)
+            graph = st.draws.get(plan.truncate) if logits is st.out else None
+            if graph is not None:
+                graph[0].replay()
+                got = graph[1]
+            else:
+                got = pick(logits, draws.knobs(B, plan.truncate), draws.noise[:B])
+        return Picked(got.tokens[:n], got.logprobs[:n])
+
+    def _static_draw(self, V: int) -> StaticDraw:
+        if self._draws is None:
+            self._draws = StaticDraw(self._static["rows"], V, self.device)
+        return self._draws
+
+    @torch.inference_mode()
+    def _capture_draws(self, st: _DecodeStep) -> None:
+        """A captured decode size's sampled-draw graphs, one per branch (plain softmax, the sorted pass), reading
+        the size's graph logits and the static knobs and noise."""
+        B, draws = st.out.shape[0], self._static_draw(st.out.shape[1])
+        for truncate in (False, True):
+            args = (st.out, draws.knobs(B, truncate), draws.noise[:B])
+            pick(*args)  # eagerly first, as the model step
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool()):
+                st.draws[truncate] = (g, pick(*args))
 
     def capture_graphs(self) -> None:
         """Capture every decode size's graph now (largest first, so the sizes share one pool's blocks), from
         steps of pad rows only, so that serving never pays a capture; a no-op without CUDA graphs."""
         if self.graphs:
             for B in reversed(self.sizes):
-                if self._decode_step(B).graph is None:
+                st = self._decode_step(B)
+                if st.graph is None:
                     self.decode([], B)
+                if self.graph_sampling and not st.draws:
+                    self._capture_draws(st)
             torch.cuda.synchronize(self.device)
 
     @property
@@ -309,6 +362,7 @@ class ModelRunner:
                             state_slots=None if self.cache.state is None else
                             torch.zeros(R, dtype=torch.long, device=dev)))
             self._decode.clear()
+            self._draws = None
         s = self._static
         full = s["step"]
         step = dataclasses.replace(full, **{f: getattr(full, f)[:B] for f in _ROW_FIELDS

@@ -45,25 +45,90 @@ class Sampled:
 
 
 class Picked(NamedTuple):
-    """A decode step's greedy pick of its logits, made inside the step (serve.graph_sampling): greedy_pick's
-    tokens and logprobs, in the step's static output buffers."""
+    """Tokens a decode step drew for its rows itself (serve.graph_sampling; :class:`DrawPlan`): the tokens and their
+    logprobs, in the step's static output buffers."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
 
 
-def with_pick(logits: torch.Tensor, picked: Picked) -> torch.Tensor:
-    """``logits`` carrying the greedy pick the step made of exactly them: :func:`draw` takes it for a plain-greedy
-    batch instead of launching greedy_pick. A slice or gather of the logits is a new tensor without it, so a draw
-    over other rows (mid-prompt rows left out, a first-token fork) picks afresh."""
-    logits.picked = picked
-    return logits
+def graph_safe(p: SamplingParams) -> bool:
+    """Whether a decode step can draw the row inside its graph: only temperature, top-k and top-p, whose values sit
+    in static per-row buffers (penalties need the row's token counts, min-p and logprobs a pass the graph lacks)."""
+    return p.logprobs is None and not p.penalized and p.min_p == 0.0
 
 
-def _pick_of(logits: torch.Tensor) -> Picked:
-    """The step's greedy pick of ``logits`` (:func:`with_pick`), else greedy_pick now."""
-    picked = logits.__dict__.get("picked")
-    return picked if picked is not None else Picked(*greedy_pick(logits))
+def truncates(params: list[SamplingParams]) -> bool:
+    """Whether a batch of ``params`` runs the sorted pass (a row keeps a top-k or top-p) or plain softmax."""
+    return not all(q.top_k in (0, -1) and q.top_p >= 1.0 for q in params)
+
+
+def knob_values(p: SamplingParams, V: int) -> tuple[float, int, float, bool]:
+    """One row's temperature, top-k and top-p as :class:`Knobs` hold them (off: 1, V, 2), and whether it is
+    greedy."""
+    return float(p.temperature or 1.0), p.top_k if p.top_k > 0 else V, p.top_p if p.top_p < 1.0 else 2.0, p.greedy
+
+
+class Knobs(NamedTuple):
+    """The rows' processors on the device: temperature, top-k, top-p [R, 1], greedy [R], min-p [R, 1] (None: off
+    in every row), and ``truncate`` (the batch's branch: the sorted pass)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    greedy: torch.Tensor
+    truncate: bool
+    min_p: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DrawPlan:
+    """A step's draw handed to the runner before the forward, so that a decode step makes it itself (inside its
+    CUDA graph; serve.graph_sampling): one row per logits row, in order, all graph-safe, and the engine's generator
+    for the unseeded rows' noise. The draw after the step then takes the step's tokens (:func:`draw`'s ``picked``)
+    and draws no noise of its own."""
+
+    rows: list[RowSampling]
+    generator: torch.Generator | None
+
+    @staticmethod
+    def of(rows: list[RowSampling], generator: torch.Generator | None) -> DrawPlan | None:
+        """The plan of ``rows``; None when one is not :func:`graph_safe` (the draw then runs after the step)."""
+        return DrawPlan(rows, generator) if rows and all(graph_safe(r.params) for r in rows) else None
+
+    @property
+    def greedy(self) -> bool:
+        return all(r.params.greedy for r in self.rows)
+
+    @property
+    def truncate(self) -> bool:
+        return truncates([r.params for r in self.rows])
+
+
+class StaticDraw:
+    """A decode step's draw inputs in static device buffers of R rows (serve.graph_sampling): the knobs and the
+    Exp(1) noise [R, V], written before each sampled step (outside its graph: the seeded rows' generators cannot
+    live in one), read by :func:`pick` over the first B rows. Pad rows are greedy (their noise is never read)."""
+
+    def __init__(self, R: int, V: int, dev: torch.device):
+        self.V = V
+        self.temperature = torch.ones(R, 1, device=dev)
+        self.top_k = torch.full((R, 1), V, dtype=torch.long, device=dev)
+        self.top_p = torch.full((R, 1), 2.0, device=dev)
+        self.greedy = torch.ones(R, dtype=torch.bool, device=dev)
+        self.noise = torch.ones(R, V, device=dev)
+
+    def knobs(self, B: int, truncate: bool) -> Knobs:
+        return Knobs(self.temperature[:B], self.top_k[:B], self.top_p[:B], self.greedy[:B], truncate)
+
+    def fill(self, plan: DrawPlan, B: int) -> None:
+        """The plan's rows (then pad rows up to B) into the buffers: host values by one asynchronous copy each,
+        and the noise drawn as :func:`draw` draws it."""
+        pad = (1.0, self.V, 2.0, True)
+        vals = [knob_values(r.params, self.V) for r in plan.rows] + [pad] * (B - len(plan.rows))
+        for buf, col in zip((self.temperature, self.top_k, self.top_p, self.greedy), zip(*vals)):
+            buf[:B].copy_(torch.tensor(col).view(buf[:B].shape), non_blocking=True)
+        fill_noise(self.noise[: len(plan.rows)], plan.rows, plan.generator)
 
 
 def _on(dev: torch.device, values: list) -> torch.Tensor:
@@ -107,43 +172,81 @@ def _penalize(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     return logits
 
 
-def _warp(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p (each row its own settings; greedy rows: 1)."""
-    dev, V = logits.device, logits.shape[1]
+def knobs(rows: list[RowSampling], dev: torch.device, V: int) -> Knobs:
+    """The rows' :class:`Knobs` on ``dev``."""
     p = [r.params for r in rows]
-    x = logits / _on(dev, [q.temperature or 1.0 for q in p])[:, None]
-    if all(q.top_k in (0, -1) and q.top_p >= 1.0 for q in p):
+    temp, top_k, top_p, greedy = (list(c) for c in zip(*(knob_values(q, V) for q in p)))
+    min_p = _on(dev, [q.min_p for q in p])[:, None] if any(q.min_p > 0.0 for q in p) else None
+    return Knobs(_on(dev, temp)[:, None], _on(dev, top_k)[:, None], _on(dev, top_p)[:, None], _on(dev, greedy),
+                 truncates(p), min_p)
+
+
+def _warp(x: torch.Tensor, kn: Knobs) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p (each row its own settings; greedy rows: 1)."""
+    x = x / kn.temperature
+    if not kn.truncate:
         probs = x.softmax(dim=1)
     else:
         x_sorted, order = x.sort(dim=1, descending=True)
-        rank = torch.arange(V, device=dev)[None]
-        k = _on(dev, [q.top_k if q.top_k > 0 else V for q in p])[:, None]
-        x_sorted = x_sorted.masked_fill(rank >= k, float("-inf"))
+        rank = torch.arange(x.shape[1], device=x.device)[None]
+        x_sorted = x_sorted.masked_fill(rank >= kn.top_k, float("-inf"))
         probs = x_sorted.softmax(dim=1)
         before = probs.cumsum(dim=1) - probs  # mass of the more likely tokens
-        top_p = _on(dev, [q.top_p if q.top_p < 1.0 else 2.0 for q in p])[:, None]  # 1: off
-        x_sorted = x_sorted.masked_fill((before >= top_p) & (rank > 0), float("-inf"))
+        x_sorted = x_sorted.masked_fill((before >= kn.top_p) & (rank > 0), float("-inf"))
         probs = torch.empty_like(x).scatter_(1, order, x_sorted.softmax(dim=1))
-    if any(q.min_p > 0.0 for q in p):
-        min_p = _on(dev, [q.min_p for q in p])[:, None]
-        probs = probs.masked_fill(probs < min_p * probs.amax(dim=1, keepdim=True), 0.0)
+    if kn.min_p is not None:
+        probs = probs.masked_fill(probs < kn.min_p * probs.amax(dim=1, keepdim=True), 0.0)
         probs = probs / probs.sum(dim=1, keepdim=True)
     return probs
+
+
+def _target(x: torch.Tensor, kn: Knobs) -> torch.Tensor:
+    probs = _warp(x, kn)
+    one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(1, keepdim=True), 1.0)
+    return torch.where(kn.greedy[:, None], one_hot, probs)
 
 
 def target_probs(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
     """[R, V] the distribution each row draws from (greedy rows: one-hot at the argmax) after every processor;
     the sampler draws exactly from it (the statistical test compares against it)."""
     x = _penalize(logits.float(), rows)
-    probs = _warp(x, rows)
-    greedy = _on(x.device, [r.params.greedy for r in rows])
-    one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], one_hot, probs)
+    return _target(x, knobs(rows, x.device, x.shape[1]))
 
 
-def sample(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None) -> list[Sampled]:
-    """One next token per row of ``logits`` [R, V]; one host transfer at the end."""
-    return draw(logits, rows, generator).results()
+def fill_noise(noise: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) noise [R, V] into the sampled rows of ``noise``: a seeded row's from its own generator, the others'
+    from ``generator`` in one draw (greedy rows are left as they are)."""
+    dev, V = noise.device, noise.shape[1]
+    shared = [i for i, r in enumerate(rows) if r.generator is None and not r.params.greedy]
+    if shared:
+        noise[_on(dev, shared)] = torch.empty(len(shared), V, device=dev).exponential_(generator=generator)
+    for i, r in enumerate(rows):
+        if r.generator is not None and not r.params.greedy:
+            noise[i] = torch.empty(V, device=dev).exponential_(generator=r.generator)
+    return noise
+
+
+def _race(logits: torch.Tensor, x: torch.Tensor, kn: Knobs, noise: torch.Tensor):
+    """The exponential race over the rows' distributions (``x``: the processed fp32 logits) -> tokens, their logprobs
+    and the model's logprobs [R, V] (of the fp32 ``logits``); greedy rows ignore their noise."""
+    probs = _target(x, kn)
+    noise = noise.where(~kn.greedy[:, None], 1.0).clamp_(min=1e-30)  # a 0 draw would make 0 / 0 = NaN win argmax
+    tokens = (probs / noise).argmax(1)
+    logp = logits.log_softmax(dim=1)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0], logp
+
+
+def pick(logits: torch.Tensor, kn: Knobs, noise: torch.Tensor) -> Picked:
+    """A decode step's own draw of its rows (serve.graph_sampling: inside its graph, over static buffers): the
+    arithmetic of :func:`draw` for rows without penalties, min-p or logprobs, so the tokens are the same."""
+    x = logits.float()
+    return Picked(*_race(x, x, kn, noise)[:2])
+
+
+def sample(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None,
+           picked: Picked | None = None) -> list[Sampled]:
+    """One next token per row of ``logits`` [R, V]; one host transfer at the end (``picked``: :func:`draw`'s)."""
+    return draw(logits, rows, generator, picked).results()
 
 
 class Draw:
@@ -189,27 +292,19 @@ class Draw:
         return out
 
 
-def draw(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None) -> Draw:
-    """One next token per row of ``logits`` [R, V], left on the device (no host sync)."""
+def draw(logits: torch.Tensor, rows: list[RowSampling], generator: torch.Generator | None = None,
+         picked: Picked | None = None) -> Draw:
+    """One next token per row of ``logits`` [R, V], left on the device (no host sync). ``picked``: the tokens the
+    decode step drew for exactly these rows (a :class:`DrawPlan`'s), taken as they are."""
     asks = [r.params.logprobs for r in rows]
+    if picked is not None:
+        return Draw(*picked, None, asks)
     if all(r.params.greedy and n is None and not r.params.penalized for r, n in zip(rows, asks)):
-        # plain greedy (the common serving case): the argmax and its logprob in one pass, without the [R, V] draw;
-        # a decode step under serve.graph_sampling made this pass inside its graph already
-        return Draw(*_pick_of(logits), None, asks)
+        # plain greedy (the common serving case): the argmax and its logprob in one pass, without the [R, V] draw
+        return Draw(*greedy_pick(logits), None, asks)
     logits = logits.float()
     dev, R, V = logits.device, logits.shape[0], logits.shape[1]
-    probs = target_probs(logits, rows)
-    noise = torch.empty(R, V, device=dev)
-    shared = [i for i, r in enumerate(rows) if r.generator is None and not r.params.greedy]
-    if shared:
-        noise[_on(dev, shared)] = torch.empty(len(shared), V, device=dev).exponential_(generator=generator)
-    for i, r in enumerate(rows):
-        if r.generator is not None and not r.params.greedy:
-            noise[i] = torch.empty(V, device=dev).exponential_(generator=r.generator)
-    greedy = _on(dev, [r.params.greedy for r in rows])
-    noise = noise.where(~greedy[:, None], 1.0).clamp_(min=1e-30)  # a 0 draw would make 0 / 0 = NaN win argmax
-    tokens = (probs / noise).argmax(1)
-    logp = logits.log_softmax(dim=1)
-    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    noise = fill_noise(torch.empty(R, V, device=dev), rows, generator)
+    tokens, chosen, logp = _race(logits, _penalize(logits, rows), knobs(rows, dev, V), noise)
     k = max((n or 0) for n in asks)
     return Draw(tokens, chosen, logp.topk(k, dim=1) if k else None, asks)
