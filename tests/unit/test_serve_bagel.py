@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from titan_mm.config import Data
+from titan_mm.data.builtin.images import digits_records
 from titan_mm.data.schema import parse_record
 from titan_mm.data.sources import Unit
 from titan_mm.data.tokenizer import load_tokenizer
@@ -230,7 +231,9 @@ def test_the_spec_declares_the_kv_cache_path():
 def test_a_digits_run_served_over_http(tmp_path):
     """A one-step debug_bagel_digits run (the real Qwen3 tokenizer) served as a localhost process: a completion of
     BAGEL's prompt layout (token ids) is the offline engine's and the training forward's greedy answer; a chat with
-    an image part is a 400 naming the field. ~50 s on 2 shared cores (training, then the server's start)."""
+    an image part (a held-out digit) is the offline engine's answer to the same chat, which is the training
+    forward's on the run's own document of it (BagelDocs: its image sizes, the digits evaluator's chat). ~60 s on 2
+    shared cores (training, then the server's start)."""
     serve = pytest.importorskip("tests.serve.test_serve_server")
     assert train(["--config", "debug_bagel_digits", "--job.dump_folder", str(tmp_path), "--job.name", "run",
                   "--training.steps", "1", "--metrics.enable_tensorboard", "False"]) == 0
@@ -241,17 +244,32 @@ def test_a_digits_run_served_over_http(tmp_path):
     prompt = [tok.im_start_id, *text, tok.im_end_id, tok.im_start_id]
     want = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0]
     assert [want.token_ids] == _reference([text], offline.model, tok.im_start_id, tok.im_end_id, answer=4 + 1)
+    # a held-out digit as the evaluator asks it, through the chat path
+    rec = digits_records(test=True)[0]
+    png = rec["messages"][0]["content"][0]["image"]
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    question = rec["messages"][0]["content"][1]["text"]
+    ids, images = offline.chat_prompt([{"role": "user", "content": [{"type": "image_url", "image_url": url},
+                                                                    {"type": "text", "text": question}]}])
+    assert ids[0] == tok.image_pad_id and ids[1:] == [tok.im_start_id, *tok.encode(question.strip()), tok.im_end_id,
+                                                      tok.im_start_id]
+    chat = offline.generate([ids], SamplingParams(temperature=0.0, max_tokens=2), images=[images])[0].outputs[0]
+    rows = BagelDocs(offline.model.cfg, offline.data, tok, 0)
+    doc = rows(rec, digits.CHAT, "digits_test:0")
+    (ref,) = digits.greedy(offline.model, [doc], 3, tok.im_end_id)  # [bos digit eos]: up to 2 tokens
+    assert chat.token_ids == (ref[:-1] if ref[-1:] == [-1] else ref + [tok.im_end_id])
     server = serve.Server(run).wait_up()
     try:
         got = server.client.completions.create(model="tiny", prompt=[prompt], max_tokens=4, temperature=0)
         assert (got.choices[0].text, got.choices[0].finish_reason) == (want.text, want.finish_reason)
         assert got.usage.completion_tokens == len(want.token_ids)
-        buf = io.BytesIO()
-        Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(buf, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        got = server.client.chat.completions.create(model="tiny", max_tokens=2, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": question}]}])
+        assert (got.choices[0].message.content, got.choices[0].finish_reason) == (chat.text, chat.finish_reason)
         r = serve.httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
             "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
-                {"type": "text", "text": "What digit is this?"}, {"type": "image_url", "image_url": {"url": url}}]}]})
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]}]})
         assert r.status_code == 400 and "image" in r.json()["error"]["message"], r.text
         server.wait_idle()
     finally:
