@@ -5,12 +5,14 @@ channels, 2 res blocks each, 16 latent channels, 8x down) on the device, per ima
 trainer's loader can encode (issue 47 item 3), per image and per micro-batch:
 
 - ``worker``: the builder encodes each image as it builds the row (BagelDocs; a loader worker's cost, measured here
-  in the loader's own process, num_workers=0, on the CPU);
+  in the loader's own process, num_workers=0, on the CPU with ``cpu_threads`` threads; a DataLoader worker runs one
+  thread, so W workers on as many cores give a rank about W / cpu_threads of this rate, more where threads scale
+  badly);
 - ``device``: the workers leave the images in the batch and BagelEncoder encodes them in the trainer's process on
   ``--device`` (what the trainer does), images of one size in one call.
 
     OMP_NUM_THREADS=2 python bench/bagel_data.py --vae small                 # CPU: all sections, a small VAE
-    python bench/bagel_data.py --vae flux --device cuda --only flux paths --sides 256 512 \\
+    python bench/bagel_data.py --vae flux --device cuda --only flux paths --sides 256 512 --path-batches 3 \\
         --out bench/results/bagel_data_gpu.json                              # GPU: FLUX's size, random weights
 
 Sections (``--only``): ``digits``, ``flux`` (one image through FluxVAE.encode, FLUX's size whatever ``--vae``) and
