@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tests.parity.test_serve_generate import MAX_NEW, text_setup
+from tests.unit.test_serve_graph_sampling import drew
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.engine import Engine
 from titan_mm.serve.runner.sampler import Draw
@@ -40,19 +41,6 @@ def _engine(tm, spec, data, eos, **cfg) -> Engine:
                   device="cuda", eos_token_ids=eos, data=data)
 
 
-def _drawing(engine: Engine) -> list[bool]:
-    """Per step from now on: whether the runner's output carried the step's own tokens."""
-    drew, execute = [], engine.runner.execute
-
-    def counted(*a, **k):
-        out = execute(*a, **k)
-        drew.append(out.tokens is not None)
-        return out
-
-    engine.runner.execute = counted
-    return drew
-
-
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
 def test_graph_pick_tokens_equal_eager(moe, kind):
@@ -64,10 +52,10 @@ def test_graph_pick_tokens_equal_eager(moe, kind):
         engine = _engine(tm, spec, data, [eos], **cfg)
         assert engine.dtype == torch.bfloat16 and engine.runner.graphs == cfg.get("cuda_graphs", True)
         engine.core.generator.manual_seed(SEED)
-        drew = _drawing(engine)
+        steps = drew(engine)
         outs[name] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
         assert engine.stats()["kv_blocks_used"] == 0
-        assert any(drew) == (name != "unfused")  # the steps drew their rows themselves
+        assert any(steps) == (name != "unfused")  # the steps drew their rows themselves
     assert outs["graph_pick"] == outs["eager_pick"] == outs["unfused"]
 
 

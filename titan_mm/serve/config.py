@@ -34,10 +34,10 @@ class ServeConfig:
     """Decode steps replay a CUDA graph per padded batch size, all captured when the engine starts (CUDA, bf16,
     with paged_decode; elsewhere they run eagerly through the same static buffers)."""
     graph_sampling: bool = False
-    """A decode step (one-token rows, paged_decode) ends with the greedy pick of its logits inside its CUDA graph
-    (eagerly elsewhere), and a batch of plain greedy rows (no logprobs, penalties or beams) takes that pick instead
-    of launching the pick after the replay; other batches sample as before. Off by default until
-    tests/gpu/test_serve_graph_sampling_gpu.py has passed on a GPU."""
+    """A decode step (one-token rows, paged_decode) draws its rows itself, inside its CUDA graphs (eagerly
+    elsewhere): greedy rows and rows with temperature, top-k and top-p, seeded or not, with the tokens of the draw
+    after the step; a batch with a penalty, min-p, logprobs, a first-token fork or beams samples after the step as
+    before. Off by default until tests/gpu/test_serve_graph_sampling_gpu.py has passed on a GPU."""
     packed_prefill: bool = False
     """Prefill chunks of a step run as one packed row (each sequence's new tokens back to back; varlen attention
     on CUDA in bf16, a block-diagonal mask elsewhere) instead of rows padded to the longest chunk. Families with
