@@ -8,6 +8,9 @@ Order of the logits processing (HF's: penalties are logits processors, then the 
 A draw is ``argmax(p / E)`` with ``E ~ Exp(1)`` per token (the exponential race, exactly a draw from p). A request
 with a ``seed`` draws its noise from its own generator, so its output depends on its seed and its logits only,
 never on the batch around it. Logprobs are the model's (log-softmax of the raw logits), as vLLM reports them.
+
+With serve.graph_sampling a decode step can make the draw itself (:class:`DrawPlan`, :class:`StaticDraw`,
+:func:`pick`): rows with temperature, top-k and top-p only, through the same functions as :func:`draw`.
 """
 
 from __future__ import annotations
