@@ -153,14 +153,16 @@ def test_text_rows_equal_the_routed_forward():
     assert torch.equal(MODEL(ids).logits, routed)
 
 
-@pytest.mark.parametrize("cfg,shared", [({}, 0), ({"max_num_batched_tokens": 8, "max_num_seqs": 4}, 0),
-                                         ({"packed_prefill": True}, 0), ({"mixed_attention": True}, 0), ({}, 5)],
-                         ids=["batched", "chunked", "packed", "mixed", "prefix_cache"])
-def test_engine_greedy_with_images_equals_the_training_forward(cfg, shared):
+@pytest.mark.parametrize("cfg,shared,n", [({}, 0, 4), ({"max_num_batched_tokens": 8, "max_num_seqs": 4}, 0, 4),
+                                           ({"packed_prefill": True}, 0, 4), ({"mixed_attention": True}, 0, 4),
+                                           ({}, 5, 4), ({"num_blocks": 18}, 0, 8)],
+                         ids=["batched", "chunked", "packed", "mixed", "prefix_cache", "preemption"])
+def test_engine_greedy_with_images_equals_the_training_forward(cfg, shared, n):
     """Image + question chats: each image the ViT split training builds, on one position and bidirectional inside,
     in one chunk even under an 8-token budget (a 16 x 16 image is an 18-token split); packed and mixed steps with a
-    split take the dense mask; a repeated image with the same question head is a prefix-cache hit past the split."""
-    chats = _image_chats(4, shared)
+    split take the dense mask; a repeated image with the same question head is a prefix-cache hit past the split;
+    a request preempted for blocks is recomputed with its images."""
+    chats = _image_chats(n, shared)
     want = _reference_chats(chats)
     e = _engine(**cfg)
     prompts = [_chat_prompt(c) for c in chats]
@@ -172,6 +174,7 @@ def test_engine_greedy_with_images_equals_the_training_forward(cfg, shared):
     assert e.stats()["kv_blocks_used"] == 0
     if shared:  # 5 shared question tokens after the 6-token split: 3 whole blocks of 4
         assert [o.metrics.prefix_hit_tokens for o in outs] == [0, 12, 12, 12]
+    assert (e.scheduler.num_preemptions > 0) == ("num_blocks" in cfg)
 
 
 def test_an_image_becomes_the_split_the_vlm_chat_rows_build():
