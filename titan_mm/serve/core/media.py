@@ -2,8 +2,9 @@
 vision layout): each image pad of the prompt becomes one pad per merged visual token, each video pad the video's
 placeholder (one run of pads, or the layout's ``<t seconds><|vision_start|>pads<|vision_end|>`` frame groups), and
 the family's position builder (DataNeeds.doc_positions) builds the expanded prompt's positions as the data
-pipeline does. Audio clips (titan_mm.data.audio, the family's front end) are expanded first, one pad per audio-tower
-token (:func:`expand_audio`)."""
+pipeline does. A family of image splits (DataNeeds.splits: its encoder's tokens between two markers) turns each image
+pad into its split instead (:func:`expand_splits`). Audio clips (titan_mm.data.audio, the family's front end) are
+expanded first, one pad per audio-tower token (:func:`expand_audio`)."""
 
 from __future__ import annotations
 
