@@ -2,12 +2,14 @@
 item 3), fp32 on CPU: the deferred path's batches equal the worker-encoded ones bit for bit (every tensor, a mixed
 text-to-image / editing / VLM / digits source with bad rows, images of one size encoded together), so do their skip
 counts and an exact resume; a tiny random FLUX-architecture VAE, one image a call; the trainer takes the path;
-a bad encoder folder is one line, exit 2, before the build."""
+a bad encoder folder is one line, exit 2, before the build. The latent cache (python -m titan_mm.tools.cache,
+named by data.encoders) gives the codec's batches on either path; a bad cache is one line."""
 
 import dataclasses
 import json
 
 import pytest
+import torch
 
 from tests.unit.test_bagel_data import (
     RUN,
@@ -22,8 +24,15 @@ from tests.unit.test_bagel_data import (
 from tests.unit.test_bagel_generate import tiny_vae
 from titan_mm.config import load_config
 from titan_mm.launch.train import main
-from titan_mm.models.bagel.data import DEFERRED, BagelDocs, BagelEncoder
+from titan_mm.models.bagel.data import (
+    DEFERRED,
+    BagelDocs,
+    BagelEncoder,
+    write_latent_cache,
+)
+from titan_mm.models.bagel.vae import CachedCodec
 from titan_mm.registry import resolve_model
+from titan_mm.tools.cache import main as cache
 from titan_mm.train.setup import build_data, pick_device
 
 STEPS = 6
@@ -134,3 +143,56 @@ def test_bad_encoder_folder_is_one_line_before_the_build(tmp_path, capsys):
     with pytest.raises(ValueError, match="no config.json there") as e:  # the deferred builder checks the name too
         BagelDocs(pixel_cfg(), data(encoders=str(tmp_path / "empty")), TOK, 0, defer=True)
     assert "\n" not in str(e.value)
+
+
+# ---- the latent cache (python -m titan_mm.tools.cache; data.encoders names it) ----
+
+TOOL = ["--config", "debug_bagel_digits", "--model.overrides",
+        json.dumps({"llm_config": {"vocab_size": 151680}, "vae_config": {"z_channels": 3, "downsample": 2}})]
+
+
+def test_latent_cache_of_the_tool_gives_the_codec_batches(tmp_path, capsys):
+    """The tool's cache of a mixed source's images (the pixel codec's latents, pixel_cfg(3, 2) as the config's
+    model): named by data.encoders, both paths give the codec's batches bit for bit."""
+    mixture = mixed_sources(tmp_path)
+    idx = cache([*TOOL, "--data.mixture", json.dumps(mixture), "--data.image_max_pixels", "256",
+                 "--out", str(tmp_path / "cache"), "--rows-per-shard", "3"])
+    assert idx["images"] > 3 and len(idx["shards"]) > 1 and "latents in" in capsys.readouterr().out
+    cfg, d = pixel_cfg(3, 2), data(mixture=mixture, seq_len=96, image_max_pixels=256, prompt_dropout=0.3)
+    want = take(loader(d, cfg, n_micro=2), 8)
+    cached = dataclasses.replace(d, encoders=str(tmp_path / "cache"))
+    assert isinstance(BagelDocs(cfg, cached, TOK, 0).codec, CachedCodec)
+    assert_batches_equal(take(loader(cached, cfg, n_micro=2), 8), want)
+    assert_batches_equal(take(loader(cached, cfg, n_micro=2, encode_device="cpu"), 8), want)
+
+
+def test_vae_latent_cache_equals_the_vae(tmp_path):
+    """A tiny random FLUX-architecture VAE's cache (one image a call): the batches the VAE gives, bit for bit."""
+    cfg, d = vae_rows(tmp_path, [(8, 16), (16, 8), (16, 16), (8, 8)], edit=(0, 1))
+    idx = write_latent_cache(cfg, d, TOK, 0, str(tmp_path / "cache"), max_pixels=1)
+    assert idx["images"] == 4 and idx["skipped"] == {}
+    want = take(loader(d, cfg), 4)
+    assert_batches_equal(take(loader(dataclasses.replace(d, encoders=str(tmp_path / "cache")), cfg,
+                                     encode_device="cpu"), 4), want)
+
+
+def test_bad_latent_cache_is_one_line(tmp_path, capsys):
+    """Through the launcher (exit 2, before the build): a cache of another latent shape, of another format; an
+    image the cache lacks is one ValueError line; the tool refuses a folder that holds files."""
+    mixture = mixed_sources(tmp_path)
+    cache([*TOOL, "--data.mixture", json.dumps(mixture), "--data.image_max_pixels", "256",
+           "--out", str(tmp_path / "rgb")])
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "latents.json").write_text(json.dumps({"format": "titan_mm.bagel_latents/0"}))
+    for enc, msg in ((tmp_path / "rgb", "holds latents of 3 channels at 2x; the model's vae_config wants 1 at 2x"),
+                     (tmp_path / "old", "latents.json is format 'titan_mm.bagel_latents/0'")):
+        assert main([*RUN, "--job.dump_folder", str(tmp_path / "runs"), "--data.encoders", str(enc)]) == 2
+        assert msg in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "runs").exists()
+    codec = CachedCodec(str(tmp_path / "rgb"), pixel_cfg(3, 2))
+    with pytest.raises(ValueError, match="an image of 4x8 px is not in the latent cache") as e:
+        codec.encode(torch.zeros(1, 3, 4, 8))
+    assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit) as ex:
+        cache([*TOOL, "--out", str(tmp_path / "rgb")])
+    assert ex.value.code == 2 and "holds files already" in capsys.readouterr().err

@@ -210,15 +210,17 @@ def is_cache(path: str) -> bool:
     return os.path.isfile(os.path.join(path, INDEX))
 
 
-def read_index(folder: str) -> dict:
+def read_index(folder: str, name: str = INDEX, fmt: str = CACHE_FORMAT) -> dict:
+    """A cache folder's index ``name`` (python -m titan_mm.tools.cache's) of format ``fmt`` (a family's own cache
+    names its own; ValueError in one line otherwise)."""
     try:
-        with open(os.path.join(folder, INDEX)) as fh:
+        with open(os.path.join(folder, name)) as fh:
             idx = json.load(fh)
     except (OSError, ValueError) as e:
         raise ValueError(f"{folder}: no readable latent-cache index ({e}); build it with python -m "
                          "titan_mm.tools.cache") from None
-    if idx.get("format") != CACHE_FORMAT:
-        raise ValueError(f"{folder}/{INDEX} is format {idx.get('format')!r}, this titan_mm reads {CACHE_FORMAT!r}; "
+    if idx.get("format") != fmt:
+        raise ValueError(f"{folder}/{name} is format {idx.get('format')!r}, this titan_mm reads {fmt!r}; "
                          "rebuild the cache with python -m titan_mm.tools.cache")
     return idx
 

@@ -123,6 +123,10 @@ class DocLayout:
     """encoder(data, device) -> encode(batch) -> batch: the family's frozen encoder, built once in the trainer's
     process on ``device``, which fills a deferred batch's placeholders from the inputs the docs carried (the same
     batch the builder's own encoding gives); None: the builder always encodes."""
+    cache: Callable[..., dict] | None = None
+    """cache(data, tokenizer, seed, out, device, rows_per_shard) -> index: the encoder's outputs for every record of
+    ``data``'s sources written once to the folder ``out`` (``python -m titan_mm.tools.cache``), which ``data``'s
+    settings then name in its place; None: nothing to cache."""
 
 
 # ------------------------------------------------------------------------------------------ positions

@@ -49,15 +49,28 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from safetensors.torch import save_file
 
+from titan_mm.data.loader import resolve_sources
 from titan_mm.data.packing import BestFitPacker, Doc, collate_rows
 from titan_mm.data.schema import parse_record
-from titan_mm.data.sources import SkipSample, Unit, hash_ints, media_bytes
+from titan_mm.data.sources import READERS, SkipSample, Unit, hash_ints, list_units, media_bytes
 from titan_mm.models.bagel.config import BagelConfig
 from titan_mm.models.bagel.model import patchify
 from titan_mm.models.bagel.spec import SCHEMA, VAE
 from titan_mm.models.bagel.synthetic import DEBUG_IMAGE_PAD, DEBUG_SPECIALS, Specials, _Sample
-from titan_mm.models.bagel.vae import PIXELS, FluxVAE, PixelCodec, load_codec, vae_source
+from titan_mm.models.bagel.vae import (
+    CACHE_FORMAT,
+    CACHE_INDEX,
+    PIXELS,
+    CachedCodec,
+    FluxVAE,
+    PixelCodec,
+    check_codec,
+    image_key,
+    is_latent_cache,
+    load_codec,
+)
 from titan_mm.nn.media import Bound, DocLayout
 from titan_mm.registry import DataNeeds, ImageSplit, SplitLayout
 
@@ -255,13 +268,11 @@ class BagelDocs:
                 raise ValueError(f"data.{name} = {p}: a dropout probability (BAGEL's *_cond_dropout_prob) must be in "
                                  "[0, 1)")
         self.cfg, self.data, self.tok, self.seed = cfg, data, tokenizer, seed
-        self.codec: FluxVAE | PixelCodec | None = None
+        self.codec: FluxVAE | PixelCodec | CachedCodec | None = None
         if not defer:
             self.codec = load_codec(data.encoders, cfg)
-        elif data.encoders == PIXELS:
-            PixelCodec(cfg)  # its checks of vae_config
         else:
-            vae_source(data.encoders)  # a folder or file that names a VAE; BagelEncoder loads and checks it
+            check_codec(data.encoders, cfg)  # BagelEncoder loads it
         self.specials = specials_for(tokenizer, cfg)
         p, s = cfg.vit_config.patch_size, codec_stride(cfg)
         self.vit_fit = vit_fit(cfg)
@@ -445,26 +456,88 @@ class BagelEncoder:
 
     def __init__(self, cfg: BagelConfig, data, device: str | torch.device = "cpu", max_pixels: int = ENCODE_PIXELS):
         self.cfg, self.max_pixels = cfg, max_pixels
-        self.codec: FluxVAE | PixelCodec = load_codec(data.encoders, cfg, device)
+        self.codec: FluxVAE | PixelCodec | CachedCodec = load_codec(data.encoders, cfg, device)
 
     def __call__(self, batch: dict) -> dict:
         if DEFERRED[0] not in batch:
             return batch
-        pixels, sizes = batch.pop(DEFERRED[0]), batch.pop(DEFERRED[1]).tolist()
-        ends = np.cumsum([h * w * 3 for h, w in sizes]).tolist()
-        images = [pixels[e - h * w * 3 : e].reshape(h, w, 3) for (h, w), e in zip(sizes, ends)]
+        lp = self.cfg.latent_patch_size
+        return _place(batch, [patchify(z, lp) for z in self.encode(carried(batch.pop(DEFERRED[0]),
+                                                                          batch.pop(DEFERRED[1])))])
+
+    def encode(self, images: list[np.ndarray]) -> list[torch.Tensor]:
+        """Latents [z, h, w] of uint8 RGB images [H, W, 3], those of one size together (``max_pixels`` a call)."""
         by_size: dict[tuple, list[int]] = {}
-        for i, hw in enumerate(sizes):
-            by_size.setdefault(tuple(hw), []).append(i)
-        lp, patches = self.cfg.latent_patch_size, [None] * len(images)
-        for (h, w), idx in by_size.items():
+        for i, im in enumerate(images):
+            by_size.setdefault(im.shape, []).append(i)
+        out: list = [None] * len(images)
+        for (h, w, _), idx in by_size.items():
             per = max(1, self.max_pixels // (h * w))
             for a in range(0, len(idx), per):
                 part = idx[a : a + per]
-                z = self.codec.encode(torch.stack([_unit_range(images[i].numpy()) for i in part]))
+                z = self.codec.encode(torch.stack([_unit_range(images[i]) for i in part]))
                 for i, zi in zip(part, z):
-                    patches[i] = patchify(zi, lp)
-        return _place(batch, patches)
+                    out[i] = zi
+        return out
+
+
+def carried(pixels, sizes) -> list[np.ndarray]:
+    """The uint8 RGB images [H, W, 3] a deferred batch or doc carries (:data:`DEFERRED`: flat pixels, (H, W) each)."""
+    pixels, sizes = np.asarray(pixels), np.asarray(sizes).reshape(-1, 2).tolist()
+    ends = np.cumsum([h * w * 3 for h, w in sizes]).tolist()
+    return [pixels[e - h * w * 3 : e].reshape(h, w, 3) for (h, w), e in zip(sizes, ends)]
+
+
+def write_latent_cache(cfg: BagelConfig, data, tokenizer, seed: int, out: str, device: str | torch.device = "cpu",
+                       rows_per_shard: int = 256, max_pixels: int = ENCODE_PIXELS) -> dict:
+    """DocLayout.cache: every VAE image of data.dataset / data.mixture's records, sized as the rows size them (epochs
+    0 and 1, as the digits change ways by epoch; no dropout), encoded once by the codec of ``data.encoders`` on
+    ``device`` and written to ``out`` (safetensors shards of ``rows_per_shard`` latents keyed by
+    :func:`~titan_mm.models.bagel.vae.image_key`, then the index); ``data.encoders = out`` then reads them
+    (CachedCodec). Records that make no sample are counted by reason. Returns the index."""
+    if is_latent_cache(data.encoders):
+        raise ValueError(f"data.encoders {data.encoders!r} is a latent cache already; give the VAE (or \"pixels\")")
+    undropped = dataclasses.replace(data, prompt_dropout=0.0, vit_cond_dropout=0.0, vae_cond_dropout=0.0)
+    docs, enc = BagelDocs(cfg, undropped, tokenizer, seed, defer=True), BagelEncoder(cfg, data, device, max_pixels)
+    os.makedirs(out, exist_ok=True)
+    seen: set[str] = set()
+    pending: dict[str, np.ndarray] = {}  # the next shard's images, encoded and written when it is full
+    shards: dict[str, list[str]] = {}
+    skipped: dict[str, int] = {}
+
+    def write_shard() -> None:
+        name = f"latents-{len(shards):05d}.safetensors"
+        save_file(dict(zip(pending, enc.encode(list(pending.values())))), os.path.join(out, name))
+        shards[name] = list(pending)
+        pending.clear()
+
+    for spec, _ in resolve_sources(data.dataset, data.mixture):
+        for unit in list_units(spec):
+            for _, rid, _, rec in READERS[unit.fmt](unit, 0, None):
+                for epoch in (0, 1):
+                    try:
+                        d = docs(rec, unit, f"{unit.source}/{unit.uid}:{rid}", epoch)
+                    except SkipSample as e:
+                        skipped[e.reason] = skipped.get(e.reason, 0) + (epoch == 0)
+                        continue
+                    if DEFERRED[0] not in d.media:  # a chat: no VAE split
+                        continue
+                    for im in carried(np.concatenate(d.media[DEFERRED[0]]), np.concatenate(d.media[DEFERRED[1]])):
+                        key = image_key(_unit_range(im))
+                        if key not in seen:
+                            seen.add(key)
+                            pending[key] = im
+                            if len(pending) == rows_per_shard:
+                                write_shard()
+    if pending:
+        write_shard()
+    idx = {"format": CACHE_FORMAT, "z_channels": cfg.vae_config.z_channels, "downsample": cfg.vae_config.downsample,
+           "encoders": data.encoders if data.encoders == PIXELS else os.path.abspath(data.encoders),
+           "images": len(seen), "shards": shards, "skipped": skipped}
+    with open(os.path.join(out, CACHE_INDEX + ".tmp"), "w") as fh:
+        json.dump(idx, fh)
+    os.replace(os.path.join(out, CACHE_INDEX + ".tmp"), os.path.join(out, CACHE_INDEX))  # written last: complete
+    return idx
 
 
 def _place(batch: dict, patches: list[torch.Tensor]) -> dict:
@@ -515,6 +588,7 @@ def data_needs(cfg: BagelConfig) -> DataNeeds:
     """1-D positions, ChatML; the documents built by :class:`BagelDocs` (a record's splits), collated by
     :func:`collate`; served images as ViT splits (:func:`image_split`, :func:`image_pad`, :func:`chat_prompt`)."""
     return DataNeeds(positions="1d", video=False, chat_template="chatml",
-                     docs=DocLayout(builder=Bound(BagelDocs, cfg), collate=collate, encoder=Bound(BagelEncoder, cfg)),
+                     docs=DocLayout(builder=Bound(BagelDocs, cfg), collate=collate, encoder=Bound(BagelEncoder, cfg),
+                                    cache=Bound(write_latent_cache, cfg)),
                      splits=SplitLayout(image=Bound(image_split, cfg), pad=Bound(image_pad, cfg),
                                         chat=Bound(chat_prompt, cfg)))

@@ -9,17 +9,22 @@ that the data pipeline's latents are a function of the image alone (exact resume
 the reference's. The weights come from a diffusers folder or from BFL's original ``ae.safetensors`` (:func:`load_ae`).
 
 ``PixelCodec`` stands in the VAE's place where no trained autoencoder exists (the digits debug task: a random VAE
-gives no usable latent space): the latents are the pixels themselves, average-pooled. ``load_codec`` picks either by
-name: ``"pixels"`` or a VAE (:func:`load_vae`; ``data.encoders`` in a training config).
+gives no usable latent space): the latents are the pixels themselves, average-pooled. ``CachedCodec`` reads the
+latents a codec wrote once (a latent cache: ``python -m titan_mm.tools.cache``), found by the image's own bytes.
+``load_codec`` picks one by name: ``"pixels"``, a latent cache folder, or a VAE (:func:`load_vae`; ``data.encoders``
+in a training config).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
+from titan_mm.data.clips import read_index
 from titan_mm.models.bagel.config import BagelConfig
 from titan_mm.models.hf_io import component_dir
 
@@ -94,6 +99,53 @@ class PixelCodec:
         return (x * 0.5 + 0.5).clamp(0, 1).expand(-1, 3, -1, -1).contiguous()
 
 
+CACHE_FORMAT = "titan_mm.bagel_latents/1"
+CACHE_INDEX = "latents.json"
+"""A latent cache's index: the format, the latent shape (z_channels, downsample), the codec that wrote it, and per
+shard file the image keys it holds (:func:`image_key`)."""
+
+
+def image_key(image_CHW: torch.Tensor) -> str:
+    """A latent cache's key of an image in [-1, 1]: its shape and the SHA-1 of its fp32 bytes."""
+    x = image_CHW.detach().float().cpu().contiguous()
+    return "x".join(map(str, x.shape)) + "-" + hashlib.sha1(x.numpy().tobytes()).hexdigest()
+
+
+def is_latent_cache(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CACHE_INDEX))
+
+
+class CachedCodec:
+    """The latents of a latent cache folder in a codec's place (its ``encode``; no ``decode``): each image's latent
+    read by :func:`image_key`; the cache's latent shape is checked against the model's ``vae_config`` (one line)."""
+
+    def __init__(self, folder: str, cfg: BagelConfig, device: str | torch.device = "cpu"):
+        idx, want = read_index(folder, CACHE_INDEX, CACHE_FORMAT), cfg.vae_config
+        if (idx.get("z_channels"), idx.get("downsample")) != (want.z_channels, want.downsample):
+            raise ValueError(f"latent cache {folder} holds latents of {idx.get('z_channels')} channels at "
+                             f"{idx.get('downsample')}x; the model's vae_config wants {want.z_channels} at "
+                             f"{want.downsample}x: cache with the model's VAE")
+        self.folder, self.device = folder, torch.device(device)
+        self.where = {k: name for name, keys in idx["shards"].items() for k in keys}
+        self.stride = want.downsample * cfg.latent_patch_size
+        """Pixels per latent patch along a side: an image's sides must be multiples of it."""
+        self._open: dict[str, object] = {}
+
+    def encode(self, images_BCHW: torch.Tensor) -> torch.Tensor:
+        """Latents [B, z, H / down, W / down] fp32 of the images, as the cache's codec encoded them."""
+        out = []
+        for x in images_BCHW:
+            k = image_key(x)
+            if k not in self.where:
+                raise ValueError(f"an image of {x.shape[1]}x{x.shape[2]} px is not in the latent cache {self.folder}; "
+                                 "the data or its sizes changed since: rebuild it with python -m titan_mm.tools.cache")
+            name = self.where[k]
+            if name not in self._open:
+                self._open[name] = safe_open(os.path.join(self.folder, name), framework="pt")
+            out.append(self._open[name].get_tensor(k))
+        return torch.stack(out)
+
+
 AE_FILE = "ae.safetensors"
 """BFL's original autoencoder file (FLUX.1's; BAGEL-7B-MoT's release holds one), in BFL's key layout."""
 
@@ -159,6 +211,19 @@ def load_vae(path: str | os.PathLike, cfg: BagelConfig, device: str | torch.devi
     return FluxVAE(AutoencoderKL.from_pretrained(src, torch_dtype=torch.float32), cfg, device)
 
 
-def load_codec(name: str, cfg: BagelConfig, device: str | torch.device = "cpu") -> FluxVAE | PixelCodec:
-    """The image codec ``name`` selects: ``"pixels"`` (PixelCodec), else the VAE :func:`load_vae` reads (FluxVAE)."""
-    return PixelCodec(cfg, device) if name == PIXELS else load_vae(name, cfg, device)
+def check_codec(name: str, cfg: BagelConfig) -> None:
+    """:func:`load_codec`'s checks of ``name`` without loading a VAE (one ValueError line)."""
+    if name == PIXELS:
+        PixelCodec(cfg)
+    elif is_latent_cache(name):
+        CachedCodec(name, cfg)
+    else:
+        vae_source(name)
+
+
+def load_codec(name: str, cfg: BagelConfig, device: str | torch.device = "cpu") -> FluxVAE | PixelCodec | CachedCodec:
+    """The image codec ``name`` selects: ``"pixels"`` (PixelCodec), a latent cache folder (CachedCodec), else the VAE
+    :func:`load_vae` reads (FluxVAE)."""
+    if name == PIXELS:
+        return PixelCodec(cfg, device)
+    return CachedCodec(name, cfg, device) if is_latent_cache(name) else load_vae(name, cfg, device)
