@@ -9,7 +9,9 @@ trainer's loader can encode (issue 47 item 3), per image and per micro-batch:
   thread, so W workers on as many cores give a rank about W / cpu_threads of this rate, more where threads scale
   badly);
 - ``device``: the workers leave the images in the batch and BagelEncoder encodes them in the trainer's process on
-  ``--device`` (what the trainer does), images of one size in one call.
+  ``--device`` (what the trainer does), images of one size in one call;
+- ``cache``: the latents written once by the cache tool's writer (on ``--device``; its seconds per image too), read
+  in the trainer's process (data.encoders names the cache).
 
     OMP_NUM_THREADS=2 python bench/bagel_data.py --vae small                 # CPU: all sections, a small VAE
     python bench/bagel_data.py --vae flux --device cuda --only flux paths --sides 256 512 --path-batches 3 \\
@@ -23,6 +25,7 @@ the CPU always, where a loader worker runs). The output JSON keeps the sections 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -40,8 +43,9 @@ from PIL import Image
 
 from titan_mm.config import Data, load_config
 from titan_mm.data.loader import build_dataloader
+from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.models.bagel.config import FLAVORS
-from titan_mm.models.bagel.data import data_needs
+from titan_mm.models.bagel.data import data_needs, write_latent_cache
 from titan_mm.models.bagel.vae import FLUX_AE, FluxVAE
 from titan_mm.registry import resolve_model
 
@@ -98,14 +102,21 @@ def t2i_rows(folder: str, side: int, n: int) -> str:
 
 
 def path_times(vae_dir: str, rows: str, side: int, per_batch: int, batches: int, device: str) -> dict:
-    """Seconds per micro-batch of ``per_batch`` images, and per image, of the two loaders after their first batch,
-    taken in turns (worker, device, worker, ...) so that both see the same load on a shared machine: the median and
-    the least of ``batches`` each; encode_s: the device encoder's share of its batch."""
+    """Seconds per micro-batch of ``per_batch`` images, and per image, of the three loaders after their first batch,
+    taken in turns (worker, device, cache, worker, ...) so that all see the same load on a shared machine: the
+    median and the least of ``batches`` each; encode_s: the device encoder's (or cache reader's) share of its batch;
+    and the cache tool's seconds per image (write_latent_cache on ``device``)."""
     tokens = (side // 16) ** 2 + 2 + 8  # latent patches + vs / ve + the caption's at most 8 tokens (bos, eos included)
     d = Data(dataset=rows, encoders=vae_dir, image_min_pixels=0, image_max_pixels=side * side, shuffle_buffer=0,
              seq_len=tokens * per_batch, micro_batch_size=1, num_workers=0, open_rows=1)  # a row closes when full
+    cache = os.path.join(os.path.dirname(rows), f"cache{side}")
+    t0 = time.perf_counter()
+    idx = write_latent_cache(CFG, d, load_tokenizer(), 0, cache, device)
+    write_s = (time.perf_counter() - t0) / idx["images"]
+    cached = dataclasses.replace(d, encoders=cache)
     loaders = {"worker_cpu": build_dataloader(d, needs=data_needs(CFG), seed=0),
-               f"device_{device}": build_dataloader(d, needs=data_needs(CFG), seed=0, encode_device=device)}
+               f"device_{device}": build_dataloader(d, needs=data_needs(CFG), seed=0, encode_device=device),
+               "cache": build_dataloader(cached, needs=data_needs(CFG), seed=0, encode_device=device)}
     its = {k: iter(ld) for k, ld in loaders.items()}
     for it in its.values():
         next(it)
@@ -119,10 +130,11 @@ def path_times(vae_dir: str, rows: str, side: int, per_batch: int, batches: int,
             times[k].append(time.perf_counter() - t0)
             enc[k].append(loaders[k].metrics()["encode_s"])
             images[k] += int(b["latent_mask"].sum()) // (side // 16) ** 2
-    return {k: {"batches": batches, "images_per_batch": images[k] / batches,
-                "s_per_batch_median": float(np.median(t)), "s_per_batch_min": min(t),
-                "s_per_image_median": float(np.median(t)) * batches / images[k],
-                "encode_s_per_batch_median": float(np.median(enc[k]))} for k, t in times.items()}
+    return {"cache_tool_s_per_image": write_s,
+            **{k: {"batches": batches, "images_per_batch": images[k] / batches,
+                   "s_per_batch_median": float(np.median(t)), "s_per_batch_min": min(t),
+                   "s_per_image_median": float(np.median(t)) * batches / images[k],
+                   "encode_s_per_batch_median": float(np.median(enc[k]))} for k, t in times.items()}}
 
 
 def paths(vae: str, sides: list[int], device: str, per_batch: int, batches: int) -> dict:

@@ -507,7 +507,8 @@ def write_latent_cache(cfg: BagelConfig, data, tokenizer, seed: int, out: str, d
 
     def write_shard() -> None:
         name = f"latents-{len(shards):05d}.safetensors"
-        save_file(dict(zip(pending, enc.encode(list(pending.values())))), os.path.join(out, name))
+        latents = [z.contiguous().clone() for z in enc.encode(list(pending.values()))]  # own storage each
+        save_file(dict(zip(pending, latents)), os.path.join(out, name))
         shards[name] = list(pending)
         pending.clear()
 
