@@ -406,8 +406,8 @@ class ModelRunner:
                           varlen=self.packed and self.varlen and spans is None,
                           paged_attention=paged_attention if self.mixed and spans is None else None, spans=spans)
         ids = torch.from_numpy(ids)
-        own = self.axes > 1 or any(r.req.positions is not None for r in rows)
-        positions = self._request_positions(rows, at, B, S) if own else cache.step.positions
+        # a draft model of one axis counts its tokens, whatever positions the target's prompt carries
+        positions = self._request_positions(rows, at, B, S) if self.own_positions else cache.step.positions
         extra = self._media(rows, ids, at) if self.spec.prepare_batch is not None else {}
         meta = build_attn_meta({"input_ids": ids}, self.backend, self.device, sliding_window=self.window,
                                kv_cache=cache)
