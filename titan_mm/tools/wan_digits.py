@@ -3,7 +3,7 @@ task"): clips sampled through the training forward for held-out (digit, directio
 digit classifier reads the prompt's digit in its frames and the intensity centroids move in the prompt's direction.
 
     OMP_NUM_THREADS=1 python -m titan_mm.launch.train --config debug_wan_digits.toml
-    python -m titan_mm.tools.wan_digits --model outputs/debug_wan_digits [--prompts 40] [--steps 20] [--shift 1] \\
+    python -m titan_mm.tools.wan_digits --model outputs/debug_wan_digits [--prompts 40] [--steps 20] [--shift 3] \\
         [--guidance-scale 6] [--gif clips.gif] [--out scores.json]
 
 ``--model``: the run (its newest checkpoint), a checkpoint or step folder, or an exported folder of the digits
@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="run / checkpoint folder of the digits flavor")
     ap.add_argument("--prompts", type=int, default=40, help="held-out prompts (1 to 360)")
     ap.add_argument("--steps", type=int, default=20, help="Euler steps")
-    ap.add_argument("--shift", type=float, default=1.0, help="timestep shift of the sigmas")
+    ap.add_argument("--shift", type=float, default=3.0,
+                    help="timestep shift of the sigmas (3: debug_wan_digits.toml's objective.flow_shift)")
     ap.add_argument("--guidance-scale", type=float, default=6.0, help="classifier-free guidance; <= 1: off")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial noise")
     ap.add_argument("--gif", default=None, help="write 8 clips (digits 0-7, the directions in turn) side by side to this GIF")
