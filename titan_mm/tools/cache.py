@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         cfg = load_config((["--config", args.config] if args.config else []) + rest)
         spec, model_cfg = model_from_config(cfg, torch.device("cpu"))
-        docs, clips = spec.data_needs(model_cfg).docs, spec.data_needs(model_cfg).clips
+        needs = spec.data_needs(model_cfg)
+        docs, clips = needs.docs, needs.clips
+        if args.rows_per_shard < 1:
+            raise ConfigError(f"--rows-per-shard must be >= 1, got {args.rows_per_shard}")
         if docs is not None and docs.cache is not None:
             return _docs_cache(ap, args, cfg, docs)
         if clips is None:
@@ -58,8 +61,6 @@ def main(argv: list[str] | None = None) -> dict:
                               "there is nothing to cache")
         if uses_cache(cfg.data):
             raise ConfigError(f"data.dataset {cfg.data.dataset!r} is a latent cache already; give the raw rows")
-        if args.rows_per_shard < 1:
-            raise ConfigError(f"--rows-per-shard must be >= 1, got {args.rows_per_shard}")
         if is_cache(args.out):
             raise ConfigError(f"--out {args.out!r} holds a latent cache already; give another folder or delete it")
         enc = clips.encoders(cfg.data.encoders, device=args.device)
@@ -84,8 +85,6 @@ def main(argv: list[str] | None = None) -> dict:
 def _docs_cache(ap: argparse.ArgumentParser, args, cfg, docs) -> dict:
     """The encoder outputs of a family building its own documents (DocLayout.cache), written to --out."""
     try:
-        if args.rows_per_shard < 1:
-            raise ConfigError(f"--rows-per-shard must be >= 1, got {args.rows_per_shard}")
         if os.path.isdir(args.out) and os.listdir(args.out):
             raise ConfigError(f"--out {args.out!r} holds files already; give a new or empty folder")
         hf_dir = local_hf_dir(cfg.model.hf_path) if cfg.model.hf_path else None
