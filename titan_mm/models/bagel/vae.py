@@ -23,6 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from titan_mm.data.clips import read_index
 from titan_mm.models.bagel.config import BagelConfig
@@ -178,10 +179,9 @@ def load_ae(path: str | os.PathLike, cfg: BagelConfig, device: str | torch.devic
     """BFL's ``ae.safetensors`` in the AutoencoderKL of ``config`` (default :data:`FLUX_AE`), through diffusers'
     own single-file converter (``convert_ldm_vae_checkpoint``, what ``AutoencoderKL.from_single_file`` runs; no
     download); every tensor checked by name and shape first (one ValueError line)."""
-    # diffusers and safetensors' torch loader: optional (the diffusers extra), only images need them
+    # diffusers is an optional dependency (the diffusers extra): only encoding and decoding images need it
     from diffusers import AutoencoderKL
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-    from safetensors.torch import load_file
 
     config = FLUX_AE if config is None else config
     vae = AutoencoderKL(**config)
