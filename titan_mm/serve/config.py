@@ -124,7 +124,7 @@ class ServeConfig:
             raise ConfigError(f"serve.preemptible_priority must be in 0 .. priority_levels={self.priority_levels}, "
                               f"got {self.preemptible_priority}")
         if self.graph_sampling and not self.paged_decode:
-            raise ConfigError("serve.graph_sampling picks inside the decode steps, which need serve.paged_decode; "
+            raise ConfigError("serve.graph_sampling draws inside the decode steps, which need serve.paged_decode; "
                               "turn paged_decode on or graph_sampling off")
         if self.speculative_method not in ("", "ngram", "draft"):
             raise ConfigError(f"serve.speculative_method must be '', 'ngram' or 'draft', got {self.speculative_method!r}")

@@ -1,8 +1,9 @@
-"""How a step's logits become tokens: one handler per decoding kind, behind one interface (``advance``).
+"""How a step's output (its logits, or the tokens it drew itself) becomes tokens: one handler per decoding kind,
+behind one interface (``advance``).
 
   * :class:`Sampling`: greedy and sampled rows (the n / best_of fork at the first token), and the asynchronous
     steps (serve.async_scheduling: ``launch`` draws on the device, ``pend`` marks the tokens in flight,
-    ``resolve`` reads them back a step later).
+    ``resolve`` reads them back a step later); ``plan`` hands a decode step its draw (serve.graph_sampling).
   * :class:`BeamSearch`: a beam waits for its siblings' logprobs, then titan_mm.serve.core.beam advances them all.
   * :class:`Speculative`: guesses before the forward (``lookahead``, ``propose``), rejection sampling after.
 

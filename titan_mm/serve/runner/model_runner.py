@@ -214,10 +214,10 @@ class ModelRunner:
 
     def execute(self, rows: list[Row], copies: list[tuple[int, int]], per_row: int = 1, fed: Fed | None = None,
                 plan: DrawPlan | None = None) -> Executed:
-        """Forward the rows; -> logits [len(rows), V] at each row's last new token, or with ``per_row`` > 1
-        [len(rows), per_row, V] at its token before the guesses and after each guess (the last one repeated).
-        ``fed``: where the rows' PENDING tokens are on the device. ``plan``: the draw of exactly these rows, which a
-        decode step of all of them makes itself (serve.graph_sampling; its tokens in the result)."""
+        """Forward the rows; -> :class:`Executed`: logits [len(rows), V] at each row's last new token, or with
+        ``per_row`` > 1 [len(rows), per_row, V] at its token before the guesses and after each guess (the last one
+        repeated). ``fed``: where the rows' PENDING tokens are on the device. ``plan``: the draw of exactly these
+        rows, which a decode step of all of them makes itself (serve.graph_sampling; its tokens in the result)."""
         self.copy_blocks(copies)
         one = [] if per_row > 1 or self.decode_attention is None else \
             [i for i, r in enumerate(rows) if r.n == 1 and len(r.seq.table.blocks) <= self.max_table
