@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from titan_mm.launch.train import exit_worker  # noqa: E402
 from titan_mm.models.wan import spec as wan_spec  # noqa: E402
 from titan_mm.models.wan.config import FLAVORS, WanConfig  # noqa: E402
 from titan_mm.models.wan.data import latent_batch  # noqa: E402
@@ -172,6 +173,7 @@ def _worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
         Path(out_dir, f"{mode}_{world}.json").write_text(json.dumps(
             {"payload_per_rank": [int(x) for x in every], "loss_sum": float(loss)}))
     dist.destroy_process_group()
+    exit_worker()  # gloo's native threads can abort the interpreter's finalization (SIGABRT, seen under load)
 
 
 def counted(worlds: list[int], out_dir: Path) -> list[dict]:
