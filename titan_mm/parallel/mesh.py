@@ -71,10 +71,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     store = None
     if "RANK" not in os.environ:
         # the store binds the port itself (0: any free one), so no other process can take it between a probe and
-        # the bind (a probed port was taken so once on the H100)
+        # the bind (a probed port was taken so once on the H100). The environment stays as it was: a child process
+        # (a run launched from this one) would inherit RANK and this store's port and fail to bind it (EADDRINUSE)
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(store.port))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if store is None:
