@@ -33,6 +33,7 @@ import importlib.util
 import json
 import operator
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -77,7 +78,7 @@ def job_args(a, out: Path, hf: Path | None = None) -> list[str]:
     if not a.cpu:  # bf16 compute over fp32 master weights, as TRL's bf16 autocast (and fp32 flex at head dim 128
         # finds no kernel config on torch 2.11: the H200 run of 2026-12-06 stopped there)
         args += ["--training.param_dtype", "bfloat16"]
-    return args + (["--model.hf_path", str(hf)] if hf else [])
+    return args + shlex.split(a.titan_args) + (["--model.hf_path", str(hf)] if hf else [])
 
 
 def write_init(a, out: Path) -> Path:
@@ -205,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--dir", default="/tmp/bench_rl", help="scratch folder (the HF init, both runs)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for the titan side's run")
+    ap.add_argument("--titan-args", default="", help="more config overrides for the titan side, e.g. "
+                    "'--model.attn_backend sdpa --compile.enable True'")
     ap.add_argument("--out", default=str(ROOT / "bench/results/rl.json"))
     a = ap.parse_args(argv)
     shape = SHAPES["cpu" if a.cpu else "gpu"]
@@ -228,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     hf = write_init(a, out)
     res = {"device": device_name(), "torch": torch.__version__, "model": "tiny" if a.tiny else a.flavor,
            "shape": {k: getattr(a, k) for k in ("prompts", "group", "max_tokens", "micro", "steps", "warmup", "lr")},
+           "titan_args": a.titan_args,
            "sides": {}}
     for side in sides:
         if side == "trl" and importlib.util.find_spec("trl") is None:

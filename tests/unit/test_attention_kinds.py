@@ -396,6 +396,33 @@ def test_flex_below_16_head_dims_on_cuda(head_dim):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [96, 112, 128])
+def test_flex_grouped_heads_below_its_block_on_cuda(seq):
+    """Inductor's flex kernel found no config for grouped heads below 128 tokens (torch 2.11, H100: bench/rl.py's
+    96-token rows of Qwen3-1.7B, 16 query / 8 kv heads, head dim 128, bf16): the attention runs there too, and its
+    output and gradients are the fp32 reference's within bf16's rounding (4 units of 2^-8 of each tensor's size)."""
+    Hq, Gk, D = 16, 8, 128
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    meta = build_attn_meta({"input_ids": ids}, "flex", "cuda", kind="causal")
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, seq, n, D, generator=g).cuda().bfloat16().requires_grad_() for n in (Hq, Gk, Gk))
+    w = torch.randn(2, seq, Hq, D, generator=g).cuda()
+    got = run_and_grads(lambda *t: attention(*t, meta, None).float(), q, k, v, w)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril()
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+
+    def ref(a, b, c):
+        bb, cc = (t.repeat_interleave(Hq // Gk, dim=2) for t in (b, c))
+        s = torch.einsum("bqhd,bkhd->bhqk", a, bb) / math.sqrt(D)
+        return torch.einsum("bhqk,bkhd->bqhd", s.masked_fill(~causal, float("-inf")).softmax(-1), cc)
+
+    want = run_and_grads(ref, q32, k32, v32, w)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        tol = 4 * 2.0 ** -8 * b.abs().max().item()
+        torch.testing.assert_close(a.float(), b, atol=tol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _diffusion_rows(lens_per_row, S_, block):
     """Packed rows (the rest of each row is padding, one more document) and their mask written out per document:
     bidirectional (block None) or block-causal with blocks of ``block`` from each document's first token."""

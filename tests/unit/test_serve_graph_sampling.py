@@ -103,6 +103,29 @@ def test_a_row_the_graph_cannot_draw_keeps_the_old_path(odd, monkeypatch):
     assert len(full) == 7 and steps and not any(steps)
 
 
+def test_rows_asking_their_own_logprob_draw_in_the_step():
+    """RL's rollouts (n seeded completions a prompt, each token's own logprob: logprobs=0): the decode steps draw
+    them, with the unfused engine's tokens and each token's logprob to 1e-5 (the draw computes it)."""
+    ps = [SamplingParams(temperature=1.0, seed=20 + i, n=3, max_tokens=8, ignore_eos=True, logprobs=0)
+          for i in range(3)]
+
+    def outputs(e):
+        outs = e.generate([prompt(4 + 3 * i, seed=i) for i in range(len(ps))], ps)
+        return [[(c.token_ids, [d[t] for d, t in zip(c.logprobs, c.token_ids)], list(map(len, c.logprobs)))
+                 for c in o.outputs] for o in outs]
+
+    unfused = outputs(engine())
+    e = engine(graph_sampling=True)
+    steps = drew(e)
+    fused = outputs(e)
+    assert [[(t, n) for t, _, n in o] for o in fused] == [[(t, n) for t, _, n in o] for o in unfused]
+    assert all(set(n) == {1} for o in fused for *_, n in o)  # the token's own logprob only
+    for a, b in zip(fused, unfused):
+        for (_, la, _), (_, lb, _) in zip(a, b):
+            assert la == pytest.approx(lb, abs=1e-5)
+    assert sum(steps) >= 5  # the forks' first draw runs after the step, the later decode steps draw themselves
+
+
 def _clone(g: torch.Generator | None) -> torch.Generator | None:
     if g is None:
         return None

@@ -110,6 +110,10 @@ def test_logprobs_are_the_models():
     assert out[0].token == int(logits[0].argmax()) and len(out[0].top) == 3
     assert list(out[0].top)[:3] == lp[0].topk(3).indices.tolist()
     assert out[1].top == {out[1].token: out[1].logprob}
+    # a batch whose rows all ask for their own logprob only (RL's rollouts): no top-k pass, and no crash without one
+    alone = sample(logits, rows_for([SamplingParams(temperature=0.0, logprobs=0)] * 2))
+    assert [s.top for s in alone] == [{s.token: s.logprob} for s in alone]
+    assert alone[0].token == out[0].token and math.isclose(alone[0].logprob, out[0].logprob, rel_tol=1e-6)
 
 
 # ---- in the engine ----

@@ -199,7 +199,8 @@ def live_state_dict(run: Run) -> dict[str, torch.Tensor]:
 def gathered_model(run: Run):
     """(a model of the run's family on the live weights, gathered in memory; its config for generation): the
     hand-off of online eval and of RL rollouts (titan_mm.rl)."""
-    gen_cfg = run.spec.with_runtime(run.model_cfg, attn_backend="sdpa", kernels=False)
+    # the fused kernels on CUDA, as Engine.from_pretrained serves (serve.kernels): fewer launches per decode step
+    gen_cfg = run.spec.with_runtime(run.model_cfg, attn_backend="sdpa", kernels=run.device.type == "cuda")
     with torch.device("meta"):
         model = run.spec.build(gen_cfg)
     # shares the tensors (the engine casts a copy where its dtype or device differs)

@@ -344,6 +344,10 @@ _FLEX_COMPILED = None  # torch.compile(flex_attention), made on the first eager 
 
 
 _FLEX_MIN_HEAD_DIM = 16  # inductor's flex kernel refuses smaller head dims ("NYI", torch 2.11)
+# inductor's flex kernel finds no config for grouped heads (GQA) when a length is below its 128-token block (torch
+# 2.11, H100: NoValidChoicesError at 96 and 112 tokens, head dims 64 and 128; 128 and 192 run): such short calls
+# take k / v repeated to the query heads, which costs nothing at these lengths
+_FLEX_GQA_MIN_LEN = 128
 
 
 def _flex(q, k, v, block_mask, scale: float | None = None):
@@ -354,6 +358,9 @@ def _flex(q, k, v, block_mask, scale: float | None = None):
     if q.is_cuda and K < _FLEX_MIN_HEAD_DIM:  # tiny debug models: zero channels add nothing to q.k, and v's are cut
         q, k, v = (F.pad(t, (0, _FLEX_MIN_HEAD_DIM - K)) for t in (q, k, v))
         return _flex(q, k, v, block_mask, scale=1.0 / math.sqrt(K))[..., :K]
+    H, G = q.shape[1], k.shape[1]
+    if q.is_cuda and H != G and min(q.shape[2], k.shape[2]) < _FLEX_GQA_MIN_LEN:
+        k, v = (t.repeat_interleave(H // G, dim=1) for t in (k, v))
     if torch.compiler.is_compiling() or not q.is_cuda:
         fn = _FLEX_EAGER
     else:

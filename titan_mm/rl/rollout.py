@@ -172,8 +172,11 @@ class RolloutSource:
         rl, data = self.rl, self.cfg.data
         model, gen_cfg = gathered_model(self.run)
         seqs = min(ENGINE_MAX_SEQS, rl.prompts_per_step * rl.group_size // self.run.dp_world)
+        # graph_sampling: the decode steps draw the rows themselves (each token's own logprob included), in their
+        # CUDA graphs on a GPU
         serve = ServeConfig(max_num_seqs=seqs, max_model_len=data.seq_len, enable_prefix_caching=False,
-                            max_num_batched_tokens=max(2048, data.seq_len, seqs), max_queue_len=1 << 20)
+                            max_num_batched_tokens=max(2048, data.seq_len, seqs), max_queue_len=1 << 20,
+                            graph_sampling=True)
         serve.num_blocks = seqs * -(-data.seq_len // serve.block_size) + 1
         engine = Engine(model, self.run.spec, gen_cfg, serve, tokenizer=self.tok, device=self.run.device, data=data)
         return engine, model
@@ -221,7 +224,7 @@ class RolloutSource:
         sync_s, copied = self.sync_weights()
         idx = self.prompts_of(step)
         params = [SamplingParams(max_tokens=rl.max_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                                 stop=list(rl.stop), n=rl.group_size, logprobs=1,
+                                 stop=list(rl.stop), n=rl.group_size, logprobs=0,
                                  seed=_seed(self.cfg.training.seed, step, i)) for i in idx]
         outs = self.engine.generate([self.prompt_ids[i] for i in idx], params, [self.prompt_images[i] for i in idx])
         batch = RolloutBatch(step, self.run.state.step)

@@ -57,8 +57,9 @@ class Picked(NamedTuple):
 
 def graph_safe(p: SamplingParams) -> bool:
     """Whether a decode step can draw the row inside its graph: only temperature, top-k and top-p, whose values sit
-    in static per-row buffers (penalties need the row's token counts, min-p and logprobs a pass the graph lacks)."""
-    return p.logprobs is None and not p.penalized and p.min_p == 0.0
+    in static per-row buffers, and at most the drawn token's own logprob, which the draw computes (penalties need
+    the row's token counts, min-p and top logprobs a pass the graph lacks)."""
+    return not p.logprobs and not p.penalized and p.min_p == 0.0
 
 
 def truncates(params: list[SamplingParams]) -> bool:
@@ -225,7 +226,7 @@ def fill_noise(noise: torch.Tensor, rows: list[RowSampling], generator: torch.Ge
         noise[_on(dev, shared)] = torch.empty(len(shared), V, device=dev).exponential_(generator=generator)
     for i, r in enumerate(rows):
         if r.generator is not None and not r.params.greedy:
-            noise[i] = torch.empty(V, device=dev).exponential_(generator=r.generator)
+            noise[i].exponential_(generator=r.generator)  # in place: one launch a seeded row, the same numbers
     return noise
 
 
@@ -284,7 +285,7 @@ class Draw:
         tok, lp, *top = (t.tolist() for t in self._host)
         if not any(n is not None for n in self.logprobs):
             return [Sampled(t, p) for t, p in zip(tok, lp)]
-        tv, ti = top
+        tv, ti = top or ([[]] * len(tok), [[]] * len(tok))  # no top-k pass: every asking row asked for 0
         out = []
         for i, n in enumerate(self.logprobs):
             best = None
