@@ -220,7 +220,8 @@ def titan_engine(model, spec, cfg, prompts: list[list[int]], news: list[int], de
                      max_num_batched_tokens=max(shape["budget"], shape["max_num_seqs"]), max_model_len=longest + k + 16,
                      **{"async_scheduling": shape["async_scheduling"], "packed_prefill": shape["packed_prefill"],
                         "fuse_projections": shape["fuse_projections"],
-                        "mixed_attention": shape.get("mixed_attention", False), **serve_kw})
+                        "mixed_attention": shape.get("mixed_attention", False),
+                        "graph_sampling": shape.get("graph_sampling", False), **serve_kw})
     own = copy.deepcopy(model.to(device, sc.serving_dtype(torch.device(device))))
     return Engine(own, spec, cfg, sc, device=device, draft=draft, tokenizer=tokenizer(), owns_weights=True)
 
@@ -789,6 +790,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed_attention", type=int, default=0, help="titan's serve.mixed_attention (1: a step with "
                     "prefill chunks runs all its rows as one packed row through titan_mm.kernels.paged_attention; "
                     "0, the default: decode rows apart)")
+    ap.add_argument("--graph_sampling", type=int, default=0, help="titan's serve.graph_sampling (1: a decode step "
+                    "draws its rows inside its CUDA graph; 0, the default: the draw after the step)")
     ap.add_argument("--peer", type=int, default=1, help="0: skip transformers (titan's runs only)")
     ap.add_argument("--fuse_projections", type=int, default=1, help="titan's serve.fuse_projections (1, the default, "
                     "as from_pretrained serves: q/k/v and gate/up one GEMM each; 0: the training layout)")
@@ -809,6 +812,7 @@ def main(argv: list[str] | None = None) -> int:
     shape["async_scheduling"] = bool(a.async_scheduling)
     shape["packed_prefill"] = bool(a.packed_prefill)
     shape["mixed_attention"] = bool(a.mixed_attention)
+    shape["graph_sampling"] = bool(a.graph_sampling)
     shape["peer"] = bool(a.peer)
     shape["fuse_projections"] = bool(a.fuse_projections)
     if a.quantization:
