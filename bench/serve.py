@@ -223,6 +223,9 @@ def titan_engine(model, spec, cfg, prompts: list[list[int]], news: list[int], de
                         "mixed_attention": shape.get("mixed_attention", False),
                         "graph_sampling": shape.get("graph_sampling", False), **serve_kw})
     own = copy.deepcopy(model.to(device, sc.serving_dtype(torch.device(device))))
+    # the shared weights wait on the host while this engine serves (8B on an H100: two copies beside part A's pool
+    # passed 80 GB); the peer's run moves them back
+    model.to("cpu")
     return Engine(own, spec, cfg, sc, device=device, draft=draft, tokenizer=tokenizer(), owns_weights=True)
 
 
@@ -358,7 +361,7 @@ def titan_vs_hf(spec, flavor, prompts, news, device, shape, cap_s, cpu, seed) ->
     out["titan"] = guarded(titan)
     free_memory(device)
     dtype = next(model.parameters()).dtype  # the engine's serving dtype (bf16 on CUDA)
-    out["hf"] = guarded(lambda: run_hf(hf_twin(model, cfg, "paged|sdpa"), prompts, news, cap_s, cpu)) \
+    out["hf"] = guarded(lambda: run_hf(hf_twin(model.to(device), cfg, "paged|sdpa"), prompts, news, cap_s, cpu)) \
         if shape["peer"] else {"error": "not run (--peer 0)"}
     free_memory(device)
     t, h = out["titan"], out["hf"]
