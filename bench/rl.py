@@ -20,7 +20,7 @@ The first ``--warmup`` steps of each side are left out of the means (compiles, g
 Rows: seconds per step (rollout / train / sync), rollout tokens / s (completion tokens sampled / rollout seconds),
 steps per hour, and titan / trl's ratio of steps per hour.
 
-    source scripts/gpu_setup.sh && python3 bench/rl.py --out $OUT/rl.json        # H100, 1.7B, ~6 min
+    source scripts/gpu_setup.sh && python3 bench/rl.py --out $OUT/rl.json        # H100, 1.7B, ~2 min
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python bench/rl.py --cpu --tiny --out /tmp/rl.json   # smoke (TRL if it imports)
 
 TRL, accelerate, datasets and their dependencies are carried to the GPU machine by scripts/fetch_wheels.sh.
@@ -77,7 +77,7 @@ def job_args(a, out: Path, hf: Path | None = None) -> list[str]:
         args += ["--model.overrides", json.dumps(TINY)]
     if not a.cpu:  # bf16 compute over fp32 master weights, as TRL's bf16 autocast (and fp32 flex at head dim 128
         # finds no kernel config on torch 2.11: the H200 run of 2026-12-06 stopped there)
-        args += ["--training.param_dtype", "bfloat16"]
+        args += ["--training.param_dtype", "bfloat16", "--compile.enable", "True"]  # compiled, as a GPU run trains
     return args + shlex.split(a.titan_args) + (["--model.hf_path", str(hf)] if hf else [])
 
 

@@ -36,8 +36,9 @@ class ServeConfig:
     graph_sampling: bool = False
     """A decode step (one-token rows, paged_decode) draws its rows itself, inside its CUDA graphs (eagerly
     elsewhere): greedy rows and rows with temperature, top-k and top-p, seeded or not, with the tokens of the draw
-    after the step; a batch with a penalty, min-p, logprobs, a first-token fork or beams samples after the step as
-    before. Off by default until tests/gpu/test_serve_graph_sampling_gpu.py has passed on a GPU."""
+    after the step, and each token's own logprob (logprobs=0); a batch with a penalty, min-p, top logprobs, a
+    first-token fork or beams samples after the step as before. Off by default until a sampled serving workload
+    measures its gain (its GPU test passed on the H100; RL's rollout engine turns it on)."""
     packed_prefill: bool = False
     """Prefill chunks of a step run as one packed row (each sequence's new tokens back to back; varlen attention
     on CUDA in bf16, a block-diagonal mask elsewhere) instead of rows padded to the longest chunk. Families with
