@@ -138,8 +138,10 @@ def run_titan(a, hf: Path, out: Path) -> dict:
     sync = [rows[s]["data/rl/sync_s"] for s in steps]
     train = [rows[s]["step_time_s"] - rows[s]["data_wait_s"] for s in steps]
     tokens = [rows[s]["data/rl/completion_len"] * n for s in steps]
-    return {**summary(roll, train, sync, tokens, a.warmup), "reward_mean": [rows[s]["data/rl/reward_mean"]
-                                                                            for s in steps]}
+    # logprob_gap: mean |engine - trainer| logprob of the sampled tokens (on-policy: the bf16 serving mismatch)
+    return {**summary(roll, train, sync, tokens, a.warmup),
+            "reward_mean": [rows[s]["data/rl/reward_mean"] for s in steps],
+            "logprob_gap": [rows[s]["loss/logprob_gap"] for s in steps]}
 
 
 def run_trl(a, hf: Path, out: Path) -> dict:

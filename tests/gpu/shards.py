@@ -46,7 +46,7 @@ AREAS: dict[str, dict[str, int]] = {
     "train": {"tests/gpu/test_train_step_gpu.py": 330, "tests/gpu/test_objectives_gpu.py": 30,
               "tests/gpu/test_checkpoint_faults_gpu.py": 90, "tests/gpu/test_wan_data_gpu.py": 30},
     "eval": {"tests/gpu/test_eval_gpu.py": 120, "tests/gpu/test_profile_gpu.py": 60, "tests/gpu/test_fp16_gpu.py": 60,
-             "tests/gpu/test_rl_gpu.py": 90, "tests/gpu/test_bagel_sample_gpu.py": 30,
+             "tests/gpu/test_rl_gpu.py": 150, "tests/gpu/test_bagel_sample_gpu.py": 30,
              "tests/unit/test_bench_bagel_peer.py": 45},
     "serve": {"tests/gpu/test_serve_gpu.py": 300, "tests/gpu/test_serve_media_gpu.py": 90,
               "tests/gpu/test_serve_weights_gpu.py": 90},

@@ -45,7 +45,7 @@ VL = ["--config", str(ROOT / "train_configs/debug_rl_qwen3_vl.toml"), "--data.mi
 # ---------------------------------------------------------------------------------------------- the objective
 def _reference_terms(logits, labels, old, adv, w, ref, eps_low, eps_high, kl_coef):
     """Per token, written out in float64: -min(r A, clip(r) A), kl_coef (e^(ref-lp) - (ref-lp) - 1), entropy."""
-    out = {"pg": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0}
+    out = {"pg": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "logprob_gap": 0.0}
     logp_all = torch.log_softmax(logits.double(), -1)
     for b in range(labels.shape[0]):
         for t in range(labels.shape[1]):
@@ -60,6 +60,7 @@ def _reference_terms(logits, labels, old, adv, w, ref, eps_low, eps_high, kl_coe
             out["kl"] += kl_coef * float(w[b, t]) * (math.exp(d) - d - 1)
             out["entropy"] += float(-(logp_all[b, t].exp() * logp_all[b, t]).sum())
             out["clip_frac"] += float(cr * a < r * a)
+            out["logprob_gap"] += abs(lp - float(old[b, t]))
     return out
 
 
@@ -81,7 +82,7 @@ def test_policy_terms_match_the_written_out_reference():
     got = policy_sums(lp, ent, labels, batch, obj)
     want = _reference_terms(logits, labels, old, batch["advantages"], batch["rl_weights"], batch["ref_logprobs"],
                             0.2, 0.28, 0.05)
-    assert set(got) == set(obj.terms) == {"pg", "kl", "entropy", "clip_frac"}
+    assert set(got) == set(obj.terms) == {"pg", "kl", "entropy", "clip_frac", "logprob_gap"}
     for k in want:  # the arithmetic is float64 here; sums of ~15 terms of order 1
         assert abs(float(got[k]) - want[k]) < 1e-12, (k, float(got[k]), want[k])
     assert 0 < want["clip_frac"] < (labels != -100).sum()
@@ -89,9 +90,9 @@ def test_policy_terms_match_the_written_out_reference():
 
 def test_policy_counts_token_and_sequence_norm():
     labels = torch.tensor([[-100, 5, 6, -100], [-100, -100, -100, -100], [-100, 7, -100, -100]])
-    assert Policy().counts({"labels": labels}) == {"pg": 3, "entropy": 3, "clip_frac": 3}
+    assert Policy().counts({"labels": labels}) == {"pg": 3, "entropy": 3, "clip_frac": 3, "logprob_gap": 3}
     assert Policy(loss_norm="sequence", kl_coef=0.1).counts({"labels": labels}) == {
-        "pg": 2, "kl": 2, "entropy": 3, "clip_frac": 3}
+        "pg": 2, "kl": 2, "entropy": 3, "clip_frac": 3, "logprob_gap": 3}
 
 
 # ---------------------------------------------------------------------------------------------- rewards, advantages
@@ -272,6 +273,10 @@ def test_staleness_and_resume_bitwise(tmp_path, k):
     a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "resumed")
     assert [a[s]["data/rl/staleness"] for s in (1, 2, 3, 4)] == [0, min(1, k), k, k]
     assert [a[s]["data/rl/buffer_size"] for s in (1, 2, 3, 4)] == [k] * 4
+    # on-policy (and step 1 of k = 1, sampled by the initial weights) the engine's logprobs are the trainer's (fp32)
+    assert all(a[s]["loss/logprob_gap"] < 1e-5 for s in ((1, 2, 3, 4) if k == 0 else (1,))), a
+    if k:  # rollouts one update old: the policy moved
+        assert all(a[s]["loss/logprob_gap"] > 1e-4 for s in (2, 3, 4))
     assert all(a[s]["grad_norm"] > 0 for s in a)  # the rewards vary: a real gradient
     for s in (3, 4):
         for key in ("loss", "loss/pg", "grad_norm", "data/rl/reward_mean", "data/rl/completion_len"):
@@ -279,12 +284,14 @@ def test_staleness_and_resume_bitwise(tmp_path, k):
 
 
 @pytest.mark.slow  # three launches of the trainer, ~40 s on 2 cores
-def test_sigkill_and_resume_bitwise(tmp_path):
-    """kill -9 in the middle of step 4 (after the save of step 2), k = 1: the rerun resumes from step 2 with the
-    buffer of rollouts made at version 1 and trains steps 3-4 bitwise as the straight run."""
+@pytest.mark.parametrize("k", [0, 1])
+def test_sigkill_and_resume_bitwise(tmp_path, k):
+    """kill -9 in the middle of step 4 (after the save of step 2), on-policy (k = 0) and one step stale (k = 1): the
+    rerun resumes from step 2 (k = 1: with the buffer of rollouts made at version 1) and trains steps 3-4 bitwise as
+    the straight run."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     common = [str(ROOT / "run_train.sh"), "--config", "debug_rl_qwen3.toml", *SMALL, *VARIED, "--job.dump_folder",
-              str(tmp_path), "--rl.staleness", "1", "--training.steps", "4", "--checkpoint.interval", "2",
+              str(tmp_path), "--rl.staleness", str(k), "--training.steps", "4", "--checkpoint.interval", "2",
               "--checkpoint.async_mode", "disabled"]
     runs = [("straight", {}), ("killed", {"TITAN_MM_FAULT_KILL_AT_STEP": "3"}), ("killed", {})]
     codes = [subprocess.run([*common, "--job.name", name], env={**env, **extra}, cwd=ROOT, capture_output=True,

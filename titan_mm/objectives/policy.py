@@ -12,7 +12,9 @@ of its tokens), ``rl_weights`` [B, S] (1, or 1 / completion length for sequence 
 
 Terms (sums of w x per-token value): ``pg`` and ``kl``, normalized by the global count of completion tokens
 (loss_norm "token") or of completions ("sequence", w = 1 / length). Logged only (``stats``): ``entropy`` (the
-policy's next-token entropy) and ``clip_frac`` (tokens whose ratio was clipped), each a mean over the tokens.
+policy's next-token entropy), ``clip_frac`` (tokens whose ratio was clipped) and ``logprob_gap`` (|logp -
+old_logprobs|: at staleness 0 the engine's logprobs against the trainer's on the same weights, the bias a precision
+or kernel mismatch puts in the ratio; at k >= 1 the policy's drift too), each a mean over the tokens.
 Family hook:
 
     model.token_logprobs(hidden [B, S, D], targets [B, S]) -> (logp [B, S] fp32, entropy [B, S] fp32)
@@ -37,7 +39,7 @@ class Policy(Objective):
     kl_coef: float = 0.0
     loss_norm: str = "token"
 
-    stats = ("entropy", "clip_frac")
+    stats = ("entropy", "clip_frac", "logprob_gap")
     host_keys = ("num_label_tokens",)
     mask_kind = "causal"
 
@@ -85,4 +87,5 @@ def policy_sums(logp: torch.Tensor, ent: torch.Tensor, labels: torch.Tensor, bat
     was_clipped = ((clipped * adv) < (ratio * adv)).to(dt) * valid
     sums["entropy"] = (ent.detach() * valid).sum()
     sums["clip_frac"] = was_clipped.detach().sum()
+    sums["logprob_gap"] = delta.detach().abs().sum()
     return sums
