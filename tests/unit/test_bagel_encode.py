@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.unit.test_bagel_data import (
     RUN,
@@ -30,9 +31,12 @@ from titan_mm.models.bagel.data import (
     BagelEncoder,
     write_latent_cache,
 )
-from titan_mm.models.bagel.vae import CachedCodec
+from titan_mm.models.bagel import data as bagel_data
+from titan_mm.models.bagel import vae as vae_mod
+from titan_mm.models.bagel.vae import CachedCodec, check_codec
 from titan_mm.registry import resolve_model
 from titan_mm.tools.cache import main as cache
+from titan_mm.train.preflight import preflight
 from titan_mm.train.setup import build_data, pick_device
 
 STEPS = 6
@@ -143,6 +147,48 @@ def test_bad_encoder_folder_is_one_line_before_the_build(tmp_path, capsys):
     with pytest.raises(ValueError, match="no config.json there") as e:  # the deferred builder checks the name too
         BagelDocs(pixel_cfg(), data(encoders=str(tmp_path / "empty")), TOK, 0, defer=True)
     assert "\n" not in str(e.value)
+
+
+def test_preflight_checks_a_vae_without_loading_it(tmp_path, monkeypatch):
+    """Preflight builds the first records deferred, as the trainer does: the VAE's shape comes from its config.json
+    or its ae.safetensors header (one line each), and its weights are neither loaded nor run on the host."""
+    tiny_vae(z=1, levels=2).save_pretrained(tmp_path / "vae")  # the digits config's 1 channel at 2x
+
+    def no_load(*a, **k):
+        raise AssertionError("preflight loaded a VAE")
+
+    monkeypatch.setattr(vae_mod, "load_vae", no_load)
+    monkeypatch.setattr(bagel_data, "load_codec", no_load)
+    preflight(load_config([*RUN, "--data.encoders", str(tmp_path / "vae")]))
+    flux = pixel_cfg(16, 8)  # FLUX's shape: BFL's layout fixes 4 levels (8x)
+    save_file({"encoder.conv_out.weight": torch.zeros(8, 2, 3, 3)}, tmp_path / "ae4.safetensors")
+    save_file({"decoder.conv_in.weight": torch.zeros(2, 16, 3, 3)}, tmp_path / "odd.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    save_file({"encoder.conv_out.weight": torch.zeros(32, 2, 3, 3)}, tmp_path / "ae16.safetensors")
+    check_codec(str(tmp_path / "ae16.safetensors"), flux)
+    for name, msg in (("ae4", "the VAE has 4 latent channels and 8x downsampling"),
+                      ("odd", "has no encoder.conv_out.weight: not an autoencoder in BFL's layout"),
+                      ("junk", "is no safetensors file")):
+        with pytest.raises(ValueError, match=msg) as e:
+            check_codec(str(tmp_path / f"{name}.safetensors"), flux)
+        assert "\n" not in str(e.value)
+
+
+def test_an_image_the_cache_lacks_is_a_counted_skip(tmp_path):
+    """A latent cache is read where the rows are built, also when the trainer encodes on its device: an image the
+    cache lacks (the data changed since the tool ran) is skipped and counted there, and the run goes on."""
+    mixture = mixed_sources(tmp_path)
+    cache([*TOOL, "--data.mixture", json.dumps(mixture), "--data.image_max_pixels", "256",
+           "--out", str(tmp_path / "cache")])
+    png(tmp_path, "new.png", 8, 8, 5)  # an editing record whose target came after the cache
+    with open(tmp_path / "edit.jsonl", "a") as f:
+        f.write(json.dumps({"source": "s.png", "instruction": "edit new", "target": "new.png"}) + "\n")
+    cfg = pixel_cfg(3, 2)
+    d = data(mixture=mixture, seq_len=96, image_max_pixels=256, encoders=str(tmp_path / "cache"))
+    assert isinstance(BagelDocs(cfg, d, TOK, 0, defer=True).codec, CachedCodec)
+    ld = loader(d, cfg, n_micro=2, encode_device="cpu")
+    assert len(take(ld, 6)) == 6
+    assert skips(ld).get("skipped/processing_error", 0) > 0, skips(ld)
 
 
 # ---- the latent cache (python -m titan_mm.tools.cache; data.encoders names it) ----

@@ -145,7 +145,9 @@ def _check_tokenizer(cfg: JobConfig, spec, model_cfg) -> None:
         tok = load_tokenizer(path)
         needs = spec.data_needs(model_cfg)
         if needs.docs is not None:  # a family building its own documents checks its [data] settings
-            _check_first_records(cfg.data, needs.docs.builder(cfg.data, tok, cfg.training.seed), spec.name)
+            # deferred where the trainer defers (a family encoder): no VAE is loaded or run on the host here
+            build = needs.docs.builder(cfg.data, tok, cfg.training.seed, defer=needs.docs.encoder is not None)
+            _check_first_records(cfg.data, build, spec.name)
         else:
             Processor(tok, ProcessorConfig(data=cfg.data, needs=needs))  # the special tokens
     except (OSError, ValueError) as e:

@@ -69,6 +69,7 @@ from titan_mm.models.bagel.vae import (
     check_codec,
     image_key,
     is_latent_cache,
+    latent_stride,
     load_codec,
 )
 from titan_mm.nn.media import Bound, DocLayout
@@ -257,7 +258,9 @@ class BagelDocs:
     def __init__(self, cfg: BagelConfig, data, tokenizer, seed: int, defer: bool = False):
         """``data``: the [data] section (titan_mm.config.Data); ``tokenizer``: titan_mm.data.tokenizer.Tokenizer;
         ``defer``: the VAE splits hold zero latents and their images ride along (:data:`DEFERRED`) for
-        :class:`BagelEncoder`; the codec is not loaded here then (its name is checked)."""
+        :class:`BagelEncoder`; the codec is not loaded here then (its name and shape are checked), unless it is a
+        latent cache, whose reads cost little anywhere and whose missing image is then a counted skip here rather
+        than an error in the trainer's step."""
         if not data.encoders:
             raise ValueError("data.encoders is empty: BAGEL's rows encode their images with an image codec; set it to "
                              "\"pixels\" (the pixels as latents) or a FLUX VAE (BFL's ae.safetensors, or a diffusers "
@@ -269,12 +272,12 @@ class BagelDocs:
                                  "[0, 1)")
         self.cfg, self.data, self.tok, self.seed = cfg, data, tokenizer, seed
         self.codec: FluxVAE | PixelCodec | CachedCodec | None = None
-        if not defer:
+        if not defer or is_latent_cache(data.encoders):
             self.codec = load_codec(data.encoders, cfg)
         else:
             check_codec(data.encoders, cfg)  # BagelEncoder loads it
         self.specials = specials_for(tokenizer, cfg)
-        p, s = cfg.vit_config.patch_size, codec_stride(cfg)
+        p, s = cfg.vit_config.patch_size, latent_stride(cfg)
         self.vit_fit = vit_fit(cfg)
         self.vae_fit = (s, cfg.max_latent_size * s)
         self.both_fit = (math.lcm(p, s), min(self.vit_fit[1], self.vae_fit[1]))
@@ -440,11 +443,6 @@ def chat_prompt(cfg: BagelConfig, sample, tokenizer) -> list[int]:
     for kind, x, _ in chat_runs(sample):
         ids += [pad] if kind == "image" else [sp.bos, *tokenizer.encode(x), sp.eos]
     return [*ids, sp.bos]
-
-
-def codec_stride(cfg: BagelConfig) -> int:
-    """Pixels per latent patch along a side, either codec's (FluxVAE checks its downsampling against vae_config)."""
-    return cfg.vae_config.downsample * cfg.latent_patch_size
 
 
 class BagelEncoder:

@@ -18,6 +18,7 @@ in a training config).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import torch
@@ -30,22 +31,33 @@ from titan_mm.models.bagel.config import BagelConfig
 from titan_mm.models.hf_io import component_dir
 
 
+def latent_stride(cfg: BagelConfig) -> int:
+    """Pixels per latent patch along a side (the codec's downsampling x the latent patch): an image's sides must be
+    multiples of it."""
+    return cfg.vae_config.downsample * cfg.latent_patch_size
+
+
+def check_vae_shape(latent_channels: int, levels: int, cfg: BagelConfig) -> None:
+    """A VAE of ``latent_channels`` and ``levels`` resolution levels (2 ** (levels - 1) x down) against the model's
+    ``vae_config`` (one ValueError line)."""
+    want, down = cfg.vae_config, 2 ** (levels - 1)
+    if latent_channels != want.z_channels or down != want.downsample:
+        raise ValueError(f"the VAE has {latent_channels} latent channels and {down}x downsampling; the model's "
+                         f"vae_config wants {want.z_channels} and {want.downsample}x: give the VAE the model was "
+                         "trained with (FLUX's: 16 channels, 8x)")
+
+
 class FluxVAE:
     """A frozen diffusers ``AutoencoderKL`` checked against the model's ``vae_config`` (channels, downsampling)."""
 
     def __init__(self, vae, cfg: BagelConfig, device: str | torch.device = "cpu"):
-        c, want = vae.config, cfg.vae_config
-        down = 2 ** (len(c.block_out_channels) - 1)
-        if c.latent_channels != want.z_channels or down != want.downsample:
-            raise ValueError(f"the VAE has {c.latent_channels} latent channels and {down}x downsampling; the model's "
-                             f"vae_config wants {want.z_channels} and {want.downsample}x: give the VAE the model was "
-                             "trained with (FLUX's: 16 channels, 8x)")
+        c = vae.config
+        check_vae_shape(c.latent_channels, len(c.block_out_channels), cfg)
         self.vae = vae.eval().requires_grad_(False).to(device)
         self.device = torch.device(device)
         self.scale = float(c.scaling_factor)
         self.shift = float(c.shift_factor or 0.0)  # FLUX's config sets it; Stable Diffusion's VAEs have none
-        self.stride = down * cfg.latent_patch_size
-        """Pixels per latent patch along a side: an image's sides must be multiples of it."""
+        self.stride = latent_stride(cfg)
 
     @torch.no_grad()
     def encode(self, images_BCHW: torch.Tensor) -> torch.Tensor:
@@ -75,7 +87,7 @@ class PixelCodec:
                              f"have z_channels 1 (grayscale) or 3 (RGB) and downsample >= 1, not "
                              f"{want.z_channels} / {want.downsample}; set them in the flavor's vae_config")
         self.channels, self.down, self.device = want.z_channels, want.downsample, torch.device(device)
-        self.stride = want.downsample * cfg.latent_patch_size
+        self.stride = latent_stride(cfg)
         """Pixels per latent patch along a side: an image's sides must be multiples of it."""
 
     @torch.no_grad()
@@ -128,8 +140,7 @@ class CachedCodec:
                              f"{want.downsample}x: cache with the model's VAE")
         self.folder, self.device = folder, torch.device(device)
         self.where = {k: name for name, keys in idx["shards"].items() for k in keys}
-        self.stride = want.downsample * cfg.latent_patch_size
-        """Pixels per latent patch along a side: an image's sides must be multiples of it."""
+        self.stride = latent_stride(cfg)
         self._open: dict[str, object] = {}
 
     def encode(self, images_BCHW: torch.Tensor) -> torch.Tensor:
@@ -212,13 +223,30 @@ def load_vae(path: str | os.PathLike, cfg: BagelConfig, device: str | torch.devi
 
 
 def check_codec(name: str, cfg: BagelConfig) -> None:
-    """:func:`load_codec`'s checks of ``name`` without loading a VAE (one ValueError line)."""
+    """:func:`load_codec`'s checks of ``name`` without loading a VAE's weights (one ValueError line): a diffusers
+    folder's config.json, or an ``ae.safetensors`` header's latent convolution, against ``vae_config``."""
     if name == PIXELS:
         PixelCodec(cfg)
     elif is_latent_cache(name):
         CachedCodec(name, cfg)
+    elif os.path.isfile(src := vae_source(name)):
+        key = "encoder.conv_out.weight"  # BFL's layout: [2 x latent channels (mean, log-variance), C, 3, 3]
+        try:
+            with safe_open(src, framework="pt") as f:
+                shape = f.get_slice(key).get_shape() if key in f.keys() else None
+        except Exception as e:  # safetensors' own error type differs by version
+            raise ValueError(f"{src} is no safetensors file ({e}); give FLUX.1's {AE_FILE}") from None
+        if shape is None:
+            raise ValueError(f"{src} has no {key}: not an autoencoder in BFL's layout; give FLUX.1's {AE_FILE}")
+        check_vae_shape(shape[0] // 2, len(FLUX_AE["block_out_channels"]), cfg)
     else:
-        vae_source(name)
+        try:
+            with open(os.path.join(src, "config.json")) as f:
+                c = json.load(f)
+            check_vae_shape(int(c["latent_channels"]), len(c["block_out_channels"]), cfg)
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{src}/config.json is no AutoencoderKL config ({type(e).__name__}: {e}); give a "
+                             "diffusers AutoencoderKL folder") from None
 
 
 def load_codec(name: str, cfg: BagelConfig, device: str | torch.device = "cpu") -> FluxVAE | PixelCodec | CachedCodec:
