@@ -169,7 +169,7 @@ def test_contiguous_cache_layout():
 
 def test_see_new_sets_which_new_tokens_each_new_token_sees():
     """plan_step(see_new=): the new tokens see each other as given (BAGEL's full image splits), every cached key
-    stays visible, keys past a row's length stay hidden; a wrong shape or a packed step is one line."""
+    stays visible, keys past a row's length stay hidden; a wrong shape, a packed step or spans beside it is one line."""
     see = torch.tensor([[True, True, False], [True, True, False], [True, True, True]])[None].expand(2, 3, 3)
     step = plan_step(alloc_contiguous_cache(1, 2, 8, 1, 4), [3, 2], cached_lens=[2, 0], see_new=see).step
     want0 = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
@@ -179,6 +179,8 @@ def test_see_new_sets_which_new_tokens_each_new_token_sees():
         plan_step(alloc_contiguous_cache(1, 2, 8, 1, 4), [3, 2], see_new=see[:, :2, :2])
     with pytest.raises(ValueError, match="see_new=...\\) plans a step of rows"):
         plan_step(alloc_contiguous_cache(1, 2, 8, 1, 4), [3, 2], see_new=see, packed=True)
+    with pytest.raises(ValueError, match="spans \\(which make see_new\\) or see_new, not both"):
+        plan_step(alloc_contiguous_cache(1, 2, 8, 1, 4), [3, 2], see_new=see, spans=torch.ones(2, 3, dtype=torch.long))
 
 
 def test_step_planning_mistakes_are_refused():

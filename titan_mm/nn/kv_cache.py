@@ -343,6 +343,8 @@ def plan_step(cache: KVCache, new_lens: Sequence[int] | torch.Tensor, *, cached_
         if bool(((slots < 0) | (slots >= cache.state.num_slots)).any()):
             raise ValueError(f"state_slots {slots.tolist()} name a slot outside the pool of {cache.state.num_slots}")
 
+    if spans is not None and see_new is not None:
+        raise ValueError("plan_step takes spans (which make see_new) or see_new, not both; pass one")
     if spans is not None and not packed:
         sp = torch.as_tensor(spans).cpu().reshape(B, S)
         i = torch.arange(S)
