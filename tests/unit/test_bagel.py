@@ -257,6 +257,25 @@ def test_bagel_matches_the_reference():
     assert_matches(_ours(model, batch, obj), ref(batch, ref_mask(rows, SEQ)), model, pp)
 
 
+def test_the_head_runs_on_the_labeled_tokens_only():
+    """prepare_batch hands the causal LM ``label_index`` (the labeled tokens over B*S, built on the host), and the
+    head runs on those rows alone: the same loss and gradients, bit for bit, as the CPU path that drops the unlabeled
+    rows by a boolean index (a sync on a GPU), with a fifth or fewer of the rows labeled."""
+    model, _, _ = _pair()
+    obj = _objective()
+    batch = obj.prepare([collate_rows(_rows(), SEQ, 0, 1, multiple=1, schema=SCHEMA)], 0)[0]
+    pb = prepare_batch(CFG, batch, "cpu")
+    want = (batch["labels"].reshape(-1) != -100).nonzero().squeeze(1)
+    assert torch.equal(pb["label_index"], want) and 0 < want.numel() < batch["labels"].numel()
+    h = torch.randn(*batch["labels"].shape, CFG.llm_config.hidden_size, requires_grad=True)
+    by_index = model.lm_loss(h, batch["labels"], None, pb["label_index"])
+    g_index, = torch.autograd.grad(by_index, h)
+    dropped = model.lm_loss(h, batch["labels"])
+    g_dropped, = torch.autograd.grad(dropped, h)
+    assert torch.equal(by_index, dropped) and torch.equal(g_index, g_dropped)
+    assert "label_index" in obj.loss_keys  # the loss reads it; the forward never sees it
+
+
 def assert_matches(out, want, model, pp):
     """Our output's hidden states and loss sums equal the reference's ``want`` (hidden, ce, mse), then the
     gradients of ce + mse of every parameter."""
@@ -409,8 +428,9 @@ def test_segment_mask_equals_the_reference_mask():
 
 
 def test_flops_count_every_matmul_weight():
-    """matmul_params covers every Linear weight once: per token (a decoder expert, the LM head, llm2vae), per ViT
-    patch (the tower and the connector), per latent token (vae2llm, the timestep embedder)."""
+    """matmul_params covers every Linear weight once: per token (a decoder expert, llm2vae), per labeled token (the
+    LM head: the head runs on them alone; every token without labels), per ViT patch (the tower and the
+    connector), per latent token (vae2llm, the timestep embedder)."""
     spec = get_model_spec("bagel")
     for name in ("debug", "7B-MoT"):
         cfg = spec.flavor(name)
@@ -421,12 +441,15 @@ def test_flops_count_every_matmul_weight():
                      p.dim() == 2) * cfg.llm_config.num_hidden_layers
         assert sum(matmul_params(cfg)) + expert == weights  # a token runs one of the two experts
     cfg = spec.flavor("debug")
-    tok, vit, lat = matmul_params(cfg)
+    tok, head, vit, lat = matmul_params(cfg)
     c, v = cfg.llm_config, cfg.vit_config
     want = 6 * (10 * tok + 4 * vit + 2 * lat) + 12 * c.hidden_size * c.num_hidden_layers * 55 + \
         12 * v.hidden_size * v.num_hidden_layers * 16
     kinds = torch.tensor([[0, 0, VIT, VIT, VIT, VIT, 0, VAE, VAE, 0]])
-    assert spec.flops(cfg, [10], **encoder_inputs({"vit_lens": torch.tensor([4]), "token_kind": kinds})) == want
+    batch = {"vit_lens": torch.tensor([4]), "token_kind": kinds}
+    assert spec.flops(cfg, [10], **encoder_inputs(batch)) == want + 6 * 10 * head
+    labels = torch.tensor([[-100] * 6 + [5, 6, -100, 7]])  # 3 labeled tokens: the head's rows
+    assert spec.flops(cfg, [10], **encoder_inputs({**batch, "labels": labels})) == want + 6 * 3 * head
 
 
 def test_flops_count_the_segment_masks_pairs():

@@ -39,7 +39,7 @@ class TextAndLatents(nn.Module):
         out = ModelOutput(logits=None, loss_sum=None, aux_loss=None, hidden=h)
         return out._replace(terms=loss(self, out))
 
-    def lm_loss(self, h, targets, weights=None):
+    def lm_loss(self, h, targets, weights=None, index=None):
         return chunked_cross_entropy(h.reshape(-1, D), self.out.weight, targets.reshape(-1), chunk_size=7)
 
     def predict_velocity(self, out, batch):

@@ -41,11 +41,12 @@ def doc_lens_from_batch(batch: dict) -> list[int]:
 
 
 def encoder_inputs(batch: dict) -> dict:
-    """The batch's keys that let a family's FLOP counter count its encoders: the vision grids (ViT), the audio
-    clips' frame counts (the Omni audio encoder), packed ViT lengths and per-token kinds (text / ViT / latent), and
-    the attention kind "segments"' splits (their bidirectional pairs)."""
+    """The batch's keys that let a family's FLOP counter count its encoders and its head: the vision grids (ViT),
+    the audio clips' frame counts (the Omni audio encoder), packed ViT lengths and per-token kinds (text / ViT /
+    latent), the attention kind "segments"' splits (their bidirectional pairs) and the labels (a family whose head
+    runs on the labeled tokens only counts those). A counter takes the keys it counts and ignores the rest."""
     keys = ("image_grid_thw", "video_grid_thw", "audio_feature_lengths", "vit_lens", "token_kind", "seg_ids",
-            "seg_kinds")
+            "seg_kinds", "labels")
     return {k: batch[k] for k in keys if k in batch}
 
 

@@ -324,11 +324,17 @@ class BagelModel(nn.Module):
         out = self.head(stream, attn, logits_at, hidden=loss is not None, **index)
         return out._replace(terms=loss(self, out)) if loss is not None else out
 
-    def lm_loss(self, h_BSD: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None):
-        """The causal LM's hook: fp32 sum of the LM head's cross-entropy over ``targets`` != -100 (no [N, V] logits)."""
+    def lm_loss(self, h_BSD: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None,
+                index: torch.Tensor | None = None):
+        """The causal LM's hook: fp32 sum of the LM head's cross-entropy over ``targets`` != -100 (no [N, V] logits).
+        ``index``: prepare_batch's ``label_index``, the labeled positions: the head runs on those rows alone (a
+        packed row of images labels a fifth of its tokens or fewer), as BAGEL's ``ce_loss_indexes``."""
         h_ND, labels_N = h_BSD.flatten(0, 1), targets.reshape(-1)
         w_N = None if weights is None else weights.reshape(-1)
-        if h_ND.device.type == "cpu":  # CPU only: drop unlabeled rows first (the boolean index is a sync elsewhere)
+        if index is not None:
+            h_ND, labels_N = h_ND.index_select(0, index), labels_N.index_select(0, index)
+            w_N = None if w_N is None else w_N.index_select(0, index)
+        elif h_ND.device.type == "cpu":  # CPU: drop unlabeled rows first (the boolean index is a sync elsewhere)
             keep = labels_N != -100
             h_ND, labels_N, w_N = h_ND[keep], labels_N[keep], None if w_N is None else w_N[keep]
         return chunked_cross_entropy(h_ND, self.lm_head_weight, labels_N, self.cfg.loss_chunk_size, weights_N=w_N)

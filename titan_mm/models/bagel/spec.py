@@ -30,12 +30,15 @@ vit_max_num_patch_per_side + column), ``vit_lens`` [images]."""
 
 def prepare_batch(cfg: BagelConfig, batch: dict, device, **_) -> dict:
     """On the host: ``token_kind`` -> the experts' token indices ``und_index`` / ``gen_index`` and the ViT tokens'
-    ``vit_index`` over the B*S flat tokens; ``vit_lens`` -> the ViT's bidirectional per-image mask ``vit_attn``.
+    ``vit_index`` over the B*S flat tokens; ``vit_lens`` -> the ViT's bidirectional per-image mask ``vit_attn``;
+    ``labels`` -> ``label_index``, the labeled tokens over B*S (the causal LM's head runs on them alone).
     A batch without ``latents`` (the serving engine's rows: text and ViT tokens) gets no expert indices: every token
     takes the understanding expert."""
     kinds = batch["token_kind"].reshape(-1)
     out = {k: v for k, v in batch.items() if k not in ("token_kind", "vit_lens")}
     dev = torch.device(device)
+    if "labels" in batch:
+        out["label_index"] = (batch["labels"].reshape(-1) != -100).nonzero().squeeze(1).to(dev, non_blocking=True)
     if "latents" in batch:
         out["und_index"] = (kinds != VAE).nonzero().squeeze(1).to(dev, non_blocking=True)
         out["gen_index"] = (kinds == VAE).nonzero().squeeze(1).to(dev, non_blocking=True)

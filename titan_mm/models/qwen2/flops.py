@@ -19,7 +19,7 @@ from titan_mm.models.qwen2.model import build
 from titan_mm.models.qwen3 import flops as qwen3_flops
 
 
-def flops(cfg: Qwen2Config, doc_lens: Iterable[int]) -> float:
+def flops(cfg: Qwen2Config, doc_lens: Iterable[int], **_) -> float:
     """Training FLOPs (forward + backward) of one batch whose documents have these lengths."""
     return qwen3_flops.flops(as_decoder(cfg), doc_lens)
 

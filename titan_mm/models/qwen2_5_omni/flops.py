@@ -42,7 +42,7 @@ def thinker_flops(vl_breakdown, audio_flops):
         audio = audio_flops(cfg.audio, audio_feature_lengths)
         return {**out, "audio": audio, "total": out["total"] + audio}
 
-    def flops(cfg, doc_lens, image_grid_thw=None, video_grid_thw=None, audio_feature_lengths=None) -> float:
+    def flops(cfg, doc_lens, image_grid_thw=None, video_grid_thw=None, audio_feature_lengths=None, **_) -> float:
         """Total training FLOPs (LLM + ViT + audio encoder); ``doc_lens`` may also be a batch dict."""
         if isinstance(doc_lens, dict):
             b = doc_lens

@@ -43,7 +43,7 @@ def flops_breakdown(cfg: Qwen2_5_VLConfig, doc_lens: Iterable[int], image_grid_t
     return {"llm": llm, "vision": vis, "total": llm + vis}
 
 
-def flops(cfg: Qwen2_5_VLConfig, doc_lens, image_grid_thw=None, video_grid_thw=None) -> float:
+def flops(cfg: Qwen2_5_VLConfig, doc_lens, image_grid_thw=None, video_grid_thw=None, **_) -> float:
     """Total training FLOPs (LLM + vision tower); ``doc_lens`` may also be a batch dict."""
     if isinstance(doc_lens, dict):
         b = doc_lens

@@ -51,7 +51,7 @@ def causal_pairs(L: int, window: int | None = None) -> int:
     return window * (window + 1) // 2 + (L - window) * window
 
 
-def flops(cfg: Qwen3Config, doc_lens: Iterable[int]) -> float:
+def flops(cfg: Qwen3Config, doc_lens: Iterable[int], **_) -> float:
     """Training FLOPs (forward + backward) of one batch whose documents have these lengths."""
     lens = [int(x) for x in (doc_lens.tolist() if hasattr(doc_lens, "tolist") else doc_lens)]
     T = sum(lens)

@@ -217,14 +217,19 @@ class Qwen3Model(nn.Module):
             return ModelOutput(logits=self.ops.logits(h_BSD, self.lm_head_weight), loss_sum=None, aux_loss=aux)
         return ModelOutput(logits=None, loss_sum=self.lm_loss(h_BSD, labels, loss_weights), aux_loss=aux)
 
-    def lm_loss(self, h_BSD: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def lm_loss(self, h_BSD: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None,
+                index: torch.Tensor | None = None) -> torch.Tensor:
         """The causal-LM objective's hook (titan_mm.objectives.causal): fp32 sum over ``targets`` [B, S] != -100 of
         the LM head's cross-entropy from the final-norm ``h_BSD``, each token's times ``weights`` [B, S] when given
-        (a diffusion objective's 1/t); fused (``ops.cross_entropy``: no [N, V] logits; vocab-parallel under TP)."""
+        (a diffusion objective's 1/t); fused (``ops.cross_entropy``: no [N, V] logits; vocab-parallel under TP).
+        ``index``: the labeled positions over B x S, built on the host (the head then runs on them alone)."""
         B, S = h_BSD.shape[:2]
         h_ND, labels_N = h_BSD.reshape(B * S, -1), targets.reshape(-1)
         w_N = None if weights is None else weights.reshape(-1)
-        if h_ND.device.type == "cpu":
+        if index is not None:
+            h_ND, labels_N = h_ND.index_select(0, index), labels_N.index_select(0, index)
+            w_N = None if w_N is None else w_N.index_select(0, index)
+        elif h_ND.device.type == "cpu":
             # CPU only: drop unlabeled positions before the vocab projection (SFT labels few tokens; the
             # boolean index needs the count on the host, free on CPU but a sync on accelerators).
             keep_N = labels_N != -100

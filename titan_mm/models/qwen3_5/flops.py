@@ -81,7 +81,7 @@ def flops_breakdown(cfg: Qwen3_5Config, doc_lens, image_grid_thw=None, video_gri
     return {"llm": llm, "vision": vis, "total": llm + vis}
 
 
-def flops(cfg: Qwen3_5Config, doc_lens, image_grid_thw=None, video_grid_thw=None) -> float:
+def flops(cfg: Qwen3_5Config, doc_lens, image_grid_thw=None, video_grid_thw=None, **_) -> float:
     """Total training FLOPs (decoder + vision tower); ``doc_lens`` may also be a batch dict (its ``cu_seqlens``,
     ``doc_ids`` and grids)."""
     if isinstance(doc_lens, dict):

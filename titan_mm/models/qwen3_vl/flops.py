@@ -46,7 +46,7 @@ def flops_breakdown(cfg: Qwen3VLConfig, doc_lens: Iterable[int], image_grid_thw=
     return {"llm": llm, "vision": vis, "total": llm + vis}
 
 
-def flops(cfg: Qwen3VLConfig, doc_lens, image_grid_thw=None, video_grid_thw=None) -> float:
+def flops(cfg: Qwen3VLConfig, doc_lens, image_grid_thw=None, video_grid_thw=None, **_) -> float:
     """Total training FLOPs (LLM + vision tower). ``doc_lens`` may also be a batch dict (then its
     ``cu_seqlens`` / ``doc_ids`` give the document lengths and its grids the vision work)."""
     if isinstance(doc_lens, dict):

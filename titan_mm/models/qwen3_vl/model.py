@@ -169,9 +169,10 @@ class Qwen3VLModel(nn.Module):
         """The text model's head: final norm, MoE aux loss, then hidden states, loss sum or logits."""
         return self.language_model.head(stream, attn, labels, logits_at, loss_weights, hidden)
 
-    def lm_loss(self, h_BSD: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def lm_loss(self, h_BSD: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None,
+                index: torch.Tensor | None = None) -> torch.Tensor:
         """The causal-LM objective's hook: the text model's (Qwen3Model.lm_loss)."""
-        return self.language_model.lm_loss(h_BSD, targets, weights)
+        return self.language_model.lm_loss(h_BSD, targets, weights, index)
 
     def token_logprobs(self, h_BSD: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy objective's hook: the text model's (Qwen3Model.token_logprobs)."""
