@@ -26,6 +26,20 @@ from torch.distributed.tensor import DTensor
 IGNORE_INDEX = -100
 
 
+def head_rows(h_ND: torch.Tensor, labels_N: torch.Tensor, weights_N: torch.Tensor | None,
+              index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The rows an LM head's loss runs on: those of ``index`` (the labeled positions, built on the host by the data
+    pipeline or a family's prepare_batch: no sync), else on the CPU the labeled ones (a boolean index, whose count is a
+    host sync on an accelerator, where every row stays and the loss skips the ignored ones)."""
+    if index is not None:
+        keep = index
+    elif h_ND.device.type == "cpu":
+        keep = labels_N != IGNORE_INDEX
+    else:
+        return h_ND, labels_N, weights_N
+    return h_ND[keep], labels_N[keep], None if weights_N is None else weights_N[keep]
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND, w_VD, labels_N, chunk_size: int, z_loss_weight: float, ignore_index: int, group,

@@ -22,7 +22,7 @@ from titan_mm.models.bagel.spec import frozen_parts, param_part
 from titan_mm.nn import init
 from titan_mm.nn.attention import AttnMeta, attention
 from titan_mm.nn.flow import timestep_embedding
-from titan_mm.nn.loss import chunked_cross_entropy
+from titan_mm.nn.loss import chunked_cross_entropy, head_rows
 from titan_mm.nn.mlp import SwiGLU
 from titan_mm.nn.norm import RMSNorm
 from titan_mm.nn.output import ModelOutput, Stream
@@ -329,14 +329,8 @@ class BagelModel(nn.Module):
         """The causal LM's hook: fp32 sum of the LM head's cross-entropy over ``targets`` != -100 (no [N, V] logits).
         ``index``: prepare_batch's ``label_index``, the labeled positions: the head runs on those rows alone (a
         packed row of images labels a fifth of its tokens or fewer), as BAGEL's ``ce_loss_indexes``."""
-        h_ND, labels_N = h_BSD.flatten(0, 1), targets.reshape(-1)
-        w_N = None if weights is None else weights.reshape(-1)
-        if index is not None:
-            h_ND, labels_N = h_ND.index_select(0, index), labels_N.index_select(0, index)
-            w_N = None if w_N is None else w_N.index_select(0, index)
-        elif h_ND.device.type == "cpu":  # CPU: drop unlabeled rows first (the boolean index is a sync elsewhere)
-            keep = labels_N != -100
-            h_ND, labels_N, w_N = h_ND[keep], labels_N[keep], None if w_N is None else w_N[keep]
+        h_ND, labels_N, w_N = head_rows(h_BSD.flatten(0, 1), targets.reshape(-1),
+                                        None if weights is None else weights.reshape(-1), index)
         return chunked_cross_entropy(h_ND, self.lm_head_weight, labels_N, self.cfg.loss_chunk_size, weights_N=w_N)
 
     def predict_velocity(self, out: ModelOutput, batch) -> torch.Tensor:

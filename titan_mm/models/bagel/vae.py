@@ -23,7 +23,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from titan_mm.data.clips import read_index
@@ -234,7 +234,7 @@ def check_codec(name: str, cfg: BagelConfig) -> None:
         try:
             with safe_open(src, framework="pt") as f:
                 shape = f.get_slice(key).get_shape() if key in f.keys() else None
-        except Exception as e:  # safetensors' own error type differs by version
+        except (SafetensorError, OSError) as e:
             raise ValueError(f"{src} is no safetensors file ({e}); give FLUX.1's {AE_FILE}") from None
         if shape is None:
             raise ValueError(f"{src} has no {key}: not an autoencoder in BFL's layout; give FLUX.1's {AE_FILE}")

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from titan_mm import kernels as K
 from titan_mm.nn import init
 from titan_mm.nn.attention import Attention, AttnMeta
-from titan_mm.nn.loss import chunked_cross_entropy
+from titan_mm.nn.loss import chunked_cross_entropy, head_rows
 from titan_mm.nn.mlp import SwiGLU, silu_mul
 from titan_mm.nn.moe import MoE, TokenMoves, load_balancing_loss, route_stats
 from titan_mm.nn.norm import RMSNorm, add_rms_norm, rms_norm
@@ -224,17 +224,8 @@ class Qwen3Model(nn.Module):
         (a diffusion objective's 1/t); fused (``ops.cross_entropy``: no [N, V] logits; vocab-parallel under TP).
         ``index``: the labeled positions over B x S, built on the host (the head then runs on them alone)."""
         B, S = h_BSD.shape[:2]
-        h_ND, labels_N = h_BSD.reshape(B * S, -1), targets.reshape(-1)
-        w_N = None if weights is None else weights.reshape(-1)
-        if index is not None:
-            h_ND, labels_N = h_ND.index_select(0, index), labels_N.index_select(0, index)
-            w_N = None if w_N is None else w_N.index_select(0, index)
-        elif h_ND.device.type == "cpu":
-            # CPU only: drop unlabeled positions before the vocab projection (SFT labels few tokens; the
-            # boolean index needs the count on the host, free on CPU but a sync on accelerators).
-            keep_N = labels_N != -100
-            h_ND, labels_N = h_ND[keep_N], labels_N[keep_N]
-            w_N = None if w_N is None else w_N[keep_N]
+        h_ND, labels_N, w_N = head_rows(h_BSD.reshape(B * S, -1), targets.reshape(-1),
+                                        None if weights is None else weights.reshape(-1), index)
         extra = () if w_N is None else (w_N,)  # ops without weights keep their 5-argument call
         return self.ops.cross_entropy(h_ND, self.lm_head_weight, labels_N, self.cfg.loss_chunk_size,
                                       self.cfg.z_loss_weight, *extra)
