@@ -352,7 +352,7 @@ def titan_vs_hf(spec, flavor, prompts, news, device, shape, cap_s, cpu, seed) ->
     out: dict = {}
 
     def titan():
-        engine = titan_engine(model, spec, cfg, prompts, news, device, shape)
+        engine = titan_engine(model, spec, cfg, prompts, news, device, shape, quantization=shape["serve_quantization"])
         try:
             return run_titan(engine, prompts, news, cap_s, text_vocab())
         finally:
@@ -798,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed_attention", type=int, default=0, help="titan's serve.mixed_attention (1: a step with "
                     "prefill chunks runs all its rows as one packed row through titan_mm.kernels.paged_attention; "
                     "0, the default: decode rows apart)")
+    ap.add_argument("--serve_quantization", default="none", choices=QUANTIZATIONS, help="serve.quantization of "
+                    "titan's engines in parts A and batch1 (fp8_rowwise against a none run: issue 49's fp8 speed-up)")
     ap.add_argument("--graph_sampling", type=int, default=0, help="titan's serve.graph_sampling (1: a decode step "
                     "draws its rows inside its CUDA graph; 0, the default: the draw after the step)")
     ap.add_argument("--peer", type=int, default=1, help="0: skip transformers (titan's runs only)")
@@ -821,6 +823,7 @@ def main(argv: list[str] | None = None) -> int:
     shape["packed_prefill"] = bool(a.packed_prefill)
     shape["mixed_attention"] = bool(a.mixed_attention)
     shape["graph_sampling"] = bool(a.graph_sampling)
+    shape["serve_quantization"] = a.serve_quantization
     shape["peer"] = bool(a.peer)
     shape["fuse_projections"] = bool(a.fuse_projections)
     if a.quantization:
