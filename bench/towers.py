@@ -22,6 +22,8 @@ in any op: the host's Python). Towers (``TOWERS``; the bench shapes are the VL /
   qwen2_5_vl_vit        Qwen2.5-VL-7B's windowed ViT (32 x 1280, full attention in 4 blocks): 8 images of 504 x 504
   qwen2_5_omni_audio    Qwen2.5-Omni-7B's audio encoder (32 x 1280, Whisper blocks per 2 s chunk): 8 clips, 10-30 s
   qwen3_omni_moe_audio  Qwen3-Omni-30B-A3B's audio encoder (conv stem, windowed Whisper blocks): the same clips
+  bagel_vit             BAGEL-7B-MoT's SigLIP NaViT (26 x 1152, each image attending to itself, the model's attention
+                        backend): 8 images of 32 x 32 patches (448 px; 8,192 patches), as bench/mfu.py's BAGEL case
 
   python3 bench/towers.py                                  # on the GPU: bench/results/towers_<device>.json
   python3 bench/towers.py --towers qwen3_vl_vit --profile-dir DIR   # + each tower's kernel table
@@ -51,6 +53,9 @@ from bench.devices import device_label, device_of, device_slug  # noqa: E402
 from bench.profile_split import split as split_gpu  # noqa: E402
 from bench.trace_gaps import load_events  # noqa: E402
 from titan_mm.kernels import tuning as kernel_tuning  # noqa: E402
+from titan_mm.models.bagel import flops as bagel_flops  # noqa: E402
+from titan_mm.models.bagel.model import flat_positions  # noqa: E402
+from titan_mm.models.bagel.spec import vit_meta  # noqa: E402
 from titan_mm.models.qwen2_5_omni import audio as omni_audio, flops as omni_flops  # noqa: E402
 from titan_mm.models.qwen2_5_vl import flops as vl25_flops  # noqa: E402
 from titan_mm.models.qwen2_5_vl.vision import build_window_meta  # noqa: E402
@@ -65,8 +70,9 @@ CLIPS = (1000, 1500, 2000, 2500, 3000, 1200, 1800, 2200)  # mel frames (100 a se
 TINY_CLIPS = (37, 120, 260)
 
 # name -> family (registry model), flavor, the tower's module in the built model, its inputs (grids in patches
-# (t, h, w), or clips in mel frames), the host metadata builder and the family's FLOP counter; buckets: its
-# metadata takes --bucket (build_vision_meta's / build_window_meta's bucketed patch counts); tiny: the smoke's
+# (t, h, w), clips in mel frames, or images as (h, w) patches), the host metadata builder and the family's FLOP
+# counter; buckets: its metadata takes --bucket (build_vision_meta's / build_window_meta's bucketed patch counts);
+# tiny: the smoke's
 TOWERS: dict[str, dict] = {
     "qwen3_vl_vit": dict(model="qwen3_vl", flavor="2B", module="visual", grids=[(1, 32, 32)] * 8,
                          meta=build_vision_meta, flops=vl3_flops.vision_flops, buckets=True,
@@ -80,6 +86,8 @@ TOWERS: dict[str, dict] = {
     "qwen3_omni_moe_audio": dict(model="qwen3_omni_moe", flavor="30B-A3B", module="audio_tower", clips=CLIPS,
                                  meta=omni3_audio.build_audio_meta, flops=omni3_flops.audio_flops,
                                  tiny=dict(flavor="debug", clips=TINY_CLIPS)),
+    "bagel_vit": dict(model="bagel", flavor="7B-MoT", module="vit", images=[(32, 32)] * 8, meta=vit_meta,
+                      flops=bagel_flops.vit_flops, tiny=dict(flavor="debug", images=[(4, 4), (2, 3), (3, 5)])),
 }
 
 # the CPU's ops (self time) by kind; first match wins, the rest is elementwise
@@ -105,7 +113,13 @@ def tower_config(name: str, tiny: bool, device: torch.device):
 
 
 def encoder_config(t: dict, cfg):
-    return cfg.audio if "clips" in t else cfg.vision
+    return cfg.audio if "clips" in t else cfg.vit_config if "images" in t else cfg.vision
+
+
+def attn_backend(t: dict, cfg, device: torch.device) -> str:
+    """The tower's attention backend as the trainer picks it: the VL / Omni encoders' own (``vision_backend``),
+    BAGEL's ViT the model's."""
+    return cfg.attn_backend if "images" in t else vision_backend(cfg, device)
 
 
 def build_tower(t: dict, cfg, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -122,35 +136,43 @@ def build_tower(t: dict, cfg, device: torch.device, dtype: torch.dtype) -> torch
 
 
 def tower_inputs(t: dict, cfg, device: torch.device, seed: int = 0, bucket: int = 0):
-    """(input tensor, host metadata on the device, training FLOPs, inputs' description, encoder tokens).
-    ``bucket``: the patch count rounded up to a multiple of it (towers with ``buckets``); the FLOPs stay the real
-    patches' (the padding is work the bucket adds, not the model's)."""
+    """(input tensor, the tower's other inputs (its host metadata on the device), training FLOPs, inputs'
+    description, encoder tokens). ``bucket``: the patch count rounded up to a multiple of it (towers with
+    ``buckets``); the FLOPs stay the real patches' (the padding is work the bucket adds, not the model's)."""
     g = torch.Generator().manual_seed(seed)
     enc = encoder_config(t, cfg)
-    backend = vision_backend(cfg, device)
+    backend = attn_backend(t, cfg, device)
     if "clips" in t:
         lens = torch.tensor(t["clips"])
         x = torch.randn(enc.num_mel_bins, int(lens.sum()), generator=g)
         meta = t["meta"](lens, enc, backend, device)
-        return x.to(device), meta, t["flops"](enc, lens), f"{len(lens)} clips, {int(lens.sum())} mel frames", \
+        return x.to(device), (meta,), t["flops"](enc, lens), f"{len(lens)} clips, {int(lens.sum())} mel frames", \
             int(meta.attn.cu_seqlens[-1])
+    if "images" in t:  # BAGEL's NaViT: patches side by side, their position-table indices, the per-image mask
+        lens = torch.tensor([h * w for h, w in t["images"]])
+        n = int(lens.sum())
+        pos = torch.cat([flat_positions(h, w, cfg.vit_max_num_patch_per_side) for h, w in t["images"]])
+        x = torch.randn(n, enc.patch_dim, generator=g)
+        return x.to(device), (pos.to(device), t["meta"](cfg, lens, device)), t["flops"](cfg, lens), \
+            f"{len(lens)} images, {n} patches", n
     grid = torch.tensor(t["grids"])
     n = int(grid.prod(-1).sum())
     x = torch.randn(n, enc.patch_dim, generator=g)
     meta = t["meta"](grid, enc, backend, device, bucket=bucket)
-    return x.to(device), meta, t["flops"](enc, grid), f"{len(grid)} images, {n} patches", n
+    return x.to(device), (meta,), t["flops"](enc, grid), f"{len(grid)} images, {n} patches", n
 
 
 def varied(t: dict, i: int, tiny: bool) -> dict:
     """Input set ``i`` of --vary: as many images (clips) as the tower's, of sizes drawn from seed ``i``: image sides
-    16-48 patches (tiny: 2-10) in steps of 2 (the merge), clips 10-30 s (tiny: 20-300 frames)."""
+    16-48 patches (tiny: 2-10; BAGEL's 2-8) in steps of 2 (the merge), clips 10-30 s (tiny: 20-300 frames)."""
     g = torch.Generator().manual_seed(1000 + i)
     if "clips" in t:
         lo, hi = (20, 300) if tiny else (1000, 3000)
         return dict(t, clips=tuple(torch.randint(lo, hi + 1, (len(t["clips"]),), generator=g).tolist()))
-    lo, hi = (1, 5) if tiny else (8, 24)
-    sides = (2 * torch.randint(lo, hi + 1, (len(t["grids"]), 2), generator=g)).tolist()
-    return dict(t, grids=[(1, h, w) for h, w in sides])
+    key = "images" if "images" in t else "grids"
+    lo, hi = (1, 4 if key == "images" else 5) if tiny else (8, 24)  # the debug BAGEL's position table: 8 a side
+    sides = (2 * torch.randint(lo, hi + 1, (len(t[key]), 2), generator=g)).tolist()
+    return dict(t, **{key: [(h, w) if key == "images" else (1, h, w) for h, w in sides]})
 
 
 def cpu_split(prof, wall_s: float, steps: int) -> dict:
@@ -182,9 +204,9 @@ def run_tower(name: str, args, device: torch.device) -> dict:
     calls = [0]
 
     def step():
-        x, meta = sets[calls[0] % len(sets)][:2]  # --vary: the next input set, as a trainer's next micro-batch
+        x, inputs = sets[calls[0] % len(sets)][:2]  # --vary: the next input set, as a trainer's next micro-batch
         calls[0] += 1
-        out = tower(x, meta)
+        out = tower(x, *inputs)
         outs = [out[0], *out[1]] if isinstance(out, tuple) else [out]  # the ViTs: (merged, DeepStack features)
         sum(o.float().square().mean() for o in outs).backward()
 
@@ -229,7 +251,7 @@ def run_tower(name: str, args, device: torch.device) -> dict:
             + "\n\n" + json.dumps(kernels, indent=1))
     tflops = flops / med / 1e12
     return dict(tower=name, model=t["model"], flavor=t["flavor"], inputs=what, tokens=tokens,
-                backend=vision_backend(cfg, device), compiled=compiled, dtype=str(dtype).removeprefix("torch."),
+                backend=attn_backend(t, cfg, device), compiled=compiled, dtype=str(dtype).removeprefix("torch."),
                 flops=flops, step_time_s=med, tflops=tflops, mfu=tflops / PEAK_TFLOPS if cuda else None,
                 profile_ms=split_ms, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                 device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,

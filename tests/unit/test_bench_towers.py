@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_mm.models.bagel import flops as bagel_flops
+from titan_mm.models.bagel.model import SiglipNaViT
 from titan_mm.models.qwen2_5_vl.vision import VisionTower
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,8 +29,10 @@ def test_cpu_tiny_smoke(tmp_path, capsys):
     for name, r in rows.items():
         assert "error" not in r, r
         t, cfg = towers.tower_config(name, True, cpu)
-        enc = towers.encoder_config(t, cfg)
-        want = t["flops"](enc, torch.tensor(t["clips"] if "clips" in t else t["grids"]))
+        if "images" in t:  # BAGEL's counter takes the model config and the images' patch counts
+            want = t["flops"](cfg, torch.tensor([h * w for h, w in t["images"]]))
+        else:
+            want = t["flops"](towers.encoder_config(t, cfg), torch.tensor(t["clips"] if "clips" in t else t["grids"]))
         assert r["flops"] == want > 0  # the family's own counter, on the inputs it ran
         assert r["device"] == "cpu" and r["mfu"] is None and r["backend"] == "sdpa" and not r["compiled"]
         p_ms = r["profile_ms"]
@@ -36,6 +40,7 @@ def test_cpu_tiny_smoke(tmp_path, capsys):
         assert r["tflops"] == pytest.approx(r["flops"] / r["step_time_s"] / 1e12)
     assert "| qwen3_vl_vit | CPU | qwen3_vl debug | 3 images, 148 patches |" in stdout
     assert "| qwen3_omni_moe_audio | CPU | qwen3_omni_moe debug | 3 clips, 417 mel frames |" in stdout
+    assert "| bagel_vit | CPU | bagel debug | 3 images, 37 patches |" in stdout
 
 
 def test_varied_sizes_on_bucketed_patch_counts(tmp_path, capsys):
@@ -71,9 +76,22 @@ def test_the_tower_is_the_familys():
     t, cfg = towers.tower_config("qwen2_5_vl_vit", True, torch.device("cpu"))
     tower = towers.build_tower(t, cfg, torch.device("cpu"), torch.float32)
     assert type(tower) is VisionTower and not any(p.is_meta for p in tower.parameters())
-    x, meta, flops, what, n = towers.tower_inputs(t, cfg, torch.device("cpu"))
-    merged, deepstack = tower(x, meta)
+    x, inputs, flops, what, n = towers.tower_inputs(t, cfg, torch.device("cpu"))
+    merged, deepstack = tower(x, *inputs)
     assert merged.shape == (n // cfg.vision.spatial_merge_size**2, cfg.vision.out_hidden_size) and deepstack == []
+
+
+def test_bagel_vit_is_the_models_tower_and_its_count():
+    """BAGEL's SigLIP NaViT as the bench times it: the model's own ``vit`` module, on the patches, positions and
+    per-image mask prepare_batch would build; its FLOPs are BAGEL's count of the ViT less the connector."""
+    t, cfg = towers.tower_config("bagel_vit", True, torch.device("cpu"))
+    tower = towers.build_tower(t, cfg, torch.device("cpu"), torch.float32)
+    assert type(tower) is SiglipNaViT and not any(p.is_meta for p in tower.parameters())
+    x, inputs, flops, what, n = towers.tower_inputs(t, cfg, torch.device("cpu"))
+    assert tower(x, *inputs).shape == (n, cfg.vit_config.hidden_size) and what == "3 images, 37 patches"
+    lens = [h * w for h, w in t["images"]]
+    D, Dv = cfg.llm_config.hidden_size, cfg.vit_config.hidden_size
+    assert bagel_flops.flops(cfg, [], vit_lens=lens) - flops == 6 * n * (Dv * D + D * D)
 
 
 def test_efficiency_doc_towers_block_is_current():

@@ -36,10 +36,29 @@ def matmul_params(cfg: BagelConfig) -> tuple[int, int, int, int]:
     D, K, P = c.hidden_size, c.head_dim, cfg.patch_latent_dim
     layer = D * K * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * D * c.intermediate_size
     tok = c.num_hidden_layers * layer + D * P
-    Dv = v.hidden_size
-    vit = v.patch_dim * Dv + v.num_hidden_layers * (4 * Dv * Dv + 2 * Dv * v.intermediate_size) + Dv * D + D * D
+    vit = vit_tower_params(cfg) + v.hidden_size * D + D * D  # the tower, then the connector
     lat = P * D + TIMESTEP_FREQS * D + D * D
     return tok, D * c.vocab_size, vit, lat
+
+
+def vit_tower_params(cfg: BagelConfig) -> int:
+    """The SigLIP tower's matmul weights per patch: the patch embedding and the encoder layers."""
+    v = cfg.vit_config
+    Dv = v.hidden_size
+    return v.patch_dim * Dv + v.num_hidden_layers * (4 * Dv * Dv + 2 * Dv * v.intermediate_size)
+
+
+def vit_attention_flops(cfg: BagelConfig, vit_lens: Iterable[int]) -> int:
+    """The ViT's attention over its images, each bidirectional over its own patches (training: 12 per pair)."""
+    v = cfg.vit_config
+    return 12 * v.hidden_size * v.num_hidden_layers * sum(int(n) ** 2 for n in vit_lens)
+
+
+def vit_flops(cfg: BagelConfig, vit_lens: Iterable[int]) -> float:
+    """Training FLOPs of the SigLIP tower alone over images of ``vit_lens`` patches (bench/towers.py's MFU): its
+    matmuls per patch and its attention; the connector is the decoder's side."""
+    lens = [int(n) for n in vit_lens]
+    return float(6 * sum(lens) * vit_tower_params(cfg) + vit_attention_flops(cfg, lens))
 
 
 def segment_pairs(doc_lens: Iterable[int], seg_ids: torch.Tensor, seg_kinds: torch.Tensor) -> int:
@@ -70,11 +89,11 @@ def flops(cfg: BagelConfig, doc_lens: Iterable[int], vit_lens: Iterable[int] = (
     vae_tokens = 0 if token_kind is None else int((token_kind == VAE).sum())
     head_tokens = sum(lens) if labels is None else int((labels != -100).sum())
     tok, head, vit, lat = matmul_params(cfg)
-    c, v = cfg.llm_config, cfg.vit_config
+    c = cfg.llm_config
     pairs = sum(n * (n + 1) // 2 for n in lens)
     if seg_ids is not None and seg_kinds is not None:
         pairs += segment_pairs(lens, seg_ids, seg_kinds)
     attn = 12 * c.num_attention_heads * c.head_dim * c.num_hidden_layers * pairs
-    vit_attn = 12 * v.hidden_size * v.num_hidden_layers * sum(n * n for n in images)
+    vit_attn = vit_attention_flops(cfg, images)
     return float(6 * sum(lens) * tok + 6 * head_tokens * head + 6 * sum(images) * vit + 6 * vae_tokens * lat + attn
                  + vit_attn)

@@ -175,6 +175,23 @@ class ViTBlock(nn.Module):
         return x + self.mlp.fc2(F.gelu(self.mlp.fc1(self.layer_norm2(x)), approximate="tanh"))
 
 
+@torch.no_grad()
+def init_modules(modules) -> None:
+    """Weights N(0, 0.02), biases 0, norms 1, in the order of ``modules``."""
+    for m in modules:
+        if isinstance(m, RMSNorm):
+            m.reset_parameters()
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            init.normal_(m.weight, std=INIT_STD)
+        elif isinstance(m, nn.Linear):
+            init.normal_(m.weight, std=INIT_STD)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
 class SiglipNaViT(nn.Module):
     """SigLIP over patches of images of any size packed side by side (BAGEL's NaViT tower, RoPE off): a linear patch
     embedding, a learned position table indexed by the flattened positions (row x vit_max_num_patch_per_side +
@@ -188,6 +205,10 @@ class SiglipNaViT(nn.Module):
         # "blocks", not SigLIP's "encoder.layers": the decoder's layers.{i} are the family's trunk (model contract)
         self.blocks = nn.ModuleList(ViTBlock(c) for _ in range(c.num_hidden_layers))
         self.post_layernorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+
+    def init_weights(self) -> None:
+        """The model's init of these modules (:func:`init_modules`): the tower alone (bench/towers.py)."""
+        init_modules(self.modules())
 
     def forward(self, patches_VP: torch.Tensor, pos_V: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         e = self.embeddings
@@ -230,19 +251,8 @@ class BagelModel(nn.Module):
     def init_weights(self, buffer_device=None) -> None:
         """Random init (under titan_mm.nn.init.seeded_init): weights N(0, 0.02), biases 0, norms 1, ``llm2vae`` 0
         (BAGEL's), then the buffers."""
+        init_modules(self.modules())
         with torch.no_grad():
-            for m in self.modules():
-                if isinstance(m, RMSNorm):
-                    m.reset_parameters()
-                elif isinstance(m, nn.LayerNorm):
-                    nn.init.ones_(m.weight)
-                    nn.init.zeros_(m.bias)
-                elif isinstance(m, nn.Embedding):
-                    init.normal_(m.weight, std=INIT_STD)
-                elif isinstance(m, nn.Linear):
-                    init.normal_(m.weight, std=INIT_STD)
-                    if m.bias is not None:
-                        nn.init.zeros_(m.bias)
             nn.init.zeros_(self.llm2vae.weight)
             nn.init.zeros_(self.llm2vae.bias)
         self.init_buffers(buffer_device)

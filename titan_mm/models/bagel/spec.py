@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from titan_mm.models.bagel.config import BagelConfig
-from titan_mm.nn.attention import build_attn_meta
+from titan_mm.nn.attention import AttnMeta, build_attn_meta
 from titan_mm.registry import BatchSchema, KernelShapes, ModelDims, Runtime, SeqKey
 
 TEXT, VIT, VAE = 0, 1, 2
@@ -54,13 +54,18 @@ def prepare_batch(cfg: BagelConfig, batch: dict, device, **_) -> dict:
         for k in ("vit_patches", "vit_pos"):
             out.pop(k, None)
         return out
-    lens = lens.long()
+    out["vit_index"] = vit.to(dev, non_blocking=True)
+    out["vit_attn"] = vit_meta(cfg, lens, dev)
+    return out
+
+
+def vit_meta(cfg: BagelConfig, vit_lens: torch.Tensor, device) -> AttnMeta:
+    """The ViT's attention metadata for images of ``vit_lens`` patches packed side by side: each sees itself only."""
+    lens = vit_lens.long()
     doc = torch.repeat_interleave(torch.arange(lens.numel(), dtype=torch.int32), lens)[None]
     cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).int()
-    out["vit_index"] = vit.to(dev, non_blocking=True)
-    out["vit_attn"] = build_attn_meta({"doc_ids": doc, "cu_seqlens": cu, "max_seqlen": int(lens.max())},
-                                      cfg.attn_backend, dev, kind="bidirectional")
-    return out
+    return build_attn_meta({"doc_ids": doc, "cu_seqlens": cu, "max_seqlen": int(lens.max())}, cfg.attn_backend,
+                           torch.device(device), kind="bidirectional")
 
 
 GEN_MODULES = ("norm_gen", "time_embedder", "vae2llm", "llm2vae")
