@@ -428,6 +428,9 @@ class Metrics:
     profile/comm_overlap_pct and profile/gpu_idle_pct (docs/training.md); 0 = off (no profiler cost)."""
     profile_steps: int = 2
     """Steps in each profiler window (must be < metrics.profile_every)."""
+    profile_traces: bool = False
+    """Also write each window of rank 0 as <run>/profile/step<N>.json (a Chrome / Perfetto trace) and step<N>.txt
+    (the ops by device time, then by host time)."""
 
 
 @dataclass
@@ -1069,6 +1072,8 @@ def _validate_metrics(m: Metrics) -> None:
     if m.profile_every and not 1 <= m.profile_steps < m.profile_every:
         raise ConfigError(f"metrics.profile_steps must be between 1 and metrics.profile_every - 1 "
                           f"({m.profile_every - 1}), got {m.profile_steps}")
+    if m.profile_traces and not m.profile_every:
+        raise ConfigError("metrics.profile_traces writes the profiler windows: set metrics.profile_every too")
 
 
 # --------------------------------------------------------------------------------------------------

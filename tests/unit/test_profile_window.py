@@ -3,6 +3,8 @@ values), the kernel classification, the schedule, no profiler outside the window
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
@@ -103,3 +105,15 @@ def test_cpu_window_in_a_tiny_run(tmp_path):
     assert r["profile/steps"] == 2.0 and r["profile/compute_ms"] > 0
     assert r["profile/busy_ms"] <= r["profile/window_ms"] * 1.01
     assert r["profile/window_ms"] >= 1e3 * (rows[2]["step_time_s"] + rows[3]["step_time_s"]) * 0.99
+
+
+def test_traces_of_each_window(tmp_path):
+    """metrics.profile_traces: each window as a Chrome trace and its op tables under <run>/profile/, named by the
+    window's last step."""
+    assert main(["--job.dump_folder", str(tmp_path), "--job.name", "p", "--training.steps", "4", *TINY,
+                 "--metrics.profile_every", "2", "--metrics.profile_steps", "1", "--metrics.profile_traces",
+                 "True"]) == 0
+    folder = tmp_path / "p" / "profile"
+    assert sorted(f.name for f in folder.iterdir()) == ["step2.json", "step2.txt", "step4.json", "step4.txt"]
+    assert json.loads((folder / "step4.json").read_text())["traceEvents"]
+    assert "aten::" in (folder / "step4.txt").read_text()

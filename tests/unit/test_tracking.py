@@ -165,6 +165,7 @@ def test_wandb_not_installed_is_one_line_config_error(monkeypatch):
     (["--metrics.profile_every", "-1"], "metrics.profile_every must be >= 0"),
     (["--metrics.profile_every", "4", "--metrics.profile_steps", "4"], "metrics.profile_steps must be between 1 and"),
     (["--metrics.profile_every", "4", "--metrics.profile_steps", "0"], "metrics.profile_steps must be between 1 and"),
+    (["--metrics.profile_traces", "True"], "metrics.profile_traces writes the profiler windows: set"),
 ])
 def test_bad_tracking_flags(flags, msg):
     with pytest.raises(ConfigError, match=msg):

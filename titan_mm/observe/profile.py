@@ -26,6 +26,7 @@ comparisons a step: no profiler object exists.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -110,12 +111,24 @@ def split_events(events, device: torch.device):
     return comm, compute, copies
 
 
+def write_trace(prof, folder: Path, step: int, device: torch.device) -> None:
+    """``prof``'s window as ``folder``/step<N>.json (Chrome trace) and step<N>.txt (the ops by device time on CUDA,
+    then by host time)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(folder / f"step{step}.json"))
+    ops = prof.key_averages()
+    sorts = (["self_device_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
+    (folder / f"step{step}.txt").write_text("\n\n".join(ops.table(sort_by=k, row_limit=40) for k in sorts))
+
+
 # ------------------------------------------------------------------------------------------ the window
 class ProfileWindow:
     """Profiles steps ``k*every - steps + 1 .. k*every`` for k = 1, 2, ... (never step 1: warmup and compile)."""
 
-    def __init__(self, every: int, steps: int, device: torch.device):
-        self.every, self.steps, self.device = every, steps, device
+    def __init__(self, every: int, steps: int, device: torch.device, traces: Path | None = None):
+        """``traces``: a folder that receives each window as step<N>.json (Chrome trace) and step<N>.txt (op
+        tables); None writes nothing."""
+        self.every, self.steps, self.device, self.traces = every, steps, device, traces
         self._prof = None
         self._t0 = 0.0
         self._n = 0  # steps profiled in the open window (fewer than ``steps`` when a resume lands inside one)
@@ -147,6 +160,8 @@ class ProfileWindow:
         wall_ms = (time.perf_counter() - self._t0) * 1e3
         prof, self._prof = self._prof, None
         prof.stop()
+        if self.traces is not None:
+            write_trace(prof, self.traces, step, self.device)
         comm, compute, copies = split_events(prof.events(), self.device)
         n, self._n = self._n, 0
         return {**window_stats(comm, compute, wall_ms, copies=copies), "profile/steps": float(n)}

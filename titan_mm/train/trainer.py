@@ -209,7 +209,8 @@ def _train_locked(cfg: JobConfig, out_dir, make_eval, make_data=None) -> dict[st
     guard.nan_count = state.nan_count
     peak = peak_tflops(device, cfg.metrics.peak_tflops)
     times = StepTimes()
-    window = ProfileWindow(cfg.metrics.profile_every, cfg.metrics.profile_steps, device)
+    window = ProfileWindow(cfg.metrics.profile_every, cfg.metrics.profile_steps, device,
+                           out_dir / "profile" if cfg.metrics.profile_traces and rank == 0 else None)
     kill_at = int(os.environ.get("TITAN_MM_FAULT_KILL_AT_STEP", "-1"))
     inject_nan = int(os.environ.get("TITAN_MM_FAULT_NAN_AT_STEP", "-1"))
     if cfg.training.gc_freq > 0:
