@@ -77,13 +77,13 @@ from titan_mm.serve.sampling_params import SamplingParams  # noqa: E402
 # the workloads, on the H200 and in the CPU smoke (a tiny debug model, every code path)
 SHAPES = {
     "gpu": dict(flavors=("0.6B", "1.7B"), spec=("1.7B", "0.6B"), max_num_seqs=256, budget=16384, cap_s=50.0,
-                async_scheduling=True, packed_prefill=False, peer=True,
+                async_scheduling=True, packed_prefill=True, mixed_attention=True, peer=True,
                 A=dict(n=256, lo=100, hi=1024), batch1=dict(prompt=512, new=512),
                 B=dict(n=128, prefix=2048, lo=16, hi=64, new=32), C=dict(n=16, snippet=16, prompt=256, new=128),
                 quantization=QUANTIZATIONS, ppl_tokens=8192, ppl_window=1024, kernel_steps=20, mixed_chunk=256,
                 fuse_projections=True),
     "cpu": dict(flavors=("debug",), spec=("debug", "debug"), max_num_seqs=8, budget=256, cap_s=30.0,
-                async_scheduling=True, packed_prefill=False, peer=True,
+                async_scheduling=True, packed_prefill=True, mixed_attention=True, peer=True,
                 A=dict(n=6, lo=4, hi=16), batch1=dict(prompt=16, new=8),
                 B=dict(n=6, prefix=64, lo=4, hi=8, new=4), C=dict(n=2, snippet=4, prompt=32, new=12),
                 quantization=("none", "int8_weight_only"), ppl_tokens=256, ppl_window=128, kernel_steps=4, mixed_chunk=16,
@@ -220,7 +220,7 @@ def titan_engine(model, spec, cfg, prompts: list[list[int]], news: list[int], de
                      max_num_batched_tokens=max(shape["budget"], shape["max_num_seqs"]), max_model_len=longest + k + 16,
                      **{"async_scheduling": shape["async_scheduling"], "packed_prefill": shape["packed_prefill"],
                         "fuse_projections": shape["fuse_projections"],
-                        "mixed_attention": shape.get("mixed_attention", False),
+                        "mixed_attention": shape["mixed_attention"],
                         "graph_sampling": shape.get("graph_sampling", False), **serve_kw})
     own = copy.deepcopy(model.to(device, sc.serving_dtype(torch.device(device))))
     # the shared weights wait on the host while this engine serves (8B on an H100: two copies beside part A's pool
@@ -792,12 +792,12 @@ def main(argv: list[str] | None = None) -> int:
                     "(what Engine.from_pretrained serves on CUDA); 0: the plain PyTorch ops")
     ap.add_argument("--async_scheduling", type=int, default=1, help="titan's serve.async_scheduling (1, the default: "
                     "each step launched before the previous step's tokens are read back; 0: steps in turn)")
-    ap.add_argument("--packed_prefill", type=int, default=0, help="titan's serve.packed_prefill (1: a step's "
-                    "prefill chunks as one packed row through varlen attention; 0, the default: rows padded to the "
+    ap.add_argument("--packed_prefill", type=int, default=1, help="titan's serve.packed_prefill (1, the default: "
+                    "a step's prefill chunks as one packed row through varlen attention; 0: rows padded to the "
                     "longest)")
-    ap.add_argument("--mixed_attention", type=int, default=0, help="titan's serve.mixed_attention (1: a step with "
-                    "prefill chunks runs all its rows as one packed row through titan_mm.kernels.paged_attention; "
-                    "0, the default: decode rows apart)")
+    ap.add_argument("--mixed_attention", type=int, default=1, help="titan's serve.mixed_attention (1, the default: a "
+                    "step with prefill chunks runs all its rows as one packed row through "
+                    "titan_mm.kernels.paged_attention; 0: decode rows apart)")
     ap.add_argument("--serve_quantization", default="none", choices=QUANTIZATIONS, help="serve.quantization of "
                     "titan's engines in parts A and batch1 (fp8_rowwise against a none run: issue 49's fp8 speed-up)")
     ap.add_argument("--graph_sampling", type=int, default=0, help="titan's serve.graph_sampling (1: a decode step "

@@ -37,7 +37,8 @@ N = 16
 CASES = {
     "prefix_cache": dict(block_size=4, num_blocks=256, max_num_seqs=4),  # admitted in waves: later ones hit
     "no_prefix_cache": dict(block_size=4, num_blocks=256, enable_prefix_caching=False),
-    "padded_prefill": dict(block_size=4, num_blocks=256, max_num_seqs=4, packed_prefill=False),  # rows, not packed
+    "padded_prefill": dict(block_size=4, num_blocks=256, max_num_seqs=4, packed_prefill=False,  # rows, not packed
+                           mixed_attention=False),
     "preemption": dict(block_size=4, num_blocks=22, max_num_seqs=16),
     "chunked_prefill": dict(block_size=4, num_blocks=256, max_num_batched_tokens=16, max_num_seqs=8),
     "whole_prefill": dict(block_size=16, num_blocks=64, enable_chunked_prefill=False, max_num_batched_tokens=256),
@@ -177,7 +178,7 @@ def vl_setup(moe: bool):
 def case_engine(model: str, case: str, served, tm, spec, eos: int, data, **kw) -> Engine:
     """The engine of one serving case (CASES) on ``served`` (``tm`` or a copy of it), with a draft of ``tm``'s text
     model for the draft cases."""
-    cfg = ServeConfig(max_model_len=256, **{"packed_prefill": True, **CASES[case]})
+    cfg = ServeConfig(max_model_len=256, **{"packed_prefill": True, "mixed_attention": False, **CASES[case]})
     text = tm.language_model if model.startswith("qwen3_vl") else tm
     draft = draft_model(text) if cfg.speculative_method == "draft" else None
     return Engine(served, spec, tm.cfg, cfg, eos_token_ids=[eos], data=data, draft=draft, **kw)

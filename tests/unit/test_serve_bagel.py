@@ -125,8 +125,9 @@ def _reference_chats(chats: list[list], model: BagelModel = MODEL, answer: int =
 
 
 @pytest.mark.parametrize("cfg,shared", [({}, 0), ({"max_num_batched_tokens": 8, "max_num_seqs": 4}, 0),
-                                         ({"packed_prefill": True}, 0), ({}, 9)],
-                         ids=["batched", "chunked", "packed", "prefix_cache"])
+                                         ({"mixed_attention": False}, 0),
+                                         ({"packed_prefill": False, "mixed_attention": False}, 0), ({}, 9)],
+                         ids=["batched", "chunked", "packed", "padded", "prefix_cache"])
 def test_engine_greedy_equals_the_training_forward(cfg, shared):
     prompts = _prompts(4, shared)
     want = _reference(prompts)
@@ -154,9 +155,10 @@ def test_text_rows_equal_the_routed_forward():
 
 
 @pytest.mark.parametrize("cfg,shared,n", [({}, 0, 4), ({"max_num_batched_tokens": 8, "max_num_seqs": 4}, 0, 4),
-                                           ({"packed_prefill": True}, 0, 4), ({"mixed_attention": True}, 0, 4),
+                                           ({"mixed_attention": False}, 0, 4),
+                                           ({"packed_prefill": False, "mixed_attention": False}, 0, 4),
                                            ({}, 5, 4), ({"num_blocks": 18}, 0, 8)],
-                         ids=["batched", "chunked", "packed", "mixed", "prefix_cache", "preemption"])
+                         ids=["mixed", "chunked", "packed", "padded", "prefix_cache", "preemption"])
 def test_engine_greedy_with_images_equals_the_training_forward(cfg, shared, n):
     """Image + question chats: each image the ViT split training builds, on one position and bidirectional inside,
     in one chunk even under an 8-token budget (a 16 x 16 image is an 18-token split); packed and mixed steps with a
