@@ -397,7 +397,7 @@ def test_flex_below_16_head_dims_on_cuda(head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seq", [96, 112, 128])
+@pytest.mark.parametrize("seq", [16, 50, 96, 112, 128])
 def test_flex_grouped_heads_below_its_block_on_cuda(seq):
     """Inductor's flex kernel found no config for grouped heads below 128 tokens (torch 2.11, H100: bench/rl.py's
     96-token rows of Qwen3-1.7B, 16 query / 8 kv heads, head dim 128, bf16): the attention runs there too, and its
