@@ -68,7 +68,7 @@ from titan_mm.config import ConfigError  # noqa: E402
 from titan_mm.data.builtin.text import text_corpus  # noqa: E402
 from titan_mm.data.tokenizer import load_tokenizer  # noqa: E402
 from titan_mm.registry import get_model_spec  # noqa: E402
-from titan_mm.serve.config import QUANTIZATIONS, ServeConfig  # noqa: E402
+from titan_mm.serve.config import KV_CACHE_DTYPES, QUANTIZATIONS, ServeConfig  # noqa: E402
 from titan_mm.serve.engine import Engine  # noqa: E402
 from titan_mm.serve.runner.model_runner import kv_bytes_per_block  # noqa: E402
 from titan_mm.serve.runner.weights import perplexity  # noqa: E402
@@ -352,7 +352,8 @@ def titan_vs_hf(spec, flavor, prompts, news, device, shape, cap_s, cpu, seed) ->
     out: dict = {}
 
     def titan():
-        engine = titan_engine(model, spec, cfg, prompts, news, device, shape, quantization=shape["serve_quantization"])
+        engine = titan_engine(model, spec, cfg, prompts, news, device, shape, quantization=shape["serve_quantization"],
+                              kv_cache_dtype=shape["kv_cache_dtype"])
         try:
             return run_titan(engine, prompts, news, cap_s, text_vocab())
         finally:
@@ -800,6 +801,9 @@ def main(argv: list[str] | None = None) -> int:
                     "titan_mm.kernels.paged_attention; 0: decode rows apart)")
     ap.add_argument("--serve_quantization", default="none", choices=QUANTIZATIONS, help="serve.quantization of "
                     "titan's engines in parts A and batch1 (fp8_rowwise against a none run: issue 49's fp8 speed-up)")
+    ap.add_argument("--kv_cache_dtype", default="auto", choices=("auto", *KV_CACHE_DTYPES), help="serve.kv_cache_dtype "
+                    "of titan's engines in parts A and batch1 (the rooflines stay the serving dtype's, so an fp8 "
+                    "cache reads as a share of the bf16 bound)")
     ap.add_argument("--graph_sampling", type=int, default=0, help="titan's serve.graph_sampling (1: a decode step "
                     "draws its rows inside its CUDA graph; 0, the default: the draw after the step)")
     ap.add_argument("--peer", type=int, default=1, help="0: skip transformers (titan's runs only)")
@@ -824,6 +828,7 @@ def main(argv: list[str] | None = None) -> int:
     shape["mixed_attention"] = bool(a.mixed_attention)
     shape["graph_sampling"] = bool(a.graph_sampling)
     shape["serve_quantization"] = a.serve_quantization
+    shape["kv_cache_dtype"] = a.kv_cache_dtype
     shape["peer"] = bool(a.peer)
     shape["fuse_projections"] = bool(a.fuse_projections)
     if a.quantization:

@@ -1,9 +1,11 @@
 """The mixed-row paged attention kernel on CUDA (titan_mm.kernels.paged_attention), and the engine with it
 (serve.mixed_attention): bf16 and fp32 pools equal the reference for packed batches of decode rows, prefill chunks
 with and without a cached prefix (up to 700 keys, chunks of 300) and an idle row (GQA, block sizes 16 and 256, a
-sliding window), with no host sync (torch.cuda.set_sync_debug_mode("error")) once compiled; the fp32 engine with
+sliding window), with no host sync (torch.cuda.set_sync_debug_mode("error")) once compiled, fp8 pools too
+(serve.kv_cache_dtype); the fp32 engine with
 it matches transformers' generate with every model step sync-free (chunked prefill, n-gram speculation under
-preemption; Qwen3 and Qwen3-VL with images), and the bf16 engine's greedy tokens with it equal those without.
+preemption; Qwen3 and Qwen3-VL with images), and the bf16 engine's greedy tokens with it equal those without; the fp32 engine with an fp8 cache gives the
+greedy tokens of a decode loop over the library's contiguous fp8 cache.
 
 Tolerances: fp32 IEEE dots, summation order only (1e-5 on outputs |o| < 6, as the decode kernel's test); bf16
 rounds q x scale and the probabilities to bf16 before the dots (2^-8 relative each): 2 x 2^-8 x 6 < 5e-2. Greedy
@@ -23,7 +25,9 @@ import torch
 
 from tests.gpu.test_serve_gpu import drive
 from tests.parity.test_serve_generate import CASES, MAX_NEW, text_setup, vl_setup
-from titan_mm.kernels import paged_attention
+from tests.unit.test_kv_cache_fp8 import CASES as FP8_CASES
+from tests.unit.test_kv_cache_fp8 import PROMPTS, greedy_over_fp8_cache, tiny_qwen3
+from titan_mm.kernels import paged_attention, paged_decode_attention
 from titan_mm.nn.kv_cache import paged_attention_reference
 from titan_mm.serve.config import ServeConfig
 from titan_mm.serve.engine import Engine
@@ -89,3 +93,44 @@ def test_bf16_greedy_tokens_equal_without_it():
             assert i < len(got) and got[i] == w, (want, got)
             compared += 1
     assert compared >= len(prompts)  # not all skipped as ties
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 5e-2), (torch.float32, 1e-5)], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode_rows"])
+def test_kernels_over_fp8_pools_match_the_reference_without_sync(dtype, tol, decode_only):
+    """serve.kv_cache_dtype fp8_e4m3: the kernels load float8 keys / values and convert them to the query's dtype
+    (exact), so they equal the reference over the same values with the tolerances above."""
+    torch.manual_seed(1)
+    H, G, K, BS = 16, 8, 128, 16
+    q_lens = [1] * 8 if decode_only else [1, 300, 0, 1, 37, 1, 120, 1]
+    seq_lens = [700, 300, 64, 1, 437, 250, 620, 90]
+    B, MB = len(q_lens), -(-max(seq_lens) // BS)
+    kp, vp = (torch.randn(B * MB, BS, G, K, device="cuda").to(torch.float8_e4m3fn) for _ in "kv")
+    tables = torch.randperm(B * MB, device="cuda").view(B, MB).to(torch.int32)
+    cu = torch.tensor([0, *q_lens], device="cuda").cumsum(0).to(torch.int32)
+    lens = torch.tensor(seq_lens, device="cuda", dtype=torch.int32)
+    q = torch.randn(sum(q_lens), H, K, device="cuda").to(dtype)
+    run = (lambda: paged_decode_attention(q, kp, vp, tables, lens)) if decode_only else \
+        (lambda: paged_attention(q, kp, vp, tables, lens, cu))
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = run()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = paged_attention_reference(q, kp.to(dtype), vp.to(dtype), tables, lens, cu)
+    assert got.dtype == dtype and float((got.float() - want.float()).abs().max()) <= tol
+
+
+@pytest.mark.parametrize("case", ["default", "chunked", "apart"])
+def test_fp32_engine_with_an_fp8_cache_equals_the_fp8_decode_loop_on_cuda(case):
+    """The CPU test's comparison on the GPU: the Triton kernels (decode, mixed, the fused prologue's fp8 store)
+    against the library's contiguous fp8 cache and SDPA, fp32 math."""
+    model, spec = tiny_qwen3()
+    model = model.cuda()
+    want = [greedy_over_fp8_cache(model, p, 12) for p in PROMPTS]
+    e = Engine(model, spec, model.cfg, ServeConfig(kv_cache_dtype="fp8_e4m3", dtype="float32", block_size=4,
+                                                   num_blocks=64, max_model_len=64, **FP8_CASES[case]), device="cuda")
+    outs = e.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == want

@@ -132,10 +132,11 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
     run_interpreted(_cases([(8, 2, 32, 8, "float32", None), (6, 2, 24, 16, "float16", 4)]))
 
 
-@pytest.mark.parametrize("dtype,rows,hpg,window", [("bf16", 64, 8, True), ("fp32", 16, 7, False)])
-def test_kernel_compiles_for_hopper(dtype, rows, hpg, window):
+@pytest.mark.parametrize("dtype,pool,rows,hpg,window", [("bf16", "bf16", 64, 8, True), ("fp32", "fp32", 16, 7, False),
+                                                       ("bf16", "fp8e4nv", 64, 8, False)])
+def test_kernel_compiles_for_hopper(dtype, pool, rows, hpg, window):
     """The interpreter runs the kernel as Python; the compiler (Triton's own ptxas, no GPU needed) checks what it
-    does not: loop-carried types, the early return, shared memory on sm_90."""
+    does not: loop-carried types, the early return, shared memory on sm_90, float8 pools (serve.kv_cache_dtype)."""
     triton = pytest.importorskip("triton")  # optional: CPU machines without triton skip, hence the imports here
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -143,7 +144,8 @@ def test_kernel_compiles_for_hopper(dtype, rows, hpg, window):
     from titan_mm.kernels.paged_attention import _paged_mixed
 
     const = dict(HPG=hpg, BQ=rows // hpg, BM=rows, BS=16, TB=64, D=128, DP=128, WINDOW=window, IEEE=dtype == "fp32")
-    sig = {n: f"*{dtype}" for n in ("Q", "Kp", "Vp", "O")} | {n: "*i32" for n in ("BT", "LENS", "CUQ")}
+    sig = {n: f"*{dtype}" for n in ("Q", "O")} | {n: f"*{pool}" for n in ("Kp", "Vp")}
+    sig |= {n: "*i32" for n in ("BT", "LENS", "CUQ")}
     sig |= {"scale": "fp32"} | {n: "i32" for n in ("window", "B", "sqt", "sqh", "skn", "skt", "skg", "svn", "svt",
                                                     "svg", "sot", "soh", "sbt")} | dict.fromkeys(const, "constexpr")
     k = triton.compile(ASTSource(fn=_paged_mixed, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_mm.nn.kv_cache import paged_attention_reference, paged_decode_reference
+from titan_mm.nn.kv_cache import copy_rows, paged_attention_reference, paged_decode_reference
 from titan_mm.nn.loss import chunked_cross_entropy
 from titan_mm.nn.mlp import bias_gelu as _bias_gelu_ref
 from titan_mm.nn.mlp import silu_mul
@@ -71,7 +71,7 @@ from titan_mm.nn.norm import rms_norm as _rms_norm_ref
 from titan_mm.nn.rope import apply_rope as _apply_rope_ref
 
 from . import _dispatch
-from ._dispatch import HAS_TRITON, use_triton
+from ._dispatch import HAS_TRITON, use_triton, use_triton_kv
 from ._tuning import share_picks, tune_for_model
 from ._utils import current_picks, export_picks, load_picks, tuned_configs, tuning, untuned_keys
 
@@ -272,7 +272,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if k_pool.shape[-1] != K or H % k_pool.shape[2] or v_pool.shape != k_pool.shape:
         raise ValueError(f"paged decode: q [B, H, K] = {list(q.shape)} against pools {list(k_pool.shape)} / "
                          f"{list(v_pool.shape)}: K must agree, H must be a multiple of G, k and v pools alike")
-    if use_triton(q, k_pool, v_pool):  # any block size: tiles of 64 tokens look up each token's block
+    if use_triton_kv((k_pool, v_pool), q):  # any block size: tiles of 64 tokens look up each token's block
         return paged_decode(q, k_pool, v_pool, block_tables, seq_lens, window)
     return paged_decode_reference(q, k_pool, v_pool, block_tables, seq_lens, window)
 
@@ -290,7 +290,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          f"{list(v_pool.shape)}, block_tables {list(block_tables.shape)}, seq_lens "
                          f"{list(seq_lens.shape)}, cu_seqlens_q {list(cu_seqlens_q.shape)}: K must agree, H must be a "
                          "multiple of G, k and v pools alike, one table row and length per sequence and B + 1 offsets")
-    if use_triton(q, k_pool, v_pool):
+    if use_triton_kv((k_pool, v_pool), q):
         return paged_mixed(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, window)
     return paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, window)
 
@@ -303,7 +303,7 @@ def norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torc
     (None: no q/k norm) and rotated by cos / sin [B, X] or [X] (X = K or K / 2; per token, so M-RoPE tables too);
     k and v [B, G, K] written into slot ``slots[b]`` of the pools [NB, BS, G, K]. -> q normed and rotated [B, H, K].
     One Triton launch (titan_mm/kernels/norm_rope_cache.py); elsewhere the references composed: nn's rms_norm,
-    apply_rope, and KVCache.write's index_copy_."""
+    apply_rope, and KVCache.write's copy_rows."""
     B, H, D = q.shape
     G = k.shape[1]
     if cos.shape[-1] not in (D, D // 2) or k_pool.shape[2:] != (G, D) or slots.shape != (B,):
@@ -312,14 +312,14 @@ def norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torc
                          f"(partial rotary: apply its RoPE unfused), the pool [NB, BS, G, K], one slot per row")
     cos, sin = cos.expand(B, cos.shape[-1]), sin.expand(B, sin.shape[-1])
     norm = () if q_w is None else (q_w, k_w)
-    if (use_triton(q, k, v, cos, sin, k_pool, v_pool, *norm) and all(w.dtype == q.dtype for w in norm)
+    if (use_triton_kv((k_pool, v_pool), q, k, v, cos, sin, *norm) and all(w.dtype == q.dtype for w in norm)
             and k.dtype == q.dtype and all(t.stride(-1) == 1 for t in (q, k, v, cos, sin, k_pool, v_pool))):
         return _norm_rope_cache(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots)
     if q_w is not None:
         q, k = _rms_norm_ref(q, q_w, eps), _rms_norm_ref(k, k_w, eps)
     q, k = _apply_rope_ref(q, k, cos, sin)
     for pool, new in ((k_pool, k), (v_pool, v)):
-        pool.view(-1, G, D).index_copy_(0, slots, new.to(pool.dtype))
+        copy_rows(pool.view(-1, G, D), slots, new)
     return q
 
 

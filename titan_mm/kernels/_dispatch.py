@@ -32,6 +32,8 @@ def use_ops() -> bool:
     """True: call the torch.library custom ops; False: the eager autograd.Function fast path."""
     return PREFER_OPS or torch.compiler.is_compiling()
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# KV-cache pools may also hold float8 (serve.kv_cache_dtype): the paged kernels convert on load and store
+KV_POOL_DTYPES = (*TRITON_DTYPES, torch.float8_e4m3fn)
 
 
 _CAP_OK: dict = {}
@@ -73,3 +75,9 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if not device_ok(t0.device):
         return False
     return all(t.dtype in TRITON_DTYPES and t.device == t0.device for t in tensors)
+
+
+def use_triton_kv(pools: tuple[torch.Tensor, ...], *tensors: torch.Tensor) -> bool:
+    """:func:`use_triton` for a paged kernel: ``tensors`` as there, the KV ``pools`` on their device in any of
+    KV_POOL_DTYPES."""
+    return use_triton(*tensors) and all(p.dtype in KV_POOL_DTYPES and p.device == tensors[0].device for p in pools)

@@ -65,7 +65,7 @@ def _paged_mixed(Q, Kp, Vp, O, BT, LENS, CUQ, scale, window, B,
     dm = d < D
     q = tl.load(Q + tok[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=live[:, None] & dm[None, :],
                 other=0.0)
-    q = (q.to(tl.float32) * scale).to(Kp.dtype.element_ty)
+    q = (q.to(tl.float32) * scale).to(Q.dtype.element_ty)  # an fp8 pool: k / v come up to q's dtype
     m = tl.full([BM], -1e30, tl.float32)
     s_sum = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DP], tl.float32)
@@ -104,12 +104,12 @@ def paged_mixed(q_THK: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     q = q_THK.contiguous()
     o = torch.empty_like(q)
     hpg = H // G
-    bm, bq = tile_rows(T, B, hpg, k_pool.dtype == torch.float32)
+    bm, bq = tile_rows(T, B, hpg, q.dtype == torch.float32)
     _paged_mixed[(T // bq + B, G)](
         q, k_pool, v_pool, o, block_tables, seq_lens, cu_seqlens_q, K ** -0.5, window or 0, B,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), o.stride(0), o.stride(1), block_tables.stride(0),
         HPG=hpg, BQ=bq, BM=bm, BS=k_pool.shape[1], TB=TILE, D=K, DP=max(16, next_pow2(K)),
-        WINDOW=window is not None, IEEE=k_pool.dtype == torch.float32, num_warps=4,
+        WINDOW=window is not None, IEEE=q.dtype == torch.float32, num_warps=4,
     )
     return o

@@ -46,7 +46,7 @@ def attend_tile(q, m, s_sum, acc, Kp, Vp, bt, pos, ok, keep, g, skn, skt, skg, s
     [M, TB] or [1, TB]: which (row, key) pairs attend (the caller's causal / window / length mask)."""
     blk = tl.load(bt + pos // BS, mask=ok, other=0).to(tl.int64)
     off = blk * skn + (pos % BS) * skt + g * skg
-    k = tl.load(Kp + off[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
+    k = tl.load(Kp + off[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0).to(q.dtype)  # fp8 pools
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -57,7 +57,7 @@ def attend_tile(q, m, s_sum, acc, Kp, Vp, bt, pos, ok, keep, g, skn, skt, skg, s
     p = tl.exp(s - m_new[:, None])
     s_sum = s_sum * alpha + tl.sum(p, 1)
     voff = blk * svn + (pos % BS) * svt + g * svg
-    v = tl.load(Vp + voff[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
+    v = tl.load(Vp + voff[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0).to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -81,7 +81,7 @@ def _paged_decode(Q, Kp, Vp, O, M, L, BT, LENS, scale, window,
     dm = d < D
     heads = g * HPG + h
     q = tl.load(Q + b * sqb + heads[:, None] * sqh + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
-    q = (q.to(tl.float32) * scale).to(Kp.dtype.element_ty)
+    q = (q.to(tl.float32) * scale).to(Q.dtype.element_ty)  # an fp8 pool: k / v come up to q's dtype
     m = tl.full([BH], -1e30, tl.float32)  # finite: a split with no key leaves the sums at 0, not NaN
     s_sum = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, DP], tl.float32)
@@ -157,7 +157,7 @@ def paged_decode(q_BHK: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         dst.stride(0), dst.stride(1), dst.stride(2) if P > 1 else 0, m.stride(0), m.stride(1),
         block_tables.stride(0),
         HPG=hpg, BH=max(16, next_pow2(hpg)), BS=k_pool.shape[1], TB=TILE, D=K, DP=DP, SPLITS=P,
-        WINDOW=window is not None, IEEE=k_pool.dtype == torch.float32, num_warps=4,
+        WINDOW=window is not None, IEEE=q.dtype == torch.float32, num_warps=4,
     )
     if P > 1:
         _combine[(B, H)](part, m, lsum, o, part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1),

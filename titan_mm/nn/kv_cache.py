@@ -38,6 +38,11 @@ optionally a sliding window; among the step's own new tokens, as a caller's ``se
 masks are built on the host before the forward, so the forward does no ``.item()``, no ``nonzero`` and no host
 sync. The gather is the simple correct path; the serving engine's
 paged decode kernels read the blocks in place later.
+
+The storage may hold k/v in a narrower dtype than the model computes in (the serving engine's
+``serve.kv_cache_dtype = "fp8_e4m3"``): writes round to it, reads come back in the new
+k/v's dtype. torch has no ``index_copy_`` for float8, so rows go in through a byte view
+(:func:`copy_rows`).
 """
 
 from __future__ import annotations
@@ -48,6 +53,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+def copy_rows(store: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``store[index] = rows`` along dim 0, in place, ``rows`` rounded to ``store``'s dtype; float8 stores through
+    their bytes (torch's ``index_copy_`` has no float8 kernel)."""
+    rows = rows.to(store.dtype)
+    if store.dtype.itemsize == 1 and store.dtype.is_floating_point:
+        store, rows = store.view(torch.uint8), rows.view(torch.uint8)
+    store.index_copy_(0, index, rows)
 
 
 @dataclass(frozen=True, eq=False)
@@ -175,9 +189,8 @@ class KVCache(abc.ABC):
             raise ValueError(f"the cache stores [G, K] = {list(self.k[layer].shape[-2:])} per token but layer {layer} "
                              f"has {G} kv heads of dim {K}; allocate it with the model's num_key_value_heads, head_dim")
         for store, new in ((self.k[layer], k_BSGK), (self.v[layer], v_BSGK)):
-            flat = store.view(-1, G, K)
-            flat.index_copy_(0, self.step.slot_mapping,
-                             new.reshape(B * S, G, K).index_select(0, self.step.new_tokens).to(flat.dtype))
+            copy_rows(store.view(-1, G, K), self.step.slot_mapping,
+                      new.reshape(B * S, G, K).index_select(0, self.step.new_tokens))
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

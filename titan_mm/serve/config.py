@@ -11,6 +11,7 @@ from titan_mm.config import ConfigError
 from titan_mm.dtypes import torch_dtype
 
 QUANTIZATIONS = ("none", "int8_weight_only", "fp8_weight_only", "fp8_rowwise", "int4_weight_only")
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # besides "auto" (serve.dtype's)
 """serve.quantization's modes (titan_mm/serve/runner/weights.py: torchao's configs)."""
 FP8_CAPABILITY = (8, 9)  # float8 GEMMs and casts: Ada / Hopper and newer
 INT4_CAPABILITY = (8, 0)  # tinygemm's int4 GEMM: tensor cores of Ampere and newer
@@ -105,6 +106,11 @@ class ServeConfig:
     int8 weights; CPU and CUDA); fp8_weight_only (per-row float8 e4m3 weights) and fp8_rowwise (w8a8: those weights
     times per-row dynamic float8 activations), both CUDA capability >= 8.9; int4_weight_only (groups of 128,
     tinygemm; CUDA capability >= 8.0, dtype bfloat16). Not with tensor_parallel_size > 1 yet."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's storage: auto (serve.dtype's) or fp8_e4m3 (float8 e4m3, one byte a value, no scale: half the
+    bytes a decode step reads per cached token and twice the blocks in the same memory). Keys and values are
+    rounded when written and read back in the serving dtype; attention math is unchanged. CUDA needs compute
+    capability >= 8.9; elsewhere the reference ops run it (the CPU tests)."""
     tensor_parallel_size: int = 1
     """Processes the model is split over by its family's tensor-parallel plan (heads, kv heads and vocabulary must
     divide); launch that many with torchrun. Rank 0 takes the requests and serves HTTP; the others follow its steps."""
@@ -143,6 +149,9 @@ class ServeConfig:
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ConfigError(f"serve.quantization={self.quantization!r} is not a mode{hint} (modes: "
                               f"{', '.join(QUANTIZATIONS)})")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"serve.kv_cache_dtype={self.kv_cache_dtype!r} is not a cache dtype (auto, "
+                              f"{', '.join(KV_CACHE_DTYPES)})")
         if self.quantization != "none" and self.tensor_parallel_size > 1:
             raise ConfigError(f"serve.quantization={self.quantization!r} with tensor_parallel_size="
                               f"{self.tensor_parallel_size}: quantized weights are not split over tp yet; set one of "
@@ -154,16 +163,24 @@ class ServeConfig:
             return torch_dtype(self.dtype)
         return torch.bfloat16 if device.type == "cuda" else torch.float32
 
+    def kv_dtype(self, device: torch.device) -> torch.dtype:
+        """The KV cache's storage dtype on ``device`` (serve.kv_cache_dtype; auto: the serving dtype)."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or self.serving_dtype(device)
+
     def check_weights(self, device: torch.device, owned: bool, capability: tuple[int, int] | None = None) -> None:
-        """The rules of the load-time transforms on ``device`` (``capability``: its CUDA compute capability); ``owned``:
-        the engine owns the model's weights (from_pretrained, or Engine(owns_weights=True))."""
+        """The rules of the load-time transforms and of the KV cache's dtype on ``device`` (``capability``: its CUDA
+        compute capability); ``owned``: the engine owns the model's weights (from_pretrained, or
+        Engine(owns_weights=True))."""
+        on = f"this device is {device.type}" + (f" of capability {capability[0]}.{capability[1]}" if capability else "")
+        if self.kv_cache_dtype.startswith("fp8") and device.type == "cuda" and (capability or (0, 0)) < FP8_CAPABILITY:
+            raise ConfigError(f"serve.kv_cache_dtype={self.kv_cache_dtype!r} needs a CUDA GPU of compute capability "
+                              f">= 8.9 (Ada, Hopper or newer); {on}: use auto")
         q = self.quantization
         if q == "none":
             return
         if not owned:
             raise ConfigError(f"serve.quantization={q!r} rewrites the model's weights, and Engine() serves a caller's "
                               "model as given; load it with Engine.from_pretrained or pass Engine(owns_weights=True)")
-        on = f"this device is {device.type}" + (f" of capability {capability[0]}.{capability[1]}" if capability else "")
         if q.startswith("fp8") and (device.type != "cuda" or capability is None or capability < FP8_CAPABILITY):
             raise ConfigError(f"serve.quantization={q!r} needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper "
                               f"or newer); {on}: use int8_weight_only or none")

@@ -140,6 +140,8 @@ class Engine:
             tp += f", fused projections ({self.transforms['fused_gemms_saved']} GEMMs fewer per forward)"
         if self.transforms.get("quantized_linears"):
             tp += f", quantization {self.cfg.quantization} ({self.transforms['quantized_linears']} linears)"
+        if self.cfg.kv_cache_dtype != "auto":
+            tp += f", KV cache {self.cfg.kv_cache_dtype}"
         return (f"engine ready: model {shown}, dtype {str(self.dtype).removeprefix('torch.')}, max_model_len "
                 f"{self.max_model_len}, KV blocks {b.num_blocks} x {b.block_size} tokens, captured graphs "
                 f"{len(graphs)}" + (f" (decode batch sizes {graphs[0]}..{graphs[-1]})" if graphs else "") + tp

@@ -37,7 +37,8 @@ class EngineCore:
         runner = dict(block_size=cfg.block_size, num_blocks=num_blocks, max_num_seqs=cfg.max_num_seqs,
                       tp=cfg.tensor_parallel_size, paged_decode=cfg.paged_decode, max_model_len=max_model_len,
                       cuda_graphs=cfg.cuda_graphs, packed_prefill=cfg.packed_prefill,
-                      mixed_attention=cfg.mixed_attention, graph_sampling=cfg.graph_sampling)
+                      mixed_attention=cfg.mixed_attention, graph_sampling=cfg.graph_sampling,
+                      kv_dtype=cfg.kv_dtype(device))
         self.runner = ModelRunner(model, spec, model_cfg, device, dtype, **runner)
         # the draft's own pool has the target's block layout and tables; its steps are handed no draw
         self.proposer = None if draft is None else DraftProposer(ModelRunner(*draft, device, dtype,

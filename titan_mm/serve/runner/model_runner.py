@@ -31,7 +31,7 @@ import torch
 
 from titan_mm.kernels import greedy_pick, paged_attention, paged_decode_attention
 from titan_mm.nn.attention import build_attn_meta
-from titan_mm.nn.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, plan_step, state_shapes
+from titan_mm.nn.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, copy_rows, plan_step, state_shapes
 from titan_mm.serve.core.scheduler import Row
 from titan_mm.serve.core.media import MEDIA_KEYS, audio_inputs, split_inputs
 from titan_mm.serve.core.sequence import PENDING, Audio
@@ -135,12 +135,12 @@ def pool_blocks(model, cfg, dims, device: torch.device, dtype: torch.dtype, max_
             model(torch.zeros(1, n, dtype=torch.long, device=device), logits_at=torch.tensor([n - 1], device=device))
         act = torch.cuda.max_memory_allocated(device) - base
         torch.cuda.empty_cache()
-    tp = cfg.tensor_parallel_size
+    tp, kv = cfg.tensor_parallel_size, cfg.kv_dtype(device)
     act += state_bytes(dims, cfg.max_num_seqs + 1, dtype, tp)
     cap = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
-    per = kv_bytes_per_block(dims, cfg.block_size, dtype, tp)
+    per = kv_bytes_per_block(dims, cfg.block_size, kv, tp)
     if draft_dims is not None:
-        per += kv_bytes_per_block(draft_dims, cfg.block_size, dtype, tp)
+        per += kv_bytes_per_block(draft_dims, cfg.block_size, kv, tp)
     return ModelRunner.blocks_from_memory(per, device, cfg.gpu_memory_utilization, act, cap)
 
 
@@ -148,7 +148,8 @@ class ModelRunner:
     def __init__(self, model, spec, model_cfg, device: torch.device, dtype: torch.dtype, block_size: int,
                  num_blocks: int, max_num_seqs: int, tp: int = 1, paged_decode: bool = True, max_model_len: int = 0,
                  cuda_graphs: bool = True, packed_prefill: bool = False, mixed_attention: bool = False,
-                 graph_sampling: bool = False):
+                 graph_sampling: bool = False, kv_dtype: torch.dtype | None = None):
+        """``kv_dtype``: the KV pools' storage (None: ``dtype``)."""
         self.model, self.spec, self.cfg = model, spec, model_cfg
         self.decode_attention = paged_decode_attention if paged_decode else None
         self.device, self.dtype = device, dtype
@@ -172,7 +173,7 @@ class ModelRunner:
         self.packed = (packed_prefill or self.mixed) and lin is None
         self.varlen = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)  # flash kernels only
         self.cache = alloc_paged_cache(dims.num_layers, num_blocks + 1, block_size, dims.num_kv_heads // tp,
-                                       dims.head_dim, dtype, device, state=state)
+                                       dims.head_dim, kv_dtype or dtype, device, state=state)
         self.scratch_block = num_blocks
         self.max_table = -(-max(max_model_len, block_size) // block_size) + 1  # + a lookahead block
         # bf16 only: the serving dtype; fp32 runs eagerly (its steps are checked sync-free too, on the H200)
@@ -200,7 +201,7 @@ class ModelRunner:
             return
         src, dst = torch.tensor(copies).T.to(self.device, non_blocking=True)  # torch.tensor(device=) would sync
         for store in self.cache.k + self.cache.v:
-            store.index_copy_(0, dst, store.index_select(0, src))
+            copy_rows(store, dst, store.index_select(0, src))
 
     def copy_state(self, src: int, dst: int) -> None:
         """A forked sequence (slot ``dst``) starts from its parent's linear-attention state (slot ``src``)."""
