@@ -240,7 +240,8 @@ class Qwen3Model(nn.Module):
             h_ND, t_N = h_ND[valid_BS.reshape(-1)], t_N[valid_BS.reshape(-1)]
         logp_NV = self.ops.logits(h_ND, self.lm_head_weight).float().log_softmax(-1)
         lp_N = logp_NV.gather(-1, t_N[:, None])[:, 0]
-        ent_N = -(logp_NV.exp() * logp_NV).sum(-1)
+        with torch.no_grad():  # logged only: no [N, V] tensors kept for a backward that never comes
+            ent_N = -(logp_NV.exp() * logp_NV).sum(-1)
         if h_BSD.device.type == "cpu":
             zero = torch.zeros(targets.shape, dtype=torch.float32, device=h_BSD.device)
             return zero.masked_scatter(valid_BS, lp_N), zero.masked_scatter(valid_BS, ent_N)
