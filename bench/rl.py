@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a one-layer model of hidden 64 (with --cpu)")
     ap.add_argument("--sides", default="titan,trl", help="comma-separated: titan, trl")
     ap.add_argument("--steps", type=int)
+    ap.add_argument("--micro", type=int, help="rows per micro-batch on both sides (default: the shape's; the step's "
+                    "prompts x group rows are split into micro-batches of this size)")
     ap.add_argument("--dir", default="/tmp/bench_rl", help="scratch folder (the HF init, both runs)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for the titan side's run")
     ap.add_argument("--titan-args", default="", help="more config overrides for the titan side, e.g. "
@@ -223,8 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     if not sides or set(sides) - {"titan", "trl"}:
         print(f"bench/rl.py: --sides {a.sides!r}: give titan, trl or both, comma-separated", file=sys.stderr)
         return 2
+    micro = a.micro
     for k, v in shape.items():
         setattr(a, k, v)
+    if micro is not None:
+        if micro < 1 or (a.prompts * a.group) % micro:
+            print(f"bench/rl.py: --micro {micro} must divide the step's {a.prompts * a.group} rows", file=sys.stderr)
+            return 2
+        a.micro = micro
     if a.steps is None:
         a.steps = shape["steps"]
     a.steps = max(a.steps, a.warmup + 1)
