@@ -255,6 +255,23 @@ def test_trainer_and_reference_forward_agree():
     assert (got - want.detach()).abs().max() <= 1e-5
 
 
+def test_the_policy_head_on_the_label_index_is_the_boolean_rows():
+    """The policy hook with the collate's ``label_index`` (the head on the labeled rows, no sync on a GPU) gives the
+    boolean rows' logprobs, entropies and gradients bit for bit (the same rows in the same order)."""
+    run = setup(cfg_of())
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(2, 16, run.model.cfg.hidden_size, generator=g)
+    labels = torch.randint(0, 1000, (2, 16), generator=g).masked_fill(torch.rand(2, 16, generator=g) < 0.4, -100)
+    got = []
+    for index in (None, (labels.reshape(-1) != -100).nonzero().squeeze(1)):
+        hh = h.clone().requires_grad_()
+        lp, ent = run.model.token_logprobs(hh, labels, index)
+        lp.sum().backward()
+        got.append((lp, ent, hh.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+    assert bool((got[0][0][labels == -100] == 0).all()) and bool((got[0][0][labels != -100] < 0).all())
+
+
 # ---------------------------------------------------------------------------------------------- the trainer
 def _metrics(run_dir):
     return read_metrics(Path(run_dir) / "metrics.jsonl")

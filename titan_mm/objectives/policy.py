@@ -15,9 +15,10 @@ Terms (sums of w x per-token value): ``pg`` and ``kl``, normalized by the global
 policy's next-token entropy), ``clip_frac`` (tokens whose ratio was clipped) and ``logprob_gap`` (|logp -
 old_logprobs|: at staleness 0 the engine's logprobs against the trainer's on the same weights, the bias a precision
 or kernel mismatch puts in the ratio; at k >= 1 the policy's drift too), each a mean over the tokens.
-Family hook:
+``label_index`` [N] int64 (optional): the flat positions (over B x S) of the labels != -100, built on the host
+(titan_mm.rl's collate), so the head runs on those rows alone. Family hook:
 
-    model.token_logprobs(hidden [B, S, D], targets [B, S]) -> (logp [B, S] fp32, entropy [B, S] fp32)
+    model.token_logprobs(hidden [B, S, D], targets [B, S], index [N] | None) -> (logp [B, S] fp32, entropy [B, S] fp32)
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class Policy(Objective):
 
     @property
     def loss_keys(self) -> tuple[str, ...]:
-        return ("labels", "num_label_tokens", "old_logprobs", "advantages", "rl_weights", "ref_logprobs")
+        return ("labels", "num_label_tokens", "old_logprobs", "advantages", "rl_weights", "ref_logprobs",
+                "label_index")
 
     def counts(self, batch: dict[str, Any]) -> dict[str, int]:
         valid = batch["labels"] != IGNORE
@@ -63,7 +65,7 @@ class Policy(Objective):
 
     def loss_sums(self, model, out, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         labels = batch["labels"]
-        logp, ent = model.token_logprobs(out.hidden, labels)
+        logp, ent = model.token_logprobs(out.hidden, labels, batch.get("label_index"))
         return policy_sums(logp, ent, labels, batch, self)
 
 

@@ -282,7 +282,10 @@ class RolloutSource:
                 doc.positions = np.concatenate([pd.positions, np.broadcast_to(after, (pd.positions.shape[0], c))], 1)
                 doc.media, doc.n_patches = pd.media, pd.n_patches
             docs.append([doc])
-        return collate_rows(docs, self.cfg.data.seq_len, self.tok.pad_id, self.needs.position_axes)
+        batch = collate_rows(docs, self.cfg.data.seq_len, self.tok.pad_id, self.needs.position_axes)
+        # the policy head's rows (objectives.policy): built here on the host, no sync in the step
+        batch["label_index"] = (batch["labels"].reshape(-1) != IGNORE).nonzero().squeeze(1)
+        return batch
 
     def _fill(self, step: int) -> None:
         """Make the rollouts due at ``step`` (module docstring): steps step .. step + k not made yet."""
@@ -359,5 +362,6 @@ def token_logprobs(model, batch: dict, device: torch.device, prepare=None) -> to
     b = to_device(batch, device)
     labels = b["labels"]
     out = model(b["input_ids"], position_ids=b["position_ids"], attn=attn,
-                loss=lambda m, o: {"logp": m.token_logprobs(o.hidden, labels)[0]}, **model_inputs(b, Policy()))
+                loss=lambda m, o: {"logp": m.token_logprobs(o.hidden, labels, b.get("label_index"))[0]},
+                **model_inputs(b, Policy()))
     return out.terms["logp"].float().cpu()

@@ -230,22 +230,25 @@ class Qwen3Model(nn.Module):
         return self.ops.cross_entropy(h_ND, self.lm_head_weight, labels_N, self.cfg.loss_chunk_size,
                                       self.cfg.z_loss_weight, *extra)
 
-    def token_logprobs(self, h_BSD: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_logprobs(self, h_BSD: torch.Tensor, targets: torch.Tensor,
+                       index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy objective's hook (titan_mm.objectives.policy): fp32 log p(targets) [B, S] and the entropy
         [B, S] of the next-token distribution from the final-norm ``h_BSD`` (0 where targets is -100). Holds fp32
-        logits [N, V]: RL batches are short completions."""
-        valid_BS = targets != -100
-        h_ND, t_N = h_BSD.reshape(-1, h_BSD.shape[-1]), targets.reshape(-1).clamp(min=0)
-        if h_BSD.device.type == "cpu":  # as lm_loss: only the target positions (the index is a sync elsewhere)
-            h_ND, t_N = h_ND[valid_BS.reshape(-1)], t_N[valid_BS.reshape(-1)]
+        logits [N, V]: RL batches are short completions. ``index``: the labeled positions over B x S, built on the
+        host (the head then runs on them alone, as lm_loss's)."""
+        B, S = targets.shape
+        h_ND, t_N, _ = head_rows(h_BSD.reshape(B * S, -1), targets.reshape(-1), None, index)
+        rows = index is not None or h_BSD.device.type == "cpu"  # head_rows kept the labeled rows only
         logp_NV = self.ops.logits(h_ND, self.lm_head_weight).float().log_softmax(-1)
-        lp_N = logp_NV.gather(-1, t_N[:, None])[:, 0]
+        lp_N = logp_NV.gather(-1, t_N.clamp(min=0)[:, None])[:, 0]
         with torch.no_grad():  # logged only: no [N, V] tensors kept for a backward that never comes
             ent_N = -(logp_NV.exp() * logp_NV).sum(-1)
-        if h_BSD.device.type == "cpu":
-            zero = torch.zeros(targets.shape, dtype=torch.float32, device=h_BSD.device)
-            return zero.masked_scatter(valid_BS, lp_N), zero.masked_scatter(valid_BS, ent_N)
-        return lp_N.view(targets.shape).where(valid_BS, 0.0), ent_N.view(targets.shape).where(valid_BS, 0.0)
+        valid_BS = targets != -100
+        if rows:  # back to [B, S]; the CPU's boolean rows are the labeled positions in order, as an index's
+            at = index if index is not None else valid_BS.reshape(-1).nonzero().squeeze(1)
+            zero = torch.zeros(B * S, dtype=torch.float32, device=h_BSD.device)
+            return zero.index_put((at,), lp_N).view(B, S), zero.index_put((at,), ent_N).view(B, S)
+        return lp_N.view(B, S).where(valid_BS, 0.0), ent_N.view(B, S).where(valid_BS, 0.0)
 
     def forward(
         self,

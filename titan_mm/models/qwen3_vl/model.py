@@ -174,9 +174,10 @@ class Qwen3VLModel(nn.Module):
         """The causal-LM objective's hook: the text model's (Qwen3Model.lm_loss)."""
         return self.language_model.lm_loss(h_BSD, targets, weights, index)
 
-    def token_logprobs(self, h_BSD: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_logprobs(self, h_BSD: torch.Tensor, targets: torch.Tensor,
+                       index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy objective's hook: the text model's (Qwen3Model.token_logprobs)."""
-        return self.language_model.token_logprobs(h_BSD, targets)
+        return self.language_model.token_logprobs(h_BSD, targets, index)
 
     def forward(
         self,
