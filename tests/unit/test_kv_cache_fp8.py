@@ -10,7 +10,7 @@ brings them back in the model's dtype, and nothing else about the attention chan
   boundary;
 - the engine with an fp8 cache gives, token for token, the greedy tokens of a decode loop over the library's
   contiguous cache in fp8 (the gather path: the same rounding, plain SDPA), whole and chunked prefill, decode
-  rows beside chunks in one call (the defaults) and apart;
+  rows beside chunks in one call (the defaults) and apart; a forked block's copy-on-write is byte for byte;
 - an fp8 block is half a bf16 block, the start-up line names the cache dtype, and a bad value or a GPU without
   float8 (capability < 8.9) is one line.
 """
@@ -139,6 +139,11 @@ def test_engine_greedy_equals_a_decode_loop_over_an_fp8_cache(case):
     assert "KV cache fp8_e4m3" in e.describe()
     outs = e.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == want
+    # copy-on-write of a forked sequence's block (n > 1 sampling, beams) over fp8 pools: byte for byte
+    pool = e.runner.cache.k[0]
+    pool[3].copy_(torch.randn(pool[3].shape).to(F8))
+    e.runner.copy_blocks([(3, 9)])
+    assert torch.equal(pool[9].view(torch.uint8), pool[3].view(torch.uint8)) and pool[9].float().abs().max() > 0
     # the rounding matters: an fp32 cache's tokens differ somewhere, so the comparison above saw the fp8 values
     fp32 = Engine(model, spec, model.cfg, ServeConfig(block_size=4, num_blocks=64, max_model_len=64), device="cpu")
     assert [o.outputs[0].token_ids for o in fp32.generate(PROMPTS, SamplingParams(

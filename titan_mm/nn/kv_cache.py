@@ -41,8 +41,8 @@ paged decode kernels read the blocks in place later.
 
 The storage may hold k/v in a narrower dtype than the model computes in (the serving engine's
 ``serve.kv_cache_dtype = "fp8_e4m3"``): writes round to it, reads come back in the new
-k/v's dtype. torch has no ``index_copy_`` for float8, so rows go in through a byte view
-(:func:`copy_rows`).
+k/v's dtype. torch's index kernels lack float8, so rows go in and out through byte views
+(:func:`copy_rows`, :func:`take_rows`).
 """
 
 from __future__ import annotations
@@ -55,13 +55,19 @@ from dataclasses import dataclass
 import torch
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes (torch's index kernels lack float8), any other as it is."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
+
+
 def copy_rows(store: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    """``store[index] = rows`` along dim 0, in place, ``rows`` rounded to ``store``'s dtype; float8 stores through
-    their bytes (torch's ``index_copy_`` has no float8 kernel)."""
-    rows = rows.to(store.dtype)
-    if store.dtype.itemsize == 1 and store.dtype.is_floating_point:
-        store, rows = store.view(torch.uint8), rows.view(torch.uint8)
-    store.index_copy_(0, index, rows)
+    """``store[index] = rows`` along dim 0, in place, ``rows`` rounded to ``store``'s dtype."""
+    _bytes(store).index_copy_(0, index, _bytes(rows.to(store.dtype)))
+
+
+def take_rows(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``store[index]`` along dim 0, in ``store``'s dtype."""
+    return _bytes(store).index_select(0, index).view(store.dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,7 +166,7 @@ class KVCache(abc.ABC):
         B = k_BSGK.shape[0]
         G, K = k_BSGK.shape[2:]
         slots = self.step.kv_slots.reshape(-1)
-        return tuple(store.view(-1, G, K).index_select(0, slots).view(B, -1, G, K).to(new.dtype)
+        return tuple(take_rows(store.view(-1, G, K), slots).view(B, -1, G, K).to(new.dtype)
                      for store, new in ((self.k[layer], k_BSGK), (self.v[layer], v_BSGK)))
 
     def linear_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -492,7 +498,8 @@ def paged_attention_reference(q_THK: torch.Tensor, k_pool: torch.Tensor, v_pool:
     qpos = seq_lens.long()[seq] - (cu_seqlens_q.long()[seq + 1] - t)  # [T]
     slots = (block_tables.long().clamp(0, NB - 1)[seq][:, :, None] * BS + torch.arange(BS, device=dev)).reshape(
         T, MB * BS)
-    k, v = (pool.reshape(NB * BS, G, K)[slots].float() for pool in (k_pool, v_pool))  # [T, L, G, K]
+    k, v = (take_rows(pool.reshape(NB * BS, G, K), slots.reshape(-1)).view(T, MB * BS, G, K).float()
+            for pool in (k_pool, v_pool))  # [T, L, G, K]
     pos = torch.arange(MB * BS, device=dev)[None]
     ok = pos <= qpos[:, None]
     if window is not None:

@@ -31,7 +31,8 @@ import torch
 
 from titan_mm.kernels import greedy_pick, paged_attention, paged_decode_attention
 from titan_mm.nn.attention import build_attn_meta
-from titan_mm.nn.kv_cache import KVStep, alloc_paged_cache, alloc_state_pool, copy_rows, plan_step, state_shapes
+from titan_mm.nn.kv_cache import (KVStep, alloc_paged_cache, alloc_state_pool, copy_rows, plan_step, state_shapes,
+                                  take_rows)
 from titan_mm.serve.core.scheduler import Row
 from titan_mm.serve.core.media import MEDIA_KEYS, audio_inputs, split_inputs
 from titan_mm.serve.core.sequence import PENDING, Audio
@@ -201,7 +202,7 @@ class ModelRunner:
             return
         src, dst = torch.tensor(copies).T.to(self.device, non_blocking=True)  # torch.tensor(device=) would sync
         for store in self.cache.k + self.cache.v:
-            copy_rows(store, dst, store.index_select(0, src))
+            copy_rows(store, dst, take_rows(store, src))
 
     def copy_state(self, src: int, dst: int) -> None:
         """A forked sequence (slot ``dst``) starts from its parent's linear-attention state (slot ``src``)."""
