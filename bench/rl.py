@@ -200,6 +200,17 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def host_cpu() -> str:
+    """The host's CPU model and core count: TRL's generate launches from the host, and its speed moved between
+    machines of the same GPU."""
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else 'unknown'} x {os.cpu_count()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="the CPU shapes (a smoke of every path)")
@@ -239,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.dir)
     out.mkdir(parents=True, exist_ok=True)
     hf = write_init(a, out)
-    res = {"device": device_name(), "torch": torch.__version__, "model": "tiny" if a.tiny else a.flavor,
+    res = {"device": device_name(), "host_cpu": host_cpu(), "torch": torch.__version__, "model": "tiny" if a.tiny else a.flavor,
            "shape": {k: getattr(a, k) for k in ("prompts", "group", "max_tokens", "micro", "steps", "warmup", "lr")},
            "titan_args": a.titan_args,
            "sides": {}}
