@@ -601,6 +601,14 @@ def does_not_fit(case: str, stack: str, ceil: dict) -> str | None:
     return None
 
 
+def not_comparable(case: str, stack: str) -> str | None:
+    """Why ``stack`` would not train ``case``'s model (a row under its name would compare another model), or None."""
+    if stack == "torchtitan" and CASES[case].get("vl"):
+        return ("not comparable: torchtitan 0.2.2 has no vision or audio model, so it would train the text decoder "
+                "alone; hf_liger is this case's peer")
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="qwen3_1.7b")
@@ -663,7 +671,7 @@ def main() -> int:
     rows, merged = [], []
     for case in args.cases.split(","):
         for stack in args.stacks.split(","):
-            if reason := does_not_fit(case, stack, ceil):
+            if reason := not_comparable(case, stack) or does_not_fit(case, stack, ceil):
                 rows.append(dict(case=case, stack=stack, ac=args.ac, device=ceil["device"], error=reason))
                 print(f"{case} {stack}: {reason}", flush=True)
                 merged = _write(Path(args.out), rows, ceil)

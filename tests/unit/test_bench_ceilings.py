@@ -1,14 +1,14 @@
 """Benches that know their machine: bench/ceilings.py measures copy bandwidth and bf16 matmul on the device it runs
 on (here the CPU: the fields, not the figures), bench/serve.py's rooflines divide by the bandwidth they are given
 (no H200 constant), and bench/mfu.py refuses, as a row that says so, a (case, stack) whose H200 peak does not fit
-the device's memory."""
+the device's memory or whose stack would train another model (torchtitan on the vision cases)."""
 
 from __future__ import annotations
 
 import torch
 
 from bench import ceilings
-from bench.mfu import CASES, does_not_fit
+from bench.mfu import CASES, does_not_fit, not_comparable
 from bench.serve import roofline_s
 
 H100 = {"device": "NVIDIA H100 80GB HBM3", "memory_gib": 79.2}
@@ -38,3 +38,10 @@ def test_cases_over_80gb_are_refused_on_an_h100_only():
         assert does_not_fit(case, stack, H200) is None
     assert does_not_fit("qwen3_1.7b", "titan", H100) is None
     assert does_not_fit("qwen3_vl_8b_12l", "titan", {"error": "no CUDA"}) is None  # unknown memory: run it
+
+
+def test_torchtitan_is_no_peer_of_the_vision_cases():
+    """torchtitan 0.2.2 has no Qwen3-VL / Omni model: its stack on a VL case would train the text decoder alone, so
+    the driver refuses it with a row that says so."""
+    assert "text decoder alone" in not_comparable("qwen3_vl_8b_12l", "torchtitan")
+    assert not_comparable("qwen3_vl_8b_12l", "hf_liger") is None and not_comparable("qwen3_8b_12l", "torchtitan") is None
