@@ -57,6 +57,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -686,12 +687,14 @@ def main() -> int:
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                 lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+                raised = error_lines(p.stderr)
                 if args.profile:
-                    (Path(args.profile) / f"log_{case}_{stack}.txt").write_text(p.stdout[-20000:] + p.stderr[-30000:])
+                    (Path(args.profile) / f"log_{case}_{stack}.txt").write_text(
+                        raised + p.stdout[-20000:] + p.stderr[-30000:])
                 if lines:
                     rows.append(json.loads(lines[-1][7:]))
                 else:
-                    rows.append(dict(case=case, stack=stack, ac=args.ac, error=(p.stderr or p.stdout)[-2000:]))
+                    rows.append(dict(case=case, stack=stack, ac=args.ac, error=raised + (p.stderr or p.stdout)[-2000:]))
             except subprocess.TimeoutExpired as e:  # keep the worker's progress lines: where did the time go?
                 tail = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
                                for x in (e.stdout, e.stderr))[-1500:]
@@ -715,6 +718,14 @@ def main() -> int:
             merged = _write(Path(args.out), rows, ceil)  # after every row: a run cut short keeps what it measured
     print(render(merged))
     return 0
+
+
+def error_lines(stderr: str, most: int = 3) -> str:
+    """The last ``most`` exception lines of a failed worker's stderr ("...Error: ..."), one per line: a compile
+    error is followed by a graph dump that would push it out of the kept tail."""
+    found = [ln.strip() for ln in stderr.splitlines()
+             if re.match(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Failed)\b.*:", ln.strip())]
+    return "".join(f"{ln[:500]}\n" for ln in found[-most:])
 
 
 def _write(out: Path, rows: list[dict], ceil: dict) -> list[dict]:

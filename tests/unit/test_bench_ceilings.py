@@ -45,3 +45,19 @@ def test_torchtitan_is_no_peer_of_the_vision_cases():
     the driver refuses it with a row that says so."""
     assert "text decoder alone" in not_comparable("qwen3_vl_8b_12l", "torchtitan")
     assert not_comparable("qwen3_vl_8b_12l", "hf_liger") is None and not_comparable("qwen3_8b_12l", "torchtitan") is None
+
+
+def test_a_failed_worker_keeps_its_exception_lines_before_a_graph_dump():
+    """A compile error is followed by the graph it failed on: the row keeps the exception lines, not the dump's
+    last line (2026-12-06: a bagel_ref row read 'failed: default](args = (%mul_100, ...')."""
+    from bench.mfu import error_lines
+
+    stderr = "\n".join([
+        "[rank0]: Traceback (most recent call last):",
+        "[rank0]: torch._inductor.exc.InductorError: LoweringException: AssertionError: index_add on bf16",
+        *[f"[rank0]:     %mul_{i} : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor]" for i in range(50)],
+        "[rank0]: Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace",
+    ])
+    assert error_lines(stderr) == ("[rank0]: torch._inductor.exc.InductorError: LoweringException: AssertionError: "
+                                   "index_add on bf16\n")
+    assert error_lines("all fine\n") == ""
