@@ -211,7 +211,7 @@ def batch_flops(spec, mc, batch: dict, vision: bool = True) -> float:
     the LLM alone, no encoder)."""
     from titan_mm.observe.mfu import doc_lens_from_batch, encoder_inputs
 
-    return float(spec.flops(mc, doc_lens_from_batch(batch), **(encoder_inputs(batch) if vision else {})))
+    return float(spec.flops(mc, doc_lens_from_batch(batch), **encoder_inputs(batch, encoders=vision)))
 
 
 def step_flops(model: dict, seq: int, rows: int, steps: list[int], seed: int = 0) -> dict[int, float]:

@@ -450,6 +450,10 @@ def test_flops_count_every_matmul_weight():
     assert spec.flops(cfg, [10], **encoder_inputs(batch)) == want + 6 * 10 * head
     labels = torch.tensor([[-100] * 6 + [5, 6, -100, 7]])  # 3 labeled tokens: the head's rows
     assert spec.flops(cfg, [10], **encoder_inputs({**batch, "labels": labels})) == want + 6 * 3 * head
+    # the decoder alone ("MFU (LLM only)"): the ViT tower and its attention left out, the labeled head kept
+    vit_part = 6 * 4 * vit + 12 * v.hidden_size * v.num_hidden_layers * 16
+    llm = spec.flops(cfg, [10], **encoder_inputs({**batch, "labels": labels}, encoders=False))
+    assert llm == want + 6 * 3 * head - vit_part
 
 
 def test_flops_count_the_segment_masks_pairs():

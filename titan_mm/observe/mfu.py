@@ -40,14 +40,18 @@ def doc_lens_from_batch(batch: dict) -> list[int]:
     return [b - a for a, b in zip(cu[:-1], cu[1:]) if b > a]
 
 
-def encoder_inputs(batch: dict) -> dict:
+ENCODER_KEYS = ("image_grid_thw", "video_grid_thw", "audio_feature_lengths", "vit_lens")
+"""The keys that make a FLOP counter count an encoder (a ViT, the Omni audio encoder)."""
+
+
+def encoder_inputs(batch: dict, encoders: bool = True) -> dict:
     """The batch's keys that let a family's FLOP counter count its encoders and its head: the vision grids (ViT),
     the audio clips' frame counts (the Omni audio encoder), packed ViT lengths and per-token kinds (text / ViT /
     latent), the attention kind "segments"' splits (their bidirectional pairs) and the labels (a family whose head
-    runs on the labeled tokens only counts those). A counter takes the keys it counts and ignores the rest."""
-    keys = ("image_grid_thw", "video_grid_thw", "audio_feature_lengths", "vit_lens", "token_kind", "seg_ids",
-            "seg_kinds", "labels")
-    return {k: batch[k] for k in keys if k in batch}
+    runs on the labeled tokens only counts those). A counter takes the keys it counts and ignores the rest.
+    ``encoders=False``: all but ENCODER_KEYS, so that the count is the decoder's alone ("MFU (LLM only)")."""
+    keys = (*ENCODER_KEYS, "token_kind", "seg_ids", "seg_kinds", "labels")
+    return {k: batch[k] for k in keys if k in batch and (encoders or k not in ENCODER_KEYS)}
 
 
 def mfu(flops: float, seconds: float, peak_tflops_per_device: float) -> float:
