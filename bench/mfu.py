@@ -289,9 +289,12 @@ def _titan_builder(case, stack, args, device):
               f"{rep['seconds']:.1f}s {'; '.join(rep['skipped'])}", file=sys.stderr, flush=True)
 
     def step():
-        return train_step(run.state, [batch], run.ctx).loss
+        res = train_step(run.state, [batch], run.ctx)
+        extras.setdefault("host_prepare_s", []).append(res.prepare_s)
+        return res.loss
 
-    return spec, mc, batch, step
+    extras: dict[str, list[float]] = {}
+    return spec, mc, batch, step, extras
 
 
 def _plain_model(spec, mc, pd, device):
@@ -413,7 +416,7 @@ def _peer_builder(case, stack, args, device):
             raise SystemExit(f"the diffusers stack runs the Wan cases (clip cases); {args.case} is not one")
         objective = build_objective(titan_config(case, "titan", args), spec, mc)
         model, fb = peers.build_diffusers_wan(mc.to_hf_dict(), device, objective)
-        return spec, mc, batch, _host_rows_step(model, fb, batch)
+        return spec, mc, batch, _host_rows_step(model, fb, batch), {}
     if stack == "bagel_ref":  # BAGEL: titan's initial weights and flow matching (sampler, shift, seed), same rows
         if case.get("model") != "bagel":
             raise SystemExit(f"the bagel_ref stack runs the BAGEL cases; {args.case} is not one")
@@ -426,7 +429,7 @@ def _peer_builder(case, stack, args, device):
         model, fb = build_bagel_ref(mc, device, build_objective(cfg, spec, mc), attn="sdpa" if args.cpu else "flex",
                                     init=titan.state_dict())
         del titan
-        return spec, mc, batch, _host_rows_step(model, fb, batch)
+        return spec, mc, batch, _host_rows_step(model, fb, batch), {}
     if stack == "torchtitan":
         model, fb = peers.build_torchtitan(shape_of(spec, mc, case["seq"]), device)
     else:
@@ -443,7 +446,7 @@ def _peer_builder(case, stack, args, device):
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    return spec, mc, batch, step
+    return spec, mc, batch, step, {}
 
 
 def worker(args) -> dict:
@@ -466,9 +469,9 @@ def worker(args) -> dict:
         dist.init_process_group("gloo", rank=0, world_size=1)
     t_build = time.perf_counter()
     if args.stack.startswith("titan"):
-        spec, mc, batch, step = _titan_builder(case, args.stack, args, device)
+        spec, mc, batch, step, extras = _titan_builder(case, args.stack, args, device)
     else:
-        spec, mc, batch, step = _peer_builder(case, args.stack, args, device)
+        spec, mc, batch, step, extras = _peer_builder(case, args.stack, args, device)
     from bench.scaling import batch_flops
     from titan_mm.config import JobConfig
     from titan_mm.nn.attention import batch_rows
@@ -542,6 +545,9 @@ def worker(args) -> dict:
         last_loss=losses[-1], gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
     )
     res["mfu_llm_only"] = flops_llm / med / 1e12 / PEAK_TFLOPS
+    if extras.get("host_prepare_s"):  # titan: the objective's host preparation, the GPU idle at each step's start
+        prep = sorted(extras["host_prepare_s"][args.warmup:] or extras["host_prepare_s"])
+        res["host_prepare_ms"] = round(1e3 * prep[len(prep) // 2], 2)
     if skip_guards:
         res["skip_guard_eval_unsafe"] = True
     if args.profile and cuda:

@@ -58,7 +58,7 @@ def test_debug_config_trains_checkpoints_and_exports(tmp_path, name):
     rows = read_metrics(run / "metrics.jsonl")
     assert sorted(rows) == [1, 2, 3, 4]
     for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "step_time_s", "data_wait_s",
-                "mem_peak_gb", "nan_count", "step_time_p50_s", "step_time_p90_s", "data/packing_efficiency"):
+                "host_prepare_s", "mem_peak_gb", "nan_count", "step_time_p50_s", "step_time_p90_s", "data/packing_efficiency"):
         assert key in rows[4], key
     assert rows[4]["loss"] < rows[1]["loss"] - 0.5, [rows[s]["loss"] for s in rows]
     if spec.dims(mcfg).is_moe:

@@ -167,9 +167,12 @@ class FlowMatching(Objective):
         x0f, eps, t3, m3 = x0.to(dt), eps_BSC.to(dt), t_BS[..., None].to(dt), mask[..., None]
         clean = (latent & ~mask)[..., None]  # clean conditions (unit -1): x0 as it is, t = 0, no loss
         out = dict(batch)
-        out["noisy_latents"] = torch.where(m3, (1.0 - t3) * x0f + t3 * eps, torch.where(clean, x0f, 0.0)).to(x0.dtype)
+        noisy, target = (1.0 - t3) * x0f + t3 * eps, eps - x0f
+        if not bool(mask.all()):  # else every position is a target: the wheres below would copy (host time a step)
+            noisy, target = torch.where(m3, noisy, torch.where(clean, x0f, 0.0)), torch.where(m3, target, 0.0)
+        out["noisy_latents"] = noisy.to(x0.dtype)
         out["timesteps"] = t_BS
-        out["flow_target"] = torch.where(m3, eps - x0f, 0.0)
+        out["flow_target"] = target
         out["flow_weight"] = torch.where(mask, WEIGHTINGS[self.weighting](t_BS, self.shift), 0.0)
         out["num_latent_elements"] = torch.tensor(int(mask.sum()) * x0.shape[-1], dtype=torch.int64)
         return out

@@ -128,6 +128,9 @@ class StepResult:
     compute_s: float
     loss_scale: float | None = None
     """The loss scale this step's backward ran with (param_dtype float16), else None."""
+    prepare_s: float = 0.0
+    """Host seconds of the objective's preparation (noise, corrupted inputs, targets, counts) before the first
+    launch: the GPU idles through it, as the step reads its loss on the host (metric ``host_prepare_s``)."""
 
 
 class LossScaler:
@@ -367,6 +370,7 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
     # host: noisy inputs, targets, weights, each term's normalizer (titan_mm.objectives)
     micro_batches = ctx.objective.prepare(micro_batches, state.step, ctx.dp_rank)
     counts = global_counts(micro_batches, ctx)
+    prepare_s = time.perf_counter() - t0
     with sdpa_priority(ctx.device):
         term_sums, aux_sum = (forward_backward if ctx.pipeline is None else _pp_forward_backward)(
             model, micro_batches, ctx, counts, scaler)
@@ -442,5 +446,5 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
     tokens = sum(math.prod(batch_rows(mb)) for mb in micro_batches) * ctx.dp_world  # a batch may hold no tokens
     return StepResult(
         loss=loss, aux_loss=aux, grad_norm=gnorm, lr=lr, terms=terms, counts=counts, tokens=tokens,
-        skipped=not ok, compute_s=time.perf_counter() - t0, loss_scale=loss_scale,
+        skipped=not ok, compute_s=time.perf_counter() - t0, loss_scale=loss_scale, prepare_s=prepare_s,
     )

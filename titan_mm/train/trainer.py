@@ -251,6 +251,7 @@ def _train_locked(cfg: JobConfig, out_dir, make_eval, make_data=None) -> dict[st
                 "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "tokens": res.tokens,
                 "tokens_per_s": res.tokens / step_time,
                 "mfu": mfu(flops, step_time, peak), "step_time_s": step_time, "data_wait_s": data_wait,
+                "host_prepare_s": res.prepare_s,
                 "step_time_p50_s": times.p50, "step_time_p90_s": times.p90,
                 "mem_peak_gb": peak_memory_gb(device), "nan_count": guard.nan_count, "skipped": int(res.skipped),
             }
