@@ -38,7 +38,8 @@ class WanConfig:
     pos_embed_seq_len: int | None = None
     attn_backend: str = "sdpa"
     kernels: bool | str = False
-    """The titan_mm.kernels ops spec; recorded only: Wan's fused ops (modulated norms, GELU) are a later slice."""
+    """The titan_mm.kernels ops spec (titan_mm.kernels.resolve_ops): "rms_norm" runs the q / k norms, "bias_gelu" the
+    FFN's bias + GELU; the other ops are the text models' (the modulated LayerNorms stay compiled PyTorch)."""
 
     boundary_ratio: float | None = None
     """Wan2.2 A14B: the pipeline's (model_index.json) switch between its two transformers: ``transformer`` (the

@@ -68,6 +68,7 @@ def head_bytes(cfg: WanConfig, act_bytes: int = 2) -> float:
 
 def memory_terms(cfg: WanConfig, topo: Topology, act_bytes: int = 2, *, kernels: bool | None = None,
                  compile: bool = True, float8: bool = False) -> MemoryTerms:
-    """The estimator's per-token terms of a Wan transformer. ``kernels`` and ``float8`` change nothing here: the
-    blocks run the same PyTorch ops either way (float8's own copies are not modelled)."""
+    """The estimator's per-token terms of a Wan transformer. ``kernels`` and ``float8`` change nothing here: the fused
+    q / k norms and bias + GELU save what the compiled references save (the input and its statistics, the GELU's
+    input), and float8's own copies are not modelled."""
     return MemoryTerms(decoder=block_bytes(cfg, topo, act_bytes, compile=compile), head=head_bytes(cfg, act_bytes))

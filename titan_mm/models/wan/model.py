@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
+from titan_mm import kernels as K
 from titan_mm.models.wan.config import NUM_TRAIN_TIMESTEPS, WanConfig
 from titan_mm.nn import init
 from titan_mm.nn.attention import AttnMeta, attention
@@ -51,17 +53,32 @@ def apply_rope(x_BSHK: torch.Tensor, cos, sin) -> torch.Tensor:
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2).type_as(x_BSHK)
 
 
+class QKNorm(nn.RMSNorm):
+    """diffusers' ``norm_q`` / ``norm_k``: an nn.RMSNorm over all heads' features, run by titan_mm.kernels.rms_norm
+    when the config's kernels include it (one pass each way with the weight's gradient, where the compiled
+    reference's backward was the step's slowest norm: docs/wan.md). Tensor parallel replaces it with
+    titan_mm.parallel.tp's ShardedRMSNorm (style "colwise_norm")."""
+
+    def __init__(self, dim: int, eps: float, fused: bool):
+        super().__init__(dim, eps=eps)
+        self.fused = fused
+
+    def forward(self, x):
+        return K.rms_norm(x, self.weight, self.eps) if self.fused else super().forward(x)
+
+
 class WanAttention(nn.Module):
     """Self- or cross-attention with RMSNorm over all heads' q and k (diffusers' WanAttention names)."""
 
-    def __init__(self, cfg: WanConfig):
+    def __init__(self, cfg: WanConfig, ops: frozenset = frozenset()):
         super().__init__()
         D, self.head_dim, self.eps = cfg.dim, cfg.attention_head_dim, cfg.eps
         self.to_q, self.to_k, self.to_v = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
         self.to_out = nn.ModuleList([nn.Linear(D, D)])
         self.qk_norm = cfg.qk_norm is not None
         if self.qk_norm:
-            self.norm_q, self.norm_k = nn.RMSNorm(D, eps=cfg.eps), nn.RMSNorm(D, eps=cfg.eps)
+            fused = "rms_norm" in ops
+            self.norm_q, self.norm_k = QKNorm(D, cfg.eps, fused), QKNorm(D, cfg.eps, fused)
 
     def forward(self, x_BSD, ctx_BLD, rope, meta: AttnMeta | None):
         q, k, v = self.to_q(x_BSD), self.to_k(ctx_BLD), self.to_v(ctx_BLD)
@@ -77,20 +94,27 @@ class WanAttention(nn.Module):
 
 
 class _GeluProj(nn.Module):
-    def __init__(self, i: int, o: int):
+    """Linear -> GELU(tanh); ``fused``: the bias and the GELU in titan_mm.kernels.bias_gelu after a bias-free GEMM
+    (its backward sums the bias gradient in the same pass), while ``proj`` is a plain Linear on plain weights
+    (float8's and tensor parallel's linears keep their own path)."""
+
+    def __init__(self, i: int, o: int, fused: bool = False):
         super().__init__()
-        self.proj = nn.Linear(i, o)
+        self.proj, self.fused = nn.Linear(i, o), fused
 
     def forward(self, x):
-        return F.gelu(self.proj(x), approximate="tanh")
+        p = self.proj
+        if self.fused and type(p) is nn.Linear and not isinstance(p.weight, DTensor):
+            return K.bias_gelu(F.linear(x, p.weight), p.bias)
+        return F.gelu(p(x), approximate="tanh")
 
 
 class FeedForward(nn.Module):
     """Linear -> GELU(tanh) -> Linear, named as diffusers' FeedForward (net.0.proj, net.2)."""
 
-    def __init__(self, dim: int, inner: int):
+    def __init__(self, dim: int, inner: int, fused_gelu: bool = False):
         super().__init__()
-        self.net = nn.ModuleList([_GeluProj(dim, inner), nn.Identity(), nn.Linear(inner, dim)])
+        self.net = nn.ModuleList([_GeluProj(dim, inner, fused_gelu), nn.Identity(), nn.Linear(inner, dim)])
 
     def forward(self, x):
         return self.net[2](self.net[0](x))
@@ -103,9 +127,10 @@ class WanBlock(nn.Module):
     def __init__(self, cfg: WanConfig):
         super().__init__()
         D, self.eps = cfg.dim, cfg.eps
-        self.attn1, self.attn2 = WanAttention(cfg), WanAttention(cfg)
+        ops = K.resolve_ops(cfg.kernels)  # the titan_mm.kernels ops the config turns on (the references otherwise)
+        self.attn1, self.attn2 = WanAttention(cfg, ops), WanAttention(cfg, ops)
         self.norm2 = nn.LayerNorm(D, eps=cfg.eps) if cfg.cross_attn_norm else None
-        self.ffn = FeedForward(D, cfg.ffn_dim)
+        self.ffn = FeedForward(D, cfg.ffn_dim, "bias_gelu" in ops)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, D) / D**0.5)
 
     def forward(self, h, text, mod, rope, meta):
