@@ -190,6 +190,11 @@ def adamw_floor(t: ModelDims) -> dict:
         mlp = [(f, d), (f, d), (d, f)]
     layer = [(q, d), (kv, d), (kv, d), (d, q), *mlp, (d,), (d,), (hd,), (hd,)]
     shapes = layer * L + [(t.vocab_size, d), (d,)] + ([] if t.tie_word_embeddings else [(t.vocab_size, d)])
+    return adamw_time(shapes)
+
+
+def adamw_time(shapes: list[tuple[int, ...]]) -> dict:
+    """One fused AdamW step over fp32 parameters of ``shapes`` (ms, parameters, GB/s moved)."""
     params = [torch.zeros(s, device="cuda", requires_grad=True) for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.attention import bench as cuda_ms  # noqa: E402  (median CUDA-event ms of fn())
-from bench.floor import PEAK_TFLOPS, gemm_list, time_ops  # noqa: E402
+from bench.floor import PEAK_TFLOPS, adamw_time, gemm_list, time_ops  # noqa: E402
 from bench.mfu import CASES, model_config  # noqa: E402
 
 from titan_mm.models.wan.flops import TEXT_LEN  # noqa: E402
@@ -90,18 +90,6 @@ def attention_floor(cfg, batch: int, seq: int) -> dict:
                 per_backend_ms=out, self_tflops=flops / best["self"] / 1e9)
 
 
-def adamw_floor(model_shapes: list[tuple[int, ...]]) -> dict:
-    params = [torch.zeros(s, device="cuda", requires_grad=True) for s in model_shapes]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
-    ms = cuda_ms(opt.step, iters=5, warmup=2)
-    n = sum(p.numel() for p in params)
-    del opt, params
-    torch.cuda.empty_cache()
-    return dict(ms=ms, params=n)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="wan2.1_1.3b")
@@ -123,7 +111,7 @@ def main() -> int:
         n = case["batch"] * case["seq"]
         gemm, attn = gemm_floor(mc, n), attention_floor(mc, case["batch"], case["seq"])
         torch.cuda.empty_cache()  # the attention's operands, freed on its return
-        adam = adamw_floor(shapes)
+        adam = adamw_time(shapes)
         floor_ms = gemm["ms"] + attn["ms"] + adam["ms"]
         row = dict(case=name, tokens=n, gemm=gemm, attention=attn, adamw=adam, floor_ms=floor_ms,
                    gpu=torch.cuda.get_device_name(), torch=torch.__version__, seconds=round(time.time() - t0, 1))
