@@ -269,7 +269,7 @@ def _titan_builder(case, stack, args, device):
     import torch
 
     from titan_mm.train.setup import setup, tune_kernels
-    from titan_mm.train.step import train_step
+    from titan_mm.train.step import global_counts, host_prepare, to_device, train_step
 
     cfg = titan_config(case, stack, args)
     run = setup(cfg, model_fn=_plain_model if stack == "titan_plain" else None)
@@ -290,10 +290,23 @@ def _titan_builder(case, stack, args, device):
 
     def step():
         res = train_step(run.state, [batch], run.ctx)
-        extras.setdefault("host_prepare_s", []).append(res.prepare_s)
+        extras["host_prepare_s"].append(res.prepare_s)
         return res.loss
 
-    extras: dict[str, list[float]] = {}
+    def host_step_s() -> float:
+        """The host work before a step's first launch, alone (the GPU idle): the objective's preparation and
+        counts, the family's and the attention metadata, the copy to the device."""
+        ctx = run.ctx
+        t0 = time.perf_counter()
+        mbs = ctx.objective.prepare([batch], 0, ctx.dp_rank)
+        global_counts(mbs, ctx)
+        mb, _ = host_prepare(mbs[0], ctx)
+        to_device(mb, device, ctx.objective.host_keys)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    extras = {"host_prepare_s": [], "host_step_s": host_step_s}
     return spec, mc, batch, step, extras
 
 
@@ -545,9 +558,10 @@ def worker(args) -> dict:
         last_loss=losses[-1], gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
     )
     res["mfu_llm_only"] = flops_llm / med / 1e12 / PEAK_TFLOPS
-    if extras.get("host_prepare_s"):  # titan: the objective's host preparation, the GPU idle at each step's start
+    if extras:  # titan: the objective's host preparation in the timed steps, and all host work before a launch alone
         prep = sorted(extras["host_prepare_s"][args.warmup:] or extras["host_prepare_s"])
-        res["host_prepare_ms"] = round(1e3 * prep[len(prep) // 2], 2)
+        alone = sorted(extras["host_step_s"]() for _ in range(5))
+        res["host_prepare_ms"], res["host_step_ms"] = round(1e3 * prep[len(prep) // 2], 2), round(1e3 * alone[2], 2)
     if skip_guards:
         res["skip_guard_eval_unsafe"] = True
     if args.profile and cuda:

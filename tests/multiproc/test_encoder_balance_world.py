@@ -5,7 +5,7 @@ SGD-momentum steps as the world-1 run without it. The rows carry images of diffe
 rows, so that images move (some out of order, so the restore permutation runs), ranks without images of their own
 take part (and some receive images), one step has images on one rank only and one step has none anywhere (no
 exchange, decided from the all-gathered grids on every rank). The micro-batches go through the train step's
-host preparation (titan_mm.train.step._prepare with StepContext.encoder_balance)."""
+host preparation (titan_mm.train.step.host_prepare with StepContext.encoder_balance)."""
 
 import functools
 
@@ -45,9 +45,9 @@ def _reference():
 def _balanced_step(model, b, ctx, plans):
     """As titan_mm.train.step.forward_backward: _prepare (the family's prepare_batch with the exchange plan, then the
     attention metadata), every other batch key as a model input."""
-    from titan_mm.train.step import NOT_MODEL_KWARGS, _prepare
+    from titan_mm.train.step import NOT_MODEL_KWARGS, host_prepare
 
-    b, meta = _prepare(b, ctx)
+    b, meta = host_prepare(b, ctx)
     plans.append(b.get("vision_balance"))
     extra = {k: v for k, v in b.items() if k not in NOT_MODEL_KWARGS}
     return model(b["input_ids"], position_ids=b["position_ids"], attn=meta, labels=b["labels"], **extra).loss_sum

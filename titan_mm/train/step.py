@@ -232,7 +232,7 @@ def _objective_loss(terms: torch.Tensor, denoms: list[float]) -> torch.Tensor:
     return loss
 
 
-def _prepare(mb: dict, ctx: StepContext):
+def host_prepare(mb: dict, ctx: StepContext):
     """(micro-batch for this rank, attention metadata), on the host: the family's metadata, then
     build_attn_meta, or the CP split of the sequence."""
     if ctx.prepare_batch is not None:
@@ -263,7 +263,7 @@ def _forward(model, mb: dict, ctx: StepContext):
     """The forward of one (prepared, not yet CP-split) micro-batch with the objective's loss: (ModelOutput, its
     loss terms stacked [T] in the objective's order)."""
     obj = ctx.objective
-    mb, attn = _prepare(mb, ctx)
+    mb, attn = host_prepare(mb, ctx)
     b = to_device(mb, ctx.device, obj.host_keys)
     out = model(b.get("input_ids"), position_ids=b.get("position_ids"), attn=attn, loss=obj.bind(b),
                 **model_inputs(b, obj))
@@ -334,7 +334,7 @@ def _pp_micros(micro_batches: list[dict], ctx: StepContext) -> list:
     obj = ctx.objective
     micros = []
     for mb in micro_batches:
-        mb, attn = _prepare(mb, ctx)
+        mb, attn = host_prepare(mb, ctx)
         b = to_device(mb, ctx.device, obj.host_keys)
         micros.append(ctx.pipeline.micro(b, attn, model_inputs(b, obj), obj.bind(b), obj.terms))
     return micros
