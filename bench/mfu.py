@@ -519,7 +519,7 @@ def worker(args) -> dict:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.profile_stack) as prof:
             t_prof = time.perf_counter()
             for _ in range(2):
                 step()
@@ -542,11 +542,16 @@ def worker(args) -> dict:
         prof.export_chrome_trace(str(trace))
         if cuda:
             from bench.profile_split import split
-            from bench.trace_gaps import load_events
+            from bench.trace_gaps import load_events, summarize
 
             profile_ms, kernels = split(load_events(trace), steps=2)
-            Path(args.profile).with_name(Path(args.profile).stem.replace("profile_", "split_", 1) + ".json").write_text(
+            stem = Path(args.profile).stem.replace("profile_", "", 1)
+            Path(args.profile).with_name(f"split_{stem}.json").write_text(
                 json.dumps(dict(ms_per_step=profile_ms, kernels=kernels), indent=1))
+            # where the GPU waited and what the host ran then (with --profile-stack: the Python frames too)
+            gaps = summarize(trace, top=12)
+            Path(args.profile).with_name(f"gaps_{stem}.json").write_text(json.dumps(gaps, indent=1))
+            idle_top = dict(list(gaps["idle_by_host_op_ms"].items())[:5])
         if not args.trace_file:
             trace.unlink()
     times.sort()
@@ -565,7 +570,7 @@ def worker(args) -> dict:
     if skip_guards:
         res["skip_guard_eval_unsafe"] = True
     if args.profile and cuda:
-        res["profile_ms"] = profile_ms
+        res["profile_ms"], res["profile_idle_by_host_op_ms"] = profile_ms, idle_top
     dist.destroy_process_group()
     return res
 
@@ -652,6 +657,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "the row gets its step split by kernel category (profile_ms; bench/profile_split.py)")
     ap.add_argument("--trace", action="store_true", help="with --profile: also a chrome trace per (case, stack) "
                     "(trace_CASE_STACK.json; bench/trace_gaps.py summarizes its GPU idle gaps)")
+    ap.add_argument("--profile-stack", action="store_true", help="with --profile: record Python stacks, so that the "
+                    "idle gaps (gaps_CASE_STACK.json) name the Python frames the host was in (slows the profiled steps)")
     ap.add_argument("--cpu", action="store_true", help="smoke-test on CPU (gloo; use --cases debug)")
     ap.add_argument("--render", default="", help="print the markdown table of this results JSON and exit")
     ap.add_argument("--doc", default="", help="with --render: replace the table between the --marker markers here")
@@ -700,7 +707,7 @@ def main() -> int:
             prof = str(Path(args.profile) / f"profile_{case}_{stack}.txt") if args.profile else ""
             cmd = [sys.executable, __file__, "--worker", "--case", case, "--stack", stack, "--ac", args.ac,
                    "--profile", prof, "--kernel-ops", args.kernel_ops, "--reshard", args.reshard,
-                   "--model-overrides", args.model_overrides,
+                   "--model-overrides", args.model_overrides, *(["--profile-stack"] if args.profile_stack else []),
                    *(["--trace-file", str(Path(args.profile) / f"trace_{case}_{stack}.json")] if args.trace and prof else []),
                    "--attn", args.attn, *(["--cpu"] if args.cpu else []), "--warmup", str(args.warmup), "--steps", str(args.steps)]
             t0 = time.time()

@@ -8,7 +8,9 @@ into what kept the host busy (an optimizer, a hook, a Python loop) and blocking 
 
   python bench/trace_gaps.py trace.json [--min-us 20] [--top 20] [--depth 3] [--json out.json]
 
-Writes a summary (total, busy, idle; idle by host op) and the longest gaps.
+Writes a summary (total, busy, idle; idle by host op) and the longest gaps, each with its outermost host ops
+(``host``) and its innermost four (``host_inner``, innermost first: with a trace recorded with_stack, the Python
+frames the host was in).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def summarize(path: str | Path, min_us: float = 20.0, top: int = 20, depth: int 
         key = " > ".join(stack[:depth]) or "(no host op open)"
         by_op[key] += e - s
         rows.append(dict(at_ms=round((s - t0) / 1e3, 3), gap_us=round(e - s, 1), gpu_before=before[:80],
-                         host=" > ".join(stack[:6])[:300]))
+                         host=" > ".join(stack[:6])[:300], host_inner=" < ".join(stack[::-1][:4])[:300]))
     rows.sort(key=lambda r: -r["gap_us"])
     return dict(
         trace=str(path), span_ms=(t1 - t0) / 1e3, gpu_busy_ms=busy_us / 1e3,

@@ -28,3 +28,19 @@ def test_gaps_and_host_ops(tmp_path):
     assert r["idle_ms"] == pytest.approx((250 + 535) / 1e3)
     assert r["longest"][0]["gap_us"] == 535 and r["longest"][0]["host"] == "autograd::engine::evaluate_function: MmBackward0"
     assert r["idle_by_host_op_ms"]["Optimizer.step > aten::_fused_adamw_"] == pytest.approx(0.25)
+
+
+def test_a_gap_names_the_innermost_python_frames(tmp_path):
+    """With with_stack, python_function events nest under the op: ``host_inner`` reads them innermost first."""
+    ev = [
+        _x("kernel", "k1", 0, 100, tid=7), _x("kernel", "k2", 1000, 100, tid=7),
+        _x("python_function", "bench/mfu.py(500): step", 90, 900),
+        _x("python_function", "titan_mm/train/step.py(370): train_step", 95, 890),
+        _x("python_function", "titan_mm/objectives/flow_matching.py(190): corrupt", 100, 800),
+        _x("cpu_op", "aten::add", 300, 500),
+    ]
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"traceEvents": ev}))
+    gap = tg.summarize(p, min_us=20)["longest"][0]
+    assert gap["host_inner"].split(" < ")[:2] == ["aten::add", "titan_mm/objectives/flow_matching.py(190): corrupt"]
+    assert gap["host"].startswith("bench/mfu.py(500): step > titan_mm/train/step.py(370): train_step")
