@@ -94,3 +94,14 @@ def test_diffusers_peer_compiled_on_cuda_loss_is_titans(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     assert_same_loss(*peer_and_titan_losses(tmp_path, torch.device("cuda"), compile_blocks=True))
+
+
+def test_fused_ops_equal_the_modules_on_cuda(monkeypatch):
+    """Wan's q / k norms and FFN bias + GELU through titan_mm.kernels' Triton kernels on the GPU (fp32, TF32 off:
+    the same sums in other orders) give the modules' forward and gradients (tests/unit/test_wan_kernels.py)."""
+    from tests.unit.test_wan_kernels import assert_same
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert_same("rms_norm,bias_gelu", "cuda")
+

@@ -15,12 +15,13 @@ from titan_mm.nn.attention import build_attn_meta
 from titan_mm.registry import resolve_model
 
 
-def _run(kernels) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _run(kernels, device: str = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The debug Wan model's velocity on random clips (seeded weights and inputs) and its parameters' gradients."""
     spec, cfg = resolve_model("wan", "debug", kernels=kernels)
     torch.manual_seed(0)
     model = spec.build(cfg)
     model.init_weights()
+    model.to(device)
     with torch.no_grad():  # every weight away from its init's zeros and ones, so that each matters
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -28,17 +29,18 @@ def _run(kernels) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     B, S = 2, 3 * 4 * 4
     grid = torch.stack(torch.meshgrid(*(torch.arange(n) for n in (3, 4, 4)), indexing="ij"), -1).reshape(1, S, 3)
     P = cfg.in_channels * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
-    meta = build_attn_meta({"doc_ids": torch.zeros(B, S, dtype=torch.int32)}, "sdpa", "cpu", kind="bidirectional")
-    out = model(attn=meta, noisy_latents=torch.randn(B, S, P, generator=g), grid_fhw=grid.expand(B, -1, -1),
-                text_states=torch.randn(B, 5, cfg.text_dim, generator=g), clip_timesteps=torch.rand(B, generator=g))
+    meta = build_attn_meta({"doc_ids": torch.zeros(B, S, dtype=torch.int32)}, "sdpa", device, kind="bidirectional")
+    x, text, t = torch.randn(B, S, P, generator=g), torch.randn(B, 5, cfg.text_dim, generator=g), torch.rand(B, generator=g)
+    out = model(attn=meta, noisy_latents=x.to(device), grid_fhw=grid.expand(B, -1, -1).to(device),
+                text_states=text.to(device), clip_timesteps=t.to(device))
     pred = model.predict_velocity(out, {})
-    (pred * torch.randn(pred.shape, generator=g)).sum().backward()
-    return pred.detach(), {n: p.grad for n, p in model.named_parameters()}
+    (pred * torch.randn(pred.shape, generator=g).to(device)).sum().backward()
+    return pred.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
 
 
-def assert_same(kernels) -> None:
-    want, want_g = _run(False)
-    got, got_g = _run(kernels)
+def assert_same(kernels, device: str = "cpu") -> None:
+    want, want_g = _run(False, device)
+    got, got_g = _run(kernels, device)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert want_g.keys() == got_g.keys()
     for n in want_g:
