@@ -427,8 +427,11 @@ def _peer_builder(case, stack, args, device):
     if stack == "diffusers":  # Wan: the titan stack's flow matching (sampler, seed) on the same host clips
         if not case.get("clip"):
             raise SystemExit(f"the diffusers stack runs the Wan cases (clip cases); {args.case} is not one")
+        if args.ac not in ("none", "full"):
+            raise SystemExit(f"the diffusers stack runs --ac none or full (diffusers' checkpointing of every block), "
+                             f"not {args.ac!r}")
         objective = build_objective(titan_config(case, "titan", args), spec, mc)
-        model, fb = peers.build_diffusers_wan(mc.to_hf_dict(), device, objective)
+        model, fb = peers.build_diffusers_wan(mc.to_hf_dict(), device, objective, checkpoint_blocks=args.ac == "full")
         return spec, mc, batch, _host_rows_step(model, fb, batch), {}
     if stack == "bagel_ref":  # BAGEL: titan's initial weights and flow matching (sampler, shift, seed), same rows
         if case.get("model") != "bagel":

@@ -201,9 +201,10 @@ def build_torchtitan(shape: dict, device: torch.device, compile_blocks: bool = T
 
 
 def build_diffusers_wan(hf_config: dict, device: torch.device, objective, mp: MixedPrecisionPolicy = MP,
-                        compile_blocks: bool = True):
+                        compile_blocks: bool = True, checkpoint_blocks: bool = False):
     """diffusers' WanTransformer3DModel from a transformer config.json dict (titan_mm's ``cfg.to_hf_dict()``) in
-    fp32 master weights, each block compiled and fully_shard-ed (``mp``: bf16 params / fp32 reduce), then the root.
+    fp32 master weights, each block compiled and fully_shard-ed (``mp``: bf16 params / fp32 reduce), then the root;
+    ``checkpoint_blocks``: diffusers' own gradient checkpointing of every block (titan's full AC).
     Its step takes titan_mm's host clip batch (SCHEMA: patches, one clip a row) and the step number: ``objective``
     (the titan stack's flow matching: sampler, seed) draws t and the noise as the trainer does at that step; the
     clip goes in as diffusers' [B, C, F, H, W] with diffusers' timestep t x 1000 (one per clip, or one per patch
@@ -218,6 +219,8 @@ def build_diffusers_wan(hf_config: dict, device: torch.device, objective, mp: Mi
             block.compile()
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    if checkpoint_blocks:
+        model.enable_gradient_checkpointing()
     patch = tuple(kw["patch_size"])
 
     def step(host_batch: dict, step_index: int):
