@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.devices import device_label, device_of, device_slug  # noqa: E402
 from bench.profile_split import split as split_gpu  # noqa: E402
-from bench.trace_gaps import load_events  # noqa: E402
+from bench.trace_gaps import load_events, summarize  # noqa: E402
 from titan_mm.kernels import tuning as kernel_tuning  # noqa: E402
 from titan_mm.models.bagel import flops as bagel_flops  # noqa: E402
 from titan_mm.models.bagel.model import flat_positions  # noqa: E402
@@ -241,8 +241,10 @@ def run_tower(name: str, args, device: torch.device) -> dict:
             trace = Path(d) / "trace.json"
             prof.export_chrome_trace(str(trace))
             split_ms, kernels = split_gpu(load_events(trace), steps=prof_steps)
+            # what the host ran while the GPU waited (bench/trace_gaps.py): the towers' idle is most of their step
+            idle_by_op = dict(list(summarize(trace)["idle_by_host_op_ms"].items())[:5])
     else:
-        split_ms, kernels = cpu_split(prof, wall, prof_steps), {}
+        split_ms, kernels, idle_by_op = cpu_split(prof, wall, prof_steps), {}, None
     if args.profile_dir:
         Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
@@ -253,7 +255,7 @@ def run_tower(name: str, args, device: torch.device) -> dict:
     return dict(tower=name, model=t["model"], flavor=t["flavor"], inputs=what, tokens=tokens,
                 backend=attn_backend(t, cfg, device), compiled=compiled, dtype=str(dtype).removeprefix("torch."),
                 flops=flops, step_time_s=med, tflops=tflops, mfu=tflops / PEAK_TFLOPS if cuda else None,
-                profile_ms=split_ms, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                profile_ms=split_ms, profile_idle_by_host_op_ms=idle_by_op, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                 device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                 warmup=args.warmup, steps=args.steps, tiny=args.tiny, bucket=args.bucket or None,
                 vary=args.vary or None)
