@@ -3,7 +3,10 @@
 Every (case, stack) pair runs in a fresh subprocess (its own CUDA context, compile caches and memory peak),
 with the same synthetic data (random tokens, one document per row, every position a label), the same
 optimizer (fused AdamW, fp32 master weights), bf16 params / fp32 gradients (the peers: FSDP2 on a 1-GPU mesh), and
-the same timing: ``--warmup`` steps (compilation) then ``--steps`` timed steps, synchronizing after each.
+the same timing: ``--warmup`` steps (compilation) then ``--steps`` timed steps run back to back, each step's time
+the span between CUDA events recorded after each (no sync between steps: the peers read their loss once, after the
+timed steps, as their trainers read it at log steps; titan's step reads its statistics every step). Rows timed so
+carry ``timing: "events"``; rows without it synchronized after each step.
 MFU is computed for every stack from titan_mm's FLOP counter (docs/flops.md) against 989 TFLOP/s (the H100 SXM's
 and the H200's dense bf16 datasheet peak). The run first measures this machine's ceilings (bench/ceilings.py:
 bf16 matmul, copy bandwidth; in the JSON's ``ceilings``), and every row names its device and its TFLOP/s as a
@@ -40,6 +43,8 @@ Stacks:
                    transformers' Qwen3DecoderLayer pairs routed per token (MoT), flex attention under BAGEL's
                    create_sparse_mask (sdpa on the CPU), SigLIP layers over the packed images, per-layer compile,
                    FSDP2, titan's initial weights, the same CE + velocity MSE (bench/bagel_peer.py)
+  bagel_ref_eager  the same step as BAGEL's repository trains it: no layer compile (its pretrain_unified_navit.py
+                   wraps FSDP around eager layers; flex attention is compiled inside transformers' flex path)
 Cases set the model shape, batch and sequence; the VL ones (``vl``) build image+text rows through their family's
 synthetic module (``synthetic``; the Omni thinkers': image + 10-30 s audio clip + text groups, vl_batch), and their
 MFU counts the ViT and the audio encoder ("MFU (LLM only)": the decoder alone); ``rows`` cases (BAGEL) take a
@@ -409,7 +414,7 @@ def _host_rows_step(model, fb, batch):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return loss.detach()  # no host read a step: torchtitan's and HF's trainers read the loss at log steps
 
     return step
 
@@ -433,9 +438,9 @@ def _peer_builder(case, stack, args, device):
         objective = build_objective(titan_config(case, "titan", args), spec, mc)
         model, fb = peers.build_diffusers_wan(mc.to_hf_dict(), device, objective, checkpoint_blocks=args.ac == "full")
         return spec, mc, batch, _host_rows_step(model, fb, batch), {}
-    if stack == "bagel_ref":  # BAGEL: titan's initial weights and flow matching (sampler, shift, seed), same rows
+    if stack.startswith("bagel_ref"):  # BAGEL: titan's initial weights and flow matching (sampler, shift, seed)
         if case.get("model") != "bagel":
-            raise SystemExit(f"the bagel_ref stack runs the BAGEL cases; {args.case} is not one")
+            raise SystemExit(f"the {stack} stack runs the BAGEL cases; {args.case} is not one")
         cfg = titan_config(case, "titan", args)
         with torch.device(device):  # the titan stacks' random init (setup.build_model's seeded draws)
             titan = spec.build(mc)
@@ -443,7 +448,7 @@ def _peer_builder(case, stack, args, device):
         with torch.no_grad(), seeded_init(cfg.training.seed):
             titan.init_weights(buffer_device=device)
         model, fb = build_bagel_ref(mc, device, build_objective(cfg, spec, mc), attn="sdpa" if args.cpu else "flex",
-                                    init=titan.state_dict())
+                                    init=titan.state_dict(), compile_layers=stack == "bagel_ref")
         del titan
         return spec, mc, batch, _host_rows_step(model, fb, batch), {}
     if stack == "torchtitan":
@@ -460,7 +465,7 @@ def _peer_builder(case, stack, args, device):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return loss.detach()  # no host read a step: torchtitan's and HF's trainers read the loss at log steps
 
     return spec, mc, batch, step, {}
 
@@ -513,12 +518,23 @@ def worker(args) -> dict:
     skip_guards = os.environ.get("TITAN_BENCH_SKIP_GUARD_EVAL") == "1"
     if skip_guards:  # experiment: after the warm-up, run only the guards that tell cached graphs apart
         torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    # the steps run back to back, as in training (no sync between them: a stack's host work overlaps the GPU as far
+    # as its own step lets it); each step's time is the GPU-side span between events recorded after each step
     times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        losses.append(step())
+    if cuda:
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
+        marks[0].record()
+        for m in marks[1:]:
+            losses.append(step())
+            m.record()
         sync()
-        times.append(time.perf_counter() - t0)
+        times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+    else:
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            losses.append(step())
+            times.append(time.perf_counter() - t0)
+    losses = [float(x) for x in losses]  # the peers hand back device losses: read once, after the timed steps
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -564,6 +580,7 @@ def worker(args) -> dict:
         step_time_s=med, tokens_per_s=n_tok / med, tflops=flops / med / 1e12, mfu=flops / med / 1e12 / PEAK_TFLOPS,
         peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, warmup_s=t_compile, first_loss=losses[0],
         last_loss=losses[-1], gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+        timing="events" if cuda else "host",
     )
     res["mfu_llm_only"] = flops_llm / med / 1e12 / PEAK_TFLOPS
     if extras:  # titan: the objective's host preparation in the timed steps, and all host work before a launch alone
@@ -581,7 +598,7 @@ def worker(args) -> dict:
 # ------------------------------------------------------------------------------------------------ driver
 STACK_ORDER = ("titan", "titan_opt", "titan_fsdp", "titan_f8", "titan_f8_pre", "titan_f8_experts", "titan_opt_f8",
                "titan_eager", "titan_nokernels", "titan_plain", "torchtitan", "hf_liger", "hf", "diffusers",
-               "bagel_ref")
+               "bagel_ref", "bagel_ref_eager")
 
 
 def _row_order(r: dict):

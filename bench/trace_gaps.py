@@ -1,9 +1,9 @@
 """Where the GPU waits: GPU idle gaps in a torch.profiler chrome trace, and what the host was doing then.
 
 GPU activity is the union of the trace's kernel, memcpy and memset events; a gap is a stretch between them
-longer than ``--min-us``. For each gap the host side is described by the CPU ops open at the gap's midpoint
-(outermost first) on the busiest host threads (the main thread; autograd's device thread in the backward):
-the thread that entered its innermost open op last. Gaps are summed by those ops, so the idle time splits
+longer than ``--min-us``. For each gap the host side is described by the CPU ops and CUDA runtime calls open at
+the gap's midpoint (outermost first) on the busiest host threads (the main thread; autograd's device thread in the
+backward): the thread that entered its innermost open op last. Gaps are summed by those ops, so the idle time splits
 into what kept the host busy (an optimizer, a hook, a Python loop) and blocking calls (a host read).
 
   python bench/trace_gaps.py trace.json [--min-us 20] [--top 20] [--depth 3] [--json out.json]
@@ -21,6 +21,8 @@ from collections import defaultdict
 from pathlib import Path
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+# the runtime calls name a blocking host op's cause (cudaMalloc / cudaFree in the allocator, a stream sync)
+HOST_CATS = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
 
 
 def load_events(path: str | Path) -> list[dict]:
@@ -54,7 +56,7 @@ class HostStacks:
     def __init__(self, events: list[dict], threads: int = 2):
         by_tid: dict = defaultdict(list)
         for e in events:
-            if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "python_function"):
+            if e.get("ph") == "X" and e.get("cat") in HOST_CATS:
                 by_tid[e.get("tid")].append((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "")))
         self.tids = sorted(by_tid, key=lambda t: -len(by_tid[t]))[:threads]
         self.ops = {t: sorted(by_tid[t]) for t in self.tids}

@@ -22,8 +22,9 @@ scale halves, and it is not a NaN-policy event. A non-finite loss still goes to 
 Where the check is made. With torch's fused AdamW (CUDA; :func:`titan_mm.train.optim.supports_found_inf`)
 and a NaN guard, the check is computed on the device and handed to the optimizer as ``found_inf`` (the
 GradScaler mechanism: the fused kernel skips the update and restores ``state['step']``), so
-``opt.step()`` is enqueued before the one host read of the step's statistics and the GPU does not idle
-while the host launches it. The NaN guard then sees the same values and makes the same decision on the
+``opt.step()`` is enqueued before the one host read of the step's statistics, and that read waits for the
+statistics alone (an event, not a stream sync): the GPU runs the update while the host returns and prepares the
+next step. The NaN guard then sees the same values and makes the same decision on the
 host (count, log, or raise for policy "stop" / too many skips; the update is already skipped). Any other
 optimizer, or ``StepContext.device_skip=False``, keeps the host-decided path: read, decide, then step.
 """
@@ -180,11 +181,16 @@ class LossScaler:
 
 
 def to_device(batch: dict[str, Any], device: torch.device, host_keys: Iterable[str] = ()) -> dict[str, Any]:
-    """The batch's tensors on ``device`` (non-blocking), but HOST_KEYS and ``host_keys``."""
+    """The batch's tensors on ``device`` (non-blocking), but HOST_KEYS and ``host_keys``. Host tensors go to a
+    GPU through pinned memory: a pageable copy (an objective's noisy inputs and targets, built in the step) blocks
+    the host until the GPU stream reaches it, so the host could not prepare a step while the last one finishes."""
     keep = set(HOST_KEYS) | set(host_keys)
+    pin = device.type == "cuda"
     out = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor) and k not in keep:
+            if pin and v.device.type == "cpu" and not v.is_pinned():
+                v = v.pin_memory()
             v = v.to(device, non_blocking=True)
         out[k] = v
     return out
@@ -340,6 +346,27 @@ def _pp_micros(micro_batches: list[dict], ctx: StepContext) -> list:
     return micros
 
 
+def _read_later(ts: list[torch.Tensor]) -> Callable[[], list[float]]:
+    """Start copying the 1-element or flat tensors ``ts`` to the host; the returned call waits for that copy
+    alone (a CUDA event), not for what is enqueued after it (a blocking ``.cpu()`` would wait for the optimizer
+    step too)."""
+    on_cuda = [t.device for t in ts if t.is_cuda]
+    if not on_cuda:
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        return flat.tolist
+    flat = torch.cat([t.reshape(-1).to(on_cuda[0]) for t in ts])
+    buf = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    buf.copy_(flat, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def wait() -> list[float]:
+        done.synchronize()
+        return buf.tolist()
+
+    return wait
+
+
 def _param_device(opt) -> torch.device:
     for g in opt.param_groups:
         for p in g["params"]:
@@ -397,7 +424,10 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
         host_reads.append(scaler.scale.reshape(1).clone())  # the scale this step ran with
         scaler.update(~torch.isfinite(gnorm_t))  # the grad norm is global: the same decision on every rank
 
-    # Device-decided skip: enqueue opt.step() before the host read below (the read waits for the GPU).
+    # the statistics start for the host now: the read below waits for them alone, so on the device-skip path the
+    # optimizer runs on the GPU while the host returns and prepares the next step
+    read_host = _read_later(host_reads)
+    # Device-decided skip: enqueue opt.step() before the host read below.
     device_skip = ctx.device_skip and supports_found_inf(opt)
     if device_skip:
         if ctx.nan_guard is not None or scaler is not None:
@@ -412,7 +442,7 @@ def train_step(state: TrainState, micro_batches: list[dict], ctx: StepContext) -
             found_inf = None
         _update(opt, ctx, found_inf=found_inf, grad_scale=grad_scale)
 
-    host = torch.cat([t.cpu() for t in host_reads]).tolist()
+    host = read_host()
     n_terms = len(counts)
     terms = {t: host[i] / max(n, 1) for i, (t, n) in enumerate(counts.items())}
     loss = sum(v for t, v in terms.items() if t not in ctx.objective.stats)
