@@ -38,7 +38,8 @@ Stacks:
   hf               HF transformers (sdpa)
   diffusers        Wan cases: diffusers' WanTransformer3DModel, per-block compile, FSDP2 per block (bf16 params,
                    fp32 reduce), AdamW, the titan stack's flow-matching loss on the same clips and noise (issue 48's
-                   peer; bench/peers.py build_diffusers_wan)
+                   peer; bench/peers.py build_diffusers_wan); ``--ac full[:N]``: torch's checkpoint_wrapper on
+                   the first N blocks (every block without N), as titan's full AC
   bagel_ref        BAGEL cases: BAGEL's step from its reference components (its repository is not installable):
                    transformers' Qwen3DecoderLayer pairs routed per token (MoT), flex attention under BAGEL's
                    create_sparse_mask (sdpa on the CPU), SigLIP layers over the packed images, per-layer compile,
@@ -162,6 +163,11 @@ CASES.update({
                             seq=8192, rows="titan_mm.models.bagel.synthetic",
                             media=dict(image=(32, 32), latent=(32, 32), prompt=64, answer=256)),
 })
+# BAGEL's recipe packs ~44K tokens a GPU a step (expected_num_tokens 44032, max_num_tokens 46080 in its training
+# scripts); 5 micro-batches of the 8,192-token rows (40,960 tokens, gradient accumulation) give that step's work
+# where one 40K row would not fit 80 GB without checkpointing
+CASES["bagel_7b_mot_4l_x5"] = dict(CASES["bagel_7b_mot_4l"], micro=5)
+CASES["debug_bagel_x2"] = dict(CASES["debug_bagel"], micro=2)  # the accumulation path, on the CPU
 
 
 def parse_ac(ac: str) -> tuple[str, int]:
@@ -237,6 +243,7 @@ def titan_argv(case: dict, stack: str, args) -> list[str]:
         "--model.attn_backend", args.attn,
         "--job.device", "cpu" if args.cpu else "cuda",
         "--data.seq_len", str(case["seq"]), "--data.micro_batch_size", str(case["batch"]),
+        "--training.global_batch_size", str(case["batch"] * case.get("micro", 1)),
         "--compile.enable", str(stack != "titan_eager"),
         "--float8.enable", str(stack in ("titan_f8", "titan_f8_pre")),
         "--float8.precompute_scale", str(stack == "titan_f8_pre"),
@@ -294,7 +301,7 @@ def _titan_builder(case, stack, args, device):
               f"{rep['seconds']:.1f}s {'; '.join(rep['skipped'])}", file=sys.stderr, flush=True)
 
     def step():
-        res = train_step(run.state, [batch], run.ctx)
+        res = train_step(run.state, [batch] * case.get("micro", 1), run.ctx)
         extras["host_prepare_s"].append(res.prepare_s)
         return res.loss
 
@@ -400,16 +407,17 @@ def case_batch(case: dict, spec, mc, device) -> dict:
     return text_batch(spec.dims(mc).vocab_size, case["batch"], case["seq"], device)
 
 
-def _host_rows_step(model, fb, batch):
+def _host_rows_step(model, fb, batch, n_micro: int = 1):
     """The timed step of a peer whose ``fb(host_batch, step_index)`` prepares titan's host rows itself (the
-    objective's noise at that step): forward-backward, clip, AdamW."""
+    objective's noise at that step): forward-backward over ``n_micro`` micro-batches (gradients accumulate; each
+    micro-batch's loss is its own mean: the update's scale differs from titan's, its work does not), clip, AdamW."""
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     n_steps = [0]
 
     def step():
-        loss = fb(batch, n_steps[0])
+        loss = sum(fb(batch, n_steps[0] * n_micro + i) for i in range(n_micro)) / n_micro
         n_steps[0] += 1
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -432,12 +440,14 @@ def _peer_builder(case, stack, args, device):
     if stack == "diffusers":  # Wan: the titan stack's flow matching (sampler, seed) on the same host clips
         if not case.get("clip"):
             raise SystemExit(f"the diffusers stack runs the Wan cases (clip cases); {args.case} is not one")
-        if args.ac not in ("none", "full"):
-            raise SystemExit(f"the diffusers stack runs --ac none or full (diffusers' checkpointing of every block), "
+        ac_mode, ac_blocks = parse_ac(args.ac)
+        if ac_mode == "selective":
+            raise SystemExit(f"the diffusers stack runs --ac none or full[:N] (the first N blocks checkpointed), "
                              f"not {args.ac!r}")
         objective = build_objective(titan_config(case, "titan", args), spec, mc)
-        model, fb = peers.build_diffusers_wan(mc.to_hf_dict(), device, objective, checkpoint_blocks=args.ac == "full")
-        return spec, mc, batch, _host_rows_step(model, fb, batch), {}
+        model, fb = peers.build_diffusers_wan(mc.to_hf_dict(), device, objective,
+                                              checkpoint_blocks=0 if ac_mode == "none" else ac_blocks or -1)
+        return spec, mc, batch, _host_rows_step(model, fb, batch, case.get("micro", 1)), {}
     if stack.startswith("bagel_ref"):  # BAGEL: titan's initial weights and flow matching (sampler, shift, seed)
         if case.get("model") != "bagel":
             raise SystemExit(f"the {stack} stack runs the BAGEL cases; {args.case} is not one")
@@ -450,7 +460,7 @@ def _peer_builder(case, stack, args, device):
         model, fb = build_bagel_ref(mc, device, build_objective(cfg, spec, mc), attn="sdpa" if args.cpu else "flex",
                                     init=titan.state_dict(), compile_layers=stack == "bagel_ref")
         del titan
-        return spec, mc, batch, _host_rows_step(model, fb, batch), {}
+        return spec, mc, batch, _host_rows_step(model, fb, batch, case.get("micro", 1)), {}
     if stack == "torchtitan":
         model, fb = peers.build_torchtitan(shape_of(spec, mc, case["seq"]), device)
     else:
@@ -505,7 +515,8 @@ def worker(args) -> dict:
     flops = objective.flops(spec, mc, doc_lens_from_batch(batch), **encoder_inputs(batch))
     flops_llm = batch_flops(spec, mc, batch, vision=False)
     rows, seq = batch_rows(batch)
-    n_tok = rows * seq
+    n_micro = case.get("micro", 1)  # micro-batches a step (gradient accumulation): the same rows, new noise each
+    n_tok, flops, flops_llm = rows * seq * n_micro, flops * n_micro, flops_llm * n_micro
     print(f"[worker] {args.case} {args.stack}: built in {time.perf_counter() - t_build:.1f}s", file=sys.stderr, flush=True)
     t_compile = time.perf_counter()
     losses = []
@@ -582,6 +593,8 @@ def worker(args) -> dict:
         last_loss=losses[-1], gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
         timing="events" if cuda else "host",
     )
+    if n_micro > 1:
+        res["micro_batches"] = n_micro
     res["mfu_llm_only"] = flops_llm / med / 1e12 / PEAK_TFLOPS
     if extras:  # titan: the objective's host preparation in the timed steps, and all host work before a launch alone
         prep = sorted(extras["host_prepare_s"][args.warmup:] or extras["host_prepare_s"])

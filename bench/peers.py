@@ -22,6 +22,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from titan_mm.models.wan.model import unpatchify
@@ -201,10 +202,11 @@ def build_torchtitan(shape: dict, device: torch.device, compile_blocks: bool = T
 
 
 def build_diffusers_wan(hf_config: dict, device: torch.device, objective, mp: MixedPrecisionPolicy = MP,
-                        compile_blocks: bool = True, checkpoint_blocks: bool = False):
+                        compile_blocks: bool = True, checkpoint_blocks: int = 0):
     """diffusers' WanTransformer3DModel from a transformer config.json dict (titan_mm's ``cfg.to_hf_dict()``) in
     fp32 master weights, each block compiled and fully_shard-ed (``mp``: bf16 params / fp32 reduce), then the root;
-    ``checkpoint_blocks``: diffusers' own gradient checkpointing of every block (titan's full AC).
+    ``checkpoint_blocks``: the first N blocks under torch's checkpoint_wrapper (titan's full AC on N blocks; -1:
+    every block), where a clip's activations do not fit otherwise.
     Its step takes titan_mm's host clip batch (SCHEMA: patches, one clip a row) and the step number: ``objective``
     (the titan stack's flow matching: sampler, seed) draws t and the noise as the trainer does at that step; the
     clip goes in as diffusers' [B, C, F, H, W] with diffusers' timestep t x 1000 (one per clip, or one per patch
@@ -214,13 +216,14 @@ def build_diffusers_wan(hf_config: dict, device: torch.device, objective, mp: Mi
     kw = {k: list(v) if isinstance(v, tuple) else v for k, v in hf_config.items() if not k.startswith("_")}
     with torch.device(device):
         model = WanTransformer3DModel(**kw).float()
-    for block in model.blocks:
+    n_ac = len(model.blocks) if checkpoint_blocks < 0 else checkpoint_blocks
+    for i, block in enumerate(model.blocks):
+        if i < n_ac:  # non-reentrant, as titan's full AC (titan_mm.parallel.apply)
+            block = model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
         if compile_blocks:
             block.compile()
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    if checkpoint_blocks:
-        model.enable_gradient_checkpointing()
     patch = tuple(kw["patch_size"])
 
     def step(host_batch: dict, step_index: int):

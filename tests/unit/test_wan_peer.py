@@ -21,7 +21,8 @@ from titan_mm.train.state import TrainState  # noqa: E402
 from titan_mm.train.step import StepContext, train_step  # noqa: E402
 
 
-def peer_and_titan_losses(tmp_path, device: torch.device, compile_blocks: bool) -> tuple[float, float]:
+def peer_and_titan_losses(tmp_path, device: torch.device, compile_blocks: bool,
+                          checkpoint_blocks: int = 0) -> tuple[float, float]:
     """(the diffusers stack's step-1 loss, titan's train_step's) on the same random weights (N(0, 0.2)) and the
     debug_wan case's clips, fp32, on a one-process world (gloo; NCCL on CUDA)."""
     case = CASES["debug_wan"]
@@ -33,7 +34,7 @@ def peer_and_titan_losses(tmp_path, device: torch.device, compile_blocks: bool) 
     try:
         torch.manual_seed(0)
         peer, peer_step = build_diffusers_wan(mc.to_hf_dict(), device, objective, mp=MixedPrecisionPolicy(),
-                                              compile_blocks=compile_blocks)
+                                              compile_blocks=compile_blocks, checkpoint_blocks=checkpoint_blocks)
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():  # diffusers zero-inits no bias here, but make every weight matter
             for p in peer.parameters():
@@ -57,5 +58,8 @@ def assert_same_loss(peer_loss: float, titan: float) -> None:
     assert titan > 0.5  # a real loss: E|eps - x0|^2 is about 2 for unit latents
 
 
-def test_diffusers_peer_loss_at_step_1_is_titans(tmp_path):
-    assert_same_loss(*peer_and_titan_losses(tmp_path, torch.device("cpu"), compile_blocks=False))
+@pytest.mark.parametrize("checkpoint_blocks", [0, 1])
+def test_diffusers_peer_loss_at_step_1_is_titans(tmp_path, checkpoint_blocks):
+    """Also with the first block checkpointed (the peer's --ac full:N): same weights in, same loss out."""
+    assert_same_loss(*peer_and_titan_losses(tmp_path, torch.device("cpu"), compile_blocks=False,
+                                            checkpoint_blocks=checkpoint_blocks))

@@ -190,7 +190,7 @@ def to_device(batch: dict[str, Any], device: torch.device, host_keys: Iterable[s
     for k, v in batch.items():
         if isinstance(v, torch.Tensor) and k not in keep:
             if pin and v.device.type == "cpu" and not v.is_pinned():
-                v = v.pin_memory()
+                v = v.contiguous().pin_memory()  # contiguous: an expanded view cannot be pinned
             v = v.to(device, non_blocking=True)
         out[k] = v
     return out
