@@ -504,6 +504,7 @@ def worker(args) -> dict:
     else:
         spec, mc, batch, step, extras = _peer_builder(case, args.stack, args, device)
     from bench.scaling import batch_flops
+    from bench.timing import step_times, timing_label
     from titan_mm.config import JobConfig
     from titan_mm.nn.attention import batch_rows
     from titan_mm.objectives import build_objective
@@ -529,23 +530,8 @@ def worker(args) -> dict:
     skip_guards = os.environ.get("TITAN_BENCH_SKIP_GUARD_EVAL") == "1"
     if skip_guards:  # experiment: after the warm-up, run only the guards that tell cached graphs apart
         torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-    # the steps run back to back, as in training (no sync between them: a stack's host work overlaps the GPU as far
-    # as its own step lets it); each step's time is the GPU-side span between events recorded after each step
-    times = []
-    if cuda:
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
-        marks[0].record()
-        for m in marks[1:]:
-            losses.append(step())
-            m.record()
-        sync()
-        times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
-    else:
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            losses.append(step())
-            times.append(time.perf_counter() - t0)
-    losses = [float(x) for x in losses]  # the peers hand back device losses: read once, after the timed steps
+    times, timed = step_times(step, args.steps, cuda)  # back to back, no sync between steps (bench/timing.py)
+    losses = [float(x) for x in losses + timed]  # the peers hand back device losses: read once, after the timed steps
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -591,7 +577,7 @@ def worker(args) -> dict:
         step_time_s=med, tokens_per_s=n_tok / med, tflops=flops / med / 1e12, mfu=flops / med / 1e12 / PEAK_TFLOPS,
         peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, warmup_s=t_compile, first_loss=losses[0],
         last_loss=losses[-1], gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-        timing="events" if cuda else "host",
+        timing=timing_label(cuda),
     )
     if n_micro > 1:
         res["micro_batches"] = n_micro

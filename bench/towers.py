@@ -10,7 +10,8 @@ step first, as the trainer's ``tune_kernels`` picks them before its first step),
 trainer picks (``vision_backend``: varlen on CUDA when torch has it, else flex; sdpa on the CPU), each block
 compiled on CUDA (``--no-compile``: eager). Its host metadata is built once, before the timed steps, as the
 trainer's ``prepare_batch`` does. The loss is the mean square of the tower's outputs (the DeepStack features
-included), so the backward reaches every parameter.
+included), so the backward reaches every parameter. The timed steps run back to back (bench/timing.py: CUDA events,
+no sync between steps; rows with ``timing: "events"``, earlier ones synchronized after each step).
 
 FLOPs are the family's own counter (titan_mm/models/<family>/flops.py: ``vision_flops`` / ``audio_flops``,
 training FLOPs = 3x forward), MFU against 989 TFLOP/s (the H100 SXM's and the H200's dense bf16 peak; none on the
@@ -51,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.devices import device_label, device_of, device_slug  # noqa: E402
 from bench.profile_split import split as split_gpu  # noqa: E402
+from bench.timing import step_times, timing_label  # noqa: E402
 from bench.trace_gaps import load_events, summarize  # noqa: E402
 from titan_mm.kernels import tuning as kernel_tuning  # noqa: E402
 from titan_mm.models.bagel import flops as bagel_flops  # noqa: E402
@@ -221,12 +223,7 @@ def run_tower(name: str, args, device: torch.device) -> dict:
     for _ in range(args.warmup):
         step()
     sync()
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
+    times, _ = step_times(step, args.steps, cuda)  # back to back, as inside a training step (bench/timing.py)
     med = statistics.median(times)
     prof_steps = 2
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -256,7 +253,7 @@ def run_tower(name: str, args, device: torch.device) -> dict:
                 backend=attn_backend(t, cfg, device), compiled=compiled, dtype=str(dtype).removeprefix("torch."),
                 flops=flops, step_time_s=med, tflops=tflops, mfu=tflops / PEAK_TFLOPS if cuda else None,
                 profile_ms=split_ms, profile_idle_by_host_op_ms=idle_by_op, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+                device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, timing=timing_label(cuda),
                 warmup=args.warmup, steps=args.steps, tiny=args.tiny, bucket=args.bucket or None,
                 vary=args.vary or None)
 
