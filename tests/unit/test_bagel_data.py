@@ -397,3 +397,71 @@ def test_bagel_t2i_parquet_rows_draw_one_of_their_captions(tmp_path):
     row = next(iter(loader(data(dataset=str(tmp_path / "t2i.parquet"), micro_batch_size=1, seq_len=16))))
     first = row["input_ids"][0][row["doc_ids"][0] == 0].numpy()  # the parquet row through the loader
     assert first.tobytes() in want
+
+
+def chain_reference(imgs, instrs, start: int, end: int, joined: bool, pick, enc, sp):
+    """BAGEL's UnifiedEditIterableDataset.parse_row for the span (start, end) and the branch ``joined`` (its random
+    choices given), as titan's splits (no dropouts): the start image conditions; joined: the span's instructions
+    "a. b." (end pulled back one at the chain's last image) and the end image as the only target; else each edit's
+    instruction and its image as a target, the ones before the end conditioning again."""
+    want = _Sample(CFG, sp)
+    want.vae_image(enc(imgs[start][None])[0], noised=False, unit=-1)
+    want.vit_image(imgs[start])
+    if joined:
+        end -= end == len(imgs) - 1
+        text = "".join(pick(i - 1) + ". " for i in range(start + 1, end + 1)).rstrip()
+        want.text(ids(text, sp), loss=False)
+        want.vae_image(enc(imgs[end][None])[0], noised=True, unit=0)
+        return want.doc()
+    for unit, i in enumerate(range(start + 1, end + 1)):
+        want.text(ids(pick(i - 1), sp), loss=False)
+        want.vae_image(enc(imgs[i][None])[0], noised=True, unit=unit)
+        if i != end:
+            want.vae_image(enc(imgs[i][None])[0], noised=False, unit=-1)
+            want.vit_image(imgs[i])
+    return want.doc()
+
+
+def test_bagel_edit_parquet_chain_draws_spans_as_bagel_does(tmp_path):
+    """BAGEL's edit parquet row (image_list, instruction_list of variants): over samples and epochs every span BAGEL
+    can draw comes up in both branches, and each doc is the reference's for its span, branch and variants."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    imgs = [png(tmp_path, f"c{i}.png", 8, 8, 10 + i) for i in range(4)]
+    raw = [(tmp_path / f"c{i}.png").read_bytes() for i in range(4)]
+    instrs = [["make it red", "paint it red"], ["flip it"], ["add a dot", "dot it"]]
+    pq.write_table(pa.table({"image_list": [raw], "instruction_list": [instrs]}), tmp_path / "edit.parquet")
+    unit = list_units(str(tmp_path / "edit.parquet"))[0]
+    docs = BagelDocs(CFG, data(), TOK, seed=0)
+    rec = {"image_list": raw, "instruction_list": instrs}
+    enc, sp = docs.codec.encode, docs.specials
+    # every (span, branch, variants) BAGEL's parse_row can give for this row
+    spans = [(s, e) for s in range(3) for e in range(s + 1, min(s + 3, 4))]
+    choices = {}
+    for s, e in spans:
+        for joined in ((False, True) if e - s > 1 else (False,)):
+            for pick_ix in np.ndindex(*(len(v) for v in instrs)):
+                doc = chain_reference(imgs, instrs, s, e, joined, lambda i: instrs[i][pick_ix[i]], enc, sp)
+                choices[doc.input_ids.tobytes() + doc.seq["latents"].tobytes()] = (s, e, joined), doc
+    seen = set()
+    for sample in range(12):
+        for epoch in range(4):
+            doc = docs(rec, unit, f"c:{sample}", epoch)
+            got = doc.input_ids.tobytes() + doc.seq["latents"].tobytes()
+            assert got in choices, (sample, epoch)
+            span, want = choices[got]
+            assert_docs_equal(doc, want)  # labels, positions, segments and the ViT media too
+            seen.add(span)
+    assert seen == {(s, e, j) for s, e in spans for j in ((False, True) if e - s > 1 else (False,))}
+    row = next(iter(loader(data(dataset=str(tmp_path / "edit.parquet"), micro_batch_size=1, seq_len=64))))
+    assert int(row["latent_mask"].sum()) > 0  # the parquet row through the loader: at least one noised target
+
+
+def test_bagel_edit_chain_mistakes_are_counted_skips(tmp_path):
+    png(tmp_path, "a.png", 8, 8, 1)
+    one = ["a.png"]
+    for rec, match in (({"image_list": one, "instruction_list": []}, "at least 2 images"),
+                       ({"image_list": one * 3, "instruction_list": [["x"]]}, "one entry per edit: 2 for 3"),
+                       ({"image_list": one * 2, "instruction_list": [[]]}, "holds no instruction")):
+        with pytest.raises(SkipSample, match=match):
+            one_doc(tmp_path, rec)

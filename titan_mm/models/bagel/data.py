@@ -12,7 +12,9 @@ its device (DocLayout.encoder; docs/bagel.md "Data"):
                  or BAGEL's t2i parquet row {"image": bytes, "captions": JSON of several}, one drawn per epoch
   editing        {"source": IMG, "instruction": TEXT, "target": IMG} (or "source_image" / "target_image", as the
                  EditJSONLIterableDataset of BAGEL's forks): the source's clean VAE split (t = 0) and its ViT split,
-                 both full | [bos instruction eos] causal, no loss | the target's noised VAE split
+                 both full | [bos instruction eos] causal, no loss | the target's noised VAE split; or BAGEL's edit
+                 parquet row {"image_list": [IMG, ...], "instruction_list": [[TEXT, ...], ...]}, a chain of edits of
+                 which a span of one or two is drawn per epoch as its UnifiedEditIterableDataset draws it
   VLM chat       {"messages": [...]} (or LLaVA "conversations"; titan_mm.data.schema): per message, each image a
                  ViT split and each run of text [bos text eos] causal, CE on the assistant's
   builtin:digits the chat "<image> What digit is this?" -> "7" (CE on the answer), or "Draw the digit 7." -> the
@@ -79,7 +81,7 @@ DIGITS = ("builtin:digits", "builtin:digits_test")
 """The digits sources asked both ways (the training split, and the held-out one for [eval]'s held-out loss)."""
 DRAW_DIGIT = "Draw the digit {}."
 # own hash streams: the digits way, the prompt / source-ViT / source-VAE dropouts, the caption drawn
-_WAY_SALT, _DROP_SALT, _VIT_SALT, _VAE_SALT, _CAPTION_SALT = 0xD1617, 0xD40F, 0xD417, 0xDAE0, 0xCA9
+_WAY_SALT, _DROP_SALT, _VIT_SALT, _VAE_SALT, _CAPTION_SALT, _CHAIN_SALT = 0xD1617, 0xD40F, 0xD417, 0xDAE0, 0xCA9, 0xED17
 DEFERRED = ("vae_pixels", "vae_sizes")
 """A deferred batch's media keys: the VAE splits' images as uint8 RGB, flat and side by side in token order, and their
 (height, width); :class:`BagelEncoder` takes them out."""
@@ -290,6 +292,8 @@ class BagelDocs:
         key = (self.seed, zlib.crc32(sid.encode()), epoch)
         if "caption" in rec or "captions" in rec:
             s = self._generation(rec, unit, key, rec.get("image"), _caption(rec, key))
+        elif "image_list" in rec:
+            s = self._edit_chain(rec, unit, key)
         elif "instruction" in rec:
             source = rec.get("source", rec.get("source_image"))
             if source is None:
@@ -302,8 +306,9 @@ class BagelDocs:
             else:
                 s = self._chat(sample, rec, unit)
         else:
-            raise SkipSample("bad_schema", f"a BAGEL record has \"caption\" (text-to-image), \"instruction\" "
-                             f"(editing) or \"messages\" / \"conversations\" (chat); keys: {sorted(rec)[:8]}")
+            raise SkipSample("bad_schema", f"a BAGEL record has \"caption\" (text-to-image), \"instruction\" or "
+                             f"\"image_list\" (editing) or \"messages\" / \"conversations\" (chat); keys: "
+                             f"{sorted(rec)[:8]}")
         n_vit = int(sum(n.sum() for n in s.media.get("vit_lens", [])))
         return dataclasses.replace(s.doc(), sample_id=sid, n_patches=n_vit)
 
@@ -340,18 +345,65 @@ class BagelDocs:
         s, d = _Sample(self.cfg, self.specials), self.data
         ids = self._ids(prompt, "caption / instruction / prompt")
         if source is not None:
-            src = self._image(source, rec, unit, self.both_fit)
-            if _kept(key, _VAE_SALT, d.vae_cond_dropout):
-                self._vae_image(s, src, noised=False, unit=-1)
-            else:
-                s.dropped_image()
-            if _kept(key, _VIT_SALT, d.vit_cond_dropout):
-                s.vit_image(_unit_range(src))
-            else:
-                s.dropped_image()
+            self._condition(s, key, self._image(source, rec, unit, self.both_fit))
         if _kept(key, _DROP_SALT, d.prompt_dropout):
             s.text(ids, loss=False)
         self._vae_image(s, self._image(target, rec, unit, self.vae_fit), noised=True, unit=0)
+        return s
+
+    def _condition(self, s: _Sample, key: tuple, rgb_HWC: np.ndarray) -> None:
+        """A conditioning image: its clean VAE split and its ViT split, each dropped with data.vae_cond_dropout /
+        vit_cond_dropout (the position still taken)."""
+        if _kept(key, _VAE_SALT, self.data.vae_cond_dropout):
+            self._vae_image(s, rgb_HWC, noised=False, unit=-1)
+        else:
+            s.dropped_image()
+        if _kept(key, _VIT_SALT, self.data.vit_cond_dropout):
+            s.vit_image(_unit_range(rgb_HWC))
+        else:
+            s.dropped_image()
+
+    def _edit_chain(self, rec: dict, unit: Unit, key: tuple) -> _Sample:
+        """BAGEL's edit parquet row (its ``UnifiedEditIterableDataset``): ``image_list`` [N >= 2 images, each edited
+        into the next] and ``instruction_list`` [N - 1 lists of variants of each edit's instruction]. As BAGEL draws
+        them, here from (seed, sample, epoch): a span start .. end of at most two edits; the start image conditions
+        (clean VAE + ViT); then either the span's instructions joined ("a. b.", end pulled back one when it is the
+        chain's last image) and the end image as the one target, or each edit's instruction followed by its image
+        as a target, the images before the end also conditioning what follows. One variant of each instruction."""
+        images, instrs = rec["image_list"], rec.get("instruction_list")
+        if not isinstance(images, (list, tuple)) or len(images) < 2:
+            raise SkipSample("bad_schema", "\"image_list\" must list at least 2 images (a source and its edit)")
+        n = len(images)
+        if not isinstance(instrs, (list, tuple)) or len(instrs) != n - 1:
+            raise SkipSample("bad_schema", f"\"instruction_list\" must hold one entry per edit: {n - 1} for {n} images")
+
+        def draw(salt: int, k: int) -> int:
+            return hash_ints(*key, salt) % k
+
+        def variant(i: int) -> str:  # one variant of edit i's instruction (a string is its only one)
+            v = [instrs[i]] if isinstance(instrs[i], str) else list(instrs[i])
+            if not v:
+                raise SkipSample("empty", f"instruction_list[{i}] holds no instruction")
+            return v[draw(_CHAIN_SALT + 3 + i, len(v))]
+
+        start = draw(_CHAIN_SALT, n - 1)
+        end = start + 1 + draw(_CHAIN_SALT + 1, min(start + 3, n) - start - 1)
+        s, targets = _Sample(self.cfg, self.specials), 0
+        self._condition(s, (*key, start), self._image(images[start], rec, unit, self.both_fit))
+        joined = end - start > 1 and draw(_CHAIN_SALT + 2, 2) == 0
+        if joined and end == n - 1:
+            end -= 1
+        texts = ["".join(variant(i - 1) + ". " for i in range(start + 1, end + 1)).rstrip()] if joined else None
+        for i in ([end] if joined else range(start + 1, end + 1)):
+            text = texts[0] if joined else variant(i - 1)
+            if _kept((*key, i), _DROP_SALT, self.data.prompt_dropout):
+                s.text(self._ids(text, "instruction"), loss=False)
+            last = i == end
+            img = self._image(images[i], rec, unit, self.vae_fit if last else self.both_fit)
+            self._vae_image(s, img, noised=True, unit=targets)
+            targets += 1
+            if not last:  # the next edit starts from this image
+                self._condition(s, (*key, i), img)
         return s
 
     def _chat(self, sample, rec: dict, unit: Unit) -> _Sample:
