@@ -183,3 +183,26 @@ def test_cast_adamw_kernel_matches_fused_adamw_on_cuda():
     mine = cuda_ms(lambda: adamw_step_(p, g, m, v, copy, step, 1e-3, 0.9, 0.95, 1e-8, 0.1))
     theirs = cuda_ms(lambda: (ref.step(), copy.copy_(q.detach())))
     print(f"adamw_step_ {mine:.2f} ms ({n * 28 / mine / 1e9:.2f} TB/s), fused AdamW + cast {theirs:.2f} ms")
+
+
+def test_count_reduce_runs_beside_the_compute_stream(tmp_path):
+    """reduce_counts (the step's loss-term counts summed over the dp ranks) on NCCL: the right sums, read on the host
+    while the compute stream is still busy: it does not queue behind the previous step's work."""
+    import torch.distributed as dist
+
+    from titan_mm.train.step import reduce_counts
+
+    dev = torch.device("cuda")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1, device_id=dev)
+    try:
+        assert reduce_counts([1, 2], dist.group.WORLD, dev) == [1, 2]  # the communicator's first use, synchronized
+        torch.cuda.synchronize()
+        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        for _ in range(40):  # about 40 TFLOP queued on the compute stream
+            a = a @ a.T
+        got = reduce_counts([3, 5], dist.group.WORLD, dev)
+        busy = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        assert got == [3, 5] and busy
+    finally:
+        dist.destroy_process_group()

@@ -32,6 +32,7 @@ optimizer, or ``StepContext.device_skip=False``, keeps the host-decided path: re
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import warnings
@@ -210,14 +211,31 @@ def local_counts(micro_batches: list[dict], objective: Objective) -> dict[str, i
 
 def global_counts(micro_batches: list[dict], ctx: StepContext) -> dict[str, int]:
     """Each loss term's normalizer over the whole global batch: one all-reduce of the host-known counts over the dp
-    ranks."""
+    ranks (none for one rank)."""
     local = local_counts(micro_batches, ctx.objective)
-    if ctx.count_group is None:
+    if ctx.count_group is None or dist.get_world_size(ctx.count_group) == 1:
         return local
-    comm_dev = ctx.device if dist.get_backend(ctx.count_group) == "nccl" else torch.device("cpu")
-    t = torch.tensor(list(local.values()), dtype=torch.int64, device=comm_dev)
-    _all_reduce_sum(t, ctx.count_group)
-    return dict(zip(local, t.tolist()))
+    return dict(zip(local, reduce_counts(list(local.values()), ctx.count_group, ctx.device)))
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def reduce_counts(values: list[int], group, device: torch.device) -> list[int]:
+    """The sums of the host's ``values`` over ``group``, read on the host. With NCCL the reduce and its read run on
+    a side stream: the counts are the host's, so they need not queue behind the previous step's work still on the
+    compute stream (its AdamW), which a read there would wait for, leaving the GPU idle while the host then builds
+    this step's inputs."""
+    if dist.get_backend(group) != "nccl":
+        t = torch.tensor(values, dtype=torch.int64)
+        _all_reduce_sum(t, group)
+        return t.tolist()
+    with torch.cuda.stream(_side_stream(device)):
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        _all_reduce_sum(t, group)
+        return t.tolist()
 
 
 def model_inputs(b: dict[str, Any], objective: Objective) -> dict[str, Any]:
