@@ -4,7 +4,8 @@ buffers, gradients, optimizer state and the loss for any family).
 Saved bytes per token of one decoder layer (MoTLayer, or the MLP-only split's MoELayer), counted from model.py's
 eager code path (tests/unit/test_memory_wan_bagel.py walks the autograd graph of a layer on CPU in fp32 and in bf16
 and finds exactly these bytes). Every token runs one expert, so a token saves one expert's worth whatever the split;
-routing saves only the host-built indices (int64, shared by every layer: counted nowhere, 8 bytes a token):
+routing saves only index tensors (the host-built indices and the permutation built from them, int64, shared by
+every layer: counted nowhere, 24 bytes a token):
 
 - each RMSNorm (titan_mm.nn.norm.rms_norm: the attention and FFN norms, D; the per-head q and k norms, H K and G K):
   its fp32 upcast, fp32 rstd and the normalized values cast back; then the q / k / v and w1 / w3 inputs (D);

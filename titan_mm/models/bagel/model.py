@@ -7,11 +7,15 @@ Legend: B batch, S sequence, T = B*S flat tokens, D model dim, H / G query / kv 
 images of the batch side by side), P values per latent patch (latent_patch^2 x z_channels, (row, col, chan) order).
 
 Routing is by host-built indices (:func:`titan_mm.models.bagel.spec.prepare_batch`): ``und_index`` / ``gen_index``
-(disjoint, covering the T tokens) pick each expert's tokens with index_select and put its outputs back with
-index_copy, so the forward never syncs with the host. Every token takes exactly one expert's weights.
+(disjoint, covering the T tokens) make one permutation of the tokens, the understanding ones first; a layer gathers
+its input in that order, runs each expert on its contiguous part, and gathers the outputs back by the inverse
+permutation. Each gather's backward is the other gather (no scatter, no zero fill), and the forward never syncs
+with the host. Every token takes exactly one expert's weights.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -75,25 +79,45 @@ class Expert(nn.Module):
         return self.mlp(self.ffn_norm(x_ND))
 
 
-def route(x_TX: torch.Tensor,
-          index: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+class _Permute(torch.autograd.Function):
+    """``x[order]`` for a permutation ``order`` of x's rows, ``inverse`` its inverse: the gradient is the gather
+    ``g[inverse]`` (index_select's own backward is a scatter-add into zeros)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return g.index_select(0, inverse), None, None
+
+
+class Routing(NamedTuple):
+    """The two experts' tokens as one permutation of the T tokens: ``order`` = und_index then gen_index, ``inverse``
+    its inverse, ``und`` the understanding tokens' indices (their count is its length: symbolic under compile)."""
+    order: torch.Tensor
+    inverse: torch.Tensor
+    und: torch.Tensor
+
+
+def route(x_TX: torch.Tensor, index: Routing | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(und rows, gen rows) of ``x_TX``; ``index`` None (no latent tokens: text and ViT only): (x_TX, None)."""
     if index is None:
         return x_TX, None
-    return x_TX.index_select(0, index[0]), x_TX.index_select(0, index[1])
+    n = index.und.shape[0]
+    xu, xg = _Permute.apply(x_TX, index.order, index.inverse).split([n, x_TX.shape[0] - n])
+    return xu, xg
 
 
-def merge(und_NX: torch.Tensor, gen_MX: torch.Tensor | None, index: tuple[torch.Tensor, torch.Tensor] | None,
+def merge(und_NX: torch.Tensor, gen_MX: torch.Tensor | None, index: Routing | None,
           lead: tuple[int, ...]) -> torch.Tensor:
-    """The rows back in sequence order, as a fresh [*lead, X] tensor (the indices cover its prod(lead) rows once; a
-    base, not a view, so that FSDP's hooks on a block's output hold); ``index`` None: the und rows are all of them."""
+    """The rows back in sequence order, as a fresh [*lead, X] tensor (a base, not a view, so that FSDP's hooks on a
+    block's output hold); ``index`` None: the und rows are all of them."""
     if index is None:
         return und_NX.view(*lead, und_NX.shape[-1])
-    out = und_NX.new_zeros(*lead, und_NX.shape[-1])
-    flat = out.view(-1, und_NX.shape[-1])
-    flat.index_copy_(0, index[0], und_NX)
-    flat.index_copy_(0, index[1], gen_MX)
-    return out
+    return _Permute.apply(torch.cat([und_NX, gen_MX]), index.inverse, index.order).view(*lead, und_NX.shape[-1])
 
 
 def by_expert(und_fn, gen_fn, x_BSX: torch.Tensor, index) -> torch.Tensor:
@@ -301,7 +325,7 @@ class BagelModel(nn.Module):
               gen_index=None) -> Stream:
         """Layers start .. stop-1 (any contiguous slice), routing by the host-built expert indices (None: every
         token is an understanding token)."""
-        h, index = stream.h, _index(und_index, gen_index)
+        h, index = stream.h, routing(und_index, gen_index)
         for i in range(start, len(self.layers) if stop is None else stop):
             h = self.layers[str(i)](h, index, rope, attn)
         return stream._replace(h=h)
@@ -310,7 +334,7 @@ class BagelModel(nn.Module):
              gen_index=None) -> ModelOutput:
         """The final norm of each token's expert: as ``hidden`` (an objective's input), else the LM logits (at
         ``logits_at``)."""
-        h = by_expert(self.norm, self.norm_gen, stream.h, _index(und_index, gen_index))
+        h = by_expert(self.norm, self.norm_gen, stream.h, routing(und_index, gen_index))
         zero = torch.zeros((), device=h.device)
         cache = None if attn is None else attn.kv_cache  # written in place by the layers; returned
         if hidden:
@@ -348,9 +372,13 @@ class BagelModel(nn.Module):
         return self.llm2vae(out.hidden)
 
 
-def _index(und_index, gen_index):
-    """The layers' routing: the two experts' token indices, or None when there are no latent tokens."""
-    return None if gen_index is None else (und_index, gen_index)
+def routing(und_index, gen_index) -> Routing | None:
+    """The layers' routing (:class:`Routing`), or None when there are no latent tokens."""
+    if gen_index is None:
+        return None
+    order = torch.cat([und_index, gen_index])
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
+    return Routing(order, inverse, und_index)
 
 
 def build(cfg: BagelConfig) -> BagelModel:
