@@ -2,8 +2,9 @@
 tests/fixtures/record_losses.py at the commit it names): a change that claims to move code without changing the
 arithmetic proves it here.
 
-Bitwise where the recording's torch version and CPU kernel family (torch.backends.cpu.get_cpu_capability) are
-this machine's: the same code then runs the same instructions. Elsewhere fp32 reductions may run in another order
+Bitwise where the recording's machine fingerprint (record_losses.machine: torch version, CPU kernel family, CPU
+model, flags, cache size, threads) is this machine's: the same code then runs the same instructions (the kernel
+family alone was not enough: a CI machine with the recording's torch and AVX512 moved one loss by 1.4e-7). Elsewhere fp32 reductions may run in another order
 (another SIMD width): each step's loss may move by a few units of fp32 roundoff times the reduction depth, and
 three AdamW steps at lr 3e-3 carry that into the weights, so the bound is relative 1e-4 there (the smallest loss
 change a real arithmetic difference makes in these runs, e.g. one token's weight, is above 1e-3)."""
@@ -12,14 +13,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.fixtures.record_losses import debug_configs, train
+from tests.fixtures.record_losses import debug_configs, machine, train
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = json.loads((ROOT / "tests/fixtures/debug_losses.json").read_text())
-SAME_MACHINE = (FIXTURE["torch"] == torch.__version__
-                and FIXTURE["cpu_capability"] == torch.backends.cpu.get_cpu_capability())
+SAME_MACHINE = FIXTURE["machine"] == machine()
 
 
 def test_every_recorded_config_still_exists():
