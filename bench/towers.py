@@ -7,8 +7,10 @@ from the decoder. Each tower is built the family's way (``spec.build`` of the fl
 taken out, materialized on the device and initialized by its own ``init_weights``), with the trainer's runtime:
 bf16 on CUDA (fp32 on the CPU), kernels on CUDA (``kernels.ops`` all; their launch configs tuned in one eager
 step first, as the trainer's ``tune_kernels`` picks them before its first step), the encoders' attention backend the
-trainer picks (``vision_backend``: varlen on CUDA when torch has it, else flex; sdpa on the CPU), each block
-compiled on CUDA (``--no-compile``: eager). Its host metadata is built once, before the timed steps, as the
+trainer picks (``vision_backend``: varlen on CUDA when torch has it, else flex; sdpa on the CPU), compiled on CUDA
+as ``--compile`` says: ``blocks`` (the default, the trainer's compile units: one per block), ``whole`` (the tower as
+one graph: no per-block guards and autograd nodes on the host), ``graphs`` (the whole tower under CUDA graphs,
+``mode="reduce-overhead"``: the inputs repeat, so the host launches one graph a direction) or ``none``. Its host metadata is built once, before the timed steps, as the
 trainer's ``prepare_batch`` does. The loss is the mean square of the tower's outputs (the DeepStack features
 included), so the backward reaches every parameter. The timed steps run back to back (bench/timing.py: CUDA events,
 no sync between steps; rows with ``timing: "events"``, earlier ones synchronized after each step).
@@ -17,7 +19,15 @@ FLOPs are the family's own counter (titan_mm/models/<family>/flops.py: ``vision_
 training FLOPs = 3x forward), MFU against 989 TFLOP/s (the H100 SXM's and the H200's dense bf16 peak; none on the
 CPU). The profile split is bench/profile_split.py's over two profiled steps on CUDA (GPU kernels by name; idle =
 the span minus the kernels' union); on the CPU the ops' self times by the same kind of rules (idle = wall time not
-in any op: the host's Python). Towers (``TOWERS``; the bench shapes are the VL / Omni cases' of bench/mfu.py):
+in any op: the host's Python).
+
+``--floor`` adds the tower's floor, as bench/floor.py's for the 8B: every linear's three training GEMMs (forward,
+input and weight gradient) at the shapes one forward calls them with, each timed alone with cuBLAS (torch.mm),
+and every convolution's forward and backward alone, plus the attention kernels' time from the same run's
+profile; MFU at that floor is the most the tower can reach
+with these GEMMs and this attention, whatever runs between them. The same GEMMs with K and N rounded up to a
+multiple of 64 (``gemm_aligned_ms``) say what odd widths cost (Qwen2.5-VL's ViT MLP is 3,420 wide: its rows are
+not 16-byte aligned for cuBLAS). Towers (``TOWERS``; the bench shapes are the VL / Omni cases' of bench/mfu.py):
 
   qwen3_vl_vit          Qwen3-VL-2B's ViT (24 x 1024, DeepStack): 8 images of 512 x 512 (8,192 patches)
   qwen2_5_vl_vit        Qwen2.5-VL-7B's windowed ViT (32 x 1280, full attention in 4 blocks): 8 images of 504 x 504
@@ -28,6 +38,7 @@ in any op: the host's Python). Towers (``TOWERS``; the bench shapes are the VL /
 
   python3 bench/towers.py                                  # on the GPU: bench/results/towers_<device>.json
   python3 bench/towers.py --towers qwen3_vl_vit --profile-dir DIR   # + each tower's kernel table
+  python3 bench/towers.py --compile whole --floor          # the tower as one graph, and each tower's floor
   python3 bench/towers.py --towers qwen3_vl_vit --vary 8 [--bucket 4096]   # sizes that change every step,
                                                            # without and with bucketed patch counts (same outputs)
   python3 bench/towers.py --cpu --tiny --out /tmp/t.json   # the smoke (debug flavors, a few steps)
@@ -38,14 +49,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -91,6 +104,11 @@ TOWERS: dict[str, dict] = {
     "bagel_vit": dict(model="bagel", flavor="7B-MoT", module="vit", images=[(32, 32)] * 8, meta=vit_meta,
                       flops=bagel_flops.vit_flops, tiny=dict(flavor="debug", images=[(4, 4), (2, 3), (3, 5)])),
 }
+
+COMPILE = ("blocks", "whole", "graphs", "none")
+"""--compile's modes (module docstring); the rows record theirs (``compile``)."""
+ALIGN = 64
+"""The floor's aligned GEMMs round K and N up to a multiple of this."""
 
 # the CPU's ops (self time) by kind; first match wins, the rest is elementwise
 CPU_RULES = (("attention", ("attention", "sdpa", "flash", "softmax")),
@@ -177,6 +195,95 @@ def varied(t: dict, i: int, tiny: bool) -> dict:
     return dict(t, **{key: [(h, w) if key == "images" else (1, h, w) for h, w in sides]})
 
 
+def compile_tower(tower: torch.nn.Module, mode: str) -> None:
+    if mode == "blocks":  # the trainer's compile units
+        for blk in tower.blocks:
+            blk.compile()
+    elif mode in ("whole", "graphs"):
+        tower.compile(**({"mode": "reduce-overhead"} if mode == "graphs" else {}))
+
+
+class _Calls(TorchDispatchMode):
+    """Records the shapes of every 2-D matmul (aten.mm / aten.addmm: the linears, whichever way they are called, a
+    module or F.linear inside a fused op; attention's batched products are not 2-D) as (M, K, N), and every
+    convolution's arguments (input and weight shapes, bias, stride, padding, dilation, groups)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mms: list[tuple[int, int, int]] = []
+        self.convs: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            a, b = args[-2:]
+            self.mms.append((a.shape[0], a.shape[1], b.shape[1]))
+        elif func is torch.ops.aten.convolution.default:
+            x, w, b, stride, padding, dilation, _transposed, _out_pad, groups = args
+            self.convs.append((tuple(x.shape), tuple(w.shape), b is not None, tuple(stride), tuple(padding),
+                               tuple(dilation), groups))
+        return func(*args, **(kwargs or {}))
+
+
+def tower_calls(tower: torch.nn.Module, x: torch.Tensor, inputs: tuple) -> _Calls:
+    """The GEMMs and convolutions of one forward of the (not yet compiled) tower."""
+    with torch.no_grad(), _Calls() as rec:
+        tower(x, *inputs)
+    return rec
+
+
+def gemm_ms(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, align: int = 1,
+            reps: int = 20) -> float:
+    """ms of the three training GEMMs of every (M, K, N) in ``shapes`` (forward x W^T, input gradient g W, weight
+    gradient g^T x, with nn.Linear's layouts), each shape timed alone; K and N rounded up to ``align``."""
+    cuda = device.type == "cuda"
+    up = (lambda n: math.ceil(n / align) * align)
+    total = 0.0
+    for (m, k, n), count in Counter(shapes).items():
+        k, n = up(k), up(n)
+        x, w, g = (torch.randn(*s, device=device, dtype=dtype) for s in ((m, k), (n, k), (m, n)))
+        gemms = (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x)
+        for f in gemms:  # warm: cuBLAS picks its kernel
+            f()
+        times, _ = step_times(lambda: [f() for f in gemms], reps if cuda else 1, cuda)
+        total += count * statistics.median(times) * 1e3
+    return total
+
+
+def conv_ms(convs: list[tuple], dtype: torch.dtype, device: torch.device, reps: int = 20) -> float:
+    """ms of every convolution's forward and backward (input, weight and bias gradients), each timed alone."""
+    cuda = device.type == "cuda"
+    total = 0.0
+    for (xs, ws, bias, stride, padding, dilation, groups), count in Counter(convs).items():
+        x, w = (torch.randn(s, device=device, dtype=dtype, requires_grad=True) for s in (xs, ws))
+        b = torch.randn(ws[0], device=device, dtype=dtype, requires_grad=True) if bias else None
+        leaves = [t for t in (x, w, b) if t is not None]
+
+        def fwd_bwd():
+            y = torch.convolution(x, w, b, stride, padding, dilation, False, [0] * len(stride), groups)
+            return torch.autograd.grad(y, leaves, torch.ones_like(y))
+
+        fwd_bwd()
+        times, _ = step_times(fwd_bwd, reps if cuda else 1, cuda)
+        total += count * statistics.median(times) * 1e3
+    return total
+
+
+def floor_row(calls: _Calls, flops: float, attention_ms: float, dtype: torch.dtype, device: torch.device) -> dict:
+    """The tower's floor (module docstring): the GEMMs alone, as they are and aligned, and the convolutions alone,
+    plus the run's attention."""
+    shapes = calls.mms
+    gemm, aligned = gemm_ms(shapes, dtype, device), gemm_ms(shapes, dtype, device, align=ALIGN)
+    conv = conv_ms(calls.convs, dtype, device)
+    cuda = device.type == "cuda"
+    row = dict(gemm_ms=round(gemm, 3), gemm_aligned_ms=round(aligned, 3), conv_ms=round(conv, 3),
+               attention_ms=attention_ms, gemm_flops=sum(6 * m * k * n for m, k, n in shapes), linears=len(shapes),
+               convs=len(calls.convs))
+    for key, g in (("", gemm), ("_aligned", aligned)):
+        row[f"ms{key}"] = round(g + conv + attention_ms, 3)
+        row[f"mfu{key}"] = flops / (row[f"ms{key}"] / 1e3) / 1e12 / PEAK_TFLOPS if cuda else None
+    return row
+
+
 def cpu_split(prof, wall_s: float, steps: int) -> dict:
     """ms per step by kind from the ops' self CPU times; idle = the wall time in no op."""
     ms: dict = defaultdict(float)
@@ -204,10 +311,13 @@ def run_tower(name: str, args, device: torch.device) -> dict:
                                                                     round(statistics.mean(s[4] for s in sets)))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     calls = [0]
+    mode = args.compile if cuda else "none"
 
     def step():
         x, inputs = sets[calls[0] % len(sets)][:2]  # --vary: the next input set, as a trainer's next micro-batch
         calls[0] += 1
+        if mode == "graphs":  # a new iteration: the graphs' last outputs are free to overwrite
+            torch.compiler.cudagraph_mark_step_begin()
         out = tower(x, *inputs)
         outs = [out[0], *out[1]] if isinstance(out, tuple) else [out]  # the ViTs: (merged, DeepStack features)
         sum(o.float().square().mean() for o in outs).backward()
@@ -216,10 +326,8 @@ def run_tower(name: str, args, device: torch.device) -> dict:
         with kernel_tuning():  # (eager: the compiled blocks then find every key tuned)
             step()
         sync()
-    compiled = cuda and not args.no_compile
-    if compiled:  # the trainer's compile units: one per block
-        for blk in tower.blocks:
-            blk.compile()
+    calls_seen = tower_calls(tower, *sets[0][:2]) if args.floor else None  # eager, before compile
+    compile_tower(tower, mode)
     for _ in range(args.warmup):
         step()
     sync()
@@ -249,8 +357,11 @@ def run_tower(name: str, args, device: torch.device) -> dict:
             prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=100)
             + "\n\n" + json.dumps(kernels, indent=1))
     tflops = flops / med / 1e12
+    floor = None if calls_seen is None else floor_row(calls_seen, flops, split_ms.get("attention", 0.0), dtype,
+                                                      device)
     return dict(tower=name, model=t["model"], flavor=t["flavor"], inputs=what, tokens=tokens,
-                backend=attn_backend(t, cfg, device), compiled=compiled, dtype=str(dtype).removeprefix("torch."),
+                backend=attn_backend(t, cfg, device), compiled=mode != "none", compile=mode, floor=floor,
+                dtype=str(dtype).removeprefix("torch."),
                 flops=flops, step_time_s=med, tflops=tflops, mfu=tflops / PEAK_TFLOPS if cuda else None,
                 profile_ms=split_ms, profile_idle_by_host_op_ms=idle_by_op, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                 device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, timing=timing_label(cuda),
@@ -269,12 +380,41 @@ def render(rows: list[dict]) -> str:
             out.append(f"| {r['tower']} | {dev} | failed: {r['error'][:80]} |" + " |" * (len(head) - 3))
             continue
         p = r["profile_ms"]
-        name = r["tower"] + (f" (bucket {r['bucket']})" if r.get("bucket") else "") \
-            + (f" (vary {r['vary']})" if r.get("vary") else "")
+        name = _label(r)
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a (CPU)"
         parts = [f"{sum(p.get(k, 0.0) for k in keys):.1f}" for _, keys in COLUMNS]
         out.append(f"| {name} | {dev} | {r['model']} {r['flavor']} | {r['inputs']} | {1e3 * r['step_time_s']:.1f} "
                    f"| {r['tflops']:.3g} | {mfu} | " + " | ".join(parts) + " |")
+    return "\n".join(out)
+
+
+def _label(r: dict) -> str:
+    """The row's name: the tower, and what it ran with besides the defaults (compile: blocks on a GPU)."""
+    mode = _mode(r)
+    shown = mode != "blocks" and device_of(r) != "cpu"
+    return r["tower"] + (f" (bucket {r['bucket']})" if r.get("bucket") else "") \
+        + (f" (vary {r['vary']})" if r.get("vary") else "") + (f" (compile {mode})" if shown else "")
+
+
+def _mode(r: dict) -> str:
+    """The row's --compile mode (rows before the option: blocks when compiled)."""
+    return r.get("compile") or ("blocks" if r.get("compiled") else "none")
+
+
+def render_floor(rows: list[dict]) -> str:
+    """The floors' table (rows run with --floor), or "" when there are none."""
+    rows = [r for r in rows if r.get("floor")]
+    if not rows:
+        return ""
+    out = ["| tower | device | step ms | MFU | GEMMs alone ms | aligned to 64 | convolutions ms | attention ms | "
+           "floor MFU | aligned floor MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
+    pct = (lambda v: "n/a (CPU)" if v is None else f"{100 * v:.1f}%")
+    for r in rows:
+        f = r["floor"]
+        out.append(f"| {_label(r)} | {device_label(device_of(r))} | {1e3 * r['step_time_s']:.1f} | {pct(r['mfu'])} "
+                   f"| {f['gemm_ms']:.1f} | {f['gemm_aligned_ms']:.1f} | {f['conv_ms']:.1f} | {f['attention_ms']:.1f} "
+                   f"| {pct(f['mfu'])} "
+                   f"| {pct(f['mfu_aligned'])} |")
     return "\n".join(out)
 
 
@@ -286,13 +426,15 @@ def render_doc(paths: list[Path]) -> str:
                 "`bench/results/towers_<device>.json`; then `python3 bench/towers.py --doc docs/efficiency.md`.")
     return (f"The encoders alone, forward + backward (`bench/towers.py`; "
             f"{', '.join(f'`bench/results/{p.name}`' for p in paths)}): ms per step by kernel kind, MFU of the "
-            f"tower's own FLOPs against {PEAK_TFLOPS:.0f} TFLOP/s.\n\n" + render(rows))
+            f"tower's own FLOPs against {PEAK_TFLOPS:.0f} TFLOP/s.\n\n" + render(rows)
+            + ("\n\nFloors (`--floor`: the linears' GEMMs timed alone, plus the run's attention kernels):\n\n"
+               + render_floor(rows) if render_floor(rows) else ""))
 
 
 def write_rows(out: Path, rows: list[dict]) -> None:
     """Merge into ``out``: a row replaces the earlier one of its tower, device, shape (tiny or not) and bucket."""
     def key(r):
-        return r["tower"], device_of(r), r.get("tiny"), r.get("bucket"), r.get("vary")
+        return r["tower"], device_of(r), r.get("tiny"), r.get("bucket"), r.get("vary"), _mode(r)
 
     prev = json.loads(out.read_text())["rows"] if out.exists() else []
     new = {key(r) for r in rows}
@@ -306,7 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--towers", default=",".join(TOWERS), help=f"comma list of {list(TOWERS)}")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (fp32, eager; with --tiny: the smoke)")
     ap.add_argument("--tiny", action="store_true", help="the families' debug flavors at a few small inputs")
-    ap.add_argument("--no-compile", action="store_true", help="CUDA: eager blocks (the default compiles each)")
+    ap.add_argument("--compile", choices=COMPILE, default="blocks", help="CUDA: compile each block (the trainer's "
+                    "units), the whole tower, the whole tower under CUDA graphs, or none (the CPU runs eager)")
+    ap.add_argument("--floor", action="store_true", help="also time every linear's GEMMs alone: the tower's floor")
     ap.add_argument("--bucket", type=int, default=0, help="the ViT's patch count rounded up to a multiple of this "
                     "(build_vision_meta's bucket; towers with buckets only); the row records it and keys on it")
     ap.add_argument("--vary", type=int, default=0, help="N input sets of drawn sizes, one per step in turn (a "
@@ -360,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     print(render(rows))
+    print(render_floor(rows))
     return 1 if any("error" in r for r in rows) else 0
 
 

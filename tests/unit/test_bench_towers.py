@@ -59,6 +59,27 @@ def test_varied_sizes_on_bucketed_patch_counts(tmp_path, capsys):
     assert "| qwen3_vl_vit (bucket 256) (vary 3) | CPU |" in capsys.readouterr().out
 
 
+def test_floor_times_every_linear_and_convolution(tmp_path, capsys):
+    """--floor: the GEMMs recorded in one forward are every linear's, however it is called (Qwen2.5-VL's patch
+    embedding is an F.linear), the convolutions every conv of the stem (Qwen3-Omni's three Conv2d); the floor is
+    their times alone plus the run's attention; the floors' table prints."""
+    out = tmp_path / "towers.json"
+    argv = ["--cpu", "--tiny", "--towers", "qwen2_5_vl_vit,qwen3_omni_moe_audio", "--warmup", "1", "--steps", "1",
+            "--floor", "--out", str(out)]
+    assert towers.main(argv) == 0
+    rows = {r["tower"]: r for r in json.loads(out.read_text())["rows"]}
+    vl, audio = rows["qwen2_5_vl_vit"]["floor"], rows["qwen3_omni_moe_audio"]["floor"]
+    _, cfg = towers.tower_config("qwen2_5_vl_vit", True, torch.device("cpu"))
+    assert vl["linears"] == 1 + 5 * cfg.vision.depth + 2 and vl["convs"] == 0  # patch, q/k/v, o, MLP, merger
+    _, cfg = towers.tower_config("qwen3_omni_moe_audio", True, torch.device("cpu"))
+    assert audio["linears"] == 1 + 6 * cfg.audio.encoder_layers + 2 and audio["convs"] == 3
+    for name, f in (("qwen2_5_vl_vit", vl), ("qwen3_omni_moe_audio", audio)):
+        assert 0 < f["gemm_flops"] < rows[name]["flops"] and f["gemm_ms"] > 0 and f["gemm_aligned_ms"] > 0
+        assert f["ms"] == pytest.approx(f["gemm_ms"] + f["conv_ms"] + f["attention_ms"], abs=2e-3)
+        assert rows[name]["compile"] == "none" and f["mfu"] is None  # the CPU: eager, no peak
+    assert (audio["conv_ms"] > 0) and "| convolutions ms | attention ms | floor MFU |" in capsys.readouterr().out
+
+
 def test_mistakes_are_one_error(capsys):
     for argv, want in ((["--towers", "qwen3_vl_vitt", "--cpu"],
                         "error: --towers: unknown ['qwen3_vl_vitt']; choose from " + str(list(towers.TOWERS))),
