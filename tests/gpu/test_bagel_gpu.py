@@ -1,6 +1,7 @@
 """The bagel family on CUDA: fp32 hidden states, loss sums and gradients equal the transformers-built reference of
-tests/unit/test_bagel.py on the same card (sdpa, and flex's BlockMask of the "segments" kind), and a bf16 forward +
-backward of packed rows runs with no host sync (the MoT routing by host-built indices, the ViT, the latents)."""
+tests/unit/test_bagel.py on the same card (sdpa, and flex's BlockMask of the "segments" kind), also with the fused
+linear cross-entropy; and a bf16 forward + backward of packed rows (the fused CE) runs with no host sync (the MoT
+routing by host-built indices, the ViT, the latents)."""
 
 from __future__ import annotations
 
@@ -38,10 +39,22 @@ def test_bagel_matches_the_reference_on_cuda(backend, compiled):
     assert_matches(_ours(model, batch, obj, backend, "cuda"), want, model, pp)  # TF32 is off by default
 
 
+def test_fused_cross_entropy_matches_the_reference_on_cuda():
+    """``kernels`` with linear_cross_entropy (the trainer's GPU default): the LM loss runs the fused Triton kernel
+    (fp32 here) and the hidden states, both loss sums and every gradient still equal the reference's."""
+    model, ref, pp = _pair(cfg=dataclasses.replace(CFG, kernels="linear_cross_entropy"))
+    assert model.fused_ce
+    model, ref = model.cuda(), ref.cuda()
+    rows, batch = _batch()
+    want = ref({k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()},
+               ref_mask(rows, SEQ).cuda())
+    assert_matches(_ours(model, batch, _objective(), "sdpa", "cuda"), want, model, pp)
+
+
 def test_bagel_bf16_step_has_no_host_sync():
     """Forward and backward under torch.cuda.set_sync_debug_mode("error"): the host work (prepare_batch's indices,
     the segments BlockMask, the copy) comes before, as in the train step; the tables stay fp32."""
-    model = _pair()[0].cuda().to(torch.bfloat16)
+    model = _pair(cfg=dataclasses.replace(CFG, kernels="linear_cross_entropy"))[0].cuda().to(torch.bfloat16)
     model.init_buffers("cuda")
     _, batch = _batch(4)
     obj = _objective()

@@ -276,6 +276,21 @@ def test_the_head_runs_on_the_labeled_tokens_only():
     assert "label_index" in obj.loss_keys  # the loss reads it; the forward never sees it
 
 
+def test_the_kernels_spec_picks_the_fused_cross_entropy():
+    """``kernels`` with linear_cross_entropy sends the LM loss to titan_mm.kernels' fused op (GPU test:
+    test_fused_cross_entropy_matches_the_reference_on_cuda); off the Triton path it is the same chunked CE, bit for
+    bit."""
+    plain = _pair()[0]
+    fused = _pair(cfg=dataclasses.replace(CFG, kernels="all"))[0]
+    assert fused.fused_ce and not plain.fused_ce
+    assert not _pair(cfg=dataclasses.replace(CFG, kernels="all,-linear_cross_entropy"))[0].fused_ce
+    labels = torch.tensor([[1, -100, 7, 3, -100, 47]])
+    h = torch.randn(1, 6, CFG.llm_config.hidden_size, requires_grad=True)
+    a, b = plain.lm_loss(h, labels), fused.lm_loss(h, labels)
+    assert torch.equal(a, b)
+    assert torch.equal(*(torch.autograd.grad(x, h)[0] for x in (a, b)))
+
+
 def assert_matches(out, want, model, pp):
     """Our output's hidden states and loss sums equal the reference's ``want`` (hidden, ce, mse), then the
     gradients of ce + mse of every parameter."""

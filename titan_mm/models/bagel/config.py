@@ -107,7 +107,9 @@ class BagelConfig:
     timestep_shift: float = 1.0
     attn_backend: str = "sdpa"
     kernels: bool | str = False
-    """The titan_mm.kernels ops spec; recorded only in slice 1 (the PyTorch references run)."""
+    """The titan_mm.kernels ops spec (titan_mm.kernels.resolve_ops): "linear_cross_entropy" runs the LM loss as the
+    fused Triton kernel (no fp32 [rows, vocab] logits); the other ops run their PyTorch references, which inductor
+    fuses inside the compiled layers."""
     loss_chunk_size: int = 4096
     # ---- training modes (spec.py: param_part, param_groups) ----
     freeze_und: bool = False

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_mm import kernels as K
 from titan_mm.models.bagel.config import BagelConfig, BagelLLMConfig, BagelViTConfig
 from titan_mm.models.bagel.spec import frozen_parts, param_part
 from titan_mm.nn import init
@@ -254,6 +255,7 @@ class BagelModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         c, D = cfg.llm_config, cfg.llm_config.hidden_size
+        self.fused_ce = "linear_cross_entropy" in K.resolve_ops(cfg.kernels)  # the LM loss's Triton kernel
         self.tok_embeddings = nn.Embedding(c.vocab_size, D)
         # a ModuleDict keyed "0".. (a ModuleList's names): pipeline stages drop the layers they do not run
         self.layers = nn.ModuleDict({str(i): LAYERS[c.layer_module](c, i) for i in range(c.num_hidden_layers)})
@@ -365,6 +367,9 @@ class BagelModel(nn.Module):
         packed row of images labels a fifth of its tokens or fewer), as BAGEL's ``ce_loss_indexes``."""
         h_ND, labels_N, w_N = head_rows(h_BSD.flatten(0, 1), targets.reshape(-1),
                                         None if weights is None else weights.reshape(-1), index)
+        if self.fused_ce:  # one pass over each logits tile; the eager chunks make several over fp32 [chunk, V]
+            return K.linear_cross_entropy(h_ND, self.lm_head_weight, labels_N, chunk_size=self.cfg.loss_chunk_size,
+                                          weights=w_N)
         return chunked_cross_entropy(h_ND, self.lm_head_weight, labels_N, self.cfg.loss_chunk_size, weights_N=w_N)
 
     def predict_velocity(self, out: ModelOutput, batch) -> torch.Tensor:
