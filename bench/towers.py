@@ -10,9 +10,9 @@ step first, as the trainer's ``tune_kernels`` picks them before its first step),
 trainer picks (``vision_backend``: varlen on CUDA when torch has it, else flex; sdpa on the CPU), compiled on CUDA
 as ``--compile`` says: ``blocks`` (the default, the trainer's compile units: one per block), ``whole`` (the tower as
 one graph: no per-block guards and autograd nodes on the host), ``graphs`` (the whole tower under CUDA graphs,
-``mode="reduce-overhead"``: the inputs repeat, so the host launches one graph a direction) or ``none``. Its host metadata is built once, before the timed steps, as the
-trainer's ``prepare_batch`` does. The loss is the mean square of the tower's outputs (the DeepStack features
-included), so the backward reaches every parameter. The timed steps run back to back (bench/timing.py: CUDA events,
+``mode="reduce-overhead"``: the inputs repeat, so the host launches one graph a direction) or ``none``. Its host
+metadata is built once, before the timed steps, as the trainer's ``prepare_batch`` does. The loss is the mean
+square of the tower's outputs (the DeepStack features included), so the backward reaches every parameter. The timed steps run back to back (bench/timing.py: CUDA events,
 no sync between steps; rows with ``timing: "events"``, earlier ones synchronized after each step).
 
 FLOPs are the family's own counter (titan_mm/models/<family>/flops.py: ``vision_flops`` / ``audio_flops``,
@@ -24,8 +24,8 @@ in any op: the host's Python).
 ``--floor`` adds the tower's floor, as bench/floor.py's for the 8B: every linear's three training GEMMs (forward,
 input and weight gradient) at the shapes one forward calls them with, each timed alone with cuBLAS (torch.mm),
 and every convolution's forward and backward alone, plus the attention kernels' time from the same run's
-profile; MFU at that floor is the most the tower can reach
-with these GEMMs and this attention, whatever runs between them. The same GEMMs with K and N rounded up to a
+profile; MFU at that floor is the most the tower can reach with these GEMMs and this attention, whatever runs
+between them. The same GEMMs with K and N rounded up to a
 multiple of 64 (``gemm_aligned_ms``) say what odd widths cost (Qwen2.5-VL's ViT MLP is 3,420 wide: its rows are
 not 16-byte aligned for cuBLAS). Towers (``TOWERS``; the bench shapes are the VL / Omni cases' of bench/mfu.py):
 
@@ -360,13 +360,13 @@ def run_tower(name: str, args, device: torch.device) -> dict:
     floor = None if calls_seen is None else floor_row(calls_seen, flops, split_ms.get("attention", 0.0), dtype,
                                                       device)
     return dict(tower=name, model=t["model"], flavor=t["flavor"], inputs=what, tokens=tokens,
-                backend=attn_backend(t, cfg, device), compiled=mode != "none", compile=mode, floor=floor,
-                dtype=str(dtype).removeprefix("torch."),
-                flops=flops, step_time_s=med, tflops=tflops, mfu=tflops / PEAK_TFLOPS if cuda else None,
-                profile_ms=split_ms, profile_idle_by_host_op_ms=idle_by_op, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, timing=timing_label(cuda),
-                warmup=args.warmup, steps=args.steps, tiny=args.tiny, bucket=args.bucket or None,
-                vary=args.vary or None)
+                backend=attn_backend(t, cfg, device), compile=mode, floor=floor,
+                dtype=str(dtype).removeprefix("torch."), flops=flops, step_time_s=med, tflops=tflops,
+                mfu=tflops / PEAK_TFLOPS if cuda else None, profile_ms=split_ms, profile_idle_by_host_op_ms=idle_by_op,
+                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+                timing=timing_label(cuda), warmup=args.warmup, steps=args.steps, tiny=args.tiny,
+                bucket=args.bucket or None, vary=args.vary or None)
 
 
 def render(rows: list[dict]) -> str:
@@ -397,7 +397,7 @@ def _label(r: dict) -> str:
 
 
 def _mode(r: dict) -> str:
-    """The row's --compile mode (rows before the option: blocks when compiled)."""
+    """The row's --compile mode (rows before the option say ``compiled``: blocks, or none)."""
     return r.get("compile") or ("blocks" if r.get("compiled") else "none")
 
 
@@ -413,8 +413,7 @@ def render_floor(rows: list[dict]) -> str:
         f = r["floor"]
         out.append(f"| {_label(r)} | {device_label(device_of(r))} | {1e3 * r['step_time_s']:.1f} | {pct(r['mfu'])} "
                    f"| {f['gemm_ms']:.1f} | {f['gemm_aligned_ms']:.1f} | {f['conv_ms']:.1f} | {f['attention_ms']:.1f} "
-                   f"| {pct(f['mfu'])} "
-                   f"| {pct(f['mfu_aligned'])} |")
+                   f"| {pct(f['mfu'])} | {pct(f['mfu_aligned'])} |")
     return "\n".join(out)
 
 

@@ -34,7 +34,7 @@ def test_cpu_tiny_smoke(tmp_path, capsys):
         else:
             want = t["flops"](towers.encoder_config(t, cfg), torch.tensor(t["clips"] if "clips" in t else t["grids"]))
         assert r["flops"] == want > 0  # the family's own counter, on the inputs it ran
-        assert r["device"] == "cpu" and r["mfu"] is None and r["backend"] == "sdpa" and not r["compiled"]
+        assert r["device"] == "cpu" and r["mfu"] is None and r["backend"] == "sdpa" and r["compile"] == "none"
         p_ms = r["profile_ms"]
         assert p_ms["gemm"] > 0 and p_ms["attention"] > 0 and p_ms["step"] > 0 and p_ms["idle"] >= 0
         assert r["tflops"] == pytest.approx(r["flops"] / r["step_time_s"] / 1e12)
