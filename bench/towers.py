@@ -12,8 +12,9 @@ as ``--compile`` says: ``blocks`` (the default, the trainer's compile units: one
 one graph: no per-block guards and autograd nodes on the host), ``graphs`` (the whole tower under CUDA graphs,
 ``mode="reduce-overhead"``: the inputs repeat, so the host launches one graph a direction) or ``none``. Its host
 metadata is built once, before the timed steps, as the trainer's ``prepare_batch`` does. The loss is the mean
-square of the tower's outputs (the DeepStack features included), so the backward reaches every parameter. The timed steps run back to back (bench/timing.py: CUDA events,
-no sync between steps; rows with ``timing: "events"``, earlier ones synchronized after each step).
+square of the tower's outputs (the DeepStack features included), so the backward reaches every parameter. The
+timed steps run back to back (bench/timing.py: CUDA events, no sync between steps; rows with ``timing: "events"``,
+earlier ones synchronized after each step).
 
 FLOPs are the family's own counter (titan_mm/models/<family>/flops.py: ``vision_flops`` / ``audio_flops``,
 training FLOPs = 3x forward), MFU against 989 TFLOP/s (the H100 SXM's and the H200's dense bf16 peak; none on the
