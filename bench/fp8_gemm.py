@@ -115,7 +115,7 @@ def bandwidth_gbs(device: torch.device) -> float | None:
     return 2 * a.numel() * 2 / us / 1e3
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def run(flavors: dict, rows: tuple[int, ...], device: torch.device, reps: int, with_torchao: bool) -> dict:
     cuda = device.type == "cuda"
     out = []
