@@ -167,6 +167,9 @@ CASES.update({
 # scripts); 5 micro-batches of the 8,192-token rows (40,960 tokens, gradient accumulation) give that step's work
 # where one 40K row would not fit 80 GB without checkpointing
 CASES["bagel_7b_mot_4l_x5"] = dict(CASES["bagel_7b_mot_4l"], micro=5)
+# the recipe's own shape: one packed row of 40,960 tokens a GPU a step (no accumulation: no fp32 gradient sums between
+# micro-batches); an H200's (the 8,192-token row peaked at 60.5 GB on the H100, about 10 GB of it the row's)
+CASES["bagel_7b_mot_4l_40k"] = dict(CASES["bagel_7b_mot_4l"], seq=40960)
 CASES["debug_bagel_x2"] = dict(CASES["debug_bagel"], micro=2)  # the accumulation path, on the CPU
 
 
