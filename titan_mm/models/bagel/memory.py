@@ -65,7 +65,8 @@ def head_bytes(cfg: BagelConfig, act_bytes: int = 2, *, compile: bool = True) ->
 
 def memory_terms(cfg: BagelConfig, topo: Topology, act_bytes: int = 2, *, kernels: bool | None = None,
                  compile: bool = True, float8: bool = False) -> MemoryTerms:
-    """The estimator's per-token terms of BAGEL's decoder (the LM loss: the PyTorch chunked cross-entropy at the
-    config's chunk). ``kernels`` and ``float8`` change nothing here: the experts run titan_mm.nn's reference ops."""
+    """The estimator's per-token terms of BAGEL's decoder and the LM loss's chunk (the estimator's loss_bytes takes
+    the fused or the chunked cross-entropy by ``kernels``, as lm_loss does). ``kernels`` and ``float8`` change
+    nothing in the layers: the experts run titan_mm.nn's reference ops."""
     return MemoryTerms(decoder=block_bytes(cfg, topo, act_bytes, compile=compile),
                        head=head_bytes(cfg, act_bytes, compile=compile), loss_chunk=cfg.loss_chunk_size)
