@@ -5,9 +5,10 @@ arithmetic proves it here.
 Bitwise where the recording's machine fingerprint (record_losses.machine: torch version, CPU kernel family, CPU
 model, flags, cache size, threads) is this machine's: the same code then runs the same instructions (the kernel
 family alone was not enough: a CI machine with the recording's torch and AVX512 moved one loss by 1.4e-7).
-Elsewhere fp32 reductions may run in another order (another SIMD width): each step's loss may move by a few units of fp32 roundoff times the reduction depth, and
-three AdamW steps at lr 3e-3 carry that into the weights, so the bound is relative 1e-4 there (the smallest loss
-change a real arithmetic difference makes in these runs, e.g. one token's weight, is above 1e-3)."""
+Elsewhere fp32 reductions may run in another order (another SIMD width): each step's loss may move by a few units
+of fp32 roundoff times the reduction depth, and three AdamW steps at lr 3e-3 carry that into the weights, so the
+bound is relative 1e-4 there (the smallest loss change a real arithmetic difference makes in these runs, e.g. one
+token's weight, is above 1e-3)."""
 
 import json
 from pathlib import Path
