@@ -92,8 +92,9 @@ def linears(m) -> dict[str, list[tuple[int, int]]]:
     }
 
 
-def gemm_list(n: int, pairs, float8: bool):
-    """The three GEMMs of each linear (x [n, in], W [out, in]) as closures over preallocated operands."""
+def gemm_list(n: int, pairs, float8: bool, device="cuda", dtype=torch.bfloat16):
+    """The three GEMMs of each linear (x [n, in], W [out, in]) as closures over preallocated operands (float8:
+    e4m3 on CUDA; else ``dtype`` on ``device``)."""
     ops, flops = [], 0
     for i, o in pairs:
         flops += 6 * n * i * o
@@ -112,9 +113,9 @@ def gemm_list(n: int, pairs, float8: bool):
                 lambda dyt=dyt, xt=xt, one=one: torch._scaled_mm(dyt, xt.t(), one, one, out_dtype=torch.bfloat16),
             ]
         else:
-            x = torch.randn(n, i, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(o, i, device="cuda", dtype=torch.bfloat16)
-            dy = torch.randn(n, o, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(n, i, device=device, dtype=dtype)
+            w = torch.randn(o, i, device=device, dtype=dtype)
+            dy = torch.randn(n, o, device=device, dtype=dtype)
             ops += [lambda x=x, w=w: x @ w.t(), lambda dy=dy, w=w: dy @ w, lambda dy=dy, x=x: dy.t() @ x]
     return ops, flops
 

@@ -64,7 +64,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.attention import bench as cuda_ms  # noqa: E402  (median CUDA-event ms of fn())
 from bench.devices import device_label, device_of, device_slug  # noqa: E402
+from bench.floor import gemm_list  # noqa: E402
 from bench.profile_split import split as split_gpu  # noqa: E402
 from bench.timing import step_times, timing_label  # noqa: E402
 from bench.trace_gaps import load_events, summarize  # noqa: E402
@@ -232,27 +234,29 @@ def tower_calls(tower: torch.nn.Module, x: torch.Tensor, inputs: tuple) -> _Call
     return rec
 
 
-def gemm_ms(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, align: int = 1,
-            reps: int = 20) -> float:
-    """ms of the three training GEMMs of every (M, K, N) in ``shapes`` (forward x W^T, input gradient g W, weight
-    gradient g^T x, with nn.Linear's layouts), each shape timed alone; K and N rounded up to ``align``."""
-    cuda = device.type == "cuda"
+def _ms(fn, cuda: bool) -> float:
+    """Median ms of ``fn()``: CUDA events (bench/attention.py's timer, bench/floor.py's), or one host-timed call."""
+    if cuda:
+        return cuda_ms(fn)
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def gemm_ms(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, align: int = 1) -> float:
+    """ms of the three training GEMMs (bench/floor.py's gemm_list) of every (M, K, N) in ``shapes``, each shape timed
+    alone; K and N rounded up to ``align``."""
     up = (lambda n: math.ceil(n / align) * align)
     total = 0.0
     for (m, k, n), count in Counter(shapes).items():
-        k, n = up(k), up(n)
-        x, w, g = (torch.randn(*s, device=device, dtype=dtype) for s in ((m, k), (n, k), (m, n)))
-        gemms = (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x)
-        for f in gemms:  # warm: cuBLAS picks its kernel
-            f()
-        times, _ = step_times(lambda: [f() for f in gemms], reps if cuda else 1, cuda)
-        total += count * statistics.median(times) * 1e3
+        ops, _ = gemm_list(m, [(up(k), up(n))], False, device=device, dtype=dtype)
+        total += count * _ms(lambda: [op() for op in ops], device.type == "cuda")
     return total
 
 
-def conv_ms(convs: list[tuple], dtype: torch.dtype, device: torch.device, reps: int = 20) -> float:
+def conv_ms(convs: list[tuple], dtype: torch.dtype, device: torch.device) -> float:
     """ms of every convolution's forward and backward (input, weight and bias gradients), each timed alone."""
-    cuda = device.type == "cuda"
     total = 0.0
     for (xs, ws, bias, stride, padding, dilation, groups), count in Counter(convs).items():
         x, w = (torch.randn(s, device=device, dtype=dtype, requires_grad=True) for s in (xs, ws))
@@ -263,9 +267,7 @@ def conv_ms(convs: list[tuple], dtype: torch.dtype, device: torch.device, reps: 
             y = torch.convolution(x, w, b, stride, padding, dilation, False, [0] * len(stride), groups)
             return torch.autograd.grad(y, leaves, torch.ones_like(y))
 
-        fwd_bwd()
-        times, _ = step_times(fwd_bwd, reps if cuda else 1, cuda)
-        total += count * statistics.median(times) * 1e3
+        total += count * _ms(fwd_bwd, device.type == "cuda")
     return total
 
 
