@@ -10,7 +10,7 @@ blocks too, and their gradients back to the embedders; the last stage runs the m
 and the loss. Both with one t per clip (the modulation [B, 1, 6, D]) and with a t per patch (``first_frame_clean``:
 [B, S, 6, D]). BAGEL (CE on the text + flow matching on the latents, under the segment mask): stage 0 runs the
 token embedding, the ViT and the latent embedding; every stage routes its layers by the micro-batch's host-built
-``und_index`` / ``gen_index``; the last stage runs both experts' final norms, the LM head and llm2vae.
+permutation (``spec.ROUTING_KEYS``); the last stage runs both experts' final norms, the LM head and llm2vae.
 
 Tolerance as tests/multiproc/test_parallel_pp.py's: the stages compute the same fp32 products in the same order;
 only the micro-batches' gradient sums may regroup, 1e-5.

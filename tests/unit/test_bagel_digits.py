@@ -18,7 +18,7 @@ from titan_mm.models.bagel import digits
 from titan_mm.models.bagel.data import DRAW_DIGIT, BagelDocs, collate, generation_doc
 from titan_mm.models.bagel.model import BagelModel
 from titan_mm.models.bagel.sample import unpatchify
-from titan_mm.models.bagel.spec import prepare_batch
+from titan_mm.models.bagel.spec import ROUTING_KEYS, prepare_batch
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.nn.init import seeded_init
 from titan_mm.tools.bagel_digits import main as score
@@ -79,7 +79,7 @@ def test_greedy_answers_are_the_teacher_forced_argmax():
     with torch.no_grad():
         logits = model(b["input_ids"], position_ids=b["position_ids"],
                        attn=build_attn_meta(b, CFG.attn_backend, "cpu", kind="segments"),
-                       und_index=b["und_index"], gen_index=b["gen_index"], noisy_latents=b["cond_latents"] * 0,
+                       **{k: b[k] for k in ROUTING_KEYS}, noisy_latents=b["cond_latents"] * 0,
                        cond_latents=b["cond_latents"], timesteps=torch.zeros(b["input_ids"].shape),
                        latent_pos=b["latent_pos"], vit_patches=b["vit_patches"], vit_pos=b["vit_pos"],
                        vit_index=b["vit_index"], vit_attn=b["vit_attn"]).logits

@@ -38,7 +38,7 @@ from titan_mm.models.bagel.data import (
     specials_for,
 )
 from titan_mm.models.bagel.sample import _Branch, sample
-from titan_mm.models.bagel.spec import SCHEMA, prepare_batch
+from titan_mm.models.bagel.spec import ROUTING_KEYS, SCHEMA, prepare_batch
 from titan_mm.models.bagel.synthetic import (
     BOS,
     DEBUG_SPECIALS,
@@ -318,7 +318,7 @@ def recompute_velocity(model, prompt, hw, source, x, t):
     noisy[m] = x
     vit = {k: b[k] for k in ("vit_patches", "vit_pos", "vit_index", "vit_attn") if k in b}
     out = model(b["input_ids"], position_ids=b["position_ids"], attn=build_attn_meta(b, "sdpa", "cpu", kind="segments"),
-                loss=lambda mo, o: mo.predict_velocity(o, b), und_index=b["und_index"], gen_index=b["gen_index"],
+                loss=lambda mo, o: mo.predict_velocity(o, b), **{k: b[k] for k in ROUTING_KEYS},
                 noisy_latents=noisy, cond_latents=b["cond_latents"], timesteps=torch.where(m, t, 0.0),
                 latent_pos=b["latent_pos"], **vit)
     return out.terms[m]

@@ -26,6 +26,7 @@ from titan_mm.models.bagel import digits
 from titan_mm.models.bagel.config import FLAVORS
 from titan_mm.models.bagel.data import BagelDocs, _unit_range, fitted, vit_fit
 from titan_mm.models.bagel.model import BagelModel
+from titan_mm.models.bagel.spec import expert_routing
 from titan_mm.models.bagel.synthetic import BOS, DEBUG_IMAGE_PAD, EOS, _Sample
 from titan_mm.registry import get_model_spec
 from titan_mm.serve.config import ServeConfig
@@ -147,7 +148,7 @@ def test_text_rows_equal_the_routed_forward():
     expert, which is bitwise the routed forward of the same tokens with no latent token."""
     ids = torch.tensor([_prompts(2)[1][:7]])
     T = ids.numel()
-    routed = MODEL(ids, und_index=torch.arange(T), gen_index=torch.zeros(0, dtype=torch.long),
+    routed = MODEL(ids, **expert_routing(torch.zeros(T, dtype=torch.long)),  # every token text: no latent one
                    noisy_latents=torch.zeros(1, T, CFG.patch_latent_dim),
                    cond_latents=torch.zeros(1, T, CFG.patch_latent_dim), timesteps=torch.zeros(1, T),
                    latent_pos=torch.zeros(1, T, dtype=torch.long)).logits

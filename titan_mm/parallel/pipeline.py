@@ -36,7 +36,7 @@ before ``schedule.step`` and kept in a table indexed by micro-batch. Each forwar
 without a host sync and whatever order the schedule runs them in (each torch schedule does run a stage's forwards
 in order 0 .. M-1; the index makes that irrelevant). ``embed`` gets the family inputs it names; ``rope``, ``trunk``
 and ``head`` those they take as keyword-only parameters (a 3-D RoPE reads ``grid_fhw``; a mixture of transformers'
-layers and final norms route by ``und_index`` / ``gen_index``).
+layers and final norms route by a token permutation, ``expert_order`` / ``expert_inverse``).
 
 **The loss**: the last stage runs the objective's loss on the head's hidden states (titan_mm.objectives) and sends
 its terms [T]; the loss function returns ``sum_t term_t / denom_t + aux * aux_scale`` (denom_t: the term's global
@@ -175,7 +175,8 @@ class Micro(NamedTuple):
     """The family inputs ``embed`` takes (pixel values, vision metadata, ...)."""
     kw: dict[str, dict]
     """Per contract method (``rope``, ``trunk``, ``head``), the family inputs it takes as keyword-only parameters
-    (a 3-D RoPE's ``grid_fhw``; a mixture of transformers' expert token indices ``und_index`` / ``gen_index``)."""
+    (a 3-D RoPE's ``grid_fhw``; a mixture of transformers' token permutation ``expert_order`` /
+    ``expert_inverse``)."""
     loss: Callable
     """The objective's ``loss(model, out) -> {term: sum}`` for this micro-batch (Objective.bind)."""
     terms: tuple[str, ...]

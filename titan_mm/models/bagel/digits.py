@@ -30,7 +30,7 @@ from titan_mm.data.sources import Unit
 from titan_mm.models.bagel.data import DRAW_DIGIT, BagelDocs, collate, fit_size
 from titan_mm.models.bagel.model import BagelModel
 from titan_mm.models.bagel.sample import sample
-from titan_mm.models.bagel.spec import prepare_batch
+from titan_mm.models.bagel.spec import ROUTING_KEYS, prepare_batch
 from titan_mm.nn.attention import build_attn_meta
 
 SAMPLER = {"steps": 25, "shift": 1.0, "cfg_text_scale": 4.0}
@@ -97,7 +97,7 @@ def greedy(model: BagelModel, docs: list[Doc], answer_len: int, eos: int) -> lis
         b = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
         last = torch.tensor([len(r[0]) - 1 for r in rows], device=dev)
         logits = model(b["input_ids"], position_ids=b["position_ids"], attn=attn, logits_at=last,
-                       und_index=b["und_index"], gen_index=b["gen_index"], noisy_latents=b["cond_latents"] * 0,
+                       **{k: b[k] for k in ROUTING_KEYS}, noisy_latents=b["cond_latents"] * 0,
                        cond_latents=b["cond_latents"], timesteps=torch.zeros(b["input_ids"].shape, device=dev),
                        latent_pos=b["latent_pos"],
                        **{k: b[k] for k in ("vit_patches", "vit_pos", "vit_index", "vit_attn") if k in b}).logits

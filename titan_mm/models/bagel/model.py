@@ -6,9 +6,9 @@ the whole packed sequence), the SigLIP NaViT vision tower with its MLP connector
 Legend: B batch, S sequence, T = B*S flat tokens, D model dim, H / G query / kv heads, K head_dim, V ViT patches (all
 images of the batch side by side), P values per latent patch (latent_patch^2 x z_channels, (row, col, chan) order).
 
-Routing is by host-built indices (:func:`titan_mm.models.bagel.spec.prepare_batch`): ``und_index`` / ``gen_index``
-(disjoint, covering the T tokens) make one permutation of the tokens, the understanding ones first; a layer gathers
-its input in that order, runs each expert on its contiguous part, and gathers the outputs back by the inverse
+Routing is by a host-built permutation (:func:`titan_mm.models.bagel.spec.expert_routing`): ``expert_order`` puts
+the understanding tokens first and the latent tokens (``gen_index``) after them, ``expert_inverse`` undoes it; a layer
+gathers its input in that order, runs each expert on its contiguous part, and gathers the outputs back by the inverse
 permutation. Each gather's backward is the other gather (no scatter, no zero fill), and the forward never syncs
 with the host. Every token takes exactly one expert's weights.
 """
@@ -96,19 +96,19 @@ class _Permute(torch.autograd.Function):
 
 
 class Routing(NamedTuple):
-    """The two experts' tokens as one permutation of the T tokens: ``order`` = und_index then gen_index, ``inverse``
-    its inverse, ``und`` the understanding tokens' indices (their count is its length: symbolic under compile)."""
+    """The two experts' tokens as one permutation of the T tokens: ``order`` the understanding tokens, then ``gen``
+    (the latent tokens: their count is its length, symbolic under compile); ``inverse`` its inverse."""
     order: torch.Tensor
     inverse: torch.Tensor
-    und: torch.Tensor
+    gen: torch.Tensor
 
 
 def route(x_TX: torch.Tensor, index: Routing | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(und rows, gen rows) of ``x_TX``; ``index`` None (no latent tokens: text and ViT only): (x_TX, None)."""
     if index is None:
         return x_TX, None
-    n = index.und.shape[0]
-    xu, xg = _Permute.apply(x_TX, index.order, index.inverse).split([n, x_TX.shape[0] - n])
+    m = index.gen.shape[0]
+    xu, xg = _Permute.apply(x_TX, index.order, index.inverse).split([x_TX.shape[0] - m, m])
     return xu, xg
 
 
@@ -323,20 +323,20 @@ class BagelModel(nn.Module):
                                  latent_pos.flatten().index_select(0, gen_index))
         return Stream(h.index_copy(0, gen_index, lat.to(h.dtype)).view(B, S, -1))
 
-    def trunk(self, stream: Stream, rope, attn, start: int = 0, stop: int | None = None, *, und_index=None,
-              gen_index=None) -> Stream:
-        """Layers start .. stop-1 (any contiguous slice), routing by the host-built expert indices (None: every
-        token is an understanding token)."""
-        h, index = stream.h, routing(und_index, gen_index)
+    def trunk(self, stream: Stream, rope, attn, start: int = 0, stop: int | None = None, *, gen_index=None,
+              expert_order=None, expert_inverse=None) -> Stream:
+        """Layers start .. stop-1 (any contiguous slice), routing by the host-built permutation (``gen_index`` None:
+        every token is an understanding token)."""
+        h, index = stream.h, routing(gen_index, expert_order, expert_inverse)
         for i in range(start, len(self.layers) if stop is None else stop):
             h = self.layers[str(i)](h, index, rope, attn)
         return stream._replace(h=h)
 
-    def head(self, stream: Stream, attn=None, logits_at=None, hidden: bool = False, *, und_index=None,
-             gen_index=None) -> ModelOutput:
+    def head(self, stream: Stream, attn=None, logits_at=None, hidden: bool = False, *, gen_index=None,
+             expert_order=None, expert_inverse=None) -> ModelOutput:
         """The final norm of each token's expert: as ``hidden`` (an objective's input), else the LM logits (at
         ``logits_at``)."""
-        h = by_expert(self.norm, self.norm_gen, stream.h, routing(und_index, gen_index))
+        h = by_expert(self.norm, self.norm_gen, stream.h, routing(gen_index, expert_order, expert_inverse))
         zero = torch.zeros((), device=h.device)
         cache = None if attn is None else attn.kv_cache  # written in place by the layers; returned
         if hidden:
@@ -345,15 +345,15 @@ class BagelModel(nn.Module):
             h = h[torch.arange(h.shape[0], device=h.device), logits_at]
         return ModelOutput(F.linear(h, self.lm_head_weight), None, zero, cache)
 
-    def forward(self, input_ids, position_ids=None, attn=None, logits_at=None, loss=None, *, und_index=None,
-                gen_index=None, noisy_latents=None, cond_latents=None, timesteps=None, latent_pos=None,
-                vit_patches=None, vit_pos=None, vit_index=None, vit_attn=None, **_):
+    def forward(self, input_ids, position_ids=None, attn=None, logits_at=None, loss=None, *, gen_index=None,
+                expert_order=None, expert_inverse=None, noisy_latents=None, cond_latents=None, timesteps=None,
+                latent_pos=None, vit_patches=None, vit_pos=None, vit_index=None, vit_attn=None, **_):
         """A packed batch of spec.SCHEMA after prepare_batch; without ``gen_index`` (the serving engine's text rows)
         every token is an understanding token, and ``position_ids`` defaults to arange (the engine passes the KV
         cache's)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
-        index = {"und_index": und_index, "gen_index": gen_index}
+        index = {"gen_index": gen_index, "expert_order": expert_order, "expert_inverse": expert_inverse}
         stream = self.embed(input_ids, gen_index, noisy_latents, cond_latents, timesteps, latent_pos, vit_patches,
                             vit_pos, vit_index, vit_attn)
         stream = self.trunk(stream, self.rope(position_ids, stream.h.dtype), attn, **index)
@@ -377,13 +377,9 @@ class BagelModel(nn.Module):
         return self.llm2vae(out.hidden)
 
 
-def routing(und_index, gen_index) -> Routing | None:
-    """The layers' routing (:class:`Routing`), or None when there are no latent tokens."""
-    if gen_index is None:
-        return None
-    order = torch.cat([und_index, gen_index])
-    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
-    return Routing(order, inverse, und_index)
+def routing(gen_index, expert_order, expert_inverse) -> Routing | None:
+    """The layers' routing (:class:`Routing`) from prepare_batch's keys, or None when there are no latent tokens."""
+    return None if gen_index is None else Routing(expert_order, expert_inverse, gen_index)
 
 
 def build(cfg: BagelConfig) -> BagelModel:

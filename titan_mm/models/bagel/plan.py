@@ -4,7 +4,7 @@ experts in one unit: every layer runs both) and per ViT layer; tensor parallel c
 gradients); the MLP-only split's shared attention as one expert's, its two MLPs as theirs. Pipeline stages cut
 ``layers``: stage 0 runs the token embedding, the ViT and its connector and the latent embedding (vae2llm, the time
 MLP); the last stage the experts' final norms, the LM head and llm2vae; every stage routes by the host-built
-``und_index`` / ``gen_index`` (the pipeline hands them to ``trunk`` and ``head``). Sequence and context parallel
+permutation (``spec.ROUTING_KEYS``; the pipeline hands them to ``trunk`` and ``head``). Sequence and context parallel
 entries are a later slice (docs/bagel.md)."""
 
 from __future__ import annotations

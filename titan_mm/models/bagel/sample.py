@@ -25,7 +25,7 @@ from titan_mm.data.packing import Doc, collate_rows
 from titan_mm.models.bagel.config import BagelConfig
 from titan_mm.models.bagel.data import generation_doc
 from titan_mm.models.bagel.model import BagelModel
-from titan_mm.models.bagel.spec import SCHEMA, prepare_batch
+from titan_mm.models.bagel.spec import ROUTING_KEYS, SCHEMA, prepare_batch
 from titan_mm.models.bagel.synthetic import DEBUG_SPECIALS, Specials
 from titan_mm.nn.attention import build_attn_meta
 from titan_mm.nn.flow import time_shift
@@ -111,8 +111,8 @@ class _Branch:
 
     def _forward(self, model, b, cache, noisy, timesteps, **kw):
         attn = build_attn_meta(b, "sdpa", cache.k[0].device, kv_cache=cache)
-        return model(b["input_ids"], position_ids=b["position_ids"], attn=attn, und_index=b["und_index"],
-                     gen_index=b["gen_index"], noisy_latents=noisy, cond_latents=b["cond_latents"],
+        return model(b["input_ids"], position_ids=b["position_ids"], attn=attn,
+                     **{k: b[k] for k in ROUTING_KEYS}, noisy_latents=noisy, cond_latents=b["cond_latents"],
                      timesteps=timesteps, latent_pos=b["latent_pos"],
                      **{k: b[k] for k in ("vit_patches", "vit_pos", "vit_index", "vit_attn") if k in b}, **kw)
 

@@ -29,8 +29,9 @@ vit_max_num_patch_per_side + column), ``vit_lens`` [images]."""
 
 
 def prepare_batch(cfg: BagelConfig, batch: dict, device, **_) -> dict:
-    """On the host: ``token_kind`` -> the experts' token indices ``und_index`` / ``gen_index`` and the ViT tokens'
-    ``vit_index`` over the B*S flat tokens; ``vit_lens`` -> the ViT's bidirectional per-image mask ``vit_attn``;
+    """On the host: ``token_kind`` -> the experts' routing (:func:`expert_routing`: ``gen_index``, ``expert_order``,
+    ``expert_inverse``) and the ViT tokens' ``vit_index`` over the B*S flat tokens; ``vit_lens`` -> the ViT's
+    bidirectional per-image mask ``vit_attn``;
     ``labels`` -> ``label_index``, the labeled tokens over B*S (the causal LM's head runs on them alone).
     A batch without ``latents`` (the serving engine's rows: text and ViT tokens) gets no expert indices: every token
     takes the understanding expert."""
@@ -40,8 +41,7 @@ def prepare_batch(cfg: BagelConfig, batch: dict, device, **_) -> dict:
     if "labels" in batch:
         out["label_index"] = (batch["labels"].reshape(-1) != -100).nonzero().squeeze(1).to(dev, non_blocking=True)
     if "latents" in batch:
-        out["und_index"] = (kinds != VAE).nonzero().squeeze(1).to(dev, non_blocking=True)
-        out["gen_index"] = (kinds == VAE).nonzero().squeeze(1).to(dev, non_blocking=True)
+        out.update({k: v.to(dev, non_blocking=True) for k, v in expert_routing(kinds).items()})
     elif bool((kinds == VAE).any()):
         raise ValueError("the batch has latent tokens (token_kind 2) but no latents; give it the schema's latent keys")
     vit = (kinds == VIT).nonzero().squeeze(1)
@@ -57,6 +57,22 @@ def prepare_batch(cfg: BagelConfig, batch: dict, device, **_) -> dict:
     out["vit_index"] = vit.to(dev, non_blocking=True)
     out["vit_attn"] = vit_meta(cfg, lens, dev)
     return out
+
+
+ROUTING_KEYS = ("gen_index", "expert_order", "expert_inverse")
+"""The batch keys the layers and final norms route by (``trunk`` / ``head``'s keyword-only inputs;
+:func:`expert_routing`)."""
+
+
+def expert_routing(kinds_T: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The experts' routing of T tokens of ``token_kind`` ``kinds_T``, on the host: ``gen_index`` the latent tokens
+    (the generation expert's, in order), ``expert_order`` the permutation that puts the understanding tokens first and
+    the latent tokens after them, ``expert_inverse`` its inverse."""
+    und, gen = (kinds_T != VAE).nonzero().squeeze(1), (kinds_T == VAE).nonzero().squeeze(1)
+    order = torch.cat([und, gen])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return {"gen_index": gen, "expert_order": order, "expert_inverse": inverse}
 
 
 def vit_meta(cfg: BagelConfig, vit_lens: torch.Tensor, device) -> AttnMeta:
