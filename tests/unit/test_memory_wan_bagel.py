@@ -17,6 +17,7 @@ import torch
 from titan_mm.models.bagel import memory as bagel_memory
 from titan_mm.models.bagel.config import FLAVORS as BAGEL
 from titan_mm.models.bagel.model import build as build_bagel, routing
+from titan_mm.models.bagel.spec import TEXT, VAE, expert_routing
 from titan_mm.models.wan import memory as wan_memory
 from titan_mm.models.wan.config import FLAVORS as WAN
 from titan_mm.models.wan.model import build as build_wan
@@ -79,7 +80,7 @@ def _bagel_layer(cfg, dt):
 
     def run(S, B):
         gen = torch.rand(B * S, generator=torch.Generator().manual_seed(S)) < 0.4  # a mix of both experts' tokens
-        index = routing((~gen).nonzero().squeeze(1), gen.nonzero().squeeze(1))  # as the trunk routes
+        index = routing(**expert_routing(torch.where(gen, VAE, TEXT)))  # as prepare_batch and the trunk route
         h = torch.randn(B, S, cfg.llm_config.hidden_size, dtype=dt, requires_grad=True)
         rope = model.rope(torch.arange(S)[None].expand(B, S), h.dtype)
         meta = build_attn_meta({"doc_ids": torch.zeros(B, S, dtype=torch.int32)}, "sdpa", "cpu", kind="causal")
