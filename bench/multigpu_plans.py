@@ -281,10 +281,13 @@ def run_equality(args, models: dict, bounds: dict, dump: Path, W: int) -> list[d
         shutil.rmtree(dump / name, ignore_errors=True)
         argv = trainer_argv(models[mk], seq=models[mk]["seq"], name=name, parallel=flags, **common)
         print(f"[plans] {name}: {world} processes, {flags}", flush=True)
-        res = launch(world, ["-m", "titan_mm.launch.train"], argv, dump / f"{name}.log", args.timeout, args.cpu)
+        res = launch(world, ["-m", "titan_mm.launch.train"], argv, dump / f"{name}.log", args.timeout, args.cpu,
+                     run_dir=dump / name)
         m = read_metrics(dump / name)
         row = dict(kind="loss_equality", case=c, model=mk, flavor=models[mk]["flavor"], world=world, parallel=flags,
                    dp=dp_degree(flags, world), global_batch_rows=G, wall_s=res["seconds"])
+        if "crash_retried" in res:
+            row["crash_retried"] = res["crash_retried"]
         ref_res, ref_m = refs[mk]
         if "error" in ref_res:
             row.update(ok=False, error="1-process reference failed: " + ref_res["error"])
@@ -296,8 +299,8 @@ def run_equality(args, models: dict, bounds: dict, dump: Path, W: int) -> list[d
             row["mem_peak_gb"] = max(v.get("mem_peak_gb", 0.0) for v in m.values())
         rows.append(row)
         print(f"[plans] {name}: {'ok' if row.get('ok') else 'FAILED ' + str(row.get('error', ''))[:1500]} "
-              f"(loss rel max {fmt(row.get('loss_rel_max'))}, grad-norm rel max {fmt(row.get('gnorm_rel_max'))})",
-              flush=True)
+              f"(loss rel max {fmt(row.get('loss_rel_max'))}, grad-norm rel max {fmt(row.get('gnorm_rel_max'))})"
+              + ("; ran again after a native crash" if "crash_retried" in row else ""), flush=True)
     return rows
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,9 +28,24 @@ def _run(script: str, args: list[str], timeout: float = 600) -> subprocess.Compl
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     p = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--cpu", *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
-    failed = "\n[".join(b for b in p.stdout.split("\n[") if ": FAILED" in b)  # each failed run's cause
-    assert p.returncode == 0, f"{script} failed ({p.returncode}):\n{failed[:6000]}\n...\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+    assert p.returncode == 0, f"{script} failed ({p.returncode}):\n{_failed_runs(p.stdout)}\n...\n{p.stdout[-2000:]}\n" \
+                              f"{p.stderr[-2000:]}"
     return p
+
+
+def _failed_runs(stdout: str, lines: int = 60) -> str:
+    """Each failed run's line and its log's last ``lines`` lines: a native crash's stacks (faulthandler's, from
+    both ranks, interleaved) do not fit the script's one-line summary."""
+    out = []
+    for block in re.split(r"\n(?=\[(?:plans|scaling)\] )", stdout):
+        if ": FAILED" not in block:
+            continue
+        out.append(block[:3000])
+        log = re.search(r"\(log: (\S+?)\)", block)
+        if log and Path(log.group(1)).is_file():
+            out.append(f"--- {log.group(1)}, last {lines} lines:\n"
+                       + "\n".join(Path(log.group(1)).read_text(errors="replace").splitlines()[-lines:]))
+    return "\n".join(out)
 
 
 def test_compare_bounds():
@@ -71,6 +87,28 @@ def test_noise_floor_bound():
     assert [c["ok"] for c in checks[1:]] == [True, False, False, False]
     assert noisy["ok_fixed"] is False and noisy["bounds_used"]["gnorm"] == pytest.approx(0.1)
     assert "bounds_used" not in other
+
+
+def test_launch_runs_a_native_crash_again_once(tmp_path):
+    """A CPU run from nothing that dies in native code (faulthandler's report) runs once more and the result names
+    the kept crash log; an ordinary failure, or a run that resumes from its folder, is not run again."""
+    sys.path.insert(0, str(ROOT))
+    from bench.scaling import launch
+
+    script = tmp_path / "child.py"
+    script.write_text("import faulthandler, os, sys\nfrom pathlib import Path\n"
+                      "m = Path(sys.argv[1])\nif sys.argv[2] == 'abort' and not m.exists():\n"
+                      "    m.write_text('x'); faulthandler.enable(); os.abort()\nsys.exit(0 if m.exists() else 3)\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    res = launch(1, [str(script)], [str(tmp_path / "m1"), "abort"], tmp_path / "a.log", 60, True, run_dir=run)
+    assert res["rc"] == 0 and "error" not in res and not run.exists()
+    assert "Fatal Python error: Aborted" in (tmp_path / "a.crashed.log").read_text()
+    assert res["crash_retried"].startswith(str(tmp_path / "a.crashed.log"))
+    res = launch(1, [str(script)], [str(tmp_path / "m2"), "exit"], tmp_path / "b.log", 60, True, run_dir=run)
+    assert res["rc"] == 3 and "crash_retried" not in res
+    res = launch(1, [str(script)], [str(tmp_path / "m3"), "abort"], tmp_path / "c.log", 60, True)
+    assert res["rc"] != 0 and "crash_retried" not in res and (tmp_path / "m3").exists()
 
 
 def test_scaling_cpu(tmp_path):
