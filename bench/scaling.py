@@ -81,9 +81,9 @@ def launch(world: int, entry: list[str], argv: list[str], log: Path, timeout: fl
     """Run ``entry argv`` on ``world`` processes (torchrun --standalone when > 1); output goes to ``log``.
 
     ``entry`` is ``["-m", "module"]`` or ``["path/to/script.py"]``. Returns {rc, seconds, error?}. On CPU, a run
-    that starts from nothing (``run_dir``, which the caller emptied) and dies in native code (faulthandler's "Fatal Python
-    error": a gloo abort, a segfault) runs once more: such a crash came once in many CI runs of a plans case and in
-    none of 80 runs here. The crashed log is kept beside ``log`` and the result names it (``crash_retried``)."""
+    that starts from nothing (``run_dir``, which the caller emptied) and dies in native code (faulthandler's "Fatal
+    Python error": a gloo abort, a segfault) runs once more: such a crash came once in many CI runs of a plans case
+    and in none of 80 runs here. The crashed log is kept beside ``log`` and the result names it (``crash_retried``)."""
     res = _launch_once(world, entry, argv, log, timeout, cpu)
     if not (cpu and run_dir is not None and "error" in res and "Fatal Python error" in log.read_text(errors="replace")):
         return res

@@ -28,8 +28,8 @@ def _run(script: str, args: list[str], timeout: float = 600) -> subprocess.Compl
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     p = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--cpu", *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"{script} failed ({p.returncode}):\n{_failed_runs(p.stdout)}\n...\n{p.stdout[-2000:]}\n" \
-                              f"{p.stderr[-2000:]}"
+    assert p.returncode == 0, (f"{script} failed ({p.returncode}):\n{_failed_runs(p.stdout)}\n...\n"
+                               f"{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
     return p
 
 
