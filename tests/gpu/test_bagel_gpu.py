@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from tests.unit.test_bagel import CFG, SCHEMA, SEQ, _objective, _ours, _pair, _rows, assert_matches, ref_mask
+from tests.unit.test_bagel import (CFG, SCHEMA, SEQ, _objective, _ours, _pair, _rows, assert_matches, compile_units,
+                                   ref_mask)
 from titan_mm.data.packing import collate_rows
 from titan_mm.models.bagel.spec import prepare_batch
 from titan_mm.nn.attention import build_attn_meta
@@ -26,12 +27,11 @@ def _batch(n_rows: int = 2):
 
 @pytest.mark.parametrize("backend,compiled", [("sdpa", False), ("flex", False), ("flex", True)])
 def test_bagel_matches_the_reference_on_cuda(backend, compiled):
-    """fp32; ``compiled``: the plan's compile units (MoT layers, ViT blocks) through inductor, fullgraph."""
+    """fp32; ``compiled``: the plan's compile units (MoT layers, the ViT) through inductor, fullgraph."""
     model, ref, pp = _pair()
     model, ref = model.cuda(), ref.cuda()
     if compiled:
-        for block in (*model.layers.values(), *model.vit.blocks):
-            block.compile(fullgraph=True)
+        compile_units(model, fullgraph=True)
     rows, batch = _batch()
     obj = _objective()
     want = ref({k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()},

@@ -24,7 +24,7 @@ VOCAB = 256
 
 
 def _run(device_skip: bool, nan_at: int):
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())  # init_process_group wants the index
     spec = get_model_spec("qwen3")
     cfg = spec.flavors["debug"].replace(vocab_size=VOCAB, num_hidden_layers=2, hidden_size=64,
                                         intermediate_size=128, head_dim=16)
@@ -192,7 +192,7 @@ def test_count_reduce_runs_beside_the_compute_stream(tmp_path):
 
     from titan_mm.train.step import reduce_counts
 
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())  # init_process_group wants the index
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1, device_id=dev)
     try:
         assert reduce_counts([1, 2], dist.group.WORLD, dev) == [1, 2]  # the communicator's first use, synchronized

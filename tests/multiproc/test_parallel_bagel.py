@@ -135,10 +135,12 @@ def test_default_balance_with_two_dp_ranks_is_refused_before_the_build(tmp_path)
 
 def test_debug_bagel_through_the_launcher_fsdp_and_tp_match_one_process(tmp_path):
     """The trainer's own wiring (prepare_batch, the combined objective's noise per global micro-batch slot, the plan
-    through parallelize): 2 processes with dp 2 (FSDP2) and with tp 2 follow 1 process accumulating the same 2
-    micro-batches. The balancer cannot move ViT patches between ranks yet: dp runs with data.balance none."""
+    through parallelize): 2 processes with dp 2 (FSDP2; also compiled: the ViT's graph around its blocks' FSDP hooks)
+    and with tp 2 follow 1 process accumulating the same 2 micro-batches. The balancer cannot move ViT patches
+    between ranks yet: dp runs with data.balance none."""
     one = _launch(tmp_path, "one", 1)
-    for name, args in (("dp2", ("--data.balance", "none")), ("tp2", ("--parallel.tp", "2"))):
+    for name, args in (("dp2", ("--data.balance", "none")), ("tp2", ("--parallel.tp", "2")),
+                       ("dp2-compiled", ("--data.balance", "none", "--compile.enable", "True"))):
         got = _launch(tmp_path, name, 2, *args)
         assert sorted(got) == sorted(one) == [1, 2, 3]
         for s, (loss, norm) in one.items():

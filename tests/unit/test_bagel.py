@@ -39,6 +39,7 @@ from titan_mm.models.bagel.config import BagelLLMConfig, BagelVAEConfig, BagelVi
 from titan_mm.models.bagel.flops import matmul_params
 from titan_mm.models.bagel.hf import load_hf, save_hf
 from titan_mm.models.bagel.model import flat_positions, patchify
+from titan_mm.models.bagel.plan import plan
 from titan_mm.models.bagel.spec import SCHEMA, VAE, VIT, param_part, prepare_batch
 from titan_mm.models.bagel.synthetic import ROW_TOKENS, class_images, row
 from titan_mm.models.hf_io import HFCheckpointError
@@ -46,6 +47,7 @@ from titan_mm.nn.attention import SEGMENT_KINDS, build_attn_meta
 from titan_mm.objectives import CausalLM, Combined, FlowMatching, build_objective
 from titan_mm.observe.metrics import read_metrics
 from titan_mm.observe.mfu import doc_lens_from_batch, encoder_inputs
+from titan_mm.parallel.plan import match_modules
 from titan_mm.registry import get_model_spec
 from titan_mm.train.optim import build_optimizer
 from titan_mm.train.step import model_inputs, to_device
@@ -409,8 +411,16 @@ def test_packed_rows_equal_each_sample_alone():
             start += len(d)
 
 
-def test_blocks_trace_as_whole_graphs():
-    """The plan's compile units (every MoT layer and ViT block) trace with fullgraph=True (no graph break: the
+def compile_units(model: BagelModel, **kw) -> list[str]:
+    """``Module.compile(**kw)`` each of the plan's compile units, as titan_mm.parallel.apply does; their FQNs."""
+    units = match_modules(model, plan(model.cfg).compile_units)
+    for _, mod in units:
+        mod.compile(**kw)
+    return [fqn for fqn, _ in units]
+
+
+def test_compile_units_trace_as_whole_graphs():
+    """The plan's compile units (every MoT layer, the whole ViT) trace with fullgraph=True (no graph break: the
     routing and the masks are tensors built on the host) and give the eager forward bit for bit (dynamo's eager
     backend: the trace, not inductor's kernels, which tests/gpu/test_bagel_gpu.py runs)."""
     model, _, _ = _pair(3)
@@ -418,8 +428,7 @@ def test_blocks_trace_as_whole_graphs():
     batch = obj.prepare([collate_rows(_rows(1), SEQ, 0, 1, multiple=1, schema=SCHEMA)], 0)[0]
     with torch.no_grad():
         want = _ours(model, batch, obj).hidden
-        for block in (*model.layers.values(), *model.vit.blocks):
-            block.compile(fullgraph=True, backend="eager")
+        assert compile_units(model, fullgraph=True, backend="eager") == ["layers.0", "layers.1", "vit"]
         assert torch.equal(_ours(model, batch, obj).hidden, want)
 
 
