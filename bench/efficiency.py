@@ -13,8 +13,8 @@ because it is the reference table of docs/benchmarks.md; the family and experime
 lacks. Rows with "error", rows without figures and experiment rows the trainer never runs (skip_guard_eval_unsafe)
 are left out; ``reshard always`` is the default and keys as no reshard. The family of a case is its registry model,
 bench/mfu.py's CASES[case]["model"]; rows and the "vs best peer" ratio (peers: stacks not starting with "titan",
-among the rows of the same case and the same results file) are rendered by bench/mfu.py's render(), one table per
-file.
+among the rows of the same case, results file, device and session) are rendered by bench/mfu.py's render(), one
+table per file.
 
   python3 bench/efficiency.py                           # print the markdown
   python3 bench/efficiency.py --doc docs/efficiency.md  # replace the text between the efficiency markers
@@ -91,7 +91,8 @@ def load(results: Path = ROOT / "bench/results") -> dict[str, list[dict]]:
 
 def tables(rows: list[dict]) -> list[str]:
     """bench/mfu.py's render() of the rows, one table per source file: the "vs best peer" ratio only compares
-    rows of the same results file (one run's peers), never a titan row of one run with a peer of another."""
+    rows of the same results file, device and session (one call's peers), never a titan row of one call with a
+    peer of another."""
     out = []
     for src in dict.fromkeys(r["source"] for r in rows):
         out += [f"`bench/results/{src}`:", "", render([r for r in rows if r["source"] == src]), ""]

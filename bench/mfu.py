@@ -619,8 +619,10 @@ def render(rows: list[dict]) -> str:
         if "error" in r:
             out.append(f"| {r['case']} | {dev} | {r['stack']} | {r.get('ac', '')} | failed: {r['error'][:60]} | | | | | |")
             continue
+        # a peer of the same call only (rows merged from several sessions carry which one ran them)
         peers = [p["tokens_per_s"] for p in rows if p["case"] == r["case"] and "error" not in p
-                 and not p["stack"].startswith("titan") and device_of(p) == device_of(r)]
+                 and not p["stack"].startswith("titan") and device_of(p) == device_of(r)
+                 and p.get("session") == r.get("session")]
         ratio = f"{r['tokens_per_s'] / max(peers):.2f}x" if peers else ""
         stack = r["stack"] + (f" (ops {r['kernel_ops']})" if r.get("kernel_ops") else "") \
             + (f" ({r['model_overrides']})" if r.get("model_overrides") else "") \
