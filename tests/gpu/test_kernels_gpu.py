@@ -116,6 +116,23 @@ def test_upcast_is_exact():
     print(f"upcast {mine:.3f} ms, torch copy {torch_copy:.3f} ms ({x.numel() * 6 / mine / 1e9:.2f} TB/s)")
 
 
+def test_accumulate_is_exact():
+    """titan_mm.kernels.accumulate (the cast path's gradient sum over micro-batches): bit-equal to torch's fp32 add
+    of the widened gradients, new for two narrow ones and in place into an fp32 sum. Its time against torch's
+    mixed-dtype add is printed."""
+    from titan_mm.kernels import accumulate
+
+    for n in (12288 * 4096, 1_000_003):
+        a, g = (torch.randn(n, device="cuda").to(torch.bfloat16) for _ in range(2))
+        wide = accumulate(a, g)
+        assert torch.equal(wide, a.float().add_(g))
+        want = wide.clone().add_(g)
+        assert accumulate(wide, g) is wide and torch.equal(wide, want)
+    acc, g = torch.randn(12288, 4096, device="cuda"), torch.randn(12288, 4096, device="cuda").to(torch.bfloat16)
+    mine, torch_add = cuda_ms(lambda: accumulate(acc, g)), cuda_ms(lambda: acc.add_(g))
+    print(f"accumulate {mine:.3f} ms, torch add {torch_add:.3f} ms ({acc.numel() * 10 / mine / 1e9:.2f} TB/s)")
+
+
 def test_fused_moe_moves_match_pytorch():
     """titan_mm.kernels.moe_expand / moe_combine at Qwen3-30B-A3B's layer shape (16,384 tokens, 128 experts, top-8,
     width 2048, bf16): outputs and gradients close to PyTorch's (titan_mm.nn.moe; the kernel sums in fp32

@@ -165,7 +165,7 @@ def test_parallelize_picks_the_path():
 
 _INTERP = r"""
 import torch
-from titan_mm.kernels import upcast
+from titan_mm.kernels import accumulate, upcast
 
 bad = []
 for dt in (torch.bfloat16, torch.float16):
@@ -174,15 +174,23 @@ for dt in (torch.bfloat16, torch.float16):
         y = upcast(x)
         if y.dtype != torch.float32 or not torch.equal(y, x.float()):
             bad.append(f"{dt} {shape}")
-    t = torch.randn(40, 30).to(dt).t()  # not contiguous: torch's copy
-    if not torch.equal(upcast(t), t.float()):
+        g = (torch.randn(shape) * 1e-3).to(dt)
+        wide = accumulate(x, g)  # the second micro-batch: two narrow gradients, a new fp32 sum
+        if wide.dtype != torch.float32 or not torch.equal(wide, x.float().add_(g)):
+            bad.append(f"{dt} {shape} widening sum")
+        want = wide.clone().add_(g)
+        if accumulate(wide, g) is not wide or not torch.equal(wide, want):  # the third on: in place
+            bad.append(f"{dt} {shape} sum in place")
+    t = torch.randn(40, 30).to(dt).t()  # not contiguous: torch's copy and add
+    if not torch.equal(upcast(t), t.float()) or not torch.equal(accumulate(t.float(), t), t.float().add_(t)):
         bad.append(f"{dt} transposed")
 print("BAD" if bad else "OK", bad)
 """
 
 
 def test_upcast_kernel_is_exact_in_the_interpreter():
-    """The gradient widening of the cast path (titan_mm.kernels.upcast): bit-equal to torch's copy."""
+    """The gradient widening of the cast path (titan_mm.kernels.upcast) and its sum over micro-batches
+    (titan_mm.kernels.accumulate): bit-equal to torch's copy and fp32 add."""
     from tests.triton_interp import run_interpreted
 
     run_interpreted(_INTERP)

@@ -25,6 +25,8 @@ see docs/kernels.md):
     grouped_mm(x, w, counts) -> y     x [A, K] rows sorted by expert, w [E, N, K], counts [E] on the device
         (the MoE experts in the dtypes torch._grouped_mm lacks on CUDA, no host sync; eager autograd)
     upcast(x, dtype) -> x in a wider dtype (bf16 / fp16 -> fp32: a vectorized copy; no autograd)
+    accumulate(acc, g, dtype) -> acc + g in dtype, in place when acc is dtype already (fp32 += bf16 in one
+        vectorized pass: the cast path's gradient sum over micro-batches; no autograd)
     greedy_pick(logits) -> (tokens, logprobs)   per row of [R, V]: the argmax and its log-probability in one pass
         (serving's greedy rows; no autograd)
     adamw_step_(p, g, m, v, copy, step, lr, ...) -> None   (one AdamW update that also writes p's narrow copy;
@@ -88,6 +90,7 @@ __all__ = [
     "norm_rope_cache",
     "grouped_mm",
     "upcast",
+    "accumulate",
     "greedy_pick",
     "adamw_step_",
     "moe_expand",
@@ -135,6 +138,7 @@ if HAS_TRITON:  # optional: triton is absent on some CPU machines, where every o
     from .adamw import adamw_step_ as _adamw
     from .bias_gelu import BiasGeluFunction, bias_gelu_op
     from .cast import upcast as _upcast
+    from .cast import widening_add as _widening_add
     from .cross_entropy import (LinearCrossEntropyFunction, VocabParallelLinearCrossEntropyFunction,
                                 linear_cross_entropy_op)
     from .greedy import greedy_pick as _greedy_pick
@@ -341,6 +345,16 @@ def upcast(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             and torch.finfo(dtype).bits > torch.finfo(x.dtype).bits):
         return _upcast(x, dtype)
     return x.to(dtype)
+
+
+def accumulate(acc: torch.Tensor, g: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``acc + g`` in ``dtype`` (fp32), written into ``acc`` when it is ``dtype`` already, else a new tensor: exact,
+    as ``acc.to(dtype).add_(g)`` (fp32 sums of the widened values), which it is off CUDA and for non-contiguous or
+    differently shaped tensors."""
+    if (use_triton(acc, g) and acc.is_contiguous() and g.is_contiguous() and acc.shape == g.shape
+            and acc.is_floating_point() and g.is_floating_point() and dtype == torch.float32):
+        return _widening_add(acc, g, acc if acc.dtype == dtype else torch.empty_like(acc, dtype=dtype))
+    return acc.to(dtype).add_(g)
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from titan_mm.config import JobConfig
 from titan_mm.dtypes import torch_dtype
-from titan_mm.kernels import upcast
+from titan_mm.kernels import accumulate, upcast
 from titan_mm.parallel.cp import apply_cp
 from titan_mm.parallel.ep import apply_ep
 from titan_mm.parallel.mesh import ParallelDims
@@ -282,10 +282,8 @@ class CastCopies:
         held = self._grads.get(id(p))
         if held is None:
             self._grads[id(p)] = g if g.stride() == p.stride() else g.contiguous()  # the update is elementwise
-        elif held.dtype == p.dtype:
-            held.add_(g)
-        else:
-            self._grads[id(p)] = upcast(held, p.dtype).add_(g)
+        else:  # summed in p's dtype, in place from the third micro-batch on
+            self._grads[id(p)] = accumulate(held, g, p.dtype)
 
     def grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """``p``'s gradient held here (None: it has none, or it is in ``p.grad``)."""
