@@ -136,12 +136,15 @@ def test_default_balance_with_two_dp_ranks_is_refused_before_the_build(tmp_path)
 def test_debug_bagel_through_the_launcher_fsdp_and_tp_match_one_process(tmp_path):
     """The trainer's own wiring (prepare_batch, the combined objective's noise per global micro-batch slot, the plan
     through parallelize): 2 processes with dp 2 (FSDP2; also compiled: the ViT's graph around its blocks' FSDP hooks)
-    and with tp 2 follow 1 process accumulating the same 2 micro-batches. The balancer cannot move ViT patches
-    between ranks yet: dp runs with data.balance none."""
+    and with tp 2 follow 1 process accumulating the same 2 micro-batches, as does 1 process compiled with selective
+    AC (the ViT blocks' checkpoints inside the ViT's graph). The balancer cannot move ViT patches between ranks yet:
+    dp runs with data.balance none."""
     one = _launch(tmp_path, "one", 1)
-    for name, args in (("dp2", ("--data.balance", "none")), ("tp2", ("--parallel.tp", "2")),
-                       ("dp2-compiled", ("--data.balance", "none", "--compile.enable", "True"))):
-        got = _launch(tmp_path, name, 2, *args)
+    for name, nproc, args in (
+            ("dp2", 2, ("--data.balance", "none")), ("tp2", 2, ("--parallel.tp", "2")),
+            ("dp2-compiled", 2, ("--data.balance", "none", "--compile.enable", "True")),
+            ("ac-compiled", 1, ("--activation_checkpoint.mode", "selective", "--compile.enable", "True"))):
+        got = _launch(tmp_path, name, nproc, *args)
         assert sorted(got) == sorted(one) == [1, 2, 3]
         for s, (loss, norm) in one.items():
             assert got[s][0] == pytest.approx(loss, rel=1e-5) and got[s][1] == pytest.approx(norm, rel=1e-5), \
