@@ -24,7 +24,7 @@ VOCAB = 256
 
 
 def _run(device_skip: bool, nan_at: int):
-    dev = torch.device("cuda", torch.cuda.current_device())  # init_process_group wants the index
+    dev = torch.device("cuda")
     spec = get_model_spec("qwen3")
     cfg = spec.flavors["debug"].replace(vocab_size=VOCAB, num_hidden_layers=2, hidden_size=64,
                                         intermediate_size=128, head_dim=16)

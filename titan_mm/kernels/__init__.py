@@ -352,7 +352,7 @@ def accumulate(acc: torch.Tensor, g: torch.Tensor, dtype: torch.dtype = torch.fl
     as ``acc.to(dtype).add_(g)`` (fp32 sums of the widened values), which it is off CUDA and for non-contiguous or
     differently shaped tensors."""
     if (use_triton(acc, g) and acc.is_contiguous() and g.is_contiguous() and acc.shape == g.shape
-            and acc.is_floating_point() and g.is_floating_point() and dtype == torch.float32):
+            and dtype == torch.float32):
         return _widening_add(acc, g, acc if acc.dtype == dtype else torch.empty_like(acc, dtype=dtype))
     return acc.to(dtype).add_(g)
 
