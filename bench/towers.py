@@ -49,6 +49,7 @@ not 16-byte aligned for cuBLAS). Towers (``TOWERS``; the bench shapes are the VL
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -227,8 +228,13 @@ class _Calls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def tower_calls(tower: torch.nn.Module, x: torch.Tensor, inputs: tuple) -> _Calls:
-    """The GEMMs and convolutions of one forward of the (not yet compiled) tower."""
+def tower_calls(tower: torch.nn.Module, t: dict, cfg, device: torch.device, bucket: int = 0) -> _Calls:
+    """The GEMMs and convolutions of one forward of the (not yet compiled) tower on ``t``'s inputs. BAGEL's ViT
+    attends through sdpa here: flex's eager path runs under torch.compile, which refuses a dispatch mode (the
+    attention's products are not recorded either way)."""
+    if "images" in t:
+        cfg = dataclasses.replace(cfg, attn_backend="sdpa")
+    x, inputs = tower_inputs(t, cfg, device, bucket=bucket)[:2]
     with torch.no_grad(), _Calls() as rec:
         tower(x, *inputs)
     return rec
@@ -329,7 +335,8 @@ def run_tower(name: str, args, device: torch.device) -> dict:
         with kernel_tuning():  # (eager: the compiled blocks then find every key tuned)
             step()
         sync()
-    calls_seen = tower_calls(tower, *sets[0][:2]) if args.floor else None  # eager, before compile
+    calls_seen = tower_calls(tower, varied(t, 0, args.tiny) if args.vary else t, cfg, device, args.bucket) \
+        if args.floor else None  # eager, before compile: the first input set's
     compile_tower(tower, mode)
     for _ in range(args.warmup):
         step()

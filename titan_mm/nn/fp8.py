@@ -1,0 +1,17 @@
+"""Rowwise float8 (e4m3) quantization: one fp32 scale per row, amax / 448, so that each row fills e4m3's range.
+The reference of titan_mm.kernels.fp8_rows, and how serving's fp8 linears quantize their weights (per output row)."""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(FP8).max
+MIN_SCALE = 1e-12  # an all-zero row: its scale stays finite, its values 0
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1]): x ~= e4m3 * scale."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
