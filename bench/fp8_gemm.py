@@ -13,6 +13,8 @@ so the figures are GPU time per call:
   quant_compiled  the same with the cast under torch.compile (one fused kernel), then scaled_mm
   torchao_*       the linear as serve.quantization makes it (runner/weights.quantize: fp8_rowwise, fp8_tensorwise,
                   fp8_weight_only, int4_weight_only), called as the engine calls it
+  fp8_rowwise_fused  titan's rowwise w8a8 linear (serve.quantization fp8_rowwise_fused: weights.Fp8Linear, the
+                  input's cast one Triton launch, kernels.fp8_rows), called as the engine calls it
 
 Rows: (flavor, rows, projection, form) with microseconds a call and the weight's bytes over that time; a summary per
 (flavor, rows, form) adds the layer's four projections and divides bf16's sum by it (the speedup a layer's GEMMs
@@ -38,11 +40,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.devices import device_slug  # noqa: E402
 from bench.timing import step_times  # noqa: E402
+from titan_mm.nn.fp8 import fp8_rows as quant_rows  # noqa: E402
 from titan_mm.nn.mlp import SwiGLU  # noqa: E402
 from titan_mm.serve.runner.weights import quantize  # noqa: E402
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
 # flavor -> (hidden, q/k/v rows of the fused projection, attention width, MLP width): Qwen3's
 SHAPES = {"8B": (4096, 4096 + 2 * 1024, 4096, 12288), "1.7B": (2048, 2048 + 2 * 1024, 2048, 6144)}
 TINY = {"tiny": (64, 128, 64, 192)}
@@ -53,12 +54,6 @@ TORCHAO = ("fp8_rowwise", "fp8_tensorwise", "fp8_weight_only", "int4_weight_only
 def projections(hidden: int, qkv: int, attn: int, mlp: int) -> dict[str, tuple[int, int]]:
     """name -> (in, out) of one layer's linears as the engine runs them (q/k/v and gate/up fused)."""
     return {"qkv": (hidden, qkv), "o": (attn, hidden), "gate_up": (hidden, 2 * mlp), "down": (mlp, hidden)}
-
-
-def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 x, its fp32 scale per row [M, 1]): x / scale fills e4m3's range."""
-    scale = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def gpu_us(fn, reps: int, cuda: bool) -> float:
@@ -92,16 +87,17 @@ def forms(k: int, n: int, m: int, device: torch.device, with_torchao: bool) -> d
 
     out = {"bf16": lambda: F.linear(x, w), "scaled_mm": lambda: mm(xq, xs),
            "quant_eager": lambda: mm(*quant_rows(x)), "quant_compiled": lambda: mm(*compiled(x))}
-    for mode in TORCHAO if with_torchao else ():
+    served = {f"torchao_{mode}": mode for mode in (TORCHAO if with_torchao else ())}
+    for form, mode in {**served, "fp8_rowwise_fused": "fp8_rowwise_fused"}.items():
         holder = SwiGLU(n, k).to(device, dt)  # its w2 is a (k -> n) linear where runner/weights.quantize finds it
         with torch.no_grad():
             holder.w2.weight.copy_(w)
         try:
             quantize(holder, mode)
         except Exception as e:  # a mode this GPU or torchao build lacks is its row's error
-            out[f"torchao_{mode}"] = f"{type(e).__name__}: {e}"[:200]
+            out[form] = f"{type(e).__name__}: {e}"[:200]
             continue
-        out[f"torchao_{mode}"] = (lambda lin=holder.w2: lin(x))
+        out[form] = (lambda h=holder: h.w2(x))
     return out
 
 

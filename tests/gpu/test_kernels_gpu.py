@@ -133,6 +133,24 @@ def test_accumulate_is_exact():
     print(f"accumulate {mine:.3f} ms, torch add {torch_add:.3f} ms ({acc.numel() * 10 / mine / 1e9:.2f} TB/s)")
 
 
+def test_fp8_rows_is_exact():
+    """titan_mm.kernels.fp8_rows (serving's rowwise w8a8 input cast): bit-equal to titan_mm.nn.fp8's torch ops (the
+    same fp32 division and round-to-nearest-even e4m3 cast), zero rows included, at decode rows of an 8B's widths;
+    its time against the torch ops' is printed."""
+    from titan_mm.kernels import fp8_rows
+    from titan_mm.nn.fp8 import fp8_rows as ref
+
+    torch.manual_seed(0)
+    for m, k in ((1, 4096), (256, 4096), (256, 12288), (7, 5000)):
+        x = (torch.randn(m, k, device="cuda") * torch.logspace(-4, 4, m, device="cuda")[:, None]).bfloat16()
+        x[m // 2] = 0
+        (q, s), (q_ref, s_ref) = fp8_rows(x), ref(x)
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (m, k)
+    x = torch.randn(256, 12288, device="cuda").bfloat16()
+    mine, torch_ops = cuda_ms(lambda: fp8_rows(x)), cuda_ms(lambda: ref(x))
+    print(f"fp8_rows {mine * 1e3:.1f} us, torch ops {torch_ops * 1e3:.1f} us at 256 x 12288")
+
+
 def test_fused_moe_moves_match_pytorch():
     """titan_mm.kernels.moe_expand / moe_combine at Qwen3-30B-A3B's layer shape (16,384 tokens, 128 experts, top-8,
     width 2048, bf16): outputs and gradients close to PyTorch's (titan_mm.nn.moe; the kernel sums in fp32

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.gpu
 
 SETUPS = {"qwen3": lambda: text_setup(False), "qwen3_moe": lambda: text_setup(True), "qwen3_vl": lambda: vl_setup(False)}
 PPL_BOUND = {"int8_weight_only": 0.01, "fp8_weight_only": 0.05, "fp8_rowwise": 0.05, "fp8_tensorwise": 0.05,
-             "int4_weight_only": 0.10}
+             "fp8_rowwise_fused": 0.05, "int4_weight_only": 0.10}
 
 
 @pytest.mark.parametrize("case", ["prefix_cache", "chunked_prefill"])

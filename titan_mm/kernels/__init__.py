@@ -27,6 +27,8 @@ see docs/kernels.md):
     upcast(x, dtype) -> x in a wider dtype (bf16 / fp16 -> fp32: a vectorized copy; no autograd)
     accumulate(acc, g, dtype) -> acc + g in dtype, in place when acc is dtype already (fp32 += bf16 in one
         vectorized pass: the cast path's gradient sum over micro-batches; no autograd)
+    fp8_rows(x) -> (e4m3 x, fp32 scale per row)   x [M, K]: amax / 448 a row, then the cast, in one launch
+        (serving's rowwise w8a8 linears quantize their inputs with it; no autograd)
     greedy_pick(logits) -> (tokens, logprobs)   per row of [R, V]: the argmax and its log-probability in one pass
         (serving's greedy rows; no autograd)
     adamw_step_(p, g, m, v, copy, step, lr, ...) -> None   (one AdamW update that also writes p's narrow copy;
@@ -60,6 +62,7 @@ from __future__ import annotations
 
 import torch
 
+from titan_mm.nn.fp8 import fp8_rows as _fp8_rows_ref
 from titan_mm.nn.kv_cache import copy_rows, paged_attention_reference, paged_decode_reference
 from titan_mm.nn.loss import chunked_cross_entropy
 from titan_mm.nn.mlp import bias_gelu as _bias_gelu_ref
@@ -91,6 +94,7 @@ __all__ = [
     "grouped_mm",
     "upcast",
     "accumulate",
+    "fp8_rows",
     "greedy_pick",
     "adamw_step_",
     "moe_expand",
@@ -141,6 +145,8 @@ if HAS_TRITON:  # optional: triton is absent on some CPU machines, where every o
     from .cast import widening_add as _widening_add
     from .cross_entropy import (LinearCrossEntropyFunction, VocabParallelLinearCrossEntropyFunction,
                                 linear_cross_entropy_op)
+    from .fp8_rows import MAX_K as _FP8_MAX_K
+    from .fp8_rows import fp8_rows as _fp8_rows
     from .greedy import greedy_pick as _greedy_pick
     from .grouped_gemm import GroupedMMFunction
     from .moe_moves import CombineFunction, ExpandFunction, moe_combine_op
@@ -358,6 +364,13 @@ def accumulate(acc: torch.Tensor, g: torch.Tensor, dtype: torch.dtype = torch.fl
 
 
 @torch.no_grad()
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1]) with x ~= e4m3 * scale, each row's amax at e4m3's 448."""
+    if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] <= _FP8_MAX_K:
+        return _fp8_rows(x)
+    return _fp8_rows_ref(x)
+
+
 def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [R, V] -> (tokens int64 [R]: each row's argmax, its first index on ties; logprobs fp32 [R]: that
     token's logit - logsumexp of the row, in fp32)."""
