@@ -181,6 +181,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
     (dict(quantization="int4_weight_only"), CPU, None, True, "needs CUDA of compute capability >= 8.0"),
     (dict(quantization="int4_weight_only"), CUDA, (7, 5), True, "this device is cuda of capability 7.5"),
     (dict(quantization="int4_weight_only", dtype="float32"), CUDA, (9, 0), True, "needs serve.dtype bfloat16"),
+    (dict(quantization="fp8_rowwise_fused", dtype="float16"), CUDA, (9, 0), True, "needs serve.dtype bfloat16"),
 ])
 def test_quantization_rules_are_one_line(fields, device, cap, owned, says):
     cfg = ServeConfig(**fields)

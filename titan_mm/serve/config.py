@@ -190,9 +190,9 @@ class ServeConfig:
         if q == "int4_weight_only" and (device.type != "cuda" or capability is None or capability < INT4_CAPABILITY):
             raise ConfigError(f"serve.quantization='int4_weight_only' needs CUDA of compute capability >= 8.0 (torch's "
                               f"int4 tensor-core GEMM); {on}: use int8_weight_only or none")
-        if q == "int4_weight_only" and self.serving_dtype(device) != torch.bfloat16:
-            raise ConfigError(f"serve.quantization='int4_weight_only' needs serve.dtype bfloat16 (auto on CUDA), "
-                              f"got {self.dtype!r}")
+        if q in ("int4_weight_only", "fp8_rowwise_fused") and self.serving_dtype(device) != torch.bfloat16:
+            raise ConfigError(f"serve.quantization={q!r} needs serve.dtype bfloat16 (auto on CUDA; its GEMM writes "
+                              f"bf16), got {self.dtype!r}")
 
     def check_model(self, name: str, max_model_len: int, linear: bool, kv_cache: bool = True) -> None:
         """The rules that depend on the model ``name`` (its context ``max_model_len``, after serve.max_model_len;
