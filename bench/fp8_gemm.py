@@ -11,8 +11,9 @@ so the figures are GPU time per call:
   quant_eager     the activation's per-row amax, scale and cast as torch ops, then scaled_mm: what a w8a8 linear
                   pays per call when the cast is not fused
   quant_compiled  the same with the cast under torch.compile (one fused kernel), then scaled_mm
-  torchao_*       the linear as serve.quantization makes it (runner/weights.quantize: fp8_rowwise, fp8_tensorwise,
-                  fp8_weight_only, int4_weight_only), called as the engine calls it
+  torchao_*       the linear as serve.quantization makes it (runner/weights.quantize: fp8_rowwise,
+                  fp8_weight_only, int4_weight_only), called as the engine calls it (torchao_fp8_tensorwise in the
+                  first run's results: a mode removed since)
   fp8_rowwise_fused  titan's rowwise w8a8 linear (serve.quantization fp8_rowwise_fused: weights.Fp8Linear, the
                   input's cast one Triton launch, kernels.fp8_rows), called as the engine calls it
 
@@ -48,7 +49,7 @@ from titan_mm.serve.runner.weights import quantize  # noqa: E402
 SHAPES = {"8B": (4096, 4096 + 2 * 1024, 4096, 12288), "1.7B": (2048, 2048 + 2 * 1024, 2048, 6144)}
 TINY = {"tiny": (64, 128, 64, 192)}
 ROWS = (1, 64, 256)
-TORCHAO = ("fp8_rowwise", "fp8_tensorwise", "fp8_weight_only", "int4_weight_only")
+TORCHAO = ("fp8_rowwise", "fp8_weight_only", "int4_weight_only")
 
 
 def projections(hidden: int, qkv: int, attn: int, mlp: int) -> dict[str, tuple[int, int]]:

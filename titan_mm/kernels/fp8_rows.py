@@ -13,19 +13,20 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_mm.nn.fp8 import FP8, FP8_MAX, MIN_SCALE
+from titan_mm.nn.fp8 import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
 MAX_K = 65536
 """Widest row one program holds in registers (a whole row, read once); wider rows take the reference."""
 
 
 @triton.jit
-def _fp8_rows(X, Y, S, K, sx, sy, FMAX: tl.constexpr, SMIN: tl.constexpr, BLOCK: tl.constexpr):
+def _fp8_rows(X, Y, S, K, sx, sy, FMAX: tl.constexpr, INV: tl.constexpr, SMIN: tl.constexpr,
+              BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < K
     x = tl.load(X + r * sx + offs, mask=m, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), FMAX), SMIN)
+    scale = tl.maximum(tl.max(tl.abs(x), 0) * INV, SMIN)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FMAX), FMAX)
     tl.store(Y + r * sy + offs, q.to(Y.dtype.element_ty), mask=m)
     tl.store(S + r, scale)
@@ -38,6 +39,6 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M:
         block = triton.next_power_of_2(K)
-        _fp8_rows[(M,)](x, y, s, K, x.stride(0), y.stride(0), FMAX=FP8_MAX, SMIN=MIN_SCALE, BLOCK=block,
-                        num_warps=max(4, min(16, block // 1024)))
+        _fp8_rows[(M,)](x, y, s, K, x.stride(0), y.stride(0), FMAX=FP8_MAX, INV=INV_FP8_MAX, SMIN=MIN_SCALE,
+                        BLOCK=block, num_warps=max(4, min(16, block // 1024)))
     return y, s

@@ -10,8 +10,13 @@ FP8_MAX = 448.0  # torch.finfo(FP8).max
 MIN_SCALE = 1e-12  # an all-zero row: its scale stays finite, its values 0
 
 
+INV_FP8_MAX = 1.0 / FP8_MAX
+"""The scale is amax times this (one fp32 multiply, rounded alike in torch and Triton: torch divides by a Python
+scalar through its reciprocal on CUDA, truly on the CPU)."""
+
+
 def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, 1]): x ~= e4m3 * scale."""
     xf = x.float()
-    scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    scale = (xf.abs().amax(-1, keepdim=True) * INV_FP8_MAX).clamp(min=MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale

@@ -10,8 +10,7 @@ import torch
 from titan_mm.config import ConfigError
 from titan_mm.dtypes import torch_dtype
 
-QUANTIZATIONS = ("none", "int8_weight_only", "fp8_weight_only", "fp8_rowwise", "fp8_tensorwise", "fp8_rowwise_fused",
-                 "int4_weight_only")
+QUANTIZATIONS = ("none", "int8_weight_only", "fp8_weight_only", "fp8_rowwise", "fp8_rowwise_fused", "int4_weight_only")
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # besides "auto" (serve.dtype's)
 """serve.quantization's modes (titan_mm/serve/runner/weights.py: torchao's configs and titan's Fp8Linear)."""
 FP8_CAPABILITY = (8, 9)  # float8 GEMMs and casts: Ada / Hopper and newer
@@ -105,8 +104,7 @@ class ServeConfig:
     """Weight quantization of the attention and dense-MLP projections of a model the engine owns (the head,
     embeddings, MoE routers and experts, and vision towers keep the serving dtype): none; int8_weight_only (per-row
     int8 weights; CPU and CUDA); fp8_weight_only (per-row float8 e4m3 weights), fp8_rowwise (w8a8: those weights
-    times per-row dynamic float8 activations) and fp8_tensorwise (w8a8 with one scale per weight and per activation
-    tensor), all torchao's; fp8_rowwise_fused (titan's rowwise w8a8: the activations' cast one Triton launch, then
+    times per-row dynamic float8 activations), both torchao's; fp8_rowwise_fused (titan's rowwise w8a8: the activations' cast one Triton launch, then
     torch._scaled_mm; sizes a multiple of 16); fp8 modes need CUDA capability >= 8.9; int4_weight_only (groups of 128,
     tinygemm; CUDA capability >= 8.0, dtype bfloat16). Not with tensor_parallel_size > 1 yet."""
     kv_cache_dtype: str = "auto"

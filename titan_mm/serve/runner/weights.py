@@ -69,7 +69,7 @@ def _torchao_config(mode: str):
     """torchao's config of a serve.quantization mode (ServeConfig.check names them). torchao is imported here: only
     serve.quantization needs it, and importing it costs ~0.6 s and logs its missing CUDA extensions on CPU."""
     from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig,
-                                      Int4WeightOnlyConfig, Int8WeightOnlyConfig, PerRow, PerTensor)
+                                      Int4WeightOnlyConfig, Int8WeightOnlyConfig, PerRow)
 
     # set_inductor_config off: torchao would change torch._inductor's global settings for the whole process
     return {
@@ -77,10 +77,6 @@ def _torchao_config(mode: str):
         "fp8_weight_only": lambda: Float8WeightOnlyConfig(set_inductor_config=False),  # per-row e4m3
         "fp8_rowwise": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(),
                                                                          set_inductor_config=False),
-        # one scale per tensor: the activation's is one amax (rowwise takes one per row); A at 8B measured rowwise
-        # at 0.87x bf16 on an H100 (docs/serving.md), tensorwise is the other w8a8 recipe to measure
-        "fp8_tensorwise": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor(),
-                                                                            set_inductor_config=False),
         # tinygemm's packing (torch's own int4 GEMM on CUDA); torchao's default "plain" needs the mslk package
         "int4_weight_only": lambda: Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d",
                                                          set_inductor_config=False),
