@@ -162,7 +162,8 @@ def test_fp8_rowwise_fused_replaces_the_projections_within_its_perplexity_bound(
     ppl = weights.perplexity(model, ids, window=128)
     weights.fuse_projections(model)
     assert weights.quantize(model, "fp8_rowwise_fused") == 8
-    assert type(model.layers["0"].attn.wqkv) is weights.Fp8Linear and type(model.layers["1"].mlp.w2) is weights.Fp8Linear
+    layers = model.layers
+    assert type(layers["0"].attn.wqkv) is weights.Fp8Linear and type(layers["1"].mlp.w2) is weights.Fp8Linear
     assert sum(type(m) is weights.Fp8Linear for m in model.modules()) == 8 and type(model.output) is torch.nn.Linear
     q_ppl = weights.perplexity(model, ids, window=128)
     assert q_ppl != ppl and abs(q_ppl / ppl - 1) <= 0.05, (ppl, q_ppl)

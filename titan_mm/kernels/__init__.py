@@ -27,7 +27,7 @@ see docs/kernels.md):
     upcast(x, dtype) -> x in a wider dtype (bf16 / fp16 -> fp32: a vectorized copy; no autograd)
     accumulate(acc, g, dtype) -> acc + g in dtype, in place when acc is dtype already (fp32 += bf16 in one
         vectorized pass: the cast path's gradient sum over micro-batches; no autograd)
-    fp8_rows(x) -> (e4m3 x, fp32 scale per row)   x [M, K]: amax / 448 a row, then the cast, in one launch
+    fp8_rows(x) -> (e4m3 x, fp32 scale per row)   x [M, K]: amax x (1 / 448) a row, then the cast, in one launch
         (serving's rowwise w8a8 linears quantize their inputs with it; no autograd)
     greedy_pick(logits) -> (tokens, logprobs)   per row of [R, V]: the argmax and its log-probability in one pass
         (serving's greedy rows; no autograd)

@@ -1,5 +1,5 @@
-"""Rowwise float8 quantization of activations (titan_mm.nn.fp8's arithmetic): per row of x [M, K], scale = amax /
-448 and x / scale in e4m3, in one launch.
+"""Rowwise float8 quantization of activations (titan_mm.nn.fp8's arithmetic): per row of x [M, K], scale = amax x
+(1 / 448) and x / scale in e4m3, in one launch.
 
 A w8a8 linear (serve.quantization = "fp8_rowwise_fused") quantizes its input every call. bench/fp8_gemm.py on the H100
 (8B layer, 256 rows): torch._scaled_mm alone 1.62x bf16's GEMMs, with the cast as torch ops 0.68x, with the cast

@@ -104,9 +104,10 @@ class ServeConfig:
     """Weight quantization of the attention and dense-MLP projections of a model the engine owns (the head,
     embeddings, MoE routers and experts, and vision towers keep the serving dtype): none; int8_weight_only (per-row
     int8 weights; CPU and CUDA); fp8_weight_only (per-row float8 e4m3 weights), fp8_rowwise (w8a8: those weights
-    times per-row dynamic float8 activations), both torchao's; fp8_rowwise_fused (titan's rowwise w8a8: the activations' cast one Triton launch, then
-    torch._scaled_mm; sizes a multiple of 16); fp8 modes need CUDA capability >= 8.9; int4_weight_only (groups of 128,
-    tinygemm; CUDA capability >= 8.0, dtype bfloat16). Not with tensor_parallel_size > 1 yet."""
+    times per-row dynamic float8 activations), both torchao's; fp8_rowwise_fused (titan's rowwise w8a8: the
+    activations' cast one Triton launch, then torch._scaled_mm; sizes a multiple of 16, dtype bfloat16); the fp8
+    modes need CUDA capability >= 8.9; int4_weight_only (groups of 128, tinygemm; CUDA capability >= 8.0, dtype
+    bfloat16). Not with tensor_parallel_size > 1 yet."""
     kv_cache_dtype: str = "auto"
     """The KV cache's storage: auto (serve.dtype's) or fp8_e4m3 (float8 e4m3, one byte a value, no scale: half the
     bytes a decode step reads per cached token and twice the blocks in the same memory). Keys and values are
