@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from titan_mm.nn import init
 from titan_mm.nn.mlp import silu_mul
@@ -98,8 +99,17 @@ def move_window_meta(meta: WindowMeta, device: torch.device | str) -> WindowMeta
                          full=move_vision_meta(meta.full, device), window=move_vision_meta(meta.window, device))
 
 
+ALIGN = 64
+"""The MLP's width is padded to a multiple of this inside the forward: Qwen2.5-VL's 3,420 is not 16-byte aligned in
+bf16, and cuBLAS runs such GEMMs at well under half speed (bench/towers.py --floor on the H100: the 7B ViT's GEMMs
+alone 149 ms at its widths, 58 ms with every width rounded up to 64; its other widths are aligned already)."""
+
+
 class VisionSwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), every projection with a bias (HF names kept, as Qwen3-VL's ViT does)."""
+    """down(silu(gate(x)) * up(x)), every projection with a bias (HF names kept, as Qwen3-VL's ViT does). The
+    weights keep HF's shapes; the forward pads the width with zero rows / columns (their outputs are silu(0) * 0 = 0,
+    their gradients 0), unless the weights are tensor-parallel shards. The padded copies live until the backward
+    (26 MB a block at the 7B's widths)."""
 
     def __init__(self, cfg: VisionConfig, act_mul=silu_mul):
         super().__init__()
@@ -107,9 +117,15 @@ class VisionSwiGLU(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.pad = -cfg.intermediate_size % ALIGN
 
     def forward(self, x):
-        return self.down_proj(self.act_mul(self.gate_proj(x), self.up_proj(x)))
+        if not self.pad or isinstance(self.gate_proj.weight, DTensor):
+            return self.down_proj(self.act_mul(self.gate_proj(x), self.up_proj(x)))
+        p = self.pad
+        gate, up = (F.linear(x, F.pad(lin.weight, (0, 0, 0, p)), F.pad(lin.bias, (0, p)))
+                    for lin in (self.gate_proj, self.up_proj))
+        return F.linear(self.act_mul(gate, up), F.pad(self.down_proj.weight, (0, p)), self.down_proj.bias)
 
 
 class VisionBlock(nn.Module):
