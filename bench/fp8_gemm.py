@@ -19,7 +19,8 @@ so the figures are GPU time per call:
 
 Rows: (flavor, rows, projection, form) with microseconds a call and the weight's bytes over that time; a summary per
 (flavor, rows, form) adds the layer's four projections and divides bf16's sum by it (the speedup a layer's GEMMs
-could give). The copy bandwidth is measured in the same run (a large device-to-device copy). On the CPU (``--cpu
+could give). The copy bandwidth is measured in the same run (bench/ceilings.py; runs before 2026-12-07 04:00 UTC
+timed a 1 GiB copy inside a CUDA graph, about 20% lower on the H100). On the CPU (``--cpu
 --tiny``: the smoke) the forms run eagerly on small shapes and the torchao forms are skipped.
 
     python3 bench/fp8_gemm.py --out bench/results/fp8_gemm_<device>.json      # ~1 minute on an H100
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.devices import device_slug  # noqa: E402
-from bench.timing import step_times  # noqa: E402
+from bench.ceilings import measure as ceilings  # noqa: E402
+from bench.timing import graph_us  # noqa: E402
 from titan_mm.nn.fp8 import fp8_rows as quant_rows  # noqa: E402
 from titan_mm.nn.mlp import SwiGLU  # noqa: E402
 from titan_mm.serve.runner.weights import quantize  # noqa: E402
@@ -55,22 +56,6 @@ TORCHAO = ("fp8_rowwise", "fp8_weight_only", "int4_weight_only")
 def projections(hidden: int, qkv: int, attn: int, mlp: int) -> dict[str, tuple[int, int]]:
     """name -> (in, out) of one layer's linears as the engine runs them (q/k/v and gate/up fused)."""
     return {"qkv": (hidden, qkv), "o": (attn, hidden), "gate_up": (hidden, 2 * mlp), "down": (mlp, hidden)}
-
-
-def gpu_us(fn, reps: int, cuda: bool) -> float:
-    """Microseconds a call of ``fn``: on CUDA a graph of ``reps`` calls replayed (median of 10 replays), on the
-    CPU the host time of one call."""
-    fn()
-    if not cuda:
-        return statistics.median(step_times(fn, 3, False)[0]) * 1e6
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    times, _ = step_times(graph.replay, 10, True)
-    return statistics.median(times) / reps * 1e6
 
 
 def forms(k: int, n: int, m: int, device: torch.device, with_torchao: bool) -> dict:
@@ -102,16 +87,6 @@ def forms(k: int, n: int, m: int, device: torch.device, with_torchao: bool) -> d
     return out
 
 
-def bandwidth_gbs(device: torch.device) -> float | None:
-    """Device-to-device copy rate (GB/s, read + write) of a 1 GiB tensor, this run's own."""
-    if device.type != "cuda":
-        return None
-    a = torch.empty(2**29, device=device, dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    us = gpu_us(lambda: b.copy_(a), 5, True)
-    return 2 * a.numel() * 2 / us / 1e3
-
-
 @torch.no_grad()
 def run(flavors: dict, rows: tuple[int, ...], device: torch.device, reps: int, with_torchao: bool) -> dict:
     cuda = device.type == "cuda"
@@ -125,7 +100,7 @@ def run(flavors: dict, rows: tuple[int, ...], device: torch.device, reps: int, w
                         out.append(dict(row, error=fn))
                         continue
                     try:
-                        us = gpu_us(fn, reps, cuda)
+                        us = graph_us(fn, reps, cuda)
                     except Exception as e:  # a form that cannot run here (no fp8 GEMM on this GPU) says why
                         out.append(dict(row, error=f"{type(e).__name__}: {e}"[:200]))
                         continue
@@ -143,7 +118,8 @@ def run(flavors: dict, rows: tuple[int, ...], device: torch.device, reps: int, w
                     summary.append(dict(flavor=flavor, rows=m, form=form, layer_us=round(sum(us), 3),
                                         vs_bf16=round(base / sum(us), 3) if base else None))
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    return dict(device=name, torch=torch.__version__, reps=reps, copy_gbs=bandwidth_gbs(device), rows=out,
+    copy = ceilings(device)["copy_tb_s"] * 1e3 if cuda else None
+    return dict(device=name, torch=torch.__version__, reps=reps, copy_gbs=copy, rows=out,
                 summary=summary)
 
 

@@ -7,6 +7,7 @@ the clock. On the CPU the steps are timed on the host. The rows say which (``tim
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable
 
@@ -34,3 +35,20 @@ def step_times(step: Callable[[], Any], n: int, cuda: bool) -> tuple[list[float]
 
 def timing_label(cuda: bool) -> str:
     return "events" if cuda else "host"
+
+
+def graph_us(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
+    """Microseconds a call of ``fn``: on CUDA a graph of ``reps`` calls replayed (median of 10 replays: GPU time,
+    no launch gaps, as the serving engine replays its steps), on the CPU the host time of one call."""
+    fn()
+    if not cuda:
+        return statistics.median(step_times(fn, 3, False)[0]) * 1e6
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    times, _ = step_times(graph.replay, 10, True)
+    return statistics.median(times) / reps * 1e6
+

@@ -4,7 +4,9 @@ brings them back in the model's dtype, and nothing else about the attention chan
 
 - the paged kernels over fp8 pools equal the reference over fp32 pools holding the same fp8 values, with the
   tolerances of tests/unit/test_paged_attention.py (fp32 queries: converting an fp8 value to fp32 is exact, so
-  only the summation order differs, 3e-5; fp16 queries: the same 6e-3), through TRITON_INTERPRET=1; the fused
+  only the summation order differs, 3e-5; fp16 queries: the same 6e-3; bf16 queries meet the fp8 keys in fp16,
+  the kernels' choice, so 6e-3 plus the bf16 output's rounding, 2^-9 x |o| <= 2^-9 x 6), through
+  TRITON_INTERPRET=1 (whose bf16 tl.dot is wrong: the bf16 case checks the fp16 path only); the fused
   decode prologue writes fp8 k / v within one fp8 rounding (2^-4 relative, e4m3's 3 mantissa bits) of the
   composed ops' values, a different summation order in the norm being able to move a value across a rounding
   boundary;
@@ -58,7 +60,7 @@ from titan_mm.kernels.paged_decode import paged_decode
 from titan_mm.nn.kv_cache import paged_decode_reference
 F8 = torch.float8_e4m3fn
 bad = []
-for dt, tol in ((torch.float32, FP32_TOL), (torch.float16, FP16_TOL)):
+for dt, tol in ((torch.float32, FP32_TOL), (torch.float16, FP16_TOL), (torch.bfloat16, FP16_TOL + 6 * 2.0 ** -9)):
     q, kp, vp, tables, lens, cu = mixed_batch(8, 2, 32, 8, dt)
     k8, v8 = kp.to(F8), vp.to(F8)
     err = float((paged_mixed(q, k8, v8, tables, lens, cu, None).float()
@@ -70,7 +72,7 @@ for dt, tol in ((torch.float32, FP32_TOL), (torch.float16, FP16_TOL)):
         got = paged_decode(qd, k8, v8, tables, lens, None, splits=P)
         want = paged_decode_reference(qd.float(), k8.float(), v8.float(), tables, lens, None)
         err = float((got.float() - want.float()).abs().max())
-        if got.dtype != dt or not err <= (5e-3 if dt == torch.float16 else 1e-5):
+        if got.dtype != dt or not err <= (1e-5 if dt == torch.float32 else tol):
             bad.append(f"decode {dt} splits {P}: {err}")
 g = torch.Generator().manual_seed(2)
 B, H, G, D, NB, BS = 3, 8, 2, 64, 6, 4

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ._utils import next_pow2
-from .paged_decode import TILE, attend_tile
+from .paged_decode import STAGES, TILE, attend_tile, dot_in_fp16
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _sequence_of(CUQ, tile, B, BQ: tl.constexpr):
 def _paged_mixed(Q, Kp, Vp, O, BT, LENS, CUQ, scale, window, B,
                  sqt, sqh, skn, skt, skg, svn, svt, svg, sot, soh, sbt,
                  HPG: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, TB: tl.constexpr,
-                 D: tl.constexpr, DP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                 D: tl.constexpr, DP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
     tile = tl.program_id(0)
     g = tl.program_id(1)
     b = _sequence_of(CUQ, tile, B, BQ)
@@ -65,7 +65,7 @@ def _paged_mixed(Q, Kp, Vp, O, BT, LENS, CUQ, scale, window, B,
     dm = d < D
     q = tl.load(Q + tok[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=live[:, None] & dm[None, :],
                 other=0.0)
-    q = (q.to(tl.float32) * scale).to(Q.dtype.element_ty)  # an fp8 pool: k / v come up to q's dtype
+    q = (q.to(tl.float32) * scale).to(tl.float16 if F16 else Q.dtype.element_ty)  # attend_tile: k / v to q's
     m = tl.full([BM], -1e30, tl.float32)
     s_sum = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DP], tl.float32)
@@ -110,6 +110,7 @@ def paged_mixed(q_THK: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), o.stride(0), o.stride(1), block_tables.stride(0),
         HPG=hpg, BQ=bq, BM=bm, BS=k_pool.shape[1], TB=TILE, D=K, DP=max(16, next_pow2(K)),
-        WINDOW=window is not None, IEEE=q.dtype == torch.float32, num_warps=4,
+        WINDOW=window is not None, IEEE=q.dtype == torch.float32, F16=dot_in_fp16(q, k_pool), num_warps=4,
+        num_stages=STAGES,
     )
     return o

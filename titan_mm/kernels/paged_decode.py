@@ -9,7 +9,9 @@ Grid (sequence, kv head, split). A program loads the group's H / G query heads o
 tl.dot) and walks its split of the sequence's keys in tiles of TB tokens; a tile may span several blocks (each
 token looks up its own block id), so small blocks (16) still give tl.dot 64-token tiles. Per tile: keys [TB, K]
 -> scores [heads, TB] (masked past the sequence's length and before its sliding window) -> running max / sum ->
-values; fp32 accumulation, bf16 / fp16 pools multiplied in their dtype, fp32 pools in IEEE fp32 (no TF32).
+values; fp32 accumulation, bf16 / fp16 pools multiplied in their dtype, fp32 pools in IEEE fp32 (no TF32), and
+fp8 (e4m3) pools under bf16 queries in fp16: e4m3 -> fp16 is one exact conversion where bf16 takes two (1.11x on
+the H100, bench/paged_decode.py), and fp16 holds q x K^-0.5 below 65,504 (|q| under 7e5 at K = 128).
 
 The loop bounds are the sequence's own length, read by the program from device memory, so a program reads only
 its keys, nothing is host-known but the grid, and no host sync happens. ``SPLITS`` (flash-decoding) cuts each
@@ -36,6 +38,15 @@ TILE = 64
 PROGRAMS_PER_SM = 4
 """Target programs per SM when choosing the split count."""
 MAX_SPLITS = 32
+STAGES = 5
+"""Software-pipelining stages of the key loop (triton's num_stages). Fewer leave one K / V buffer (the block-id
+gather takes a stage of its own), so a program waits out each tile's loads: on the H100 at workload A's shape 5
+gave fp8 pools 1.10x over 3 and bf16 1.01x (bench/results/paged_decode_h100.json)."""
+
+
+def dot_in_fp16(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """Whether q and the loaded keys / values meet in fp16 rather than q's dtype: bf16 queries over an fp8 pool."""
+    return k_pool.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
 
 
 @triton.jit
@@ -69,7 +80,8 @@ def attend_tile(q, m, s_sum, acc, Kp, Vp, bt, pos, ok, keep, g, skn, skt, skg, s
 def _paged_decode(Q, Kp, Vp, O, M, L, BT, LENS, scale, window,
                   sqb, sqh, skn, skt, skg, svn, svt, svg, sob, soh, sop, smb, smh, sbt,
                   HPG: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr, TB: tl.constexpr, D: tl.constexpr,
-                  DP: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                  DP: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
+                  F16: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1)
     sp = tl.program_id(2)
@@ -81,7 +93,7 @@ def _paged_decode(Q, Kp, Vp, O, M, L, BT, LENS, scale, window,
     dm = d < D
     heads = g * HPG + h
     q = tl.load(Q + b * sqb + heads[:, None] * sqh + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
-    q = (q.to(tl.float32) * scale).to(Q.dtype.element_ty)  # an fp8 pool: k / v come up to q's dtype
+    q = (q.to(tl.float32) * scale).to(tl.float16 if F16 else Q.dtype.element_ty)  # attend_tile: k / v to q's
     m = tl.full([BH], -1e30, tl.float32)  # finite: a split with no key leaves the sums at 0, not NaN
     s_sum = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, DP], tl.float32)
@@ -135,8 +147,10 @@ def num_splits(B: int, G: int, device: torch.device) -> int:
 
 
 def paged_decode(q_BHK: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, window: int | None = None, splits: int | None = None) -> torch.Tensor:
-    """The launch (titan_mm.kernels.paged_decode_attention checks the shapes and picks it): -> [B, H, K]."""
+                 seq_lens: torch.Tensor, window: int | None = None, splits: int | None = None,
+                 stages: int = STAGES, f16: bool | None = None) -> torch.Tensor:
+    """The launch (titan_mm.kernels.paged_decode_attention checks the shapes and picks it): -> [B, H, K].
+    ``stages`` and ``f16`` (default ``dot_in_fp16``) are the bench's knobs."""
     B, H, K = q_BHK.shape
     G = k_pool.shape[2]
     q = q_BHK.contiguous()
@@ -157,7 +171,9 @@ def paged_decode(q_BHK: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         dst.stride(0), dst.stride(1), dst.stride(2) if P > 1 else 0, m.stride(0), m.stride(1),
         block_tables.stride(0),
         HPG=hpg, BH=max(16, next_pow2(hpg)), BS=k_pool.shape[1], TB=TILE, D=K, DP=DP, SPLITS=P,
-        WINDOW=window is not None, IEEE=q.dtype == torch.float32, num_warps=4,
+        WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+        F16=dot_in_fp16(q, k_pool) if f16 is None else f16,
+        num_warps=4, num_stages=stages,
     )
     if P > 1:
         _combine[(B, H)](part, m, lsum, o, part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1),
