@@ -7,6 +7,8 @@ shapes (256 sequences, Qwen3-8B's 32 query / 8 KV heads of 128, blocks of 16, co
 lengths) for each pool dtype and launch variant:
 
   stages   the key loop's software-pipelining stages (triton's num_stages; the kernel's ``STAGES`` default)
+  warps    num_warps (the kernel's: 4)
+  tile     keys a tile (the kernel's ``TILE``: 64); an fp8 tile of 128 keys holds the bytes of a bf16 one of 64
   f16      fp8 pools only: q and the loaded keys / values meet in fp16 (one exact e4m3 -> fp16 conversion) rather
            than bf16 (the kernel's default since this bench: ``dot_in_fp16``)
 
@@ -62,17 +64,19 @@ def batch(B: int, H: int, G: int, K: int, BS: int, lo: int, hi: int, device: tor
     return q, kp, vp, tables.to(device), lens.to(torch.int32).to(device)
 
 
-def variants(pool: str, stages: tuple[int, ...], cuda: bool) -> list[dict]:
-    """The launches timed for ``pool``: each ``stages``, the kernel's default dot dtype; for fp8 also the bf16 dot
-    the kernel had before this bench (3 stages)."""
+def variants(pool: str, stages: tuple[int, ...], warps: tuple[int, ...], tiles: tuple[int, ...],
+             cuda: bool) -> list[dict]:
+    """The launches timed for ``pool``: each (stages, warps, tile), the kernel's default dot dtype; for fp8 also the
+    bf16 dot the kernel had before this bench (3 stages, 4 warps, 64 keys)."""
     if not cuda:
         return [{}]
-    out = [dict(stages=s) for s in stages]
-    return out + [dict(stages=3, f16=False)] if pool == "fp8_e4m3" else out
+    out = [dict(stages=s, warps=w, tile=t) for s in stages for w in warps for t in tiles]
+    return out + [dict(stages=3, warps=4, tile=64, f16=False)] if pool == "fp8_e4m3" else out
 
 
 @torch.no_grad()
-def run(batches: tuple[int, ...], shape: dict, stages: tuple[int, ...], device: torch.device, reps: int) -> dict:
+def run(batches: tuple[int, ...], shape: dict, stages: tuple[int, ...], warps: tuple[int, ...],
+        tiles: tuple[int, ...], device: torch.device, reps: int) -> dict:
     cuda = device.type == "cuda"
     copy = ceilings(device)["copy_tb_s"] * 1e3 if cuda else None  # GB/s, bench/ceilings.py's (not in a graph)
     rows = []
@@ -82,7 +86,7 @@ def run(batches: tuple[int, ...], shape: dict, stages: tuple[int, ...], device: 
             k, v = kp.to(dt), vp.to(dt)
             want = paged_decode_reference(q.float(), k.float(), v.float(), tables, lens)
             kv_bytes = int(lens.sum()) * shape["G"] * shape["K"] * 2 * k.element_size()
-            for knobs in variants(pool, stages, cuda):
+            for knobs in variants(pool, stages, warps, tiles, cuda):
                 if cuda:
                     call = (lambda kn=knobs: paged_decode(q, k, v, tables, lens, **kn))
                 else:
@@ -109,25 +113,31 @@ def run(batches: tuple[int, ...], shape: dict, stages: tuple[int, ...], device: 
                 copy_gbs=round(copy, 1) if copy else None, rows=rows)
 
 
+def ints(csv: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in csv.split(","))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (the reference path; with --tiny: the smoke)")
     ap.add_argument("--tiny", action="store_true", help="a small shape")
     ap.add_argument("--batches", default="256,32", help="sequences per decode step (32: split launches)")
-    ap.add_argument("--stages", default="2,3,4,5", help="num_stages values to time")
+    ap.add_argument("--stages", default="3,5", help="num_stages values to time")
+    ap.add_argument("--warps", default="4", help="num_warps values to time")
+    ap.add_argument("--tiles", default="64", help="keys a tile (multiples of 16) to time")
     ap.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
     ap.add_argument("--out", default="", help="results JSON (default bench/results/paged_decode_<device>.json)")
     args = ap.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         ap.error("no CUDA device here: run on the GPU machine, or give --cpu (with --tiny for the smoke)")
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
-    res = run(tuple(int(b) for b in args.batches.split(",")), TINY if args.tiny else SHAPE,
-              tuple(int(s) for s in args.stages.split(",")), device, args.reps)
+    res = run(ints(args.batches), TINY if args.tiny else SHAPE, ints(args.stages), ints(args.warps), ints(args.tiles),
+              device, args.reps)
     out = Path(args.out) if args.out else ROOT / "bench/results" / f"paged_decode_{device_slug(res['device'])}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     for r in res["rows"]:
-        what = " ".join(f"{k}={r[k]}" for k in ("stages", "f16") if k in r)
+        what = " ".join(f"{k}={r[k]}" for k in ("stages", "warps", "tile", "f16") if k in r)
         print(f"B {r['batch']:>4} {r['pool']:<9} {what:<20} " + (r.get("error") or
               f"{r['us']:>9.1f} us {r['kv_gbs']:>8.1f} GB/s {r.get('frac_of_copy')} of copy "
               f"{r.get('vs_best_bf16')}x best bf16 err {r['max_err']}"))

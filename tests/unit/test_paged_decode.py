@@ -2,7 +2,7 @@
 place from the KV pool equals the gather path of titan_mm.nn.kv_cache (through plan_step and
 attention, on the CPU reference), and the Triton kernel equals the reference through TRITON_INTERPRET=1
 (GQA and MHA, block sizes 8 / 16 / 128, a sliding window, a head dim that is not a power of 2, an empty row, one
-split and several (flash-decoding); fp32 and
+split and several (flash-decoding), tiles of 32, 64 and 128 keys; fp32 and
 fp16: the interpreter of Triton 3.6 miscomputes bf16 tl.dot, so bf16 is checked on the GPU, in
 tests/gpu/test_paged_decode_gpu.py)."""
 
@@ -68,12 +68,13 @@ for H, G, K, BS, dt, window, P in [(8, 2, 64, 16, torch.float32, None, 1), (8, 2
     q = torch.randn(B, H, K).to(dt)
     tables = torch.randperm(NB)[: B * MB].view(B, MB).to(torch.int32)
     lens = torch.tensor([MB * BS - 3, 0, BS + 1], dtype=torch.int32)
-    got = paged_decode(q, kp, vp, tables, lens, window, splits=P)
     want = paged_decode_reference(q, kp, vp, tables, lens, window)
-    err = float((got.float() - want.float()).abs().max())
-    tol = 5e-3 if dt == torch.float16 else 1e-5
-    if got.dtype != dt or got.shape != q.shape or not err <= tol or bool(got[1].abs().max() != 0):
-        bad.append(f"H={H} G={G} K={K} BS={BS} {dt} window={window} splits={P}: max err {err}")
+    for tile in (64, 32, 128):  # the default and bench/paged_decode.py's other tiles
+        got = paged_decode(q, kp, vp, tables, lens, window, splits=P, tile=tile)
+        err = float((got.float() - want.float()).abs().max())
+        tol = 5e-3 if dt == torch.float16 else 1e-5
+        if got.dtype != dt or got.shape != q.shape or not err <= tol or bool(got[1].abs().max() != 0):
+            bad.append(f"H={H} G={G} K={K} BS={BS} {dt} window={window} splits={P} tile={tile}: max err {err}")
 print("BAD" if bad else "OK", bad)
 """
 

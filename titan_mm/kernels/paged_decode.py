@@ -148,9 +148,10 @@ def num_splits(B: int, G: int, device: torch.device) -> int:
 
 def paged_decode(q_BHK: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, window: int | None = None, splits: int | None = None,
-                 stages: int = STAGES, f16: bool | None = None) -> torch.Tensor:
+                 stages: int = STAGES, f16: bool | None = None, warps: int = 4, tile: int = TILE) -> torch.Tensor:
     """The launch (titan_mm.kernels.paged_decode_attention checks the shapes and picks it): -> [B, H, K].
-    ``stages`` and ``f16`` (default ``dot_in_fp16``) are the bench's knobs."""
+    ``stages``, ``f16`` (default ``dot_in_fp16``), ``warps`` and ``tile`` (keys a tile, a multiple of 16) are
+    bench/paged_decode.py's knobs."""
     B, H, K = q_BHK.shape
     G = k_pool.shape[2]
     q = q_BHK.contiguous()
@@ -170,10 +171,10 @@ def paged_decode(q_BHK: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         dst.stride(0), dst.stride(1), dst.stride(2) if P > 1 else 0, m.stride(0), m.stride(1),
         block_tables.stride(0),
-        HPG=hpg, BH=max(16, next_pow2(hpg)), BS=k_pool.shape[1], TB=TILE, D=K, DP=DP, SPLITS=P,
+        HPG=hpg, BH=max(16, next_pow2(hpg)), BS=k_pool.shape[1], TB=tile, D=K, DP=DP, SPLITS=P,
         WINDOW=window is not None, IEEE=q.dtype == torch.float32,
         F16=dot_in_fp16(q, k_pool) if f16 is None else f16,
-        num_warps=4, num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )
     if P > 1:
         _combine[(B, H)](part, m, lsum, o, part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1),
