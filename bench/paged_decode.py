@@ -12,11 +12,11 @@ lengths) for each pool dtype and launch variant:
   f16      fp8 pools only: q and the loaded keys / values meet in fp16 (one exact e4m3 -> fp16 conversion) rather
            than bf16 (the kernel's default since this bench: ``dot_in_fp16``)
 
-each inside a CUDA graph of ``--reps`` calls (GPU time a call). A row gives microseconds, the K/V bytes read over that
-time (GB/s) and its fraction of this run's copy bandwidth (bench/ceilings.py: read + write of a 2 GiB copy; a
-read-only stream beats it), the largest difference from the library's reference (fp32 attention over the same pool values; bf16 output
-rounding is 2^-9 relative), and, per batch, each row's speedup over the best bf16 row. On the CPU (``--cpu --tiny``:
-the smoke) the reference path runs once per pool dtype (the knobs are the Triton launch's).
+each inside a CUDA graph of ``--reps`` calls (GPU time a call). A row gives microseconds, the K/V bytes read over
+that time (GB/s) and its fraction of this run's copy bandwidth (bench/ceilings.py: read + write of a 2 GiB copy; a
+read-only stream beats it), the largest difference from the library's reference (fp32 attention over the same pool
+values; bf16 output rounding is 2^-9 relative), and, per batch, each row's speedup over the best bf16 row. On the
+CPU (``--cpu --tiny``: the smoke) the reference path runs once per pool dtype (the knobs are the Triton launch's).
 
 The first run (H100, 2026-12-07, bench/results/paged_decode_h100.json) also timed ``swap``: the key tile as the
 dots' left operand (scores [keys, heads], no 8-bit operand transposed in shared memory). It lost at every shape

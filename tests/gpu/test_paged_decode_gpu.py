@@ -45,8 +45,9 @@ def test_kernel_matches_reference_without_sync(B, dtype, tol, H, G, K, BS, windo
 @pytest.mark.parametrize("warps,tile", [(4, 64), (8, 128)], ids=["w4t64", "w8t128"])
 def test_launch_variants_match_the_reference(B, pool, f16, warps, tile):
     """bf16 queries over bf16 and e4m3 pools, in the launches bench/paged_decode.py times (an fp8 pool's dots in
-    fp16, the default, or bf16; 4 or 8 warps; 64- or 128-key tiles), against the fp32 reference over the same pool values: bf16 output rounding
-    (2^-9 x |o| <= 2^-9 x 4) plus bf16 rounding of q and the probabilities (2 x 2^-8 x 4 at most), < 5e-2."""
+    fp16, the default, or bf16; 4 or 8 warps; 64- or 128-key tiles), against the fp32 reference over the same pool
+    values: bf16 output rounding (2^-9 x |o| <= 2^-9 x 4) plus bf16 rounding of q and the probabilities
+    (2 x 2^-8 x 4 at most), < 5e-2."""
 
     torch.manual_seed(0)
     H, G, K, BS, MB = 32, 8, 128, 16, 12
