@@ -12,7 +12,10 @@ as ``--compile`` says: ``blocks`` (the default, the trainer's compile units: one
 one graph: no per-block guards and autograd nodes on the host), ``graphs`` (the whole tower under CUDA graphs,
 ``mode="reduce-overhead"``: the inputs repeat, so the host launches one graph a direction) or ``none``. Its host
 metadata is built once, before the timed steps, as the trainer's ``prepare_batch`` does. The loss is the mean
-square of the tower's outputs (the DeepStack features included), so the backward reaches every parameter. The
+square of the tower's outputs (the DeepStack features included), so the backward reaches every parameter. Each step
+starts with the gradients at None, as the trainer's update leaves them (``zero_grad(set_to_none=True)``); rows
+without ``fresh_grads`` (before 2026-12-07 05:00 UTC) added each step's gradients into the last step's, an
+``add_`` a parameter that the host launches one by one (most of the Qwen3-VL ViT's idle on the H100). The
 timed steps run back to back (bench/timing.py: CUDA events, no sync between steps; rows with ``timing: "events"``,
 earlier ones synchronized after each step).
 
@@ -327,6 +330,7 @@ def run_tower(name: str, args, device: torch.device) -> dict:
         calls[0] += 1
         if mode == "graphs":  # a new iteration: the graphs' last outputs are free to overwrite
             torch.compiler.cudagraph_mark_step_begin()
+        tower.zero_grad(set_to_none=True)  # as the trainer's update leaves them: no add into last step's
         out = tower(x, *inputs)
         outs = [out[0], *out[1]] if isinstance(out, tuple) else [out]  # the ViTs: (merged, DeepStack features)
         sum(o.float().square().mean() for o in outs).backward()
@@ -376,7 +380,7 @@ def run_tower(name: str, args, device: torch.device) -> dict:
                 peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                 device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                 timing=timing_label(cuda), warmup=args.warmup, steps=args.steps, tiny=args.tiny,
-                bucket=args.bucket or None, vary=args.vary or None)
+                bucket=args.bucket or None, vary=args.vary or None, fresh_grads=True)
 
 
 def render(rows: list[dict]) -> str:
