@@ -51,4 +51,3 @@ def graph_us(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
     graph.replay()
     times, _ = step_times(graph.replay, 10, True)
     return statistics.median(times) / reps * 1e6
-
