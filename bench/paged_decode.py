@@ -9,6 +9,8 @@ lengths) for each pool dtype and launch variant:
   stages   the key loop's software-pipelining stages (triton's num_stages; the kernel's ``STAGES`` default)
   warps    num_warps (the kernel's: 4)
   tile     keys a tile (the kernel's ``TILE``: 64); an fp8 tile of 128 keys holds the bytes of a bf16 one of 64
+  splits   spans a sequence is cut into (flash-decoding; the kernel's ``num_splits``: 1 at 256 sequences, so the
+           longest contexts' programs finish last)
   f16      fp8 pools only: q and the loaded keys / values meet in fp16 (one exact e4m3 -> fp16 conversion) rather
            than bf16 (the kernel's default since this bench: ``dot_in_fp16``)
 
@@ -65,18 +67,18 @@ def batch(B: int, H: int, G: int, K: int, BS: int, lo: int, hi: int, device: tor
 
 
 def variants(pool: str, stages: tuple[int, ...], warps: tuple[int, ...], tiles: tuple[int, ...],
-             cuda: bool) -> list[dict]:
-    """The launches timed for ``pool``: each (stages, warps, tile), the kernel's default dot dtype; for fp8 also the
-    bf16 dot the kernel had before this bench (3 stages, 4 warps, 64 keys)."""
+             splits: tuple[int | None, ...], cuda: bool) -> list[dict]:
+    """The launches timed for ``pool``: each (stages, warps, tile, splits), the kernel's default dot dtype; for fp8
+    also the bf16 dot the kernel had before this bench (3 stages, 4 warps, 64 keys, its own splits)."""
     if not cuda:
         return [{}]
-    out = [dict(stages=s, warps=w, tile=t) for s in stages for w in warps for t in tiles]
-    return out + [dict(stages=3, warps=4, tile=64, f16=False)] if pool == "fp8_e4m3" else out
+    out = [dict(stages=s, warps=w, tile=t, splits=p) for s in stages for w in warps for t in tiles for p in splits]
+    return out + [dict(stages=3, warps=4, tile=64, splits=None, f16=False)] if pool == "fp8_e4m3" else out
 
 
 @torch.no_grad()
 def run(batches: tuple[int, ...], shape: dict, stages: tuple[int, ...], warps: tuple[int, ...],
-        tiles: tuple[int, ...], device: torch.device, reps: int) -> dict:
+        tiles: tuple[int, ...], splits: tuple[int | None, ...], device: torch.device, reps: int) -> dict:
     cuda = device.type == "cuda"
     copy = ceilings(device)["copy_tb_s"] * 1e3 if cuda else None  # GB/s, bench/ceilings.py's (not in a graph)
     rows = []
@@ -86,7 +88,7 @@ def run(batches: tuple[int, ...], shape: dict, stages: tuple[int, ...], warps: t
             k, v = kp.to(dt), vp.to(dt)
             want = paged_decode_reference(q.float(), k.float(), v.float(), tables, lens)
             kv_bytes = int(lens.sum()) * shape["G"] * shape["K"] * 2 * k.element_size()
-            for knobs in variants(pool, stages, warps, tiles, cuda):
+            for knobs in variants(pool, stages, warps, tiles, splits, cuda):
                 if cuda:
                     call = (lambda kn=knobs: paged_decode(q, k, v, tables, lens, **kn))
                 else:
@@ -125,19 +127,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default="3,5", help="num_stages values to time")
     ap.add_argument("--warps", default="4", help="num_warps values to time")
     ap.add_argument("--tiles", default="64", help="keys a tile (multiples of 16) to time")
+    ap.add_argument("--splits", default="auto", help="splits a sequence (auto: the kernel's num_splits) to time")
     ap.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
     ap.add_argument("--out", default="", help="results JSON (default bench/results/paged_decode_<device>.json)")
     args = ap.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         ap.error("no CUDA device here: run on the GPU machine, or give --cpu (with --tiny for the smoke)")
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    splits = tuple(None if p == "auto" else int(p) for p in args.splits.split(","))
     res = run(ints(args.batches), TINY if args.tiny else SHAPE, ints(args.stages), ints(args.warps), ints(args.tiles),
-              device, args.reps)
+              splits, device, args.reps)
     out = Path(args.out) if args.out else ROOT / "bench/results" / f"paged_decode_{device_slug(res['device'])}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     for r in res["rows"]:
-        what = " ".join(f"{k}={r[k]}" for k in ("stages", "warps", "tile", "f16") if k in r)
+        what = " ".join(f"{k}={r[k]}" for k in ("stages", "warps", "tile", "splits", "f16") if k in r)
         print(f"B {r['batch']:>4} {r['pool']:<9} {what:<20} " + (r.get("error") or
               f"{r['us']:>9.1f} us {r['kv_gbs']:>8.1f} GB/s {r.get('frac_of_copy')} of copy "
               f"{r.get('vs_best_bf16')}x best bf16 err {r['max_err']}"))
