@@ -9,7 +9,7 @@ so T // BQ + B tiles cover any batch of T tokens in B sequences: the grid is a f
 sizes only. A program finds its sequence by binary search over ``cu_seqlens_q`` (device memory), reads its
 length from ``seq_lens`` and walks its keys up to the tile's last query position in tiles of TB tokens
 (titan_mm/kernels/paged_decode.py's ``attend_tile``: per-token block lookup, online softmax, fp32 accumulation,
-IEEE fp32 for fp32 pools); a key is kept where it is at or before the row's position (and inside its sliding
+IEEE fp32 for fp32 pools, fp16 dots for fp8 pools under bf16 queries, its ``STAGES``); a key is kept where it is at or before the row's position (and inside its sliding
 window). Tiles past a sequence's tokens return at once. No host sync.
 
 Pure decode steps keep titan_mm/kernels/paged_decode.py: it splits each sequence's keys over several programs

@@ -11,8 +11,8 @@ from titan_mm.config import ConfigError
 from titan_mm.dtypes import torch_dtype
 
 QUANTIZATIONS = ("none", "int8_weight_only", "fp8_weight_only", "fp8_rowwise", "fp8_rowwise_fused", "int4_weight_only")
-KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # besides "auto" (serve.dtype's)
 """serve.quantization's modes (titan_mm/serve/runner/weights.py: torchao's configs and titan's Fp8Linear)."""
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # besides "auto" (serve.dtype's)
 FP8_CAPABILITY = (8, 9)  # float8 GEMMs and casts: Ada / Hopper and newer
 INT4_CAPABILITY = (8, 0)  # tinygemm's int4 GEMM: tensor cores of Ampere and newer
 
