@@ -32,7 +32,7 @@ from bench.trace_gaps import GPU_CATS, gpu_busy, load_events  # noqa: E402
 # the optimizer's multi-tensor kernels before the norms (torch's _foreach_norm of the clip), the loss before routing
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("comm", ("nccl",)),
-    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn", "paged")),  # titan_mm's paged kernels: serving
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "_grouped_fwd", "_grouped_wgrad", "splitk", "cublas")),
     ("optimizer", ("multi_tensor_apply", "adam")),
     ("loss", ("_ce_", "cross_entropy", "log_softmax", "nll", "cunn_softmax")),  # aten's softmax kernels: a full-logit CE

@@ -1,7 +1,9 @@
 """Where a serving step's time goes (issue 20): the engine on nano-vllm's workload (bench/serve.py part A), with
-each phase of ``Engine._step_at`` timed behind a device sync, then a torch.profiler trace of a few decode steps.
+each phase of ``Engine._step_at`` timed behind a device sync, then a torch.profiler trace of a few decode steps and
+its split by kernel category (bench/profile_split.py: GEMMs, attention, the fp8 casts among elementwise, idle).
 
     source scripts/gpu_setup.sh && python3 bench/serve_profile.py --out $OUT/serve_profile.json
+    python3 bench/serve_profile.py --flavor 8B --serve_quantization fp8_rowwise_fused --kv_cache_dtype fp8_e4m3 ...
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python bench/serve_profile.py --cpu          # smoke, tiny model
     PYTHONPATH=$PWD python bench/serve_profile.py --host --out bench/results/serve_host_cpu.json  # host side, CPU
 """
@@ -21,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import serve as sb  # noqa: E402
+from bench.profile_split import split  # noqa: E402
+from bench.trace_gaps import load_events  # noqa: E402
 
 
 def timed(obj, name: str, acc: dict, device) -> None:
@@ -146,6 +150,11 @@ def main(argv=None) -> int:
     ap.add_argument("--async_scheduling", type=int, default=1, help="serve.async_scheduling of the engines (as "
                     "bench/serve.py)")
     ap.add_argument("--packed_prefill", type=int, default=0, help="serve.packed_prefill (as bench/serve.py)")
+    ap.add_argument("--batch1", type=int, default=1, help="0: skip the batch-1 kernel count (a second engine: at 8B "
+                    "its copy of the weights beside part A's pool nears 80 GB)")
+    ap.add_argument("--serve_quantization", default="none", choices=sb.QUANTIZATIONS, help="as bench/serve.py's")
+    ap.add_argument("--kv_cache_dtype", default="auto", choices=("auto", *sb.KV_CACHE_DTYPES),
+                    help="as bench/serve.py's")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     if a.host or a.prefill_padding:
@@ -169,7 +178,8 @@ def main(argv=None) -> int:
     plens, news = sb.uniform(g, s["n"], s["lo"], s["hi"]), sb.uniform(g, s["n"], s["lo"], s["hi"])
     prompts = [sb.random_ids(g, n, vocab) for n in plens]
     model = sb.random_model(spec, flavor, device, 0, shape["kernels"])
-    engine = sb.titan_engine(model, spec, cfg, prompts, news, device, shape)
+    engine = sb.titan_engine(model, spec, cfg, prompts, news, device, shape, quantization=a.serve_quantization,
+                             kv_cache_dtype=a.kv_cache_dtype)
     from titan_mm.serve.sampling_params import SamplingParams
 
     engine.generate([sb.random_ids(g, 16, vocab) for _ in range(2)], SamplingParams(temperature=0.0, max_tokens=4))
@@ -196,23 +206,31 @@ def main(argv=None) -> int:
                          tokens=sum(len(o.outputs[0].new_token_ids) for o in outs),
                          **{k: round((acc[k] - before.get(k, 0.0)) * 1e3, 2) for k in acc}))
         print(json.dumps(rows[-1]), flush=True)
-    trace = floor = b1 = None
+    trace = floor = b1 = decode_split = None
     if not a.cpu:
         floor = round(sb.launch_floor_us(device), 3)
-        b1 = batch1_kernels(spec, cfg, model, device, shape, vocab)
+        b1 = batch1_kernels(spec, cfg, model, device, shape, vocab) if a.batch1 else None
         print(json.dumps(dict(launch_floor_us=floor, batch1=b1)), flush=True)
         from torch.profiler import ProfilerActivity, profile
 
+        steps, running = 5, engine.stats()["num_running_seqs"]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
+            for _ in range(steps):
                 engine.step()
             sb.sync(device)
+        chrome = Path(a.out or "serve_profile.json").with_suffix(".trace.json")
+        prof.export_chrome_trace(str(chrome))
+        ms, top = split(load_events(chrome), steps)
+        decode_split = dict(running=running, steps=steps, ms_per_step=ms, kernels=top)
+        print(json.dumps(decode_split), flush=True)
         trace = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
         print(trace)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     if a.out:
         Path(a.out).write_text(json.dumps(dict(flavor=flavor, kernels=shape["kernels"], launch_floor_us=floor,
-                                               batch1=b1, rows=rows, trace=trace), indent=1))
+                                               serve_quantization=a.serve_quantization,
+                                               kv_cache_dtype=a.kv_cache_dtype, batch1=b1, rows=rows,
+                                               decode_split=decode_split, trace=trace), indent=1))
     return 0
 
 
