@@ -8,7 +8,7 @@ lengths) for each pool dtype and launch variant:
 
   stages   the key loop's software-pipelining stages (triton's num_stages; the kernel's ``STAGES`` default)
   warps    num_warps (the kernel's: 4)
-  tile     keys a tile (the kernel's ``TILE``: 64); an fp8 tile of 128 keys holds the bytes of a bf16 one of 64
+  tile     keys a tile (auto: the kernel's ``keys_a_tile``: 64, and 128 over fp8 pools, the bytes of a bf16 64)
   splits   spans a sequence is cut into (flash-decoding; the kernel's ``num_splits``: 1 at 256 sequences, so the
            longest contexts' programs finish last)
   f16      fp8 pools only: q and the loaded keys / values meet in fp16 (one exact e4m3 -> fp16 conversion) rather
@@ -22,7 +22,12 @@ CPU (``--cpu --tiny``: the smoke) the reference path runs once per pool dtype (t
 
 The first run (H100, 2026-12-07, bench/results/paged_decode_h100.json) also timed ``swap``: the key tile as the
 dots' left operand (scores [keys, heads], no 8-bit operand transposed in shared memory). It lost at every shape
-(fp8 0.61-0.85x the untransposed tile at the same stages, bf16 0.97-1.0x) and was removed.
+(fp8 0.61-0.85x the untransposed tile at the same stages, bf16 0.97-1.0x) and was removed. The second (H100,
+2026-12-07 08:00, bench/results/paged_decode_h100_sweep.json) timed the e4m3 -> fp16 cast as impure inline PTX,
+which keeps it where the tile was loaded (the sm_90 SASS of a 64-key tile then reads fp16 operands by ldmatrix
+where triton's cast, moved behind the shared-memory transpose, reads bytes: 64 LDS.U8): it lost at every tile
+(349 against 281 us at 64 keys, 307 against 256 at 128) and was removed; 128-key fp8 tiles won (256 against 278
+us: the kernel's default since).
 
     python3 bench/paged_decode.py --out bench/results/paged_decode_<device>.json      # ~1 minute on an H100
 """
@@ -43,7 +48,7 @@ from bench.devices import device_slug  # noqa: E402
 from bench.ceilings import measure as ceilings  # noqa: E402
 from bench.timing import graph_us  # noqa: E402
 from titan_mm.kernels import paged_decode_attention  # noqa: E402
-from titan_mm.kernels.paged_decode import STAGES, paged_decode  # noqa: E402
+from titan_mm.kernels.paged_decode import STAGES, keys_a_tile, paged_decode  # noqa: E402
 from titan_mm.nn.kv_cache import paged_decode_reference  # noqa: E402
 
 POOLS = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -66,19 +71,21 @@ def batch(B: int, H: int, G: int, K: int, BS: int, lo: int, hi: int, device: tor
     return q, kp, vp, tables.to(device), lens.to(torch.int32).to(device)
 
 
-def variants(pool: str, stages: tuple[int, ...], warps: tuple[int, ...], tiles: tuple[int, ...],
+def variants(pool: str, stages: tuple[int, ...], warps: tuple[int, ...], tiles: tuple[int | None, ...],
              splits: tuple[int | None, ...], cuda: bool) -> list[dict]:
     """The launches timed for ``pool``: each (stages, warps, tile, splits), the kernel's default dot dtype; for fp8
-    also the bf16 dot the kernel had before this bench (3 stages, 4 warps, 64 keys, its own splits)."""
+    also the kernel's earlier launches: bf16 dots at 3 stages (before this bench) and fp16 dots at 5 stages, both
+    over 64-key tiles (before 128), 4 warps, its own splits."""
     if not cuda:
         return [{}]
     out = [dict(stages=s, warps=w, tile=t, splits=p) for s in stages for w in warps for t in tiles for p in splits]
-    return out + [dict(stages=3, warps=4, tile=64, splits=None, f16=False)] if pool == "fp8_e4m3" else out
+    before = [dict(stages=3, warps=4, tile=64, splits=None, f16=False), dict(stages=5, warps=4, tile=64, splits=None)]
+    return out + before if pool == "fp8_e4m3" else out
 
 
 @torch.no_grad()
 def run(batches: tuple[int, ...], shape: dict, stages: tuple[int, ...], warps: tuple[int, ...],
-        tiles: tuple[int, ...], splits: tuple[int | None, ...], device: torch.device, reps: int) -> dict:
+        tiles: tuple[int | None, ...], splits: tuple[int | None, ...], device: torch.device, reps: int) -> dict:
     cuda = device.type == "cuda"
     copy = ceilings(device)["copy_tb_s"] * 1e3 if cuda else None  # GB/s, bench/ceilings.py's (not in a graph)
     rows = []
@@ -96,6 +103,7 @@ def run(batches: tuple[int, ...], shape: dict, stages: tuple[int, ...], warps: t
                 row = dict(batch=B, pool=pool, **knobs)
                 if cuda:
                     row.setdefault("f16", pool == "fp8_e4m3")
+                    row["tile"] = row["tile"] or keys_a_tile(k)
                 try:
                     err = float((call().float() - want).abs().max())
                     us = graph_us(call, reps, cuda)
@@ -119,6 +127,11 @@ def ints(csv: str) -> tuple[int, ...]:
     return tuple(int(x) for x in csv.split(","))
 
 
+def autos(csv: str) -> tuple[int | None, ...]:
+    """Comma-separated ints, "auto" (the kernel's own choice) as None."""
+    return tuple(None if x == "auto" else int(x) for x in csv.split(","))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (the reference path; with --tiny: the smoke)")
@@ -126,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="256,32", help="sequences per decode step (32: split launches)")
     ap.add_argument("--stages", default="3,5", help="num_stages values to time")
     ap.add_argument("--warps", default="4", help="num_warps values to time")
-    ap.add_argument("--tiles", default="64", help="keys a tile (multiples of 16) to time")
+    ap.add_argument("--tiles", default="auto", help="keys a tile (multiples of 16; auto: the kernel's choice) to time")
     ap.add_argument("--splits", default="auto", help="splits a sequence (auto: the kernel's num_splits) to time")
     ap.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
     ap.add_argument("--out", default="", help="results JSON (default bench/results/paged_decode_<device>.json)")
@@ -134,9 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu and not torch.cuda.is_available():
         ap.error("no CUDA device here: run on the GPU machine, or give --cpu (with --tiny for the smoke)")
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
-    splits = tuple(None if p == "auto" else int(p) for p in args.splits.split(","))
-    res = run(ints(args.batches), TINY if args.tiny else SHAPE, ints(args.stages), ints(args.warps), ints(args.tiles),
-              splits, device, args.reps)
+    res = run(ints(args.batches), TINY if args.tiny else SHAPE, ints(args.stages), ints(args.warps), autos(args.tiles),
+              autos(args.splits), device, args.reps)
     out = Path(args.out) if args.out else ROOT / "bench/results" / f"paged_decode_{device_slug(res['device'])}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))

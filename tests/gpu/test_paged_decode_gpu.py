@@ -42,12 +42,12 @@ def test_kernel_matches_reference_without_sync(B, dtype, tol, H, G, K, BS, windo
 @pytest.mark.parametrize("B", [1, 96], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("pool,f16", [(torch.bfloat16, False), (torch.float8_e4m3fn, True),
                                       (torch.float8_e4m3fn, False)], ids=["bf16", "fp8_fp16dot", "fp8_bf16dot"])
-@pytest.mark.parametrize("warps,tile", [(4, 64), (8, 128)], ids=["w4t64", "w8t128"])
+@pytest.mark.parametrize("warps,tile", [(4, 64), (8, 128), (4, None)], ids=["w4t64", "w8t128", "w4_default"])
 def test_launch_variants_match_the_reference(B, pool, f16, warps, tile):
     """bf16 queries over bf16 and e4m3 pools, in the launches bench/paged_decode.py times (an fp8 pool's dots in
-    fp16, the default, or bf16; 4 or 8 warps; 64- or 128-key tiles), against the fp32 reference over the same pool
-    values: bf16 output rounding (2^-9 x |o| <= 2^-9 x 4) plus bf16 rounding of q and the probabilities
-    (2 x 2^-8 x 4 at most), < 5e-2."""
+    fp16, the default, or bf16; 4 or 8 warps; 64- or 128-key tiles, or the pool's default), against the fp32
+    reference over the same pool values: bf16 output rounding (2^-9 x |o| <= 2^-9 x 4) plus bf16 rounding of q and
+    the probabilities (2 x 2^-8 x 4 at most), < 5e-2."""
 
     torch.manual_seed(0)
     H, G, K, BS, MB = 32, 8, 128, 16, 12
