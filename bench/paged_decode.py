@@ -8,7 +8,8 @@ lengths) for each pool dtype and launch variant:
 
   stages   the key loop's software-pipelining stages (triton's num_stages; the kernel's ``STAGES`` default)
   warps    num_warps (the kernel's: 4)
-  tile     keys a tile (auto: the kernel's ``keys_a_tile``: 64, and 128 over fp8 pools, the bytes of a bf16 64)
+  tile     keys a tile (auto: the kernel's ``keys_a_tile``: 64, and 128 over fp8 pools at one split, the bytes
+           of a bf16 64)
   splits   spans a sequence is cut into (flash-decoding; the kernel's ``num_splits``: 1 at 256 sequences, so the
            longest contexts' programs finish last)
   f16      fp8 pools only: q and the loaded keys / values meet in fp16 (one exact e4m3 -> fp16 conversion) rather
@@ -48,7 +49,7 @@ from bench.devices import device_slug  # noqa: E402
 from bench.ceilings import measure as ceilings  # noqa: E402
 from bench.timing import graph_us  # noqa: E402
 from titan_mm.kernels import paged_decode_attention  # noqa: E402
-from titan_mm.kernels.paged_decode import STAGES, keys_a_tile, paged_decode  # noqa: E402
+from titan_mm.kernels.paged_decode import STAGES, keys_a_tile, num_splits, paged_decode  # noqa: E402
 from titan_mm.nn.kv_cache import paged_decode_reference  # noqa: E402
 
 POOLS = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -103,7 +104,7 @@ def run(batches: tuple[int, ...], shape: dict, stages: tuple[int, ...], warps: t
                 row = dict(batch=B, pool=pool, **knobs)
                 if cuda:
                     row.setdefault("f16", pool == "fp8_e4m3")
-                    row["tile"] = row["tile"] or keys_a_tile(k)
+                    row["tile"] = row["tile"] or keys_a_tile(k, row["splits"] or num_splits(B, k.shape[2], device))
                 try:
                     err = float((call().float() - want).abs().max())
                     us = graph_us(call, reps, cuda)

@@ -7,12 +7,12 @@ then runs SDPA, reading them twice and writing them once. This kernel walks each
 
 Grid (sequence, kv head, split). A program loads the group's H / G query heads once (padded to 16 rows for
 tl.dot) and walks its split of the sequence's keys in tiles of TB tokens; a tile may span several blocks (each
-token looks up its own block id), so small blocks (16) still give tl.dot 64-token tiles (128 over fp8 pools: the
-same bytes a tile). Per tile: keys [TB, K] -> scores [heads, TB] (masked past the sequence's length and before its
-sliding window) -> running max / sum -> values; fp32 accumulation, bf16 / fp16 pools multiplied in their dtype,
-fp32 pools in IEEE fp32 (no TF32), and fp8 (e4m3) pools under bf16 queries in fp16: e4m3 -> fp16 is one exact
-conversion where bf16 takes two (1.11x on the H100, bench/paged_decode.py), and fp16 holds q x K^-0.5 below
-65,504 (|q| under 7e5 at K = 128).
+token looks up its own block id), so small blocks (16) still give tl.dot 64-token tiles (128 over fp8 pools in
+one-split launches: the same bytes a tile). Per tile: keys [TB, K] -> scores [heads, TB] (masked past the
+sequence's length and before its sliding window) -> running max / sum -> values; fp32 accumulation, bf16 / fp16
+pools multiplied in their dtype, fp32 pools in IEEE fp32 (no TF32), and fp8 (e4m3) pools under bf16 queries in
+fp16: e4m3 -> fp16 is one exact conversion where bf16 takes two (1.11x on the H100, bench/paged_decode.py), and
+fp16 holds q x K^-0.5 below 65,504 (|q| under 7e5 at K = 128).
 
 The loop bounds are the sequence's own length, read by the program from device memory, so a program reads only
 its keys, nothing is host-known but the grid, and no host sync happens. ``SPLITS`` (flash-decoding) cuts each
@@ -37,8 +37,8 @@ from ._utils import next_pow2
 TILE = 64
 """Keys per tile: a multiple of 16 for tl.dot, small enough that fp32 tiles fit Hopper's shared memory."""
 FP8_TILE = 128
-"""Keys per tile over fp8 pools (the bytes of a bf16 tile of TILE): on the H100 at workload A's shape 256 us against
-278 at 64 keys (bf16 pools: 399 against 400; bench/results/paged_decode_h100_sweep.json)."""
+"""Keys per tile over fp8 pools in one-split launches (the bytes of a bf16 tile of TILE): on the H100 at workload
+A's shape 256 us against 278 at 64 keys (bf16 pools: 399 against 400; bench/results/paged_decode_h100_sweep.json)."""
 PROGRAMS_PER_SM = 4
 """Target programs per SM when choosing the split count."""
 MAX_SPLITS = 32
@@ -48,9 +48,10 @@ gather takes a stage of its own), so a program waits out each tile's loads: on t
 gave fp8 pools 1.10x over 3 and bf16 1.01x (bench/results/paged_decode_h100.json)."""
 
 
-def keys_a_tile(k_pool: torch.Tensor) -> int:
-    """The decode kernel's tile for ``k_pool``'s dtype: FP8_TILE for fp8 pools, else TILE."""
-    return FP8_TILE if k_pool.dtype == torch.float8_e4m3fn else TILE
+def keys_a_tile(k_pool: torch.Tensor, splits: int) -> int:
+    """The decode kernel's tile: FP8_TILE for fp8 pools in one-split launches (where it was measured), else TILE
+    (a split's span is whole tiles: wider tiles would leave more of a small batch's splits empty)."""
+    return FP8_TILE if k_pool.dtype == torch.float8_e4m3fn and splits == 1 else TILE
 
 
 def dot_in_fp16(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
@@ -181,7 +182,8 @@ def paged_decode(q_BHK: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         dst.stride(0), dst.stride(1), dst.stride(2) if P > 1 else 0, m.stride(0), m.stride(1),
         block_tables.stride(0),
-        HPG=hpg, BH=max(16, next_pow2(hpg)), BS=k_pool.shape[1], TB=tile or keys_a_tile(k_pool), D=K, DP=DP, SPLITS=P,
+        HPG=hpg, BH=max(16, next_pow2(hpg)), BS=k_pool.shape[1], TB=tile or keys_a_tile(k_pool, P), D=K, DP=DP,
+        SPLITS=P,
         WINDOW=window is not None, IEEE=q.dtype == torch.float32,
         F16=dot_in_fp16(q, k_pool) if f16 is None else f16,
         num_warps=warps, num_stages=stages,
