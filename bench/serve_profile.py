@@ -1,6 +1,6 @@
 """Where a serving step's time goes (issue 20): the engine on nano-vllm's workload (bench/serve.py part A), with
 each phase of ``Engine._step_at`` timed behind a device sync, then a torch.profiler trace of a few decode steps and
-its split by kernel category (bench/profile_split.py: GEMMs, attention, the fp8 casts among elementwise, idle).
+its split by kernel category (bench/profile_split.py: GEMMs, attention, norms, other (titan's fp8 casts), idle).
 
     source scripts/gpu_setup.sh && python3 bench/serve_profile.py --out $OUT/serve_profile.json
     python3 bench/serve_profile.py --flavor 8B --serve_quantization fp8_rowwise_fused --kv_cache_dtype fp8_e4m3 ...
