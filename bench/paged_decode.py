@@ -81,7 +81,7 @@ def variants(pool: str, stages: tuple[int, ...], warps: tuple[int, ...], tiles: 
         return [{}]
     out = [dict(stages=s, warps=w, tile=t, splits=p) for s in stages for w in warps for t in tiles for p in splits]
     before = [dict(stages=3, warps=4, tile=64, splits=None, f16=False), dict(stages=5, warps=4, tile=64, splits=None)]
-    return out + before if pool == "fp8_e4m3" else out
+    return out + [b for b in before if b not in out] if pool == "fp8_e4m3" else out
 
 
 @torch.no_grad()
