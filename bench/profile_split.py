@@ -33,7 +33,8 @@ from bench.trace_gaps import GPU_CATS, gpu_busy, load_events  # noqa: E402
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("comm", ("nccl",)),
     ("attention", ("flash", "fmha", "sdpa", "attention", "attn", "paged")),  # titan_mm's paged kernels: serving
-    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "_grouped_fwd", "_grouped_wgrad", "splitk", "cublas")),
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "_grouped_fwd", "_grouped_wgrad", "splitk", "cublas",
+              "_fp8_mm")),  # titan_mm's fp8 GEMM at serving's decode rows
     ("optimizer", ("multi_tensor_apply", "adam")),
     ("loss", ("_ce_", "cross_entropy", "log_softmax", "nll", "cunn_softmax")),  # aten's softmax kernels: a full-logit CE
     ("moe_routing", ("topk", "sort", "radix", "scan", "searchsorted", "bincount", "scatter_add", "histogram",

@@ -1,6 +1,7 @@
 """Where a serving step's time goes (issue 20): the engine on nano-vllm's workload (bench/serve.py part A), with
-each phase of ``Engine._step_at`` timed behind a device sync, then a torch.profiler trace of a few decode steps and
-its split by kernel category (bench/profile_split.py: GEMMs, attention, norms, other (titan's fp8 casts), idle).
+each phase of ``Engine._step_at`` timed behind a device sync, then a torch.profiler trace of a few decode steps (the
+timers removed: its idle is what the asynchronous engine leaves) and its split by kernel category
+(bench/profile_split.py: GEMMs, attention, norms, other (titan's fp8 casts), idle).
 
     source scripts/gpu_setup.sh && python3 bench/serve_profile.py --out $OUT/serve_profile.json
     python3 bench/serve_profile.py --flavor 8B --serve_quantization fp8_rowwise_fused --kv_cache_dtype fp8_e4m3 ...
@@ -27,8 +28,8 @@ from bench.profile_split import split  # noqa: E402
 from bench.trace_gaps import load_events  # noqa: E402
 
 
-def timed(obj, name: str, acc: dict, device) -> None:
-    """Wrap ``obj.name`` so that each call adds its synced wall time to ``acc[name]``."""
+def timed(obj, name: str, acc: dict, device):
+    """Wrap ``obj.name`` so that each call adds its synced wall time to ``acc[name]``; -> what undoes it."""
     fn = getattr(obj, name)
 
     def wrapper(*a, **kw):
@@ -40,6 +41,7 @@ def timed(obj, name: str, acc: dict, device) -> None:
         return out
 
     setattr(obj, name, wrapper)
+    return lambda: setattr(obj, name, fn)
 
 
 def batch1_kernels(spec, cfg, model, device, shape, vocab, steps: int = 20) -> dict:
@@ -184,13 +186,12 @@ def main(argv=None) -> int:
 
     engine.generate([sb.random_ids(g, 16, vocab) for _ in range(2)], SamplingParams(temperature=0.0, max_tokens=4))
     acc: dict = defaultdict(float)
-    for name in ("schedule",):
-        timed(engine.scheduler, name, acc, device)
+    undo = [timed(engine.scheduler, "schedule", acc, device)]
     for name in ("prepare", "decode", "forward"):  # decode: the one-token rows (its eager forward inside)
-        timed(engine.runner, name, acc, device)
+        undo.append(timed(engine.runner, name, acc, device))
     for name in ("_launch", "_update"):  # EngineCore: the asynchronous launch, then the tokens into the sequences
-        timed(engine.core, name, acc, device)
-    timed(engine.core.outputs, "output", acc, device)  # each touched request's RequestOutput
+        undo.append(timed(engine.core, name, acc, device))
+    undo.append(timed(engine.core.outputs, "output", acc, device))  # each touched request's RequestOutput
     for i, (p, n) in enumerate(zip(prompts, news)):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     rows = []
@@ -214,6 +215,8 @@ def main(argv=None) -> int:
         from torch.profiler import ProfilerActivity, profile
 
         steps, running = 5, engine.stats()["num_running_seqs"]
+        for u in undo:  # the profiled steps without the phases' syncs: idle is what the asynchronous engine leaves
+            u()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 engine.step()

@@ -19,7 +19,7 @@ def test_cpu_tiny_smoke(tmp_path):
     assert fp8.main(["--cpu", "--tiny", "--rows", "1,8", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["device"] == "cpu" and not [r for r in res["rows"] if "error" in r]
-    forms = {"bf16", "scaled_mm", "quant_eager", "quant_compiled", "fp8_rowwise_fused"}
+    forms = {"bf16", "scaled_mm", "scaled_mm_swapped", "fp8_mm", "quant_eager", "quant_compiled", "fp8_rowwise_fused"}
     assert {(s["rows"], s["form"]) for s in res["summary"]} == {(m, f) for m in (1, 8) for f in forms}
     assert all(s["vs_bf16"] == 1.0 for s in res["summary"] if s["form"] == "bf16")
 

@@ -29,6 +29,8 @@ see docs/kernels.md):
         vectorized pass: the cast path's gradient sum over micro-batches; no autograd)
     fp8_rows(x) -> (e4m3 x, fp32 scale per row)   x [M, K]: amax x (1 / 448) a row, then the cast, in one launch
         (serving's rowwise w8a8 linears quantize their inputs with it; no autograd)
+    fp8_mm(x8, sx, w8, sw, bias, out_dtype) -> (x8 @ w8.T) x sx x sw (+ bias)   x8 [M, K], w8 [N, K] e4m3, sx [M, 1],
+        sw [1, N] fp32 (a rowwise w8a8 linear's GEMM: Triton at a decode step's rows, else torch._scaled_mm)
     greedy_pick(logits) -> (tokens, logprobs)   per row of [R, V]: the argmax and its log-probability in one pass
         (serving's greedy rows; no autograd)
     adamw_step_(p, g, m, v, copy, step, lr, ...) -> None   (one AdamW update that also writes p's narrow copy;
@@ -145,6 +147,8 @@ if HAS_TRITON:  # optional: triton is absent on some CPU machines, where every o
     from .cast import widening_add as _widening_add
     from .cross_entropy import (LinearCrossEntropyFunction, VocabParallelLinearCrossEntropyFunction,
                                 linear_cross_entropy_op)
+    from .fp8_gemm import fits as _fp8_mm_fits
+    from .fp8_gemm import fp8_mm as _fp8_mm
     from .fp8_rows import MAX_K as _FP8_MAX_K
     from .fp8_rows import fp8_rows as _fp8_rows
     from .greedy import greedy_pick as _greedy_pick
@@ -369,6 +373,17 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] <= _FP8_MAX_K:
         return _fp8_rows(x)
     return _fp8_rows_ref(x)
+
+
+@torch.no_grad()
+def fp8_mm(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """(x8 @ w8.T) x sx x sw (+ bias) in ``out_dtype``; x8 [M, K], w8 [N, K] e4m3, sx [M, 1], sw [1, N] fp32. On CUDA
+    at up to 256 rows (a decode step's) the Triton kernel of kernels/fp8_gemm.py, else torch._scaled_mm; both sum
+    in fp32 with Hopper's fast fp8 accumulation."""
+    if x8.is_cuda and _dispatch.device_ok(x8.device) and _fp8_mm_fits(x8, w8):
+        return _fp8_mm(x8, sx, w8, sw, bias, out_dtype)
+    return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=out_dtype, use_fast_accum=True)
 
 
 def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

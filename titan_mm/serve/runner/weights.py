@@ -85,8 +85,8 @@ def _torchao_config(mode: str):
 
 class Fp8Linear(nn.Module):
     """A linear in rowwise w8a8 float8: the weight in e4m3 with one scale per output row (quantized once, here),
-    the input cast per row at each call (kernels.fp8_rows: one launch), one torch._scaled_mm with the bias and the
-    output in the input's dtype. Input and output sizes must be multiples of 16 (the fp8 GEMM's)."""
+    the input cast per row at each call (kernels.fp8_rows: one launch), one fp8 GEMM (kernels.fp8_mm) with the bias
+    and the output in the input's dtype. Input and output sizes must be multiples of 16 (the fp8 GEMM's)."""
 
     def __init__(self, lin: nn.Linear):
         super().__init__()
@@ -98,8 +98,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x8, x_scale = kernels.fp8_rows(x.reshape(-1, self.in_features))
-        y = torch._scaled_mm(x8, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale, bias=self.bias,
-                             out_dtype=x.dtype, use_fast_accum=True)
+        y = kernels.fp8_mm(x8, x_scale, self.weight_fp8, self.weight_scale, self.bias, x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
 
