@@ -491,7 +491,9 @@ def part_Q(spec, shape, device, cap_s, cpu, seed, vocab) -> dict:
     g = torch.Generator().manual_seed(seed + 1)
     prompts, news = [random_ids(g, s["prompt"], vocab)], [s["new"]]
     text = list(text_ids(shape["ppl_tokens"]))
-    res = {"prompt": s["prompt"], "new": s["new"], "ppl_tokens": len(text), "modes": list(shape["quantization"])}
+    kv = shape["kv_cache_dtype"]
+    res = {"prompt": s["prompt"], "new": s["new"], "ppl_tokens": len(text), "modes": list(shape["quantization"]),
+           "kv_cache_dtype": kv}
     for flavor in shape["flavors"]:
         cfg = spec.flavor(flavor)
         model = random_model(spec, flavor, device, seed, shape["kernels"])
@@ -499,12 +501,16 @@ def part_Q(spec, shape, device, cap_s, cpu, seed, vocab) -> dict:
         for mode in shape["quantization"]:
             def one(mode=mode):
                 try:
-                    engine = titan_engine(model, spec, cfg, prompts, news, device, shape, quantization=mode)
+                    engine = titan_engine(model, spec, cfg, prompts, news, device, shape, quantization=mode,
+                                          kv_cache_dtype=kv)
                 except ConfigError as e:  # the device lacks the mode: its one line, not a failure
                     return {"refused": str(e)}
                 r = run_titan(engine, prompts, news, cap_s, vocab)
                 r.pop("first_tokens", None)
                 r["perplexity"] = round(perplexity(engine.model, text, window=shape["ppl_window"]), 2)
+                if kv != "auto":  # the same text with every key and value through the cache's dtype
+                    r["perplexity_kv"] = round(perplexity(engine.model, text, window=shape["ppl_window"], spec=spec,
+                                                          model_cfg=cfg, kv_dtype=KV_CACHE_DTYPES[kv]), 2)
                 r["describe"] = engine.describe()
                 return r
 
@@ -512,7 +518,9 @@ def part_Q(spec, shape, device, cap_s, cpu, seed, vocab) -> dict:
             free_memory(device)
             if mode == "none" and "perplexity" in r:
                 base = r
-            elif base is not None and "perplexity" in r:
+            if base is not None and "perplexity_kv" in r:  # over the plain perplexity of none: weights and cache
+                r["ppl_kv_over_none"] = round(r["perplexity_kv"] / base["perplexity"], 5)
+            if mode != "none" and base is not None and "perplexity" in r:
                 r["ppl_over_none"] = round(r["perplexity"] / base["perplexity"], 5)
                 if r.get("request_decode_tokens_per_s") and base.get("request_decode_tokens_per_s"):
                     r["speedup"] = round(r["request_decode_tokens_per_s"] / base["request_decode_tokens_per_s"], 3)
@@ -722,18 +730,24 @@ def table(res: dict) -> str:
             out.append(f"| {name} | {row} |")
     if "Q" in parts:
         q = parts["Q"]
+        kv = q.get("kv_cache_dtype", "auto")
+        with_kv = kv != "auto"
         out += ["", f"**Q** (batch 1, {q.get('prompt')} prompt + {q.get('new')} output tokens; perplexity on "
-                f"{q.get('ppl_tokens')} built-in text tokens, random weights: only the ratio means something)", "",
-                "| flavor | quantization | decode tokens/s | speed-up | perplexity / none |", "|---|---|---|---|---|"]
+                f"{q.get('ppl_tokens')} built-in text tokens, random weights: only the ratio means something"
+                + (f"; KV cache {kv}" if with_kv else "") + ")", "",
+                "| flavor | quantization | decode tokens/s | speed-up | perplexity / none |"
+                + (f" with the KV in {kv} / none |" if with_kv else ""),
+                "|---|---|---|---|---|" + ("---|" if with_kv else "")]
         for flavor, rows in q.items():
             for mode, x in rows.items() if isinstance(rows, dict) else ():
                 if not isinstance(x, dict):  # the row's device
                     continue
                 if "refused" in x or "error" in x:
-                    cells = f"{x['refused'][:100] if 'refused' in x else _err(x)} | |"
+                    cells = f"{x['refused'][:100] if 'refused' in x else _err(x)} | |" + (" |" if with_kv else "")
                 else:
                     cells = (f"{x.get('request_decode_tokens_per_s') or '-'} | {x.get('speedup', '-')} | "
-                             f"{x.get('ppl_over_none', 1.0 if mode == 'none' else '-')}")
+                             f"{x.get('ppl_over_none', 1.0 if mode == 'none' else '-')}"
+                             + (f" | {x.get('ppl_kv_over_none', '-')}" if with_kv else ""))
                 out.append(f"| {flavor} | {mode} | {cells} |")
     if "kernels" in parts:
         k = parts["kernels"]
@@ -802,8 +816,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve_quantization", default="none", choices=QUANTIZATIONS, help="serve.quantization of "
                     "titan's engines in parts A and batch1 (fp8_rowwise against a none run: issue 49's fp8 speed-up)")
     ap.add_argument("--kv_cache_dtype", default="auto", choices=("auto", *KV_CACHE_DTYPES), help="serve.kv_cache_dtype "
-                    "of titan's engines in parts A and batch1 (the rooflines stay the serving dtype's, so an fp8 "
-                    "cache reads as a share of the bf16 bound)")
+                    "of titan's engines in parts A, batch1 and Q (the rooflines stay the serving dtype's, so an fp8 "
+                    "cache reads as a share of the bf16 bound; Q adds each mode's perplexity with its keys and values "
+                    "through the cache, over none's plain one: ppl_kv_over_none)")
     ap.add_argument("--graph_sampling", type=int, default=0, help="titan's serve.graph_sampling (1: a decode step "
                     "draws its rows inside its CUDA graph; 0, the default: the draw after the step)")
     ap.add_argument("--peer", type=int, default=1, help="0: skip transformers (titan's runs only)")

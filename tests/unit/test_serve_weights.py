@@ -204,3 +204,18 @@ def test_supported_devices_pass(mode):
 def test_from_pretrained_refuses_before_loading(tmp_path):
     with pytest.raises(ConfigError, match="capability >= 8.9"):  # the folder is empty: the rule came first
         Engine.from_pretrained(tmp_path, ServeConfig(quantization="fp8_weight_only"), device="cpu")
+
+
+def test_perplexity_through_the_kv_cache():
+    """weights.perplexity with ``kv_dtype``: each window one prefill step through a paged cache of that dtype. In
+    fp32 the cache is lossless, so the perplexity is the plain forward's to fp32 summation order (1e-5); an e4m3
+    cache rounds every key and value to 3 mantissa bits (at most 2^-4 of the value), which moves the perplexity,
+    here by far less than that relative step (the stated bound)."""
+    ids, vocab = builtin_text_ids()
+    model, spec, cfg = tiny(vocab)
+    ids = ids[:300]
+    ppl = weights.perplexity(model, ids, window=128)
+    same = weights.perplexity(model, ids, window=128, spec=spec, model_cfg=cfg, kv_dtype=torch.float32)
+    assert abs(same / ppl - 1) <= 1e-5, (ppl, same)
+    fp8 = weights.perplexity(model, ids, window=128, spec=spec, model_cfg=cfg, kv_dtype=torch.float8_e4m3fn)
+    assert fp8 != ppl and abs(fp8 / ppl - 1) <= 2**-4, (ppl, fp8)

@@ -25,8 +25,9 @@ from torch.distributed.tensor import DTensor
 
 from titan_mm import kernels
 from titan_mm.config import ConfigError
-from titan_mm.nn.attention import Attention
+from titan_mm.nn.attention import Attention, build_attn_meta
 from titan_mm.nn.fp8 import fp8_rows
+from titan_mm.nn.kv_cache import alloc_paged_cache, plan_step
 from titan_mm.nn.mlp import SwiGLU
 
 
@@ -153,16 +154,37 @@ def prepare(model: nn.Module, fuse: bool, quantization: str) -> dict:
 
 
 @torch.inference_mode()
-def perplexity(model: nn.Module, ids: list[int], window: int = 256) -> float:
+def perplexity(model: nn.Module, ids: list[int], window: int = 256, *, spec=None, model_cfg=None,
+               kv_dtype: torch.dtype | None = None) -> float:
     """exp(mean NLL) of every next token of ``ids`` under ``model``, read in windows of ``window`` tokens (each
-    window starts a fresh context; the last one may be shorter)."""
+    window starts a fresh context; the last one may be shorter). ``kv_dtype`` (with the family's ``spec`` and
+    ``model_cfg``): each window is one prefill step through a paged KV cache of that dtype, so every key and value
+    the attention reads carries the cache's rounding (serve.kv_cache_dtype's), as a served request's do."""
     dev = next(model.parameters()).device
     total, count = 0.0, 0
     for s in range(0, len(ids) - 1, window):
         chunk = torch.tensor(ids[s: s + window + 1], device=dev)
         if len(chunk) < 2:
             break
-        out = model(chunk[None, :-1], labels=chunk[None, 1:])
+        x = chunk[None, :-1]
+        through = {} if kv_dtype is None else _prefill_through_cache(x, spec, model_cfg, kv_dtype)
+        out = model(x, labels=chunk[None, 1:], **through)
         total += float(out.loss_sum)
         count += len(chunk) - 1
     return math.exp(total / count)
+
+
+def _prefill_through_cache(x: torch.Tensor, spec, model_cfg, kv_dtype: torch.dtype, block_size: int = 16) -> dict:
+    """The forward arguments of ``x`` [1, S] as one prefill step into a fresh paged cache of ``kv_dtype``."""
+    dims, rt = spec.dims(model_cfg), spec.runtime(model_cfg)
+    if dims.linear is not None:
+        raise ConfigError("perplexity through the KV cache: linear-attention layers keep a state, not k/v; measure "
+                          "this family without kv_dtype")
+    n = x.shape[1]
+    blocks = -(-n // block_size)
+    cache = alloc_paged_cache(dims.num_layers, blocks, block_size, dims.num_kv_heads, dims.head_dim, kv_dtype,
+                              x.device)
+    cache = plan_step(cache, [n], cached_lens=[0], block_tables=[list(range(blocks))],
+                      sliding_window=rt.sliding_window)
+    meta = build_attn_meta({"input_ids": x}, rt.attn_backend, x.device, rt.sliding_window, kv_cache=cache)
+    return dict(position_ids=cache.step.positions, attn=meta)
