@@ -153,6 +153,21 @@ def test_fp8_rows_is_exact():
     print(f"fp8_rows {mine * 1e3:.1f} us, torch ops {torch_ops * 1e3:.1f} us at 256 x 12288")
 
 
+def test_swiglu_fp8_rows_is_the_two_kernels():
+    """titan_mm.kernels.swiglu_fp8_rows (serving's w8a8 SwiGLU: the product and its cast in one launch): bit-equal
+    to kernels.swiglu then kernels.fp8_rows (the same fp32 product rounded to bf16, then the same cast), at an 8B's
+    and a 0.6B's MLP widths, zero rows included."""
+    from titan_mm.kernels import fp8_rows, swiglu, swiglu_fp8_rows
+
+    torch.manual_seed(0)
+    for m, f in ((1, 12288), (256, 12288), (77, 3072)):
+        x = (torch.randn(m, 2 * f, device="cuda") * torch.logspace(-3, 3, m, device="cuda")[:, None]).bfloat16()
+        x[m // 2] = 0
+        (q, s), (q_ref, s_ref) = swiglu_fp8_rows(x), fp8_rows(swiglu(*x.chunk(2, dim=-1)))
+        assert torch.equal(s, s_ref), (m, f)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (m, f)
+
+
 def test_fp8_mm_is_the_scaled_product():
     """titan_mm.kernels.fp8_mm (serving's rowwise w8a8 GEMM: Triton at a decode step's rows where it was faster,
     cuBLAS elsewhere): within bf16's rounding (2^-8 of the value) plus twice torch._scaled_mm's own distance from

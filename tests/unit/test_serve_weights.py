@@ -23,7 +23,7 @@ from titan_mm.data.tokenizer import load_tokenizer
 from titan_mm.models.qwen3.config import Qwen3Config
 from titan_mm.nn.attention import Attention
 from titan_mm.nn.fp8 import fp8_rows
-from titan_mm.nn.mlp import SwiGLU
+from titan_mm.nn.mlp import SwiGLU, silu_mul
 from titan_mm.registry import get_model_spec
 from titan_mm.serve.config import QUANTIZATIONS, ServeConfig
 from titan_mm.serve.engine import Engine
@@ -165,8 +165,26 @@ def test_fp8_rowwise_fused_replaces_the_projections_within_its_perplexity_bound(
     layers = model.layers
     assert type(layers["0"].attn.wqkv) is weights.Fp8Linear and type(layers["1"].mlp.w2) is weights.Fp8Linear
     assert sum(type(m) is weights.Fp8Linear for m in model.modules()) == 8 and type(model.output) is torch.nn.Linear
+    assert all(type(layers[i].mlp) is weights.Fp8SwiGLU for i in ("0", "1"))
     q_ppl = weights.perplexity(model, ids, window=128)
     assert q_ppl != ppl and abs(q_ppl / ppl - 1) <= 0.05, (ppl, q_ppl)
+
+
+def test_fp8_swiglu_equals_the_swiglu_of_its_fp8_linears():
+    """weights.Fp8SwiGLU (silu(gate) * up and its fp8 cast in one launch, kernels.swiglu_fp8_rows) gives exactly
+    what SwiGLU.forward gives with the same two Fp8Linears: the product rounded to the input's dtype, then cast."""
+    torch.manual_seed(0)
+    mlp = SwiGLU(64, 96)
+    mlp.reset_parameters(0.1)
+    weights.fuse_projections(mlp)
+    weights.quantize(mlp, "fp8_rowwise_fused")  # a bare SwiGLU is its own root: its linears only
+    w13, w2 = mlp.w13, mlp.w2
+    fused = weights.Fp8SwiGLU(w13, w2)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 5, 64).to(dtype)
+        y = fused(x)
+        assert y.dtype == dtype and torch.equal(y, mlp(x)), dtype  # mlp: SwiGLU.forward on the same linears
+        assert torch.equal(y, w2(silu_mul(*w13(x).chunk(2, dim=-1)))), dtype
 
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -29,6 +29,8 @@ see docs/kernels.md):
         vectorized pass: the cast path's gradient sum over micro-batches; no autograd)
     fp8_rows(x) -> (e4m3 x, fp32 scale per row)   x [M, K]: amax x (1 / 448) a row, then the cast, in one launch
         (serving's rowwise w8a8 linears quantize their inputs with it; no autograd)
+    swiglu_fp8_rows(gate_up) -> fp8_rows(swiglu(gate, up))   gate_up [M, 2F]: the product and its cast in one launch
+        (serving's w8a8 SwiGLU: the down projection's input; no autograd)
     fp8_mm(x8, sx, w8, sw, bias, out_dtype) -> (x8 @ w8.T) x sx x sw (+ bias)   x8 [M, K], w8 [N, K] e4m3, sx [M, 1],
         sw [1, N] fp32 (a rowwise w8a8 linear's GEMM: Triton at a decode step's rows, else torch._scaled_mm)
     greedy_pick(logits) -> (tokens, logprobs)   per row of [R, V]: the argmax and its log-probability in one pass
@@ -151,6 +153,7 @@ if HAS_TRITON:  # optional: triton is absent on some CPU machines, where every o
     from .fp8_gemm import fp8_mm as _fp8_mm
     from .fp8_rows import MAX_K as _FP8_MAX_K
     from .fp8_rows import fp8_rows as _fp8_rows
+    from .fp8_rows import swiglu_fp8_rows as _swiglu_fp8_rows
     from .greedy import greedy_pick as _greedy_pick
     from .grouped_gemm import GroupedMMFunction
     from .moe_moves import CombineFunction, ExpandFunction, moe_combine_op
@@ -373,6 +376,15 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] <= _FP8_MAX_K:
         return _fp8_rows(x)
     return _fp8_rows_ref(x)
+
+
+@torch.no_grad()
+def swiglu_fp8_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2F] (gate | up, a fused GEMM's output) -> fp8_rows(swiglu(gate, up)): bit-equal to the two ops
+    (the product rounded to gate_up's dtype first, as swiglu returns it), in one launch on CUDA."""
+    if use_triton(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1 and gate_up.shape[1] <= 2 * _FP8_MAX_K:
+        return _swiglu_fp8_rows(gate_up)
+    return fp8_rows(swiglu(*gate_up.chunk(2, dim=-1)))
 
 
 @torch.no_grad()

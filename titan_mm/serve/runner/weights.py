@@ -7,9 +7,10 @@ training model keeps its layout.
   its own shards: rank r's wqkv is [q_r; k_r; v_r] (the plan split wq, wk, wv colwise by heads), so q, k and v are
   each split over tp inside the fused weight and the GEMM's input and output stay the rank's local ones.
 - :func:`quantize`: weight quantization (``serve.quantization``) of those projections (and wo, w2): torchao's modes,
-  and :class:`Fp8Linear` (rowwise w8a8 on torch._scaled_mm, its input cast by titan_mm.kernels.fp8_rows in one
+  and :class:`Fp8Linear` (rowwise w8a8 on kernels.fp8_mm, its input cast by titan_mm.kernels.fp8_rows in one
   launch: bench/fp8_gemm.py measured torchao's rowwise linear at 0.69x bf16 for an 8B layer at 256 rows on the H100,
-  the fp8 GEMM alone at 1.62x). The head, embeddings, MoE routers and experts, and vision towers keep the serving
+  the fp8 GEMM alone at 1.62x), a fused SwiGLU of two of them an :class:`Fp8SwiGLU` (its product cast in the
+  activation's launch). The head, embeddings, MoE routers and experts, and vision towers keep the serving
   dtype.
 - :func:`perplexity`: exp of the mean next-token NLL of a model on token ids (the quantization's quality check:
   bench/serve.py and the tests).
@@ -28,7 +29,7 @@ from titan_mm.config import ConfigError
 from titan_mm.nn.attention import Attention, build_attn_meta
 from titan_mm.nn.fp8 import fp8_rows
 from titan_mm.nn.kv_cache import alloc_paged_cache, plan_step
-from titan_mm.nn.mlp import SwiGLU
+from titan_mm.nn.mlp import SwiGLU, silu_mul
 
 
 def _local(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -98,9 +99,26 @@ class Fp8Linear(nn.Module):
         self.register_buffer("bias", None if lin.bias is None else lin.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x8, x_scale = kernels.fp8_rows(x.reshape(-1, self.in_features))
-        y = kernels.fp8_mm(x8, x_scale, self.weight_fp8, self.weight_scale, self.bias, x.dtype)
+        y = self.gemm(*kernels.fp8_rows(x.reshape(-1, self.in_features)), x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def gemm(self, x8: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The layer on an input cast already: x8 [M, in] e4m3 with its row scales [M, 1] -> [M, out] in dtype."""
+        return kernels.fp8_mm(x8, x_scale, self.weight_fp8, self.weight_scale, self.bias, dtype)
+
+
+class Fp8SwiGLU(nn.Module):
+    """A SwiGLU whose fused gate / up (``w13``) and down (``w2``) projections are Fp8Linears, silu(gate) * up and
+    the down projection's input cast in one launch (kernels.swiglu_fp8_rows: the bf16 product is never written);
+    outputs equal the SwiGLU's with those linears."""
+
+    def __init__(self, w13: Fp8Linear, w2: Fp8Linear):
+        super().__init__()
+        self.w13, self.w2 = w13, w2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h8, h_scale = kernels.swiglu_fp8_rows(self.w13(x).reshape(-1, self.w13.out_features))
+        return self.w2.gemm(h8, h_scale, x.dtype).view(*x.shape[:-1], self.w2.out_features)
 
 
 def _fp8_linears(model: nn.Module, targets: set[int]) -> int:
@@ -110,6 +128,18 @@ def _fp8_linears(model: nn.Module, targets: set[int]) -> int:
         for name, lin in list(parent.named_children()):
             if id(lin) in targets and lin.in_features % 16 == 0 and lin.out_features % 16 == 0:
                 setattr(parent, name, Fp8Linear(lin))
+                done += 1
+    return done
+
+
+def _fp8_swiglus(model: nn.Module) -> int:
+    """Each SwiGLU of the silu product whose w13 (fused) and w2 are Fp8Linears becomes an Fp8SwiGLU; -> how many."""
+    done = 0
+    for parent in list(model.modules()):
+        for name, mlp in list(parent.named_children()):
+            if (isinstance(mlp, SwiGLU) and isinstance(mlp.w13, Fp8Linear) and isinstance(mlp.w2, Fp8Linear)
+                    and mlp.act_mul in (silu_mul, kernels.swiglu)):
+                setattr(parent, name, Fp8SwiGLU(mlp.w13, mlp.w2))
                 done += 1
     return done
 
@@ -124,6 +154,7 @@ def quantize(model: nn.Module, mode: str) -> int:
         return 0
     if mode == "fp8_rowwise_fused":
         done = _fp8_linears(model, targets)
+        _fp8_swiglus(model)
     else:
         done = _torchao(model, mode, targets)
     if not done:
