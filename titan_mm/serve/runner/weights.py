@@ -110,7 +110,8 @@ class Fp8Linear(nn.Module):
 class Fp8SwiGLU(nn.Module):
     """A SwiGLU whose fused gate / up (``w13``) and down (``w2``) projections are Fp8Linears, silu(gate) * up and
     the down projection's input cast in one launch (kernels.swiglu_fp8_rows: the bf16 product is never written);
-    outputs equal the SwiGLU's with those linears."""
+    outputs equal the SwiGLU's with those linears and kernels.swiglu (one rounding of the fp32 product; torch's
+    silu_mul on bf16 CUDA tensors rounds twice, so there they may differ in the last bit of a product)."""
 
     def __init__(self, w13: Fp8Linear, w2: Fp8Linear):
         super().__init__()
