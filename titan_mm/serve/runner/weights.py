@@ -208,6 +208,8 @@ def perplexity(model: nn.Module, ids: list[int], window: int = 256, *, spec=None
 
 def _prefill_through_cache(x: torch.Tensor, spec, model_cfg, kv_dtype: torch.dtype, block_size: int = 16) -> dict:
     """The forward arguments of ``x`` [1, S] as one prefill step into a fresh paged cache of ``kv_dtype``."""
+    if spec is None or model_cfg is None:
+        raise ValueError("perplexity(kv_dtype=...) needs the family's spec and model_cfg (the cache's layout)")
     dims, rt = spec.dims(model_cfg), spec.runtime(model_cfg)
     if dims.linear is not None:
         raise ConfigError("perplexity through the KV cache: linear-attention layers keep a state, not k/v; measure "
