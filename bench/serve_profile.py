@@ -52,12 +52,16 @@ def batch1_kernels(spec, cfg, model, device, shape, vocab, steps: int = 20) -> d
     return sb.decode_step_kernels(engine, prompt, steps)
 
 
-def host_cost(rows: int = 256, new: int = 600, warm: int = 400, steps: int = 30) -> dict:
+def host_cost(rows: int = 256, new: int = 1000, warm: int = 300, steps: int = 500,
+              freeze_gc: bool = True) -> dict:
     """The host side of an engine step at ``rows`` decoding sequences, on the CPU: a 1-layer debug model with a
     1024-token vocabulary (so the model step is small) and its time subtracted; what is left is scheduling,
     planning, sampling bookkeeping, detokenization and outputs, measured after ``warm`` steps (outputs that long).
-    host_ms from wall time, host_cpu_ms from the process's CPU time (steadier when other work shares the cores)."""
+    host_ms from wall time, host_cpu_ms from the process's CPU time (steadier when other work shares the cores),
+    host_max_ms the longest step's, full_collections how many of Python's oldest-generation collections ran (one in
+    about 500 steps here: ``steps`` spans that)."""
     import dataclasses
+    import gc
 
     from titan_mm.registry import get_model_spec
     from titan_mm.serve.sampling_params import SamplingParams
@@ -68,7 +72,8 @@ def host_cost(rows: int = 256, new: int = 600, warm: int = 400, steps: int = 30)
     model = sb.random_weights(spec, cfg, cpu, 0)
     g = torch.Generator().manual_seed(0)
     prompts = [sb.random_ids(g, 8, 1000) for _ in range(rows)]
-    engine = sb.titan_engine(model, spec, cfg, prompts, [new] * rows, cpu, dict(sb.SHAPES["gpu"], max_num_seqs=rows))
+    engine = sb.titan_engine(model, spec, cfg, prompts, [new] * rows, cpu, dict(sb.SHAPES["gpu"], max_num_seqs=rows),
+                             freeze_gc=freeze_gc)
     for i, p in enumerate(prompts):
         engine.add_request(f"h{i}", p, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
     acc: dict = defaultdict(float)
@@ -85,13 +90,18 @@ def host_cost(rows: int = 256, new: int = 600, warm: int = 400, steps: int = 30)
     for _ in range(warm):
         engine.step()
     acc.clear()
+    longest, full = 0.0, gc.get_stats()[2]["collections"]
     t, c = time.perf_counter(), time.process_time()
     for _ in range(steps):
+        t0, m0 = time.perf_counter(), acc["wall"]
         engine.step()
+        longest = max(longest, time.perf_counter() - t0 - (acc["wall"] - m0))
     wall, model = (time.perf_counter() - t) / steps, acc["wall"] / steps
     cpu_host = ((time.process_time() - c) - acc["cpu"]) / steps
-    return dict(rows=rows, output_tokens=warm + steps, wall_ms=round(wall * 1e3, 2), model_ms=round(model * 1e3, 2),
-                host_ms=round((wall - model) * 1e3, 2), host_cpu_ms=round(cpu_host * 1e3, 2))
+    return dict(rows=rows, output_tokens=warm + steps, freeze_gc=freeze_gc, wall_ms=round(wall * 1e3, 2),
+                model_ms=round(model * 1e3, 2), host_ms=round((wall - model) * 1e3, 2),
+                host_cpu_ms=round(cpu_host * 1e3, 2), host_max_ms=round(longest * 1e3, 2),
+                full_collections=gc.get_stats()[2]["collections"] - full)
 
 
 def prefill_padding(reps: int = 5) -> dict:
@@ -147,6 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kernels", type=int, default=1, help="the fused titan_mm.kernels ops (as bench/serve.py)")
     ap.add_argument("--host", action="store_true", help="only the host side of a 256-row step, on the CPU")
+    ap.add_argument("--freeze_gc", type=int, default=1, help="--host: serve.freeze_gc of its engine")
     ap.add_argument("--prefill_padding", action="store_true", help="only workload A's prefill steps: real against "
                     "padded tokens, and the host time of planning one packed or padded (CPU)")
     ap.add_argument("--async_scheduling", type=int, default=1, help="serve.async_scheduling of the engines (as "
@@ -161,7 +172,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.host or a.prefill_padding:
         torch.set_num_threads(1)
-        res = host_cost() if a.host else prefill_padding()
+        res = host_cost(freeze_gc=bool(a.freeze_gc)) if a.host else prefill_padding()
         print(json.dumps(res))
         if a.out:
             Path(a.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -19,6 +19,7 @@ takes the requests, and each of its steps starts by broadcasting what the step a
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -65,6 +66,9 @@ class Engine:
         config) of the draft model for speculative_method "draft" (from_pretrained loads serve.draft_model)."""
         cfg = serve_cfg or ServeConfig()
         cfg.check()
+        if cfg.freeze_gc and not gc.get_freeze_count():  # the start-up heap out of full collections' scans, once
+            gc.collect()
+            gc.freeze()
         self.cfg, self.spec, self.model_cfg, self.device, self.clock = cfg, spec, model_cfg, torch.device(device), clock
         self.dims = dims = spec.dims(model_cfg)
         self.max_model_len = cfg.max_model_len or dims.max_position_embeddings
@@ -109,6 +113,9 @@ class Engine:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cfg = serve_cfg or ServeConfig()
         cfg.check()
+        if cfg.freeze_gc and not gc.get_freeze_count():  # the start-up heap out of full collections' scans, once
+            gc.collect()
+            gc.freeze()
         cfg.check_weights(device, True, _capability(device))  # before the weights load
         shard = None
         if cfg.tensor_parallel_size > 1:  # each rank builds on meta and reads only its shards
