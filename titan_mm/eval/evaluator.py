@@ -213,8 +213,9 @@ def eval_engine(model, spec, model_cfg, tokenizer, device: torch.device, data: D
     """An Engine on ``model`` (weights in memory) whose pool holds ENGINE_SEQS prompts of <= 512 tokens and one of
     data.seq_len: the decoder of online eval, python -m titan_mm.eval and the eval tools."""
     max_len = data.seq_len
+    # freeze_gc off: inside a trainer the heap is the trainer's, not the engine's to freeze
     serve = ServeConfig(max_num_seqs=ENGINE_SEQS, max_model_len=max_len, max_num_batched_tokens=max(2048, max_len),
-                        max_queue_len=1 << 20)
+                        max_queue_len=1 << 20, freeze_gc=False)
     serve.num_blocks = ENGINE_SEQS * -(-min(max_len, 512) // serve.block_size) + -(-max_len // serve.block_size)
     return Engine(model, spec, model_cfg, serve, tokenizer=tokenizer, device=device, data=data)
 

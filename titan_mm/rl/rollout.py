@@ -173,10 +173,10 @@ class RolloutSource:
         model, gen_cfg = gathered_model(self.run)
         seqs = min(ENGINE_MAX_SEQS, rl.prompts_per_step * rl.group_size // self.run.dp_world)
         # graph_sampling: the decode steps draw the rows themselves (each token's own logprob included), in their
-        # CUDA graphs on a GPU
+        # CUDA graphs on a GPU; freeze_gc off: the heap is the trainer's, not the engine's to freeze
         serve = ServeConfig(max_num_seqs=seqs, max_model_len=data.seq_len, enable_prefix_caching=False,
                             max_num_batched_tokens=max(2048, data.seq_len, seqs), max_queue_len=1 << 20,
-                            graph_sampling=True)
+                            graph_sampling=True, freeze_gc=False)
         serve.num_blocks = seqs * -(-data.seq_len // serve.block_size) + 1
         engine = Engine(model, self.run.spec, gen_cfg, serve, tokenizer=self.tok, device=self.run.device, data=data)
         return engine, model

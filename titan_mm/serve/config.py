@@ -65,7 +65,7 @@ class ServeConfig:
     in 500 steps stopped a step for 131-136 ms; frozen, the longest step's host time was 12 ms (bench/serve_profile.py
     --host --freeze_gc 0 / 1; the mean host time moved within its noise). Once a process has frozen objects (this
     or its own gc.freeze) later engines leave it be; the engine's own objects are never frozen, so a dropped engine
-    is freed. False: the process's GC as it is."""
+    is freed. False: the process's GC as it is (the trainer's eval and RL engines: the heap is the trainer's)."""
     kernels: bool = True
     """Models loaded by the engine (from_pretrained) run the fused titan_mm.kernels ops (RMSNorm, residual add +
     RMSNorm, RoPE, SwiGLU: one Triton kernel each instead of several elementwise ones) on CUDA; on CPU they keep
