@@ -85,8 +85,8 @@ def forms(k: int, n: int, m: int, device: torch.device, with_torchao: bool, copi
     compiled = torch.compile(quant_rows, dynamic=False) if device.type == "cuda" else quant_rows
     wanted = (lambda form: not only or form == "bf16" or form.split("[")[0] in only)
 
-    def mm(a, s, i=None):
-        i = nxt() if i is None else i
+    def mm(a, s):
+        i = nxt()
         return torch._scaled_mm(a, wq[i].t(), scale_a=s, scale_b=ws_t[i], out_dtype=dt, use_fast_accum=True)
 
     def swapped():  # y.T = w8 @ x8.T: cuBLAS sees n rows and m columns (its tiles differ), then y made row-major
