@@ -25,6 +25,9 @@ Stacks:
   titan_opt        titan with parallel.one_rank_mixed_precision = optimizer: the bf16 copies kept between steps,
                    the large gradients kept in bf16, and AdamW's step (titan_mm.train.cast_adamw) writes both
   titan_opt_f8     titan_opt + float8.moe_experts
+  titan_opt_f8_tensorwise, titan_opt_f8_rowwise
+                   titan_opt + float8 linears (float8.enable) with that float8.recipe: dense float8 without the
+                   cast path's per-step widening copies
   titan_fsdp       titan through FSDP2 on the one-GPU mesh (parallel.one_rank_mixed_precision = fsdp). The other
                    titan stacks run the one-rank cast path (titan_mm.parallel.apply) since 2026-12-03; a row says
                    which in ``mixed_precision`` (rows without it ran through FSDP2)
@@ -234,7 +237,12 @@ def merge_overrides(base: dict, extra: dict) -> dict:
 F8_EXPERT_STACKS = ("titan_f8_experts", "titan_opt_f8")
 
 # parallel.one_rank_mixed_precision of the titan stacks that do not run the default (cast)
-MIXED_PRECISION = {"titan_fsdp": "fsdp", "titan_plain": "fsdp", "titan_opt": "optimizer", "titan_opt_f8": "optimizer"}
+MIXED_PRECISION = {"titan_fsdp": "fsdp", "titan_plain": "fsdp", "titan_opt": "optimizer", "titan_opt_f8": "optimizer",
+                   "titan_opt_f8_tensorwise": "optimizer", "titan_opt_f8_rowwise": "optimizer"}
+
+# the stacks with float8 linears (float8.enable), and their float8.recipe
+FLOAT8_RECIPE = {"titan_f8": "tensorwise", "titan_f8_pre": "tensorwise", "titan_opt_f8_tensorwise": "tensorwise",
+                 "titan_opt_f8_rowwise": "rowwise"}
 
 
 def titan_argv(case: dict, stack: str, args) -> list[str]:
@@ -248,7 +256,7 @@ def titan_argv(case: dict, stack: str, args) -> list[str]:
         "--data.seq_len", str(case["seq"]), "--data.micro_batch_size", str(case["batch"]),
         "--training.global_batch_size", str(case["batch"] * case.get("micro", 1)),
         "--compile.enable", str(stack != "titan_eager"),
-        "--float8.enable", str(stack in ("titan_f8", "titan_f8_pre")),
+        "--float8.enable", str(stack in FLOAT8_RECIPE), "--float8.recipe", FLOAT8_RECIPE.get(stack, "tensorwise"),
         "--float8.precompute_scale", str(stack == "titan_f8_pre"),
         "--float8.moe_experts", str(stack in F8_EXPERT_STACKS),
         # kernels on CUDA: the trainer's default op set, or --kernel-ops (e.g. "all,-rope": which op helps or
@@ -598,7 +606,8 @@ def worker(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ driver
-STACK_ORDER = ("titan", "titan_opt", "titan_fsdp", "titan_f8", "titan_f8_pre", "titan_f8_experts", "titan_opt_f8",
+STACK_ORDER = ("titan", "titan_opt", "titan_fsdp", "titan_f8", "titan_f8_pre", "titan_opt_f8_tensorwise",
+               "titan_opt_f8_rowwise", "titan_f8_experts", "titan_opt_f8",
                "titan_eager", "titan_nokernels", "titan_plain", "torchtitan", "hf_liger", "hf", "diffusers",
                "bagel_ref", "bagel_ref_eager")
 
