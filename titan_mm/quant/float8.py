@@ -38,6 +38,8 @@ def apply_float8(model: nn.Module, cfg: Float8, on_cuda: bool, fsdp: bool = True
 
     skip = set(cfg.filter_fqns)
     if cfg.recipe == "rowwise":
+        logger.warning("float8.recipe=rowwise: on Qwen3-8B (one H100) it ran at 0.95x bf16, tensorwise at 1.18x "
+                       "(torchao's rowwise casts; docs/benchmarks.md); use it for its accuracy, not its speed")
         f8cfg = Float8LinearConfig.from_recipe_name("rowwise")
     else:
         f8cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
