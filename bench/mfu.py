@@ -25,7 +25,7 @@ Stacks:
   titan_opt        titan with parallel.one_rank_mixed_precision = optimizer: the bf16 copies kept between steps,
                    the large gradients kept in bf16, and AdamW's step (titan_mm.train.cast_adamw) writes both
   titan_opt_f8     titan_opt + float8.moe_experts
-  titan_opt_f8_tensorwise, titan_opt_f8_rowwise
+  titan_opt_f8_tensorwise, titan_opt_f8_rowwise, titan_opt_f8_rowwise_with_gw_hp
                    titan_opt + float8 linears (float8.enable) with that float8.recipe: dense float8 without the
                    cast path's per-step widening copies
   titan_fsdp       titan through FSDP2 on the one-GPU mesh (parallel.one_rank_mixed_precision = fsdp). The other
@@ -238,11 +238,12 @@ F8_EXPERT_STACKS = ("titan_f8_experts", "titan_opt_f8")
 
 # parallel.one_rank_mixed_precision of the titan stacks that do not run the default (cast)
 MIXED_PRECISION = {"titan_fsdp": "fsdp", "titan_plain": "fsdp", "titan_opt": "optimizer", "titan_opt_f8": "optimizer",
-                   "titan_opt_f8_tensorwise": "optimizer", "titan_opt_f8_rowwise": "optimizer"}
+                   "titan_opt_f8_tensorwise": "optimizer", "titan_opt_f8_rowwise": "optimizer",
+                   "titan_opt_f8_rowwise_with_gw_hp": "optimizer"}
 
 # the stacks with float8 linears (float8.enable), and their float8.recipe
 FLOAT8_RECIPE = {"titan_f8": "tensorwise", "titan_f8_pre": "tensorwise", "titan_opt_f8_tensorwise": "tensorwise",
-                 "titan_opt_f8_rowwise": "rowwise"}
+                 "titan_opt_f8_rowwise": "rowwise", "titan_opt_f8_rowwise_with_gw_hp": "rowwise_with_gw_hp"}
 
 
 def titan_argv(case: dict, stack: str, args) -> list[str]:
@@ -607,7 +608,7 @@ def worker(args) -> dict:
 
 # ------------------------------------------------------------------------------------------------ driver
 STACK_ORDER = ("titan", "titan_opt", "titan_fsdp", "titan_f8", "titan_f8_pre", "titan_opt_f8_tensorwise",
-               "titan_opt_f8_rowwise", "titan_f8_experts", "titan_opt_f8",
+               "titan_opt_f8_rowwise", "titan_opt_f8_rowwise_with_gw_hp", "titan_f8_experts", "titan_opt_f8",
                "titan_eager", "titan_nokernels", "titan_plain", "torchtitan", "hf_liger", "hf", "diffusers",
                "bagel_ref", "bagel_ref_eager")
 

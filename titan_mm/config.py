@@ -362,9 +362,10 @@ class Compile:
 class Float8:
     enable: bool = False
     """float8 (torchao) training for the linears (CUDA SM>=89 only)."""
-    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
-    """torchao float8 scaling recipe. Qwen3-8B (12 layers, one H100, optimizer-owned copies): tensorwise 1.18x bf16,
-    rowwise 0.95x (torchao's rowwise casts cost more than its GEMMs save there; docs/benchmarks.md)."""
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """torchao float8 scaling recipe (rowwise_with_gw_hp: rowwise, with the weight-gradient GEMM in high precision,
+    so without rowwise's column-wise casts of its operands). Qwen3-8B (12 layers, one H100, optimizer-owned copies):
+    tensorwise 1.18x bf16, rowwise 0.95x (its casts cost more than its GEMMs save there; docs/benchmarks.md)."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output", "router", "gate"])
     """Linears with a dot-separated FQN component equal to one of these stay in high precision
     ("output" = lm head, "router"/"gate" = MoE routers; "gate_proj"-style names are not matched)."""

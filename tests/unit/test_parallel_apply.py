@@ -1,6 +1,7 @@
 """parallelize() at world 1: AC modes keep the math, compile wraps in place, float8 on CPU is a clear error."""
 
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,16 @@ def test_compile_in_place_keeps_names():
 def test_float8_on_cpu_is_a_clear_error():
     with pytest.raises(RuntimeError, match="float8.enable=true needs a CUDA GPU"):
         parallelize(StandIn(), PLAN, ParallelDims(world_size=1), _cfg(float8=Float8(enable=True)))
+
+
+def test_every_float8_recipe_is_one_torchao_builds():
+    """apply_float8 hands float8.recipe (other than tensorwise) to torchao's from_recipe_name as it is."""
+    from torchao.float8 import Float8LinearConfig
+
+    recipes = typing.get_args(typing.get_type_hints(Float8)["recipe"])
+    assert "tensorwise" in recipes and len(recipes) > 1
+    for name in recipes:
+        assert Float8LinearConfig.from_recipe_name(name) is not None
 
 
 def test_plan_pattern_matching_nothing_is_an_error():

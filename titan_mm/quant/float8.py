@@ -37,12 +37,13 @@ def apply_float8(model: nn.Module, cfg: Float8, on_cuda: bool, fsdp: bool = True
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     skip = set(cfg.filter_fqns)
-    if cfg.recipe == "rowwise":
-        logger.warning("float8.recipe=rowwise: on Qwen3-8B (one H100) it ran at 0.95x bf16, tensorwise at 1.18x "
-                       "(torchao's rowwise casts; docs/benchmarks.md); use it for its accuracy, not its speed")
-        f8cfg = Float8LinearConfig.from_recipe_name("rowwise")
-    else:
+    if cfg.recipe == "tensorwise":
         f8cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
+    else:
+        if cfg.recipe == "rowwise":
+            logger.warning("float8.recipe=rowwise: on Qwen3-8B (one H100) it ran at 0.95x bf16, tensorwise at 1.18x "
+                           "(torchao's rowwise casts; docs/benchmarks.md); use it for its accuracy, not its speed")
+        f8cfg = Float8LinearConfig.from_recipe_name(cfg.recipe)
 
     def keep(mod: nn.Module, fqn: str) -> bool:
         if not isinstance(mod, nn.Linear) or any(part in skip for part in fqn.split(".")):
