@@ -69,7 +69,7 @@ def test_float8_on_cpu_is_a_clear_error():
 
 
 def test_every_float8_recipe_is_one_torchao_builds():
-    """apply_float8 hands float8.recipe (other than tensorwise) to torchao's from_recipe_name as it is."""
+    """Every float8.recipe is a torchao recipe name (apply_float8 hands those but tensorwise to from_recipe_name)."""
     from torchao.float8 import Float8LinearConfig
 
     recipes = typing.get_args(typing.get_type_hints(Float8)["recipe"])
