@@ -92,6 +92,9 @@ CASES: dict[str, dict] = {
     "qwen3_8b_12l": dict(model="qwen3", flavor="8B", overrides={"num_hidden_layers": 12}, batch=2, seq=4096),
     "qwen3_30b_a3b_4l": dict(model="qwen3_moe", flavor="30B-A3B", overrides={"num_hidden_layers": 4}, batch=4,
                              seq=4096, over_80gb={"torchtitan": 80.1}),
+    # the same at a batch the peer may fit on an 80 GB H100 (torchtitan peaked at 80.1 GiB at batch 4)
+    "qwen3_30b_a3b_4l_b3": dict(model="qwen3_moe", flavor="30B-A3B", overrides={"num_hidden_layers": 4}, batch=3,
+                                seq=4096),
     "qwen3_vl_2b": dict(model="qwen3_vl", flavor="2B", overrides={}, batch=1, seq=8192, vl=True),
     "qwen3_vl_8b_12l": dict(model="qwen3_vl", flavor="8B", overrides={"text": {"num_hidden_layers": 12}}, batch=1,
                             seq=8192, vl=True, over_80gb={"titan": 79.6, "titan_opt": 79.6}),
