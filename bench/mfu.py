@@ -98,6 +98,9 @@ CASES: dict[str, dict] = {
     "qwen3_vl_2b": dict(model="qwen3_vl", flavor="2B", overrides={}, batch=1, seq=8192, vl=True),
     "qwen3_vl_8b_12l": dict(model="qwen3_vl", flavor="8B", overrides={"text": {"num_hidden_layers": 12}}, batch=1,
                             seq=8192, vl=True, over_80gb={"titan": 79.6, "titan_opt": 79.6}),
+    # the same cut to 8 decoder layers, to fit an 80 GB H100 (the 12-layer case peaked at 79.6 GiB)
+    "qwen3_vl_8b_8l": dict(model="qwen3_vl", flavor="8B", overrides={"text": {"num_hidden_layers": 8}}, batch=1,
+                           seq=8192, vl=True),
     "qwen3_vl_30b_a3b_4l": dict(model="qwen3_vl_moe", flavor="30B-A3B", overrides={"text": {"num_hidden_layers": 4}},
                                 batch=1, seq=8192, vl=True),
     # Qwen3.5: both block kinds (3 Gated DeltaNet : 1 gated attention) and the ViT, cut to fit one H200

@@ -135,7 +135,7 @@ class VisionBlock(nn.Module):
         self.full_attention = full_attention
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
-        self.attn = VisionAttention(cfg)  # reads hidden_size / num_heads only
+        self.attn = VisionAttention(cfg, ops.apply_rope)  # reads hidden_size / num_heads only
         self.mlp = VisionSwiGLU(cfg, ops.act_mul)
 
     def forward(self, x_ND, cos, sin, meta: WindowMeta):

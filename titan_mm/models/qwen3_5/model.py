@@ -340,7 +340,7 @@ class Qwen3_5Model(Qwen3VLModel):
     def __init__(self, cfg: Qwen3_5Config):
         nn.Module.__init__(self)
         self.cfg = cfg
-        self.visual = VisionTower(cfg.vision, select_ops(cfg.kernels).bias_gelu)
+        self.visual = VisionTower(cfg.vision, select_ops(cfg.kernels))
         self.language_model = Qwen3_5TextModel(cfg.text)
         self.embed_out = EmbedOutput()
         apply_freeze(self, cfg)

@@ -54,7 +54,7 @@ class Qwen3OmniMoeModel(OmniThinker, Qwen3VLModel):
     def __init__(self, cfg: Qwen3OmniMoeConfig):
         nn.Module.__init__(self)
         self.cfg = cfg
-        self.visual = VisionTower(cfg.vision, select_ops(cfg.kernels).bias_gelu)
+        self.visual = VisionTower(cfg.vision, select_ops(cfg.kernels))
         self.language_model = Qwen3Model(cfg.text)
         self.audio_tower = AudioEncoder(cfg.audio)
         self.embed_out = EmbedOutput()

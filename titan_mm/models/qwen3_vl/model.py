@@ -98,7 +98,7 @@ class Qwen3VLModel(nn.Module):
     def __init__(self, cfg: Qwen3VLConfig):
         super().__init__()
         self.cfg = cfg
-        self.visual = VisionTower(cfg.vision, select_ops(cfg.kernels).bias_gelu)  # kernels: the ViT MLP's bias+GELU
+        self.visual = VisionTower(cfg.vision, select_ops(cfg.kernels))  # kernels: the ViT's RoPE, MLP bias+GELU
         self.language_model = Qwen3Model(cfg.text)
         self.embed_out = EmbedOutput()
         apply_freeze(self, cfg)

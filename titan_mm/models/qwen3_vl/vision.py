@@ -24,10 +24,11 @@ from einops import repeat
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from titan_mm.models.qwen3.model import Ops
 from titan_mm.models.qwen3_vl.config import VisionConfig
 from titan_mm.nn import init
 from titan_mm.nn.attention import _varlen_fn, varlen_attention
-from titan_mm.nn.rope import rotate_half
+from titan_mm.nn.rope import apply_rope
 
 
 # --------------------------------------------------------------------------------------------------
@@ -202,13 +203,6 @@ def vision_rope(rope_hw: torch.Tensor, head_dim: int, theta: float) -> tuple[tor
     return emb.cos(), emb.sin()
 
 
-def apply_vision_rope(x_NHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary in fp32 (as the reference does), cast back to the input dtype."""
-    xf = x_NHD.float()
-    out = xf * cos[:, None, :] + rotate_half(xf) * sin[:, None, :]
-    return out.to(x_NHD.dtype)
-
-
 def vision_attention_core(q_NHD, k_NHD, v_NHD, meta: VisionMeta) -> torch.Tensor:
     """Bidirectional attention inside each image / frame. Returns [N, H, Dh]."""
     if q_NHD.shape[0] == 0:  # no patches on this rank (encoder balance); a host-known shape, no sync
@@ -253,17 +247,21 @@ class VisionAttention(nn.Module):
     (q, k, v of head 0, then of head 1, ...). HF's ``qkv`` orders them [3, H, Dh]; hf.py permutes the rows
     on load and export. Head-major rows make the fused projection split over tensor-parallel ranks by heads
     (a contiguous row block holds whole heads with their q, k and v), like separate q / k / v projections;
-    the reshape below therefore takes the head count from the tensor (-1: the local heads)."""
+    the reshape below therefore takes the head count from the tensor (-1: the local heads).
+    ``rope``: ``Ops.apply_rope``; with the tower's fp32 cos/sin the rotation runs in fp32 as the reference's
+    does. The Triton kernel also keeps inductor from recomputing cos/sin inside every block (it did: 17% of the
+    Qwen3-VL ViT's step): a kernel's inputs are materialized once."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, rope: Callable = apply_rope):
         super().__init__()
+        self.rope = rope
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.wqkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
     def forward(self, x_ND, cos, sin, meta: VisionMeta):
         q, k, v = self.wqkv(x_ND).unflatten(1, (-1, 3, self.head_dim)).unbind(2)  # n = 0 too
-        q, k = apply_vision_rope(q, cos, sin), apply_vision_rope(k, cos, sin)
+        q, k = self.rope(q, k, cos, sin)
         o = vision_attention_core(q, k, v, meta)
         return self.proj(o.flatten(1))
 
@@ -293,12 +291,12 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig, bias_gelu: Callable | None = None):
+    def __init__(self, cfg: VisionConfig, ops: Ops):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg, bias_gelu)
+        self.attn = VisionAttention(cfg, ops.apply_rope)
+        self.mlp = VisionMLP(cfg, ops.bias_gelu)
 
     def forward(self, x_ND, cos, sin, meta: VisionMeta):
         x_ND = x_ND + self.attn(self.norm1(x_ND), cos, sin, meta)
@@ -327,10 +325,10 @@ class PatchMerger(nn.Module):
 
 class VisionTower(nn.Module):
     """pixel patches [N, P] + VisionMeta -> (merged tokens [M, O], DeepStack features list of [M, O]).
-    ``bias_gelu``: the ViT MLPs' fused bias + GELU op (``Ops.bias_gelu`` from qwen3.model.select_ops; None =
-    the PyTorch reference)."""
+    ``ops``: the blocks' RoPE and fused bias + GELU (``qwen3.model.select_ops(cfg.kernels)``; the default: the
+    PyTorch references)."""
 
-    def __init__(self, cfg: VisionConfig, bias_gelu: Callable | None = None):
+    def __init__(self, cfg: VisionConfig, ops: Ops = Ops()):
         super().__init__()
         self.cfg = cfg
         if cfg.hidden_size % cfg.num_heads:
@@ -342,7 +340,7 @@ class VisionTower(nn.Module):
         # The Conv3d with kernel == stride == (T, ps, ps) is a Linear over the flattened patch (C, T, ps, ps).
         self.patch_embed = nn.Linear(cfg.patch_dim, cfg.hidden_size, bias=True)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
-        self.blocks = nn.ModuleList([VisionBlock(cfg, bias_gelu) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([VisionBlock(cfg, ops) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
             [PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes]
