@@ -10,7 +10,9 @@ step first, as the trainer's ``tune_kernels`` picks them before its first step),
 trainer picks (``vision_backend``: varlen on CUDA when torch has it, else flex; sdpa on the CPU), compiled on CUDA
 as ``--compile`` says: ``blocks`` (the default, the trainer's compile units: one per block), ``whole`` (the tower as
 one graph: no per-block guards and autograd nodes on the host), ``graphs`` (the whole tower under CUDA graphs,
-``mode="reduce-overhead"``: the inputs repeat, so the host launches one graph a direction) or ``none``. Its host
+``mode="reduce-overhead"``: the inputs repeat, so the host launches one graph a direction), ``autotune`` (the same
+with ``mode="max-autotune"``: inductor times Triton GEMM templates against cuBLAS per shape and fuses pointwise
+epilogues, a bias + GELU or a residual add, into the templates it picks) or ``none``. Its host
 metadata is built once, before the timed steps, as the trainer's ``prepare_batch`` does. The loss is the mean
 square of the tower's outputs (the DeepStack features included), so the backward reaches every parameter. Each step
 starts with the gradients at None, as the trainer's update leaves them (``zero_grad(set_to_none=True)``); rows
@@ -43,6 +45,8 @@ not 16-byte aligned for cuBLAS). Towers (``TOWERS``; the bench shapes are the VL
   python3 bench/towers.py                                  # on the GPU: bench/results/towers_<device>.json
   python3 bench/towers.py --towers qwen3_vl_vit --profile-dir DIR   # + each tower's kernel table
   python3 bench/towers.py --compile whole --floor          # the tower as one graph, and each tower's floor
+  python3 bench/towers.py --compile autotune --kernel-ops all,-bias_gelu,-swiglu,-rms_norm   # inductor's GEMMs,
+                                                           # its epilogues free to take the activations
   python3 bench/towers.py --towers qwen3_vl_vit --vary 8 [--bucket 4096]   # sizes that change every step,
                                                            # without and with bucketed patch counts (same outputs)
   python3 bench/towers.py --cpu --tiny --out /tmp/t.json   # the smoke (debug flavors, a few steps)
@@ -112,8 +116,10 @@ TOWERS: dict[str, dict] = {
                       flops=bagel_flops.vit_flops, tiny=dict(flavor="debug", images=[(4, 4), (2, 3), (3, 5)])),
 }
 
-COMPILE = ("blocks", "whole", "graphs", "none")
+COMPILE = ("blocks", "whole", "graphs", "autotune", "none")
 """--compile's modes (module docstring); the rows record theirs (``compile``)."""
+WHOLE = {"whole": {}, "graphs": {"mode": "reduce-overhead"}, "autotune": {"mode": "max-autotune"}}
+"""The modes that compile the tower as one graph -> torch.compile's arguments (the last two under CUDA graphs)."""
 ALIGN = 64
 """The floor's aligned GEMMs round K and N up to a multiple of this."""
 
@@ -127,15 +133,16 @@ COLUMNS = (("GEMM", ("gemm",)), ("attention", ("attention",)),
            ("other", ("other", "loss", "moe_routing", "moe_permute", "optimizer", "comm")), ("idle", ("idle",)))
 
 
-def tower_config(name: str, tiny: bool, device: torch.device):
-    """(tower spec with the tiny shape applied, family config with the trainer's runtime on ``device``)."""
+def tower_config(name: str, tiny: bool, device: torch.device, kernel_ops: str = "all"):
+    """(tower spec with the tiny shape applied, family config with the trainer's runtime on ``device``; on CUDA
+    the kernels ``kernel_ops`` names, titan_mm.kernels.resolve_ops' spec)."""
     t = dict(TOWERS[name])
     small = t.pop("tiny")
     if tiny:
         t.update(small)
     cuda = device.type == "cuda"
     _, cfg = resolve_model(t["model"], t["flavor"], attn_backend="flex" if cuda else "sdpa",
-                           kernels="all" if cuda else False)
+                           kernels=kernel_ops if cuda else False)
     return t, cfg
 
 
@@ -206,8 +213,8 @@ def compile_tower(tower: torch.nn.Module, mode: str) -> None:
     if mode == "blocks":  # the trainer's compile units
         for blk in tower.blocks:
             blk.compile()
-    elif mode in ("whole", "graphs"):
-        tower.compile(**({"mode": "reduce-overhead"} if mode == "graphs" else {}))
+    elif mode in WHOLE:
+        tower.compile(**WHOLE[mode])
 
 
 class _Calls(TorchDispatchMode):
@@ -313,7 +320,7 @@ def cpu_split(prof, wall_s: float, steps: int) -> dict:
 def run_tower(name: str, args, device: torch.device) -> dict:
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    t, cfg = tower_config(name, args.tiny, device)
+    t, cfg = tower_config(name, args.tiny, device, args.kernel_ops)
     torch.manual_seed(0)
     tower = build_tower(t, cfg, device, dtype)
     sets = [tower_inputs(varied(t, i, args.tiny) if args.vary else t, cfg, device, seed=i, bucket=args.bucket)
@@ -328,7 +335,7 @@ def run_tower(name: str, args, device: torch.device) -> dict:
     def step():
         x, inputs = sets[calls[0] % len(sets)][:2]  # --vary: the next input set, as a trainer's next micro-batch
         calls[0] += 1
-        if mode == "graphs":  # a new iteration: the graphs' last outputs are free to overwrite
+        if WHOLE.get(mode):  # CUDA graphs, a new iteration: the graphs' last outputs are free to overwrite
             torch.compiler.cudagraph_mark_step_begin()
         tower.zero_grad(set_to_none=True)  # as the trainer's update leaves them: no add into last step's
         out = tower(x, *inputs)
@@ -380,7 +387,8 @@ def run_tower(name: str, args, device: torch.device) -> dict:
                 peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                 device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                 timing=timing_label(cuda), warmup=args.warmup, steps=args.steps, tiny=args.tiny,
-                bucket=args.bucket or None, vary=args.vary or None, fresh_grads=True)
+                bucket=args.bucket or None, vary=args.vary or None, fresh_grads=True,
+                kernel_ops=args.kernel_ops if cuda and args.kernel_ops != "all" else None)
 
 
 def render(rows: list[dict]) -> str:
@@ -407,7 +415,8 @@ def _label(r: dict) -> str:
     mode = _mode(r)
     shown = mode != "blocks" and device_of(r) != "cpu"
     return r["tower"] + (f" (bucket {r['bucket']})" if r.get("bucket") else "") \
-        + (f" (vary {r['vary']})" if r.get("vary") else "") + (f" (compile {mode})" if shown else "")
+        + (f" (vary {r['vary']})" if r.get("vary") else "") + (f" (compile {mode})" if shown else "") \
+        + (f" (ops {r['kernel_ops']})" if r.get("kernel_ops") else "")
 
 
 def _mode(r: dict) -> str:
@@ -447,7 +456,7 @@ def render_doc(paths: list[Path]) -> str:
 def write_rows(out: Path, rows: list[dict]) -> None:
     """Merge into ``out``: a row replaces the earlier one of its tower, device, shape (tiny or not) and bucket."""
     def key(r):
-        return r["tower"], device_of(r), r.get("tiny"), r.get("bucket"), r.get("vary"), _mode(r)
+        return r["tower"], device_of(r), r.get("tiny"), r.get("bucket"), r.get("vary"), _mode(r), r.get("kernel_ops")
 
     prev = json.loads(out.read_text())["rows"] if out.exists() else []
     new = {key(r) for r in rows}
@@ -462,7 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (fp32, eager; with --tiny: the smoke)")
     ap.add_argument("--tiny", action="store_true", help="the families' debug flavors at a few small inputs")
     ap.add_argument("--compile", choices=COMPILE, default="blocks", help="CUDA: compile each block (the trainer's "
-                    "units), the whole tower, the whole tower under CUDA graphs, or none (the CPU runs eager)")
+                    "units), the whole tower, the whole tower under CUDA graphs (with max-autotune GEMMs: "
+                    "autotune), or none (the CPU runs eager)")
+    ap.add_argument("--kernel-ops", default="all", help="CUDA: which titan_mm.kernels ops the towers run (a "
+                    "kernels.ops spec, e.g. all,-bias_gelu: inductor's own GELU, which --compile autotune can fuse "
+                    "into a GEMM); the row records a spec other than all")
     ap.add_argument("--floor", action="store_true", help="also time every linear's GEMMs alone: the tower's floor")
     ap.add_argument("--bucket", type=int, default=0, help="the ViT's patch count rounded up to a multiple of this "
                     "(build_vision_meta's bucket; towers with buckets only); the row records it and keys on it")
