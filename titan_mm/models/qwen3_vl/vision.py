@@ -249,8 +249,8 @@ class VisionAttention(nn.Module):
     (a contiguous row block holds whole heads with their q, k and v), like separate q / k / v projections;
     the reshape below therefore takes the head count from the tensor (-1: the local heads).
     ``rope``: ``Ops.apply_rope``; with the tower's fp32 cos/sin the rotation runs in fp32 as the reference's
-    does. The Triton kernel also keeps inductor from recomputing cos/sin inside every block (it did: 17% of the
-    Qwen3-VL ViT's step): a kernel's inputs are materialized once."""
+    does. The Triton kernel also keeps inductor, when it compiles the tower as one graph, from recomputing cos/sin
+    inside every block (17% of the Qwen3-VL ViT's step on the H100): a kernel's inputs are computed once."""
 
     def __init__(self, cfg: VisionConfig, rope: Callable = apply_rope):
         super().__init__()
