@@ -2,9 +2,13 @@
 
 Times forward+backward (CUDA events, median) of causal GQA attention for SDPA's flash, cuDNN and
 memory-efficient backends (with ``enable_gqa`` and with k/v heads repeated), flex_attention (compiled,
-causal BlockMask) and torch's varlen attention (flash varlen with cu_seqlens).
+causal BlockMask), torch's varlen attention (flash varlen with cu_seqlens) and cuDNN's ragged attention over the
+same flattened tokens (``aten._cudnn_attention_forward`` with cumulative lengths: what SDPA runs for a nested
+tensor). ``--bidirectional``: each of the B rows attends to itself without the causal mask, a ViT's images.
 
     PYTHONPATH=$PWD python3 bench/attention.py [--b 4 --s 4096 --h 16 --g 8 --k 128] [--out bench/results/attention.json]
+    PYTHONPATH=$PWD python3 bench/attention.py --b 8 --s 1024 --h 16 --g 16 --k 72 --bidirectional \
+        --out bench/results/attention_vit72.json    # a ViT's: 8 images of 1,024 patches, head dim 72
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from titan_mm.nn.attention import varlen_attention  # noqa: E402
 
 
 def bench(fn, iters: int = 20, warmup: int = 3) -> float:
@@ -45,24 +51,26 @@ def main() -> int:
     ap.add_argument("--h", type=int, default=16)
     ap.add_argument("--g", type=int, default=8)
     ap.add_argument("--k", type=int, default=128)
+    ap.add_argument("--bidirectional", action="store_true", help="no causal mask (each row one image of a ViT)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/attention.json"))
     a = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     B, S, H, G, K = a.b, a.s, a.h, a.g, a.k
+    causal = not a.bidirectional
     dev = "cuda"
     q = torch.randn(B, H, S, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(B, G, S, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(B, G, S, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
     do = torch.randn(B, H, S, K, device=dev, dtype=torch.bfloat16)
-    flops_fwd = 4 * B * H * K * S * S / 2  # causal
+    flops_fwd = 4 * B * H * K * S * S / (2 if causal else 1)
     rows = []
 
-    def run(name, f):
+    def run(name, f, leaves=(q, k, v), grad=do):
         def fb():
-            out = f()
-            out.backward(do)
-            q.grad = k.grad = v.grad = None
+            f().backward(grad)
+            for t in leaves:
+                t.grad = None
 
         try:
             ms_f = bench(lambda: f())
@@ -79,48 +87,33 @@ def main() -> int:
                      ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
         def gqa(be=be):
             with sdpa_kernel([be]):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
         def rep(be=be):
             with sdpa_kernel([be]):
                 return F.scaled_dot_product_attention(q, k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1),
-                                                      is_causal=True)
+                                                      is_causal=causal)
 
         run(name + "_gqa", gqa)
         run(name + "_repeat_kv", rep)
 
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=dev)
+    bm = create_block_mask(lambda b, h, qi, ki: qi >= ki if causal else qi >= 0, None, None, S, S, device=dev)
     fa = torch.compile(flex_attention)
     run("flex_compiled", lambda: fa(q, k, v, block_mask=bm, enable_gqa=True))
 
-    try:
-        from titan_mm.nn.attention import varlen_attention
-
-        cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=dev)
-        qf = q.detach().transpose(1, 2).reshape(B * S, H, K).contiguous().requires_grad_()
-        kf = k.detach().transpose(1, 2).reshape(B * S, G, K).contiguous().requires_grad_()
-        vf_ = v.detach().transpose(1, 2).reshape(B * S, G, K).contiguous().requires_grad_()
-        do_f = do.transpose(1, 2).reshape(B * S, H, K).contiguous()
-
-        def var():
-            return varlen_attention(qf, kf, vf_, cu, S, causal=True)
-
-        def varfb():
-            var().backward(do_f)
-            qf.grad = kf.grad = vf_.grad = None
-
-        ms_f, ms_fb = bench(var), bench(varfb)
-        rows.append(dict(backend="varlen", fwd_ms=ms_f, fwd_bwd_ms=ms_fb, fwd_tflops=flops_fwd / ms_f / 1e9,
-                         fwd_bwd_tflops=3.5 * flops_fwd / ms_fb / 1e9))
-        print(f"{'varlen':28s} fwd {ms_f:.3f} ms  fwd+bwd {ms_fb:.3f} ms", flush=True)
-    except Exception as e:
-        rows.append(dict(backend="varlen", error=f"{type(e).__name__}: {str(e)[:200]}"))
-        print("varlen", rows[-1]["error"])
+    # the same tokens flattened: [B * S, heads, K] with each row a document of cu
+    cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=dev)
+    qf, kf, vf = (t.detach().transpose(1, 2).reshape(B * S, -1, K).contiguous().requires_grad_() for t in (q, k, v))
+    flat = dict(leaves=(qf, kf, vf), grad=do.transpose(1, 2).reshape(B * S, H, K).contiguous())
+    run("varlen", lambda: varlen_attention(qf, kf, vf, cu, S, causal=causal), **flat)
+    if G == H:  # cuDNN's ragged path takes as many k/v heads as q heads
+        run("cudnn_ragged", lambda: torch.ops.aten._cudnn_attention_forward(
+            qf, kf, vf, None, cu, cu, S, S, True, 0.0, causal, False)[0], **flat)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(shape=dict(B=B, S=S, H=H, G=G, K=K), gpu=torch.cuda.get_device_name(),
+    out.write_text(json.dumps(dict(shape=dict(B=B, S=S, H=H, G=G, K=K, causal=causal), gpu=torch.cuda.get_device_name(),
                                    torch=torch.__version__, rows=rows), indent=1))
     return 0
 
