@@ -10,6 +10,7 @@ knows no family. Which keys the Qwen families hit (per rank; tp = tensor-paralle
 - add_rms_norm: hidden (Qwen3Block: residual add + ffn_norm), forward and backward with the residual grad;
 - swiglu:       intermediate_size / tp, contiguous gate / up (separate w1 / w3 outputs), dense layers only;
 - rope:         heads / tp, kv heads / tp, head_dim (Qwen3-VL's interleaved M-RoPE too: one HF-layout table);
+                the ViTs' 2-D rotary: vision heads (/ tp with encoder_tp), vision head_dim;
 - bias_gelu:    the ViT MLP width (/ tp with encoder_tp), Qwen3-VL with a tanh GELU only;
 - linear_cross_entropy: the row kernel of the fused linear cross-entropy: vocabulary, forward with
                 gradients (training; tp's vocabulary-parallel loss has its own kernels, not tuned).

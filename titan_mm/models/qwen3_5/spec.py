@@ -48,14 +48,16 @@ def data_needs(cfg: Qwen3_5Config) -> DataNeeds:
 def kernel_shapes(cfg: Qwen3_5Config, tp: int = 1, encoder_tp: bool = False) -> KernelShapes:
     """Per tp rank: the zero-centred norms (hidden; q / k heads) and the gated norm (value head dim) through the
     RMSNorm kernel, the residual add + norm, SwiGLU at the dense / shared-expert width, RoPE only when it rotates
-    whole heads (partial RoPE runs the reference on the rotated channels), the vocab, the ViT MLP's bias + GELU."""
+    whole heads (partial RoPE runs the reference on the rotated channels), the vocab, the ViT's RoPE and its MLP's
+    bias + GELU."""
     t, v = cfg.text, cfg.vision
     hq, hk = t.num_attention_heads // tp, t.num_key_value_heads // tp
     width = t.shared_expert_intermediate_size if t.is_moe else t.intermediate_size
     return KernelShapes(
         rms_norm=(t.hidden_size, t.linear_value_head_dim), head_norm=((hq, t.head_dim), (hk, t.head_dim)),
         add_rms_norm=(t.hidden_size,), swiglu=(width // tp,),
-        rope=((hq, hk, t.head_dim),) if t.rotary_dim == t.head_dim else (), vocab=t.vocab_size,
+        rope=tuple(sorted({*(((hq, hk, t.head_dim),) if t.rotary_dim == t.head_dim else ()),
+                           vl_spec.vision_rope(v, tp, encoder_tp)})), vocab=t.vocab_size,
         bias_gelu=(v.intermediate_size // (tp if encoder_tp else 1),) if v.hidden_act == "gelu_pytorch_tanh" else (),
     )
 

@@ -42,10 +42,19 @@ def data_needs(cfg: Qwen3VLConfig) -> DataNeeds:
     )
 
 
+def vision_rope(v, tp: int, encoder_tp: bool) -> tuple[int, int, int]:
+    """The ViT attention's RoPE key (q heads, k heads, head dim): its heads per rank with encoder_tp. Qwen3-VL's
+    and Qwen2.5-VL's VisionConfig (``num_heads``, ``hidden_size``) and the towers built on them."""
+    h = v.num_heads // (tp if encoder_tp else 1)
+    return h, h, v.hidden_size // v.num_heads
+
+
 def kernel_shapes(cfg: Qwen3VLConfig, tp: int = 1, encoder_tp: bool = False) -> KernelShapes:
-    """The text model's, plus the ViT MLP's bias + tanh-GELU (sharded over tp only with encoder_tp)."""
-    s = text_spec.kernel_shapes(cfg.text, tp)
+    """The text model's, plus the ViT's RoPE and its MLP's bias + tanh-GELU (both sharded over tp only with
+    encoder_tp)."""
     v = cfg.vision
+    s = text_spec.kernel_shapes(cfg.text, tp)
+    s = dataclasses.replace(s, rope=tuple(sorted({*s.rope, vision_rope(v, tp, encoder_tp)})))
     if v.hidden_act != "gelu_pytorch_tanh":
         return s
     return dataclasses.replace(s, bias_gelu=(v.intermediate_size // (tp if encoder_tp else 1),))
