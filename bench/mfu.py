@@ -28,6 +28,8 @@ Stacks:
   titan_opt_f8_tensorwise, titan_opt_f8_rowwise, titan_opt_f8_rowwise_with_gw_hp
                    titan_opt + float8 linears (float8.enable) with that float8.recipe: dense float8 without the
                    cast path's per-step widening copies
+  titan_opt_f8_rowwise_titan
+                   titan_opt_f8_rowwise on titan_mm's casts (float8.rowwise_casts = titan: titan_mm.quant.rowwise)
   titan_fsdp       titan through FSDP2 on the one-GPU mesh (parallel.one_rank_mixed_precision = fsdp). The other
                    titan stacks run the one-rank cast path (titan_mm.parallel.apply) since 2026-12-03; a row says
                    which in ``mixed_precision`` (rows without it ran through FSDP2)
@@ -245,11 +247,12 @@ F8_EXPERT_STACKS = ("titan_f8_experts", "titan_opt_f8")
 # parallel.one_rank_mixed_precision of the titan stacks that do not run the default (cast)
 MIXED_PRECISION = {"titan_fsdp": "fsdp", "titan_plain": "fsdp", "titan_opt": "optimizer", "titan_opt_f8": "optimizer",
                    "titan_opt_f8_tensorwise": "optimizer", "titan_opt_f8_rowwise": "optimizer",
-                   "titan_opt_f8_rowwise_with_gw_hp": "optimizer"}
+                   "titan_opt_f8_rowwise_with_gw_hp": "optimizer", "titan_opt_f8_rowwise_titan": "optimizer"}
 
 # the stacks with float8 linears (float8.enable), and their float8.recipe
 FLOAT8_RECIPE = {"titan_f8": "tensorwise", "titan_f8_pre": "tensorwise", "titan_opt_f8_tensorwise": "tensorwise",
-                 "titan_opt_f8_rowwise": "rowwise", "titan_opt_f8_rowwise_with_gw_hp": "rowwise_with_gw_hp"}
+                 "titan_opt_f8_rowwise": "rowwise", "titan_opt_f8_rowwise_with_gw_hp": "rowwise_with_gw_hp",
+                 "titan_opt_f8_rowwise_titan": "rowwise"}
 
 
 def titan_argv(case: dict, stack: str, args) -> list[str]:
@@ -265,6 +268,7 @@ def titan_argv(case: dict, stack: str, args) -> list[str]:
         "--compile.enable", str(stack != "titan_eager"),
         "--float8.enable", str(stack in FLOAT8_RECIPE), "--float8.recipe", FLOAT8_RECIPE.get(stack, "tensorwise"),
         "--float8.precompute_scale", str(stack == "titan_f8_pre"),
+        "--float8.rowwise_casts", "titan" if stack == "titan_opt_f8_rowwise_titan" else "torchao",
         "--float8.moe_experts", str(stack in F8_EXPERT_STACKS),
         # kernels on CUDA: the trainer's default op set, or --kernel-ops (e.g. "all,-rope": which op helps or
         # hurts end to end); titan_nokernels runs the PyTorch references
@@ -614,7 +618,8 @@ def worker(args) -> dict:
 
 # ------------------------------------------------------------------------------------------------ driver
 STACK_ORDER = ("titan", "titan_opt", "titan_fsdp", "titan_f8", "titan_f8_pre", "titan_opt_f8_tensorwise",
-               "titan_opt_f8_rowwise", "titan_opt_f8_rowwise_with_gw_hp", "titan_f8_experts", "titan_opt_f8",
+               "titan_opt_f8_rowwise", "titan_opt_f8_rowwise_with_gw_hp", "titan_opt_f8_rowwise_titan",
+               "titan_f8_experts", "titan_opt_f8",
                "titan_eager", "titan_nokernels", "titan_plain", "torchtitan", "hf_liger", "hf", "diffusers",
                "bagel_ref", "bagel_ref_eager")
 

@@ -366,6 +366,10 @@ class Float8:
     """torchao float8 scaling recipe (rowwise_with_gw_hp: rowwise, with the weight-gradient GEMM in high precision,
     so without rowwise's column-wise casts of its operands). Qwen3-8B (12 layers, one H100, optimizer-owned copies):
     tensorwise 1.18x bf16, rowwise 0.95x (its casts cost more than its GEMMs save there; docs/benchmarks.md)."""
+    rowwise_casts: Literal["torchao", "titan"] = "torchao"
+    """recipe rowwise: torchao's Float8Linear, or titan: titan_mm.quant.rowwise's linear (the same three float8
+    GEMMs, torch._scaled_mm, with titan_mm's Triton casts instead of torchao's compiled ones, which cost rowwise its
+    gain on the 8B; not measured on a GPU yet). Single-device or FSDP; no tensor parallelism."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output", "router", "gate"])
     """Linears with a dot-separated FQN component equal to one of these stay in high precision
     ("output" = lm head, "router"/"gate" = MoE routers; "gate_proj"-style names are not matched)."""
@@ -1051,6 +1055,12 @@ def _validate_precision(cfg: JobConfig) -> None:
     if cfg.float8.moe_experts and t.param_dtype != "bfloat16":
         raise ConfigError(f"float8.moe_experts needs training.param_dtype='bfloat16' (the float8 grouped GEMMs take "
                           f"bf16 inputs), got {t.param_dtype!r}: use --training.param_dtype bfloat16 with it")
+    if cfg.float8.rowwise_casts == "titan" and cfg.float8.recipe != "rowwise":
+        raise ConfigError(f"float8.rowwise_casts='titan' is for float8.recipe='rowwise', got recipe="
+                          f"{cfg.float8.recipe!r}: use --float8.recipe rowwise, or drop --float8.rowwise_casts")
+    if cfg.float8.enable and cfg.float8.rowwise_casts == "titan" and cfg.parallel.tp > 1:
+        raise ConfigError("float8.rowwise_casts='titan' has no tensor-parallel linear (its GEMMs take whole "
+                          "tensors): use --parallel.tp 1, or --float8.rowwise_casts torchao")
     if t.param_dtype == "float16" and cfg.float8.enable:
         raise ConfigError("training.param_dtype='float16' with float8.enable: float8 needs an SM>=89 GPU, which has "
                           "bfloat16; use --training.param_dtype bfloat16 with float8")

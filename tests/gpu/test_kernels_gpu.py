@@ -153,6 +153,58 @@ def test_fp8_rows_is_exact():
     print(f"fp8_rows {mine * 1e3:.1f} us, torch ops {torch_ops * 1e3:.1f} us at 256 x 12288")
 
 
+def test_fp8_cols_is_rows_of_the_transpose():
+    """titan_mm.kernels.fp8_cols (the rowwise float8 training linear's transposed casts): bit-equal to fp8_rows of
+    the transposed copy, zero columns included, at an 8B step's shapes; its time against that copy and cast."""
+    from titan_mm.kernels import fp8_cols, fp8_rows
+
+    torch.manual_seed(0)
+    for m, c in ((8192, 4096), (8192, 12288), (77, 5000), (16, 16)):
+        x = (torch.randn(m, c, device="cuda") * torch.logspace(-4, 4, c, device="cuda")).bfloat16()
+        x[:, c // 2] = 0
+        (q, s), (q_ref, s_ref) = fp8_cols(x), fp8_rows(x.t().contiguous())
+        assert torch.equal(s, s_ref), (m, c)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (m, c)
+    x = torch.randn(8192, 4096, device="cuda").bfloat16()
+    mine, two = cuda_ms(lambda: fp8_cols(x)), cuda_ms(lambda: fp8_rows(x.t().contiguous()))
+    print(f"fp8_cols {mine * 1e3:.1f} us, transpose + fp8_rows {two * 1e3:.1f} us at 8192 x 4096 (copy rate "
+          f"{3 * x.numel() / mine / 1e9:.2f} TB/s counting two reads and a byte write)")
+
+
+def test_float8_rowwise_linear_on_cuda():
+    """titan_mm.quant.rowwise's linear: its three float8 GEMMs against the fp32 products of the same dequantized
+    operands (fp32 sums in another order: k roundings, plus the output's bf16 rounding), and compiled (inductor,
+    fullgraph) equal to eager."""
+    import torch.nn as nn
+
+    from titan_mm.kernels import fp8_cast
+    from titan_mm.quant.rowwise import to_rowwise
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4096, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    to_rowwise(lin, lambda m, fqn: True)
+    x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    y = lin(x)
+    y.backward(g)
+
+    def deq(t, cols=False):
+        q, s = fp8_cast(t, cols)
+        return q.float() * s
+
+    for got, a, b in ((y, deq(x), deq(lin.weight)), (x.grad, deq(g), deq(lin.weight, True)),
+                      (lin.weight.grad, deq(g, True), deq(x, True))):
+        ref = a @ b.t()
+        tol = (a.abs() @ b.abs().t()) * (a.shape[1] * 2.0**-24) + ref.abs() * 2.0**-8 + 1e-6
+        assert ((got.float() - ref).abs() <= tol).all()
+    lin.weight.grad = None
+    xc = x.detach().clone().requires_grad_()
+    yc = torch.compile(lin, fullgraph=True)(xc)
+    yc.backward(g)
+    torch.testing.assert_close(yc, y, rtol=0, atol=0)
+    torch.testing.assert_close(xc.grad, x.grad, rtol=0, atol=0)
+
+
 def test_swiglu_fp8_rows_is_the_two_kernels():
     """titan_mm.kernels.swiglu_fp8_rows (serving's w8a8 SwiGLU: the product and its cast in one launch): bit-equal
     to kernels.swiglu then kernels.fp8_rows (the same fp32 product rounded to bf16, then the same cast), at an 8B's

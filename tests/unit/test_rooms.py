@@ -187,7 +187,7 @@ WALLS = {
     "_quiet": set(), "config": set(), "dtypes": set(), "nn": set(),
     "checkpoint_io": set(),  # reading a run folder's DCP checkpoints: below train/ and loader.py, which both read them
     "kernels": {"nn"},
-    "quant": {"config"},
+    "quant": {"config", "kernels"},
     "observe": {"config"},
     "registry": {"models"},  # the built-in families register themselves when first named (lazily)
     "data": {"config", "nn", "registry"},

@@ -29,6 +29,9 @@ see docs/kernels.md):
         vectorized pass: the cast path's gradient sum over micro-batches; no autograd)
     fp8_rows(x) -> (e4m3 x, fp32 scale per row)   x [M, K]: amax x (1 / 448) a row, then the cast, in one launch
         (serving's rowwise w8a8 linears quantize their inputs with it; no autograd)
+    fp8_cols(x) -> fp8_rows(x.T), written as [C, M] without writing x.T (one launch; no autograd)
+    fp8_cast(x, cols) -> fp8_rows(x), or fp8_cols(x) with cols: either as one opaque node under torch.compile
+        (titan_mm.quant.rowwise's training linear casts its GEMMs' operands with it)
     swiglu_fp8_rows(gate_up) -> fp8_rows(swiglu(gate, up))   gate_up [M, 2F]: the product and its cast in one launch
         (serving's w8a8 SwiGLU: the down projection's input; no autograd)
     fp8_mm(x8, sx, w8, sw, bias, out_dtype) -> (x8 @ w8.T) x sx x sw (+ bias)   x8 [M, K], w8 [N, K] e4m3, sx [M, 1],
@@ -99,6 +102,8 @@ __all__ = [
     "upcast",
     "accumulate",
     "fp8_rows",
+    "fp8_cols",
+    "fp8_cast",
     "greedy_pick",
     "adamw_step_",
     "moe_expand",
@@ -152,6 +157,7 @@ if HAS_TRITON:  # optional: triton is absent on some CPU machines, where every o
     from .fp8_gemm import fits as _fp8_mm_fits
     from .fp8_gemm import fp8_mm as _fp8_mm
     from .fp8_rows import MAX_K as _FP8_MAX_K
+    from .fp8_rows import fp8_cols as _fp8_cols
     from .fp8_rows import fp8_rows as _fp8_rows
     from .fp8_rows import swiglu_fp8_rows as _swiglu_fp8_rows
     from .greedy import greedy_pick as _greedy_pick
@@ -376,6 +382,34 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] <= _FP8_MAX_K:
         return _fp8_rows(x)
     return _fp8_rows_ref(x)
+
+
+@torch.no_grad()
+def fp8_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, C] -> fp8_rows(x.T): (e4m3 [C, M], fp32 scales [C, 1]), the e4m3 rows contiguous."""
+    if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return _fp8_cols(x)
+    q, scale = _fp8_rows_ref(x.t())
+    return q.contiguous(), scale
+
+
+@torch.library.custom_op("titan_mm::fp8_cast", mutates_args=())
+def _fp8_cast_op(x: torch.Tensor, cols: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp8_cols(x) if cols else fp8_rows(x)
+
+
+@_fp8_cast_op.register_fake
+def _(x, cols):
+    rows, width = (x.shape[1], x.shape[0]) if cols else x.shape
+    return x.new_empty(rows, width, dtype=torch.float8_e4m3fn), x.new_empty(rows, 1, dtype=torch.float32)
+
+
+def fp8_cast(x: torch.Tensor, cols: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_rows(x), or with ``cols`` fp8_cols(x); under torch.compile one opaque node (its kernels launch as in
+    eager), since neither has a backward."""
+    if _dispatch.use_ops():
+        return _fp8_cast_op(x, cols)
+    return fp8_cols(x) if cols else fp8_rows(x)
 
 
 @torch.no_grad()

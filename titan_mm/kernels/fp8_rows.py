@@ -6,7 +6,9 @@ A w8a8 linear (serve.quantization = "fp8_rowwise_fused") quantizes its input eve
 compiled into one kernel 1.38x; torchao's rowwise linear 0.69x. The engine replays CUDA graphs without
 torch.compile, so the one-kernel cast is this: one program per row, the whole row in registers (read once).
 ``swiglu_fp8_rows`` is the same cast of a SwiGLU's product, computed from the fused gate / up GEMM's output in the
-launch (the down projection's input: the bf16 product is neither written nor read back).
+launch (the down projection's input: the bf16 product is neither written nor read back). ``fp8_cols`` casts the rows
+of x's transpose, written transposed (a rowwise float8 training linear's weight-gradient operands and its weight for
+the input gradient; titan_mm.quant.rowwise): a block of columns a program, read twice (amax, then the cast).
 """
 
 from __future__ import annotations
@@ -57,3 +59,35 @@ def swiglu_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, 2F] (gate | up; last dim contiguous, F <= MAX_K) -> fp8_rows(silu(gate) * up), without writing the
     product: (e4m3 [M, F], fp32 scales [M, 1])."""
     return _launch(x, x.shape[1] // 2, True)
+
+
+@triton.jit
+def _fp8_cols(X, Y, S, M, C, sx, sy, FMAX: tl.constexpr, INV: tl.constexpr, SMIN: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = cols < C
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        x = tl.load(X + rows[:, None].to(tl.int64) * sx + cols[None, :], mask=(rows < M)[:, None] & cm[None, :],
+                    other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
+    scale = tl.maximum(amax * INV, SMIN)
+    for m0 in range(0, M, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & cm[None, :]
+        x = tl.load(X + rows[:, None].to(tl.int64) * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[None, :]), -FMAX), FMAX)
+        tl.store(Y + cols[None, :].to(tl.int64) * sy + rows[:, None], q.to(Y.dtype.element_ty), mask=mask)
+    tl.store(S + cols, scale, mask=cm)
+
+
+def fp8_cols(x: torch.Tensor, block_m: int = 64, block_c: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, C] (last dim contiguous) -> fp8_rows of x.T: (e4m3 [C, M], fp32 scales [C, 1]), without writing x.T."""
+    M, C = x.shape
+    y = torch.empty(C, M, dtype=FP8, device=x.device)
+    s = torch.empty(C, 1, dtype=torch.float32, device=x.device)
+    if M and C:
+        _fp8_cols[(triton.cdiv(C, block_c),)](x, y, s, M, C, x.stride(0), y.stride(0), FMAX=FP8_MAX, INV=INV_FP8_MAX,
+                                              SMIN=MIN_SCALE, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
+    return y, s

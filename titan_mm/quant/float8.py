@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from titan_mm.config import ConfigError, Float8
+from titan_mm.quant.rowwise import to_rowwise
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,8 @@ __all__ = ["apply_float8", "check_float8_experts", "float8_after_optimizer"]
 
 
 def apply_float8(model: nn.Module, cfg: Float8, on_cuda: bool, fsdp: bool = True) -> None:
-    """Swap eligible ``nn.Linear`` for torchao Float8Linear (tensorwise or rowwise scaling). The caller decides
+    """Swap eligible ``nn.Linear`` for torchao Float8Linear (tensorwise or rowwise scaling), or with
+    ``rowwise_casts = "titan"`` for titan_mm.quant.rowwise's Float8RowwiseLinear. The caller decides
     whether float8 is on (``cfg.enable``); this checks that the device can run it. ``fsdp``: FSDP2 will gather the
     weights (tensorwise then gathers them in float8); false on the one-rank cast path (titan_mm.parallel.apply)."""
     if not on_cuda:
@@ -33,23 +35,27 @@ def apply_float8(model: nn.Module, cfg: Float8, on_cuda: bool, fsdp: bool = True
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
         raise RuntimeError(f"float8 training needs SM>=89; this GPU is SM{major}{minor}. Set --float8.enable false.")
-    # deferred: importing torchao costs ~0.6 s and logs warnings; only float8 runs need it
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
     skip = set(cfg.filter_fqns)
-    if cfg.recipe == "tensorwise":
-        f8cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
-    else:
-        if cfg.recipe == "rowwise":
-            logger.warning("float8.recipe=rowwise: on Qwen3-8B (one H100) it ran at 0.95x bf16, tensorwise at 1.18x "
-                           "(torchao's rowwise casts; docs/benchmarks.md); use it for its accuracy, not its speed")
-        f8cfg = Float8LinearConfig.from_recipe_name(cfg.recipe)
 
     def keep(mod: nn.Module, fqn: str) -> bool:
         if not isinstance(mod, nn.Linear) or any(part in skip for part in fqn.split(".")):
             return False
         return mod.in_features % 16 == 0 and mod.out_features % 16 == 0  # float8 GEMM shape rule
 
+    if cfg.rowwise_casts == "titan":  # the config allows it with recipe rowwise only
+        logger.info(f"float8 rowwise on titan_mm's casts: {to_rowwise(model, keep)} linears")
+        return
+    # deferred: importing torchao costs ~0.6 s and logs warnings; only float8 runs need it
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    if cfg.recipe == "tensorwise":
+        f8cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
+    else:
+        if cfg.recipe == "rowwise":
+            logger.warning("float8.recipe=rowwise: on Qwen3-8B (one H100) it ran at 0.95x bf16, tensorwise at 1.18x "
+                           "(torchao's rowwise casts; docs/benchmarks.md); use it for its accuracy, not its speed, "
+                           "or try --float8.rowwise_casts titan (titan_mm's casts)")
+        f8cfg = Float8LinearConfig.from_recipe_name(cfg.recipe)
     convert_to_float8_training(model, config=f8cfg, module_filter_fn=keep)
 
 
