@@ -54,7 +54,7 @@ def apply_float8(model: nn.Module, cfg: Float8, on_cuda: bool, fsdp: bool = True
         if cfg.recipe == "rowwise":
             logger.warning("float8.recipe=rowwise: on Qwen3-8B (one H100) it ran at 0.95x bf16, tensorwise at 1.18x "
                            "(torchao's rowwise casts; docs/benchmarks.md); use it for its accuracy, not its speed, "
-                           "or try --float8.rowwise_casts titan (titan_mm's casts)")
+                           "or try --float8.rowwise_casts titan (titan_mm's casts; not measured on a GPU yet)")
         f8cfg = Float8LinearConfig.from_recipe_name(cfg.recipe)
     convert_to_float8_training(model, config=f8cfg, module_filter_fn=keep)
 
