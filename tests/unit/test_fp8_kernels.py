@@ -88,3 +88,12 @@ def test_swiglu_fp8_rows_compiles_for_hopper():
 
     sig = {"X": "*bf16", "Y": "*fp8e4nv", "S": "*fp32", "K": "i32", "sx": "i32", "sy": "i32"}
     _compile(_fp8_rows, sig, dict(FMAX=448.0, INV=1 / 448, SMIN=1e-12, BLOCK=16384, SWIGLU=True), 16)
+
+
+def test_fp8_cols_compiles_for_hopper():
+    """The transposed cast (titan_mm.quant.rowwise's) at its launch: bf16 in, e4m3 out, within Hopper's shared memory."""
+    from titan_mm.kernels.fp8_rows import _fp8_cols
+
+    sig = {"X": "*bf16", "Y": "*fp8e4nv", "S": "*fp32", "M": "i32", "C": "i32", "sx": "i32", "sy": "i32"}
+    k = _compile(_fp8_cols, sig, dict(FMAX=448.0, INV=1 / 448, SMIN=1e-12, BLOCK_M=64, BLOCK_C=32), 4)
+    assert 0 <= k.metadata.shared <= 227 * 1024
