@@ -235,6 +235,11 @@ class KernelShapes:
     vocab: int = 0
     """Vocabulary of the fused linear cross-entropy (0: no LM head)."""
 
+    def plus(self, **extra: tuple) -> "KernelShapes":
+        """These shapes and ``extra``'s (field -> more keys), each field's keys once, sorted: an encoder's on top of
+        its decoder's."""
+        return dataclasses.replace(self, **{f: tuple(sorted({*getattr(self, f), *keys})) for f, keys in extra.items()})
+
 
 @dataclass(frozen=True)
 class BlockBytes:

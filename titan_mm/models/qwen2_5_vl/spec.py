@@ -44,11 +44,10 @@ def data_needs(cfg: Qwen2_5_VLConfig) -> DataNeeds:
 def kernel_shapes(cfg: Qwen2_5_VLConfig, tp: int = 1, encoder_tp: bool = False) -> KernelShapes:
     """The decoder's, plus the ViT's RMSNorm, SwiGLU and RoPE (SwiGLU and RoPE sharded over tp only with
     encoder_tp)."""
-    s = text_spec.kernel_shapes(cfg.text, tp)
     v = cfg.vision
-    return dataclasses.replace(s, rms_norm=tuple(sorted({*s.rms_norm, v.hidden_size})),
-                               swiglu=tuple(sorted({*s.swiglu, v.intermediate_size // (tp if encoder_tp else 1)})),
-                               rope=tuple(sorted({*s.rope, vl_spec.vision_rope(v, tp, encoder_tp)})))
+    return text_spec.kernel_shapes(cfg.text, tp).plus(
+        rms_norm=(v.hidden_size,), swiglu=(v.intermediate_size // (tp if encoder_tp else 1),),
+        rope=(vl_spec.vision_rope(v, tp, encoder_tp),))
 
 
 def fused_params(cfg: Qwen2_5_VLConfig) -> dict[str, FusedRows]:

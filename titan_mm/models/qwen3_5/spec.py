@@ -56,10 +56,9 @@ def kernel_shapes(cfg: Qwen3_5Config, tp: int = 1, encoder_tp: bool = False) -> 
     return KernelShapes(
         rms_norm=(t.hidden_size, t.linear_value_head_dim), head_norm=((hq, t.head_dim), (hk, t.head_dim)),
         add_rms_norm=(t.hidden_size,), swiglu=(width // tp,),
-        rope=tuple(sorted({*(((hq, hk, t.head_dim),) if t.rotary_dim == t.head_dim else ()),
-                           vl_spec.vision_rope(v, tp, encoder_tp)})), vocab=t.vocab_size,
+        rope=((hq, hk, t.head_dim),) if t.rotary_dim == t.head_dim else (), vocab=t.vocab_size,
         bias_gelu=(v.intermediate_size // (tp if encoder_tp else 1),) if v.hidden_act == "gelu_pytorch_tanh" else (),
-    )
+    ).plus(rope=(vl_spec.vision_rope(v, tp, encoder_tp),))
 
 
 def fused_params(cfg: Qwen3_5Config) -> dict[str, FusedRows]:

@@ -53,11 +53,8 @@ def kernel_shapes(cfg: Qwen3VLConfig, tp: int = 1, encoder_tp: bool = False) -> 
     """The text model's, plus the ViT's RoPE and its MLP's bias + tanh-GELU (both sharded over tp only with
     encoder_tp)."""
     v = cfg.vision
-    s = text_spec.kernel_shapes(cfg.text, tp)
-    s = dataclasses.replace(s, rope=tuple(sorted({*s.rope, vision_rope(v, tp, encoder_tp)})))
-    if v.hidden_act != "gelu_pytorch_tanh":
-        return s
-    return dataclasses.replace(s, bias_gelu=(v.intermediate_size // (tp if encoder_tp else 1),))
+    gelu = (v.intermediate_size // (tp if encoder_tp else 1),) if v.hidden_act == "gelu_pytorch_tanh" else ()
+    return text_spec.kernel_shapes(cfg.text, tp).plus(rope=(vision_rope(v, tp, encoder_tp),), bias_gelu=gelu)
 
 
 def fused_params(cfg: Qwen3VLConfig) -> dict[str, FusedRows]:
