@@ -86,8 +86,18 @@ def run_multiproc(
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes; return results by rank.
 
     ``fn`` must be defined at module level (spawn imports it by name). ``env`` adds environment variables
-    to every child before torch.distributed is initialised.
+    to every child before torch.distributed is initialised. A port another test took between its pick and the
+    store's bind (pytest-xdist runs tests side by side) is retried once on a fresh port.
     """
+    try:
+        return _run(fn, world_size, args, kwargs, timeout_s, env)
+    except MultiprocError as e:
+        if "address already in use" not in str(e).lower():
+            raise
+        return _run(fn, world_size, args, kwargs, timeout_s, env)
+
+
+def _run(fn, world_size, args, kwargs, timeout_s, env) -> list[Any]:
     ctx = mp.get_context("spawn")
     port = find_free_port()
     with tempfile.TemporaryDirectory(prefix="titan_mm_mp_") as out_dir:
