@@ -155,20 +155,24 @@ def test_fp8_rows_is_exact():
 
 def test_fp8_cols_is_rows_of_the_transpose():
     """titan_mm.kernels.fp8_cols (the rowwise float8 training linear's transposed casts): bit-equal to fp8_rows of
-    the transposed copy, zero columns included, at an 8B step's shapes; its time against that copy and cast."""
+    the transposed copy, zero columns included, at an 8B step's shapes, split over rows (the default) or not; their
+    times against that copy and cast."""
     from titan_mm.kernels import fp8_cols, fp8_rows
+    from titan_mm.kernels.fp8_rows import fp8_cols as launch_cols
 
     torch.manual_seed(0)
     for m, c in ((8192, 4096), (8192, 12288), (77, 5000), (16, 16)):
         x = (torch.randn(m, c, device="cuda") * torch.logspace(-4, 4, c, device="cuda")).bfloat16()
         x[:, c // 2] = 0
-        (q, s), (q_ref, s_ref) = fp8_cols(x), fp8_rows(x.t().contiguous())
-        assert torch.equal(s, s_ref), (m, c)
-        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (m, c)
+        q_ref, s_ref = fp8_rows(x.t().contiguous())
+        for q, s in (fp8_cols(x), launch_cols(x, rows=0)):
+            assert torch.equal(s, s_ref), (m, c)
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (m, c)
     x = torch.randn(8192, 4096, device="cuda").bfloat16()
-    mine, two = cuda_ms(lambda: fp8_cols(x)), cuda_ms(lambda: fp8_rows(x.t().contiguous()))
-    print(f"fp8_cols {mine * 1e3:.1f} us, transpose + fp8_rows {two * 1e3:.1f} us at 8192 x 4096 (copy rate "
-          f"{3 * x.numel() / mine / 1e9:.2f} TB/s counting two reads and a byte write)")
+    mine, one, two = (cuda_ms(lambda: fp8_cols(x)), cuda_ms(lambda: launch_cols(x, rows=0)),
+                      cuda_ms(lambda: fp8_rows(x.t().contiguous())))
+    print(f"fp8_cols {mine * 1e3:.1f} us (rows=0: {one * 1e3:.1f} us), transpose + fp8_rows {two * 1e3:.1f} us at "
+          f"8192 x 4096 (copy rate {3 * x.numel() / mine / 1e9:.2f} TB/s counting two reads and a byte write)")
 
 
 def test_float8_rowwise_linear_on_cuda():

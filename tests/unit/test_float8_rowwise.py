@@ -100,11 +100,12 @@ torch.manual_seed(0)
 for m, c in ((70, 40), (64, 32), (5, 96), (130, 33)):
     x = (torch.randn(m, c) * torch.logspace(-2, 2, c)[None, :]).to(torch.bfloat16)
     x[:, 3] = 0
-    q, s = fp8_cols(x, block_m=16, block_c=8)
     q_ref, s_ref = fp8_rows(x.t().contiguous())  # the interpreted row kernel
-    assert q.shape == (c, m) and q.is_contiguous() and s.shape == (c, 1)
-    assert torch.equal(s, s_ref), (m, c)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (m, c)
+    for rows in (0, 32, 48):  # one program a column block, or split over blocks of rows (amax by atomic max)
+        q, s = fp8_cols(x, block_m=16, block_c=8, rows=rows)
+        assert q.shape == (c, m) and q.is_contiguous() and s.shape == (c, 1)
+        assert torch.equal(s, s_ref), (m, c, rows)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (m, c, rows)
 print("OK")
 """
 

@@ -29,7 +29,7 @@ see docs/kernels.md):
         vectorized pass: the cast path's gradient sum over micro-batches; no autograd)
     fp8_rows(x) -> (e4m3 x, fp32 scale per row)   x [M, K]: amax x (1 / 448) a row, then the cast, in one launch
         (serving's rowwise w8a8 linears quantize their inputs with it; no autograd)
-    fp8_cols(x) -> fp8_rows(x.T), written as [C, M] without writing x.T (one launch; no autograd)
+    fp8_cols(x) -> fp8_rows(x.T), written as [C, M] without writing x.T (amax, then cast; no autograd)
     fp8_cast(x, cols) -> fp8_rows(x), or fp8_cols(x) with cols: either as one opaque node under torch.compile
         (titan_mm.quant.rowwise's training linear casts its GEMMs' operands with it)
     swiglu_fp8_rows(gate_up) -> fp8_rows(swiglu(gate, up))   gate_up [M, 2F]: the product and its cast in one launch

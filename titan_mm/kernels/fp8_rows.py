@@ -8,7 +8,10 @@ torch.compile, so the one-kernel cast is this: one program per row, the whole ro
 ``swiglu_fp8_rows`` is the same cast of a SwiGLU's product, computed from the fused gate / up GEMM's output in the
 launch (the down projection's input: the bf16 product is neither written nor read back). ``fp8_cols`` casts the rows
 of x's transpose, written transposed (a rowwise float8 training linear's weight-gradient operands and its weight for
-the input gradient; titan_mm.quant.rowwise): a block of columns a program, read twice (amax, then the cast).
+the input gradient; titan_mm.quant.rowwise), reading x twice (amax, then the cast): by default split over blocks of
+``rows`` rows as well as columns (two launches, the column amaxes met by atomic max), since one program a block of
+32 columns gives an 8B layer's 4096 columns 128 programs, fewer than the H100's 132 SMs; ``rows=0`` keeps that one
+launch for comparison (tests/gpu/test_kernels_gpu.py times both).
 """
 
 from __future__ import annotations
@@ -82,12 +85,52 @@ def _fp8_cols(X, Y, S, M, C, sx, sy, FMAX: tl.constexpr, INV: tl.constexpr, SMIN
     tl.store(S + cols, scale, mask=cm)
 
 
-def fp8_cols(x: torch.Tensor, block_m: int = 64, block_c: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, C] (last dim contiguous) -> fp8_rows of x.T: (e4m3 [C, M], fp32 scales [C, 1]), without writing x.T."""
+@triton.jit
+def _col_amax(X, A, M, C, sx, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = cols < C
+    r0 = tl.program_id(1) * ROWS
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for m0 in range(0, ROWS, BLOCK_M):
+        rows = r0 + m0 + tl.arange(0, BLOCK_M)
+        x = tl.load(X + rows[:, None].to(tl.int64) * sx + cols[None, :], mask=(rows < M)[:, None] & cm[None, :],
+                    other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
+    tl.atomic_max(A + cols, amax, mask=cm)  # amaxes are >= 0: float max is the bits' max
+
+
+@triton.jit
+def _cols_cast(X, Y, A, S, M, C, sx, sy, FMAX: tl.constexpr, INV: tl.constexpr, SMIN: tl.constexpr,
+               ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = cols < C
+    scale = tl.maximum(tl.load(A + cols, mask=cm, other=0.0) * INV, SMIN)
+    r0 = tl.program_id(1) * ROWS
+    for m0 in range(0, ROWS, BLOCK_M):
+        rows = r0 + m0 + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & cm[None, :]
+        x = tl.load(X + rows[:, None].to(tl.int64) * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[None, :]), -FMAX), FMAX)
+        tl.store(Y + cols[None, :].to(tl.int64) * sy + rows[:, None], q.to(Y.dtype.element_ty), mask=mask)
+    if tl.program_id(1) == 0:
+        tl.store(S + cols, scale, mask=cm)
+
+
+def fp8_cols(x: torch.Tensor, block_m: int = 64, block_c: int = 32,
+             rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, C] (last dim contiguous) -> fp8_rows of x.T: (e4m3 [C, M], fp32 scales [C, 1]), without writing x.T.
+    ``rows`` (a multiple of ``block_m``): rows a program, or 0 for one program a block of columns."""
+    assert rows % block_m == 0, (rows, block_m)
     M, C = x.shape
     y = torch.empty(C, M, dtype=FP8, device=x.device)
     s = torch.empty(C, 1, dtype=torch.float32, device=x.device)
-    if M and C:
+    if M and C and rows:
+        a = torch.zeros(C, dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(C, block_c), triton.cdiv(M, rows))
+        _col_amax[grid](x, a, M, C, x.stride(0), ROWS=rows, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
+        _cols_cast[grid](x, y, a, s, M, C, x.stride(0), y.stride(0), FMAX=FP8_MAX, INV=INV_FP8_MAX, SMIN=MIN_SCALE,
+                         ROWS=rows, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
+    elif M and C:
         _fp8_cols[(triton.cdiv(C, block_c),)](x, y, s, M, C, x.stride(0), y.stride(0), FMAX=FP8_MAX, INV=INV_FP8_MAX,
                                               SMIN=MIN_SCALE, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
     return y, s
