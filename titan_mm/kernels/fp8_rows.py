@@ -8,10 +8,10 @@ torch.compile, so the one-kernel cast is this: one program per row, the whole ro
 ``swiglu_fp8_rows`` is the same cast of a SwiGLU's product, computed from the fused gate / up GEMM's output in the
 launch (the down projection's input: the bf16 product is neither written nor read back). ``fp8_cols`` casts the rows
 of x's transpose, written transposed (a rowwise float8 training linear's weight-gradient operands and its weight for
-the input gradient; titan_mm.quant.rowwise), reading x twice (amax, then the cast): by default split over blocks of
-``rows`` rows as well as columns (two launches, the column amaxes met by atomic max), since one program a block of
-32 columns gives an 8B layer's 4096 columns 128 programs, fewer than the H100's 132 SMs; ``rows=0`` keeps that one
-launch for comparison (tests/gpu/test_kernels_gpu.py times both).
+the input gradient; titan_mm.quant.rowwise), reading x twice in two launches (the columns' amax, met across blocks
+of ``rows`` rows by atomic max; then the cast): split over rows as well as columns by default, since one program a
+block of 32 columns gives an 8B layer's 4096 columns 128 programs, fewer than the H100's 132 SMs; ``rows=0`` (one
+block of all rows) is kept to time against (tests/gpu/test_kernels_gpu.py times both).
 """
 
 from __future__ import annotations
@@ -65,28 +65,7 @@ def swiglu_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _fp8_cols(X, Y, S, M, C, sx, sy, FMAX: tl.constexpr, INV: tl.constexpr, SMIN: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = cols < C
-    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for m0 in range(0, M, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        x = tl.load(X + rows[:, None].to(tl.int64) * sx + cols[None, :], mask=(rows < M)[:, None] & cm[None, :],
-                    other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
-    scale = tl.maximum(amax * INV, SMIN)
-    for m0 in range(0, M, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        mask = (rows < M)[:, None] & cm[None, :]
-        x = tl.load(X + rows[:, None].to(tl.int64) * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[None, :]), -FMAX), FMAX)
-        tl.store(Y + cols[None, :].to(tl.int64) * sy + rows[:, None], q.to(Y.dtype.element_ty), mask=mask)
-    tl.store(S + cols, scale, mask=cm)
-
-
-@triton.jit
-def _col_amax(X, A, M, C, sx, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+def _col_amax(X, A, M, C, sx, ROWS, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = cols < C
     r0 = tl.program_id(1) * ROWS
@@ -100,8 +79,8 @@ def _col_amax(X, A, M, C, sx, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C
 
 
 @triton.jit
-def _cols_cast(X, Y, A, S, M, C, sx, sy, FMAX: tl.constexpr, INV: tl.constexpr, SMIN: tl.constexpr,
-               ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+def _cols_cast(X, Y, A, S, M, C, sx, sy, ROWS, FMAX: tl.constexpr, INV: tl.constexpr, SMIN: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = cols < C
     scale = tl.maximum(tl.load(A + cols, mask=cm, other=0.0) * INV, SMIN)
@@ -119,18 +98,16 @@ def _cols_cast(X, Y, A, S, M, C, sx, sy, FMAX: tl.constexpr, INV: tl.constexpr, 
 def fp8_cols(x: torch.Tensor, block_m: int = 64, block_c: int = 32,
              rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, C] (last dim contiguous) -> fp8_rows of x.T: (e4m3 [C, M], fp32 scales [C, 1]), without writing x.T.
-    ``rows`` (a multiple of ``block_m``): rows a program, or 0 for one program a block of columns."""
-    assert rows % block_m == 0, (rows, block_m)
+    ``rows`` (a multiple of ``block_m``): rows a program, or 0 for all of them (one program a block of columns)."""
     M, C = x.shape
+    span = rows or triton.cdiv(max(M, 1), block_m) * block_m
+    assert span % block_m == 0, (rows, block_m)
     y = torch.empty(C, M, dtype=FP8, device=x.device)
     s = torch.empty(C, 1, dtype=torch.float32, device=x.device)
-    if M and C and rows:
+    if M and C:
         a = torch.zeros(C, dtype=torch.float32, device=x.device)
-        grid = (triton.cdiv(C, block_c), triton.cdiv(M, rows))
-        _col_amax[grid](x, a, M, C, x.stride(0), ROWS=rows, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
-        _cols_cast[grid](x, y, a, s, M, C, x.stride(0), y.stride(0), FMAX=FP8_MAX, INV=INV_FP8_MAX, SMIN=MIN_SCALE,
-                         ROWS=rows, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
-    elif M and C:
-        _fp8_cols[(triton.cdiv(C, block_c),)](x, y, s, M, C, x.stride(0), y.stride(0), FMAX=FP8_MAX, INV=INV_FP8_MAX,
-                                              SMIN=MIN_SCALE, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
+        grid = (triton.cdiv(C, block_c), triton.cdiv(M, span))
+        _col_amax[grid](x, a, M, C, x.stride(0), span, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
+        _cols_cast[grid](x, y, a, s, M, C, x.stride(0), y.stride(0), span, FMAX=FP8_MAX, INV=INV_FP8_MAX,
+                         SMIN=MIN_SCALE, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
     return y, s
