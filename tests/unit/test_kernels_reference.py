@@ -13,7 +13,6 @@ from titan_mm.tools.kernel_checks import failures, run_in_interpreter
 OPS = ["rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy", "bias_gelu"]
 
 
-
 @pytest.fixture(scope="module")
 def result():
     return run_in_interpreter(OPS)

@@ -325,7 +325,6 @@ def test_export_of_a_wan_run_is_a_diffusers_folder(tmp_path):
     torch.testing.assert_close(unpatchify(pred, (3, 4, 4), cfg.patch_size), want, atol=1e-5, rtol=1e-5)  # parity
 
 
-
 def test_a14b_expert_trains_its_side_of_the_boundary(tmp_path):
     """Wan2.2 A14B (a pipeline folder with transformer/ and transformer_2/, model_index.json's boundary_ratio):
     model.overrides' expert picks the transformer the run loads and the t range flow matching samples (the side

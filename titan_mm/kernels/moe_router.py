@@ -101,11 +101,10 @@ writes(_routing_fwd_kernel, "TW", "TI", "PART")
 
 @triton.jit
 def _routing_bwd_kernel(L, sl, V, TI, GW, GS, DX, N, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
-                        KP: tl.constexpr, NORM: tl.constexpr, HAS_V: tl.constexpr, HAS_GW: tl.constexpr,
-                        HAS_GS: tl.constexpr, BR: tl.constexpr):
+                        NORM: tl.constexpr, HAS_V: tl.constexpr, HAS_GW: tl.constexpr, HAS_GS: tl.constexpr,
+                        BR: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, EP)
-    slots = tl.arange(0, KP)
     p, x, mx, s, rm = _probs(L, sl, rows, N, E, EP)
     dp = tl.zeros([BR, EP], tl.float32)
     if HAS_GS:  # the prob sums' row of the statistics' gradient, times each row's weight
@@ -184,7 +183,7 @@ def routing_bwd(g_w: torch.Tensor | None, g_stats: torch.Tensor | None, logits: 
         kern[(triton.cdiv(N, br),)](
             logits, logits.stride(0), logits if valid is None else valid.contiguous(), top_i.contiguous(),
             logits if g_w is None else g_w.contiguous(), logits if g_stats is None else g_stats.contiguous(), dx, N,
-            E=E, EP=ep, K=K, KP=next_pow2(K), NORM=norm, HAS_V=valid is not None, HAS_GW=g_w is not None,
+            E=E, EP=ep, K=K, NORM=norm, HAS_V=valid is not None, HAS_GW=g_w is not None,
             HAS_GS=g_stats is not None, BR=br, num_warps=WARPS)
     return dx
 

@@ -125,7 +125,6 @@ class OmniThinker:
         h_BSD, adds = self.embed_out(h_ND.view(B, S, -1), adds)
         return Stream(h_BSD, None, tuple(adds))
 
-
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -119,8 +119,6 @@ class Qwen2_5_VLConfig(VLFields):
         """The Qwen3 decoder config the language model is built from (Qwen2's switches)."""
         return self.text.decoder()
 
-
-
     # --- HF config.json ---
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], **runtime) -> Qwen2_5_VLConfig:
@@ -172,7 +170,6 @@ class Qwen2_5_VLConfig(VLFields):
         kw.update(cls.hf_token_ids(d))
         kw.update(runtime)
         return cls(**kw)
-
 
     def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
         td = self.text.to_hf_dict(dtype=dtype)

@@ -257,7 +257,6 @@ class Qwen3_5Config(VLFields):
     def model_type(self) -> str:
         return "qwen3_5_moe" if self.is_moe else "qwen3_5"
 
-
     # --- HF config.json ---
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], **runtime) -> Qwen3_5Config:
@@ -302,7 +301,6 @@ class Qwen3_5Config(VLFields):
         kw.update(cls.hf_token_ids(d))
         kw.update(runtime)
         return cls(**kw)
-
 
     def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
         td = self.text.to_hf_dict()

@@ -186,8 +186,6 @@ class Qwen3VLConfig(VLFields):
     def model_type(self) -> str:
         return "qwen3_vl_moe" if self.is_moe else "qwen3_vl"
 
-
-
     # --- HF config.json ---
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], **runtime) -> "Qwen3VLConfig":
@@ -250,7 +248,6 @@ class Qwen3VLConfig(VLFields):
         kw.update(cls.hf_token_ids(d))
         kw.update(runtime)
         return cls(**kw)
-
 
     def to_hf_dict(self, dtype: str | None = None) -> dict[str, Any]:
         td = self.text.to_hf_dict(dtype=dtype)

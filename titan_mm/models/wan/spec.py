@@ -47,9 +47,6 @@ def prepare_batch(cfg: WanConfig, batch: dict, device, **_) -> dict:
     return clip_timesteps(batch)
 
 
-
-
-
 def objective_options(cfg: WanConfig) -> dict[str, dict]:
     """Flow matching over whole clips: every patch sees every patch of its clip; an A14B expert samples t on its side
     of the pipeline's boundary."""
